@@ -1,0 +1,130 @@
+"""SDAR-style block diffusion with an exact KV cache.
+
+Reproduces SDAR's block_diffusion_generate(): the canvas is the prompt followed by masks up to a
+whole number of blocks of block_length (blocks aligned to position 0). The prompt's complete blocks
+are prefilled into the cache. Each following block (the first may begin with the prompt's tail) is
+denoised for up to `steps` steps against the read-only cache; each step unmasks
+    static:  the top schedule[step] masked positions by confidence, or
+    dynamic (threshold set): every masked position with confidence > threshold if there are at least
+             schedule[step] of them, else the top schedule[step],
+with the count capped at the masks left. A block with no mask left is committed: one forward of the
+clean block against the cache, appending its KV. Generation stops after a block whose generated part
+holds a stop token, or when the canvas is full.
+
+Sampling: temperature 0 takes the argmax and its softmax probability (float32); temperature T > 0
+samples from softmax(logits / T) as the reference does. Ragged batches: every row has its own prompt
+length, blocks and cache length; rows move through their blocks in lockstep and a finished row
+stops changing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .cache import KVCache
+from .config import GenerationConfig
+from .decoding import GenerationResult, check_prompts, split_evenly, top_confident
+from .methods.base import Dense, Method, StepContext
+
+REMASKING = ("low_confidence", "low_confidence_static", "low_confidence_dynamic", "sequential")
+
+
+def sample(logits: torch.Tensor, temperature: float):
+    """(token ids, their probability) per position."""
+    if temperature == 0:
+        probs = logits.float().softmax(dim=-1)
+        tokens = probs.argmax(dim=-1)
+    else:
+        probs = (logits.float() / temperature).softmax(dim=-1)
+        tokens = torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
+    return tokens, probs.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def choose(confidence, masked, count, remasking: str, threshold: float | None) -> torch.Tensor:
+    """Which masked positions of the block to unmask this step. count [batch] is already capped."""
+    if remasking == "sequential":
+        order = masked.long().cumsum(dim=-1)
+        return masked & (order <= count[:, None])
+    transfer = top_confident(confidence, count)
+    if threshold is not None and remasking != "low_confidence_static":
+        confident = confidence > threshold
+        enough = confident.sum(dim=-1) >= count
+        transfer = torch.where(enough[:, None], confident, transfer)
+    return transfer
+
+
+@torch.no_grad()
+def generate(model, prompts, gen: GenerationConfig, method: Method | None = None,
+             mask_id: int | None = None, stop_ids=None) -> GenerationResult:
+    cfg = model.cfg
+    method = method or Dense()
+    mask_id = cfg.mask_token_id if mask_id is None else mask_id
+    stop_ids = cfg.eos_token_ids if stop_ids is None else tuple(stop_ids)
+    if cfg.attention != "block_causal":
+        raise ValueError(f"the block engine needs a block-causal model; {cfg.model_type} is {cfg.attention}")
+    if gen.remasking not in REMASKING:
+        raise ValueError(f"remasking must be one of {', '.join(REMASKING)}, got {gen.remasking!r}")
+    if gen.remasking == "low_confidence_dynamic" and gen.threshold is None:
+        raise ValueError("remasking 'low_confidence_dynamic' needs a threshold")
+    size = gen.block_length
+    prompts = check_prompts(prompts, cfg.vocab_size, cfg.context_length, gen.gen_length + size)
+    device = model.embed_tokens.weight.device
+    batch = len(prompts)
+
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    ends = torch.tensor([math.ceil((len(p) + gen.gen_length) / size) * size for p in prompts], device=device)
+    capacity = int(ends.max())
+    x = torch.full((batch, capacity), mask_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        x[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    cache = KVCache.for_model(cfg, batch, capacity, device, model.embed_tokens.weight.dtype)
+    offsets = torch.arange(size, device=device)
+
+    starts = lengths // size * size  # first token of each row's active block
+    if int(starts.max()) > 0:
+        width = int(starts.max())
+        positions = torch.arange(width, device=device)[None, :].expand(batch, -1)
+        ctx = StepContext(x[:, :width], positions, positions < starts[:, None], lengths, cache=cache,
+                          counts=starts.clone(), block_length=size, mask_id=mask_id)
+        method.prefill(model, ctx)
+
+    schedule = split_evenly(torch.tensor([size], device=device), gen.steps)[0]
+    active = starts < ends
+    decoded_until = lengths.clone()  # end of each row's last committed block
+    forwards = max_steps = block = 0
+    while active.any():
+        columns = starts[:, None] + offsets  # [batch, size]
+        rows = torch.arange(batch, device=device)[:, None]
+        current = x[rows, columns.clamp(max=capacity - 1)]
+        ctx = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
+                          steps_per_block=gen.steps, mask_id=mask_id, cache=cache, block_length=size)
+        method.begin_block(ctx)
+        for step in range(gen.steps + 1):
+            masked = (current == mask_id) & active[:, None]
+            if not masked.any():
+                break
+            ctx.tokens, ctx.step = current, step
+            logits = method.step(model, ctx)
+            forwards += 1
+            x0, x0_prob = sample(logits, gen.temperature)
+            confidence = torch.where(masked, x0_prob, float("-inf"))
+            count = torch.minimum(schedule[min(step, gen.steps - 1)].expand(batch), masked.sum(dim=-1))
+            transfer = choose(confidence, masked, count, gen.remasking, gen.threshold) & masked
+            current = torch.where(transfer, x0, current)
+            max_steps = max(max_steps, step + 1)
+        x[rows[active], columns[active]] = current[active]
+        ctx.tokens, ctx.counts = current, torch.where(active, size, 0)
+        method.commit(model, ctx)
+        forwards += 1
+        decoded_until = torch.where(active, starts + size, decoded_until)
+        for row in torch.nonzero(active).flatten().tolist():
+            generated = x[row, int(lengths[row]) : int(starts[row]) + size]
+            if any(int(t) in stop_ids for t in generated.tolist()):
+                active[row] = False
+        starts = torch.where(active, starts + size, starts)
+        active &= starts < ends
+        block += 1
+    tokens = [x[row, int(lengths[row]) : int(decoded_until[row])].tolist() for row in range(batch)]
+    return GenerationResult(tokens, forwards, max_steps)

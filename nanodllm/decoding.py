@@ -1,0 +1,69 @@
+"""Pieces both engines share: prompt checks, the result type, transfer schedules and selection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per row (prompt excluded)
+    forwards: int  # model forwards the engine asked for (cfg counts once)
+    steps: int  # denoising steps taken (max over rows)
+
+
+def check_prompts(prompts, vocab_size: int, context_length: int, extra: int) -> list[list[int]]:
+    """Validate a batch of token-id prompts before anything runs; returns plain int lists.
+
+    `extra` is how many positions the engine adds after the longest prompt."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if all(isinstance(t, int) for t in prompts):
+        prompts = [prompts]
+    rows = []
+    for row, prompt in enumerate(prompts):
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError(f"prompt {row} is empty")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {row} has token ids outside [0, {vocab_size}): {bad[:5]}")
+        if len(prompt) + extra > context_length:
+            raise ValueError(
+                f"prompt {row} has {len(prompt)} tokens; with {extra} more the sequence exceeds the "
+                f"model's context of {context_length} (pass a larger context to stretch RoPE)"
+            )
+        rows.append(prompt)
+    return rows
+
+
+def split_evenly(total: torch.Tensor, steps: int) -> torch.Tensor:
+    """How many tokens to unmask at each step: total // steps each, +1 for the first total % steps.
+
+    total [batch] -> [batch, steps] (LLaDA's get_num_transfer_tokens; SDAR's with batch of one)."""
+    base = total[:, None] // steps
+    remainder = total[:, None] % steps
+    return base + (torch.arange(steps, device=total.device)[None, :] < remainder).long()
+
+
+def top_confident(confidence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Bool [batch, n]: per row the counts[row] positions of highest confidence."""
+    transfer = torch.zeros_like(confidence, dtype=torch.bool)
+    for row in range(confidence.shape[0]):
+        k = int(counts[row])
+        if k > 0:
+            transfer[row, torch.topk(confidence[row], k).indices] = True
+    return transfer
+
+
+def threshold_transfer(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Fast-dLLM parallel decoding: every position with confidence >= threshold, and always the most
+    confident one. Rows whose confidence is all -inf (nothing masked) transfer nothing."""
+    transfer = confidence >= threshold
+    best = confidence.argmax(dim=-1, keepdim=True)
+    has_candidate = torch.isfinite(confidence).any(dim=-1, keepdim=True)
+    return transfer.scatter(-1, best, has_candidate) | transfer & has_candidate

@@ -1,0 +1,118 @@
+"""LLaDA-style masked diffusion: the whole canvas every step, semi-autoregressive blocks.
+
+Reproduces LLaDA's generate(): canvas = prompt ++ [mask] * gen_length; for each block of
+block_length tokens, steps // num_blocks steps, each unmasking a scheduled number of the block's
+masked positions, chosen by confidence (low_confidence: softmax probability of the predicted token;
+random: uniform draws). Temperature adds Gumbel noise in float64; cfg_scale > 0 runs the canvas a
+second time with the prompt masked and mixes the logits. With `threshold` set this is Fast-dLLM's
+parallel decoding instead: each step unmasks every masked position of the block whose confidence
+reaches the threshold (at least the best one), until the block is done.
+
+Ragged batches: prompts are left-padded so every row's generated region is the same columns; pads
+are hidden keys and each row's positions start at 0 at its first prompt token.
+
+Only the active block's logits are ever needed (every other position is either already decoded or
+excluded by the reference's -inf), so the method is asked for exactly those. At temperature 0 tokens
+equal the reference's; with temperature > 0 the Gumbel noise is drawn for the block only, which has
+the reference's distribution but not its random stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import block_causal_mask, key_padding_mask
+from .config import GenerationConfig
+from .decoding import GenerationResult, check_prompts, split_evenly, threshold_transfer, top_confident
+from .methods.base import Dense, Method, StepContext
+
+
+def gumbel_max_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """exp(logits) / (-log u)^T in float64, whose argmax samples softmax(logits / T); T=0: logits."""
+    if temperature == 0:
+        return logits
+    logits = logits.to(torch.float64)
+    noise = torch.rand_like(logits)
+    return logits.exp() / (-torch.log(noise)) ** temperature
+
+
+@torch.no_grad()
+def generate(model, prompts, gen: GenerationConfig, method: Method | None = None,
+             mask_id: int | None = None, pad_id: int | None = None) -> GenerationResult:
+    cfg = model.cfg
+    method = method or Dense()
+    mask_id = cfg.mask_token_id if mask_id is None else mask_id
+    pad_id = cfg.eos_token_ids[0] if pad_id is None else pad_id
+    if gen.gen_length % gen.block_length:
+        raise ValueError(f"gen_length={gen.gen_length} is not a multiple of block_length={gen.block_length}")
+    num_blocks = gen.gen_length // gen.block_length
+    if gen.steps % num_blocks:
+        raise ValueError(f"steps={gen.steps} is not a multiple of the number of blocks ({num_blocks})")
+    if gen.remasking not in ("low_confidence", "random"):
+        raise ValueError(f"remasking must be 'low_confidence' or 'random', got {gen.remasking!r}")
+    prompts = check_prompts(prompts, cfg.vocab_size, cfg.context_length, gen.gen_length)
+    steps_per_block = gen.steps // num_blocks
+    device = model.embed_tokens.weight.device
+
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    prompt_width = int(lengths.max())
+    width = prompt_width + gen.gen_length
+    columns = torch.arange(width, device=device)[None, :]
+    pads = (prompt_width - lengths)[:, None]
+    x = torch.full((len(prompts), width), mask_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        x[row, : prompt_width - len(prompt)] = pad_id
+        x[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt, device=device)
+    valid = columns >= pads
+    positions = (columns - pads).clamp(min=0)
+    in_prompt = valid & (columns < prompt_width)
+    attn_mask = key_padding_mask(valid, valid)
+    if cfg.attention == "block_causal":
+        attn_mask = attn_mask & block_causal_mask(positions, positions, cfg.block_size)
+
+    forwards = total_steps = 0
+    for block in range(num_blocks):
+        start = prompt_width + block * gen.block_length
+        stop = start + gen.block_length
+        schedule = split_evenly((x[:, start:stop] == mask_id).sum(dim=1), steps_per_block)
+        method.begin_block(StepContext(x, positions, valid, lengths, block=block, mask_id=mask_id))
+        step = 0
+        while True:
+            block_masked = x[:, start:stop] == mask_id
+            if gen.threshold is None and step == steps_per_block:
+                break
+            if gen.threshold is not None and not block_masked.any():
+                break
+            ctx = StepContext(x, positions, valid, lengths, block, step, steps_per_block, mask_id,
+                              attn_mask, start, stop, block_length=gen.block_length)
+            logits = _logits(model, method, ctx, gen.cfg_scale, in_prompt)
+            forwards += 1
+            x0 = gumbel_max_scores(logits, gen.temperature).argmax(dim=-1)
+            if gen.remasking == "low_confidence":
+                probs = logits.to(torch.float64).softmax(dim=-1)
+                x0_conf = probs.gather(-1, x0[..., None]).squeeze(-1)
+            else:
+                x0_conf = torch.rand((x.shape[0], width), device=device)[:, start:stop]
+            confidence = torch.where(block_masked, x0_conf, float("-inf"))
+            if gen.threshold is None:
+                transfer = top_confident(confidence, schedule[:, step])
+            else:
+                transfer = threshold_transfer(confidence, gen.threshold)
+            x[:, start:stop] = torch.where(transfer, x0, x[:, start:stop])
+            step += 1
+        total_steps += step
+    tokens = [x[row, prompt_width:].tolist() for row in range(len(prompts))]
+    return GenerationResult(tokens, forwards, total_steps)
+
+
+def _logits(model, method: Method, ctx: StepContext, cfg_scale: float, in_prompt) -> torch.Tensor:
+    """The method's logits for the block; with classifier-free guidance, mixed with the logits of the
+    canvas whose prompt is masked: un + (scale + 1) * (cond - un)."""
+    if cfg_scale <= 0:
+        return method.step(model, ctx)
+    unconditional = torch.where(in_prompt, ctx.mask_id, ctx.tokens)
+    both = StepContext(**{**vars(ctx), "tokens": torch.cat([ctx.tokens, unconditional])})
+    for name in ("positions", "valid", "prompt_lengths", "attn_mask"):
+        setattr(both, name, torch.cat([getattr(ctx, name)] * 2))
+    cond, uncond = method.step(model, both).chunk(2)
+    return uncond + (cfg_scale + 1) * (cond - uncond)

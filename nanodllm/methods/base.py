@@ -1,0 +1,117 @@
+"""Method: the exact (dense) computation of both engines, and the hooks a sparse method overrides.
+
+Engines own the schedule and the remasking rule; a Method owns what is computed per step. Both
+engines call only these hooks for model work:
+
+    prefill(model, ctx)          block engine: KV cache of the prompt's complete blocks
+    begin_block(ctx)             a new block starts: reset per-block state
+    step(model, ctx) -> logits   logits of the positions being decoded (ctx.logits_start..stop)
+    attend(layer, q, k, v, ctx)  the attention the default step uses
+    commit(model, ctx)           block engine: forward the finished block, append its KV to the cache
+
+Methods that change WHICH KEYS are read (MAGE, Quest, SparseD) override `attend` and `begin_block`;
+methods that change WHICH ROWS are computed (caches, MaskKV, DyLLM) override `step` and build it from
+the model's per-layer primitives. Everything a hook needs is in `ctx`; there is no global state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import attention, block_causal_mask, key_padding_mask
+from ..cache import KVCache
+
+
+@dataclass
+class StepContext:
+    """What the engine knows at one step. Built fresh per step; methods may read all of it.
+
+    tokens, positions: [batch, t] what is fed this step: the whole canvas (masked engine) or the
+        active block (block engine).
+    valid: [batch, t] False at padding positions of a ragged batch.
+    attn_mask: [batch, 1, t, t] masked engine: the mask among the fed tokens (None = all visible).
+    logits_start, logits_stop: the span of tokens whose logits the engine reads.
+    cache: block engine only, the exact KV cache of everything before the active block.
+    counts: [batch] block engine prefill/commit: how many tokens of each row to append to the cache.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    prompt_lengths: torch.Tensor
+    block: int = 0
+    step: int = 0
+    steps_per_block: int = 1
+    mask_id: int = 0
+    attn_mask: torch.Tensor | None = None
+    logits_start: int = 0
+    logits_stop: int | None = None
+    cache: KVCache | None = None
+    counts: torch.Tensor | None = None
+    block_length: int = 0
+    extras: dict = field(default_factory=dict)
+
+
+class Method:
+    """Dense: exactly the reference computation. Subclass and override hooks for a sparse method."""
+
+    name = "dense"
+
+    def prefill(self, model, ctx: StepContext):
+        """Forward the prompt's complete blocks (ctx.tokens, right-padded, ctx.counts valid per row)
+        under the block-causal mask and append their KV to ctx.cache."""
+        q_mask = block_causal_mask(ctx.positions, ctx.positions, ctx.block_length)
+        mask = q_mask & key_padding_mask(ctx.valid, ctx.valid)
+
+        def attend_and_store(layer, q, k, v):
+            ctx.cache.write(layer, k, v, ctx.counts)
+            return attention(q, k, v, mask)
+
+        model.hidden(ctx.tokens, ctx.positions, attend_and_store)
+        ctx.cache.advance(ctx.counts)
+
+    def begin_block(self, ctx: StepContext):
+        pass
+
+    def step(self, model, ctx: StepContext) -> torch.Tensor:
+        attend = lambda layer, q, k, v: self.attend(layer, q, k, v, ctx)
+        return model(ctx.tokens, ctx.positions, attend, ctx.logits_start, ctx.logits_stop)
+
+    def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        if ctx.cache is None:
+            return attention(q, k, v, ctx.attn_mask)
+        return attend_with_cache(layer, q, k, v, ctx.cache)
+
+    def commit(self, model, ctx: StepContext):
+        """Forward the clean block against the cache, storing its KV (rows with ctx.counts > 0)."""
+
+        def attend_and_store(layer, q, k, v):
+            out = self.attend_commit(layer, q, k, v, ctx)
+            ctx.cache.write(layer, k, v, ctx.counts)
+            return out
+
+        model.hidden(ctx.tokens, ctx.positions, attend_and_store)
+        ctx.cache.advance(ctx.counts)
+
+    def attend_commit(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        """Attention of the commit forward; exact by default, as the reference does."""
+        return attend_with_cache(layer, q, k, v, ctx.cache)
+
+
+def attend_with_cache(layer: int, q, k, v, cache: KVCache) -> torch.Tensor:
+    """The active block's queries against each row's cached keys plus the whole block (no mask
+    inside the block, padding of shorter rows hidden)."""
+    cached_k, cached_v, cached_valid = cache.view(layer)
+    keys = torch.cat([cached_k, k], dim=2)
+    values = torch.cat([cached_v, v], dim=2)
+    block_valid = torch.ones(q.shape[0], k.shape[2], dtype=torch.bool, device=q.device)
+    mask = key_padding_mask(torch.cat([cached_valid, block_valid], dim=1))
+    return attention(q, keys, values, mask)
+
+
+class Dense(Method):
+    """The exact reference computation; every hook is the base one."""
+
+    name = "dense"
