@@ -39,14 +39,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def attention_reference(q, k, v, mask=None):
-    """Plain torch, fp32 scores and softmax, cast back to q's dtype."""
+    """Plain torch, scores and softmax in fp32 (float64 for float64 inputs), cast back to q's dtype."""
     batch, num_heads, q_len, head_dim = q.shape
     group = num_heads // k.shape[1]
-    qg = q.float().reshape(batch, k.shape[1], group * q_len, head_dim)
-    scores = (qg @ k.float().transpose(-1, -2)) * head_dim**-0.5  # [batch, kv_heads, group*q_len, k_len]
+    compute, out_dtype = torch.promote_types(q.dtype, torch.float32), q.dtype
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    qg = q.reshape(batch, k.shape[1], group * q_len, head_dim)
+    scores = (qg @ k.transpose(-1, -2)) * head_dim**-0.5  # [batch, kv_heads, group*q_len, k_len]
     scores = scores.view(batch, k.shape[1], group, q_len, -1)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     probs = scores.softmax(dim=-1).view(batch, k.shape[1], group * q_len, -1)
-    out = probs @ v.float()
-    return out.view(batch, num_heads, q_len, head_dim).to(q.dtype)
+    out = probs @ v
+    return out.view(batch, num_heads, q_len, head_dim).to(out_dtype)

@@ -12,7 +12,7 @@ clean block against the cache, appending its KV. Generation stops after a block 
 holds a stop token, or when the canvas is full.
 
 Sampling: temperature 0 takes the argmax and its softmax probability (float32); temperature T > 0
-samples from softmax(logits / T) as the reference does. Ragged batches: every row has its own prompt
+samples from softmax(logits / T) as the reference does. [MASK] itself is never the sampled token. Ragged batches: every row has its own prompt
 length, blocks and cache length; rows move through their blocks in lockstep and a finished row
 stops changing.
 """
@@ -25,20 +25,23 @@ import torch
 
 from .cache import KVCache
 from .config import GenerationConfig
-from .decoding import GenerationResult, check_prompts, split_evenly, top_confident
+from .decoding import GenerationResult, check_prompts, split_evenly, top_confident, without_token
 from .methods.base import Dense, Method, StepContext
+from .model import fp32_or_wider
 
 REMASKING = ("low_confidence", "low_confidence_static", "low_confidence_dynamic", "sequential")
 
 
-def sample(logits: torch.Tensor, temperature: float):
-    """(token ids, their probability) per position."""
+def sample(logits: torch.Tensor, temperature: float, mask_id: int):
+    """(token ids, their probability) per position; [MASK] is never the sampled token."""
+    logits = fp32_or_wider(logits)
     if temperature == 0:
-        probs = logits.float().softmax(dim=-1)
-        tokens = probs.argmax(dim=-1)
+        probs = logits.softmax(dim=-1)
+        tokens = without_token(probs, mask_id, 0.0).argmax(dim=-1)
     else:
-        probs = (logits.float() / temperature).softmax(dim=-1)
-        tokens = torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
+        probs = (logits / temperature).softmax(dim=-1)
+        allowed = without_token(probs, mask_id, 0.0)
+        tokens = torch.multinomial(allowed.view(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
     return tokens, probs.gather(-1, tokens[..., None]).squeeze(-1)
 
 
@@ -108,7 +111,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             ctx.tokens, ctx.step = current, step
             logits = method.step(model, ctx)
             forwards += 1
-            x0, x0_prob = sample(logits, gen.temperature)
+            x0, x0_prob = sample(logits, gen.temperature, mask_id)
             confidence = torch.where(masked, x0_prob, float("-inf"))
             count = torch.minimum(schedule[min(step, gen.steps - 1)].expand(batch), masked.sum(dim=-1))
             transfer = choose(confidence, masked, count, gen.remasking, gen.threshold) & masked
@@ -127,4 +130,4 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         active &= starts < ends
         block += 1
     tokens = [x[row, int(lengths[row]) : int(decoded_until[row])].tolist() for row in range(batch)]
-    return GenerationResult(tokens, forwards, max_steps)
+    return GenerationResult(tokens, forwards, max_steps, cache)

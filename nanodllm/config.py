@@ -117,9 +117,11 @@ def _stop_ids(raw: dict, default: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _from_olmo_fields(raw: dict, source: str) -> ModelConfig:
-    for flag in ("include_bias", "attention_layer_norm"):
+    for flag in ("include_bias", "include_qkv_bias", "attention_layer_norm", "alibi"):
         if raw.get(flag):
             raise ValueError(f"{source}: {flag}=true is not supported (released LLaDA checkpoints set it false)")
+    if raw.get("rope") is False:
+        raise ValueError(f"{source}: rope=false is not supported (released LLaDA checkpoints use RoPE)")
     if raw.get("block_type", "llama") != "llama":
         raise ValueError(f"{source}: block_type {raw['block_type']!r} is not supported; only 'llama'")
     d_model = _require(raw, "d_model", source)
@@ -168,8 +170,8 @@ def _from_qwen3_fields(raw: dict, source: str) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 32768),
         attention="block_causal",
-        block_size=raw.get("block_size") or 4,
-        mask_token_id=raw.get("mask_token_id") or 151669,
+        block_size=4 if raw.get("block_size") is None else raw["block_size"],
+        mask_token_id=151669 if raw.get("mask_token_id") is None else raw["mask_token_id"],
         eos_token_ids=_stop_ids(raw, default=(151645, 151643)),
         qk_norm=True,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

@@ -12,6 +12,7 @@ class GenerationResult:
     tokens: list[list[int]]  # generated ids per row (prompt excluded)
     forwards: int  # model forwards the engine asked for (cfg counts once)
     steps: int  # denoising steps taken (max over rows)
+    cache: object = None  # block engine: the final KV cache (for inspection and tests)
 
 
 def check_prompts(prompts, vocab_size: int, context_length: int, extra: int) -> list[list[int]]:
@@ -67,3 +68,9 @@ def threshold_transfer(confidence: torch.Tensor, threshold: float) -> torch.Tens
     best = confidence.argmax(dim=-1, keepdim=True)
     has_candidate = torch.isfinite(confidence).any(dim=-1, keepdim=True)
     return transfer.scatter(-1, best, has_candidate) | transfer & has_candidate
+
+
+def without_token(scores: torch.Tensor, token_id: int, fill: float = float("-inf")) -> torch.Tensor:
+    """A copy of scores [..., vocab] where `token_id` can never win (used to keep [MASK] from being
+    predicted; the references would leave such a position masked, real models never do it)."""
+    return scores.index_fill(-1, torch.tensor([token_id], device=scores.device), fill)

@@ -23,37 +23,55 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelConfig
 from .model import Model, build_empty
 
-# (checkpoint-name regex, internal name template), tried in order; full match required.
+# (checkpoint name, internal name) patterns, tried in order; {i} is a layer index, {name} any rest.
 RENAMES = {
     "llada": [
-        (r"model\.transformer\.wte\.weight", r"embed_tokens.weight"),
-        (r"model\.transformer\.blocks\.(\d+)\.attn_norm\.weight", r"layers.\1.input_layernorm.weight"),
-        (r"model\.transformer\.blocks\.(\d+)\.([qkv])_proj\.weight", r"layers.\1.self_attn.\2_proj.weight"),
-        (r"model\.transformer\.blocks\.(\d+)\.attn_out\.weight", r"layers.\1.self_attn.o_proj.weight"),
-        (r"model\.transformer\.blocks\.(\d+)\.ff_norm\.weight", r"layers.\1.post_attention_layernorm.weight"),
-        (r"model\.transformer\.blocks\.(\d+)\.ff_proj\.weight", r"layers.\1.mlp.gate_proj.weight"),
-        (r"model\.transformer\.blocks\.(\d+)\.up_proj\.weight", r"layers.\1.mlp.up_proj.weight"),
-        (r"model\.transformer\.blocks\.(\d+)\.ff_out\.weight", r"layers.\1.mlp.down_proj.weight"),
-        (r"model\.transformer\.ln_f\.weight", r"norm.weight"),
-        (r"model\.transformer\.ff_out\.weight", r"lm_head.weight"),
+        ("model.transformer.wte.weight", "embed_tokens.weight"),
+        ("model.transformer.blocks.{i}.attn_norm.weight", "layers.{i}.input_layernorm.weight"),
+        ("model.transformer.blocks.{i}.q_proj.weight", "layers.{i}.self_attn.q_proj.weight"),
+        ("model.transformer.blocks.{i}.k_proj.weight", "layers.{i}.self_attn.k_proj.weight"),
+        ("model.transformer.blocks.{i}.v_proj.weight", "layers.{i}.self_attn.v_proj.weight"),
+        ("model.transformer.blocks.{i}.attn_out.weight", "layers.{i}.self_attn.o_proj.weight"),
+        ("model.transformer.blocks.{i}.ff_norm.weight", "layers.{i}.post_attention_layernorm.weight"),
+        ("model.transformer.blocks.{i}.ff_proj.weight", "layers.{i}.mlp.gate_proj.weight"),
+        ("model.transformer.blocks.{i}.up_proj.weight", "layers.{i}.mlp.up_proj.weight"),
+        ("model.transformer.blocks.{i}.ff_out.weight", "layers.{i}.mlp.down_proj.weight"),
+        ("model.transformer.ln_f.weight", "norm.weight"),
+        ("model.transformer.ff_out.weight", "lm_head.weight"),
     ],
     "sdar": [
-        (r"lm_head\.weight", r"lm_head.weight"),
-        (r"model\.(.+)", r"\1"),
+        ("lm_head.weight", "lm_head.weight"),
+        ("model.{name}", "{name}"),
     ],
 }
 
 
-class CheckpointError(ValueError):
-    """The checkpoint's files do not match what its config.json describes."""
+def _rename(name: str, source: str, target: str) -> str | None:
+    pattern = re.escape(source).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{name\}", r"(?P<name>.+)")
+    match = re.fullmatch(pattern, name)
+    return target.format(**match.groupdict()) if match else None
 
 
 def internal_name(model_type: str, checkpoint_name: str) -> str | None:
-    for pattern, template in RENAMES[model_type]:
-        match = re.fullmatch(pattern, checkpoint_name)
-        if match:
-            return match.expand(template)
+    """The model parameter a checkpoint tensor loads into (None if the family has no such tensor)."""
+    for source, target in RENAMES[model_type]:
+        renamed = _rename(checkpoint_name, source, target)
+        if renamed is not None:
+            return renamed
     return None
+
+
+def checkpoint_name(model_type: str, parameter: str) -> str:
+    """The tensor name a model parameter is stored under in the family's checkpoints."""
+    for source, target in RENAMES[model_type]:
+        renamed = _rename(parameter, target, source)
+        if renamed is not None:
+            return renamed
+    return parameter
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files do not match what its config.json describes."""
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -111,7 +129,7 @@ def plan(model: Model, files: dict[str, Path]) -> dict[str, str]:
             duplicated.append(f"{mapping[target]} and {name} both load {target}")
         else:
             mapping[target] = name
-    missing = sorted(set(params) - set(mapping))
+    missing = sorted(checkpoint_name(cfg.model_type, n) for n in set(params) - set(mapping))
     misshapen = [
         f"{mapping[n]} has shape {list(shapes[mapping[n]])}, expected {list(params[n].shape)}"
         for n in sorted(mapping)
@@ -136,8 +154,11 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = N
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = checkpoint_files(path)
-    if cfg.model_type == "sdar" and "lm_head.weight" not in files and not cfg.tie_word_embeddings:
-        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # no head: tie it to the embedding
+    has_head = any(internal_name(cfg.model_type, name) == "lm_head.weight" for name in files)
+    if has_head and cfg.tie_word_embeddings:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head is used as stored
+    if not has_head and cfg.model_type == "sdar":
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # Qwen3 rule: no head -> the embedding
     if context:
         cfg = cfg.with_context(context)
     model = build_empty(cfg, device, dtype)

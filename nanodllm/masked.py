@@ -7,6 +7,7 @@ random: uniform draws). Temperature adds Gumbel noise in float64; cfg_scale > 0 
 second time with the prompt masked and mixes the logits. With `threshold` set this is Fast-dLLM's
 parallel decoding instead: each step unmasks every masked position of the block whose confidence
 reaches the threshold (at least the best one), until the block is done.
+One guard the reference lacks: [MASK] itself is never the predicted token (confidences are unchanged).
 
 Ragged batches: prompts are left-padded so every row's generated region is the same columns; pads
 are hidden keys and each row's positions start at 0 at its first prompt token.
@@ -23,7 +24,8 @@ import torch
 
 from .attention import block_causal_mask, key_padding_mask
 from .config import GenerationConfig
-from .decoding import GenerationResult, check_prompts, split_evenly, threshold_transfer, top_confident
+from .decoding import (GenerationResult, check_prompts, split_evenly, threshold_transfer, top_confident,
+                       without_token)
 from .methods.base import Dense, Method, StepContext
 
 
@@ -87,7 +89,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                               attn_mask, start, stop, block_length=gen.block_length)
             logits = _logits(model, method, ctx, gen.cfg_scale, in_prompt)
             forwards += 1
-            x0 = gumbel_max_scores(logits, gen.temperature).argmax(dim=-1)
+            x0 = without_token(gumbel_max_scores(logits, gen.temperature), mask_id).argmax(dim=-1)
             if gen.remasking == "low_confidence":
                 probs = logits.to(torch.float64).softmax(dim=-1)
                 x0_conf = probs.gather(-1, x0[..., None]).squeeze(-1)

@@ -26,6 +26,11 @@ from .config import ModelConfig
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def fp32_or_wider(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 if it already is (tests run whole models in float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -33,7 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = fp32_or_wider(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -44,12 +49,12 @@ class Rope:
     def __init__(self, positions: torch.Tensor, head_dim: int, base: float):
         exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
         inv_freq = 1.0 / (base**exponent)
-        freqs = positions.float()[..., None] * inv_freq  # [batch, t, d/2]
+        freqs = positions.float()[..., None] * inv_freq  # [batch, t, d/2], fp32 as the references
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [batch, 1, t, d]
         self.cos, self.sin = angles.cos(), angles.sin()
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = fp32_or_wider(x)
         half = x32.shape[-1] // 2
         rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
         return (x32 * self.cos + rotated * self.sin).to(x.dtype)

@@ -143,7 +143,7 @@ def _check_messages(messages):
 
 
 def _llada_chat_text(messages, add_generation_prompt):
-    turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m[chr(99)+"ontent"]}<|eot_id|>" for m in messages]
+    turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in messages]
     prompt = "<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else ""
     return "<|startoftext|>" + "".join(turns) + prompt
 

@@ -11,6 +11,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 settings.register_profile("dev", max_examples=10, deadline=None)
 settings.register_profile("ci", max_examples=30, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))

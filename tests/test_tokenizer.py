@@ -152,6 +152,8 @@ conversations = st.lists(st.fixed_dictionaries({"role": st.sampled_from(CHAT_ROL
 @example(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
                    {"role": "user", "content": "<tool_response>42</tool_response>"},
                    {"role": "assistant", "content": "<think>\nr\n</think>\n\nb"}])
+@example(messages=[{"role": "system", "content": " s "}, {"role": "user", "content": " q\n"},
+                   {"role": "assistant", "content": "\n\na "}])
 def test_chat_text_equals_published_template(tokenizers_by_family, family, add_generation_prompt, messages):
     tok = tokenizers_by_family[family]
     expected = render_published_template(family, messages, add_generation_prompt)
@@ -193,7 +195,7 @@ def test_special_token_strings_encode_to_single_ids(tokenizers_by_family, family
 @given(text=st.text())
 def test_decode_inverts_encode(tokenizers_by_family, text):
     tok = tokenizers_by_family["sdar"]
-    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
 
 
 def test_decode_skips_special_tokens_by_default(tokenizers_by_family):

@@ -1,0 +1,440 @@
+"""Write the tiny parity fixtures under tests/fixtures/ (llada_tiny/, sdar_tiny/).
+
+Each fixture is a small random checkpoint in the EXACT on-disk format of the real family
+(the names nanodllm/loader.py maps) plus `golden.safetensors` holding fixed input ids and
+the float32 logits that Hugging Face transformers (an independent implementation) computes for them:
+
+- llada_tiny: OLMo/LLaDA config.json field names, LLaDA tensor names (model.transformer.*), weights in
+  bfloat16 (as released) SHARDED into model-0000{1,2}-of-00002.safetensors with a
+  model.safetensors.index.json (metadata.total_size + weight_map) written the way HF writes it; one
+  transformer block is split across the two shards. Golden: LlamaForCausalLM with a FULLY
+  BIDIRECTIONAL attention mask.
+- sdar_tiny: Qwen3/SDAR config.json field names, plain Qwen3 tensor names (incl. q_norm/k_norm),
+  GQA (4 query heads, 2 KV heads), bfloat16 weights in a single model.safetensors. Golden:
+  Qwen3ForCausalLM with the BLOCK-CAUSAL mask (query q sees key k iff k // 4 <= q // 4).
+
+The golden models run in float32 with attn_implementation="eager" on the bf16 weights upcast to
+float32; positions are 0..T-1 and T = 13 is not a multiple of the block size. Custom masks are
+passed as 4D additive float masks [batch, 1, T, T] (transformers 5's masking_utils returns a 4D mask
+as is, and eager attention adds it to the scores). The script checks that each mask took effect
+before writing anything. Norm weights are random (not ones) so a mis-mapped norm shows.
+
+Needs `transformers` (5.x) in addition to torch and safetensors; CI does not need it, the fixtures
+are committed. Deterministic (seeded) and rerunnable:
+
+    pip install transformers && python scripts/make_fixtures.py
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+
+BATCH, LENGTH = 2, 13
+BLOCK = 4
+VOCAB = 256
+STORAGE_DTYPE = torch.bfloat16  # released LLaDA/SDAR checkpoints are bf16
+MAX_FIXTURE_BYTES = 300 * 1024
+
+# ----------------------------------------------------------------------------------------------
+# configs (real field names and the usual extra fields of the released config.json files)
+
+LLADA_CONFIG = {
+    "activation_type": "silu",
+    "alibi": False,
+    "alibi_bias_max": 8.0,
+    "architectures": ["LLaDAModelLM"],
+    "attention_dropout": 0.0,
+    "attention_layer_norm": False,
+    "attention_layer_norm_with_affine": True,
+    "auto_map": {
+        "AutoConfig": "configuration_llada.LLaDAConfig",
+        "AutoModel": "modeling_llada.LLaDAModelLM",
+        "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+    },
+    "bias_for_layer_norm": False,
+    "block_group_size": 1,
+    "block_type": "llama",
+    "d_model": 64,
+    "embedding_dropout": 0.0,
+    "embedding_size": VOCAB,
+    "eos_token_id": 251,
+    "flash_attention": False,
+    "include_bias": False,
+    "include_qkv_bias": False,
+    "init_cutoff_factor": None,
+    "init_device": "meta",
+    "init_fn": "mitchell",
+    "init_std": 0.02,
+    "input_emb_norm": False,
+    "layer_norm_type": "rms",
+    "layer_norm_with_affine": True,
+    "mask_token_id": 250,
+    "max_sequence_length": 4096,
+    "mlp_hidden_size": 160,
+    "mlp_ratio": 4,  # deliberately inconsistent with mlp_hidden_size (4 * 64 != 160): must be ignored
+    "model_type": "llada",
+    "multi_query_attention": None,
+    "n_heads": 4,
+    "n_kv_heads": 4,
+    "n_layers": 2,
+    "pad_token_id": 251,
+    "precision": "amp_bf16",
+    "residual_dropout": 0.0,
+    "rms_norm_eps": 1e-05,
+    "rope": True,
+    "rope_full_precision": True,
+    "rope_theta": 500000.0,
+    "scale_logits": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.46.3",
+    "use_cache": False,
+    "vocab_size": VOCAB,
+    "weight_tying": False,
+}
+
+SDAR_CONFIG = {
+    "architectures": ["SDARForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_sdar.SDARConfig",
+        "AutoModel": "modeling_sdar.SDARModel",
+        "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
+    },
+    "block_size": BLOCK,
+    "bos_token_id": 252,
+    "eos_token_id": 251,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 160,
+    "mask_token_id": 250,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 2,
+    "model_type": "sdar",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.52.4",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": VOCAB,
+}
+
+# ----------------------------------------------------------------------------------------------
+# random weights
+
+
+def _linear(gen, out_features, in_features, gain=1.0):
+    return torch.randn(out_features, in_features, generator=gen) * (gain / in_features**0.5)
+
+
+def _norm(gen, dim):
+    return 0.5 + torch.rand(dim, generator=gen)  # in [0.5, 1.5): never all ones
+
+
+def llada_weights(gen) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors in the order the real shards hold them."""
+    c = LLADA_CONFIG
+    d, f, v = c["d_model"], c["mlp_hidden_size"], c["embedding_size"]
+    hd = d // c["n_heads"]
+    kv = c["n_kv_heads"] * hd
+    w = {"model.transformer.wte.weight": torch.randn(v, d, generator=gen)}
+    for i in range(c["n_layers"]):
+        p = f"model.transformer.blocks.{i}."
+        w[p + "attn_norm.weight"] = _norm(gen, d)
+        w[p + "q_proj.weight"] = _linear(gen, d, d, gain=2.0)  # sharper attention: masks matter more
+        w[p + "k_proj.weight"] = _linear(gen, kv, d, gain=2.0)
+        w[p + "v_proj.weight"] = _linear(gen, kv, d)
+        w[p + "attn_out.weight"] = _linear(gen, d, d)
+        w[p + "ff_norm.weight"] = _norm(gen, d)
+        w[p + "ff_proj.weight"] = _linear(gen, f, d)
+        w[p + "up_proj.weight"] = _linear(gen, f, d)
+        w[p + "ff_out.weight"] = _linear(gen, d, f)
+    w["model.transformer.ln_f.weight"] = _norm(gen, d)
+    w["model.transformer.ff_out.weight"] = _linear(gen, v, d)
+    return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
+
+
+def sdar_weights(gen) -> dict[str, torch.Tensor]:
+    c = SDAR_CONFIG
+    d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    w = {"model.embed_tokens.weight": torch.randn(v, d, generator=gen)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = _norm(gen, d)
+        w[p + "self_attn.q_proj.weight"] = _linear(gen, q, d)
+        w[p + "self_attn.k_proj.weight"] = _linear(gen, kv, d)
+        w[p + "self_attn.v_proj.weight"] = _linear(gen, kv, d)
+        w[p + "self_attn.o_proj.weight"] = _linear(gen, d, q)
+        # q/k norm weights scale q.k directly (q/k are RMS-normalised per head): ~2 gives peaked attention
+        w[p + "self_attn.q_norm.weight"] = 2 * _norm(gen, hd)
+        w[p + "self_attn.k_norm.weight"] = 2 * _norm(gen, hd)
+        w[p + "post_attention_layernorm.weight"] = _norm(gen, d)
+        w[p + "mlp.gate_proj.weight"] = _linear(gen, f, d)
+        w[p + "mlp.up_proj.weight"] = _linear(gen, f, d)
+        w[p + "mlp.down_proj.weight"] = _linear(gen, d, f)
+    w["model.norm.weight"] = _norm(gen, d)
+    w["lm_head.weight"] = _linear(gen, v, d)
+    return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+
+
+def write_sharded(out: Path, weights: dict[str, torch.Tensor], num_shards: int = 2) -> None:
+    """Split in order at (about) equal bytes, like HF's save_pretrained(max_shard_size=...)."""
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
+    running = 0
+    for name, tensor in weights.items():
+        index = min(num_shards - 1, running * num_shards // total)
+        shards[index][name] = tensor
+        running += tensor.numel() * tensor.element_size()
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write_config(out: Path, config: dict) -> None:
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def fresh_dir(name: str) -> Path:
+    out = FIXTURES / name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# golden logits with transformers
+
+
+def additive(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [b, 1, q, k] (True = may attend) -> float32 additive mask for eager attention."""
+    return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def bidirectional_allowed(batch: int, length: int) -> torch.Tensor:
+    return torch.ones(batch, 1, length, length, dtype=torch.bool)
+
+
+def block_causal_allowed(batch: int, length: int, block: int) -> torch.Tensor:
+    pos = torch.arange(length)
+    allowed = (pos[None, :] // block) <= (pos[:, None] // block)  # [q, k]
+    return allowed[None, None].expand(batch, 1, length, length).clone()
+
+
+def hf_llama(weights: dict[str, torch.Tensor]):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = LLADA_CONFIG
+    config = LlamaConfig(
+        vocab_size=c["embedding_size"],
+        hidden_size=c["d_model"],
+        intermediate_size=c["mlp_hidden_size"],
+        num_hidden_layers=c["n_layers"],
+        num_attention_heads=c["n_heads"],
+        num_key_value_heads=c["n_kv_heads"],
+        head_dim=c["d_model"] // c["n_heads"],
+        hidden_act="silu",
+        max_position_embeddings=c["max_sequence_length"],
+        rms_norm_eps=c["rms_norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).float().eval()
+    renames = {
+        "attn_norm": "input_layernorm",
+        "q_proj": "self_attn.q_proj",
+        "k_proj": "self_attn.k_proj",
+        "v_proj": "self_attn.v_proj",
+        "attn_out": "self_attn.o_proj",
+        "ff_norm": "post_attention_layernorm",
+        "ff_proj": "mlp.gate_proj",
+        "up_proj": "mlp.up_proj",
+        "ff_out": "mlp.down_proj",
+    }
+    state = {}
+    for name, tensor in weights.items():
+        parts = name.split(".")
+        if name == "model.transformer.wte.weight":
+            target = "model.embed_tokens.weight"
+        elif name == "model.transformer.ln_f.weight":
+            target = "model.norm.weight"
+        elif name == "model.transformer.ff_out.weight":
+            target = "lm_head.weight"
+        else:
+            assert parts[:3] == ["model", "transformer", "blocks"], name
+            target = f"model.layers.{parts[3]}.{renames[parts[4]]}.weight"
+        state[target] = tensor.float()
+    model.load_state_dict(state, strict=True)
+    _check_rope(model, c["rope_theta"], c["d_model"] // c["n_heads"])
+    return model
+
+
+def hf_qwen3(weights: dict[str, torch.Tensor]):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    c = SDAR_CONFIG
+    config = Qwen3Config(
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"],
+        head_dim=c["head_dim"],
+        hidden_act="silu",
+        max_position_embeddings=c["max_position_embeddings"],
+        rms_norm_eps=c["rms_norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": float(c["rope_theta"])},
+        attention_bias=False,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    model = Qwen3ForCausalLM(config).float().eval()
+    model.load_state_dict({k: t.float() for k, t in weights.items()}, strict=True)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr(), "head got tied"
+    _check_rope(model, float(c["rope_theta"]), c["head_dim"])
+    return model
+
+
+def _check_rope(model, theta: float, head_dim: int) -> None:
+    expected = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    got = model.model.rotary_emb.inv_freq
+    assert torch.allclose(got, expected), f"transformers built RoPE with another theta: {got} vs {expected}"
+    assert model.model.rotary_emb.attention_scaling == 1.0
+
+
+@torch.no_grad()
+def hf_logits(model, ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+    out = model(input_ids=ids, attention_mask=additive(allowed), position_ids=positions, use_cache=False)
+    return out.logits.float()
+
+
+def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[b, t] bool: whether the logits at each position differ."""
+    return (a - b).abs().amax(-1) > 1e-5
+
+
+def verify_bidirectional(model, ids: torch.Tensor, logits: torch.Tensor) -> None:
+    allowed = bidirectional_allowed(*ids.shape)
+    again = hf_logits(model, ids, allowed)
+    assert torch.equal(again, logits), "transformers is not deterministic on this input"
+    edited = ids.clone()
+    edited[:, -1] = (edited[:, -1] + 1) % VOCAB
+    changed = _changed(hf_logits(model, edited, allowed), logits)
+    assert changed.all(), f"bidirectional mask did not take effect: changing the last token left {~changed}"
+    causal = hf_logits(model, ids, block_causal_allowed(*ids.shape, 1))
+    assert (causal - logits).abs().max() > 1e-2, "a causal mask gives the same logits: mask ignored"
+
+
+def verify_block_causal(model, ids: torch.Tensor, logits: torch.Tensor) -> None:
+    b, t = ids.shape
+    allowed = block_causal_allowed(b, t, BLOCK)
+    for edit_at in range(t):
+        edited = ids.clone()
+        edited[:, edit_at] = (edited[:, edit_at] + 1) % VOCAB
+        changed = _changed(hf_logits(model, edited, allowed), logits)
+        block_start = edit_at // BLOCK * BLOCK
+        # earlier blocks never see it; its own block (also earlier positions in it) and later ones do
+        assert not changed[:, :block_start].any(), f"editing {edit_at} changed an earlier block: {changed}"
+        assert changed[:, block_start:].all(), f"editing {edit_at} left later/same-block positions: {changed}"
+    full = hf_logits(model, ids, bidirectional_allowed(b, t))
+    causal = hf_logits(model, ids, block_causal_allowed(b, t, 1))
+    assert (full - logits).abs().max() > 1e-2 and (causal - logits).abs().max() > 1e-2, "mask ignored"
+
+
+def input_ids(gen) -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=gen)
+    ids[0, 9:] = LLADA_CONFIG["mask_token_id"]  # some masked positions, as in diffusion decoding
+    ids[1, 5:7] = LLADA_CONFIG["mask_token_id"]
+    return ids
+
+
+def write_golden(out: Path, ids: torch.Tensor, logits: torch.Tensor) -> None:
+    positions = torch.arange(ids.shape[1])[None].expand_as(ids).contiguous()
+    save_file(
+        {"input_ids": ids.contiguous(), "positions": positions, "logits": logits.float().contiguous()},
+        str(out / "golden.safetensors"),
+        metadata={"format": "pt"},  # one key only: safetensors orders metadata keys arbitrarily
+    )
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    torch.set_grad_enabled(False)
+
+    # --- LLaDA: sharded, bidirectional
+    gen = torch.Generator().manual_seed(1234)
+    weights = llada_weights(gen)
+    ids = input_ids(gen)
+    model = hf_llama(weights)
+    logits = hf_logits(model, ids, bidirectional_allowed(*ids.shape))
+    verify_bidirectional(model, ids, logits)
+    out = fresh_dir("llada_tiny")
+    write_config(out, LLADA_CONFIG)
+    write_sharded(out, weights)
+    reloaded = {}
+    for file in sorted(out.glob("model-*.safetensors")):
+        reloaded.update(load_file(str(file)))
+    assert reloaded.keys() == weights.keys() and all(torch.equal(reloaded[k], weights[k]) for k in weights)
+    write_golden(out, ids, logits)
+
+    # --- SDAR: single file, block-causal
+    gen = torch.Generator().manual_seed(5678)
+    weights = sdar_weights(gen)
+    ids = input_ids(gen)
+    model = hf_qwen3(weights)
+    logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, BLOCK))
+    verify_block_causal(model, ids, logits)
+    out = fresh_dir("sdar_tiny")
+    write_config(out, SDAR_CONFIG)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_golden(out, ids, logits)
+
+    for name in ("llada_tiny", "sdar_tiny"):
+        size = dir_size(FIXTURES / name)
+        print(f"{name}: {size} bytes ({', '.join(sorted(p.name for p in (FIXTURES / name).iterdir()))})")
+        assert size < MAX_FIXTURE_BYTES, f"{name} is {size} bytes, over {MAX_FIXTURE_BYTES}"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
