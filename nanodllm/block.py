@@ -82,7 +82,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     x = torch.full((batch, capacity), mask_id, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         x[row, : len(prompt)] = torch.tensor(prompt, device=device)
-    cache = KVCache.for_model(cfg, batch, capacity, device, model.embed_tokens.weight.dtype)
+    cache = KVCache.for_model(cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
     offsets = torch.arange(size, device=device)
 
     starts = lengths // size * size  # first token of each row's active block

@@ -2,9 +2,10 @@
 
 Per layer, keys and values live in one buffer [batch, capacity, kv_heads, head_dim] (token-major,
 post-RoPE keys). Each row has its own length: rows of a ragged batch fill at their own pace, and a
-row's cache holds exactly what one block-causal forward over its clean tokens so far would give.
-Methods read it through `view(layer)`; only `append` writes, and only the engine's prefill and
-commit hooks call it.
+row's first `length` slots hold exactly what one block-causal forward over its clean tokens so far
+would give. The slots after a row's length are scratch: a denoising step writes the active block's
+K/V there (so attention reads cache and block as one contiguous range, no copy), and the commit
+makes them permanent by advancing the length.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class KVCache:
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.host_lengths = [0] * batch  # the same numbers on the host: no device sync per layer
         self.capacity = capacity
 
     @classmethod
@@ -26,27 +28,47 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
-        return int(self.lengths.max()) if self.lengths.numel() else 0
+        return max(self.host_lengths)
 
-    def view(self, layer: int):
-        """(keys, values) [batch, kv_heads, max_length, head_dim] and valid [batch, max_length]:
-        the filled part of every row, padded to the longest row."""
-        n = self.max_length
-        valid = torch.arange(n, device=self.lengths.device)[None, :] < self.lengths[:, None]
-        return self.keys[layer][:, :n].transpose(1, 2), self.values[layer][:, :n].transpose(1, 2), valid
+    @property
+    def uniform(self) -> bool:
+        """All rows have the same length (no padding to hide)."""
+        return min(self.host_lengths) == max(self.host_lengths)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor):
-        """Write the first counts[row] tokens of k, v [batch, kv_heads, t, head_dim] after each row's
-        current length. Lengths move only in `advance`, once every layer is written."""
+    def view(self, layer: int, extra: int = 0):
+        """(keys, values) [batch, kv_heads, max_length + extra, head_dim]: every row's filled part
+        plus `extra` scratch slots, padded to the longest row (see `valid`)."""
+        n = self.max_length + extra
+        return self.keys[layer][:, :n].transpose(1, 2), self.values[layer][:, :n].transpose(1, 2)
+
+    def valid(self, extra: int = 0) -> torch.Tensor | None:
+        """[batch, max_length + extra] True where a view's slot belongs to the row (its cache plus
+        `extra` scratch slots); None when every slot does."""
+        if self.uniform:
+            return None
+        slots = torch.arange(self.max_length + extra, device=self.lengths.device)
+        return slots[None, :] < (self.lengths[:, None] + extra)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor | None = None):
+        """Write k, v [batch, kv_heads, t, head_dim] into the slots right after each row's length
+        (the first counts[row] tokens of each row when counts is given). Lengths do not move."""
         t = k.shape[2]
+        if self.max_length + t > self.capacity:
+            raise ValueError(f"KV cache overflow: capacity {self.capacity}, need {self.max_length + t}")
+        if counts is None and self.uniform:
+            start = self.host_lengths[0]
+            self.keys[layer][:, start : start + t] = k.transpose(1, 2)
+            self.values[layer][:, start : start + t] = v.transpose(1, 2)
+            return
         offsets = torch.arange(t, device=k.device)
-        if int((self.lengths + counts).max()) > self.capacity:
-            raise ValueError(f"KV cache overflow: capacity {self.capacity}, need {int((self.lengths + counts).max())}")
-        keep = offsets[None, :] < counts[:, None]  # [batch, t]
+        keep = offsets[None, :] < (t if counts is None else counts[:, None])  # [batch, t]
+        keep = keep.expand(k.shape[0], t)
         rows = torch.arange(k.shape[0], device=k.device)[:, None].expand(-1, t)[keep]
         slots = (self.lengths[:, None] + offsets[None, :])[keep]
         self.keys[layer][rows, slots] = k.transpose(1, 2)[keep]
         self.values[layer][rows, slots] = v.transpose(1, 2)[keep]
 
     def advance(self, counts: torch.Tensor):
+        """Make the next counts[row] slots of each row part of the cache."""
         self.lengths += counts
+        self.host_lengths = self.lengths.tolist()

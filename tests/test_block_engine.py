@@ -89,7 +89,7 @@ def test_cache_equals_one_block_causal_forward(prompt_length):
     record = []
     block_causal_forward(MODEL, final, 4, record)
     for layer, (k, v) in enumerate(record):
-        cached_k, cached_v, _ = cache.view(layer)
+        cached_k, cached_v = cache.view(layer)
         torch.testing.assert_close(cached_k, k, rtol=0, atol=1e-12)
         torch.testing.assert_close(cached_v, v, rtol=0, atol=1e-12)
 

@@ -7,7 +7,7 @@ engines call only these hooks for model work:
     begin_block(ctx)             a new block starts: reset per-block state
     step(model, ctx) -> logits   logits of the positions being decoded (ctx.logits_start..stop)
     attend(layer, q, k, v, ctx)  the attention the default step uses
-    commit(model, ctx)           block engine: forward the finished block, append its KV to the cache
+    commit(model, ctx)           block engine: forward the finished block, keep its KV in the cache
 
 Methods that change WHICH KEYS are read (MAGE, Quest, SparseD) override `attend` and `begin_block`;
 methods that change WHICH ROWS are computed (caches, MaskKV, DyLLM) override `step` and build it from
@@ -85,12 +85,12 @@ class Method:
         return attend_with_cache(layer, q, k, v, ctx.cache)
 
     def commit(self, model, ctx: StepContext):
-        """Forward the clean block against the cache, storing its KV (rows with ctx.counts > 0)."""
+        """Forward the clean block against the cache; its K/V, written after each row's cache,
+        become part of the cache for rows with ctx.counts > 0."""
 
         def attend_and_store(layer, q, k, v):
-            out = self.attend_commit(layer, q, k, v, ctx)
-            ctx.cache.write(layer, k, v, ctx.counts)
-            return out
+            ctx.cache.write(layer, k, v)
+            return self.attend_commit(layer, q, k, v, ctx)
 
         model.hidden(ctx.tokens, ctx.positions, attend_and_store)
         ctx.cache.advance(ctx.counts)
@@ -101,14 +101,13 @@ class Method:
 
 
 def attend_with_cache(layer: int, q, k, v, cache: KVCache) -> torch.Tensor:
-    """The active block's queries against each row's cached keys plus the whole block (no mask
-    inside the block, padding of shorter rows hidden)."""
-    cached_k, cached_v, cached_valid = cache.view(layer)
-    keys = torch.cat([cached_k, k], dim=2)
-    values = torch.cat([cached_v, v], dim=2)
-    block_valid = torch.ones(q.shape[0], k.shape[2], dtype=torch.bool, device=q.device)
-    mask = key_padding_mask(torch.cat([cached_valid, block_valid], dim=1))
-    return attention(q, keys, values, mask)
+    """The active block's queries against each row's cache plus the whole block (no mask inside
+    the block). The block's K/V go to the scratch slots after each row's cache, so keys are read in
+    place; padding of shorter rows is hidden by the mask."""
+    cache.write(layer, k, v)
+    keys, values = cache.view(layer, extra=k.shape[2])
+    valid = cache.valid(extra=k.shape[2])
+    return attention(q, keys, values, None if valid is None else key_padding_mask(valid))
 
 
 class Dense(Method):

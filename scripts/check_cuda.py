@@ -1,0 +1,263 @@
+"""CUDA check of the foundation, with its first measurements. Run on a GPU machine:
+
+    python scripts/check_cuda.py --out docs/results/foundation_cuda.md
+
+1. parity: the tests/fixtures checkpoints on CUDA (SDPA path, float32) against transformers' logits;
+2. engines: the tiny random test models decode the same tokens on CUDA as on CPU (ragged batches);
+3. presets: llada-8b / sdar-8b built with random bf16 weights directly on the GPU; one dense step
+   of each engine timed next to its floor (bytes / measured copy bandwidth, FLOPs / measured matmul
+   rate), with stock torch SDPA attention;
+4. streamed loading: a random sdar-1.7b written as a sharded checkpoint, loaded in a child process
+   whose peak host RSS is reported next to the largest tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from nanodllm import block, masked  # noqa: E402
+from nanodllm.attention import attention, block_causal_mask  # noqa: E402
+from nanodllm.cache import KVCache  # noqa: E402
+from nanodllm.config import GenerationConfig, preset  # noqa: E402
+from nanodllm.loader import RENAMES, load_model  # noqa: E402
+from nanodllm.methods.base import Dense, StepContext  # noqa: E402
+from nanodllm.model import build_random  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+lines: list[str] = []
+
+
+def report(text: str = ""):
+    print(text, flush=True)
+    lines.append(text)
+
+
+def timed(fn, repeats: int = 5) -> float:
+    """Median seconds of fn() after one warm-up, CUDA-synchronised."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def check_parity():
+    from safetensors.torch import load_file
+
+    report("## 1. Parity on CUDA (float32, SDPA) against transformers' golden logits\n")
+    report("| checkpoint | max abs logit diff | argmax equal |")
+    report("|---|---|---|")
+    for name in ("llada_tiny", "sdar_tiny"):
+        golden = load_file(str(FIXTURES / name / "golden.safetensors"), device="cuda")
+        model = load_model(FIXTURES / name, device="cuda", dtype=torch.float32)
+        ids, positions = golden["input_ids"], golden["positions"]
+        mask = None if model.cfg.attention == "bidirectional" else block_causal_mask(positions, positions, 4)
+        with torch.no_grad():
+            logits = model(ids, positions, lambda layer, q, k, v: attention(q, k, v, mask))
+        diff = (logits - golden["logits"]).abs().max().item()
+        same = torch.equal(logits.argmax(-1), golden["logits"].argmax(-1))
+        report(f"| {name} | {diff:.2e} | {same} |")
+
+
+def check_engines():
+    from tiny_models import random_prompt, tiny_model
+
+    report("\n## 2. Engines: CUDA tokens equal CPU tokens (tiny random models, float32)\n")
+    prompts = [random_prompt(n, seed=n) for n in (3, 9, 6)]
+    for family, engine, gen in (
+        ("llada", masked, GenerationConfig(gen_length=16, block_length=8, steps=8)),
+        ("llada", masked, GenerationConfig(gen_length=16, block_length=8, steps=16, threshold=0.5)),
+        ("sdar", block, GenerationConfig(gen_length=16, block_length=4, steps=4)),
+        ("sdar", block, GenerationConfig(gen_length=16, block_length=4, steps=4, threshold=0.4)),
+    ):
+        cpu_model = tiny_model(family, dtype=torch.float32)
+        gpu_model = tiny_model(family, dtype=torch.float32).cuda()
+        cpu = engine.generate(cpu_model, prompts, gen).tokens
+        gpu = engine.generate(gpu_model, prompts, gen).tokens
+        alone = [engine.generate(gpu_model, [p], gen).tokens[0] for p in prompts]
+        report(f"- {family} {engine.__name__.split('.')[-1]} threshold={gen.threshold}: "
+               f"cuda == cpu: {gpu == cpu}; batch == batch-of-one on cuda: {gpu == alone}")
+
+
+def machine_rates():
+    """Measured copy bandwidth (bytes read + written per second) and bf16 matmul FLOP rate."""
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    copy_s = timed(lambda: y.copy_(x), 10)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    matmul_s = timed(lambda: a @ a, 10)
+    del x, y, a
+    return 2 * 2**30 / copy_s, 2 * 8192**3 / matmul_s
+
+
+def check_presets(profile: bool):
+    bandwidth, flops = machine_rates()
+    report(f"\n## 3. 8B shapes, random bf16 weights built on the GPU; one dense step (torch SDPA)\n")
+    report(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s\n")
+    report("| preset | engine step | context | batch | ms | floor ms | floor kind | fraction of floor |")
+    report("|---|---|---|---|---|---|---|---|")
+    dense = Dense()
+
+    start = time.perf_counter()
+    model = build_random(preset("sdar-8b", context=131072, block_size=32), device="cuda")
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - start
+    cfg = model.cfg
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    read_bytes = weight_bytes - model.embed_tokens.weight.numel() * 2  # embedding rows: only 32 are read
+    report_build = f"sdar-8b: {weight_bytes / 1e9:.2f} GB of weights built in {build_s:.1f}s"
+    for context in (4096, 32768, 131072):
+        for batch in (1, 4):
+            if context * batch > 131072 * 2:
+                continue
+            cache = KVCache.for_model(cfg, batch, context + 32, "cuda", torch.bfloat16)
+            for layer in range(cfg.num_layers):
+                cache.keys[layer][:, :context].normal_()
+                cache.values[layer][:, :context].normal_()
+            cache.advance(torch.full((batch,), context, device="cuda"))
+            columns = context + torch.arange(32, device="cuda")[None].expand(batch, -1)
+            tokens = torch.full_like(columns, cfg.mask_token_id)
+            ctx = StepContext(tokens, columns, torch.ones_like(columns, dtype=torch.bool),
+                              torch.full((batch,), context, device="cuda"), cache=cache, block_length=32)
+            with torch.no_grad():
+                seconds = timed(lambda: dense.step(model, ctx))
+            kv_bytes = 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * 2
+            floor = (read_bytes + kv_bytes) / bandwidth
+            report(f"| sdar-8b | block decode, 32 queries | {context} | {batch} | {seconds * 1e3:.1f} | "
+                   f"{floor * 1e3:.1f} | weights + KV bytes | {floor / seconds:.2f} |")
+            if profile and context == 4096 and batch == 1:
+                with torch.no_grad(), torch.profiler.profile() as prof:
+                    dense.step(model, ctx)
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
+            del cache, ctx
+    del model
+    torch.cuda.empty_cache()
+
+    model = build_random(preset("llada-8b", context=32768), device="cuda")
+    cfg = model.cfg
+    params = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
+    for length in (1024, 4096, 16384):
+        ids = torch.full((1, length), cfg.mask_token_id, device="cuda")
+        positions = torch.arange(length, device="cuda")[None]
+        ctx = StepContext(ids, positions, torch.ones_like(ids, dtype=torch.bool), torch.tensor([length // 2]),
+                          logits_start=length - 32, logits_stop=length)
+        with torch.no_grad():
+            seconds = timed(lambda: dense.step(model, ctx), 3)
+        attn_flops = 4 * cfg.num_layers * length * length * cfg.num_heads * cfg.head_dim
+        floor = (2 * params * length + attn_flops) / flops
+        report(f"| llada-8b | full canvas | {length} | 1 | {seconds * 1e3:.1f} | {floor * 1e3:.1f} | "
+               f"FLOPs | {floor / seconds:.2f} |")
+    del model
+    torch.cuda.empty_cache()
+    report(f"\n{report_build}; peak GPU memory so far {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+def write_checkpoint(directory: Path):
+    """A random sdar-1.7b in SDAR's on-disk format, sharded about 1 GB per file."""
+    from safetensors.torch import save_file
+
+    model = build_random(preset("sdar-1.7b"), device="cuda")
+    names = {}
+    for name, _ in model.named_parameters():
+        names[name] = "lm_head.weight" if name == "lm_head.weight" else f"model.{name}"
+    assert RENAMES["sdar"][0] == ("lm_head.weight", "lm_head.weight")
+    shards, current, size = [], {}, 0
+    for name, param in model.named_parameters():
+        current[names[name]] = param.detach().cpu()
+        size += param.numel() * 2
+        if size > 1e9:
+            shards.append(current)
+            current, size = {}, 0
+    shards.append(current)
+    weight_map = {}
+    for index, shard in enumerate(shards):
+        file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = dict(model_type="sdar", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936)
+    (directory / "config.json").write_text(json.dumps(config))
+    largest = max(p.numel() * 2 for p in model.parameters())
+    total = sum(p.numel() * 2 for p in model.parameters())
+    return largest, total, len(shards)
+
+
+def check_streaming():
+    report("\n## 4. Streamed loading (random sdar-1.7b, bf16, sharded) in a fresh process\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        largest, total, shards = write_checkpoint(Path(tmp))
+        torch.cuda.empty_cache()
+        out = subprocess.run([sys.executable, "-c", LOAD_AND_WATCH_RSS, tmp], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+        if out.returncode:
+            report(f"load failed: {out.stderr[-2000:]}")
+            return
+        base, peak_anon, peak_file, seconds = out.stdout.split()
+        report(f"checkpoint {total / 1e9:.2f} GB in {shards} shards, largest tensor {largest / 1e6:.0f} MB")
+        report(f"host anonymous memory: {int(base) / 1024:.0f} MiB after CUDA init, peak "
+               f"{int(peak_anon) / 1024:.0f} MiB while loading (+{(int(peak_anon) - int(base)) / 1024:.0f} MiB); "
+               f"peak file-backed (mmap, reclaimable) RSS {int(peak_file) / 1024:.0f} MiB; load {float(seconds):.1f}s")
+
+
+# Child process: load a checkpoint onto the GPU while a thread samples RssAnon / RssFile every 5 ms.
+LOAD_AND_WATCH_RSS = """
+import sys, threading, time, torch
+sys.path.insert(0, '.')
+from nanodllm.loader import load_model
+def status(key):
+    return int(next(line.split()[1] for line in open('/proc/self/status') if line.startswith(key)))
+torch.zeros(1, device='cuda')
+base = status('RssAnon:')
+peaks = {'RssAnon:': 0, 'RssFile:': 0}
+done = False
+def watch():
+    while not done:
+        for key in peaks:
+            peaks[key] = max(peaks[key], status(key))
+        time.sleep(0.005)
+thread = threading.Thread(target=watch)
+thread.start()
+start = time.perf_counter()
+load_model(sys.argv[1], device='cuda')
+torch.cuda.synchronize()
+seconds = time.perf_counter() - start
+done = True
+thread.join()
+print(base, peaks['RssAnon:'], peaks['RssFile:'], seconds)
+"""
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="print a profile of one sdar-8b step at 4K")
+    args = parser.parse_args()
+    report(f"# Foundation on CUDA: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+           f"triton {__import__('triton').__version__}\n")
+    check_parity()
+    check_engines()
+    check_presets(args.profile)
+    check_streaming()
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
