@@ -42,7 +42,7 @@ def parse_args(argv):
 
 
 def run(engine, model, prompt_ids, gen, method, stop_ids, device):
-    """Generate once; returns (tokens, seconds, peak memory in MiB)."""
+    """Generate once; returns (tokens, seconds, peak memory in MiB, what that memory counts)."""
     kwargs = {"stop_ids": stop_ids} if engine is block else {}
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -54,7 +54,7 @@ def run(engine, model, prompt_ids, gen, method, stop_ids, device):
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS
-    return result.tokens[0], time.perf_counter() - start, peak
+    return result.tokens[0], time.perf_counter() - start, peak, "GPU allocated" if device.type == "cuda" else "process RSS"
 
 
 def until_stop(tokens, stop_ids):
@@ -98,10 +98,10 @@ def main(argv=None) -> int:
 
     print(f"model: {args.model} ({cfg.model_type}, {'block' if is_block else 'masked'} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
-    for name, (tokens, seconds, peak) in runs.items():
+    for name, (tokens, seconds, peak, memory_kind) in runs.items():
         text = tokenizer.decode(until_stop(tokens, tokenizer.stop_ids))
         print(f"\n[{name}] {len(tokens)} tokens in {seconds:.2f}s = {len(tokens) / seconds:.1f} tokens/s, "
-              f"peak memory {peak:.0f} MiB")
+              f"peak memory {peak:.0f} MiB ({memory_kind})")
         print(text)
     dense, other = runs["dense"][0], runs[args.method][0]
     same = sum(a == b for a, b in zip(dense, other))

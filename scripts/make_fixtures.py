@@ -393,6 +393,31 @@ def write_golden(out: Path, ids: torch.Tensor, logits: torch.Tensor) -> None:
     )
 
 
+# A word-level tokenizer whose ids fit the fixtures' 256-token vocabulary, so the demo and the
+# tokenizer code run end to end on them (the models are random: their text is noise).
+SPECIAL_TOKENS = {
+    "llada": ["<|startoftext|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "sdar": ["<|im_start|>", "<|im_end|>"],
+}
+WORDS = ("user assistant system what is the capital of france paris a an and or not to in on at for with "
+         "this that it be are was were one two three four five six seven eight nine ten hello world "
+         "question answer key value number find say tell me you we they he she").split()
+
+
+def write_tokenizer(out: Path, family: str, mask_id: int, eos_id: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(WORDS + [".", ",", "?", "!"])}}
+    specials = SPECIAL_TOKENS[family] + ["<|mdm_mask|>" if family == "llada" else "<|MASK|>", "<|endoftext|>"]
+    for offset, token in enumerate(SPECIAL_TOKENS[family]):
+        vocab[token] = 240 + offset
+    vocab[specials[-2]], vocab[specials[-1]] = mask_id, eos_id
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(out / "tokenizer.json"))
+
+
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
@@ -411,6 +436,7 @@ def main() -> int:
     out = fresh_dir("llada_tiny")
     write_config(out, LLADA_CONFIG)
     write_sharded(out, weights)
+    write_tokenizer(out, "llada", LLADA_CONFIG["mask_token_id"], LLADA_CONFIG["eos_token_id"])
     reloaded = {}
     for file in sorted(out.glob("model-*.safetensors")):
         reloaded.update(load_file(str(file)))
@@ -427,6 +453,7 @@ def main() -> int:
     out = fresh_dir("sdar_tiny")
     write_config(out, SDAR_CONFIG)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer(out, "sdar", SDAR_CONFIG["mask_token_id"], SDAR_CONFIG["eos_token_id"])
     write_golden(out, ids, logits)
 
     for name in ("llada_tiny", "sdar_tiny"):
