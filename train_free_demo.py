@@ -1,9 +1,13 @@
 """Run dense decoding and one training-free method side by side on the same prompt.
 
+    python train_free_demo.py --method dense
     python train_free_demo.py --model DIR --method dense --prompt "..."
 
 Prints both outputs, how many generated tokens agree, tokens/s and peak memory of each run.
-LLaDA checkpoints decode with the masked engine, SDAR checkpoints with the block engine.
+LLaDA checkpoints decode with the masked engine, SDAR checkpoints with the block engine. Without
+--model the demo uses the tiny trained model shipped in nanodllm/assets for the method's engine
+(tiny-llada for masked diffusion, tiny-sdar for block diffusion) and, without --prompt, a built-in
+long-context passkey prompt whose answer it prints.
 """
 
 from __future__ import annotations
@@ -15,29 +19,34 @@ import time
 
 import torch
 
-from nanodllm import block, masked
+from pathlib import Path
+
+from nanodllm import block, masked, tasks
 from nanodllm.config import GenerationConfig, ModelConfig
+from nanodllm.decoding import until_stop
 from nanodllm.loader import CheckpointError, load_model
 from nanodllm.methods import METHODS, get_method
 from nanodllm.tokenizer import Tokenizer
 
+ASSETS = Path(__file__).resolve().parent / "nanodllm" / "assets"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json)")
+    parser.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
+                        "default: tiny-llada or tiny-sdar, by the method's engine")
     parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}")
-    parser.add_argument("--prompt", default="What is the capital of France?")
+    parser.add_argument("--prompt", help="default: a built-in passkey retrieval prompt")
+    parser.add_argument("--context", type=int, default=1024, help="length of the built-in prompt in tokens")
     parser.add_argument("--no-chat", action="store_true", help="encode the prompt as raw text, no chat template")
-    parser.add_argument("--gen-length", type=int, default=64)
+    parser.add_argument("--gen-length", type=int, default=32)
     parser.add_argument("--block-length", type=int, help="default: 32 (LLaDA) or the config's block_size (SDAR)")
     parser.add_argument("--steps", type=int, help="default: gen-length (LLaDA) or block-length (SDAR, per block)")
     parser.add_argument("--threshold", type=float, help="confidence-threshold parallel decoding")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--context", type=int, help="stretch RoPE (NTK) to this many tokens")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     return parser.parse_args(argv)
 
 
@@ -57,24 +66,14 @@ def run(engine, model, prompt_ids, gen, method, stop_ids, device):
     return result.tokens[0], time.perf_counter() - start, peak, "GPU allocated" if device.type == "cuda" else "process RSS"
 
 
-def until_stop(tokens, stop_ids):
-    for index, token in enumerate(tokens):
-        if token in stop_ids:
-            return tokens[:index]
-    return tokens
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.method not in METHODS:
         print(f"error: unknown method {args.method!r}; valid methods: {', '.join(sorted(METHODS))}", file=sys.stderr)
         return 2
-    if args.model is None:
-        print("error: no default model is shipped yet; pass --model DIR with a LLaDA or SDAR checkpoint "
-              "(config.json, safetensors, tokenizer.json)", file=sys.stderr)
-        return 2
+    model_dir = args.model or ASSETS / ("tiny-llada" if "masked" in METHODS[args.method].engines else "tiny-sdar")
     try:
-        cfg = ModelConfig.from_dir(args.model)
+        cfg = ModelConfig.from_dir(model_dir)
         is_block = cfg.attention == "block_causal"
         block_length = args.block_length or (cfg.block_size if is_block else 32)
         gen = GenerationConfig(
@@ -84,10 +83,19 @@ def main(argv=None) -> int:
             temperature=args.temperature,
             threshold=args.threshold,
         )
-        tokenizer = Tokenizer.from_dir(args.model, cfg.model_type)
-        prompt_ids = tokenizer.encode_prompt(args.prompt, chat=not args.no_chat)
+        engine_name = "block" if is_block else "masked"
+        if engine_name not in METHODS[args.method].engines:
+            raise ValueError(f"method {args.method!r} runs on the {' and '.join(METHODS[args.method].engines)} "
+                             f"engine, and {model_dir} is a {cfg.model_type} ({engine_name} engine) checkpoint")
+        tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
+        prompt, answer = args.prompt, None
+        if prompt is None:
+            sample = tasks.make_sample("passkey", args.context, 0.5, seed=7,
+                                       count_tokens=lambda text: len(tokenizer.encode(text)))
+            prompt, answer = sample.prompt, sample.answer
+        prompt_ids = tokenizer.encode_prompt(prompt, chat=not args.no_chat)
         device = torch.device(args.device)
-        model = load_model(args.model, device, DTYPES[args.dtype], context=args.context)
+        model = load_model(model_dir, device, DTYPES[args.dtype], context=len(prompt_ids) + 2 * args.gen_length)
         engine = block if is_block else masked
         runs = {}
         for name in dict.fromkeys(["dense", args.method]):
@@ -96,8 +104,10 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    print(f"model: {args.model} ({cfg.model_type}, {'block' if is_block else 'masked'} engine), "
+    print(f"model: {model_dir} ({cfg.model_type}, {engine_name} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
+    if answer is not None:
+        print(f"built-in prompt: find the pass key hidden halfway through {args.context} tokens; the answer is {answer}")
     for name, (tokens, seconds, peak, memory_kind) in runs.items():
         text = tokenizer.decode(until_stop(tokens, tokenizer.stop_ids))
         print(f"\n[{name}] {len(tokens)} tokens in {seconds:.2f}s = {len(tokens) / seconds:.1f} tokens/s, "

@@ -15,6 +15,14 @@ class GenerationResult:
     cache: object = None  # block engine: the final KV cache (for inspection and tests)
 
 
+def until_stop(tokens: list[int], stop_ids) -> list[int]:
+    """The tokens before the first stop token."""
+    for index, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[:index]
+    return tokens
+
+
 def check_prompts(prompts, vocab_size: int, context_length: int, extra: int) -> list[list[int]]:
     """Validate a batch of token-id prompts before anything runs; returns plain int lists.
 

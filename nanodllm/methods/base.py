@@ -58,6 +58,10 @@ class Method:
     """Dense: exactly the reference computation. Subclass and override hooks for a sparse method."""
 
     name = "dense"
+    engines = ("masked", "block")  # which engines the method supports
+
+    def __init__(self):
+        self.stats: dict = {}  # what the method reports, e.g. "kv_kept": fraction of KV entries read
 
     def prefill(self, model, ctx: StepContext):
         """Forward the prompt's complete blocks (ctx.tokens, right-padded, ctx.counts valid per row)

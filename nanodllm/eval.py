@@ -1,0 +1,239 @@
+"""Accuracy of dense decoding and of a method on long-context tasks, side by side.
+
+    python -m nanodllm.eval --model tiny-llada --method dense --task passkey --lengths 1024,2048 --n 50
+
+For every (context length, needle depth) cell it prints the accuracy of dense and of the method, how
+many generated tokens the method shares with dense, tokens/s of each, and the fraction of KV entries
+the method kept (1.0 = everything, as dense). `--method all` compares every registered method;
+`--plot FILE.png` saves a length x depth accuracy heatmap per method (needs matplotlib);
+`--task longbench --data FILE.jsonl` scores a LongBench-format file instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import block, masked, tasks
+from .config import GenerationConfig
+from .decoding import until_stop
+from .loader import load_model
+from .methods import METHODS, get_method
+from .tokenizer import Tokenizer
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+TINY_MODELS = ("tiny-llada", "tiny-sdar")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_model(name: str) -> Path:
+    """A tiny model's name or a checkpoint directory."""
+    path = ASSETS / name if name in TINY_MODELS else Path(name)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model not found: {name} (a directory, or one of {', '.join(TINY_MODELS)})")
+    return path
+
+
+@dataclass
+class Outcome:
+    """What one method produced on one batch of samples."""
+
+    scores: list[float] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    kv_kept: list[float] = field(default_factory=list)
+
+
+class Runner:
+    """A loaded model, its tokenizer and engine, and the generation settings."""
+
+    def __init__(self, model_dir: Path, device: str, dtype: torch.dtype, gen: GenerationConfig | None, context=None):
+        self.model = load_model(model_dir, device, dtype, context=context)
+        cfg = self.model.cfg
+        self.tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
+        self.is_block = cfg.attention == "block_causal"
+        self.engine = block if self.is_block else masked
+        block_length = cfg.block_size if self.is_block else 32
+        self.gen = gen or GenerationConfig(gen_length=32, block_length=block_length, steps=32)
+        self.device = torch.device(device)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    def generate(self, samples: list[tasks.Sample], method_name: str) -> Outcome:
+        method = get_method(method_name)
+        prompts = [self.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
+        kwargs = {"stop_ids": self.tokenizer.stop_ids} if self.is_block else {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = self.engine.generate(self.model, prompts, self.gen, method, **kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        outcome = Outcome(seconds=time.perf_counter() - start)
+        for sample, tokens in zip(samples, result.tokens):
+            text = self.tokenizer.decode(until_stop(tokens, self.tokenizer.stop_ids)).strip()
+            outcome.scores.append(tasks.score(sample, text))
+            outcome.tokens.append(tokens)
+            outcome.kv_kept.append(method.stats.get("kv_kept", 1.0))
+        return outcome
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of generated positions where two runs chose the same token."""
+    same = total = 0
+    for x, y in zip(a, b):
+        same += sum(i == j for i, j in zip(x, y))
+        total += max(len(x), len(y))
+    return same / max(total, 1)
+
+
+def progress(done: int, total: int, label: str):
+    if sys.stderr.isatty() or total > 1:
+        filled = int(30 * done / total)
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], batch: int):
+    """{method: {cell: Outcome}} where a cell is (length, depth) or (dataset, nan)."""
+    results = {m: defaultdict(Outcome) for m in methods}
+    chunks = [samples[i : i + batch] for i in range(0, len(samples), batch)]
+    for done, chunk in enumerate(chunks, 1):
+        for name in methods:
+            outcome = runner.generate(chunk, name)
+            for i, sample in enumerate(chunk):
+                cell = results[name][(sample.length if sample.task in tasks.TASKS else sample.task, sample.depth)]
+                cell.scores.append(outcome.scores[i])
+                cell.tokens.append(outcome.tokens[i])
+                cell.kv_kept.append(outcome.kv_kept[i])
+                cell.seconds += outcome.seconds / len(chunk)
+        progress(done, len(chunks), "eval")
+    return results
+
+
+def table(results, methods: list[str]) -> str:
+    dense = results["dense"]
+    rows = ["| cell | depth | n | " + " | ".join(f"{m} acc" for m in methods)
+            + " | " + " | ".join(f"{m} agree | {m} tok/s | {m} KV kept" for m in methods if m != "dense")
+            + " | dense tok/s |",
+            "|" + "---|" * (4 + len(methods) + 3 * (len(methods) - 1))]
+    for cell in sorted(dense, key=lambda c: (str(c[0]), c[1])):
+        n = len(dense[cell].scores)
+        accuracy = [sum(results[m][cell].scores) / n for m in methods]
+        line = f"| {cell[0]} | {cell[1]:.2f} | {n} | " + " | ".join(f"{a:.3f}" for a in accuracy)
+        for m in methods:
+            if m == "dense":
+                continue
+            outcome = results[m][cell]
+            speed = sum(map(len, outcome.tokens)) / max(outcome.seconds, 1e-9)
+            line += (f" | {agreement(outcome.tokens, dense[cell].tokens):.3f} | {speed:.1f} | "
+                     f"{sum(outcome.kv_kept) / n:.3f}")
+        speed = sum(map(len, dense[cell].tokens)) / max(dense[cell].seconds, 1e-9)
+        rows.append(line + f" | {speed:.1f} |")
+    return "\n".join(rows)
+
+
+def summary(results, methods: list[str]) -> dict:
+    """Mean accuracy per (method, cell length)."""
+    out = {}
+    for m in methods:
+        by_length = defaultdict(list)
+        for (length, _), outcome in results[m].items():
+            by_length[length].extend(outcome.scores)
+        out[m] = {length: sum(s) / len(s) for length, s in by_length.items()}
+    return out
+
+
+def plot(results, methods: list[str], path: str, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(methods), figsize=(4 * len(methods), 3.5), squeeze=False)
+    for ax, m in zip(axes[0], methods):
+        lengths = sorted({c[0] for c in results[m]})
+        depths = sorted({c[1] for c in results[m]})
+        grid = [[sum(results[m][(l, d)].scores) / max(len(results[m][(l, d)].scores), 1) for l in lengths] for d in depths]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(f"{m}")
+    fig.colorbar(image, ax=axes[0].tolist())
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llada", help=f"a checkpoint directory or {' / '.join(TINY_MODELS)}")
+    parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}, or all")
+    parser.add_argument("--task", default="passkey", choices=[*tasks.TASKS, "longbench"])
+    parser.add_argument("--lengths", default="1024", help="comma-separated context lengths in tokens")
+    parser.add_argument("--n", type=int, default=50, help="samples per length (spread over the depths)")
+    parser.add_argument("--data", help="LongBench-format JSONL (with --task longbench)")
+    parser.add_argument("--plot", help="save a length x depth accuracy heatmap to this PNG")
+    parser.add_argument("--batch", type=int, default=8, help="prompts decoded together")
+    parser.add_argument("--seed", type=int, default=1234, help="task seed (training used other seeds)")
+    parser.add_argument("--gen-length", type=int, default=32)
+    parser.add_argument("--steps", type=int, help="default: gen-length (masked) or block length (block engine)")
+    parser.add_argument("--threshold", type=float)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    methods = sorted(METHODS, key=lambda m: m != "dense") if args.method == "all" else ["dense", args.method]
+    methods = list(dict.fromkeys(methods))
+    try:
+        if args.method != "all" and args.method not in METHODS:
+            raise ValueError(f"unknown method {args.method!r}; valid methods: {', '.join(sorted(METHODS))}, all")
+        if args.plot:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise ValueError("--plot needs matplotlib, an optional dependency: pip install matplotlib") from None
+        if args.task == "longbench" and not args.data:
+            raise ValueError("--task longbench needs --data FILE.jsonl")
+        lengths = [int(x) for x in args.lengths.split(",")]
+        model_dir = resolve_model(args.model)
+        runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
+        steps = args.steps or (runner.gen.block_length if runner.is_block else args.gen_length)
+        runner.gen = GenerationConfig(gen_length=args.gen_length, block_length=runner.gen.block_length
+                                      if runner.is_block else min(32, args.gen_length), steps=steps,
+                                      threshold=args.threshold)
+        if args.task == "longbench":
+            samples = tasks.load_longbench(args.data)[: args.n]
+        else:
+            samples = [s for length in lengths
+                       for s in tasks.make_samples(args.task, length, args.n, args.seed + length,
+                                                   count_tokens=runner.count_tokens)]
+        results = evaluate(runner, samples, methods, args.batch)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"\n{args.model}: task {args.task}, {runner.gen}, device {args.device}, {args.dtype}\n")
+    print(table(results, methods))
+    for m, by_length in summary(results, methods).items():
+        print(f"{m}: " + ", ".join(f"{length}: {acc:.3f}" for length, acc in sorted(by_length.items(), key=str)))
+    if args.plot:
+        plot(results, methods, args.plot, f"{args.model} {args.task}")
+        print(f"heatmap written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

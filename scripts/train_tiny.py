@@ -1,0 +1,333 @@
+"""Train the two tiny diffusion LMs shipped in nanodllm/assets/, with nanodllm's own model code.
+
+    python scripts/train_tiny.py tokenizer            # BPE tokenizer on the task corpus (CPU, seconds)
+    python scripts/train_tiny.py llada --minutes 4    # tiny-llada: masked diffusion, bidirectional
+    python scripts/train_tiny.py sdar --minutes 4     # tiny-sdar: block diffusion, block-causal B=32
+
+Data: the synthetic long-context tasks of nanodllm.tasks (passkey, multikey, kv), each sample a chat
+prompt (the family's template) followed by a response: the answer, the end of turn token, then
+end-of-text padding, as the released SFT data is laid out; 16 or 32 tokens for llada, up to the end
+of the block holding the 32nd response position for sdar (the canvas the block engine decodes).
+
+Objectives:
+- llada: every response token is masked with probability t ~ U(0, 1); cross-entropy on the masked
+  tokens weighted by 1/t (LLaDA's SFT loss); attention is fully bidirectional.
+- sdar: block diffusion with a clean copy and a noisy copy of the response blocks. Noisy block b
+  sees the clean blocks before it and itself (its prompt tail stays clean), exactly what the block
+  engine shows it at inference; the clean copy is block-causal. Loss on the masked noisy tokens,
+  weighted by 1/t.
+
+Length curriculum: 128 tokens first; when the held-out one-step accuracy (all answer tokens
+predicted from a fully masked response) reaches 0.9, the longest length doubles, up to MAX_LENGTH.
+Batches mix the current length with shorter ones. AdamW with warmup and cosine decay; the checkpoint
+with the best held-out score is the one saved (in bf16, in the family's real on-disk format).
+Reproducible from --seed (data order, init); GPU kernels may add run-to-run noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nanodllm import tasks  # noqa: E402
+from nanodllm.attention import attention, block_causal_mask, key_padding_mask  # noqa: E402
+from nanodllm.config import ModelConfig  # noqa: E402
+from nanodllm.loader import checkpoint_name  # noqa: E402
+from nanodllm.model import Model  # noqa: E402
+from nanodllm.tokenizer import Tokenizer  # noqa: E402
+
+ASSETS = ROOT / "nanodllm" / "assets"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|mdm_mask|>", "<|MASK|>", "<|startoftext|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 1024
+RESPONSE_LENGTH = 32
+RESPONSE_LENGTHS = {"llada": (16, 32), "sdar": (32,)}  # llada also learns shorter canvases
+BLOCK = 32
+MAX_LENGTH = 4096
+STAGES = [128, 256, 512, 1024, 2048, 4096]
+TOKENS_PER_BATCH = int(os.environ.get("TINY_TOKENS_PER_BATCH", 65536))
+EVAL_EVERY = int(os.environ.get("TINY_EVAL_EVERY", 100))
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer and configs
+
+def train_tokenizer(seed: int) -> Path:
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(tasks.corpus(4000, seed), trainer=trainer)
+    path = ASSETS / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+    return path
+
+
+def family_config(family: str, vocab: dict) -> dict:
+    """config.json in the family's real field names."""
+    if family == "llada":
+        return dict(model_type="llada", architectures=["LLaDAModelLM"], d_model=256, n_layers=4, n_heads=4,
+                    n_kv_heads=4, mlp_hidden_size=704, mlp_ratio=4, vocab_size=VOCAB_SIZE,
+                    embedding_size=VOCAB_SIZE, rope_theta=500000.0, rms_norm_eps=1e-5, include_bias=False,
+                    attention_layer_norm=False, weight_tying=False, block_type="llama", rope=True,
+                    rope_full_precision=True, max_sequence_length=2 * MAX_LENGTH,
+                    mask_token_id=vocab["<|mdm_mask|>"], eos_token_id=vocab["<|endoftext|>"],
+                    pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|startoftext|>"])
+    return dict(model_type="sdar", architectures=["SDARForCausalLM"], hidden_size=256, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=704,
+                vocab_size=VOCAB_SIZE, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                attention_bias=False, hidden_act="silu", max_position_embeddings=2 * MAX_LENGTH,
+                block_size=BLOCK, mask_token_id=vocab["<|MASK|>"], eos_token_id=vocab["<|im_end|>"],
+                pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|endoftext|>"])
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+
+class Encoder:
+    """Chat-formatted prompt ids and the padded response, for one family."""
+
+    def __init__(self, directory: Path, family: str):
+        self.tokenizer = Tokenizer.from_dir(directory, family)
+        vocab = self.tokenizer.hf.get_vocab()
+        end_of_turn = "<|eot_id|>" if family == "llada" else "<|im_end|>"
+        self.end_of_turn, self.pad = vocab[end_of_turn], vocab["<|endoftext|>"]
+        self.mask_id = self.tokenizer.mask_id
+        self.family = family
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    def encode(self, sample: tasks.Sample, response_length: int = RESPONSE_LENGTH) -> tuple[list[int], list[int]]:
+        """Block diffusion (sdar) pads the response to the end of the block holding its last token, the
+        canvas the block engine decodes for gen_length = response_length."""
+        prompt = self.tokenizer.chat([{"role": "user", "content": sample.prompt}])
+        if self.family == "sdar":
+            response_length = -(-(len(prompt) + response_length) // BLOCK) * BLOCK - len(prompt)
+        answer = self.tokenizer.encode(sample.answer) + [self.end_of_turn]
+        return prompt, (answer + [self.pad] * response_length)[:response_length]
+
+
+class TaskStream(torch.utils.data.IterableDataset):
+    """Endless (prompt, response) pairs of a given length; each worker has its own seed."""
+
+    def __init__(self, directory: Path, family: str, seed: int, length):
+        self.directory, self.family, self.seed, self.length = directory, family, seed, length
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        rng = random.Random(self.seed * 1000 + (info.id if info else 0))
+        encoder = Encoder(self.directory, self.family)
+        while True:
+            length = self.length.value
+            target = rng.choice([length] * len(STAGES) + [s for s in STAGES if s < length] or [length])
+            target = max(64, int(target * rng.uniform(0.75, 1.0)))
+            task = rng.choice(tasks.TASKS)
+            sample = tasks.make_sample(task, target, rng.random(), rng.randrange(2**31), encoder.count_tokens)
+            response_length = rng.choice(RESPONSE_LENGTHS[self.family])
+            yield encoder.encode(sample, response_length)
+
+
+def collate(pairs, pad_id):
+    """Right-pad prompt ++ response; returns ids [b, t], prompt lengths [b], valid [b, t]."""
+    width = max(len(p) + len(r) for p, r in pairs)
+    ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
+    for row, (prompt, response) in enumerate(pairs):
+        ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+    lengths = torch.tensor([len(p) for p, _ in pairs])
+    totals = torch.tensor([len(p) + len(r) for p, r in pairs])
+    valid = torch.arange(width)[None, :] < totals[:, None]
+    return ids, lengths, valid
+
+
+# ------------------------------------------------------------------------------------------------
+# objectives
+
+def llada_batch(ids, lengths, valid, mask_id, t):
+    """Noisy canvas, positions, attention mask and the loss targets for masked diffusion."""
+    columns = torch.arange(ids.shape[1], device=ids.device)[None, :]
+    response = (columns >= lengths[:, None]) & valid
+    masked = response & (torch.rand(ids.shape, device=ids.device) < t[:, None])
+    noisy = torch.where(masked, mask_id, ids)
+    positions = columns.expand(ids.shape[0], -1)
+    return noisy, positions, key_padding_mask(valid, valid), masked, ids
+
+
+def sdar_batch(ids, lengths, valid, mask_id, t):
+    """Clean sequence ++ noisy copy of the blocks holding the response (block diffusion)."""
+    batch, width = ids.shape
+    device = ids.device
+    starts = lengths // BLOCK * BLOCK
+    ends = valid.sum(1)  # responses are padded to a block boundary
+    noisy_width = int((ends - starts).max())
+    offsets = torch.arange(noisy_width, device=device)[None, :]
+    noisy_columns = starts[:, None] + offsets  # the column each noisy token copies
+    noisy_valid = noisy_columns < ends[:, None]
+    copied = ids.gather(1, noisy_columns.clamp(max=width - 1))
+    is_response = (noisy_columns >= lengths[:, None]) & noisy_valid
+    masked = is_response & (torch.rand(copied.shape, device=device) < t[:, None])
+    noisy = torch.where(masked, mask_id, copied)
+
+    columns = torch.arange(width, device=device)[None, :].expand(batch, -1)
+    clean_mask = block_causal_mask(columns, columns, BLOCK)  # [b, 1, w, w]
+    noisy_block, clean_block = noisy_columns // BLOCK, columns // BLOCK
+    noisy_sees_clean = clean_block[:, None, None, :] < noisy_block[:, None, :, None]
+    noisy_sees_noisy = noisy_block[:, None, None, :] == noisy_block[:, None, :, None]
+    top = torch.cat([clean_mask, torch.zeros(batch, 1, width, noisy_width, dtype=torch.bool, device=device)], -1)
+    bottom = torch.cat([noisy_sees_clean, noisy_sees_noisy], -1)
+    all_valid = torch.cat([valid, noisy_valid], 1)
+    mask = torch.cat([top, bottom], 2) & key_padding_mask(all_valid, all_valid)
+    tokens = torch.cat([ids, noisy], 1)
+    positions = torch.cat([columns, noisy_columns], 1)
+    targets = torch.cat([ids, copied], 1)
+    loss_at = torch.cat([torch.zeros_like(valid), masked], 1)
+    return tokens, positions, mask, loss_at, targets
+
+
+def loss_and_accuracy(model, family, ids, lengths, valid, mask_id, t):
+    make = llada_batch if family == "llada" else sdar_batch
+    tokens, positions, mask, loss_at, targets = make(ids, lengths, valid, mask_id, t)
+    logits = model(tokens, positions, lambda layer, q, k, v: attention(q, k, v, mask)).float()
+    per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    response_lengths = valid.sum(1) - lengths
+    weighted = (per_token * loss_at / t[:, None]).sum(1) / response_lengths
+    predicted = logits.argmax(-1)
+    return weighted.mean(), predicted, targets, loss_at
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+
+def held_out(encoder, length, n, seed):
+    rng = random.Random(seed)
+    pairs = []
+    for i in range(n):
+        task = tasks.TASKS[i % len(tasks.TASKS)]
+        sample = tasks.make_sample(task, length, rng.random(), rng.randrange(2**31), encoder.count_tokens)
+        pairs.append(encoder.encode(sample))
+    return pairs
+
+
+@torch.no_grad()
+def one_step_accuracy(model, family, pairs, encoder, device):
+    """Fraction of samples whose answer (through the end-of-turn token) is predicted exactly from a
+    fully masked response in one forward."""
+    correct = 0
+    for chunk in range(0, len(pairs), 16):
+        ids, lengths, valid = (x.to(device) for x in collate(pairs[chunk : chunk + 16], encoder.pad))
+        t = torch.ones(ids.shape[0], device=device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            _, predicted, targets, loss_at = loss_and_accuracy(model, family, ids, lengths, valid, encoder.mask_id, t)
+        for row in range(ids.shape[0]):
+            answer_length = pairs[chunk + row][1].index(encoder.end_of_turn) + 1
+            where = loss_at[row].nonzero().flatten()[:answer_length]
+            correct += bool((predicted[row, where] == targets[row, where]).all())
+    return correct / len(pairs)
+
+
+def save_checkpoint(model, family, directory: Path, config: dict):
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {checkpoint_name(family, name): p.detach().to(torch.bfloat16).cpu().contiguous()
+               for name, p in model.named_parameters()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (directory / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
+
+
+def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int):
+    torch.manual_seed(seed)
+    work = out / f"tiny-{family}"
+    from tokenizers import Tokenizer as HFTokenizer
+
+    bpe = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    vocab = {token: bpe.token_to_id(token) for token in SPECIAL_TOKENS}
+    config = family_config(family, vocab)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.json").write_text(json.dumps(config))
+    (work / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
+    encoder = Encoder(work, family)
+    model = Model(ModelConfig.from_dict(config)).to(device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, 0.02)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"tiny-{family}: {params / 1e6:.2f}M parameters", flush=True)
+
+    length = torch.multiprocessing.Value("i", STAGES[0]) if workers else type("V", (), {"value": STAGES[0]})()
+    stream = TaskStream(work, family, seed, length)
+    loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = 200
+    schedule = lambda step: min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps))))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    checks = {s: held_out(encoder, s, 48, seed + s) for s in STAGES}
+    best, stage, start, step = (-1.0, 0.0), 0, time.perf_counter(), 0
+    log = []
+    while step < max_steps and time.perf_counter() - start < minutes * 60:
+        batch_size = max(4, TOKENS_PER_BATCH // (STAGES[stage] + 64))
+        pairs = [next(loader) for _ in range(batch_size)]
+        ids, lengths, valid = (x.to(device) for x in collate(pairs, encoder.pad))
+        t = torch.rand(ids.shape[0], device=device).clamp(min=1e-3)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss, *_ = loss_and_accuracy(model, family, ids, lengths, valid, encoder.mask_id, t)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        if step % EVAL_EVERY == 0:
+            accuracy = one_step_accuracy(model, family, checks[STAGES[stage]], encoder, device)
+            entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), length=STAGES[stage],
+                         loss=round(loss.item(), 4), accuracy=accuracy, lr=scheduler.get_last_lr()[0])
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+            if (stage, accuracy) > best:
+                best = (stage, accuracy)
+                save_checkpoint(model, family, out / f"best-{family}", config)
+            if accuracy >= 0.9 and stage + 1 < len(STAGES):
+                stage += 1
+                length.value = STAGES[stage]
+    (out / f"best-{family}" / "train_log.json").write_text(json.dumps(log))
+    print(f"tiny-{family}: best held-out one-step accuracy {best[1]:.3f} at length {STAGES[int(best[0])]}, "
+          f"{step} steps in {time.perf_counter() - start:.0f}s", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["tokenizer", "llada", "sdar"])
+    parser.add_argument("--minutes", type=float, default=4.0)
+    parser.add_argument("--max-steps", type=int, default=4000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=str(ROOT / "runs"))
+    args = parser.parse_args()
+    if args.what == "tokenizer":
+        print(f"wrote {train_tokenizer(args.seed)}")
+        return
+    train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers)
+
+
+if __name__ == "__main__":
+    main()
