@@ -10,16 +10,20 @@ end-of-text padding, as the released SFT data is laid out; 16 or 32 tokens for l
 of the block holding the 32nd response position for sdar (the canvas the block engine decodes).
 
 Objectives:
-- llada: every response token is masked with probability t ~ U(0, 1); cross-entropy on the masked
-  tokens weighted by 1/t (LLaDA's SFT loss); attention is fully bidirectional.
+- llada: every response token is masked with probability t ~ U(0.05, 1); cross-entropy on the masked
+  tokens weighted by 1/t over the response length (LLaDA's SFT loss; t is kept above 0.05 so no
+  sample weighs more than 20); attention is fully bidirectional.
 - sdar: block diffusion with a clean copy and a noisy copy of the response blocks. Noisy block b
   sees the clean blocks before it and itself (its prompt tail stays clean), exactly what the block
-  engine shows it at inference; the clean copy is block-causal. Loss on the masked noisy tokens,
-  weighted by 1/t.
+  engine shows it at inference; the clean copy is block-causal. The same 1/t-weighted loss on the
+  masked noisy tokens.
 
 Length curriculum: 128 tokens first; when the held-out one-step accuracy (all answer tokens
-predicted from a fully masked response) reaches 0.9, the longest length doubles, up to MAX_LENGTH.
-Batches mix the current length with shorter ones. AdamW with warmup and cosine decay; the checkpoint
+predicted from a fully masked response, harder than iterative decoding) reaches ADVANCE_AT, the
+longest length doubles, up to MAX_LENGTH. --init continues from an earlier checkpoint.
+Batches of at most 256 samples (fewer at long lengths, TOKENS_PER_BATCH tokens) mix the current
+length with shorter ones. AdamW with warmup and a cosine decay over the
+run (steps or wall-clock minutes, whichever ends it first); the checkpoint
 with the best held-out score is the one saved (in bf16, in the family's real on-disk format).
 Reproducible from --seed (data order, init); GPU kernels may add run-to-run noise.
 """
@@ -44,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from nanodllm import tasks  # noqa: E402
 from nanodllm.attention import attention, block_causal_mask, key_padding_mask  # noqa: E402
 from nanodllm.config import ModelConfig  # noqa: E402
-from nanodllm.loader import checkpoint_name  # noqa: E402
+from nanodllm.loader import checkpoint_name, load_model  # noqa: E402
 from nanodllm.model import Model  # noqa: E402
 from nanodllm.tokenizer import Tokenizer  # noqa: E402
 
@@ -57,6 +61,7 @@ RESPONSE_LENGTHS = {"llada": (16, 32), "sdar": (32,)}  # llada also learns short
 BLOCK = 32
 MAX_LENGTH = 4096
 STAGES = [128, 256, 512, 1024, 2048, 4096]
+ADVANCE_AT = 0.8  # one-step accuracy (all answer tokens at once) that moves the curriculum on
 TOKENS_PER_BATCH = int(os.environ.get("TINY_TOKENS_PER_BATCH", 65536))
 EVAL_EVERY = int(os.environ.get("TINY_EVAL_EVERY", 100))
 
@@ -140,7 +145,7 @@ class TaskStream(torch.utils.data.IterableDataset):
             target = rng.choice([length] * len(STAGES) + [s for s in STAGES if s < length] or [length])
             target = max(64, int(target * rng.uniform(0.75, 1.0)))
             task = rng.choice(tasks.TASKS)
-            sample = tasks.make_sample(task, target, rng.random(), rng.randrange(2**31), encoder.count_tokens)
+            sample = tasks.make_sample(task, target, rng.random(), rng.randrange(2**31))  # word-count lengths: fast
             response_length = rng.choice(RESPONSE_LENGTHS[self.family])
             yield encoder.encode(sample, response_length)
 
@@ -206,10 +211,9 @@ def loss_and_accuracy(model, family, ids, lengths, valid, mask_id, t):
     tokens, positions, mask, loss_at, targets = make(ids, lengths, valid, mask_id, t)
     logits = model(tokens, positions, lambda layer, q, k, v: attention(q, k, v, mask)).float()
     per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-    response_lengths = valid.sum(1) - lengths
-    weighted = (per_token * loss_at / t[:, None]).sum(1) / response_lengths
+    per_sample = (per_token * loss_at).sum(1) / (t * (valid.sum(1) - lengths))
     predicted = logits.argmax(-1)
-    return weighted.mean(), predicted, targets, loss_at
+    return per_sample.mean(), predicted, targets, loss_at
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,7 +257,8 @@ def save_checkpoint(model, family, directory: Path, config: dict):
     (directory / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
 
 
-def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int):
+def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int,
+          init: str | None):
     torch.manual_seed(seed)
     work = out / f"tiny-{family}"
     from tokenizers import Tokenizer as HFTokenizer
@@ -265,11 +270,14 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
     (work / "config.json").write_text(json.dumps(config))
     (work / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
     encoder = Encoder(work, family)
-    model = Model(ModelConfig.from_dict(config)).to(device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0.0, 0.02)
+    if init:
+        model = load_model(init, device, torch.float32)
+    else:
+        model = Model(ModelConfig.from_dict(config)).to(device)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if not name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.02)
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny-{family}: {params / 1e6:.2f}M parameters", flush=True)
 
@@ -277,35 +285,36 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
     stream = TaskStream(work, family, seed, length)
     loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = 200
-    schedule = lambda step: min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps))))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    peak_lr, warmup = 1e-3, 200
     checks = {s: held_out(encoder, s, 48, seed + s) for s in STAGES}
-    best, stage, start, step = (-1.0, 0.0), 0, time.perf_counter(), 0
+    best, stage, start, step = (0, -1.0), 0, time.perf_counter(), 0
     log = []
     while step < max_steps and time.perf_counter() - start < minutes * 60:
-        batch_size = max(4, TOKENS_PER_BATCH // (STAGES[stage] + 64))
+        batch_size = min(256, max(8, TOKENS_PER_BATCH // (STAGES[stage] + 64)))
         pairs = [next(loader) for _ in range(batch_size)]
         ids, lengths, valid = (x.to(device) for x in collate(pairs, encoder.pad))
-        t = torch.rand(ids.shape[0], device=device).clamp(min=1e-3)
+        progress = max(step / max_steps, (time.perf_counter() - start) / (minutes * 60))
+        lr = peak_lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t = torch.rand(ids.shape[0], device=device).clamp(min=0.05)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
             loss, *_ = loss_and_accuracy(model, family, ids, lengths, valid, encoder.mask_id, t)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        scheduler.step()
         step += 1
         if step % EVAL_EVERY == 0:
             accuracy = one_step_accuracy(model, family, checks[STAGES[stage]], encoder, device)
             entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), length=STAGES[stage],
-                         loss=round(loss.item(), 4), accuracy=accuracy, lr=scheduler.get_last_lr()[0])
+                         loss=round(loss.item(), 4), accuracy=accuracy, lr=lr)
             log.append(entry)
             print(json.dumps(entry), flush=True)
             if (stage, accuracy) > best:
                 best = (stage, accuracy)
                 save_checkpoint(model, family, out / f"best-{family}", config)
-            if accuracy >= 0.9 and stage + 1 < len(STAGES):
+            if accuracy >= ADVANCE_AT and stage + 1 < len(STAGES):
                 stage += 1
                 length.value = STAGES[stage]
     (out / f"best-{family}" / "train_log.json").write_text(json.dumps(log))
@@ -322,11 +331,13 @@ def main():
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(ROOT / "runs"))
+    parser.add_argument("--init", help="continue from this checkpoint directory")
     args = parser.parse_args()
     if args.what == "tokenizer":
         print(f"wrote {train_tokenizer(args.seed)}")
         return
-    train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers)
+    train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers,
+          args.init)
 
 
 if __name__ == "__main__":
