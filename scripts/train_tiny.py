@@ -133,8 +133,9 @@ class Encoder:
 class TaskStream(torch.utils.data.IterableDataset):
     """Endless (prompt, response) pairs of a given length; each worker has its own seed."""
 
-    def __init__(self, directory: Path, family: str, seed: int, length):
+    def __init__(self, directory: Path, family: str, seed: int, length, task_names):
         self.directory, self.family, self.seed, self.length = directory, family, seed, length
+        self.task_names = task_names
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -144,7 +145,7 @@ class TaskStream(torch.utils.data.IterableDataset):
             length = self.length.value
             target = rng.choice([length] * len(STAGES) + [s for s in STAGES if s < length] or [length])
             target = max(64, int(target * rng.uniform(0.75, 1.0)))
-            task = rng.choice(tasks.TASKS)
+            task = rng.choice(self.task_names)
             sample = tasks.make_sample(task, target, rng.random(), rng.randrange(2**31))  # word-count lengths: fast
             response_length = rng.choice(RESPONSE_LENGTHS[self.family])
             yield encoder.encode(sample, response_length)
@@ -219,11 +220,11 @@ def loss_and_accuracy(model, family, ids, lengths, valid, mask_id, t):
 # ------------------------------------------------------------------------------------------------
 # training
 
-def held_out(encoder, length, n, seed):
+def held_out(encoder, length, n, seed, task_names):
     rng = random.Random(seed)
     pairs = []
     for i in range(n):
-        task = tasks.TASKS[i % len(tasks.TASKS)]
+        task = task_names[i % len(task_names)]
         sample = tasks.make_sample(task, length, rng.random(), rng.randrange(2**31), encoder.count_tokens)
         pairs.append(encoder.encode(sample))
     return pairs
@@ -258,7 +259,7 @@ def save_checkpoint(model, family, directory: Path, config: dict):
 
 
 def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int,
-          init: str | None):
+          init: str | None, task_names: tuple[str, ...]):
     torch.manual_seed(seed)
     work = out / f"tiny-{family}"
     from tokenizers import Tokenizer as HFTokenizer
@@ -282,11 +283,11 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
     print(f"tiny-{family}: {params / 1e6:.2f}M parameters", flush=True)
 
     length = torch.multiprocessing.Value("i", STAGES[0]) if workers else type("V", (), {"value": STAGES[0]})()
-    stream = TaskStream(work, family, seed, length)
+    stream = TaskStream(work, family, seed, length, task_names)
     loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     peak_lr, warmup = 1e-3, 200
-    checks = {s: held_out(encoder, s, 48, seed + s) for s in STAGES}
+    checks = {s: held_out(encoder, s, 48, seed + s, task_names) for s in STAGES}
     best, stage, start, step = (0, -1.0), 0, time.perf_counter(), 0
     log = []
     while step < max_steps and time.perf_counter() - start < minutes * 60:
@@ -332,12 +333,13 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(ROOT / "runs"))
     parser.add_argument("--init", help="continue from this checkpoint directory")
+    parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated tasks to train on")
     args = parser.parse_args()
     if args.what == "tokenizer":
         print(f"wrote {train_tokenizer(args.seed)}")
         return
     train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers,
-          args.init)
+          args.init, tuple(args.tasks.split(",")))
 
 
 if __name__ == "__main__":
