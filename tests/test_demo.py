@@ -24,10 +24,12 @@ def test_demo_runs_dense_on_a_checkpoint(name, extra):
     assert "token agreement dense vs dense: 8/8" in done.stdout
 
 
-def test_demo_without_model_says_so():
-    done = demo("--method", "dense")
-    assert done.returncode != 0
-    assert "no default model" in done.stderr and "--model" in done.stderr
+def test_demo_defaults_to_the_tiny_model_and_a_passkey_prompt():
+    done = demo("--method", "dense", "--context", "512")
+    assert done.returncode == 0, done.stderr
+    assert "tiny-llada (llada, masked engine)" in done.stdout
+    answer = done.stdout.split("the answer is ")[1].split()[0]
+    assert done.stdout.split("[dense]")[1].splitlines()[1].strip() == answer
 
 
 def test_demo_unknown_method_lists_valid_ones():

@@ -1,0 +1,70 @@
+"""The shipped tiny models (real formats, retrieval accuracy) and the eval harness around them."""
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from nanodllm import eval as evaluation
+from nanodllm.config import ModelConfig
+
+ASSETS = Path(evaluation.__file__).resolve().parent / "assets"
+
+
+def run_eval(capsys, *args):
+    code = evaluation.main(["--device", "cpu", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def accuracy(out: str, method: str, length: int) -> float:
+    line = next(l for l in out.splitlines() if l.startswith(f"{method}: "))
+    return dict(part.split(": ") for part in line[len(method) + 2 :].split(", "))[str(length)]
+
+
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-sdar"])
+def test_tiny_models_are_in_the_real_formats(name):
+    directory = ASSETS / name
+    raw = json.loads((directory / "config.json").read_text())
+    cfg = ModelConfig.from_dir(directory)
+    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+        keys = set(handle.keys())
+    assert (directory / "model.safetensors").stat().st_size < 10 * 2**20
+    if name == "tiny-llada":
+        assert {"d_model", "n_layers", "n_heads", "mlp_hidden_size", "weight_tying"} <= raw.keys()
+        assert cfg.attention == "bidirectional"
+        assert "model.transformer.blocks.0.ff_proj.weight" in keys and "model.transformer.ff_out.weight" in keys
+    else:
+        assert {"hidden_size", "num_hidden_layers", "num_key_value_heads", "block_size"} <= raw.keys()
+        assert cfg.attention == "block_causal" and cfg.block_size == 32 and cfg.qk_norm
+        assert cfg.num_kv_heads < cfg.num_heads
+        assert "model.layers.0.self_attn.q_norm.weight" in keys and "lm_head.weight" in keys
+
+
+@pytest.mark.parametrize("name,extra", [("tiny-sdar", []), ("tiny-llada", ["--gen-length", "16"])])
+def test_passkey_at_1k_on_the_cpu(capsys, name, extra):
+    code, out, err = run_eval(capsys, "--model", name, "--task", "passkey", "--lengths", "1024", "--n", "20",
+                              "--batch", "20", *extra)
+    assert code == 0, err
+    assert float(accuracy(out, "dense", 1024)) >= 0.95, out
+
+
+def test_longbench_file_is_scored(capsys, tmp_path):
+    data = tmp_path / "qa.jsonl"
+    rows = [dict(input="What is the pass key?", context="The pass key is 12345. Remember it.", answers=["12345"],
+                 length=10, dataset="narrativeqa", all_classes=None, _id=str(i)) for i in range(2)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    code, out, err = run_eval(capsys, "--model", "tiny-sdar", "--task", "longbench", "--data", str(data), "--n", "2")
+    assert code == 0, err
+    assert "| narrativeqa |" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "nope"], "unknown method 'nope'; valid methods: dense"),
+    (["--task", "longbench"], "--task longbench needs --data"),
+    (["--model", "/nowhere"], "model not found: /nowhere"),
+])
+def test_bad_arguments_are_named(capsys, args, message):
+    code, _, err = run_eval(capsys, *args)
+    assert code == 2 and message in err
