@@ -41,7 +41,8 @@ def parse_args(argv):
     parser.add_argument("--context", type=int, default=1024, help="length of the built-in prompt in tokens")
     parser.add_argument("--no-chat", action="store_true", help="encode the prompt as raw text, no chat template")
     parser.add_argument("--gen-length", type=int, default=32)
-    parser.add_argument("--block-length", type=int, help="default: 32 (LLaDA) or the config's block_size (SDAR)")
+    parser.add_argument("--block-length", type=int,
+                        help="default: min(32, gen-length) (LLaDA) or the config's block_size (SDAR)")
     parser.add_argument("--steps", type=int, help="default: gen-length (LLaDA) or block-length (SDAR, per block)")
     parser.add_argument("--threshold", type=float, help="confidence-threshold parallel decoding")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -51,7 +52,8 @@ def parse_args(argv):
 
 
 def run(engine, model, prompt_ids, gen, method, stop_ids, device):
-    """Generate once; returns (tokens, seconds, peak memory in MiB, what that memory counts)."""
+    """Generate once; returns (tokens, seconds, peak memory in MiB, what that memory counts, the
+    fraction of KV entries the method kept)."""
     kwargs = {"stop_ids": stop_ids} if engine is block else {}
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -63,7 +65,8 @@ def run(engine, model, prompt_ids, gen, method, stop_ids, device):
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS
-    return result.tokens[0], time.perf_counter() - start, peak, "GPU allocated" if device.type == "cuda" else "process RSS"
+    memory_kind = "GPU allocated" if device.type == "cuda" else "process RSS"
+    return result.tokens[0], time.perf_counter() - start, peak, memory_kind, method.stats.get("kv_kept", 1.0)
 
 
 def main(argv=None) -> int:
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
     try:
         cfg = ModelConfig.from_dir(model_dir)
         is_block = cfg.attention == "block_causal"
-        block_length = args.block_length or (cfg.block_size if is_block else 32)
+        block_length = args.block_length or (cfg.block_size if is_block else min(32, args.gen_length))
         gen = GenerationConfig(
             gen_length=args.gen_length,
             block_length=block_length,
@@ -108,10 +111,10 @@ def main(argv=None) -> int:
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
     if answer is not None:
         print(f"built-in prompt: find the pass key hidden halfway through {args.context} tokens; the answer is {answer}")
-    for name, (tokens, seconds, peak, memory_kind) in runs.items():
+    for name, (tokens, seconds, peak, memory_kind, kv_kept) in runs.items():
         text = tokenizer.decode(until_stop(tokens, tokenizer.stop_ids))
         print(f"\n[{name}] {len(tokens)} tokens in {seconds:.2f}s = {len(tokens) / seconds:.1f} tokens/s, "
-              f"peak memory {peak:.0f} MiB ({memory_kind})")
+              f"peak memory {peak:.0f} MiB ({memory_kind}), KV kept {kv_kept:.0%}")
         print(text)
     dense, other = runs["dense"][0], runs[args.method][0]
     same = sum(a == b for a, b in zip(dense, other))

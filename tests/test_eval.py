@@ -68,3 +68,14 @@ def test_longbench_file_is_scored(capsys, tmp_path):
 def test_bad_arguments_are_named(capsys, args, message):
     code, _, err = run_eval(capsys, *args)
     assert code == 2 and message in err
+
+
+def test_plot_writes_a_heatmap_or_says_matplotlib_is_missing(capsys, tmp_path):
+    target = tmp_path / "heatmap.png"
+    code, out, err = run_eval(capsys, "--model", "tiny-sdar", "--lengths", "256", "--n", "2", "--plot", str(target))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 2 and "--plot needs matplotlib" in err and not target.exists()
+    else:
+        assert code == 0 and target.stat().st_size > 0
