@@ -230,7 +230,7 @@ def _kv_code(rng, used):
     """A fresh code (digits only, so it never reads as a word of the frame)."""
     while True:
         code = "".join(rng.choices(KV_CODE_ALPHABET, k=KV_CODE_LENGTH))
-        if code not in used and not code.isalpha():
+        if code not in used:
             used.add(code)
             return code
 
