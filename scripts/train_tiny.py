@@ -20,11 +20,13 @@ Objectives:
 
 Length curriculum: 128 tokens first; when the held-out one-step accuracy (all answer tokens
 predicted from a fully masked response, harder than iterative decoding) reaches ADVANCE_AT, the
-longest length doubles, up to MAX_LENGTH. --init continues from an earlier checkpoint.
+longest length doubles, up to MAX_LENGTH. Tasks come in phases (--tasks, default passkey alone,
+then all three): a phase that has passed the longest length hands over to the next, which starts
+again at 128 tokens. --init continues from an earlier checkpoint.
 Batches of at most 256 samples (fewer at long lengths, TOKENS_PER_BATCH tokens) mix the current
 length with shorter ones. AdamW with warmup and a cosine decay over the
 run (steps or wall-clock minutes, whichever ends it first); the checkpoint
-with the best held-out score is the one saved (in bf16, in the family's real on-disk format).
+saved is the furthest along (phase, then length, then held-out accuracy) (in bf16, in the family's real on-disk format).
 Reproducible from --seed (data order, init); GPU kernels may add run-to-run noise.
 """
 
@@ -130,12 +132,31 @@ class Encoder:
         return prompt, (answer + [self.pad] * response_length)[:response_length]
 
 
-class TaskStream(torch.utils.data.IterableDataset):
-    """Endless (prompt, response) pairs of a given length; each worker has its own seed."""
+class Shared:
+    """A number the training loop changes and the data workers read (a plain attribute without workers)."""
 
-    def __init__(self, directory: Path, family: str, seed: int, length, task_names):
-        self.directory, self.family, self.seed, self.length = directory, family, seed, length
-        self.task_names = task_names
+    def __init__(self, value: int, across_processes: bool):
+        self.cell = torch.multiprocessing.Value("i", value) if across_processes else None
+        self.local = value
+
+    @property
+    def value(self) -> int:
+        return self.cell.value if self.cell is not None else self.local
+
+    @value.setter
+    def value(self, value: int):
+        if self.cell is not None:
+            self.cell.value = value
+        self.local = value
+
+
+class TaskStream(torch.utils.data.IterableDataset):
+    """Endless (prompt, response) pairs at the curriculum's current length and task phase; each
+    worker has its own seed."""
+
+    def __init__(self, directory: Path, family: str, seed: int, length: Shared, phase: Shared, phases):
+        self.directory, self.family, self.seed = directory, family, seed
+        self.length, self.phase, self.phases = length, phase, phases
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -145,7 +166,7 @@ class TaskStream(torch.utils.data.IterableDataset):
             length = self.length.value
             target = rng.choice([length] * len(STAGES) + [s for s in STAGES if s < length] or [length])
             target = max(64, int(target * rng.uniform(0.75, 1.0)))
-            task = rng.choice(self.task_names)
+            task = rng.choice(self.phases[self.phase.value])
             sample = tasks.make_sample(task, target, rng.random(), rng.randrange(2**31))  # word-count lengths: fast
             response_length = rng.choice(RESPONSE_LENGTHS[self.family])
             yield encoder.encode(sample, response_length)
@@ -221,6 +242,7 @@ def loss_and_accuracy(model, family, ids, lengths, valid, mask_id, t):
 # training
 
 def held_out(encoder, length, n, seed, task_names):
+    """n (prompt, response) pairs cycling over task_names: the fixed set a stage is judged on."""
     rng = random.Random(seed)
     pairs = []
     for i in range(n):
@@ -259,7 +281,7 @@ def save_checkpoint(model, family, directory: Path, config: dict):
 
 
 def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int,
-          init: str | None, task_names: tuple[str, ...]):
+          init: str | None, phases: list[tuple[str, ...]]):
     torch.manual_seed(seed)
     work = out / f"tiny-{family}"
     from tokenizers import Tokenizer as HFTokenizer
@@ -282,13 +304,13 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny-{family}: {params / 1e6:.2f}M parameters", flush=True)
 
-    length = torch.multiprocessing.Value("i", STAGES[0]) if workers else type("V", (), {"value": STAGES[0]})()
-    stream = TaskStream(work, family, seed, length, task_names)
+    length, phase = Shared(STAGES[0], workers > 0), Shared(0, workers > 0)
+    stream = TaskStream(work, family, seed, length, phase, phases)
     loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     peak_lr, warmup = 1e-3, 200
-    checks = {s: held_out(encoder, s, 48, seed + s, task_names) for s in STAGES}
-    best, stage, start, step = (0, -1.0), 0, time.perf_counter(), 0
+    checks = {}  # (phase, stage) -> held-out pairs
+    best, stage, start, step = (0, 0, -1.0), 0, time.perf_counter(), 0
     log = []
     while step < max_steps and time.perf_counter() - start < minutes * 60:
         batch_size = min(256, max(8, TOKENS_PER_BATCH // (STAGES[stage] + 64)))
@@ -307,20 +329,25 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
         optimizer.step()
         step += 1
         if step % EVAL_EVERY == 0:
-            accuracy = one_step_accuracy(model, family, checks[STAGES[stage]], encoder, device)
-            entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), length=STAGES[stage],
-                         loss=round(loss.item(), 4), accuracy=accuracy, lr=lr)
+            key = (phase.value, stage)
+            if key not in checks:
+                checks[key] = held_out(encoder, STAGES[stage], 48, seed + 7919 * key[0] + stage, phases[key[0]])
+            accuracy = one_step_accuracy(model, family, checks[key], encoder, device)
+            entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), tasks=",".join(phases[key[0]]),
+                         length=STAGES[stage], loss=round(loss.item(), 4), accuracy=accuracy, lr=lr)
             log.append(entry)
             print(json.dumps(entry), flush=True)
-            if (stage, accuracy) > best:
-                best = (stage, accuracy)
+            if (*key, accuracy) > best:
+                best = (*key, accuracy)
                 save_checkpoint(model, family, out / f"best-{family}", config)
             if accuracy >= ADVANCE_AT and stage + 1 < len(STAGES):
                 stage += 1
-                length.value = STAGES[stage]
+            elif accuracy >= ADVANCE_AT and phase.value + 1 < len(phases):
+                stage, phase.value = 0, phase.value + 1
+            length.value = STAGES[stage]
     (out / f"best-{family}" / "train_log.json").write_text(json.dumps(log))
-    print(f"tiny-{family}: best held-out one-step accuracy {best[1]:.3f} at length {STAGES[int(best[0])]}, "
-          f"{step} steps in {time.perf_counter() - start:.0f}s", flush=True)
+    print(f"tiny-{family}: best held-out one-step accuracy {best[2]:.3f} on {','.join(phases[best[0]])} at length "
+          f"{STAGES[best[1]]}, {step} steps in {time.perf_counter() - start:.0f}s", flush=True)
 
 
 def main():
@@ -333,13 +360,15 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(ROOT / "runs"))
     parser.add_argument("--init", help="continue from this checkpoint directory")
-    parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated tasks to train on")
+    parser.add_argument("--tasks", default="passkey+" + ",".join(tasks.TASKS),
+                        help="task phases: comma-separated tasks, phases joined by '+'; each phase runs the "
+                             "length curriculum to the end before the next starts")
     args = parser.parse_args()
     if args.what == "tokenizer":
         print(f"wrote {train_tokenizer(args.seed)}")
         return
     train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers,
-          args.init, tuple(args.tasks.split(",")))
+          args.init, [tuple(names.split(",")) for names in args.tasks.split("+")])
 
 
 if __name__ == "__main__":
