@@ -24,9 +24,9 @@ longest length doubles, up to MAX_LENGTH. Tasks come in phases (--tasks, default
 then all three): a phase that has passed the longest length hands over to the next, which starts
 again at 128 tokens. --init continues from an earlier checkpoint.
 Batches of at most 256 samples (fewer at long lengths, TOKENS_PER_BATCH tokens) mix the current
-length with shorter ones. AdamW with warmup and a cosine decay over the
-run (steps or wall-clock minutes, whichever ends it first); the checkpoint
-saved is the furthest along (phase, then length, then held-out accuracy) (in bf16, in the family's real on-disk format).
+length with shorter ones. AdamW with warmup and a cosine decay over the run (steps or wall-clock
+minutes, whichever ends it first). The checkpoint saved is the one furthest along (phase, then
+length, then held-out accuracy), in bf16 and in the family's real on-disk format.
 Reproducible from --seed (data order, init); GPU kernels may add run-to-run noise.
 """
 
