@@ -85,8 +85,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 break
             if gen.threshold is not None and not block_masked.any():
                 break
-            ctx = StepContext(x, positions, valid, lengths, block, step, steps_per_block, mask_id,
-                              attn_mask, start, stop, block_length=gen.block_length)
+            ctx = StepContext(x, positions, valid, lengths, block=block, step=step, steps_per_block=steps_per_block,
+                              mask_id=mask_id, attn_mask=attn_mask, logits_start=start, logits_stop=stop,
+                              block_length=gen.block_length)
             logits = _logits(model, method, ctx, gen.cfg_scale, in_prompt)
             forwards += 1
             x0 = without_token(gumbel_max_scores(logits, gen.temperature), mask_id).argmax(dim=-1)

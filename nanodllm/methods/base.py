@@ -16,7 +16,7 @@ the model's per-layer primitives. Everything a hook needs is in `ctx`; there is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,11 +26,15 @@ from ..cache import KVCache
 
 @dataclass
 class StepContext:
-    """What the engine knows at one step. Built fresh per step; methods may read all of it.
+    """What the engine knows at one step; methods may read all of it. The masked engine builds one
+    per step; the block engine one per block, updating tokens and step in place.
 
     tokens, positions: [batch, t] what is fed this step: the whole canvas (masked engine) or the
         active block (block engine).
     valid: [batch, t] False at padding positions of a ragged batch.
+    prompt_lengths: [batch] each row's prompt length.
+    block, step, steps_per_block: where the schedule is (block index counts from the first
+        generated block); block_length: the engine's block size (also the block-causal mask's).
     attn_mask: [batch, 1, t, t] masked engine: the mask among the fed tokens (None = all visible).
     logits_start, logits_stop: the span of tokens whose logits the engine reads.
     cache: block engine only, the exact KV cache of everything before the active block.
@@ -51,7 +55,6 @@ class StepContext:
     cache: KVCache | None = None
     counts: torch.Tensor | None = None
     block_length: int = 0
-    extras: dict = field(default_factory=dict)
 
 
 class Method:
