@@ -95,7 +95,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def progress(done: int, total: int, label: str):
-    if sys.stderr.isatty() or total > 1:
+    """A one-line progress bar on stderr (nothing for a single batch)."""
+    if total > 1:
         filled = int(30 * done / total)
         sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
         if done == total:

@@ -30,7 +30,7 @@ from nanodllm import block, masked  # noqa: E402
 from nanodllm.attention import attention, block_causal_mask  # noqa: E402
 from nanodllm.cache import KVCache  # noqa: E402
 from nanodllm.config import GenerationConfig, preset  # noqa: E402
-from nanodllm.loader import RENAMES, load_model  # noqa: E402
+from nanodllm.loader import checkpoint_name, load_model  # noqa: E402
 from nanodllm.methods.base import Dense, StepContext  # noqa: E402
 from nanodllm.model import build_random  # noqa: E402
 
@@ -173,13 +173,9 @@ def write_checkpoint(directory: Path):
     from safetensors.torch import save_file
 
     model = build_random(preset("sdar-1.7b"), device="cuda")
-    names = {}
-    for name, _ in model.named_parameters():
-        names[name] = "lm_head.weight" if name == "lm_head.weight" else f"model.{name}"
-    assert RENAMES["sdar"][0] == ("lm_head.weight", "lm_head.weight")
     shards, current, size = [], {}, 0
     for name, param in model.named_parameters():
-        current[names[name]] = param.detach().cpu()
+        current[checkpoint_name("sdar", name)] = param.detach().cpu()
         size += param.numel() * 2
         if size > 1e9:
             shards.append(current)
