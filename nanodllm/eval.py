@@ -123,24 +123,23 @@ def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], ba
 
 def table(results, methods: list[str]) -> str:
     dense = results["dense"]
-    rows = ["| cell | depth | n | " + " | ".join(f"{m} acc" for m in methods)
-            + " | " + " | ".join(f"{m} agree | {m} tok/s | {m} KV kept" for m in methods if m != "dense")
-            + " | dense tok/s |",
-            "|" + "---|" * (4 + len(methods) + 3 * (len(methods) - 1))]
+    others = [m for m in methods if m != "dense"]
+    header = ["cell", "depth", "n", *(f"{m} acc" for m in methods),
+              *(f"{m} {what}" for m in others for what in ("agree", "tok/s", "KV kept")), "dense tok/s"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(dense, key=lambda c: (str(c[0]), c[1])):
         n = len(dense[cell].scores)
-        accuracy = [sum(results[m][cell].scores) / n for m in methods]
-        line = f"| {cell[0]} | {cell[1]:.2f} | {n} | " + " | ".join(f"{a:.3f}" for a in accuracy)
-        for m in methods:
-            if m == "dense":
-                continue
+        columns = [str(cell[0]), f"{cell[1]:.2f}", str(n), *(f"{sum(results[m][cell].scores) / n:.3f}" for m in methods)]
+        for m in others:
             outcome = results[m][cell]
-            speed = sum(map(len, outcome.tokens)) / max(outcome.seconds, 1e-9)
-            line += (f" | {agreement(outcome.tokens, dense[cell].tokens):.3f} | {speed:.1f} | "
-                     f"{sum(outcome.kv_kept) / n:.3f}")
-        speed = sum(map(len, dense[cell].tokens)) / max(dense[cell].seconds, 1e-9)
-        rows.append(line + f" | {speed:.1f} |")
+            columns += [f"{agreement(outcome.tokens, dense[cell].tokens):.3f}", f"{tokens_per_second(outcome):.1f}",
+                        f"{sum(outcome.kv_kept) / n:.3f}"]
+        rows.append("| " + " | ".join(columns + [f"{tokens_per_second(dense[cell]):.1f}"]) + " |")
     return "\n".join(rows)
+
+
+def tokens_per_second(outcome: Outcome) -> float:
+    return sum(map(len, outcome.tokens)) / max(outcome.seconds, 1e-9)
 
 
 def summary(results, methods: list[str]) -> dict:

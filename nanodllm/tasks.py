@@ -4,9 +4,13 @@ The tasks train and evaluate tiny diffusion LMs, so their text is simple and reg
 is one user message: an intro line, a context, and a question; the reply is `sample.answer`.
   - passkey   filler sentences with one needle "The pass key is {n}. Remember it. {n} is the pass
               key."; n is a 5-digit number.
-  - multikey  filler with 4 needles "The pass key for the {adjective} {animal} is {n}." (distinct
-              names, distinct numbers); one is asked for, the 3 distractors sit at random depths.
-  - kv        no filler: lines "{key} : {value} ." of distinct 6-digit codes; one key is asked for.
+  - multikey  filler with 4 needles "The pass key for the {adjective} {animal} is {n}." (no two
+              needles share an adjective or an animal; distinct numbers); one is asked for, the 3
+              distractors sit at random depths.
+  - kv        no filler: lines "{key} : {value} ." with distinct keys (made-up words such as "tiko",
+              one token each in the tiny models' tokenizer) and distinct 6-digit values; one key is
+              asked for. KV_KEYS bounds the lines: about 1,500, enough for 8K tokens of a BPE
+              tokenizer; a longer prompt is refused with a clear error.
 Filler sentences use a fixed list of about 150 common words: no digits, no pass key or name
 words, nothing shaped like a kv code, so the answer appears only inside its needle.
 
@@ -70,13 +74,12 @@ MULTIKEY_NEEDLES = 4
 KV_INTRO = "Here are key value pairs. Find the value of the key asked for."
 KV_LINE = "{key} : {value} ."
 KV_QUESTION = "What is the value of {key}?"
-KV_CODE_LENGTH = 6
-KV_CODE_ALPHABET = string.digits  # digits tokenize one by one: a key reads the same wherever it appears
+KV_VALUE_LENGTH = 6
+KV_KEY_COUNT = 1536
 NUMBER_RANGE = range(10000, 100000)
 
 NAME_ADJECTIVES = ("red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "pink", "brown")
 NAME_ANIMALS = ("fox", "owl", "wolf", "bear", "tiger", "horse", "rabbit", "eagle", "snake", "mouse", "lion", "whale")
-NAMES = tuple(f"{adjective} {animal}" for adjective in NAME_ADJECTIVES for animal in NAME_ANIMALS)
 
 FILLER_WORDS = {
     "person": ("farmer", "baker", "teacher", "doctor", "sailor", "painter", "writer", "singer", "driver",
@@ -105,6 +108,20 @@ SENTENCE_TEMPLATES = (
     "The {person} {action} the {thing} and {motion} to the {place}.",
 )
 
+
+
+def _key_words() -> tuple[str, ...]:
+    """KV_KEY_COUNT made-up consonant-vowel words, none inside a word of the frames or the filler."""
+    frames = " ".join([PASSKEY_INTRO, PASSKEY_NEEDLE, PASSKEY_QUESTION, MULTIKEY_NEEDLE, MULTIKEY_QUESTION,
+                       KV_INTRO, KV_QUESTION, *SENTENCE_TEMPLATES, *NAME_ADJECTIVES, *NAME_ANIMALS,
+                       *(phrase for group in FILLER_WORDS.values() for phrase in group)]).lower()
+    syllables = [consonant + vowel for consonant in "bdfgklmnprstvz" for vowel in "aeiou"]
+    words = sorted({first + second for first in syllables for second in syllables})
+    random.Random("kv keys").shuffle(words)
+    return tuple(word for word in words if word not in frames)[:KV_KEY_COUNT]
+
+
+KV_KEYS = _key_words()
 WORD_OR_PUNCTUATION = re.compile(r"\w+|[^\w\s]")
 ARTICLES = re.compile(r"\b(a|an|the)\b")
 PUNCTUATION = frozenset(string.punctuation)
@@ -201,7 +218,8 @@ def _passkey(rng, length, depth, count, target):
 
 
 def _multikey(rng, length, depth, count, target):
-    names = rng.sample(NAMES, MULTIKEY_NEEDLES)
+    adjectives, animals = rng.sample(NAME_ADJECTIVES, MULTIKEY_NEEDLES), rng.sample(NAME_ANIMALS, MULTIKEY_NEEDLES)
+    names = [f"{adjective} {animal}" for adjective, animal in zip(adjectives, animals)]
     numbers = [str(number) for number in rng.sample(NUMBER_RANGE, MULTIKEY_NEEDLES)]
     needles = [MULTIKEY_NEEDLE.format(name=name, number=number) for name, number in zip(names, numbers)]
     question = MULTIKEY_QUESTION.format(name=names[0])
@@ -215,24 +233,29 @@ def _multikey(rng, length, depth, count, target):
 
 def _kv(rng, length, depth, count, target):
     used = set()
-    key, value = _kv_code(rng, used), _kv_code(rng, used)
+    key, value = rng.choice(KV_KEYS), _kv_value(rng, used)
     needle = KV_LINE.format(key=key, value=value)
     question = KV_QUESTION.format(key=key)
     budget = target - _frame_cost(count, "\n", KV_INTRO, [needle], question)
 
-    def pair(rng):
-        return KV_LINE.format(key=_kv_code(rng, used), value=_kv_code(rng, used))
+    def pair(rng):  # the queried key stands in for the others while the budget is measured
+        return KV_LINE.format(key=key, value=_kv_value(rng, used))
     pieces = _fill(rng, budget, count, "\n", pair)
+    if len(pieces) >= len(KV_KEYS):
+        raise ValueError(f"a kv prompt of {length} tokens needs {len(pieces) + 1} distinct keys, more than the "
+                         f"{len(KV_KEYS)} of KV_KEYS; ask for a shorter prompt")
+    others = rng.sample([other for other in KV_KEYS if other != key], len(pieces))
+    pieces = [other + piece[len(key):] for other, piece in zip(others, pieces)]
     return _assemble("kv", length, depth, "\n", KV_INTRO, pieces, needle, question, value, {"key": key})
 
 
-def _kv_code(rng, used):
-    """A fresh code (digits only, so it never reads as a word of the frame)."""
+def _kv_value(rng, used):
+    """A fresh 6-digit value (digits tokenize one by one: a value reads the same wherever it appears)."""
     while True:
-        code = "".join(rng.choices(KV_CODE_ALPHABET, k=KV_CODE_LENGTH))
-        if code not in used:
-            used.add(code)
-            return code
+        value = "".join(rng.choices(string.digits, k=KV_VALUE_LENGTH))
+        if value not in used:
+            used.add(value)
+            return value
 
 
 def _frame_cost(count, separator, intro, needles, question):

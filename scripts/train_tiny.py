@@ -18,15 +18,18 @@ Objectives:
   engine shows it at inference; the clean copy is block-causal. The same 1/t-weighted loss on the
   masked noisy tokens.
 
-Length curriculum: 128 tokens first; when the held-out one-step accuracy (all answer tokens
-predicted from a fully masked response, harder than iterative decoding) reaches ADVANCE_AT, the
-longest length doubles, up to MAX_LENGTH. Tasks come in phases (--tasks, default passkey alone,
-then all three): a phase that has passed the longest length hands over to the next, which starts
-again at 128 tokens. --init continues from an earlier checkpoint.
-Batches of at most 256 samples (fewer at long lengths, TOKENS_PER_BATCH tokens) mix the current
-length with shorter ones. AdamW with warmup and a cosine decay over the run (steps or wall-clock
-minutes, whichever ends it first). The checkpoint saved is the one furthest along (phase, then
-length, then held-out accuracy), in bf16 and in the family's real on-disk format.
+Length curriculum, one per task (--tasks, default all three, drawn evenly): each task starts at
+128 tokens; when its held-out one-step accuracy (all answer tokens predicted from a fully masked
+response, harder than iterative decoding) reaches ADVANCE_AT, its longest length doubles, up to
+MAX_LENGTH. So passkey can move on while multikey and kv are still being learned. --init continues
+from an earlier checkpoint (its curriculum starts again at 128 and moves on at each check it passes).
+Batches of at most MAX_BATCH samples (fewer at long lengths, TOKENS_PER_BATCH tokens) mix each task's
+current length with shorter ones. AdamW with warmup and a cosine decay over the run (steps or
+wall-clock minutes, whichever ends it first). The checkpoint saved is the one furthest along (the sum
+over tasks of stage index plus held-out accuracy), in bf16 and in the family's real on-disk format.
+
+The tokenizer is a byte-level BPE trained on the task corpus (digits one by one) plus the kv key
+words as whole tokens (`tasks.KV_KEYS`), so a kv key is one token, as a passkey digit is.
 Reproducible from --seed (data order, init); GPU kernels may add run-to-run noise.
 """
 
@@ -57,13 +60,14 @@ from nanodllm.tokenizer import Tokenizer  # noqa: E402
 ASSETS = ROOT / "nanodllm" / "assets"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mdm_mask|>", "<|MASK|>", "<|startoftext|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
-VOCAB_SIZE = 1024
+BPE_VOCAB_SIZE = 1024  # merges and special tokens; the kv key words come on top
 RESPONSE_LENGTH = 32
 RESPONSE_LENGTHS = {"llada": (16, 32), "sdar": (32,)}  # llada also learns shorter canvases
 BLOCK = 32
 MAX_LENGTH = 4096
 STAGES = [128, 256, 512, 1024, 2048, 4096]
 ADVANCE_AT = 0.8  # one-step accuracy (all answer tokens at once) that moves the curriculum on
+MAX_BATCH = 128
 TOKENS_PER_BATCH = int(os.environ.get("TINY_TOKENS_PER_BATCH", 65536))
 EVAL_EVERY = int(os.environ.get("TINY_EVAL_EVERY", 100))
 
@@ -72,34 +76,35 @@ EVAL_EVERY = int(os.environ.get("TINY_EVAL_EVERY", 100))
 # tokenizer and configs
 
 def train_tokenizer(seed: int) -> Path:
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(tasks.corpus(4000, seed), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(word, single_word=True) for word in tasks.KV_KEYS])
     path = ASSETS / "tokenizer.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
     return path
 
 
-def family_config(family: str, vocab: dict) -> dict:
+def family_config(family: str, vocab: dict, vocab_size: int) -> dict:
     """config.json in the family's real field names."""
     if family == "llada":
         return dict(model_type="llada", architectures=["LLaDAModelLM"], d_model=256, n_layers=4, n_heads=4,
-                    n_kv_heads=4, mlp_hidden_size=704, mlp_ratio=4, vocab_size=VOCAB_SIZE,
-                    embedding_size=VOCAB_SIZE, rope_theta=500000.0, rms_norm_eps=1e-5, include_bias=False,
+                    n_kv_heads=4, mlp_hidden_size=704, mlp_ratio=4, vocab_size=vocab_size,
+                    embedding_size=vocab_size, rope_theta=500000.0, rms_norm_eps=1e-5, include_bias=False,
                     attention_layer_norm=False, weight_tying=False, block_type="llama", rope=True,
                     rope_full_precision=True, max_sequence_length=2 * MAX_LENGTH,
                     mask_token_id=vocab["<|mdm_mask|>"], eos_token_id=vocab["<|endoftext|>"],
                     pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|startoftext|>"])
     return dict(model_type="sdar", architectures=["SDARForCausalLM"], hidden_size=256, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=704,
-                vocab_size=VOCAB_SIZE, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                vocab_size=vocab_size, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                 attention_bias=False, hidden_act="silu", max_position_embeddings=2 * MAX_LENGTH,
                 block_size=BLOCK, mask_token_id=vocab["<|MASK|>"], eos_token_id=vocab["<|im_end|>"],
                 pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|endoftext|>"])
@@ -132,42 +137,41 @@ class Encoder:
         return prompt, (answer + [self.pad] * response_length)[:response_length]
 
 
-class Shared:
-    """A number the training loop changes and the data workers read (a plain attribute without workers)."""
+class Stages:
+    """Each task's curriculum stage: the training loop moves them on, the data workers read them."""
 
-    def __init__(self, value: int, across_processes: bool):
-        self.cell = torch.multiprocessing.Value("i", value) if across_processes else None
-        self.local = value
+    def __init__(self, n_tasks: int, across_processes: bool):
+        self.cells = torch.multiprocessing.Array("i", n_tasks) if across_processes else [0] * n_tasks
 
-    @property
-    def value(self) -> int:
-        return self.cell.value if self.cell is not None else self.local
+    def __getitem__(self, task_index: int) -> int:
+        return self.cells[task_index]
 
-    @value.setter
-    def value(self, value: int):
-        if self.cell is not None:
-            self.cell.value = value
-        self.local = value
+    def advance(self, task_index: int):
+        self.cells[task_index] += 1
+
+    def lengths(self) -> list[int]:
+        return [STAGES[stage] for stage in self.cells]
 
 
 class TaskStream(torch.utils.data.IterableDataset):
-    """Endless (prompt, response) pairs at the curriculum's current length and task phase; each
-    worker has its own seed."""
+    """Endless (prompt, response) pairs, each task at its own curriculum length (or a shorter one);
+    each worker has its own seed."""
 
-    def __init__(self, directory: Path, family: str, seed: int, length: Shared, phase: Shared, phases):
+    def __init__(self, directory: Path, family: str, seed: int, stages: Stages, task_names: tuple[str, ...]):
         self.directory, self.family, self.seed = directory, family, seed
-        self.length, self.phase, self.phases = length, phase, phases
+        self.stages, self.task_names = stages, task_names
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         rng = random.Random(self.seed * 1000 + (info.id if info else 0))
         encoder = Encoder(self.directory, self.family)
         while True:
-            length = self.length.value
-            target = rng.choice([length] * len(STAGES) + [s for s in STAGES if s < length] or [length])
+            task_index = rng.randrange(len(self.task_names))
+            length = STAGES[self.stages[task_index]]
+            target = rng.choice([length] * len(STAGES) + [s for s in STAGES if s < length])
             target = max(64, int(target * rng.uniform(0.75, 1.0)))
-            task = rng.choice(self.phases[self.phase.value])
-            sample = tasks.make_sample(task, target, rng.random(), rng.randrange(2**31))  # word-count lengths: fast
+            sample = tasks.make_sample(self.task_names[task_index], target, rng.random(), rng.randrange(2**31),
+                                       encoder.count_tokens)
             response_length = rng.choice(RESPONSE_LENGTHS[self.family])
             yield encoder.encode(sample, response_length)
 
@@ -281,14 +285,14 @@ def save_checkpoint(model, family, directory: Path, config: dict):
 
 
 def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int,
-          init: str | None, phases: list[tuple[str, ...]]):
+          init: str | None, task_names: tuple[str, ...], peak_lr: float = 1e-3):
     torch.manual_seed(seed)
     work = out / f"tiny-{family}"
     from tokenizers import Tokenizer as HFTokenizer
 
     bpe = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
     vocab = {token: bpe.token_to_id(token) for token in SPECIAL_TOKENS}
-    config = family_config(family, vocab)
+    config = family_config(family, vocab, -(-bpe.get_vocab_size() // 128) * 128)
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(config))
     (work / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
@@ -304,16 +308,15 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny-{family}: {params / 1e6:.2f}M parameters", flush=True)
 
-    length, phase = Shared(STAGES[0], workers > 0), Shared(0, workers > 0)
-    stream = TaskStream(work, family, seed, length, phase, phases)
+    stages = Stages(len(task_names), workers > 0)
+    stream = TaskStream(work, family, seed, stages, task_names)
     loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    peak_lr, warmup = 1e-3, 200
-    checks = {}  # (phase, stage) -> held-out pairs
-    best, stage, start, step = (0, 0, -1.0), 0, time.perf_counter(), 0
-    log = []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = 200
+    checks = {}  # (task, stage) -> held-out pairs
+    best, start, step, log = -1.0, time.perf_counter(), 0, []
     while step < max_steps and time.perf_counter() - start < minutes * 60:
-        batch_size = min(256, max(8, TOKENS_PER_BATCH // (STAGES[stage] + 64)))
+        batch_size = min(MAX_BATCH, max(8, TOKENS_PER_BATCH // (max(stages.lengths()) + 64)))
         pairs = [next(loader) for _ in range(batch_size)]
         ids, lengths, valid = (x.to(device) for x in collate(pairs, encoder.pad))
         progress = max(step / max_steps, (time.perf_counter() - start) / (minutes * 60))
@@ -329,25 +332,30 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
         optimizer.step()
         step += 1
         if step % EVAL_EVERY == 0:
-            key = (phase.value, stage)
-            if key not in checks:
-                checks[key] = held_out(encoder, STAGES[stage], 48, seed + 7919 * key[0] + stage, phases[key[0]])
-            accuracy = one_step_accuracy(model, family, checks[key], encoder, device)
-            entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), tasks=",".join(phases[key[0]]),
-                         length=STAGES[stage], loss=round(loss.item(), 4), accuracy=accuracy, lr=lr)
+            accuracy = {}
+            for index, task in enumerate(task_names):
+                key = (task, stages[index])
+                if key not in checks:
+                    checks[key] = held_out(encoder, STAGES[key[1]], 48, seed + 7919 * index + key[1], (task,))
+                accuracy[task] = one_step_accuracy(model, family, checks[key], encoder, device)
+            entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), loss=round(loss.item(), 4), lr=lr,
+                         length=dict(zip(task_names, stages.lengths())), accuracy=accuracy)
             log.append(entry)
             print(json.dumps(entry), flush=True)
-            if (*key, accuracy) > best:
-                best = (*key, accuracy)
+            furthest = sum(stages[index] + accuracy[task] for index, task in enumerate(task_names))
+            if furthest > best:
+                best, best_entry = furthest, entry
                 save_checkpoint(model, family, out / f"best-{family}", config)
-            if accuracy >= ADVANCE_AT and stage + 1 < len(STAGES):
-                stage += 1
-            elif accuracy >= ADVANCE_AT and phase.value + 1 < len(phases):
-                stage, phase.value = 0, phase.value + 1
-            length.value = STAGES[stage]
+            for index, task in enumerate(task_names):
+                if accuracy[task] >= ADVANCE_AT and stages[index] + 1 < len(STAGES):
+                    stages.advance(index)
+    if not log:
+        raise SystemExit(f"tiny-{family}: stopped after {step} steps, before the first check (every {EVAL_EVERY}); "
+                         "nothing saved")
     (out / f"best-{family}" / "train_log.json").write_text(json.dumps(log))
-    print(f"tiny-{family}: best held-out one-step accuracy {best[2]:.3f} on {','.join(phases[best[0]])} at length "
-          f"{STAGES[best[1]]}, {step} steps in {time.perf_counter() - start:.0f}s", flush=True)
+    print(f"tiny-{family}: best checkpoint at step {best_entry['step']}: lengths {best_entry['length']}, "
+          f"held-out one-step accuracy {best_entry['accuracy']}; {step} steps in "
+          f"{time.perf_counter() - start:.0f}s", flush=True)
 
 
 def main():
@@ -360,15 +368,17 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(ROOT / "runs"))
     parser.add_argument("--init", help="continue from this checkpoint directory")
-    parser.add_argument("--tasks", default="passkey+" + ",".join(tasks.TASKS),
-                        help="task phases: comma-separated tasks, phases joined by '+'; each phase runs the "
-                             "length curriculum to the end before the next starts")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warmup 200 steps, cosine to 0.1x)")
+    parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated tasks to train on")
     args = parser.parse_args()
+    task_names = tuple(args.tasks.split(","))
+    if not set(task_names) <= set(tasks.TASKS) or len(set(task_names)) != len(task_names):
+        parser.error(f"--tasks must name distinct tasks among {', '.join(tasks.TASKS)}, got {args.tasks!r}")
     if args.what == "tokenizer":
         print(f"wrote {train_tokenizer(args.seed)}")
         return
     train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers,
-          args.init, [tuple(names.split(",")) for names in args.tasks.split("+")])
+          args.init, task_names, args.lr)
 
 
 if __name__ == "__main__":

@@ -79,3 +79,26 @@ def test_plot_writes_a_heatmap_or_says_matplotlib_is_missing(capsys, tmp_path):
         assert code == 2 and "--plot needs matplotlib" in err and not target.exists()
     else:
         assert code == 0 and target.stat().st_size > 0
+
+
+@pytest.mark.parametrize("methods", [["dense"], ["dense", "other"]])
+def test_table_rows_have_as_many_columns_as_the_header(methods):
+    outcome = evaluation.Outcome(scores=[1.0, 0.0], tokens=[[1, 2], [3]], seconds=0.5, kv_kept=[1.0, 0.5])
+    results = {m: {(1024, 0.5): outcome, (2048, 0.0): outcome} for m in methods}
+    lines = evaluation.table(results, methods).splitlines()
+    assert [line.count("|") for line in lines] == [lines[0].count("|")] * 4
+    assert lines[0] == "| cell | depth | n | " + " | ".join(f"{m} acc" for m in methods) + (
+        " | other agree | other tok/s | other KV kept" if len(methods) == 2 else "") + " | dense tok/s |"
+    assert lines[2].startswith("| 1024 | 0.50 | 2 | 0.500 | ") and lines[2].endswith(" | 6.0 |")
+
+
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-sdar"])
+def test_kv_key_words_are_one_token_each_in_the_tiny_tokenizers(name):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from nanodllm.tasks import KV_KEYS
+
+    tokenizer = HFTokenizer.from_file(str(ASSETS / name / "tokenizer.json"))
+    for key in KV_KEYS:
+        assert tokenizer.encode(f"\n{key} :").tokens == ["Ċ", key, "Ġ:"]
+        assert tokenizer.encode(f"of {key}?").tokens == ["of", "Ġ", key, "?"]

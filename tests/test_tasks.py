@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from nanodllm.tasks import (
-    DEPTHS, FILLER_WORDS, NAME_ADJECTIVES, NAME_ANIMALS, TASKS, Sample, classification_score, code_sim,
+    DEPTHS, FILLER_WORDS, KV_KEYS, NAME_ADJECTIVES, NAME_ANIMALS, TASKS, Sample, classification_score, code_sim,
     corpus, count_score, count_words, exact_match, filler, length_tolerance, load_longbench, make_sample,
     make_samples, normalize_answer, qa_f1, retrieval_score, rouge_l, score,
 )
@@ -67,6 +67,9 @@ def test_answer_appears_only_inside_its_needle(task, length, depth, seed):
         assert sample.prompt.count(sample.answer) == 1
         assert all(sample.prompt.count(number) == 1 for _, number in sample.meta["distractors"])
         assert sample.prompt.endswith(f" What is the pass key for the {sample.meta['key']}?")
+        words = [word for name in [sample.meta["key"], *(name for name, _ in sample.meta["distractors"])]
+                 for word in name.split()]
+        assert len(set(words)) == len(words)  # no adjective or animal is shared: one word names a needle
 
 
 def test_passkey_and_kv_prompts_have_their_frame():
@@ -82,12 +85,24 @@ def test_passkey_and_kv_prompts_have_their_frame():
 
 
 @given(seed=seeds, length=st.integers(64, 4096))
-def test_kv_keys_are_distinct_codes(seed, length):
+def test_kv_keys_are_distinct_key_words_and_values_distinct_codes(seed, length):
     lines = context_of(make_sample("kv", length, 0.5, seed)).split("\n")
-    pairs = [re.fullmatch(r"([a-z0-9]{6}) : ([a-z0-9]{6}) \.", line).groups() for line in lines]
-    codes = [code for pair in pairs for code in pair]
-    assert len(set(codes)) == len(codes)
-    assert not any(code.isalpha() for code in codes)
+    keys, values = zip(*(re.fullmatch(r"([a-z]{4}) : (\d{6}) \.", line).groups() for line in lines))
+    assert len(set(keys)) == len(keys) and set(keys) <= set(KV_KEYS)
+    assert len(set(values)) == len(values)
+
+
+def test_key_words_are_not_inside_any_other_word_of_the_tasks():
+    words = set(re.findall(r"[a-z]+", " ".join(make_sample(task, 1024, 0.5, 0).prompt.lower()
+                                                 for task in ("passkey", "multikey"))))
+    assert len(set(KV_KEYS)) == len(KV_KEYS) >= 1500
+    assert not any(key in word for key in KV_KEYS for word in words)
+
+
+def test_a_kv_prompt_longer_than_the_key_words_allow_is_refused():
+    with pytest.raises(ValueError, match="needs 2043 distinct keys, more than the 1536 of KV_KEYS"):
+        make_sample("kv", 8192, 0.5, seed=0)
+    assert make_sample("kv", 8192, 0.5, seed=0, count_tokens=count_digit_split).meta["tokens"] > 8000
 
 
 @given(seed=seeds)
@@ -110,6 +125,10 @@ def test_prompt_length_is_within_tolerance(task, length, count_tokens):
         sample = make_sample(task, length, 0.5, seed=7, count_tokens=count_tokens)
         assert 82 <= count(sample.prompt) <= 100 and sample.meta["tokens"] == count(sample.prompt)
         return
+    if task == "kv" and length == 8192 and count_tokens is not count_digit_split:
+        with pytest.raises(ValueError, match="distinct keys"):  # 4 tokens a line: more lines than keys
+            make_sample(task, length, 0.5, seed=7, count_tokens=count_tokens)
+        return
     for depth in (0.0, 0.5, 1.0):
         sample = make_sample(task, length, depth, seed=7, count_tokens=count_tokens)
         assert sample.meta["tokens"] == count(sample.prompt)
@@ -129,10 +148,10 @@ def test_lengths_hold_with_a_small_bpe_trained_on_the_corpus():
 
 
 def test_an_8k_sample_is_fast():
-    make_sample("kv", 8192, 0.5, seed=0)
+    make_sample("kv", 8192, 0.5, seed=0, count_tokens=count_digit_split)
     start = time.perf_counter()
     for task in TASKS:
-        make_sample(task, 8192, 0.5, seed=1)
+        make_sample(task, 8192, 0.5, seed=1, count_tokens=count_digit_split)
     assert time.perf_counter() - start < 1.0  # about 50 ms for all three here
 
 
