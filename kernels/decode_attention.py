@@ -1,0 +1,342 @@
+"""Block-decode attention: the L queries of the active block against each row's KV cache.
+
+Row b attends to the keys 0 .. lengths[b]-1 of its cache: the cached prefix followed by the
+block's own L keys, which the engine wrote right after it (no mask among them).
+
+Algorithm (split-KV, "flash-decoding"):
+1. GQA packing. The `group` query heads that share a KV head, times the L queries, form one query
+   tile of group * L rows, so every K/V tile loaded from memory serves the whole group.
+2. Split-KV. The keys of a row are cut into `num_splits` contiguous slices of `keys_per_split`
+   keys, one program per (query tile, slice, batch row * KV head): even batch 1 fills every SM.
+   A program walks its slice BLOCK_N keys at a time with an online softmax (fp32 statistics, scores
+   prescaled by log2(e) so exp2 does the exponentials) and writes its normalised partial output and
+   its partial log-sum-exp (base 2) to fp32 scratch. A slice past the row's length writes the
+   neutral partial: output 0, LSE -inf.
+3. Merge. A small kernel combines the slices of each query row, weighting slice s by
+   2^(lse_s - max_s lse_s), and writes the output in q's dtype and the natural-log LSE.
+K and V are read once, in place, through their strides ([batch, capacity, kv_heads, head_dim]).
+
+The jit helpers (query tile, online-softmax step, partial store, merge) are shared with
+sparse_decode_attention.py, which differs only in which keys a slice walks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(math.log2(math.e))  # kernels use it as is, host code as LOG2E.value
+LN2 = tl.constexpr(math.log(2.0))
+MAX_QUERIES = 64  # the active block; longer query sets are prefill (flash_attention.py)
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D fp32) must stay small next to its K/V
+MAX_SPLITS = 128  # the merge holds all of a row's slices in registers
+INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERPRET=1)
+
+# When True, every buffer a wrapper allocates for a kernel to fill (outputs and split scratch)
+# starts as NaN, so an element a kernel forgets to write fails the tests instead of reading 0.
+DEBUG_POISON = False
+
+
+@triton.jit
+def load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,
+                    group, num_queries, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The GQA group's queries as one tile: row r is query r % L of head kv_head*group + r // L.
+    Returns the tile and its row numbers within the group (rows >= group*L are padding, zeros)."""
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kv_head * group + rows // num_queries
+    offsets = (batch.to(tl.int64) * stride_qb + heads.to(tl.int64) * stride_qh
+               + (rows % num_queries).to(tl.int64) * stride_ql)
+    # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptr + offsets[:, None] + dims[None, :].to(tl.int64) * stride_qd,
+                mask=(rows < group * num_queries)[:, None], other=0.0)
+    return q, rows
+
+
+@triton.jit
+def attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a tile of keys, statistics in base 2: m_i is the running row
+    max of the log2-scaled scores, l_i the running sum of 2^(score - m_i), acc the unnormalised
+    output. Invalid keys get score -inf; a tile with no valid key leaves everything unchanged."""
+    # [BLOCK_M, BLOCK_N]
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    scores = tl.where(key_valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: exp2 gives 0, not NaN
+    alpha = tl.exp2(m_i - m_ref)
+    # [BLOCK_M, BLOCK_N]
+    p = tl.exp2(scores - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # [BLOCK_M, HEAD_DIM]
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_partial(part_out_ptr, part_lse_ptr, acc, m_i, l_i, rows, batch_head, split, num_splits,
+                  num_rows, HEAD_DIM: tl.constexpr):
+    """Write one slice's normalised output and base-2 LSE to the scratch
+    part_out [batch*kv_heads, num_splits, num_rows, HEAD_DIM], part_lse [..., num_rows]."""
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    # [BLOCK_M, HEAD_DIM]
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+    row_index = (batch_head.to(tl.int64) * num_splits + split) * num_rows + rows
+    row_valid = rows < num_rows
+    dims = tl.arange(0, HEAD_DIM)
+    tl.store(part_lse_ptr + row_index, lse, mask=row_valid)
+    tl.store(part_out_ptr + row_index[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
+
+
+@triton.jit(do_not_specialize=["keys_per_split"])
+def decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, lengths_ptr, part_out_ptr, part_lse_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    num_kv_heads, group, num_queries, keys_per_split, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (m_tile, split, batch*kv_head): one query tile against keys
+    [split*keys_per_split, (split+1)*keys_per_split) of its row, clipped to the row's length."""
+    m_tile, split, batch_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
+    q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,
+                              group, num_queries, BLOCK_M, HEAD_DIM)
+
+    length = tl.load(lengths_ptr + batch).to(tl.int32)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, length)
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    dims = tl.arange(0, HEAD_DIM)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    # [BLOCK_M, HEAD_DIM]
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for key_start in range(start, end, BLOCK_N):
+        keys = key_start + tl.arange(0, BLOCK_N)
+        key_valid = keys < end
+        # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_kn + dims[None, :].to(tl.int64) * stride_kd,
+                    mask=key_valid[:, None], other=0.0)
+        # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vn + dims[None, :].to(tl.int64) * stride_vd,
+                    mask=key_valid[:, None], other=0.0)
+        m_i, l_i, acc = attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    store_partial(part_out_ptr, part_lse_ptr, acc, m_i, l_i, rows, batch_head, split, tl.num_programs(1),
+                  group * num_queries, HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows, num_splits,
+                        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (row tile, batch*kv_head): combine all slices of BLOCK_R query rows at once (one load,
+    no loop over slices, so the merge is not a chain of memory latencies).
+    out is contiguous [batch, num_heads, L, HEAD_DIM] and lse [batch, num_heads, L], so group row r of
+    (batch, kv_head) is flat row batch_head * num_rows + r of both."""
+    row_tile, batch_head = tl.program_id(0), tl.program_id(1)
+    rows = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    splits = tl.arange(0, BLOCK_S)
+    row_valid = rows < num_rows
+    valid = row_valid[:, None] & (splits < num_splits)[None, :]
+    dims = tl.arange(0, HEAD_DIM)
+
+    # [BLOCK_R, BLOCK_S]
+    index = (batch_head.to(tl.int64) * num_splits + splits[None, :]) * num_rows + rows[:, None]
+    lse = tl.load(part_lse_ptr + index, mask=valid, other=float("-inf"))
+    lse = tl.where(row_valid[:, None], lse, 0.0)  # padding rows stay finite
+    m = tl.max(lse, 1)  # finite: slice 0 of a row always has keys
+    weight = tl.exp2(lse - m[:, None])  # 0 for empty and padding slices
+    # [BLOCK_R, BLOCK_S, HEAD_DIM]
+    parts = tl.load(part_out_ptr + index[:, :, None] * HEAD_DIM + dims[None, None, :], mask=valid[:, :, None],
+                    other=0.0)
+    denom = tl.sum(weight, 1)
+    # [BLOCK_R, HEAD_DIM]
+    out = tl.sum(weight[:, :, None] * parts, 1) / denom[:, None]
+
+    flat_rows = batch_head.to(tl.int64) * num_rows + rows
+    tl.store(out_ptr + flat_rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None])
+    tl.store(lse_ptr + flat_rows, (m + tl.log2(denom)) * LN2, mask=row_valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side, shared with sparse_decode_attention.py
+# ---------------------------------------------------------------------------------------------
+
+
+def new_buffer(shape, dtype, device) -> torch.Tensor:
+    """A buffer a kernel fills completely (NaN-filled under DEBUG_POISON)."""
+    if DEBUG_POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_query_and_cache(q, k_cache, v_cache=None):
+    """Validate q [batch, num_heads, L, D] against a cache [batch, capacity, num_kv_heads, D];
+    returns (batch, num_heads, L, D, capacity, num_kv_heads)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [batch, num_heads, L, head_dim], got shape {tuple(q.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache is None:
+            continue
+        if cache.dim() != 4:
+            raise ValueError(f"{name} must be [batch, capacity, num_kv_heads, head_dim], got {tuple(cache.shape)}")
+        if cache.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
+        if cache.device != q.device:
+            raise ValueError(f"{name} is on {cache.device}, q on {q.device}")
+    if v_cache is not None and v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    batch, num_heads, num_queries, head_dim = q.shape
+    cache_batch, capacity, num_kv_heads, cache_dim = k_cache.shape
+    if q.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {q.dtype}")
+    if cache_batch != batch or cache_dim != head_dim:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if not 1 <= num_queries <= MAX_QUERIES:
+        raise ValueError(f"L = {num_queries} queries; block decode takes 1..{MAX_QUERIES} (use flash_attention)")
+    return batch, num_heads, num_queries, head_dim, capacity, num_kv_heads
+
+
+def check_lengths_tensor(name, lengths, batch, device):
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), got {tuple(lengths.shape)}")
+    if lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {lengths.dtype}")
+    if lengths.device != device:
+        raise ValueError(f"{name} is on {lengths.device}, q on {device}")
+
+
+def default_tiles(num_rows: int, head_dim: int) -> dict:
+    """Launch parameters {BLOCK_M, BLOCK_N, num_warps, num_stages} for num_rows = group * L query rows.
+
+    BLOCK_M: one tile of up to 128 rows covers SDAR-8B's 4 heads x 32 queries, so K/V are read once
+    (at least 16 rows: tl.dot needs it). BLOCK_N = 64 keys and 3 stages: a stage of K + V is 32 KB
+    at D = 128 (bf16), so two tiles in flight per SM cover HBM latency, and the [128, 64] fp32 scores
+    fit in registers next to the [128, 128] fp32 accumulator, which takes 8 warps (two Hopper
+    warpgroups); smaller tiles take 4."""
+    block_m = min(128, max(16, triton.next_power_of_2(num_rows)))
+    num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": num_warps, "num_stages": 3}
+
+
+@functools.lru_cache
+def sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_keys(max_keys: int, programs_per_split: int, device, block_n: int, num_splits: int | None = None):
+    """(keys_per_split, num_splits) for key lists of at most max_keys keys.
+
+    Enough slices that programs_per_split * num_splits fills the SMs once (one wave: each program
+    then streams its K/V with no tail), but no slice shorter than MIN_KEYS_PER_SPLIT. Slices are
+    whole BLOCK_N tiles; num_splits, when given, replaces the SM-based count. Either is an upper
+    bound, and at most MAX_SPLITS."""
+    if num_splits is None:
+        sms = sm_count(device) if device.type == "cuda" else INTERPRETER_SMS
+        num_splits = min(max(1, sms // programs_per_split), triton.cdiv(max_keys, MIN_KEYS_PER_SPLIT))
+    num_splits = min(num_splits, MAX_SPLITS)
+    keys_per_split = triton.cdiv(triton.cdiv(max(max_keys, 1), num_splits), block_n) * block_n
+    return keys_per_split, triton.cdiv(max(max_keys, 1), keys_per_split)
+
+
+def dot_precision(dtype) -> str:
+    """fp32 inputs get exact fp32 products (not tf32) so they match the fp32 reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def merge_splits(part_out, part_lse, batch, num_heads, num_queries, dtype):
+    """Combine the per-slice partials into out [batch, num_heads, L, D] (dtype) and lse (float32)."""
+    batch_heads, num_splits, num_rows, head_dim = part_out.shape
+    out = new_buffer((batch, num_heads, num_queries, head_dim), dtype, part_out.device)
+    lse = new_buffer((batch, num_heads, num_queries), torch.float32, part_out.device)
+    block_s = triton.next_power_of_2(num_splits)
+    # rows per program: the [BLOCK_R, BLOCK_S, D] fp32 tile stays within 8K elements (64 registers
+    # per thread at 4 warps) unless one row alone is larger (many splits), then 8 warps
+    block_r = min(triton.next_power_of_2(num_rows), max(1, 8192 // (block_s * head_dim)))
+    grid = (triton.cdiv(num_rows, block_r), batch_heads)
+    merge_splits_kernel[grid](part_out, part_lse, out, lse, num_rows, num_splits, BLOCK_R=block_r,
+                              BLOCK_S=block_s, HEAD_DIM=head_dim, num_warps=4 if block_s * head_dim <= 8192 else 8)
+    return out, lse
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=True, max_length=None,
+                     num_splits=None, check_lengths=False, tiles=None):
+    """Attention of the active block's queries against each row's cache (prefix + block keys).
+
+    q: [batch, num_heads, L, D], L <= 64, D in (64, 128), float16 / bfloat16 / float32.
+    k_cache, v_cache: [batch, capacity, num_kv_heads, D], read in place through their strides.
+    lengths: [batch] int32/int64 on q's device; row b attends to keys 0 .. lengths[b]-1, which
+        include the block's own L keys. Contract: L <= lengths[b] <= capacity (not checked unless
+        check_lengths=True, which costs a device sync).
+    scale: score scale, default D ** -0.5. GQA: query head h reads KV head h // (num_heads // num_kv_heads).
+    max_length: an upper bound of lengths known on the host (e.g. KVCache.max_length + L); the split
+        size is chosen from it. Default lengths.max().item(), one device sync.
+    num_splits: how many key slices per row (upper bound); default from the SM count.
+    tiles: overrides of default_tiles' launch parameters (BLOCK_M, BLOCK_N, num_warps, num_stages),
+        for benchmark sweeps (scripts/bench.py).
+
+    Returns out [batch, num_heads, L, D] in q's dtype and, if return_lse, lse [batch, num_heads, L]
+    float32: the natural-log log-sum-exp of each query's scaled scores.
+    """
+    batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache)
+    check_lengths_tensor("lengths", lengths, batch, q.device)
+    if check_lengths and bool(((lengths < num_queries) | (lengths > capacity)).any()):
+        raise ValueError(f"lengths {lengths.tolist()} must lie in [L, capacity] = [{num_queries}, {capacity}]")
+    if max_length is None:
+        max_length = int(lengths.max())
+    group = num_heads // num_kv_heads
+    num_rows = group * num_queries
+    scale = head_dim**-0.5 if scale is None else scale
+
+    launch = default_tiles(num_rows, head_dim)
+    if tiles is not None and not set(tiles) <= set(launch):
+        raise ValueError(f"tiles may set {sorted(launch)}, got {sorted(tiles)}")
+    launch.update(tiles or {})
+    m_tiles = triton.cdiv(num_rows, launch["BLOCK_M"])
+    keys_per_split, num_splits = split_keys(max_length, batch * num_kv_heads * m_tiles, q.device,
+                                            launch["BLOCK_N"], num_splits)
+    part_out = new_buffer((batch * num_kv_heads, num_splits, num_rows, head_dim), torch.float32, q.device)
+    part_lse = new_buffer((batch * num_kv_heads, num_splits, num_rows), torch.float32, q.device)
+    grid = (m_tiles, num_splits, batch * num_kv_heads)
+    decode_split_kernel[grid](
+        q, k_cache, v_cache, lengths, part_out, part_lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        num_kv_heads, group, num_queries, keys_per_split, scale * LOG2E.value,
+        HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), **launch,
+    )
+    out, lse = merge_splits(part_out, part_lse, batch, num_heads, num_queries, q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def decode_attention_reference(q, k_cache, v_cache, lengths, *, scale=None, return_lse=True):
+    """Plain torch, one row at a time, scores and softmax in fp32 (float64 for float64 inputs)."""
+    batch, num_heads, num_queries, head_dim = q.shape
+    group = num_heads // k_cache.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)
+    outs, lses = [], []
+    for b in range(batch):
+        n = int(lengths[b])
+        keys = k_cache[b, :n].to(compute).transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, n, D]
+        values = v_cache[b, :n].to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = (q[b].to(compute) @ keys.transpose(1, 2)) * scale  # [heads, L, n]
+        outs.append((scores.softmax(-1) @ values).to(q.dtype))
+        lses.append(scores.logsumexp(-1).float())
+    out, lse = torch.stack(outs), torch.stack(lses)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,353 @@
+"""Dense attention forward (FlashAttention-2) for prefill and canvas steps.
+
+out = softmax(scale * q k^T, masked) v, computed without ever materialising the [N_q, N_k] score
+matrix. The grid is (query tiles, batch * heads): one program owns BLOCK_M query rows of one
+(batch, head) and walks over the keys in tiles of BLOCK_N, keeping three running quantities per row (the "online softmax"):
+    m   the largest score seen so far,
+    l   the sum of exp(score - m) over the keys seen so far,
+    acc the sum of exp(score - m) * v over the keys seen so far.
+When a new tile raises the maximum from m to m', the old l and acc are rescaled by exp(m - m'), so at
+the end out = acc / l and the log-sum-exp is m + log(l). Scores are kept in base 2: the scale is
+multiplied by log2(e) once, so every exponential is a cheap exp2. Scores, m, l and acc are fp32; the
+probabilities are cast to the input dtype for the P @ V matmul, as in FlashAttention-2.
+
+Shapes: q [batch, num_heads, N_q, D], k and v [batch, num_kv_heads, N_k, D], D in {64, 128}.
+GQA: num_heads = group * num_kv_heads and query head h reads KV head h // group.
+
+Masks. Query i sits at position i + (N_k - N_q): the queries are the last N_q positions of the
+keys' sequence (prefill has N_q == N_k). Key j is visible to query i iff
+    causal=True:     j <= pos(i)
+    block_size=B:    j // B <= pos(i) // B   (block-causal, blocks aligned to position 0)
+    neither:         always (bidirectional)
+and, when k_valid [batch, N_k] (bool) is given, k_valid[b, j] is True (key padding).
+Positions are columns of k, the same for every row: in a left-padded batch whose rows count positions
+from their first real token (nanodllm/masked.py), block boundaries agree only where a row's padding is
+a multiple of B.
+Causal is block-causal with B = 1, and the kernel treats it so. Under either, key tiles that no row
+of the query tile can see are never visited, and tiles that every row sees in full skip the mask.
+A query row that sees no key at all (a padded row, say) gets out = 0 and lse = -inf; nanodllm's
+engines never read such rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = math.log2(math.e)  # host side: folded into the scale
+LN_2 = tl.constexpr(math.log(2.0))  # kernel side: lse back from base 2 (kernels read only constexpr globals)
+
+# The autotune space per head dim. Prefill is compute-bound, so the tiles are the largest that keep
+# one CTA per SM fed: BLOCK_M = 128 query rows (two warpgroups of 64 rows for Hopper's wgmma at
+# 8 warps) and BLOCK_N = 64 or 128 keys. Shared memory bounds the pipeline depth: at D = 128 (16-bit)
+# Q takes 32 KB and each stage of K + V 2 * BLOCK_N * 256 B, so BLOCK_N = 64 allows 3 stages and
+# BLOCK_N = 128 only 2 under the 227 KB limit. At D = 64 everything halves, so 3 stages fit either
+# way and 4 warps can hold a 128-row tile in registers. Anything smaller only helps short sequences,
+# where attention is not the cost.
+_TUNING_SPACE = {
+    128: [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+    ],
+    64: [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+    ],
+}
+
+# Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), where timing means
+# nothing: fixed small tiles, so that small test shapes cross many tile edges. Tests may change them.
+INTERPRETER_TILES = {"BLOCK_M": 32, "BLOCK_N": 16}
+
+
+def _configs_for_head_dim(configs, named_args, **kwargs):
+    return _TUNING_SPACE[kwargs["HEAD_DIM"]]
+
+
+@triton.jit
+def _attend_key_tiles(
+    acc, l_i, m_i, q, q_block,
+    k_base, v_base, valid_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n,
+    key_start, key_stop, n_k, block_size, qk_scale,
+    offs_n, offs_d,
+    MASK_TILE: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Fold the key tiles [key_start, key_stop) into the running (acc, l_i, m_i).
+
+    MASK_TILE=False is for tiles every row of the query tile sees in full (only k_valid can hide a
+    key there); MASK_TILE=True adds the bounds check against n_k and the block-causal comparison."""
+    for key_tile_start in range(key_start, key_stop, BLOCK_N):
+        keys = key_tile_start + offs_n  # [BLOCK_N]
+        # [BLOCK_N, HEAD_DIM]
+        k_ptrs = k_base + keys[:, None].to(tl.int64) * stride_kn + offs_d[None, :].to(tl.int64) * stride_kd
+        # [BLOCK_N, HEAD_DIM]
+        v_ptrs = v_base + keys[:, None].to(tl.int64) * stride_vn + offs_d[None, :].to(tl.int64) * stride_vd
+        if MASK_TILE:
+            in_range = keys < n_k  # [BLOCK_N]
+            # [BLOCK_N, HEAD_DIM]
+            k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            # [BLOCK_N, HEAD_DIM]
+            k = tl.load(k_ptrs)
+
+        # [BLOCK_M, BLOCK_N] raw scores q . k (not yet scaled)
+        scores = tl.dot(q, tl.trans(k))
+        if MASK_TILE:
+            # [BLOCK_M, BLOCK_N]
+            visible = in_range[None, :]
+            if BLOCK_CAUSAL:
+                visible = visible & ((keys // block_size)[None, :] <= q_block[:, None])
+            if HAS_K_VALID:
+                # [BLOCK_N]
+                key_ok = tl.load(valid_base + keys.to(tl.int64) * stride_valid_n, mask=in_range, other=0)
+                visible = visible & (key_ok != 0)[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        elif HAS_K_VALID:
+            # [BLOCK_N]
+            key_ok = tl.load(valid_base + keys.to(tl.int64) * stride_valid_n)
+            scores = tl.where((key_ok != 0)[None, :], scores, float("-inf"))
+
+        # Online softmax in base 2. scale > 0, so max(scores) * qk_scale is the max of the scaled
+        # scores, and each probability costs one fused multiply-add and one exp2.
+        # [BLOCK_M]
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+        # [BLOCK_M]
+        alpha = tl.math.exp2(m_i - m_new)
+        # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(scores * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        if MASK_TILE:
+            # [BLOCK_N, HEAD_DIM]
+            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            # [BLOCK_N, HEAD_DIM]
+            v = tl.load(v_ptrs)
+        # [BLOCK_M, HEAD_DIM]
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["n_q", "n_k", "stride_valid_b", "tuning_length"])
+def _flash_attention_fwd(
+    Q, K, V, K_VALID, OUT, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_valid_b, stride_valid_n,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    n_q, n_k, num_heads, group, block_size, qk_scale,
+    tuning_length,  # read only by the autotuner's key (a power-of-two bucket of n_k)
+    HEAD_DIM: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Under a (block-)causal mask the last query tiles see the most keys: launch them first so the
+    # short ones fill the tail of the grid.
+    tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_heads
+    head = batch_head % num_heads
+    kv_head = head // group
+
+    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    valid_base = K_VALID + batch.to(tl.int64) * stride_valid_b
+    o_base = OUT + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    lse_base = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+
+    tile_start = tile_m * BLOCK_M
+    rows = tile_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
+    row_ok = rows < n_q  # [BLOCK_M]
+
+    # [BLOCK_M, HEAD_DIM]
+    q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qm + offs_d[None, :].to(tl.int64) * stride_qd
+    # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    # Which keys this tile needs. Row i sees keys [0, (pos(i) // B + 1) * B), so the first row's
+    # limit is seen by every row and the last row's limit by at least one.
+    position_shift = n_k - n_q
+    if BLOCK_CAUSAL:
+        first_pos = tile_start + position_shift
+        last_pos = tl.minimum(tile_start + BLOCK_M, n_q) - 1 + position_shift
+        seen_by_all = tl.minimum((first_pos // block_size + 1) * block_size, n_k)
+        seen_by_any = tl.minimum((last_pos // block_size + 1) * block_size, n_k)
+    else:
+        seen_by_all = n_k
+        seen_by_any = n_k
+    unmasked_stop = seen_by_all // BLOCK_N * BLOCK_N
+    q_block = (rows + position_shift) // block_size  # [BLOCK_M]
+
+    # m starts at a finite floor, not -inf: a row whose keys so far are all masked then computes
+    # exp2(-inf - floor) = 0 for p and exp2(0) = 1 for alpha, never NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # [BLOCK_M]
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M]
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM]
+
+    # Key tiles that every row sees in full: no bounds or position checks.
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, q_block, k_base, v_base, valid_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, 0, unmasked_stop, n_k, block_size, qk_scale,
+        offs_n, offs_d,
+        MASK_TILE=False, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N,
+    )
+    # The rest up to the last key any row sees: the block-causal diagonal and the ragged last tile.
+    # Tiles past seen_by_any are never visited: that is the causal saving.
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, q_block, k_base, v_base, valid_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, unmasked_stop, seen_by_any, n_k, block_size,
+        qk_scale, offs_n, offs_d,
+        MASK_TILE=True, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N,
+    )
+
+    # A row that saw no key has l = 0 and acc = 0: it writes out = 0 and lse = -inf.
+    saw_keys = l_i > 0.0  # [BLOCK_M]
+    l_safe = tl.where(saw_keys, l_i, 1.0)  # [BLOCK_M]
+    # [BLOCK_M, HEAD_DIM]
+    out = acc / l_safe[:, None]
+    # [BLOCK_M]
+    lse = tl.where(saw_keys, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))
+
+    # [BLOCK_M, HEAD_DIM]
+    o_ptrs = o_base + rows[:, None].to(tl.int64) * stride_om + offs_d[None, :].to(tl.int64) * stride_od
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_base + rows.to(tl.int64) * stride_lm, lse, mask=row_ok)
+
+
+_flash_attention_fwd_tuned = triton.autotune(
+    configs=[config for configs in _TUNING_SPACE.values() for config in configs],
+    key=["HEAD_DIM", "BLOCK_CAUSAL", "HAS_K_VALID", "tuning_length"],
+    prune_configs_by={"early_config_prune": _configs_for_head_dim},
+)(_flash_attention_fwd)
+
+
+def _output(shape, dtype, device) -> torch.Tensor:
+    """torch.empty; the tests swap in a NaN fill to prove the kernel writes every element."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, scale=None, return_lse=False):
+    """softmax(scale * q k^T, masked) v with GQA; see the module docstring for shapes and masks.
+
+    q [batch, num_heads, N_q, D], k/v [batch, num_kv_heads, N_k, D] with N_q <= N_k (fp16/bf16, or
+    fp32 for testing, whose dots run in TF32 on a GPU; any strides), k_valid [batch, N_k] bool or
+    None, scale > 0 defaulting to D ** -0.5. Hidden keys are still read, so like SDPA's boolean mask
+    they must hold finite values (0 * NaN would leak into the output).
+    Returns out [batch, num_heads, N_q, D] in q's dtype, and with return_lse also
+    lse [batch, num_heads, N_q] float32 (natural log of the sum of exp of the scaled visible scores).
+    Rows with no visible key get out = 0 and lse = -inf."""
+    _check_inputs(q, k, v, causal, block_size, k_valid, scale)
+    batch, num_heads, n_q, head_dim = q.shape
+    num_kv_heads, n_k = k.shape[1], k.shape[2]
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    out = _output((batch, num_heads, n_q, head_dim), q.dtype, q.device)
+    lse = _output((batch, num_heads, n_q), torch.float32, q.device)
+    # A bool tensor is read as bytes. Without a mask the kernel never touches K_VALID.
+    valid = k_valid.view(torch.uint8) if k_valid is not None else out
+    valid_strides = k_valid.stride() if k_valid is not None else (0, 0)
+
+    # Causal is block-causal with B = 1; bidirectional never reads block_size.
+    block = block_size if block_size is not None else 1
+    # The autotuner keys on a power-of-two bucket of N_k from 1K to 32K, so a short warm-up call does
+    # not choose the tiles of a long prefill, and lengths in one bucket share their tuning.
+    tuning_length = min(max(triton.next_power_of_2(n_k), 1024), 32768)
+
+    args = (
+        q, k, v, valid, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *valid_strides, *out.stride(), *lse.stride(),
+        n_q, n_k, num_heads, num_heads // num_kv_heads, block, scale * LOG2_E, tuning_length,
+    )
+    meta = dict(HEAD_DIM=head_dim, BLOCK_CAUSAL=causal or block_size is not None, HAS_K_VALID=k_valid is not None)
+
+    def grid(tiles):
+        return (triton.cdiv(n_q, tiles["BLOCK_M"]), batch * num_heads)
+
+    if q.is_cuda:
+        _flash_attention_fwd_tuned[grid](*args, **meta)
+    else:
+        _flash_attention_fwd[grid](*args, **meta, **INTERPRETER_TILES)
+    return (out, lse) if return_lse else out
+
+
+def _check_inputs(q, k, v, causal, block_size, k_valid, scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d tensor [batch, heads, seq, head_dim], got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    batch, num_heads, n_q, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch or head_dim")
+    if head_dim not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+    if k.shape[1] == 0 or num_heads % k.shape[1]:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({k.shape[1]})")
+    if batch == 0 or num_heads == 0 or n_q == 0 or k.shape[2] == 0:
+        raise ValueError(f"empty inputs are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if block_size is not None:
+        if causal:
+            raise ValueError("causal=True and block_size are exclusive (causal is block_size=1)")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if n_q > k.shape[2]:
+        raise ValueError(f"the queries are the last N_q of the N_k key positions, so N_q ({n_q}) must be "
+                         f"<= N_k ({k.shape[2]})")
+    if scale is not None and not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale!r}")
+    if k_valid is not None:
+        if not isinstance(k_valid, torch.Tensor) or k_valid.dtype != torch.bool:
+            raise ValueError("k_valid must be a bool tensor [batch, N_k]")
+        if tuple(k_valid.shape) != (batch, k.shape[2]):
+            raise ValueError(f"k_valid must have shape {(batch, k.shape[2])}, got {tuple(k_valid.shape)}")
+        if k_valid.device != q.device:
+            raise ValueError(f"k_valid must be on {q.device}, got {k_valid.device}")
+
+
+def flash_attention_reference(q, k, v, *, causal=False, block_size=None, k_valid=None, scale=None,
+                              return_lse=False):
+    """Plain torch, same signature and outputs: the full score matrix and softmax in fp32, out cast
+    to q's dtype, lse float32."""
+    _check_inputs(q, k, v, causal, block_size, k_valid, scale)
+    batch, num_heads, n_q, head_dim = q.shape
+    n_k = k.shape[2]
+    group = num_heads // k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = (q.float() @ k.transpose(-1, -2)) * scale  # [batch, num_heads, N_q, N_k]
+
+    q_pos = torch.arange(n_q, device=q.device) + (n_k - n_q)
+    k_pos = torch.arange(n_k, device=q.device)
+    visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = k_pos[None, :] <= q_pos[:, None]
+    elif block_size is not None:
+        visible = k_pos[None, :] // block_size <= q_pos[:, None] // block_size
+    visible = visible[None, None]  # [1, 1, N_q, N_k]
+    if k_valid is not None:
+        visible = visible & k_valid[:, None, None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    lse = scores.logsumexp(dim=-1)  # [batch, num_heads, N_q], -inf where no key is visible
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    out = (probs @ v).to(q.dtype)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,183 @@
+"""Key importance scores: how much attention each cached prefix key receives from the active block.
+
+For row b, KV head h and prefix key j < cache_lengths[b], over the group*L query rows r (the L
+queries of each of the `group` query heads that read KV head h):
+
+    scores[b, h, j] = reduce_r exp(scale * q_r . k_j - lse_r)      reduce = mean (MAGE eq. 3) or
+                                                                   sum (MaskKV mask voting)
+    dots[b, h, j]   = mean_r scale * q_r . k_j                     (optional, Sparse-dLLM)
+
+lse is the full-attention log-sum-exp that decode_attention returns, so the probabilities are the
+true ones of the full attention over prefix and block keys; nothing is renormalised here.
+
+dots and Sparse-dLLM: its Algorithm 1 scores candidate keys with A = mean(Q_b) K^T (its equation
+divides by sqrt(d_k)): the mean of the current block's query states against each key, before max
+pooling and top-k. A dot product is linear, so mean_r scale * q_r . k_j = scale * mean_r(q_r) . k_j:
+with the default scale 1/sqrt(d) this is exactly the paper's A of one query head (Algorithm 1
+omits the 1/sqrt(d_k), which does not change the ranking). The paper does not say how query heads
+that share a KV head (GQA, e.g. Dream) are combined; here the mean also runs over the group, one
+score per KV head, which is what a cache shared by the group needs. With group = 1 (LLaDA's MHA)
+it is the paper's per-head A. Max pooling and top-k are the method's, not the kernel's.
+
+Algorithm: one program per (chunk of keys, row * KV head). The first query tile of the group
+(all of it when group*L <= 128, e.g. SDAR-8B's 4 x 32) stays in registers while the program streams
+its chunk of K tile by tile, so K is read once and V not at all; larger groups reload their further
+query tiles from L2 for each key tile. Per key tile: S = Q K^T [rows, keys],
+P = 2^(S * scale * log2(e) - lse * log2(e)), then column sums of P (and of S).
+Positions past a row's prefix, up to max(cache_lengths), are written as 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import (
+    LOG2E,
+    check_lengths_tensor,
+    check_query_and_cache,
+    default_tiles,
+    dot_precision,
+    load_query_tile,
+    new_buffer,
+    split_keys,
+)
+
+
+@triton.jit
+def load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, batch_head,
+                    m_tile, group, num_queries, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Query tile m_tile of the group, its LSE in base 2 and which rows are real. lse is contiguous
+    [batch, num_heads, L], so group row r of (batch, kv_head) is flat row batch_head * group * L + r."""
+    # [BLOCK_M, HEAD_DIM]
+    q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,
+                              group, num_queries, BLOCK_M, HEAD_DIM)
+    num_rows = group * num_queries
+    row_valid = rows < num_rows
+    lse = tl.load(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, mask=row_valid, other=0.0)
+    return q, lse * LOG2E, row_valid
+
+
+@triton.jit(do_not_specialize=["max_length", "keys_per_program"])
+def key_scores_kernel(
+    q_ptr, k_ptr, cache_lengths_ptr, lse_ptr, scores_ptr, dots_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    num_kv_heads, group, num_queries, max_length, keys_per_program, qk_scale, score_weight, dot_weight,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
+    WITH_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (chunk, batch*kv_head): scores (and dots) of keys
+    [chunk*keys_per_program, (chunk+1)*keys_per_program) clipped to max_length."""
+    chunk, batch_head = tl.program_id(0), tl.program_id(1)
+    batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
+    q_first, lse_first, rows_first = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd,
+                                                     batch, kv_head, batch_head, 0, group, num_queries,
+                                                     BLOCK_M, HEAD_DIM)
+
+    cache_length = tl.load(cache_lengths_ptr + batch).to(tl.int32)
+    start = chunk * keys_per_program
+    end = tl.minimum(start + keys_per_program, max_length)
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    out_base = batch_head.to(tl.int64) * max_length
+    dims = tl.arange(0, HEAD_DIM)
+    for key_start in range(start, end, BLOCK_N):
+        keys = key_start + tl.arange(0, BLOCK_N)
+        key_valid = keys < cache_length
+        # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_kn + dims[None, :].to(tl.int64) * stride_kd,
+                    mask=key_valid[:, None], other=0.0)
+        prob_sum = tl.zeros([BLOCK_N], tl.float32)
+        dot_sum = tl.zeros([BLOCK_N], tl.float32)
+        for m_tile in tl.static_range(M_TILES):
+            if m_tile == 0:
+                q, lse, row_valid = q_first, lse_first, rows_first
+            else:
+                q, lse, row_valid = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd,
+                                                    batch, kv_head, batch_head, m_tile, group, num_queries,
+                                                    BLOCK_M, HEAD_DIM)
+            # [BLOCK_M, BLOCK_N]
+            dots = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            # [BLOCK_M, BLOCK_N]
+            probs = tl.where(row_valid[:, None], tl.exp2(dots * qk_scale - lse[:, None]), 0.0)
+            prob_sum += tl.sum(probs, 0)
+            if WITH_DOTS:
+                dot_sum += tl.sum(dots, 0)  # padding rows are zero queries: they add 0
+        in_chunk = keys < end
+        tl.store(scores_ptr + out_base + keys, tl.where(key_valid, prob_sum * score_weight, 0.0), mask=in_chunk)
+        if WITH_DOTS:
+            tl.store(dots_ptr + out_base + keys, tl.where(key_valid, dot_sum * dot_weight, 0.0), mask=in_chunk)
+
+
+def key_scores(q, k_cache, cache_lengths, lse, *, reduce="mean", scale=None, with_dots=False, max_length=None,
+               num_chunks=None):
+    """Attention probability mass each cached prefix key gets from the block's queries, per KV head.
+
+    q: [batch, num_heads, L, D] the active block's queries (L <= 64, D in (64, 128)).
+    k_cache: [batch, capacity, num_kv_heads, D], read in place; prefix of row b = slots 0 .. cache_lengths[b]-1.
+    cache_lengths: [batch] int32/int64.
+    lse: [batch, num_heads, L] float32, the natural-log LSE of the full attention (decode_attention's).
+    reduce: "mean" (MAGE eq. 3: average over the L queries and the group's heads) or "sum" (MaskKV votes).
+    with_dots: also return dots, the mean over the same rows of scale * q . k_j (Sparse-dLLM's A).
+    max_length: max(cache_lengths) if known on the host (saves a device sync); sets the output width.
+    num_chunks: how many programs share one (row, KV head)'s keys; default from the SM count.
+
+    Returns scores [batch, num_kv_heads, max_length] float32 (0 past each row's prefix) and, with
+    with_dots, dots of the same shape.
+    """
+    batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache)
+    check_lengths_tensor("cache_lengths", cache_lengths, batch, q.device)
+    if lse.shape != (batch, num_heads, num_queries) or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"lse must be float32 [{batch}, {num_heads}, {num_queries}] on {q.device}, got "
+                         f"{lse.dtype} {tuple(lse.shape)} on {lse.device}")
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+    if max_length is None:
+        max_length = int(cache_lengths.max())
+    if max_length > capacity:
+        raise ValueError(f"max_length {max_length} exceeds the cache capacity {capacity}")
+    group = num_heads // num_kv_heads
+    num_rows = group * num_queries
+    scale = head_dim**-0.5 if scale is None else scale
+    lse = lse.contiguous()
+
+    scores = new_buffer((batch, num_kv_heads, max_length), torch.float32, q.device)
+    dots = new_buffer((batch, num_kv_heads, max_length), torch.float32, q.device) if with_dots else scores
+    if max_length > 0:
+        # the decode tiles, one stage deeper: a stage holds only K (16 KB at D = 128), no V
+        launch = {**default_tiles(num_rows, head_dim), "num_stages": 4}
+        m_tiles = triton.cdiv(num_rows, launch["BLOCK_M"])
+        keys_per_program, num_chunks = split_keys(max_length, batch * num_kv_heads, q.device, launch["BLOCK_N"],
+                                                  num_chunks)
+        grid = (num_chunks, batch * num_kv_heads)
+        key_scores_kernel[grid](
+            q, k_cache, cache_lengths, lse, scores, dots,
+            *q.stride(), *k_cache.stride(),
+            num_kv_heads, group, num_queries, max_length, keys_per_program, scale * LOG2E.value,
+            1.0 / num_rows if reduce == "mean" else 1.0, scale / num_rows,
+            HEAD_DIM=head_dim, M_TILES=m_tiles, WITH_DOTS=with_dots, DOT_PRECISION=dot_precision(q.dtype),
+            **launch,
+        )
+    return (scores, dots) if with_dots else scores
+
+
+def key_scores_reference(q, k_cache, cache_lengths, lse, *, reduce="mean", scale=None, with_dots=False):
+    """Plain torch, fp32: the probabilities exp(scale q.k - lse) of every (query head, query, prefix
+    key), reduced over the group's heads and the L queries."""
+    batch, num_heads, num_queries, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    max_length = int(cache_lengths.max())
+    scores = torch.zeros(batch, num_kv_heads, max_length, device=q.device)
+    dots = torch.zeros(batch, num_kv_heads, max_length, device=q.device)
+    for b in range(batch):
+        n = int(cache_lengths[b])
+        keys = k_cache[b, :n].float().transpose(0, 1)  # [kv_heads, n, D]
+        queries = q[b].float().view(num_kv_heads, group * num_queries, head_dim)
+        logits = (queries @ keys.transpose(1, 2)) * scale  # [kv_heads, group*L, n]
+        probs = torch.exp(logits - lse[b].view(num_kv_heads, group * num_queries, 1))
+        scores[b, :, :n] = probs.mean(1) if reduce == "mean" else probs.sum(1)
+        dots[b, :, :n] = logits.mean(1)
+    return (scores, dots) if with_dots else scores

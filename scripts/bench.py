@@ -1,0 +1,376 @@
+"""Benchmarks, written to docs/results/ as JSON + Markdown. Run on the GPU from the repo root:
+
+    python scripts/bench.py kernels [--quick] [--out docs/results]
+
+kernels: the attention kernels next to their floors and to what a user has (torch SDPA), in one run:
+  1. ceilings: copy bandwidth (1 GiB device-to-device, bytes read + written, best of several) and
+     the bf16 matmul rate (8192^3);
+  2. block decode (L = 32 queries vs P cached keys + the block): decode_attention vs SDPA on the
+     cache view vs the floor (K + V bytes / copy bandwidth), plus a small tile / split sweep;
+  3. sparse block decode (k selected tokens per KV head, as tokens and as 64-token key blocks) vs
+     torch gather + SDPA vs the floor (selected K + V bytes / copy bandwidth);
+  4. key scores over the prefix (with and without dots) as a ratio to one decode pass, floor = K bytes;
+  5. dense prefill through kernels/flash_attention.py vs SDPA (TFLOP/s).
+Shapes are SDAR-8B's attention (32 query heads, 8 KV heads, head_dim 128, bf16), batch 1 and 4.
+Timings are medians of triton.testing.do_bench, which flushes L2 before every repeat.
+--quick runs tiny shapes end to end (on a CPU through TRITON_INTERPRET=1, in float32): a smoke test,
+its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kernels.decode_attention import INTERPRETER_SMS, decode_attention, default_tiles, sm_count  # noqa: E402
+from kernels.key_scores import key_scores  # noqa: E402
+from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
+
+GB = 1e9
+
+
+@dataclass
+class Shapes:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block: int  # L, the active block's queries
+    batches: tuple
+    prefixes: tuple  # cached keys P
+    sparse_prefix: int
+    sparse_ks: tuple  # selected tokens per KV head
+    key_block: int  # tokens per key block in the blocked sparse rows
+    prefill_lengths: tuple
+    prefill_block_size: int  # block-causal B of the prefill rows (SDAR-8B's config default)
+    copy_bytes: int
+    matmul_n: int
+
+
+FULL = Shapes(heads=32, kv_heads=8, head_dim=128, block=32, batches=(1, 4), prefixes=(8192, 32768, 131072),
+              sparse_prefix=131072, sparse_ks=(1024, 8192), key_block=64, prefill_lengths=(8192, 32768),
+              prefill_block_size=4, copy_bytes=1 << 30, matmul_n=8192)
+QUICK = Shapes(heads=4, kv_heads=2, head_dim=64, block=8, batches=(1, 2), prefixes=(96, 200), sparse_prefix=200,
+               sparse_ks=(32,), key_block=16, prefill_lengths=(64,), prefill_block_size=4, copy_bytes=1 << 22,
+               matmul_n=128)
+
+
+class Timer:
+    """Median microseconds of fn(): do_bench on the GPU (L2 flushed before every repeat), a plain
+    wall-clock median on the CPU."""
+
+    def __init__(self, device, quick):
+        self.device, self.quick = device, quick
+
+    def __call__(self, fn, return_mode="median") -> float:
+        if self.device.type == "cuda":
+            return triton.testing.do_bench(fn, warmup=25, rep=100 if not self.quick else 10,
+                                           return_mode=return_mode) * 1e3
+        fn()
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2] * 1e6
+
+
+class Report:
+    """Markdown tables printed as they complete and kept for the JSON / Markdown files."""
+
+    def __init__(self):
+        self.sections, self.lines = [], []
+
+    def say(self, text=""):
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def table(self, title, rows, note=""):
+        self.say(f"## {title}\n")
+        if note:
+            self.say(note + "\n")
+        if rows:
+            columns = list(rows[0])
+            self.say("| " + " | ".join(columns) + " |")
+            self.say("|" + "---|" * len(columns))
+            for row in rows:
+                self.say("| " + " | ".join(fmt(row[c]) for c in columns) + " |")
+        self.say()
+        self.sections.append({"title": title, "note": note, "rows": rows})
+
+    def write(self, out_dir: Path, stem: str, meta: dict):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "sections": self.sections}, indent=2))
+        (out_dir / f"{stem}.md").write_text("\n".join(self.lines) + "\n")
+        print(f"wrote {out_dir / stem}.json and .md")
+
+
+def fmt(value):
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def kilo(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def measure_ceilings(timer, shapes, device, dtype):
+    """Copy bandwidth (bytes read + written) and matmul rate, each the best of several runs."""
+    src = torch.empty(shapes.copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_us = timer(lambda: dst.copy_(src), return_mode="min")
+    n = shapes.matmul_n
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    matmul_us = timer(lambda: a @ b, return_mode="min")
+    return 2 * shapes.copy_bytes / copy_us / 1e3, 2 * n**3 / matmul_us / 1e6  # GB/s, TFLOP/s
+
+
+def make_cache(batch, capacity, shapes, device, dtype):
+    shape = (batch, capacity, shapes.kv_heads, shapes.head_dim)
+    return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
+
+
+def sdpa_on_cache(q, k_cache, v_cache, n_keys):
+    """What a user has: SDPA with GQA on the [batch, kv_heads, n_keys, D] view of the cache."""
+    keys, values = k_cache[:, :n_keys].transpose(1, 2), v_cache[:, :n_keys].transpose(1, 2)
+    return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+
+def bench_decode(report, timer, shapes, device, dtype, bandwidth, caches):
+    """Block decode against the whole cache; returns {(batch, P): our microseconds} for later ratios."""
+    rows, ours = [], {}
+    bytes_per_key = 2 * shapes.kv_heads * shapes.head_dim * caches[shapes.batches[0]][0].element_size()
+    for batch in shapes.batches:
+        k_cache, v_cache = caches[batch]
+        q = torch.randn(batch, shapes.heads, shapes.block, shapes.head_dim, device=device, dtype=dtype)
+        for prefix in shapes.prefixes:
+            n_keys = prefix + shapes.block
+            lengths = torch.full((batch,), n_keys, device=device, dtype=torch.int32)
+            kv_bytes = batch * n_keys * bytes_per_key
+            us = timer(lambda: decode_attention(q, k_cache, v_cache, lengths, max_length=n_keys))
+            sdpa_us = timer(lambda: sdpa_on_cache(q, k_cache, v_cache, n_keys))
+            ours[batch, prefix] = us
+            rows.append({"batch": batch, "P": kilo(prefix), "ours us": us, "SDPA us": sdpa_us,
+                         "floor us": kv_bytes / bandwidth / 1e3, "ours GB/s": kv_bytes / us / 1e3,
+                         "% of copy BW": 100 * kv_bytes / us / 1e3 / bandwidth, "SDPA GB/s": kv_bytes / sdpa_us / 1e3,
+                         "speedup vs SDPA": sdpa_us / us})
+    report.table("Block decode (dense)", rows,
+                 f"L = {shapes.block} queries vs P cached keys + the block's L keys; floor = K + V bytes / copy "
+                 "bandwidth; SDPA(enable_gqa=True) reads the same token-major cache through a transposed view.")
+    return ours
+
+
+def bench_decode_sweep(report, timer, shapes, device, dtype, bandwidth, caches):
+    """Tile and split variants of the decode kernel at batch 1 (what to look at if it is short of 75%)."""
+    batch = shapes.batches[0]
+    k_cache, v_cache = caches[batch]
+    q = torch.randn(batch, shapes.heads, shapes.block, shapes.head_dim, device=device, dtype=dtype)
+    bytes_per_key = 2 * shapes.kv_heads * shapes.head_dim * k_cache.element_size()
+    variants = [
+        ("default", {}, None),
+        ("BLOCK_N 128, 2 stages", {"BLOCK_N": 128, "num_stages": 2}, None),
+        ("BLOCK_N 32, 4 stages", {"BLOCK_N": 32, "num_stages": 4}, None),
+        ("4 stages", {"num_stages": 4}, None),
+        ("BLOCK_M 64, 4 warps (2 query tiles)", {"BLOCK_M": 64, "num_warps": 4}, None),
+        ("BLOCK_M 64, 4 warps, 2x splits", {"BLOCK_M": 64, "num_warps": 4}, 2),
+        ("half the splits", {}, 0.5),
+        ("2x splits", {}, 2),
+        ("4x splits", {}, 4),
+    ]
+    sms = sm_count(device) if device.type == "cuda" else INTERPRETER_SMS
+    base_splits = max(1, sms // (batch * shapes.kv_heads))  # the heuristic's count before its MIN_KEYS_PER_SPLIT cap
+    rows = []
+    for prefix in shapes.prefixes[-2:]:
+        n_keys = prefix + shapes.block
+        lengths = torch.full((batch,), n_keys, device=device, dtype=torch.int32)
+        kv_bytes = batch * n_keys * bytes_per_key
+        for name, tiles, split_factor in variants:
+            splits = None if split_factor is None else max(1, int(base_splits * split_factor))
+            row = {"P": kilo(prefix), "variant": name, "num_splits": splits or "auto"}
+            try:  # a variant that does not compile (shared memory, registers) is reported, not fatal
+                us = timer(lambda: decode_attention(q, k_cache, v_cache, lengths, max_length=n_keys,
+                                                    num_splits=splits, tiles=tiles))
+                row.update({"us": us, "% of copy BW": 100 * kv_bytes / us / 1e3 / bandwidth})
+            except Exception as error:  # noqa: BLE001
+                row.update({"us": f"failed: {type(error).__name__}", "% of copy BW": ""})
+            rows.append(row)
+    defaults = default_tiles(shapes.heads // shapes.kv_heads * shapes.block, shapes.head_dim)
+    report.table(f"Block decode sweep (batch {batch})", rows,
+                 f"default = {defaults}, splits = SMs // (batch * KV heads) = {base_splits} here; a variant changes "
+                 "only what its name says.")
+
+
+def random_index_lists(batch, shapes, prefix, count, unit, device):
+    """Sorted duplicate-free random selections of count/unit units (tokens or key blocks) per (row, KV head)."""
+    units, picks = prefix // unit, count // unit
+    scores = torch.rand(batch, shapes.kv_heads, units, device=device)
+    indices = scores.topk(picks, dim=-1).indices.sort(dim=-1).values
+    counts = torch.full((batch, shapes.kv_heads), picks, device=device, dtype=torch.int32)
+    return indices.to(torch.int32), counts
+
+
+def gather_then_sdpa(q, k_cache, v_cache, tokens):
+    """The torch baseline: gather each (row, KV head)'s tokens [batch, kv_heads, n], then SDPA."""
+    batch_index = torch.arange(q.shape[0], device=q.device)[:, None, None]
+    head_index = torch.arange(k_cache.shape[2], device=q.device)[None, :, None]
+    keys, values = k_cache[batch_index, tokens, head_index], v_cache[batch_index, tokens, head_index]
+    return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+
+def bench_sparse(report, timer, shapes, device, dtype, bandwidth, caches, dense_us):
+    rows = []
+    prefix = shapes.sparse_prefix
+    for batch in shapes.batches:
+        k_cache, v_cache = caches[batch]
+        q = torch.randn(batch, shapes.heads, shapes.block, shapes.head_dim, device=device, dtype=dtype)
+        cache_lengths = torch.full((batch,), prefix, device=device, dtype=torch.int32)
+        block_tokens = torch.arange(prefix, prefix + shapes.block, device=device).expand(batch, shapes.kv_heads, -1)
+        for count in shapes.sparse_ks:
+            for unit in (1, shapes.key_block):
+                indices, counts = random_index_lists(batch, shapes, prefix, count, unit, device)
+                tokens = (indices[..., None].long() * unit + torch.arange(unit, device=device)).flatten(2)
+                tokens = torch.cat([tokens, block_tokens], dim=-1)
+                read_bytes = tokens.numel() * 2 * shapes.head_dim * k_cache.element_size()
+                us = timer(lambda: sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts,
+                                                           index_block=unit))
+                torch_us = timer(lambda: gather_then_sdpa(q, k_cache, v_cache, tokens))
+                rows.append({"batch": batch, "k": count, "index_block": unit, "ours us": us,
+                             "gather+SDPA us": torch_us, "floor us": read_bytes / bandwidth / 1e3,
+                             "% of copy BW": 100 * read_bytes / us / 1e3 / bandwidth,
+                             "speedup vs gather+SDPA": torch_us / us,
+                             "speedup vs dense decode": dense_us.get((batch, prefix), float("nan")) / us})
+    report.table(f"Sparse block decode (P = {kilo(prefix)})", rows,
+                 f"k selected prefix tokens per KV head (sorted random; as tokens or as {shapes.key_block}-token key "
+                 f"blocks) + the block's {shapes.block} keys; time per layer; floor = selected K + V bytes / copy "
+                 "bandwidth; dense decode = our decode_attention over the whole prefix, same run.")
+
+
+def bench_key_scores(report, timer, shapes, device, dtype, bandwidth, caches, dense_us):
+    rows = []
+    for batch in shapes.batches:
+        k_cache, v_cache = caches[batch]
+        q = torch.randn(batch, shapes.heads, shapes.block, shapes.head_dim, device=device, dtype=dtype)
+        for prefix in shapes.prefixes:
+            cache_lengths = torch.full((batch,), prefix, device=device, dtype=torch.int32)
+            n_keys = prefix + shapes.block
+            _, lse = decode_attention(q, k_cache, v_cache, cache_lengths + shapes.block, max_length=n_keys)
+            k_bytes = batch * prefix * shapes.kv_heads * shapes.head_dim * k_cache.element_size()
+            for with_dots in (False, True):
+                us = timer(lambda: key_scores(q, k_cache, cache_lengths, lse, with_dots=with_dots, max_length=prefix))
+                rows.append({"batch": batch, "P": kilo(prefix), "dots": with_dots, "us": us,
+                             "floor us (K bytes)": k_bytes / bandwidth / 1e3,
+                             "% of copy BW": 100 * k_bytes / us / 1e3 / bandwidth,
+                             "ratio to one decode pass": us / dense_us[batch, prefix]})
+    report.table("Key scores (MAGE / MaskKV / Sparse-dLLM selection pass)", rows,
+                 "Probabilities of the block's queries over every prefix key, reduced over the GQA group and the L "
+                 "queries, from the decode pass's LSE; one read of K, no V. Ideal ratio to a decode pass: ~0.5.")
+
+
+def visible_fraction(n, block_size):
+    """Fraction of the n x n score matrix a block-causal(B) mask keeps (B = 1: causal)."""
+    blocks = -(-n // block_size)
+    seen = sum(min((i + 1) * block_size, n) * min(block_size, n - i * block_size) for i in range(blocks))
+    return seen / n**2
+
+
+def bench_prefill(report, timer, shapes, device, dtype, matmul_rate):
+    try:
+        from kernels.flash_attention import flash_attention
+    except ImportError as error:
+        report.table("Dense prefill", [], f"skipped: kernels.flash_attention does not import ({error})")
+        return
+    rows = []
+    b = shapes.prefill_block_size
+    for n in shapes.prefill_lengths:
+        q = torch.randn(1, shapes.heads, n, shapes.head_dim, device=device, dtype=dtype)
+        k = torch.randn(1, shapes.kv_heads, n, shapes.head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        full_flops = 4 * n * n * shapes.heads * shapes.head_dim
+        cases = [
+            ("bidirectional", lambda: flash_attention(q, k, v), 1.0,
+             lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 1.0),
+            (f"block-causal B={b} (SDPA: causal)", lambda: flash_attention(q, k, v, block_size=b),
+             visible_fraction(n, b), lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+             visible_fraction(n, 1)),
+        ]
+        for name, ours, fraction, sdpa, sdpa_fraction in cases:
+            us, sdpa_us = timer(ours), timer(sdpa)
+            rate, sdpa_rate = full_flops * fraction / us / 1e6, full_flops * sdpa_fraction / sdpa_us / 1e6
+            rows.append({"N": kilo(n), "mask": name, "ours ms": us / 1e3, "SDPA ms": sdpa_us / 1e3,
+                         "ours TFLOP/s": rate, "SDPA TFLOP/s": sdpa_rate, "% of SDPA": 100 * rate / sdpa_rate,
+                         "% of matmul": 100 * rate / matmul_rate})
+    report.table("Dense prefill (flash_attention)", rows,
+                 f"batch 1; FLOPs = 4 N^2 heads d times the visible fraction of the mask; block-causal uses B = {b} "
+                 "(SDAR-8B's config default), compared with SDPA's causal mask (its FLOPs counted for causal).")
+
+
+def bench_kernels(args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = QUICK if args.quick else FULL
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 dot is wrong
+    timer, report = Timer(device, args.quick), Report()
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()}), "
+                  "TRITON_INTERPRET=1",
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "dtype": str(dtype).removeprefix("torch."), "quick": args.quick, "shapes": asdict(shapes),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    report.say(f"# Kernel benchmarks: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+               f"{meta['dtype']}\n")
+    report.say(f"Attention shapes: {shapes.heads} query heads, {shapes.kv_heads} KV heads, head_dim {shapes.head_dim}; "
+               "timings are medians of do_bench (L2 flushed before each repeat).\n")
+
+    bandwidth, matmul_rate = measure_ceilings(timer, shapes, device, dtype)
+    meta.update(copy_GBps=bandwidth, matmul_TFLOPs=matmul_rate)
+    report.table("Ceilings", [{"copy bandwidth GB/s": bandwidth, "matmul TFLOP/s": matmul_rate}],
+                 f"copy: {shapes.copy_bytes / 2**30:.3g} GiB device-to-device, read + written bytes, best of several; "
+                 f"matmul: {shapes.matmul_n}^3 {meta['dtype']}, best of several.")
+
+    capacity = max(max(shapes.prefixes), shapes.sparse_prefix) + shapes.block
+    caches = {batch: make_cache(batch, capacity, shapes, device, dtype) for batch in shapes.batches}
+    dense_us = bench_decode(report, timer, shapes, device, dtype, bandwidth, caches)
+    bench_decode_sweep(report, timer, shapes, device, dtype, bandwidth, caches)
+    bench_sparse(report, timer, shapes, device, dtype, bandwidth, caches, dense_us)
+    bench_key_scores(report, timer, shapes, device, dtype, bandwidth, caches, dense_us)
+    del caches
+    try:  # another file's kernel: a failure there must not lose the tables above
+        bench_prefill(report, timer, shapes, device, dtype, matmul_rate)
+    except Exception as error:  # noqa: BLE001
+        report.table("Dense prefill (flash_attention)", [], f"failed: {type(error).__name__}: {error}")
+    report.write(args.out, "bench_kernels_quick" if args.quick else "bench_kernels", meta)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    kernels = commands.add_parser("kernels", help="attention kernels vs SDPA and their floors")
+    kernels.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
+    kernels.add_argument("--out", type=Path, default=REPO / "docs" / "results",
+                         help="directory for the JSON + Markdown")
+    args = parser.parse_args()
+    if args.command == "kernels":
+        bench_kernels(args)
+
+
+if __name__ == "__main__":
+    main()

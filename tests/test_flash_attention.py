@@ -1,0 +1,187 @@
+"""kernels/flash_attention.py against its plain-torch reference.
+
+Without a GPU the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1), with small
+tiles drawn per example so that small shapes cross many tile edges. The interpreter's bf16 tl.dot is
+wrong, so bf16 is only drawn on a GPU. Outputs are allocated NaN-filled: an element the kernel never
+writes fails the comparison.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kernels.flash_attention as fa
+from kernels.flash_attention import flash_attention, flash_attention_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# fp32 runs exact dots in the interpreter but TF32 ones on a GPU.
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5 if DEVICE == "cpu" else 5e-3}
+LSE_TOLERANCE = {torch.float16: 1e-4, torch.bfloat16: 1e-4, torch.float32: 1e-5 if DEVICE == "cpu" else 5e-3}
+INTERPRETER_TILES = [(16, 16), (32, 16), (16, 32), (64, 32)]
+LAYOUTS = ["contiguous", "seq_major", "every_other_d"]
+
+
+@contextmanager
+def poisoned_outputs(tiles=(32, 16)):
+    """Run with NaN-filled outputs and, in the interpreter, the given (BLOCK_M, BLOCK_N)."""
+    def nan_output(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    with mock.patch.object(fa, "_output", nan_output), \
+            mock.patch.dict(fa.INTERPRETER_TILES, BLOCK_M=tiles[0], BLOCK_N=tiles[1]):
+        yield
+
+
+def random_heads(batch, heads, length, head_dim, dtype, layout, generator):
+    """[batch, heads, length, head_dim] laid out as
+    "contiguous":    itself;
+    "seq_major":     the transposed view of a [batch, length, heads, head_dim] buffer, as a fused
+                     projection or the KV cache gives;
+    "every_other_d": every other element of a buffer with twice the head dim (head-dim stride 2)."""
+    if layout == "seq_major":
+        x = torch.randn(batch, length, heads, head_dim, generator=generator).to(dtype=dtype, device=DEVICE)
+        return x.transpose(1, 2)
+    if layout == "every_other_d":
+        x = torch.randn(batch, heads, length, 2 * head_dim, generator=generator).to(dtype=dtype, device=DEVICE)
+        return x[..., ::2]
+    return torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype=dtype, device=DEVICE)
+
+
+def padded_keys(pads, sides, n_k, sliced: bool):
+    """k_valid [batch, n_k]: row r hides pads[r] keys on the left or right (a whole row if
+    pads[r] == n_k). sliced gives a view into a wider tensor, so the batch stride is not n_k."""
+    columns = torch.arange(n_k)
+    rows = [columns >= pad if side == "left" else columns < n_k - pad for pad, side in zip(pads, sides)]
+    valid = torch.stack(rows)
+    if sliced:
+        wide = torch.zeros(len(pads), n_k + 3, dtype=torch.bool)
+        wide[:, 3:] = valid
+        valid = wide[:, 3:]
+    return valid.to(DEVICE)
+
+
+def check_against_reference(q, k, v, tiles=(32, 16), **kwargs):
+    with poisoned_outputs(tiles):
+        out, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
+    expected_out, expected_lse = flash_attention_reference(q, k, v, return_lse=True, **kwargs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.float(), expected_out.float(), atol=tol, rtol=tol)
+    lse_tol = LSE_TOLERANCE[q.dtype]
+    torch.testing.assert_close(lse, expected_lse, atol=lse_tol, rtol=lse_tol)
+
+
+@st.composite
+def attention_cases(draw):
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    num_kv_heads = 1 if group == 8 else draw(st.integers(1, 2))
+    batch = draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([64, 128]))
+    n_k = draw(st.integers(1, 72))
+    queries = draw(st.sampled_from(["prefill", "one", "suffix"]))
+    n_q = n_k if queries == "prefill" else 1 if queries == "one" else draw(st.integers(1, n_k))
+    dtype = draw(st.sampled_from(DTYPES))
+    layout = draw(st.sampled_from(LAYOUTS))
+    seed = draw(st.integers(0, 2**16))
+
+    mask = draw(st.sampled_from(["none", "causal", "block"]))
+    kwargs = {"causal": True} if mask == "causal" else {}
+    if mask == "block":
+        kwargs["block_size"] = draw(st.sampled_from([1, 3, 4, 32]))
+    if draw(st.booleans()):
+        pads = draw(st.lists(st.integers(0, n_k), min_size=batch, max_size=batch))
+        sides = draw(st.lists(st.sampled_from(["left", "right"]), min_size=batch, max_size=batch))
+        kwargs["k_valid"] = padded_keys(pads, sides, n_k, sliced=draw(st.booleans()))
+    if draw(st.booleans()):
+        kwargs["scale"] = draw(st.sampled_from([0.05, 0.3]))
+
+    generator = torch.Generator().manual_seed(seed)
+    q = random_heads(batch, group * num_kv_heads, n_q, head_dim, dtype, layout, generator)
+    k = random_heads(batch, num_kv_heads, n_k, head_dim, dtype, layout, generator)
+    v = random_heads(batch, num_kv_heads, n_k, head_dim, dtype, layout, generator)
+    tiles = draw(st.sampled_from(INTERPRETER_TILES))
+    return q, k, v, tiles, kwargs
+
+
+@given(attention_cases())
+def test_matches_reference(case):
+    q, k, v, tiles, kwargs = case
+    check_against_reference(q, k, v, tiles, **kwargs)
+
+
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"block_size": 32}, {"block_size": 4}])
+def test_matches_reference_with_gpu_tiles(mask):
+    """The H100 tiles (128 x 64) over several query and key tiles, queries a suffix of the keys and
+    the first row left-padded, so the unmasked and masked key loops both run at that size."""
+    generator = torch.Generator().manual_seed(0)
+    n_q, n_k = 200, 300
+    q = random_heads(2, 4, n_q, 128, torch.float16, "contiguous", generator)
+    k = random_heads(2, 2, n_k, 128, torch.float16, "seq_major", generator)
+    v = random_heads(2, 2, n_k, 128, torch.float16, "seq_major", generator)
+    k_valid = padded_keys([37, 0], ["left", "right"], n_k, sliced=False)
+    check_against_reference(q, k, v, (128, 64), k_valid=k_valid, **mask)
+
+
+def test_rows_without_visible_keys_are_zero():
+    generator = torch.Generator().manual_seed(1)
+    q = random_heads(2, 2, 20, 64, torch.float32, "contiguous", generator)
+    k = random_heads(2, 1, 20, 64, torch.float32, "contiguous", generator)
+    v = random_heads(2, 1, 20, 64, torch.float32, "contiguous", generator)
+    k_valid = padded_keys([20, 6], ["right", "left"], 20, sliced=False)
+    with poisoned_outputs():
+        out, lse = flash_attention(q, k, v, causal=True, k_valid=k_valid, return_lse=True)
+    # Row 0 hides every key; in row 1 the first 6 queries (causal) see only hidden keys.
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    assert torch.equal(out[1, :, :6], torch.zeros_like(out[1, :, :6])) and torch.isneginf(lse[1, :, :6]).all()
+    assert torch.isfinite(lse[1, :, 6:]).all()
+
+
+def test_without_lse_returns_only_the_output():
+    q = torch.randn(1, 2, 5, 64, device=DEVICE)
+    out = flash_attention(q, q[:, :1], q[:, :1])
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    assert isinstance(flash_attention_reference(q, q[:, :1], q[:, :1]), torch.Tensor)
+
+
+def _inputs(n_q=4, n_k=6, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16):
+    q = torch.randn(1, heads, n_q, head_dim, dtype=dtype)
+    k = torch.randn(1, kv_heads, n_k, head_dim, dtype=dtype)
+    return q, k, k.clone()
+
+
+BAD_CALLS = [
+    ("3-d q", lambda q, k, v: (q[0], k, v), {}, "4-d tensor"),
+    ("head_dim 96", lambda q, k, v: _inputs(head_dim=96), {}, "head_dim must be 64 or 128"),
+    ("k and v differ", lambda q, k, v: (q, k, k[:, :, :5]), {}, "same shape"),
+    ("batch differs", lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])), {}, "batch or head_dim"),
+    ("heads not a multiple", lambda q, k, v: _inputs(heads=3, kv_heads=2), {}, "multiple of num_kv_heads"),
+    ("dtype mismatch", lambda q, k, v: (q, k.float(), v), {}, "share a dtype"),
+    ("float64", lambda q, k, v: (q.double(), k.double(), v.double()), {}, "float16, bfloat16 or float32"),
+    ("device mismatch", lambda q, k, v: (q, k.to("meta"), v), {}, "one device"),
+    ("empty", lambda q, k, v: _inputs(n_q=0), {}, "empty"),
+    ("causal and block", None, {"causal": True, "block_size": 4}, "exclusive"),
+    ("block_size 0", None, {"block_size": 0}, "positive int"),
+    ("block_size float", None, {"block_size": 4.0}, "positive int"),
+    ("more queries than keys", lambda q, k, v: _inputs(n_q=7, n_k=6), {}, r"N_q \(7\) must be <= N_k \(6\)"),
+    ("scale 0", None, {"scale": 0.0}, "scale must be positive"),
+    ("k_valid shape", None, {"k_valid": torch.ones(1, 5, dtype=torch.bool)}, r"k_valid must have shape \(1, 6\)"),
+    ("k_valid dtype", None, {"k_valid": torch.ones(1, 6)}, "bool tensor"),
+]
+
+
+@pytest.mark.parametrize("change, kwargs, message", [case[1:] for case in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+@pytest.mark.parametrize("function", [flash_attention, flash_attention_reference])
+def test_rejects_bad_inputs(function, change, kwargs, message):
+    q, k, v = _inputs()
+    if change is not None:
+        q, k, v = change(q, k, v)
+    with pytest.raises(ValueError, match=message):
+        function(q, k, v, **kwargs)
