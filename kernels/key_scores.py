@@ -20,11 +20,16 @@ score per KV head, which is what a cache shared by the group needs. With group =
 it is the paper's per-head A. Max pooling and top-k are the method's, not the kernel's.
 
 Algorithm: one program per (chunk of keys, row * KV head). The first query tile of the group
-(all of it when group*L <= 128, e.g. SDAR-8B's 4 x 32) stays in registers while the program streams
+(all of it when group*L <= 128, e.g. SDAR-8B's 4 x 32) stays resident while the program streams
 its chunk of K tile by tile, so K is read once and V not at all; larger groups reload their further
-query tiles from L2 for each key tile. Per key tile: S = Q K^T [rows, keys],
-P = 2^(S * scale * log2(e) - lse * log2(e)), then column sums of P (and of S).
-Positions past a row's prefix, up to max(cache_lengths), are written as 0.
+query tiles from L2 for each key tile. Per key tile the scores are computed transposed,
+S^T = K Q^T [keys, rows], so that the reductions over query rows run along axis 1: in the MMA
+accumulator layout a key's row lies within one thread and its quad of lanes (registers and two
+shuffles; summing over axis 0 of Q K^T would cross warps through shared memory and a barrier on
+every tile). Then P^T = 2^(S^T * scale * log2(e) - lse * log2(e)), row sums of P^T (and of S^T:
+the dots). Padding query rows are zero queries with LSE +inf, so they add exactly 0 to both.
+Positions past a row's prefix, up to max(cache_lengths), are written as 0. Tiles and pipeline
+depth: launch_params.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from .decode_attention import (
     LOG2E,
     check_lengths_tensor,
     check_query_and_cache,
-    default_tiles,
     dot_precision,
     load_query_tile,
     new_buffer,
@@ -48,15 +52,15 @@ from .decode_attention import (
 @triton.jit
 def load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, batch_head,
                     m_tile, group, num_queries, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Query tile m_tile of the group, its LSE in base 2 and which rows are real. lse is contiguous
-    [batch, num_heads, L], so group row r of (batch, kv_head) is flat row batch_head * group * L + r."""
+    """Query tile m_tile of the group and its LSE in base 2. lse is contiguous [batch, num_heads, L],
+    so group row r of (batch, kv_head) is flat row batch_head * group * L + r. Padding rows
+    (>= group*L) are zero queries with LSE +inf: their probabilities 2^(0 - inf) are exactly 0."""
     # [BLOCK_M, HEAD_DIM]
     q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,
                               group, num_queries, BLOCK_M, HEAD_DIM)
     num_rows = group * num_queries
-    row_valid = rows < num_rows
-    lse = tl.load(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, mask=row_valid, other=0.0)
-    return q, lse * LOG2E, row_valid
+    lse = tl.load(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, mask=rows < num_rows, other=float("inf"))
+    return q, lse * LOG2E
 
 
 @triton.jit(do_not_specialize=["max_length", "keys_per_program"])
@@ -72,9 +76,10 @@ def key_scores_kernel(
     [chunk*keys_per_program, (chunk+1)*keys_per_program) clipped to max_length."""
     chunk, batch_head = tl.program_id(0), tl.program_id(1)
     batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
-    q_first, lse_first, rows_first = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd,
-                                                     batch, kv_head, batch_head, 0, group, num_queries,
-                                                     BLOCK_M, HEAD_DIM)
+    q_first, lse_first = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head,
+                                         batch_head, 0, group, num_queries, BLOCK_M, HEAD_DIM)
+    # [HEAD_DIM, BLOCK_M], transposed here, outside the loop, so that it goes to shared memory once
+    q_first = tl.trans(q_first)
 
     cache_length = tl.load(cache_lengths_ptr + batch).to(tl.int32)
     start = chunk * keys_per_program
@@ -92,22 +97,48 @@ def key_scores_kernel(
         dot_sum = tl.zeros([BLOCK_N], tl.float32)
         for m_tile in tl.static_range(M_TILES):
             if m_tile == 0:
-                q, lse, row_valid = q_first, lse_first, rows_first
+                q_t, lse = q_first, lse_first
             else:
-                q, lse, row_valid = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd,
-                                                    batch, kv_head, batch_head, m_tile, group, num_queries,
-                                                    BLOCK_M, HEAD_DIM)
-            # [BLOCK_M, BLOCK_N]
-            dots = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            # [BLOCK_M, BLOCK_N]
-            probs = tl.where(row_valid[:, None], tl.exp2(dots * qk_scale - lse[:, None]), 0.0)
-            prob_sum += tl.sum(probs, 0)
+                q, lse = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head,
+                                         batch_head, m_tile, group, num_queries, BLOCK_M, HEAD_DIM)
+                q_t = tl.trans(q)
+            # [BLOCK_N, BLOCK_M]: one row per key, one column per query row
+            dots = tl.dot(k, q_t, input_precision=DOT_PRECISION)
+            # [BLOCK_N, BLOCK_M]
+            probs = tl.exp2(dots * qk_scale - lse[None, :])
+            prob_sum += tl.sum(probs, 1)
             if WITH_DOTS:
-                dot_sum += tl.sum(dots, 0)  # padding rows are zero queries: they add 0
+                dot_sum += tl.sum(dots, 1)
         in_chunk = keys < end
         tl.store(scores_ptr + out_base + keys, tl.where(key_valid, prob_sum * score_weight, 0.0), mask=in_chunk)
         if WITH_DOTS:
             tl.store(dots_ptr + out_base + keys, tl.where(key_valid, dot_sum * dot_weight, 0.0), mask=in_chunk)
+
+
+SHARED_MEMORY_BUDGET = 200 * 1024  # of the H100's 227 KB per block: room for barriers and layout conversions
+MAX_STAGES = 3
+
+
+def launch_params(num_rows: int, head_dim: int, element_size: int) -> dict:
+    """Launch parameters {BLOCK_M, BLOCK_N, num_warps, num_stages} for num_rows = group * L query rows.
+
+    BLOCK_N = 128 keys are the MMA's M dimension (Hopper wgmma: 64 rows per warpgroup), so 8 warps
+    (two warpgroups) split the keys and each key's row of S^T stays within one warp. BLOCK_M =
+    min(128, next power of 2 of group*L) query rows, at least 16 (tl.dot): the [128, 128] fp32 S^T
+    is 64 registers per thread. num_stages: the pipeline holds, per stage, one K tile
+    (BLOCK_N * D) and the M_TILES - 1 further query tiles that each key tile reloads (BLOCK_M * D
+    each); next to the resident first query tile it must fit SHARED_MEMORY_BUDGET, so
+    stages = min(MAX_STAGES, (budget - BLOCK_M*D*size) // stage size), at least 1. SDAR-8B (128 rows,
+    D = 128, bf16): 32 KB stages, 3 of them; group 8 x L 64 at D = 64 (4 query tiles): 64 KB
+    stages, 2 of them. Three stages keep two K tiles (64 KB at D = 128) loading while one is
+    scored, which covers HBM latency at one program per SM."""
+    block_m = min(128, max(16, triton.next_power_of_2(num_rows)))
+    block_n = 128
+    m_tiles = triton.cdiv(num_rows, block_m)
+    resident = block_m * head_dim * element_size
+    stage = (block_n + (m_tiles - 1) * block_m) * head_dim * element_size
+    num_stages = max(1, min(MAX_STAGES, (SHARED_MEMORY_BUDGET - resident) // stage))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8, "num_stages": num_stages}
 
 
 def key_scores(q, k_cache, cache_lengths, lse, *, reduce="mean", scale=None, with_dots=False, max_length=None,
@@ -145,8 +176,7 @@ def key_scores(q, k_cache, cache_lengths, lse, *, reduce="mean", scale=None, wit
     scores = new_buffer((batch, num_kv_heads, max_length), torch.float32, q.device)
     dots = new_buffer((batch, num_kv_heads, max_length), torch.float32, q.device) if with_dots else scores
     if max_length > 0:
-        # the decode tiles, one stage deeper: a stage holds only K (16 KB at D = 128), no V
-        launch = {**default_tiles(num_rows, head_dim), "num_stages": 4}
+        launch = launch_params(num_rows, head_dim, q.element_size())
         m_tiles = triton.cdiv(num_rows, launch["BLOCK_M"])
         keys_per_program, num_chunks = split_keys(max_length, batch * num_kv_heads, q.device, launch["BLOCK_N"],
                                                   num_chunks)
