@@ -2,15 +2,71 @@
 
 Shapes: q [batch, num_heads, q_len, head_dim], k and v [batch, num_kv_heads, k_len, head_dim]
 (GQA: num_heads is a multiple of num_kv_heads; query head h reads KV head h // group).
-A mask is a bool tensor [batch, 1, q_len, k_len] (True = may attend) or None for "everything".
+A mask is None ("everything"), a bool tensor [batch, 1, q_len, k_len] (True = may attend), or a
+CanvasMask: the structured masks of the engines (key padding, block-causal), which a kernel can
+apply without materialising [q_len, k_len].
 
-On CUDA, torch SDPA runs it; on CPU a plain-torch version computes scores and softmax in fp32.
+Who computes it:
+    CUDA, float16 / bfloat16, head_dim 64 or 128:  the Triton kernels of kernels/ (flash_attention
+        for a CanvasMask or no mask, decode_attention for the block engine's cache);
+    other CUDA tensors, or an arbitrary bool mask:  torch SDPA;
+    CPU:  a plain-torch version with scores and softmax in fp32.
+NANODLLM_KERNELS=0 in the environment turns the kernels off (torch SDPA on CUDA), to compare.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_HEAD_DIMS = (64, 128)
+KERNELS_ENABLED = os.environ.get("NANODLLM_KERNELS", "1") != "0"
+
+
+def use_kernels(q: torch.Tensor) -> bool:
+    """Whether q's attention runs on the Triton kernels (tests switch this on for the interpreter)."""
+    return KERNELS_ENABLED and q.is_cuda and q.dtype in KERNEL_DTYPES and q.shape[-1] in KERNEL_HEAD_DIMS
+
+
+@dataclass
+class CanvasMask:
+    """The mask of a forward over a whole canvas, as data a kernel can apply.
+
+    valid: [batch, n] bool, False at padding positions (hidden as keys), or None (no padding).
+    block_size: block-causal with this block size (None = bidirectional). Blocks are aligned to
+        column 0 unless `positions` is given.
+    positions: [batch, n] per-row positions whose blocks count, for a left-padded block-causal
+        canvas (rows start at different columns); only the dense form supports it.
+    Queries are the last q_len of the n columns (q_len == n for a full canvas)."""
+
+    valid: torch.Tensor | None = None
+    block_size: int | None = None
+    positions: torch.Tensor | None = None
+
+    def dense(self, q_len: int, k_len: int, device) -> torch.Tensor | None:
+        """The same mask as a bool tensor [batch, 1, q_len, k_len] (None if everything is visible).
+        Padded queries see every key the block-causal rule allows, so their softmax is defined;
+        the kernel gives them only valid keys instead (or none: output 0). Their outputs are never read."""
+        mask = None
+        if self.block_size is not None:
+            if self.positions is not None:
+                k_pos = self.positions[:, -k_len:]
+            else:
+                k_pos = torch.arange(k_len, device=device)[None, :]
+            mask = block_causal_mask(k_pos[:, k_len - q_len :], k_pos, self.block_size)
+        if self.valid is not None:
+            padding = key_padding_mask(self.valid[:, -k_len:], self.valid[:, -q_len:])
+            mask = padding if mask is None else mask & padding
+        return mask
+
+    def repeat(self, times: int) -> "CanvasMask":
+        """The mask of the batch concatenated `times` times (classifier-free guidance)."""
+        twice = lambda t: None if t is None else torch.cat([t] * times)
+        return CanvasMask(twice(self.valid), self.block_size, twice(self.positions))
 
 
 def block_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -31,11 +87,41 @@ def key_padding_mask(k_valid: torch.Tensor, q_valid: torch.Tensor | None = None)
     return mask
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | CanvasMask | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) masked) v, with GQA. Returns [batch, num_heads, q_len, head_dim]."""
+    if use_kernels(q) and (mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)):
+        from kernels.flash_attention import flash_attention
+
+        if mask is None:
+            return flash_attention(q, k, v)
+        k_valid = None if mask.valid is None else mask.valid[:, -k.shape[2]:]
+        return flash_attention(q, k, v, block_size=mask.block_size, k_valid=k_valid)
+    if isinstance(mask, CanvasMask):
+        mask = mask.dense(q.shape[2], k.shape[2], q.device)
     if q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     return attention_reference(q, k, v, mask)
+
+
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                    max_length: int, ragged: bool) -> torch.Tensor:
+    """The active block's queries against each row's cached keys, read in place.
+
+    k_cache, v_cache: [batch, capacity, num_kv_heads, head_dim] (token-major, as KVCache keeps them);
+    row b attends to slots 0 .. lengths[b]-1, which end with the block's own keys; max_length =
+    max(lengths), known on the host; ragged: whether rows differ in length (padding to hide).
+    Returns [batch, num_heads, q_len, head_dim]."""
+    if use_kernels(q):
+        from kernels.decode_attention import decode_attention
+
+        return decode_attention(q, k_cache, v_cache, lengths, max_length=max_length, return_lse=False)
+    keys, values = k_cache[:, :max_length].transpose(1, 2), v_cache[:, :max_length].transpose(1, 2)
+    mask = None
+    if ragged:
+        slots = torch.arange(max_length, device=q.device)
+        mask = key_padding_mask(slots[None, :] < lengths[:, None])
+    return attention(q, keys, values, mask)
 
 
 def attention_reference(q, k, v, mask=None):

@@ -41,14 +41,6 @@ class KVCache:
         n = self.max_length + extra
         return self.keys[layer][:, :n].transpose(1, 2), self.values[layer][:, :n].transpose(1, 2)
 
-    def valid(self, extra: int = 0) -> torch.Tensor | None:
-        """[batch, max_length + extra] True where a view's slot belongs to the row (its cache plus
-        `extra` scratch slots); None when every slot does."""
-        if self.uniform:
-            return None
-        slots = torch.arange(self.max_length + extra, device=self.lengths.device)
-        return slots[None, :] < (self.lengths[:, None] + extra)
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor | None = None):
         """Write k, v [batch, kv_heads, t, head_dim] into the slots right after each row's length
         (the first counts[row] tokens of each row when counts is given). Lengths do not move."""

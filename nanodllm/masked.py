@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import block_causal_mask, key_padding_mask
+from .attention import CanvasMask
 from .config import GenerationConfig
 from .decoding import (GenerationResult, check_prompts, split_evenly, threshold_transfer, top_confident,
                        without_token)
@@ -68,9 +68,10 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     valid = columns >= pads
     positions = (columns - pads).clamp(min=0)
     in_prompt = valid & (columns < prompt_width)
-    attn_mask = key_padding_mask(valid, valid)
-    if cfg.attention == "block_causal":
-        attn_mask = attn_mask & block_causal_mask(positions, positions, cfg.block_size)
+    ragged = bool((pads > 0).any())
+    block_causal = cfg.attention == "block_causal"
+    attn_mask = CanvasMask(valid=valid if ragged else None, block_size=cfg.block_size if block_causal else None,
+                           positions=positions if block_causal and ragged else None)
 
     forwards = total_steps = 0
     for block in range(num_blocks):
@@ -115,7 +116,8 @@ def _logits(model, method: Method, ctx: StepContext, cfg_scale: float, in_prompt
         return method.step(model, ctx)
     unconditional = torch.where(in_prompt, ctx.mask_id, ctx.tokens)
     both = StepContext(**{**vars(ctx), "tokens": torch.cat([ctx.tokens, unconditional])})
-    for name in ("positions", "valid", "prompt_lengths", "attn_mask"):
+    for name in ("positions", "valid", "prompt_lengths"):
         setattr(both, name, torch.cat([getattr(ctx, name)] * 2))
+    both.attn_mask = ctx.attn_mask.repeat(2)
     cond, uncond = method.step(model, both).chunk(2)
     return uncond + (cfg_scale + 1) * (cond - uncond)

@@ -1,14 +1,17 @@
 """CUDA check of the foundation, with its first measurements. Run on a GPU machine:
 
-    python scripts/check_cuda.py --out docs/results/foundation_cuda.md
+    python scripts/check_cuda.py [--sections parity,engines,presets,streaming,kernels] --out FILE.md
 
 1. parity: the tests/fixtures checkpoints on CUDA (SDPA path, float32) against transformers' logits;
 2. engines: the tiny random test models decode the same tokens on CUDA as on CPU (ragged batches);
 3. presets: llada-8b / sdar-8b built with random bf16 weights directly on the GPU; one dense step
    of each engine timed next to its floor (bytes / measured copy bandwidth, FLOPs / measured matmul
-   rate), with stock torch SDPA attention;
+   rate), with stock torch SDPA attention and with the Triton kernels (nanodllm.attention);
 4. streamed loading: a random sdar-1.7b written as a sharded checkpoint, loaded in a child process
-   whose peak host RSS is reported next to the largest tensor.
+   whose peak host RSS is reported next to the largest tensor;
+5. kernels: the shipped tiny models decode passkey prompts in bf16 on the Triton kernels and on
+   torch SDPA: accuracy of each and how many tokens agree.
+--sections picks some of them (default: all).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from nanodllm import block, masked  # noqa: E402
+import nanodllm.attention as attention_module  # noqa: E402
+from nanodllm import block, masked, tasks  # noqa: E402
 from nanodllm.attention import attention, block_causal_mask  # noqa: E402
 from nanodllm.cache import KVCache  # noqa: E402
 from nanodllm.config import GenerationConfig, preset  # noqa: E402
@@ -105,12 +109,23 @@ def machine_rates():
     return 2 * 2**30 / copy_s, 2 * 8192**3 / matmul_s
 
 
+def both_paths(fn, repeats: int = 5):
+    """(seconds with torch SDPA, seconds with the kernels) of fn(), each timed()."""
+    result = []
+    for enabled in (False, True):
+        attention_module.KERNELS_ENABLED = enabled
+        with torch.no_grad():
+            result.append(timed(fn, repeats))
+    return tuple(result)
+
+
 def check_presets(profile: bool):
     bandwidth, flops = machine_rates()
-    report(f"\n## 3. 8B shapes, random bf16 weights built on the GPU; one dense step (torch SDPA)\n")
+    report(f"\n## 3. 8B shapes, random bf16 weights built on the GPU; one dense step, torch SDPA vs our kernels\n")
     report(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s\n")
-    report("| preset | engine step | context | batch | ms | floor ms | floor kind | fraction of floor |")
-    report("|---|---|---|---|---|---|---|---|")
+    report("| preset | engine step | context | batch | ms SDPA | ms kernels | floor ms | floor kind | "
+           "floor / ms kernels |")
+    report("|---|---|---|---|---|---|---|---|---|")
     dense = Dense()
 
     start = time.perf_counter()
@@ -134,12 +149,11 @@ def check_presets(profile: bool):
             tokens = torch.full_like(columns, cfg.mask_token_id)
             ctx = StepContext(tokens, columns, torch.ones_like(columns, dtype=torch.bool),
                               torch.full((batch,), context, device="cuda"), cache=cache, block_length=32)
-            with torch.no_grad():
-                seconds = timed(lambda: dense.step(model, ctx))
+            sdpa_s, seconds = both_paths(lambda: dense.step(model, ctx))
             kv_bytes = 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * 2
             floor = (read_bytes + kv_bytes) / bandwidth
-            report(f"| sdar-8b | block decode, 32 queries | {context} | {batch} | {seconds * 1e3:.1f} | "
-                   f"{floor * 1e3:.1f} | weights + KV bytes | {floor / seconds:.2f} |")
+            report(f"| sdar-8b | block decode, 32 queries | {context} | {batch} | {sdpa_s * 1e3:.1f} | "
+                   f"{seconds * 1e3:.1f} | {floor * 1e3:.1f} | weights + KV bytes | {floor / seconds:.2f} |")
             if profile and context == 4096 and batch == 1:
                 with torch.no_grad(), torch.profiler.profile() as prof:
                     dense.step(model, ctx)
@@ -157,12 +171,11 @@ def check_presets(profile: bool):
         positions = torch.arange(length, device="cuda")[None]
         ctx = StepContext(ids, positions, torch.ones_like(ids, dtype=torch.bool), torch.tensor([length // 2]),
                           logits_start=length - 32, logits_stop=length)
-        with torch.no_grad():
-            seconds = timed(lambda: dense.step(model, ctx), 3)
+        sdpa_s, seconds = both_paths(lambda: dense.step(model, ctx), 3)
         attn_flops = 4 * cfg.num_layers * length * length * cfg.num_heads * cfg.head_dim
         floor = (2 * params * length + attn_flops) / flops
-        report(f"| llada-8b | full canvas | {length} | 1 | {seconds * 1e3:.1f} | {floor * 1e3:.1f} | "
-               f"FLOPs | {floor / seconds:.2f} |")
+        report(f"| llada-8b | full canvas | {length} | 1 | {sdpa_s * 1e3:.1f} | {seconds * 1e3:.1f} | "
+               f"{floor * 1e3:.1f} | FLOPs | {floor / seconds:.2f} |")
     del model
     torch.cuda.empty_cache()
     report(f"\n{report_build}; peak GPU memory so far {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
@@ -240,17 +253,48 @@ print(base, peaks['RssAnon:'], peaks['RssFile:'], seconds)
 """
 
 
+def check_kernels(n: int = 40):
+    from nanodllm.eval import Runner, agreement, resolve_model
+
+    report("\n## 5. The tiny models on the Triton kernels vs torch SDPA (bf16, passkey)\n")
+    report("| model | length | n | accuracy kernels | accuracy SDPA | token agreement | s kernels | s SDPA |")
+    report("|---|---|---|---|---|---|---|---|")
+    for name in ("tiny-sdar", "tiny-llada"):
+        runner = Runner(resolve_model(name), "cuda", torch.bfloat16, None)
+        for length in (1024, 2048, 4096):
+            samples = tasks.make_samples("passkey", length, n, seed=1234, count_tokens=runner.count_tokens)
+            outcomes = {}
+            for enabled in (True, False):
+                attention_module.KERNELS_ENABLED = enabled
+                runner.generate(samples[:2], "dense")  # compile and autotune outside the timing
+                outcomes[enabled] = runner.generate(samples, "dense")
+            accuracy = {k: sum(o.scores) / len(o.scores) for k, o in outcomes.items()}
+            report(f"| {name} | {length} | {n} | {accuracy[True]:.3f} | {accuracy[False]:.3f} | "
+                   f"{agreement(outcomes[True].tokens, outcomes[False].tokens):.3f} | "
+                   f"{outcomes[True].seconds:.2f} | {outcomes[False].seconds:.2f} |")
+    attention_module.KERNELS_ENABLED = True
+
+
+SECTIONS = ("parity", "engines", "presets", "streaming", "kernels")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="print a profile of one sdar-8b step at 4K")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     args = parser.parse_args()
-    report(f"# Foundation on CUDA: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    chosen = args.sections.split(",")
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; valid: {', '.join(SECTIONS)}")
+    report(f"# CUDA checks: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
            f"triton {__import__('triton').__version__}\n")
-    check_parity()
-    check_engines()
-    check_presets(args.profile)
-    check_streaming()
+    run = {"parity": check_parity, "engines": check_engines, "presets": lambda: check_presets(args.profile),
+           "streaming": check_streaming, "kernels": check_kernels}
+    for name in SECTIONS:
+        if name in chosen:
+            run[name]()
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 

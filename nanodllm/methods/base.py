@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import attention, block_causal_mask, key_padding_mask
+from ..attention import CanvasMask, attention, cache_attention
 from ..cache import KVCache
 
 
@@ -35,7 +35,8 @@ class StepContext:
     prompt_lengths: [batch] each row's prompt length.
     block, step, steps_per_block: where the schedule is (block index counts from the first
         generated block); block_length: the engine's block size (also the block-causal mask's).
-    attn_mask: [batch, 1, t, t] masked engine: the mask among the fed tokens (None = all visible).
+    attn_mask: masked engine: the mask among the fed tokens, a CanvasMask (key padding, block-causal;
+        `.dense(t, t, device)` gives it as a bool tensor) or None (all visible).
     logits_start, logits_stop: the span of tokens whose logits the engine reads.
     cache: block engine only, the exact KV cache of everything before the active block.
     counts: [batch] block engine prefill/commit: how many tokens of each row to append to the cache.
@@ -49,7 +50,7 @@ class StepContext:
     step: int = 0
     steps_per_block: int = 1
     mask_id: int = 0
-    attn_mask: torch.Tensor | None = None
+    attn_mask: CanvasMask | torch.Tensor | None = None
     logits_start: int = 0
     logits_stop: int | None = None
     cache: KVCache | None = None
@@ -69,8 +70,7 @@ class Method:
     def prefill(self, model, ctx: StepContext):
         """Forward the prompt's complete blocks (ctx.tokens, right-padded, ctx.counts valid per row)
         under the block-causal mask and append their KV to ctx.cache."""
-        q_mask = block_causal_mask(ctx.positions, ctx.positions, ctx.block_length)
-        mask = q_mask & key_padding_mask(ctx.valid, ctx.valid)
+        mask = CanvasMask(valid=ctx.valid, block_size=ctx.block_length)  # right-padded: blocks align to column 0
 
         def attend_and_store(layer, q, k, v):
             ctx.cache.write(layer, k, v, ctx.counts)
@@ -110,11 +110,11 @@ class Method:
 def attend_with_cache(layer: int, q, k, v, cache: KVCache) -> torch.Tensor:
     """The active block's queries against each row's cache plus the whole block (no mask inside
     the block). The block's K/V go to the scratch slots after each row's cache, so keys are read in
-    place; padding of shorter rows is hidden by the mask."""
+    place; slots past a row's own cache and block are not attended."""
     cache.write(layer, k, v)
-    keys, values = cache.view(layer, extra=k.shape[2])
-    valid = cache.valid(extra=k.shape[2])
-    return attention(q, keys, values, None if valid is None else key_padding_mask(valid))
+    block = k.shape[2]
+    return cache_attention(q, cache.keys[layer], cache.values[layer], cache.lengths + block, cache.max_length + block,
+                           ragged=not cache.uniform)
 
 
 class Dense(Method):

@@ -1,0 +1,86 @@
+"""The engines' attention routed through the Triton kernels (as on a GPU in float16 / bfloat16) gives
+what the torch path gives. On the CPU the kernels run in Triton's interpreter: `use_kernels` is
+switched on for float16 tensors, whose dots the interpreter computes correctly."""
+
+import pytest
+import torch
+
+import nanodllm.attention as attention_module
+from nanodllm import block, masked
+from nanodllm.attention import CanvasMask, attention, cache_attention
+from nanodllm.config import GenerationConfig
+from tests.tiny_models import random_prompt, tiny_model
+
+CALLS = []
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """use_kernels(q) is True for float16 CPU tensors; records each routed call's query shape."""
+
+    def use_kernels(q):
+        CALLS.append(tuple(q.shape))
+        return q.dtype == torch.float16 and q.shape[-1] in attention_module.KERNEL_HEAD_DIMS
+
+    CALLS.clear()
+    monkeypatch.setattr(attention_module, "use_kernels", use_kernels)
+    yield
+
+
+def qkv(batch, heads, kv_heads, n_q, n_k, seed):
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda h, n: torch.randn(batch, h, n, 64, generator=generator).half()
+    return make(heads, n_q), make(kv_heads, n_k), make(kv_heads, n_k)
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+@pytest.mark.parametrize("padded", [False, True])
+def test_canvas_mask_kernel_equals_dense_mask(kernels_on, block_size, padded):
+    q, k, v = qkv(2, 4, 2, 13, 13, seed=1)
+    valid = torch.ones(2, 13, dtype=torch.bool)
+    if padded:
+        valid[1, 9:] = False  # right padding, as the block engine's prefill has
+    mask = CanvasMask(valid=valid if padded else None, block_size=block_size)
+    out = attention(q, k, v, mask)
+    reference = attention_module.attention_reference(q, k, v, mask.dense(13, 13, q.device))
+    rows = valid[:, None, :, None].expand_as(out)  # padded query rows are never read
+    torch.testing.assert_close(out[rows], reference[rows], atol=2e-3, rtol=2e-3)
+
+
+def test_cache_attention_kernel_equals_masked_torch(kernels_on):
+    q, _, _ = qkv(2, 4, 2, 5, 5, seed=2)
+    generator = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 64, generator=generator).half() for _ in range(2))
+    lengths = torch.tensor([23, 37])
+    out = cache_attention(q, k_cache, v_cache, lengths, 37, ragged=True)
+    for row, n in enumerate(lengths.tolist()):
+        keys, values = k_cache[row : row + 1, :n].transpose(1, 2), v_cache[row : row + 1, :n].transpose(1, 2)
+        reference = attention_module.attention_reference(q[row : row + 1], keys, values)
+        torch.testing.assert_close(out[row : row + 1], reference, atol=2e-3, rtol=2e-3)
+
+
+def generate_both_ways(engine, model, prompts, gen, monkeypatch, **kwargs):
+    torch_tokens = engine.generate(model, prompts, gen, **kwargs).tokens
+    CALLS.clear()
+    monkeypatch.setattr(attention_module, "use_kernels",
+                        lambda q: CALLS.append(tuple(q.shape)) or q.dtype == torch.float16)
+    kernel_tokens = engine.generate(model, prompts, gen, **kwargs).tokens
+    assert CALLS, "the engine never asked for attention"
+    return torch_tokens, kernel_tokens
+
+
+def test_block_engine_tokens_equal_on_kernels(monkeypatch):
+    model = tiny_model("sdar", dtype=torch.float16, head_dim=64, block_size=4)
+    prompts = [random_prompt(9, seed=4), random_prompt(14, seed=5)]  # ragged: prefill padding, per-row caches
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4, remasking="low_confidence_static")
+    torch_tokens, kernel_tokens = generate_both_ways(block, model, prompts, gen, monkeypatch, stop_ids=())
+    assert kernel_tokens == torch_tokens
+
+
+@pytest.mark.parametrize("cfg_scale", [0.0, 1.0])
+def test_masked_engine_tokens_equal_on_kernels(monkeypatch, cfg_scale):
+    model = tiny_model("llada", dtype=torch.float16, d_model=128, n_heads=2, n_kv_heads=2)  # head_dim 64
+    prompts = [random_prompt(7, seed=6), random_prompt(12, seed=7)]  # left padding, hidden keys
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4, cfg_scale=cfg_scale)
+    torch_tokens, kernel_tokens = generate_both_ways(masked, model, prompts, gen, monkeypatch)
+    assert kernel_tokens == torch_tokens
