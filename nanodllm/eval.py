@@ -24,7 +24,7 @@ from . import block, masked, tasks
 from .config import GenerationConfig
 from .decoding import until_stop
 from .loader import load_model
-from .methods import METHODS, get_method
+from .methods import METHODS, get_method, parse_knobs
 from .tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -62,12 +62,13 @@ class Runner:
         block_length = cfg.block_size if self.is_block else 32
         self.gen = gen or GenerationConfig(gen_length=32, block_length=block_length, steps=32)
         self.device = torch.device(device)
+        self.knobs: dict = {}  # the evaluated method's knobs (dense takes none)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
     def generate(self, samples: list[tasks.Sample], method_name: str) -> Outcome:
-        method = get_method(method_name)
+        method = get_method(method_name, **({} if method_name == "dense" else self.knobs))
         prompts = [self.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
         kwargs = {"stop_ids": self.tokenizer.stop_ids} if self.is_block else {}
         if self.device.type == "cuda":
@@ -179,6 +180,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llada", help=f"a checkpoint directory or {' / '.join(TINY_MODELS)}")
     parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}, or all")
+    parser.add_argument("--knobs", help="the method's knobs, e.g. k=64,exact_layers=2 (see its file's docstring)")
     parser.add_argument("--task", default="passkey", choices=[*tasks.TASKS, "longbench"])
     parser.add_argument("--lengths", default="1024", help="comma-separated context lengths in tokens")
     parser.add_argument("--n", type=int, default=50, help="samples per length (spread over the depths)")
@@ -211,6 +213,7 @@ def main(argv=None) -> int:
         lengths = [int(x) for x in args.lengths.split(",")]
         model_dir = resolve_model(args.model)
         runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
+        runner.knobs = parse_knobs(args.knobs)
         steps = args.steps or (runner.gen.block_length if runner.is_block else args.gen_length)
         runner.gen = GenerationConfig(gen_length=args.gen_length, block_length=runner.gen.block_length
                                       if runner.is_block else min(32, args.gen_length), steps=steps,
@@ -222,7 +225,7 @@ def main(argv=None) -> int:
                        for s in tasks.make_samples(args.task, length, args.n, args.seed + length,
                                                    count_tokens=runner.count_tokens)]
         results = evaluate(runner, samples, methods, args.batch)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"\n{args.model}: task {args.task}, {runner.gen}, device {args.device}, {args.dtype}\n")

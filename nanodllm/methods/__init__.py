@@ -1,9 +1,11 @@
 """Method registry: the --method flag's value -> class. Add a method by adding one line."""
 
 from .base import Dense, Method, StepContext
+from .mage import Mage
 
 METHODS: dict[str, type[Method]] = {
     "dense": Dense,
+    "mage": Mage,
 }
 
 
@@ -14,4 +16,26 @@ def get_method(name: str, **knobs) -> Method:
     return METHODS[name](**knobs)
 
 
-__all__ = ["METHODS", "Method", "Dense", "StepContext", "get_method"]
+def parse_knobs(text: str | None) -> dict:
+    """'k=64,exact_layers=2,sparse_commit=true' -> {'k': 64, 'exact_layers': 2, 'sparse_commit': True}."""
+    knobs = {}
+    for item in filter(None, (text or "").split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"knobs are name=value pairs separated by commas, got {item!r}")
+        value = value.strip()
+        if value.lower() in ("true", "false"):
+            knobs[name.strip()] = value.lower() == "true"
+            continue
+        for convert in (int, float):
+            try:
+                knobs[name.strip()] = convert(value)
+                break
+            except ValueError:
+                pass
+        else:
+            knobs[name.strip()] = value
+    return knobs
+
+
+__all__ = ["METHODS", "Method", "Dense", "StepContext", "get_method", "parse_knobs"]

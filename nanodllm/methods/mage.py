@@ -1,0 +1,160 @@
+"""MAGE: select each block's important prefix keys once, from the all-[MASK] first step, and let the
+block's later denoising steps attend only to them.
+
+Paper: "MAGE" (../shared/papers/000_5b6af9b8bc57afd0.txt), block diffusion (SDAR, Fast-dLLM v2).
+Idea: at the first denoising step of a block every query is [MASK], and the keys those queries
+attend to are the ones the whole block keeps attending to (the paper's Fig. 3: the step-1 top-k
+estimates later steps' top-k well). So step 1 runs exact attention and, per layer and KV head,
+ranks the cached prefix keys by their attention probability averaged over the block's L queries
+and the G query heads of the group (eq. 3):
+
+    score_j = 1 / (G L) * sum over the group's heads h and block queries i of softmax(q_hi K^T)_j
+
+where the softmax runs over the whole prefix plus the block. The k best keys per (row, KV head)
+are kept (sorted by position); steps 2..T attend to those keys plus the block's own keys.
+
+Hooks: begin_block (forget the selection), attend (exact + select at step 0, sparse afterwards),
+attend_commit (exact by default, as the paper; `sparse_commit=True` reuses the selection).
+On CUDA (bf16/fp16) step 1 is kernels/decode_attention (its LSE feeds kernels/key_scores, one
+more read of K) and steps 2..T are kernels/sparse_decode_attention over the index lists; on CPU
+the same computation runs in torch.
+
+Equals dense: when k >= every row's prefix length the selection is the whole prefix, so every
+step attends to every key: the same outputs up to float rounding (the gathered keys are a copy
+of the cache, multiplied in another memory layout), the same tokens.
+
+Knobs (paper defaults): k = 1024 keys per KV head (256 / 512 in the accuracy tables; scale it to
+the context), exact_layers = 2 (the first two layers always attend exactly), sparse_commit = False.
+Not here yet: the paper's second CUDA stream that overlaps the selection with the FFN (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import attention, use_kernels
+from .base import Method, StepContext, attend_with_cache
+
+
+def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 in torch: [batch, num_kv_heads, max prefix] mean probability of each prefix key under
+    the block's queries, the softmax taken over the prefix and the block's keys (which sit right
+    after each row's prefix in the cache). 0 past a row's prefix.
+
+    q: [batch, num_heads, L, D]; k_cache: [batch, capacity, num_kv_heads, D]."""
+    batch, num_heads, block, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    prefix = int(prefix_lengths.max())
+    keys = k_cache[:, : prefix + block].transpose(1, 2).float()  # [batch, kv_heads, n, D]
+    queries = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)
+    scores = (queries @ keys.transpose(-1, -2)) * head_dim**-0.5  # [batch, kv_heads, G*L, n]
+    slots = torch.arange(prefix + block, device=q.device)
+    visible = slots[None, :] < (prefix_lengths + block)[:, None]  # [batch, n]
+    probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+    in_prefix = slots[None, :prefix] < prefix_lengths[:, None]  # [batch, prefix]
+    return probs[..., :prefix].mean(2) * in_prefix[:, None]
+
+
+def select_top_k(scores: torch.Tensor, prefix_lengths: torch.Tensor, k: int):
+    """Per (row, KV head) the k highest-scoring prefix positions, ascending, and how many are valid
+    (min(k, prefix length)). Returns indices [batch, kv_heads, min(k, max prefix)] int32 (entries past
+    counts point at slot 0 and are never read) and counts [batch, kv_heads] int32."""
+    batch, num_kv_heads, prefix = scores.shape
+    width = min(k, prefix)
+    in_prefix = torch.arange(prefix, device=scores.device)[None, :] < prefix_lengths[:, None]
+    ranked = scores.masked_fill(~in_prefix[:, None], float("-inf")).topk(width, dim=-1).indices
+    counts = torch.clamp(prefix_lengths, max=k)[:, None].expand(batch, num_kv_heads)
+    valid = torch.arange(width, device=scores.device) < counts[..., None]
+    ordered = torch.where(valid, ranked, prefix).sort(-1).values  # invalid entries sort last
+    indices = torch.where(valid, ordered, 0)
+    return indices.to(torch.int32), counts.to(torch.int32).contiguous()
+
+
+def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, counts) -> torch.Tensor:
+    """The block's queries against the selected prefix keys plus the block's own keys k, v
+    ([batch, kv_heads, L, D], already written after each row's prefix in the cache)."""
+    if use_kernels(q):
+        from kernels.sparse_decode_attention import sparse_decode_attention
+
+        return sparse_decode_attention(q, k_cache, v_cache, prefix_lengths, indices, counts, return_lse=False)
+    batch, num_kv_heads, width = indices.shape
+    rows = torch.arange(batch, device=q.device)[:, None, None]
+    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
+    index = indices.long()
+    keys = torch.cat([k_cache[rows, index, heads], k], dim=2)  # [batch, kv_heads, width + L, D]
+    values = torch.cat([v_cache[rows, index, heads], v], dim=2)
+    mask = None
+    if bool((counts < width).any()):
+        selected = torch.arange(width, device=q.device) < counts[:, :1]  # the same count for every head
+        mask = torch.cat([selected, selected.new_ones(batch, k.shape[2])], dim=1)[:, None, None, :]
+    return attention(q, keys, values, mask)
+
+
+class Mage(Method):
+    name = "mage"
+    engines = ("block",)
+
+    def __init__(self, k: int = 1024, exact_layers: int = 2, sparse_commit: bool = False):
+        super().__init__()
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int (keys kept per KV head), got {k!r}")
+        if not isinstance(exact_layers, int) or exact_layers < 0:
+            raise ValueError(f"exact_layers must be an int >= 0, got {exact_layers!r}")
+        self.k, self.exact_layers, self.sparse_commit = k, exact_layers, sparse_commit
+        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (indices, counts)
+        self.keys_read = self.keys_total = 0
+        self.stats = {"kv_kept": 1.0}
+
+    def begin_block(self, ctx: StepContext):
+        self.selection = {}
+
+    def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        if ctx.cache is None:
+            raise ValueError("mage runs on the block engine (it needs the KV cache of the prefix)")
+        if layer < self.exact_layers:
+            self.count_reads(ctx.cache.host_lengths, sparse=False)
+            return attend_with_cache(layer, q, k, v, ctx.cache)
+        if ctx.step == 0 or layer not in self.selection:
+            self.count_reads(ctx.cache.host_lengths, sparse=False)
+            return self.attend_and_select(layer, q, k, v, ctx)
+        self.count_reads(ctx.cache.host_lengths, sparse=True)
+        return self.attend_selected(layer, q, k, v, ctx)
+
+    def count_reads(self, prefix_lengths: list[int], sparse: bool):
+        """stats['kv_kept']: prefix keys read / prefix keys a dense step would read, over the denoising
+        steps' attention calls so far (host lengths: no device sync)."""
+        self.keys_total += sum(prefix_lengths)
+        self.keys_read += sum(min(self.k, n) for n in prefix_lengths) if sparse else sum(prefix_lengths)
+        self.stats["kv_kept"] = self.keys_read / max(self.keys_total, 1)
+
+    def attend_commit(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        if self.sparse_commit and layer >= self.exact_layers and layer in self.selection:
+            return self.attend_selected(layer, q, k, v, ctx)
+        return attend_with_cache(layer, q, k, v, ctx.cache)
+
+    def attend_and_select(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        """Exact attention, and the layer's selection from its probabilities."""
+        cache = ctx.cache
+        if cache.max_length == 0:
+            return attend_with_cache(layer, q, k, v, cache)
+        if use_kernels(q):
+            from kernels.decode_attention import decode_attention
+            from kernels.key_scores import key_scores
+
+            cache.write(layer, k, v)
+            block = k.shape[2]
+            out, lse = decode_attention(q, cache.keys[layer], cache.values[layer], cache.lengths + block,
+                                        max_length=cache.max_length + block)
+            scores = key_scores(q, cache.keys[layer], cache.lengths, lse, max_length=cache.max_length)
+        else:
+            out = attend_with_cache(layer, q, k, v, cache)
+            scores = block_probabilities(q, cache.keys[layer], cache.lengths)
+        self.selection[layer] = select_top_k(scores, cache.lengths, self.k)
+        return out
+
+    def attend_selected(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        cache = ctx.cache
+        cache.write(layer, k, v)
+        indices, counts = self.selection[layer]
+        return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices,
+                                      counts)

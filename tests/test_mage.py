@@ -1,0 +1,150 @@
+"""MAGE (methods/mage.py): the selection is eq. 3's top-k, a budget covering the prefix equals dense,
+a tiny budget does not, and the kernel path decodes what the torch path decodes."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nanodllm.attention as attention_module
+from kernels.decode_attention import decode_attention, decode_attention_reference
+from kernels.key_scores import key_scores, key_scores_reference
+from kernels.sparse_decode_attention import sparse_decode_attention
+from nanodllm import block
+from nanodllm.config import GenerationConfig
+from nanodllm.methods import get_method
+from nanodllm.eval import agreement
+from nanodllm.methods.mage import block_probabilities, select_top_k, sparse_cache_attention
+from tests.tiny_models import random_prompt, tiny_model
+
+GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), group=st.sampled_from([1, 2, 4]), block=st.integers(1, 6),
+       prefixes=st.lists(st.integers(0, 40), min_size=3, max_size=3), seed=st.integers(0, 2**16))
+def test_block_probabilities_match_the_kernel_reference(batch, group, block, prefixes, seed):
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, head_dim = 2, 8
+    prefix_lengths = torch.tensor(prefixes[:batch])
+    q = torch.randn(batch, kv_heads * group, block, head_dim, generator=generator, dtype=torch.float64)
+    k_cache = torch.randn(batch, 50, kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    got = block_probabilities(q, k_cache, prefix_lengths)
+    _, lse = decode_attention_reference(q, k_cache, k_cache, prefix_lengths + block)
+    if int(prefix_lengths.max()) == 0:
+        assert got.shape == (batch, kv_heads, 0)
+        return
+    expected = key_scores_reference(q, k_cache, prefix_lengths, lse.float())
+    torch.testing.assert_close(got, expected.to(got.dtype), atol=1e-6, rtol=1e-4)
+
+
+def test_select_top_k_keeps_the_best_keys_in_order():
+    scores = torch.tensor([[[0.1, 0.5, 0.2, 0.9, 0.3]], [[0.8, 0.1, 0.7, 0.0, 0.0]]])
+    indices, counts = select_top_k(scores, torch.tensor([5, 3]), k=2)
+    assert indices.tolist() == [[[1, 3]], [[0, 2]]]
+    assert counts.tolist() == [[2], [2]]
+    indices, counts = select_top_k(scores, torch.tensor([5, 3]), k=4)
+    assert counts.tolist() == [[4], [3]]
+    assert indices[0, 0].tolist() == [1, 2, 3, 4]
+    assert indices[1, 0, :3].tolist() == [0, 1, 2]  # row 1 keeps its whole 3-token prefix
+
+
+def generate(model, prompts, method):
+    return block.generate(model, prompts, GEN, method=method, stop_ids=())
+
+
+@pytest.mark.parametrize("sparse_commit", [False, True])
+def test_full_budget_equals_dense(sparse_commit):
+    model = tiny_model("sdar")
+    prompts = [random_prompt(26, seed=1), random_prompt(26, seed=2)]
+    dense = generate(model, prompts, get_method("dense"))
+    mage = get_method("mage", k=64, exact_layers=0, sparse_commit=sparse_commit)
+    result = generate(model, prompts, mage)
+    assert result.tokens == dense.tokens
+    assert mage.stats["kv_kept"] == 1.0
+    for layer in range(model.cfg.num_layers):  # the cache the commits built is the dense one (float64)
+        torch.testing.assert_close(result.cache.keys[layer], dense.cache.keys[layer], atol=1e-12, rtol=0)
+
+
+def test_full_budget_equals_dense_on_a_ragged_batch():
+    model = tiny_model("sdar")
+    prompts = [random_prompt(9, seed=3), random_prompt(30, seed=4), random_prompt(17, seed=5)]
+    dense = generate(model, prompts, get_method("dense"))
+    assert generate(model, prompts, get_method("mage", k=64, exact_layers=0)).tokens == dense.tokens
+
+
+def test_tiny_budget_differs():
+    model = tiny_model("sdar")
+    prompts = [random_prompt(40, seed=s) for s in range(4)]
+    dense = generate(model, prompts, get_method("dense"))
+    mage = get_method("mage", k=1, exact_layers=0)
+    assert generate(model, prompts, mage).tokens != dense.tokens
+    assert 0 < mage.stats["kv_kept"] < 0.4  # step 0 of each block (1 of 4 steps) reads everything
+
+
+def test_exact_layers_stay_exact():
+    model = tiny_model("sdar")
+    prompts = [random_prompt(40, seed=s) for s in range(4)]
+    dense = generate(model, prompts, get_method("dense"))
+    assert generate(model, prompts, get_method("mage", k=1, exact_layers=2)).tokens == dense.tokens
+
+
+def test_bad_knobs_are_named():
+    with pytest.raises(ValueError, match="k must be"):
+        get_method("mage", k=0)
+    with pytest.raises(ValueError, match="exact_layers"):
+        get_method("mage", exact_layers=-1)
+
+
+@pytest.mark.parametrize("prefixes,k", [([21, 34], 6), ([3, 40], 8), ([0, 17], 32)])
+def test_kernel_selection_and_sparse_attention_match_torch(prefixes, k):
+    """The CUDA path's pieces (decode LSE -> key_scores -> top-k -> sparse_decode_attention), run in
+    the interpreter in float16, against the torch pieces."""
+    generator = torch.Generator().manual_seed(sum(prefixes) + k)
+    batch, kv_heads, group, block, head_dim = 2, 2, 2, 4, 64
+    prefix_lengths = torch.tensor(prefixes)
+    q = torch.randn(batch, kv_heads * group, block, head_dim, generator=generator).half()
+    k_cache, v_cache = (torch.randn(batch, 50, kv_heads, head_dim, generator=generator).half() for _ in range(2))
+    slots = prefix_lengths[:, None] + torch.arange(block)  # the block's keys, stored after each prefix
+    rows = torch.arange(batch)[:, None]
+    k_block, v_block = k_cache[rows, slots].transpose(1, 2), v_cache[rows, slots].transpose(1, 2)
+    prefix = int(prefix_lengths.max())
+
+    _, lse = decode_attention(q, k_cache, v_cache, prefix_lengths + block, max_length=prefix + block)
+    kernel_scores = key_scores(q, k_cache, prefix_lengths, lse, max_length=prefix)
+    torch_scores = block_probabilities(q, k_cache, prefix_lengths)
+    torch.testing.assert_close(kernel_scores, torch_scores, atol=1e-6, rtol=1e-3)
+    indices, counts = select_top_k(torch_scores, prefix_lengths, k)
+    assert counts.tolist() == [[min(k, n)] * kv_heads for n in prefixes]
+
+    expected = sparse_cache_attention(q, k_block, v_block, k_cache, v_cache, prefix_lengths, indices, counts)
+    got = sparse_decode_attention(q, k_cache, v_cache, prefix_lengths, indices, counts, return_lse=False)
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+
+
+def test_engine_routes_mage_through_the_kernels(monkeypatch):
+    """On the kernel path the block engine runs MAGE end to end (float16 in the interpreter); tokens
+    may differ from the torch path only where float16 rounding flips a near tie."""
+    model = tiny_model("sdar", dtype=torch.float16, head_dim=64)
+    prompts = [random_prompt(21, seed=6), random_prompt(34, seed=7)]
+    torch_tokens = generate(model, prompts, get_method("mage", k=6, exact_layers=1)).tokens
+    sparse_calls = []
+    import kernels.sparse_decode_attention as sparse_module
+
+    original = sparse_module.sparse_decode_attention
+    monkeypatch.setattr(sparse_module, "sparse_decode_attention",
+                        lambda *args, **kwargs: sparse_calls.append(1) or original(*args, **kwargs))
+    monkeypatch.setattr(attention_module, "use_kernels", lambda q: q.dtype == torch.float16)
+    monkeypatch.setattr("nanodllm.methods.mage.use_kernels", attention_module.use_kernels)
+    kernel_tokens = generate(model, prompts, get_method("mage", k=6, exact_layers=1)).tokens
+    assert sparse_calls
+    assert agreement(kernel_tokens, torch_tokens) >= 0.8
+
+
+def test_knobs_parse_from_the_command_line():
+    from nanodllm.methods import parse_knobs
+
+    assert parse_knobs("k=64,exact_layers=2,sparse_commit=true") == {"k": 64, "exact_layers": 2, "sparse_commit": True}
+    assert parse_knobs(None) == {}
+    with pytest.raises(ValueError, match="name=value"):
+        parse_knobs("k64")
