@@ -2,10 +2,14 @@
 
 from .base import Dense, Method, StepContext
 from .mage import Mage
+from .quest import Quest
+from .sparsed import SparseD
 
 METHODS: dict[str, type[Method]] = {
     "dense": Dense,
     "mage": Mage,
+    "quest": Quest,
+    "sparsed": SparseD,
 }
 
 

@@ -70,23 +70,31 @@ def select_top_k(scores: torch.Tensor, prefix_lengths: torch.Tensor, k: int):
     return indices.to(torch.int32), counts.to(torch.int32).contiguous()
 
 
-def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, counts) -> torch.Tensor:
+def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, counts, index_block=1):
     """The block's queries against the selected prefix keys plus the block's own keys k, v
-    ([batch, kv_heads, L, D], already written after each row's prefix in the cache)."""
+    ([batch, kv_heads, L, D], already written after each row's prefix in the cache). indices /
+    counts as kernels/sparse_decode_attention takes them: token indices, or key blocks of
+    index_block tokens (clipped to the prefix)."""
     if use_kernels(q):
         from kernels.sparse_decode_attention import sparse_decode_attention
 
-        return sparse_decode_attention(q, k_cache, v_cache, prefix_lengths, indices, counts, return_lse=False)
+        return sparse_decode_attention(q, k_cache, v_cache, prefix_lengths, indices, counts, index_block=index_block,
+                                       return_lse=False)
     batch, num_kv_heads, width = indices.shape
+    offsets = torch.arange(index_block, device=q.device)
+    tokens = (indices.long()[..., None] * index_block + offsets).flatten(2)  # [batch, kv_heads, width * S]
+    listed = (torch.arange(width, device=q.device) < counts[..., None]).repeat_interleave(index_block, dim=2)
+    selected = listed & (tokens < prefix_lengths[:, None, None])
     rows = torch.arange(batch, device=q.device)[:, None, None]
     heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
-    index = indices.long()
-    keys = torch.cat([k_cache[rows, index, heads], k], dim=2)  # [batch, kv_heads, width + L, D]
-    values = torch.cat([v_cache[rows, index, heads], v], dim=2)
+    tokens = torch.where(selected, tokens, 0)
+    keys = torch.cat([k_cache[rows, tokens, heads], k], dim=2)  # [batch, kv_heads, width * S + L, D]
+    values = torch.cat([v_cache[rows, tokens, heads], v], dim=2)
     mask = None
-    if bool((counts < width).any()):
-        selected = torch.arange(width, device=q.device) < counts[:, :1]  # the same count for every head
-        mask = torch.cat([selected, selected.new_ones(batch, k.shape[2])], dim=1)[:, None, None, :]
+    if not bool(selected.all()):
+        mask = torch.cat([selected, selected.new_ones(batch, num_kv_heads, k.shape[2])], dim=2)[:, :, None]
+        if q.is_cuda:  # SDPA broadcasts a mask over query heads, not KV heads
+            mask = mask.repeat_interleave(q.shape[1] // num_kv_heads, dim=1)
     return attention(q, keys, values, mask)
 
 
@@ -108,13 +116,18 @@ class Mage(Method):
     def begin_block(self, ctx: StepContext):
         self.selection = {}
 
+    def capture_step(self, ctx: StepContext) -> int:
+        """The denoising step whose exact attention selects the keys (MAGE: the first)."""
+        return 0
+
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if ctx.cache is None:
-            raise ValueError("mage runs on the block engine (it needs the KV cache of the prefix)")
-        if layer < self.exact_layers:
+            raise ValueError(f"{self.name} runs on the block engine (it needs the KV cache of the prefix)")
+        capture = self.capture_step(ctx)
+        if layer < self.exact_layers or ctx.step < capture:
             self.count_reads(ctx.cache.host_lengths, sparse=False)
             return attend_with_cache(layer, q, k, v, ctx.cache)
-        if ctx.step == 0 or layer not in self.selection:
+        if ctx.step == capture or layer not in self.selection:
             self.count_reads(ctx.cache.host_lengths, sparse=False)
             return self.attend_and_select(layer, q, k, v, ctx)
         self.count_reads(ctx.cache.host_lengths, sparse=True)

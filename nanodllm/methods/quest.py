@@ -1,0 +1,140 @@
+"""Quest adapted to block diffusion: every denoising step estimates the block's important pages of
+the prefix from per-page key bounds and attends to the best pages only.
+
+Paper: Quest (Tang et al., ICML 2024), as the MAGE paper adapts it for its per-block baseline
+(../shared/papers/000_5b6af9b8bc57afd0.txt, §2 and §5: p = 16, re-estimated at every step).
+Idea: split each row's cached prefix into pages of p keys and keep, per KV head, the channel-wise
+min and max of each page's keys. For a query q the largest score any key of the page can reach is
+bounded by  sum_d max(q_d * min_d, q_d * max_d). Per block (the B queries must share one key set per
+KV head) the estimate is that bound averaged over the block's queries and the group's query heads,
+as eq. 1 of the MAGE paper averages exact scores; since the bound is linear in q's positive and
+negative parts, the average is  mean(q+) . max + mean(q-) . min  (q+ = max(q, 0), q- = min(q, 0)).
+The top k / p pages are attended (with the block's own keys), at every step.
+
+Page bounds are kept per layer and updated only from the first page a new block touched, so a step
+reads the bounds (2/p of the K bytes) plus the selected pages, never the whole cache.
+
+Hooks: begin_block (new bounds for a new generation), attend (estimate + sparse attention per step), attend_commit (exact by default; with
+sparse_commit the commit forward selects from its own queries).
+On CUDA (bf16/fp16) the pages go to kernels/sparse_decode_attention as key blocks of p tokens.
+Equals dense: k >= every row's prefix rounded up to whole pages (test).
+Knobs: k = 1024 keys per KV head (k / p pages), page_size p = 16, exact_layers = 2, sparse_commit False.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache
+from .base import Method, StepContext, attend_with_cache
+from .mage import select_top_k, sparse_cache_attention
+
+
+def page_bounds(keys: torch.Tensor, lengths: torch.Tensor, page_size: int):
+    """Channel-wise min and max of each page of keys.
+
+    keys: [batch, n, kv_heads, D] with n a multiple of page_size, slot 0 the first key of a page;
+    lengths: [batch], how many of the n slots hold keys. Returns (low, high), each
+    [batch, kv_heads, n / page_size, D] float32; pages with no key get 0."""
+    batch, n, num_kv_heads, head_dim = keys.shape
+    keys = keys.float().view(batch, n // page_size, page_size, num_kv_heads, head_dim)
+    held = (torch.arange(n, device=keys.device)[None, :] < lengths[:, None]).view(batch, -1, page_size, 1, 1)
+    low = torch.where(held, keys, float("inf")).amin(2)
+    high = torch.where(held, keys, float("-inf")).amax(2)
+    empty = ~held.any(2)
+    low, high = torch.where(empty, 0.0, low), torch.where(empty, 0.0, high)
+    return low.transpose(1, 2), high.transpose(1, 2)
+
+
+def page_scores(q: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """[batch, kv_heads, pages]: the bound of each page's best score, averaged over the block's
+    queries and the group's heads. q: [batch, num_heads, L, D]; low/high: [batch, kv_heads, pages, D]."""
+    batch, num_heads, block, head_dim = q.shape
+    num_kv_heads = low.shape[1]
+    rows = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)
+    positive, negative = rows.clamp(min=0).mean(2), rows.clamp(max=0).mean(2)  # [batch, kv_heads, D]
+    return (high @ positive[..., None] + low @ negative[..., None]).squeeze(-1)
+
+
+class PageBounds:
+    """One layer's page bounds over a KVCache, brought up to date from the first changed page."""
+
+    def __init__(self, cache: KVCache, page_size: int):
+        pages = -(-cache.capacity // page_size)
+        shape = (len(cache.host_lengths), cache.keys[0].shape[2], pages, cache.keys[0].shape[3])
+        self.low = torch.zeros(shape, device=cache.lengths.device)
+        self.high = torch.zeros(shape, device=cache.lengths.device)
+        self.page_size = page_size
+        self.summarised = [0] * len(cache.host_lengths)  # per row, keys the bounds include
+
+    def update(self, keys: torch.Tensor, cache: KVCache):
+        """keys: the layer's cache keys [batch, capacity, kv_heads, D]."""
+        if self.summarised == cache.host_lengths:
+            return
+        p = self.page_size
+        first = min(self.summarised) // p
+        last = -(-cache.max_length // p)
+        window = keys[:, first * p : last * p]
+        if window.shape[1] < (last - first) * p:  # the cache's capacity is not a whole page
+            window = torch.cat([window, window.new_zeros(window.shape[0], (last - first) * p - window.shape[1],
+                                                         *window.shape[2:])], dim=1)
+        low, high = page_bounds(window, (cache.lengths - first * p).clamp(min=0), p)
+        self.low[:, :, first:last], self.high[:, :, first:last] = low, high
+        self.summarised = list(cache.host_lengths)
+
+
+class Quest(Method):
+    name = "quest"
+    engines = ("block",)
+
+    def __init__(self, k: int = 1024, page_size: int = 16, exact_layers: int = 2, sparse_commit: bool = False):
+        super().__init__()
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if not isinstance(k, int) or k < page_size:
+            raise ValueError(f"k must be an int >= page_size ({page_size}): k / page_size pages are kept, got {k!r}")
+        if not isinstance(exact_layers, int) or exact_layers < 0:
+            raise ValueError(f"exact_layers must be an int >= 0, got {exact_layers!r}")
+        self.k, self.page_size, self.exact_layers, self.sparse_commit = k, page_size, exact_layers, sparse_commit
+        self.bounds: dict[int, PageBounds] = {}  # layer -> bounds over the current generation's cache
+        self.keys_read = self.keys_total = 0
+        self.stats = {"kv_kept": 1.0}
+
+    def begin_block(self, ctx: StepContext):
+        if ctx.block == 0:  # a new generation: a new cache
+            self.bounds = {}
+
+    def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        if ctx.cache is None:
+            raise ValueError("quest runs on the block engine (it needs the KV cache of the prefix)")
+        return self.attend_pages(layer, q, k, v, ctx.cache, count=True)
+
+    def attend_commit(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        if self.sparse_commit:
+            return self.attend_pages(layer, q, k, v, ctx.cache, count=False)
+        return attend_with_cache(layer, q, k, v, ctx.cache)
+
+    def attend_pages(self, layer: int, q, k, v, cache: KVCache, count: bool) -> torch.Tensor:
+        lengths = cache.host_lengths
+        if layer < self.exact_layers or cache.max_length == 0:
+            if count:
+                self.count_reads(lengths, lengths)
+            return attend_with_cache(layer, q, k, v, cache)
+        bounds = self.bounds.setdefault(layer, PageBounds(cache, self.page_size))
+        bounds.update(cache.keys[layer], cache)
+        num_pages = -(-cache.lengths // self.page_size)
+        width = -(-cache.max_length // self.page_size)
+        scores = page_scores(q, bounds.low[:, :, :width], bounds.high[:, :, :width])
+        indices, counts = select_top_k(scores, num_pages, self.k // self.page_size)
+        if count:
+            kept = [min(n, self.k // self.page_size * self.page_size) for n in lengths]  # upper bound: a kept
+            self.count_reads(kept, lengths)  # last page may be partial
+        cache.write(layer, k, v)
+        return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices, counts,
+                                      index_block=self.page_size)
+
+    def count_reads(self, read: list[int], total: list[int]):
+        """stats['kv_kept']: prefix keys attended / prefix keys a dense step attends (host lengths)."""
+        self.keys_read += sum(read)
+        self.keys_total += sum(total)
+        self.stats["kv_kept"] = self.keys_read / max(self.keys_total, 1)

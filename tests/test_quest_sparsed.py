@@ -1,0 +1,114 @@
+"""Quest (per-block pages) and SparseD (capture after 20% of the steps), the MAGE paper's baselines:
+page bounds really bound, incremental bounds equal recomputed ones, full budget equals dense, tiny
+budget differs."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanodllm import block
+from nanodllm.config import GenerationConfig
+from nanodllm.methods import get_method
+from nanodllm.methods.quest import page_bounds, page_scores
+from tests.tiny_models import random_prompt, tiny_model
+
+GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
+
+
+def generate(model, prompts, method):
+    return block.generate(model, prompts, GEN, method=method, stop_ids=())
+
+
+@settings(max_examples=30, deadline=None)
+@given(page_size=st.sampled_from([1, 2, 4, 16]), pages=st.integers(1, 5), group=st.sampled_from([1, 2]),
+       fill=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_page_score_bounds_the_block_mean_of_each_query_best_key(page_size, pages, group, fill, seed):
+    generator = torch.Generator().manual_seed(seed)
+    n, kv_heads, head_dim, block_len = pages * page_size, 2, 8, 3
+    lengths = torch.tensor([max(1, round(fill * n)), n])
+    keys = torch.randn(2, n, kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    q = torch.randn(2, kv_heads * group, block_len, head_dim, generator=generator, dtype=torch.float64)
+    low, high = page_bounds(keys, lengths, page_size)
+    scores = page_scores(q, low, high)  # [2, kv_heads, pages]
+    rows = q.reshape(2, kv_heads, group * block_len, head_dim)
+    for b in range(2):
+        for page in range((int(lengths[b]) + page_size - 1) // page_size):
+            tokens = keys[b, page * page_size : min((page + 1) * page_size, int(lengths[b]))].transpose(0, 1)
+            best = (rows[b] @ tokens.transpose(1, 2)).amax(-1).mean(-1)  # [kv_heads]
+            assert (scores[b, :, page] >= best - 1e-5 * (1 + best.abs())).all()  # scores are float32
+
+
+def test_incremental_bounds_equal_recomputed_bounds():
+    model = tiny_model("sdar")
+    prompts = [random_prompt(9, seed=1), random_prompt(22, seed=2)]
+    quest = get_method("quest", k=8, page_size=4, exact_layers=0)
+    result = generate(model, prompts, quest)
+    cache = result.cache
+    assert quest.bounds
+    for layer, bounds in quest.bounds.items():
+        # the last update saw the cache before the final commit: the last block is not in the bounds
+        assert bounds.summarised == [n - 4 for n in cache.host_lengths]
+        width = -(-max(bounds.summarised) // 4)
+        low, high = page_bounds(cache.keys[layer][:, : width * 4], torch.tensor(bounds.summarised), 4)
+        torch.testing.assert_close(bounds.low[:, :, :width], low.float())
+        torch.testing.assert_close(bounds.high[:, :, :width], high.float())
+
+
+@pytest.mark.parametrize("name,knobs", [("quest", dict(k=64, page_size=4)), ("quest", dict(k=64, page_size=16)),
+                                        ("sparsed", dict(k=64)), ("sparsed", dict(k=64, exact_fraction=0.5))])
+def test_full_budget_equals_dense(name, knobs):
+    model = tiny_model("sdar")
+    prompts = [random_prompt(9, seed=3), random_prompt(30, seed=4), random_prompt(17, seed=5)]
+    dense = generate(model, prompts, get_method("dense"))
+    for sparse_commit in (False, True):
+        method = get_method(name, exact_layers=0, sparse_commit=sparse_commit, **knobs)
+        assert generate(model, prompts, method).tokens == dense.tokens
+
+
+@pytest.mark.parametrize("name,knobs", [("quest", dict(k=2, page_size=2)), ("sparsed", dict(k=1, exact_fraction=0.25))])
+def test_tiny_budget_differs(name, knobs):
+    model = tiny_model("sdar")
+    prompts = [random_prompt(40, seed=s) for s in range(4)]
+    dense = generate(model, prompts, get_method("dense"))
+    method = get_method(name, exact_layers=0, **knobs)
+    assert generate(model, prompts, method).tokens != dense.tokens
+    assert 0 < method.stats["kv_kept"] < 0.5
+
+
+def test_sparsed_captures_after_a_fifth_of_the_steps():
+    sparsed = get_method("sparsed")
+    capture = lambda steps: sparsed.capture_step(type("Ctx", (), {"steps_per_block": steps})())
+    assert [capture(t) for t in (1, 4, 32)] == [0, 0, 5]  # 32 steps: 6 exact (0..5), capture at 5
+    assert get_method("sparsed", exact_fraction=1.0).capture_step(type("Ctx", (), {"steps_per_block": 8})()) == 7
+
+
+def test_bad_knobs_are_named():
+    with pytest.raises(ValueError, match="page_size"):
+        get_method("quest", page_size=0)
+    with pytest.raises(ValueError, match="k must be"):
+        get_method("quest", k=8, page_size=16)
+    with pytest.raises(ValueError, match="exact_fraction"):
+        get_method("sparsed", exact_fraction=1.5)
+
+
+def test_page_lists_on_the_kernel_match_torch(monkeypatch):
+    """Quest's key-block lists (the last page partial) through kernels/sparse_decode_attention in the
+    interpreter (float16) against the torch gather."""
+    import nanodllm.methods.mage as mage_module
+
+    generator = torch.Generator().manual_seed(11)
+    batch, kv_heads, group, block_len, head_dim, page = 2, 2, 2, 4, 64, 4
+    prefix_lengths = torch.tensor([13, 30])  # 4 and 8 pages, row 0's last page holds 1 key
+    q = torch.randn(batch, kv_heads * group, block_len, head_dim, generator=generator).half()
+    k_cache, v_cache = (torch.randn(batch, 40, kv_heads, head_dim, generator=generator).half() for _ in range(2))
+    slots = prefix_lengths[:, None] + torch.arange(block_len)
+    rows = torch.arange(batch)[:, None]
+    k_block, v_block = k_cache[rows, slots].transpose(1, 2), v_cache[rows, slots].transpose(1, 2)
+    indices = torch.tensor([[[0, 3, 0], [1, 2, 3]], [[2, 5, 7], [0, 6, 0]]], dtype=torch.int32)
+    counts = torch.tensor([[2, 3], [3, 2]], dtype=torch.int32)
+    args = (q, k_block, v_block, k_cache, v_cache, prefix_lengths, indices, counts, page)
+    expected = mage_module.sparse_cache_attention(*args)
+    monkeypatch.setattr(mage_module, "use_kernels", lambda q: True)
+    got = mage_module.sparse_cache_attention(*args)
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
