@@ -37,7 +37,7 @@ class KVCache:
 
     def view(self, layer: int, extra: int = 0):
         """(keys, values) [batch, kv_heads, max_length + extra, head_dim]: every row's filled part
-        plus `extra` scratch slots, padded to the longest row (see `valid`)."""
+        plus `extra` scratch slots, padded to the longest row (slots past a row's length hold stale values)."""
         n = self.max_length + extra
         return self.keys[layer][:, :n].transpose(1, 2), self.values[layer][:, :n].transpose(1, 2)
 

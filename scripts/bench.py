@@ -1,6 +1,10 @@
 """Benchmarks, written to docs/results/ as JSON + Markdown. Run on the GPU from the repo root:
 
     python scripts/bench.py kernels [--quick] [--out docs/results]
+    python scripts/bench.py mage [--quick] [--out docs/results]
+
+mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
+SparseD (scripts/bench_mage.py has the details).
 
 kernels: the attention kernels next to their floors and to what a user has (torch SDPA), in one run:
   1. ceilings: copy bandwidth (1 GiB device-to-device, bytes read + written, best of several) and
@@ -406,6 +410,24 @@ def bench_kernels(args):
     report.write(args.out, "bench_kernels_quick" if args.quick else "bench_kernels", meta)
 
 
+def bench_methods(args):
+    from bench_mage import bench_mage  # scripts/ is on sys.path when this file runs
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = QUICK if args.quick else FULL
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timer, report = Timer(device, args.quick), Report()
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "dtype": str(dtype).removeprefix("torch."), "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    report.say(f"# MAGE and its baselines on the block engine: {meta['device']}, torch {meta['torch']}, "
+               f"triton {meta['triton']}, {meta['dtype']}\n")
+    bench_mage(args, timer, report, lambda: measure_ceilings(timer, shapes, device, dtype)[0], meta)
+    report.write(args.out, "bench_mage_quick" if args.quick else "bench_mage", meta)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -413,9 +435,14 @@ def main():
     kernels.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
     kernels.add_argument("--out", type=Path, default=REPO / "docs" / "results",
                          help="directory for the JSON + Markdown")
+    mage = commands.add_parser("mage", help="time per output block: exact, MAGE, Quest, SparseD (sdar-8b preset)")
+    mage.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
+    mage.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
     args = parser.parse_args()
     if args.command == "kernels":
         bench_kernels(args)
+    elif args.command == "mage":
+        bench_methods(args)
 
 
 if __name__ == "__main__":

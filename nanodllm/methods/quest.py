@@ -35,25 +35,29 @@ def page_bounds(keys: torch.Tensor, lengths: torch.Tensor, page_size: int):
 
     keys: [batch, n, kv_heads, D] with n a multiple of page_size, slot 0 the first key of a page;
     lengths: [batch], how many of the n slots hold keys. Returns (low, high), each
-    [batch, kv_heads, n / page_size, D] float32; pages with no key get 0."""
+    [batch, kv_heads, n / page_size, D] in the keys' dtype (min and max are keys' own values, so
+    nothing rounds); pages with no key get 0."""
     batch, n, num_kv_heads, head_dim = keys.shape
-    keys = keys.float().view(batch, n // page_size, page_size, num_kv_heads, head_dim)
+    keys = keys.view(batch, n // page_size, page_size, num_kv_heads, head_dim)
     held = (torch.arange(n, device=keys.device)[None, :] < lengths[:, None]).view(batch, -1, page_size, 1, 1)
     low = torch.where(held, keys, float("inf")).amin(2)
     high = torch.where(held, keys, float("-inf")).amax(2)
     empty = ~held.any(2)
-    low, high = torch.where(empty, 0.0, low), torch.where(empty, 0.0, high)
+    zero = keys.new_zeros(())
+    low, high = torch.where(empty, zero, low), torch.where(empty, zero, high)
     return low.transpose(1, 2), high.transpose(1, 2)
 
 
 def page_scores(q: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """[batch, kv_heads, pages]: the bound of each page's best score, averaged over the block's
-    queries and the group's heads. q: [batch, num_heads, L, D]; low/high: [batch, kv_heads, pages, D]."""
+    queries and the group's heads. q: [batch, num_heads, L, D]; low/high: [batch, kv_heads, pages, D]
+    in the cache's dtype (the products accumulate in fp32; the per-page result rounds to that dtype)."""
     batch, num_heads, block, head_dim = q.shape
     num_kv_heads = low.shape[1]
     rows = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)
-    positive, negative = rows.clamp(min=0).mean(2), rows.clamp(max=0).mean(2)  # [batch, kv_heads, D]
-    return (high @ positive[..., None] + low @ negative[..., None]).squeeze(-1)
+    positive = rows.clamp(min=0).mean(2).to(high.dtype)  # [batch, kv_heads, D]
+    negative = rows.clamp(max=0).mean(2).to(low.dtype)
+    return (high @ positive[..., None] + low @ negative[..., None]).squeeze(-1).float()
 
 
 class PageBounds:
@@ -62,8 +66,8 @@ class PageBounds:
     def __init__(self, cache: KVCache, page_size: int):
         pages = -(-cache.capacity // page_size)
         shape = (len(cache.host_lengths), cache.keys[0].shape[2], pages, cache.keys[0].shape[3])
-        self.low = torch.zeros(shape, device=cache.lengths.device)
-        self.high = torch.zeros(shape, device=cache.lengths.device)
+        self.low = cache.keys[0].new_zeros(shape)
+        self.high = cache.keys[0].new_zeros(shape)
         self.page_size = page_size
         self.summarised = [0] * len(cache.host_lengths)  # per row, keys the bounds include
 

@@ -1,0 +1,161 @@
+"""`python scripts/bench.py mage`: time per output block of the block engine on the sdar-8b preset
+(random bf16 weights) at long contexts, exact vs MAGE and its baselines.
+
+Each kind of denoising step is timed on its own as a CUDA graph (scripts/bench.py Timer: L2
+evicted, host launch overhead excluded; the engines are host-bound in eager mode, see
+docs/results/kernels_cuda.md), then a block of T steps + the commit forward is assembled:
+
+    SDPA exact  T x step(torch SDPA)                    + commit
+    exact       T x step(our kernels)                   + commit
+    MAGE        step 1 (exact + selection) + (T-1) x sparse step         + commit
+    Quest       T x Quest step (page bounds + top pages + sparse)        + commit
+    SparseD     (c-1) x exact + capture step + (T-c) x sparse step       + commit, c = round(0.2 T)
+
+The commit forward is an exact step over the same shapes (timed as one). Floors: weight bytes read
+(embedding rows aside) plus the KV bytes each step reads (exact: the whole prefix in every layer;
+sparse: the exact layers' prefix plus k keys per KV head elsewhere), over the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import nanodllm.attention as attention_module
+from nanodllm.cache import KVCache
+from nanodllm.config import ModelConfig, preset
+from nanodllm.methods import Dense, Mage, Quest, SparseD
+from nanodllm.methods.base import StepContext
+from nanodllm.model import build_random
+
+FULL = dict(contexts=(32768, 65536, 131072), batches=(1, 4), block=32, steps=32, k=1024)
+QUICK = dict(contexts=(96, 200), batches=(1, 2), block=8, steps=4, k=32)
+QUICK_MODEL = dict(model_type="sdar", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, intermediate_size=256, vocab_size=256, mask_token_id=255,
+                   block_size=8, max_position_embeddings=1024)
+HEADROOM_BYTES = 6 << 30  # activations, graph pools, the allocator's slack
+
+
+def fill_cache(cfg, batch, context, block, device, dtype) -> KVCache:
+    cache = KVCache.for_model(cfg, batch, context + block, device, dtype)
+    for layer in range(cfg.num_layers):
+        cache.keys[layer][:, :context].normal_()
+        cache.values[layer][:, :context].normal_()
+    cache.advance(torch.full((batch,), context, device=device))
+    return cache
+
+
+def block_context(cfg, cache, batch, context, block, steps, device) -> StepContext:
+    columns = context + torch.arange(block, device=device)[None].expand(batch, -1)
+    tokens = torch.full_like(columns, cfg.mask_token_id)
+    return StepContext(tokens, columns, torch.ones_like(columns, dtype=torch.bool),
+                       torch.full((batch,), context, device=device), cache=cache, block_length=block,
+                       steps_per_block=steps)
+
+
+def step_times(model, ctx, timer, knobs) -> dict:
+    """Microseconds of each kind of step, one CUDA graph each (eager on a CPU)."""
+    exact = Dense()
+    times = {}
+    with torch.no_grad():
+        for enabled, name in ((False, "sdpa"), (True, "exact")):
+            attention_module.KERNELS_ENABLED = enabled
+            times[name] = timer(lambda: exact.step(model, ctx))
+        attention_module.KERNELS_ENABLED = True
+
+        mage = Mage(**knobs)
+        mage.begin_block(ctx)
+        ctx.step = 0
+        times["select"] = timer(lambda: mage.step(model, ctx))  # exact attention + top-k per layer
+        ctx.step = 1
+        times["sparse"] = timer(lambda: mage.step(model, ctx))  # attends to the step-0 selection
+
+        quest = Quest(**knobs)
+        ctx.step, ctx.block = 0, 0
+        quest.begin_block(ctx)
+        times["quest"] = timer(lambda: quest.step(model, ctx))  # page bounds updated in the warm-up call
+    return times
+
+
+def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
+    capture = max(1, round(exact_fraction * steps))
+    commit = times["exact"]
+    return {
+        "SDPA exact": steps * times["sdpa"] + times["sdpa"],
+        "exact": steps * times["exact"] + commit,
+        "MAGE": times["select"] + (steps - 1) * times["sparse"] + commit,
+        "Quest": steps * times["quest"] + commit,
+        "SparseD": (capture - 1) * times["exact"] + times["select"] + (steps - capture) * times["sparse"] + commit,
+    }
+
+
+def bench_mage(args, timer, report, measure_rates, meta):
+    device = timer.device
+    shapes = QUICK if args.quick else FULL
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.quick:
+        cfg = ModelConfig.from_dict(QUICK_MODEL, source="bench --quick")
+    else:
+        cfg = preset("sdar-8b", context=max(shapes["contexts"]) + 2 * shapes["block"], block_size=shapes["block"])
+    knobs = dict(k=shapes["k"], exact_layers=2)
+    bandwidth = measure_rates()
+    meta.update(copy_GBps=bandwidth, shapes=shapes, knobs=knobs)
+    start = time.perf_counter()
+    model = build_random(cfg, device=device, dtype=dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    read_bytes = weight_bytes - model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    report.say(f"sdar-8b shapes ({cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads, "
+               f"d = {cfg.head_dim}), random {str(dtype).removeprefix('torch.')} weights: {weight_bytes / 1e9:.2f} GB, "
+               f"built in {time.perf_counter() - start:.1f}s; one model for every context (NTK factor of the "
+               f"longest; the RoPE base does not change the time); copy bandwidth {bandwidth:.0f} GB/s.\n")
+
+    per_key = 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8  # K + V bytes, one layer
+    sparse_layers = cfg.num_layers - knobs["exact_layers"]
+    steps, rows, step_rows = shapes["steps"], [], []
+    total_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    for context in shapes["contexts"]:
+        for batch in shapes["batches"]:
+            kv_bytes = batch * (context + shapes["block"]) * per_key * cfg.num_layers
+            kv_bytes += kv_bytes // 16  # Quest's page bounds: min and max of K per 16 keys = (K + V) / 16
+            if total_memory and weight_bytes + kv_bytes + HEADROOM_BYTES > total_memory:
+                report.say(f"- context {context}, batch {batch}: skipped, weights {weight_bytes / 2**30:.1f} GiB + "
+                           f"KV cache {kv_bytes / 2**30:.1f} GiB + {HEADROOM_BYTES >> 30} GiB headroom exceed the "
+                           f"device's {total_memory / 2**30:.1f} GiB")
+                continue
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            cache = fill_cache(cfg, batch, context, shapes["block"], device, dtype)
+            ctx = block_context(cfg, cache, batch, context, shapes["block"], steps, device)
+            times = step_times(model, ctx, timer, knobs)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+            blocks = block_times(times, steps, 0.2)
+            exact_floor = (read_bytes + batch * context * per_key * cfg.num_layers) / bandwidth / 1e3  # us
+            kept = min(knobs["k"], context)
+            sparse_floor = (read_bytes + batch * per_key * (context * knobs["exact_layers"] + kept * sparse_layers)
+                            ) / bandwidth / 1e3
+            step_rows.append({"context": context, "batch": batch, "SDPA step us": times["sdpa"],
+                              "exact step us": times["exact"], "exact floor us": exact_floor,
+                              "exact / floor": times["exact"] / exact_floor, "MAGE step 1 us": times["select"],
+                              "step-1 overhead %": 100 * (times["select"] / times["exact"] - 1),
+                              "MAGE step 2..T us": times["sparse"], "sparse floor us": sparse_floor,
+                              "MAGE 2..T / floor": times["sparse"] / sparse_floor, "Quest step us": times["quest"],
+                              "peak GiB": peak})
+            row = {"context": context, "batch": batch}
+            row.update({f"{name} ms/block": us / 1e3 for name, us in blocks.items()})
+            row.update({"MAGE vs SDPA exact": blocks["SDPA exact"] / blocks["MAGE"],
+                        "MAGE vs exact": blocks["exact"] / blocks["MAGE"],
+                        "MAGE vs Quest": blocks["Quest"] / blocks["MAGE"],
+                        "MAGE vs SparseD": blocks["SparseD"] / blocks["MAGE"]})
+            rows.append(row)
+            del cache, ctx
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    report.table("Steps", step_rows,
+                 f"Microseconds per denoising step of the whole model (CUDA graph, L2 flushed), k = {knobs['k']}, "
+                 f"{knobs['exact_layers']} exact layers. Floors: weights read + the KV bytes the step must read, "
+                 "over the copy bandwidth. 'step-1 overhead' = MAGE's first step (exact attention + key scores + "
+                 "top-k, on one stream) over an exact step. Peak = max allocated during the configuration.")
+    report.table("Time per output block", rows,
+                 f"B = {shapes['block']}, T = {steps} steps per block + the commit forward, assembled from the step "
+                 "times above (see scripts/bench_mage.py).")
