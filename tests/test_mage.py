@@ -148,3 +148,21 @@ def test_knobs_parse_from_the_command_line():
     assert parse_knobs(None) == {}
     with pytest.raises(ValueError, match="name=value"):
         parse_knobs("k64")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream is CUDA's; run on a GPU machine")
+def test_side_stream_selection_is_identical():
+    from nanodllm.eval import Runner, resolve_model
+    from nanodllm import tasks
+
+    runner = Runner(resolve_model("tiny-sdar"), "cuda", torch.bfloat16, None)
+    samples = tasks.make_samples("passkey", 2048, 8, seed=5, count_tokens=runner.count_tokens)
+    prompts = [runner.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
+    outputs = {}
+    for side_stream in (True, False):
+        method = get_method("mage", k=64, side_stream=side_stream)
+        result = block.generate(runner.model, prompts, runner.gen, method=method, stop_ids=())
+        outputs[side_stream] = (result.tokens, {layer: [t.cpu() for t in pair] for layer, pair in method.selection.items()})
+    assert outputs[True][0] == outputs[False][0]
+    for layer, (indices, counts) in outputs[False][1].items():
+        assert torch.equal(outputs[True][1][layer][0], indices) and torch.equal(outputs[True][1][layer][1], counts)

@@ -24,8 +24,10 @@ step attends to every key: the same outputs up to float rounding (the gathered k
 of the cache, multiplied in another memory layout), the same tokens.
 
 Knobs (paper defaults): k = 1024 keys per KV head (256 / 512 in the accuracy tables; scale it to
-the context), exact_layers = 2 (the first two layers always attend exactly), sparse_commit = False.
-Not here yet: the paper's second CUDA stream that overlaps the selection with the FFN (Algorithm 1).
+the context), exact_layers = 2 (the first two layers always attend exactly), sparse_commit = False,
+side_stream = True.
+On CUDA the scoring and top-k run on a second stream, overlapped with the FFN and the following
+layers (Algorithm 1; side_stream = False keeps them on the main stream); step() joins the streams.
 """
 
 from __future__ import annotations
@@ -102,19 +104,29 @@ class Mage(Method):
     name = "mage"
     engines = ("block",)
 
-    def __init__(self, k: int = 1024, exact_layers: int = 2, sparse_commit: bool = False):
+    def __init__(self, k: int = 1024, exact_layers: int = 2, sparse_commit: bool = False, side_stream: bool = True):
         super().__init__()
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be a positive int (keys kept per KV head), got {k!r}")
         if not isinstance(exact_layers, int) or exact_layers < 0:
             raise ValueError(f"exact_layers must be an int >= 0, got {exact_layers!r}")
         self.k, self.exact_layers, self.sparse_commit = k, exact_layers, sparse_commit
+        self.side_stream = side_stream
+        self.stream = None  # the CUDA side stream, created on first use
+        self.forked = False  # this step put selections on the side stream: step() must join it
         self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (indices, counts)
         self.keys_read = self.keys_total = 0
         self.stats = {"kv_kept": 1.0}
 
     def begin_block(self, ctx: StepContext):
         self.selection = {}
+
+    def step(self, model, ctx: StepContext) -> torch.Tensor:
+        logits = super().step(model, ctx)
+        if self.forked:  # join: the selections are ready before anyone reads them
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self.forked = False
+        return logits
 
     def capture_step(self, ctx: StepContext) -> int:
         """The denoising step whose exact attention selects the keys (MAGE: the first)."""
@@ -152,18 +164,41 @@ class Mage(Method):
             return attend_with_cache(layer, q, k, v, cache)
         if use_kernels(q):
             from kernels.decode_attention import decode_attention
-            from kernels.key_scores import key_scores
 
             cache.write(layer, k, v)
             block = k.shape[2]
             out, lse = decode_attention(q, cache.keys[layer], cache.values[layer], cache.lengths + block,
                                         max_length=cache.max_length + block)
-            scores = key_scores(q, cache.keys[layer], cache.lengths, lse, max_length=cache.max_length)
-        else:
-            out = attend_with_cache(layer, q, k, v, cache)
-            scores = block_probabilities(q, cache.keys[layer], cache.lengths)
-        self.selection[layer] = select_top_k(scores, cache.lengths, self.k)
+            self.select_on_side_stream(layer, q, lse, cache)
+            return out
+        out = attend_with_cache(layer, q, k, v, cache)
+        self.selection[layer] = select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths,
+                                             self.k)
         return out
+
+    def select_on_side_stream(self, layer: int, q, lse, cache):
+        """Key scores from the decode pass's LSE, then top-k (Algorithm 1): on a second stream, so the
+        layer's FFN and the next layers run meanwhile; step() joins the streams. The kernels and the
+        top-k are the same either way, so the selection does not depend on the stream."""
+        from kernels.key_scores import key_scores
+
+        select = lambda: select_top_k(key_scores(q, cache.keys[layer], cache.lengths, lse, max_length=cache.max_length),
+                                      cache.lengths, self.k)
+        if not (self.side_stream and q.is_cuda):
+            self.selection[layer] = select()
+            return
+        main = torch.cuda.current_stream(q.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=q.device)
+        self.stream.wait_stream(main)
+        self.forked = True
+        with torch.cuda.stream(self.stream):
+            indices, counts = select()
+        for tensor in (q, lse, cache.lengths):  # memory crossing streams is not reused before both are done
+            tensor.record_stream(self.stream)
+        for tensor in (indices, counts):
+            tensor.record_stream(main)
+        self.selection[layer] = (indices, counts)
 
     def attend_selected(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         cache = ctx.cache
