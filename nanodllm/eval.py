@@ -67,8 +67,11 @@ class Runner:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
-    def generate(self, samples: list[tasks.Sample], method_name: str) -> Outcome:
+    def generate(self, samples: list[tasks.Sample], method_name: str, prepare=None) -> Outcome:
+        """Decode samples with the method; prepare(method), if given, runs first (e.g. recall.attach)."""
         method = get_method(method_name, **({} if method_name == "dense" else self.knobs))
+        if prepare is not None:
+            prepare(method)
         prompts = [self.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
         kwargs = {"stop_ids": self.tokenizer.stop_ids} if self.is_block else {}
         if self.device.type == "cuda":
@@ -181,6 +184,9 @@ def parse_args(argv):
     parser.add_argument("--model", default="tiny-llada", help=f"a checkpoint directory or {' / '.join(TINY_MODELS)}")
     parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}, or all")
     parser.add_argument("--knobs", help="the method's knobs, e.g. k=64,exact_layers=2 (see its file's docstring)")
+    parser.add_argument("--recall", action="store_true",
+                        help="block engine, selecting methods: estimation accuracy of the selected keys against "
+                             "the oracle per-block top-k, per step and layer (nanodllm/recall.py), instead of accuracy")
     parser.add_argument("--task", default="passkey", choices=[*tasks.TASKS, "longbench"])
     parser.add_argument("--lengths", default="1024", help="comma-separated context lengths in tokens")
     parser.add_argument("--n", type=int, default=50, help="samples per length (spread over the depths)")
@@ -194,6 +200,26 @@ def parse_args(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     return parser.parse_args(argv)
+
+
+def print_recall(runner: Runner, samples: list[tasks.Sample], methods: list[str], args) -> int:
+    """--recall: one table per method of estimation accuracy per step bucket and layer."""
+    from . import recall
+
+    selecting = [m for m in methods if hasattr(get_method(m), "k")]
+    if not runner.is_block or not selecting:
+        raise ValueError("--recall needs the block engine (an SDAR-format model) and a selecting method "
+                         "(mage, quest, sparsed, or all)")
+    print(f"\n{args.model}: recall, task {args.task}, {runner.gen}, knobs {runner.knobs}, {len(samples)} prompts\n")
+    for name in selecting:
+        records = []
+        for start in range(0, len(samples), args.batch):
+            attached = []  # the records list of this chunk's method, filled while it decodes
+            runner.generate(samples[start : start + args.batch], name, prepare=lambda m: attached.append(recall.attach(m)))
+            records.extend(attached[0])
+            progress(start // args.batch + 1, -(-len(samples) // args.batch), f"recall {name}")
+        print(f"## {name}\n\n{recall.summarise(records)}\n")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -224,6 +250,8 @@ def main(argv=None) -> int:
             samples = [s for length in lengths
                        for s in tasks.make_samples(args.task, length, args.n, args.seed + length,
                                                    count_tokens=runner.count_tokens)]
+        if args.recall:
+            return print_recall(runner, samples, [m for m in methods if m != "dense"], args)
         results = evaluate(runner, samples, methods, args.batch)
     except (FileNotFoundError, ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -101,6 +101,7 @@ class Quest(Method):
             raise ValueError(f"exact_layers must be an int >= 0, got {exact_layers!r}")
         self.k, self.page_size, self.exact_layers, self.sparse_commit = k, page_size, exact_layers, sparse_commit
         self.bounds: dict[int, PageBounds] = {}  # layer -> bounds over the current generation's cache
+        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this step's pages
         self.keys_read = self.keys_total = 0
         self.stats = {"kv_kept": 1.0}
 
@@ -130,6 +131,7 @@ class Quest(Method):
         width = -(-cache.max_length // self.page_size)
         scores = page_scores(q, bounds.low[:, :, :width], bounds.high[:, :, :width])
         indices, counts = select_top_k(scores, num_pages, self.k // self.page_size)
+        self.selection[layer] = (indices, counts)
         if count:
             kept = [min(n, self.k // self.page_size * self.page_size) for n in lengths]  # upper bound: a kept
             self.count_reads(kept, lengths)  # last page may be partial

@@ -1,0 +1,110 @@
+"""Recall diagnostics of per-block key selection (the MAGE paper's eq. 1, Fig. 1a and Fig. 3).
+
+At every denoising step and layer where a selecting method (mage, quest, sparsed) attends to a
+selected key set, compare that set with the ORACLE per-block top-k of the same step: the k prefix keys
+with the highest probability averaged over the block's queries and the group's heads, from this
+step's exact scores (eq. 1). Estimation accuracy = |selected and oracle| / |oracle|, per row and KV
+head. At the first step of each block also record the union of the per-query top-k sets over the
+block's queries and the group's heads, relative to k (Fig. 1a: how far one shared set is from every
+query's own choice).
+
+    records = attach(method)   # before generation; one Record per (block, step, layer)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .methods.mage import block_probabilities, select_top_k
+
+
+@dataclass
+class Record:
+    block: int
+    step: int
+    layer: int
+    accuracy: float  # mean over rows and KV heads with a non-empty prefix
+    union_ratio: float | None  # |union of per-query top-k| / k, at a block's first step only
+
+
+def token_mask(indices, counts, prefix_lengths, prefix: int, index_block: int) -> torch.Tensor:
+    """[batch, kv_heads, prefix] bool: the tokens an index list selects (key blocks expanded, clipped)."""
+    batch, num_kv_heads, width = indices.shape
+    tokens = (indices.long()[..., None] * index_block + torch.arange(index_block, device=indices.device)).flatten(2)
+    listed = (torch.arange(width, device=indices.device) < counts[..., None]).repeat_interleave(index_block, dim=2)
+    chosen = listed & (tokens < prefix_lengths[:, None, None])
+    mask = torch.zeros(batch, num_kv_heads, prefix + 1, dtype=torch.bool, device=indices.device)
+    mask.scatter_(2, torch.where(chosen, tokens, prefix), True)  # unchosen entries land in the spare column
+    return mask[..., :prefix]
+
+
+def union_ratio(q, k_cache, prefix_lengths, k: int) -> float:
+    """Mean over rows and KV heads of |union over the group's query rows of each row's top-k| / k."""
+    batch, num_heads, block, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    prefix = int(prefix_lengths.max())
+    keys = k_cache[:, : prefix + block].transpose(1, 2).float()
+    rows = q.float().reshape(batch, num_kv_heads, -1, head_dim)
+    scores = rows @ keys.transpose(-1, -2)  # softmax is monotone: the top-k of scores is the top-k of probabilities
+    in_prefix = torch.arange(prefix + block, device=q.device)[None, :] < prefix_lengths[:, None]
+    scores = scores.masked_fill(~in_prefix[:, None, None], float("-inf"))
+    width = min(k, prefix)
+    top = scores.topk(width, dim=-1).indices  # [batch, kv_heads, rows, width]
+    valid = torch.arange(width, device=q.device) < prefix_lengths.clamp(max=k)[:, None, None, None]
+    union = torch.zeros(batch, num_kv_heads, prefix + block + 1, dtype=torch.bool, device=q.device)
+    union.scatter_(2, torch.where(valid, top, prefix + block).flatten(2), True)
+    sizes = union[..., : prefix + block].sum(-1).float() / k  # [batch, kv_heads]
+    return float(sizes[prefix_lengths > 0].mean())
+
+
+def attach(method) -> list[Record]:
+    """Wrap method.attend so that every selecting attention call is compared with the oracle."""
+    records: list[Record] = []
+    original = method.attend
+    index_block = getattr(method, "page_size", 1)
+
+    def attend(layer, q, k, v, ctx):
+        out = original(layer, q, k, v, ctx)
+        cache = ctx.cache
+        chosen = getattr(method, "selection", {}).get(layer)
+        if cache is None or chosen is None or cache.max_length == 0:
+            return out
+        if q.is_cuda:
+            torch.cuda.synchronize(q.device)  # a side-stream selection is complete
+        prefix = cache.max_length
+        oracle = select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths, method.k)
+        oracle_mask = token_mask(*oracle, cache.lengths, prefix, 1)
+        chosen_mask = token_mask(*chosen, cache.lengths, prefix, index_block)
+        hits = (oracle_mask & chosen_mask).sum(-1).float()
+        sizes = oracle_mask.sum(-1).float()
+        has_prefix = sizes > 0
+        accuracy = float((hits[has_prefix] / sizes[has_prefix]).mean())
+        first = ctx.step == 0
+        union = union_ratio(q, cache.keys[layer], cache.lengths, method.k) if first else None
+        records.append(Record(ctx.block, ctx.step, layer, accuracy, union))
+        return out
+
+    method.attend = attend
+    return records
+
+
+def summarise(records: list[Record], steps_per_bucket: int = 4) -> str:
+    """A Markdown table: mean estimation accuracy per step bucket (rows) and layer (columns), and the
+    mean union ratio at the first step."""
+    layers = sorted({r.layer for r in records})
+    buckets = sorted({r.step // steps_per_bucket for r in records})
+    lines = ["| steps | " + " | ".join(f"layer {l}" for l in layers) + " |", "|" + "---|" * (len(layers) + 1)]
+    for bucket in buckets:
+        cells = []
+        for layer in layers:
+            values = [r.accuracy for r in records if r.layer == layer and r.step // steps_per_bucket == bucket]
+            cells.append(f"{sum(values) / len(values):.3f}" if values else "-")
+        first, last = bucket * steps_per_bucket + 1, (bucket + 1) * steps_per_bucket
+        lines.append(f"| {first}-{last} | " + " | ".join(cells) + " |")
+    unions = [r.union_ratio for r in records if r.union_ratio is not None]
+    if unions:
+        lines.append(f"\nunion of per-query top-k over the block at step 1, relative to k: "
+                     f"{sum(unions) / len(unions):.2f} (mean over blocks, layers, rows, KV heads)")
+    return "\n".join(lines)

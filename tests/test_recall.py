@@ -1,0 +1,51 @@
+"""nanodllm/recall.py: the estimation accuracy and union diagnostics of selecting methods."""
+
+import torch
+
+from nanodllm import block, recall
+from nanodllm.config import GenerationConfig
+from nanodllm.eval import main as eval_main
+from nanodllm.methods import get_method
+from tests.tiny_models import random_prompt, tiny_model
+
+GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
+
+
+def test_token_mask_expands_blocks_and_clips_to_the_prefix():
+    indices = torch.tensor([[[1, 3, 0]], [[0, 2, 2]]])
+    counts = torch.tensor([[2], [1]])
+    mask = recall.token_mask(indices, counts, torch.tensor([7, 5]), 7, 2)
+    assert mask[0, 0].nonzero().flatten().tolist() == [2, 3, 6]  # block 3 = tokens 6, 7: 7 is past the prefix
+    assert mask[1, 0].nonzero().flatten().tolist() == [0, 1]
+
+
+def test_union_ratio_is_one_when_every_query_is_the_same():
+    q = torch.randn(1, 1, 1, 8).expand(1, 2, 3, 8)  # one KV head, group 2, every query the same
+    k_cache = torch.randn(1, 20, 1, 8)
+    assert recall.union_ratio(q, k_cache, torch.tensor([12]), 4) == 1.0
+    spread = recall.union_ratio(torch.randn(1, 2, 3, 8), k_cache, torch.tensor([12]), 4)
+    assert 1.0 <= spread <= 3.0  # at most the whole 12-token prefix
+
+
+def run(method, prompts):
+    records = recall.attach(method)
+    block.generate(tiny_model("sdar"), prompts, GEN, method=method, stop_ids=())
+    return records
+
+
+def test_full_budget_recalls_everything_and_a_tiny_budget_does_not():
+    prompts = [random_prompt(30, seed=1), random_prompt(19, seed=2)]
+    for name in ("mage", "quest", "sparsed"):
+        full = run(get_method(name, k=64, exact_layers=0), prompts)
+        assert full and all(r.accuracy == 1.0 for r in full)
+    tiny = run(get_method("mage", k=2, exact_layers=0), prompts)
+    assert all(r.accuracy == 1.0 for r in tiny if r.step == 0)  # the oracle of step 1 is MAGE's own choice
+    assert any(r.accuracy < 1.0 for r in tiny if r.step > 0)
+    assert all(r.union_ratio >= 1.0 for r in tiny if r.step == 0)
+
+
+def test_eval_recall_prints_a_table(capsys):
+    assert eval_main(["--model", "tiny-sdar", "--method", "mage", "--recall", "--knobs", "k=32",
+                      "--lengths", "512", "--n", "2", "--gen-length", "8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "## mage" in out and "| steps | layer 2 | layer 3 |" in out
