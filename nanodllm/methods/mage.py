@@ -64,10 +64,11 @@ def select_top_k(scores: torch.Tensor, prefix_lengths: torch.Tensor, k: int):
     batch, num_kv_heads, prefix = scores.shape
     width = min(k, prefix)
     in_prefix = torch.arange(prefix, device=scores.device)[None, :] < prefix_lengths[:, None]
-    ranked = scores.masked_fill(~in_prefix[:, None], float("-inf")).topk(width, dim=-1).indices
+    # unsorted top-k (the order comes from sorting the positions); entries past a short prefix are -inf
+    values, ranked = scores.masked_fill(~in_prefix[:, None], float("-inf")).topk(width, dim=-1, sorted=False)
     counts = torch.clamp(prefix_lengths, max=k)[:, None].expand(batch, num_kv_heads)
+    ordered = torch.where(values > float("-inf"), ranked, prefix).sort(-1).values  # the -inf ones sort last
     valid = torch.arange(width, device=scores.device) < counts[..., None]
-    ordered = torch.where(valid, ranked, prefix).sort(-1).values  # invalid entries sort last
     indices = torch.where(valid, ordered, 0)
     return indices.to(torch.int32), counts.to(torch.int32).contiguous()
 
