@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .methods.mage import block_probabilities, select_top_k
+from .methods.mage import block_probabilities, block_scores, listed_tokens, select_top_k
 
 
 @dataclass
@@ -31,31 +31,27 @@ class Record:
 
 def token_mask(indices, counts, prefix_lengths, prefix: int, index_block: int) -> torch.Tensor:
     """[batch, kv_heads, prefix] bool: the tokens an index list selects (key blocks expanded, clipped)."""
-    batch, num_kv_heads, width = indices.shape
-    tokens = (indices.long()[..., None] * index_block + torch.arange(index_block, device=indices.device)).flatten(2)
-    listed = (torch.arange(width, device=indices.device) < counts[..., None]).repeat_interleave(index_block, dim=2)
-    chosen = listed & (tokens < prefix_lengths[:, None, None])
+    tokens, selected = listed_tokens(indices, counts, prefix_lengths, index_block)
+    batch, num_kv_heads, _ = tokens.shape
     mask = torch.zeros(batch, num_kv_heads, prefix + 1, dtype=torch.bool, device=indices.device)
-    mask.scatter_(2, torch.where(chosen, tokens, prefix), True)  # unchosen entries land in the spare column
+    mask.scatter_(2, torch.where(selected, tokens, prefix), True)  # unselected entries land in the spare column
     return mask[..., :prefix]
 
 
 def union_ratio(q, k_cache, prefix_lengths, k: int) -> float:
     """Mean over rows and KV heads of |union over the group's query rows of each row's top-k| / k."""
-    batch, num_heads, block, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
     prefix = int(prefix_lengths.max())
-    keys = k_cache[:, : prefix + block].transpose(1, 2).float()
-    rows = q.float().reshape(batch, num_kv_heads, -1, head_dim)
-    scores = rows @ keys.transpose(-1, -2)  # softmax is monotone: the top-k of scores is the top-k of probabilities
-    in_prefix = torch.arange(prefix + block, device=q.device)[None, :] < prefix_lengths[:, None]
-    scores = scores.masked_fill(~in_prefix[:, None, None], float("-inf"))
+    # softmax is monotone: the top-k of scores is the top-k of probabilities
+    scores = block_scores(q, k_cache, prefix_lengths)[..., :prefix]
+    in_prefix = torch.arange(prefix, device=q.device)[None, :] < prefix_lengths[:, None]
+    scores = scores.masked_fill(~in_prefix[:, None, None], float("-inf"))  # the block's keys of shorter rows
     width = min(k, prefix)
     top = scores.topk(width, dim=-1).indices  # [batch, kv_heads, rows, width]
     valid = torch.arange(width, device=q.device) < prefix_lengths.clamp(max=k)[:, None, None, None]
-    union = torch.zeros(batch, num_kv_heads, prefix + block + 1, dtype=torch.bool, device=q.device)
-    union.scatter_(2, torch.where(valid, top, prefix + block).flatten(2), True)
-    sizes = union[..., : prefix + block].sum(-1).float() / k  # [batch, kv_heads]
+    batch, num_kv_heads = scores.shape[:2]
+    union = torch.zeros(batch, num_kv_heads, prefix + 1, dtype=torch.bool, device=q.device)
+    union.scatter_(2, torch.where(valid, top, prefix).flatten(2), True)
+    sizes = union[..., :prefix].sum(-1).float() / k  # [batch, kv_heads]
     return float(sizes[prefix_lengths > 0].mean())
 
 

@@ -66,6 +66,14 @@ class Method:
 
     def __init__(self):
         self.stats: dict = {}  # what the method reports, e.g. "kv_kept": fraction of KV entries read
+        self.keys_read = self.keys_total = 0
+
+    def count_reads(self, read: list[int], total: list[int]):
+        """stats['kv_kept']: prefix keys attended / prefix keys a dense step attends, per row, summed
+        over the attention calls so far (host lengths: no device sync)."""
+        self.keys_read += sum(read)
+        self.keys_total += sum(total)
+        self.stats["kv_kept"] = self.keys_read / max(self.keys_total, 1)
 
     def prefill(self, model, ctx: StepContext):
         """Forward the prompt's complete blocks (ctx.tokens, right-padded, ctx.counts valid per row)

@@ -38,23 +38,28 @@ from ..attention import attention, use_kernels
 from .base import Method, StepContext, attend_with_cache
 
 
-def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
-    """Eq. 3 in torch: [batch, num_kv_heads, max prefix] mean probability of each prefix key under
-    the block's queries, the softmax taken over the prefix and the block's keys (which sit right
-    after each row's prefix in the cache). 0 past a row's prefix.
-
-    q: [batch, num_heads, L, D]; k_cache: [batch, capacity, num_kv_heads, D]."""
+def block_scores(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
+    """Scaled scores, fp32, [batch, num_kv_heads, G*L, max prefix + L], of every query row of the
+    group against each row's prefix and the block's keys (which sit right after the prefix in the
+    cache); -inf at slots a row does not have. q: [batch, num_heads, L, D];
+    k_cache: [batch, capacity, num_kv_heads, D]."""
     batch, num_heads, block, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    prefix = int(prefix_lengths.max())
-    keys = k_cache[:, : prefix + block].transpose(1, 2).float()  # [batch, kv_heads, n, D]
+    n = int(prefix_lengths.max()) + block
+    keys = k_cache[:, :n].transpose(1, 2).float()  # [batch, kv_heads, n, D]
     queries = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)
-    scores = (queries @ keys.transpose(-1, -2)) * head_dim**-0.5  # [batch, kv_heads, G*L, n]
-    slots = torch.arange(prefix + block, device=q.device)
-    visible = slots[None, :] < (prefix_lengths + block)[:, None]  # [batch, n]
-    probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
-    in_prefix = slots[None, :prefix] < prefix_lengths[:, None]  # [batch, prefix]
-    return probs[..., :prefix].mean(2) * in_prefix[:, None]
+    scores = (queries @ keys.transpose(-1, -2)) * head_dim**-0.5
+    visible = torch.arange(n, device=q.device)[None, :] < (prefix_lengths + block)[:, None]  # [batch, n]
+    return scores.masked_fill(~visible[:, None, None], float("-inf"))
+
+
+def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 in torch: [batch, num_kv_heads, max prefix] mean probability of each prefix key under
+    the block's queries, the softmax taken over the prefix and the block's keys. 0 past a row's prefix."""
+    prefix = int(prefix_lengths.max())
+    probs = block_scores(q, k_cache, prefix_lengths).softmax(-1)[..., :prefix]
+    in_prefix = torch.arange(prefix, device=q.device)[None, :] < prefix_lengths[:, None]  # [batch, prefix]
+    return probs.mean(2) * in_prefix[:, None]
 
 
 def select_top_k(scores: torch.Tensor, prefix_lengths: torch.Tensor, k: int):
@@ -73,6 +78,17 @@ def select_top_k(scores: torch.Tensor, prefix_lengths: torch.Tensor, k: int):
     return indices.to(torch.int32), counts.to(torch.int32).contiguous()
 
 
+def listed_tokens(indices, counts, prefix_lengths, index_block: int = 1):
+    """The index lists as prefix tokens: (tokens [batch, kv_heads, K * S] int64, selected: the same
+    shape, True where the entry is within counts and the token within the row's prefix). Key blocks
+    of S = index_block tokens are expanded (the batched form of kernels/sparse_decode_attention.selected_tokens)."""
+    width = indices.shape[2]
+    offsets = torch.arange(index_block, device=indices.device)
+    tokens = (indices.long()[..., None] * index_block + offsets).flatten(2)
+    listed = (torch.arange(width, device=indices.device) < counts[..., None]).repeat_interleave(index_block, dim=2)
+    return tokens, listed & (tokens < prefix_lengths[:, None, None])
+
+
 def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, counts, index_block=1):
     """The block's queries against the selected prefix keys plus the block's own keys k, v
     ([batch, kv_heads, L, D], already written after each row's prefix in the cache). indices /
@@ -83,11 +99,8 @@ def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, c
 
         return sparse_decode_attention(q, k_cache, v_cache, prefix_lengths, indices, counts, index_block=index_block,
                                        return_lse=False)
-    batch, num_kv_heads, width = indices.shape
-    offsets = torch.arange(index_block, device=q.device)
-    tokens = (indices.long()[..., None] * index_block + offsets).flatten(2)  # [batch, kv_heads, width * S]
-    listed = (torch.arange(width, device=q.device) < counts[..., None]).repeat_interleave(index_block, dim=2)
-    selected = listed & (tokens < prefix_lengths[:, None, None])
+    batch, num_kv_heads, _ = indices.shape
+    tokens, selected = listed_tokens(indices, counts, prefix_lengths, index_block)
     rows = torch.arange(batch, device=q.device)[:, None, None]
     heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
     tokens = torch.where(selected, tokens, 0)
@@ -116,7 +129,6 @@ class Mage(Method):
         self.stream = None  # the CUDA side stream, created on first use
         self.forked = False  # this step put selections on the side stream: step() must join it
         self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (indices, counts)
-        self.keys_read = self.keys_total = 0
         self.stats = {"kv_kept": 1.0}
 
     def begin_block(self, ctx: StepContext):
@@ -136,22 +148,15 @@ class Mage(Method):
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if ctx.cache is None:
             raise ValueError(f"{self.name} runs on the block engine (it needs the KV cache of the prefix)")
-        capture = self.capture_step(ctx)
+        capture, lengths = self.capture_step(ctx), ctx.cache.host_lengths
         if layer < self.exact_layers or ctx.step < capture:
-            self.count_reads(ctx.cache.host_lengths, sparse=False)
+            self.count_reads(lengths, lengths)
             return attend_with_cache(layer, q, k, v, ctx.cache)
         if ctx.step == capture or layer not in self.selection:
-            self.count_reads(ctx.cache.host_lengths, sparse=False)
+            self.count_reads(lengths, lengths)
             return self.attend_and_select(layer, q, k, v, ctx)
-        self.count_reads(ctx.cache.host_lengths, sparse=True)
+        self.count_reads([min(self.k, n) for n in lengths], lengths)
         return self.attend_selected(layer, q, k, v, ctx)
-
-    def count_reads(self, prefix_lengths: list[int], sparse: bool):
-        """stats['kv_kept']: prefix keys read / prefix keys a dense step would read, over the denoising
-        steps' attention calls so far (host lengths: no device sync)."""
-        self.keys_total += sum(prefix_lengths)
-        self.keys_read += sum(min(self.k, n) for n in prefix_lengths) if sparse else sum(prefix_lengths)
-        self.stats["kv_kept"] = self.keys_read / max(self.keys_total, 1)
 
     def attend_commit(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if self.sparse_commit and layer >= self.exact_layers and layer in self.selection:

@@ -102,7 +102,6 @@ class Quest(Method):
         self.k, self.page_size, self.exact_layers, self.sparse_commit = k, page_size, exact_layers, sparse_commit
         self.bounds: dict[int, PageBounds] = {}  # layer -> bounds over the current generation's cache
         self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this step's pages
-        self.keys_read = self.keys_total = 0
         self.stats = {"kv_kept": 1.0}
 
     def begin_block(self, ctx: StepContext):
@@ -138,9 +137,3 @@ class Quest(Method):
         cache.write(layer, k, v)
         return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices, counts,
                                       index_block=self.page_size)
-
-    def count_reads(self, read: list[int], total: list[int]):
-        """stats['kv_kept']: prefix keys attended / prefix keys a dense step attends (host lengths)."""
-        self.keys_read += sum(read)
-        self.keys_total += sum(total)
-        self.stats["kv_kept"] = self.keys_read / max(self.keys_total, 1)
