@@ -38,7 +38,7 @@ def parse_args(argv):
                         "default: tiny-llada or tiny-sdar, by the method's engine")
     parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}")
     parser.add_argument("--prompt", help="default: a built-in passkey retrieval prompt")
-    parser.add_argument("--context", type=int, default=1024, help="length of the built-in prompt in tokens")
+    parser.add_argument("--context", type=int, default=2048, help="length of the built-in prompt in tokens")
     parser.add_argument("--no-chat", action="store_true", help="encode the prompt as raw text, no chat template")
     parser.add_argument("--gen-length", type=int, default=32)
     parser.add_argument("--block-length", type=int,
@@ -52,8 +52,8 @@ def parse_args(argv):
 
 
 def run(engine, model, prompt_ids, gen, method, stop_ids, device):
-    """Generate once; returns (tokens, seconds, peak memory in MiB, what that memory counts, the
-    fraction of KV entries the method kept)."""
+    """Generate once; returns (tokens, seconds, peak memory in MiB, what that memory counts, what
+    the method kept of the KV, as text)."""
     kwargs = {"stop_ids": stop_ids} if engine is block else {}
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -65,8 +65,17 @@ def run(engine, model, prompt_ids, gen, method, stop_ids, device):
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS
-    memory_kind = "GPU allocated" if device.type == "cuda" else "process RSS"
-    return result.tokens[0], time.perf_counter() - start, peak, memory_kind, method.stats.get("kv_kept", 1.0)
+    memory_kind = "GPU allocated" if device.type == "cuda" else "process peak RSS so far"
+    return result.tokens[0], time.perf_counter() - start, peak, memory_kind, kv_summary(method.stats)
+
+
+def kv_summary(stats: dict) -> str:
+    """What the method kept of the KV: 'KV kept 12%' or, for evicting methods, per head as well."""
+    text = f"KV kept {stats.get('kv_kept', 1.0):.0%}"
+    if "kv_per_head" in stats:
+        kept, prompt = stats["kv_per_head"]
+        text += f" ({kept:.0f} of {prompt:.0f} prompt tokens per head on average)"
+    return text
 
 
 def main(argv=None) -> int:
@@ -114,7 +123,7 @@ def main(argv=None) -> int:
     for name, (tokens, seconds, peak, memory_kind, kv_kept) in runs.items():
         text = tokenizer.decode(until_stop(tokens, tokenizer.stop_ids))
         print(f"\n[{name}] {len(tokens)} tokens in {seconds:.2f}s = {len(tokens) / seconds:.1f} tokens/s, "
-              f"peak memory {peak:.0f} MiB ({memory_kind}), KV kept {kv_kept:.0%}")
+              f"peak memory {peak:.0f} MiB ({memory_kind}), {kv_kept}")
         print(text)
     dense, other = runs["dense"][0], runs[args.method][0]
     same = sum(a == b for a, b in zip(dense, other))

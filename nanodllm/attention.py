@@ -2,7 +2,8 @@
 
 Shapes: q [batch, num_heads, q_len, head_dim], k and v [batch, num_kv_heads, k_len, head_dim]
 (GQA: num_heads is a multiple of num_kv_heads; query head h reads KV head h // group).
-A mask is None ("everything"), a bool tensor [batch, 1, q_len, k_len] (True = may attend), or a
+A mask is None ("everything"), a bool tensor [batch, 1 or num_kv_heads, q_len or 1, k_len] (True = may
+attend; a per-KV-head mask serves methods that keep different keys per head), or a
 CanvasMask: the structured masks of the engines (key padding, block-causal), which a kernel can
 apply without materialising [q_len, k_len].
 
@@ -100,6 +101,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if isinstance(mask, CanvasMask):
         mask = mask.dense(q.shape[2], k.shape[2], q.device)
     if q.is_cuda:
+        if mask is not None and 1 < mask.shape[1] < q.shape[1]:  # per KV head -> per query head for SDPA
+            mask = mask.repeat_interleave(q.shape[1] // mask.shape[1], dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     return attention_reference(q, k, v, mask)
 

@@ -6,12 +6,14 @@ For every (context length, needle depth) cell it prints the accuracy of dense an
 many generated tokens the method shares with dense, tokens/s of each, and the fraction of KV entries
 the method kept (1.0 = everything, as dense). `--method all` compares every registered method;
 `--plot FILE.png` saves a length x depth accuracy heatmap per method (needs matplotlib);
-`--task longbench --data FILE.jsonl` scores a LongBench-format file instead.
+`--task longbench --data FILE.jsonl` scores a LongBench-format file instead; `--calibrate` writes
+MaskKV's layer profile next to the checkpoint (methods/maskkv.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import defaultdict
@@ -187,6 +189,9 @@ def parse_args(argv):
     parser.add_argument("--recall", action="store_true",
                         help="block engine, selecting methods: estimation accuracy of the selected keys against "
                              "the oracle per-block top-k, per step and layer (nanodllm/recall.py), instead of accuracy")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="write MaskKV's offline layer profile (maskkv_profile.json) into the --model directory "
+                             "from --n canvases per task and length of --lengths, then exit")
     parser.add_argument("--task", default="passkey", choices=[*tasks.TASKS, "longbench"])
     parser.add_argument("--lengths", default="1024", help="comma-separated context lengths in tokens")
     parser.add_argument("--n", type=int, default=50, help="samples per length (spread over the depths)")
@@ -222,6 +227,16 @@ def print_recall(runner: Runner, samples: list[tasks.Sample], methods: list[str]
     return 0
 
 
+def print_calibration(model_dir, lengths, args) -> int:
+    from .methods.maskkv import calibrate
+
+    path = calibrate(model_dir, tuple(lengths), args.n, gen_length=args.gen_length, device=args.device,
+                     dtype=DTYPES[args.dtype])
+    importance = json.loads(path.read_text())["layer_importance"]
+    print(f"wrote {path}: layer importance (eq. 8) {', '.join(f'{s:.4f}' for s in importance)}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     methods = sorted(METHODS, key=lambda m: m != "dense") if args.method == "all" else ["dense", args.method]
@@ -238,6 +253,8 @@ def main(argv=None) -> int:
             raise ValueError("--task longbench needs --data FILE.jsonl")
         lengths = [int(x) for x in args.lengths.split(",")]
         model_dir = resolve_model(args.model)
+        if args.calibrate:
+            return print_calibration(model_dir, lengths, args)
         runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
         runner.knobs = parse_knobs(args.knobs)
         steps = args.steps or (runner.gen.block_length if runner.is_block else args.gen_length)

@@ -170,4 +170,5 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = N
             for target, source in mapping.items():
                 if files[source] == file:
                     params[target].copy_(handle.get_tensor(source))
+    model.checkpoint_dir = path  # methods find side files here (MaskKV's layer profile)
     return model

@@ -5,6 +5,7 @@ maps each family's tensor names onto them. A layer exposes the primitives a meth
 
     h = layer.attn_norm(x)
     q, k, v = layer.qkv(h, rope)          # projections, optional q/k norm, RoPE; [b, heads, t, d]
+    v = layer.value(h)                    # the value projection alone
     x = x + layer.out(attend(q, k, v))    # attention is always somebody else's callback
     x = x + layer.mlp(layer.mlp_norm(x))
 
@@ -101,10 +102,13 @@ class Layer(nn.Module):
         attn, b, t, hd = self.self_attn, h.shape[0], h.shape[1], self.cfg.head_dim
         q = attn.q_proj(h).view(b, t, -1, hd).transpose(1, 2)
         k = attn.k_proj(h).view(b, t, -1, hd).transpose(1, 2)
-        v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
         if self.cfg.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        return rope.apply(q), rope.apply(k), v
+        return rope.apply(q), rope.apply(k), self.value(h)
+
+    def value(self, h: torch.Tensor) -> torch.Tensor:
+        """[b, t, hidden] -> v [b, kv_heads, t, d] alone (caches that watch value drift)."""
+        return self.self_attn.v_proj(h).view(h.shape[0], h.shape[1], -1, self.cfg.head_dim).transpose(1, 2)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output [b, heads, t, d] -> [b, t, hidden] through o_proj."""

@@ -2,9 +2,12 @@
 
     python scripts/bench.py kernels [--quick] [--out docs/results]
     python scripts/bench.py mage [--quick] [--out docs/results]
+    python scripts/bench.py maskkv [--quick] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
+maskkv: tokens/s and peak memory of the masked engine on the llada-8b preset with 8K-32K prompts,
+vanilla vs dllm_cache vs MaskKV (scripts/bench_maskkv.py has the details).
 
 kernels: the attention kernels next to their floors and to what a user has (torch SDPA), in one run:
   1. ceilings: copy bandwidth (1 GiB device-to-device, bytes read + written, best of several) and
@@ -411,7 +414,9 @@ def bench_kernels(args):
 
 
 def bench_methods(args):
+    """`mage` and `maskkv`: end-to-end step timings of the methods on an 8B preset."""
     from bench_mage import bench_mage  # scripts/ is on sys.path when this file runs
+    from bench_maskkv import bench_maskkv
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = QUICK if args.quick else FULL
@@ -422,10 +427,16 @@ def bench_methods(args):
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "dtype": str(dtype).removeprefix("torch."), "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    report.say(f"# MAGE and its baselines on the block engine: {meta['device']}, torch {meta['torch']}, "
-               f"triton {meta['triton']}, {meta['dtype']}\n")
-    bench_mage(args, timer, report, lambda: measure_ceilings(timer, shapes, device, dtype)[0], meta)
-    report.write(args.out, "bench_mage_quick" if args.quick else "bench_mage", meta)
+    rates = lambda: measure_ceilings(timer, shapes, device, dtype)
+    if args.command == "mage":
+        report.say(f"# MAGE and its baselines on the block engine: {meta['device']}, torch {meta['torch']}, "
+                   f"triton {meta['triton']}, {meta['dtype']}\n")
+        bench_mage(args, timer, report, lambda: rates()[0], meta)
+    else:
+        report.say(f"# MaskKV, dLLM-Cache and vanilla on the masked engine: {meta['device']}, torch {meta['torch']}, "
+                   f"triton {meta['triton']}, {meta['dtype']}\n")
+        bench_maskkv(args, timer, report, rates, meta)
+    report.write(args.out, f"bench_{args.command}_quick" if args.quick else f"bench_{args.command}", meta)
 
 
 def main():
@@ -438,10 +449,13 @@ def main():
     mage = commands.add_parser("mage", help="time per output block: exact, MAGE, Quest, SparseD (sdar-8b preset)")
     mage.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
     mage.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
+    maskkv = commands.add_parser("maskkv", help="tokens/s and peak memory: vanilla, dllm_cache, MaskKV (llada-8b preset)")
+    maskkv.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
+    maskkv.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
     args = parser.parse_args()
     if args.command == "kernels":
         bench_kernels(args)
-    elif args.command == "mage":
+    else:
         bench_methods(args)
 
 

@@ -54,3 +54,12 @@ def test_the_readme_demo_command_runs():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "token agreement" in done.stdout
+
+
+def test_demo_maskkv_on_the_default_model():
+    done = demo("--method", "maskkv", "--context", "512")
+    assert done.returncode == 0, done.stderr
+    assert "[maskkv] 32 tokens" in done.stdout
+    kept = done.stdout.split("[maskkv]")[1].split("(")[2]  # "256 of 528 prompt tokens per head on average)"
+    assert kept.startswith("256 of ") and "prompt tokens per head" in kept
+    assert "token agreement maskkv vs dense: " in done.stdout

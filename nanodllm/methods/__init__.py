@@ -1,14 +1,20 @@
 """Method registry: the --method flag's value -> class. Add a method by adding one line."""
 
 from .base import Dense, Method, StepContext
+from .dllm_cache import DllmCache
 from .mage import Mage
+from .maskkv import MaskKV
 from .quest import Quest
+from .snapkv import SnapKV
 from .sparsed import SparseD
 
 METHODS: dict[str, type[Method]] = {
     "dense": Dense,
+    "dllm_cache": DllmCache,
     "mage": Mage,
+    "maskkv": MaskKV,
     "quest": Quest,
+    "snapkv": SnapKV,
     "sparsed": SparseD,
 }
 

@@ -1,0 +1,210 @@
+"""dLLM-Cache: reuse each layer's features of the canvas across denoising steps (masked engine).
+
+Paper: Liu et al. 2025, "dLLM-Cache: accelerating diffusion large language models with adaptive
+caching", in the form MaskKV (../shared/papers/001_11756cf7236fadd5.txt, appendix A.9, Algorithms
+4-7) restates and builds on.
+
+Idea. Between two denoising steps most of the canvas barely changes. Per layer the method keeps the
+K/V of the canvas and, for the response (the generated region, R tokens), what attention and the FFN
+added to each row's residual stream. At step t (counted over the whole generation, from 0):
+    t % prompt_interval == 0     the prompt rows are forwarded again and their K/V replaced;
+    t % response_interval == 0   every response row is recomputed;
+    otherwise                    the value projection of every response row is computed, and the
+                                 floor(rho * R) rows whose value moved most, 1 - cos(V_t, V_t-1),
+                                 get fresh Q/K, attention and FFN; every other row adds its cached
+                                 attention and FFN outputs to its new residual stream.
+A prompt-only refresh leaves the response rows' cached outputs as they are (Algorithm 5). Prompt
+rows are forwarded only at prompt refreshes, since nothing else reads their hidden states, so of
+the prompt only K/V are kept (MaskKV's prompt-state exclusion); the engine asks for the active block's
+logits only (mask-only projection). Step 0 refreshes everything.
+
+Hooks: begin_block (block 0 starts a new generation), step (the forward, from the layer primitives).
+Subclasses decide which prompt K/V are kept (`keep_prompt`, MaskKV and SnapKV evict) and may look at
+the exact first step (`first_step_attention`).
+Equals dense token for token when prompt_interval = response_interval = 1.
+Knobs (paper defaults): prompt_interval T_p = 50, response_interval T_r = 5, rho = 0.25. The paper
+decodes LLaDA with block length 8, an engine setting (--block-length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import attention
+from .base import Method, StepContext
+
+
+@dataclass
+class LayerCache:
+    """One layer's cached features. keys/values: [batch, kv_heads, kept prompt + R, head_dim], the
+    kept prompt K/V first, the response's after them (written in place); key_mask: [batch, 1 or
+    kv_heads, 1, keys] (False = hidden: prompt padding, unused slots) or None; attn_out, mlp_out:
+    [batch, R, hidden], what attention and the FFN added to each response row."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_mask: torch.Tensor | None
+    attn_out: torch.Tensor | None = None
+    mlp_out: torch.Tensor | None = None
+
+    @property
+    def prompt_slots(self) -> int:
+        return self.keys.shape[2] - self.attn_out.shape[1]
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [batch, t, ...], rows [batch, n] -> x at those rows, [batch, n, ...]."""
+    index = rows.view(*rows.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(1, index)
+
+
+def put_rows(x: torch.Tensor, rows: torch.Tensor, src: torch.Tensor):
+    """x[b, rows[b, j]] = src[b, j] in place (x [batch, t, ...])."""
+    index = rows.view(*rows.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    x.scatter_(1, index, src)
+
+
+class DllmCache(Method):
+    name = "dllm_cache"
+    engines = ("masked",)
+
+    def __init__(self, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):
+        super().__init__()
+        for knob, value in (("prompt_interval", prompt_interval), ("response_interval", response_interval)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{knob} must be an integer >= 1, got {value!r}")
+        if not 0 <= rho <= 1:
+            raise ValueError(f"rho must be in [0, 1], got {rho!r}")
+        self.prompt_interval, self.response_interval, self.rho = prompt_interval, response_interval, rho
+        self.layers: list[LayerCache] = []
+        self.t = 0
+        self.rows_computed = self.rows_total = 0
+
+    def begin_block(self, ctx: StepContext):
+        if ctx.block == 0:  # a new generation
+            self.layers, self.t = [], 0
+
+    def step(self, model, ctx: StepContext) -> torch.Tensor:
+        if ctx.attn_mask is not None and ctx.attn_mask.block_size is not None:
+            raise ValueError(f"{self.name} caches a bidirectional canvas; this model is block-causal "
+                             "(decode it with the block engine)")
+        prompt_width = ctx.logits_start - ctx.block * ctx.block_length
+        refresh_prompt = self.t % self.prompt_interval == 0 or not self.layers
+        refresh_response = self.t % self.response_interval == 0 or not self.layers
+        response_rows = ctx.tokens.shape[1] - prompt_width
+        drifted = 0 if refresh_response or refresh_prompt else int(self.rho * response_rows)
+        if refresh_prompt and not refresh_response:
+            recomputed = "none"
+        else:
+            recomputed = "all" if refresh_response else "drifted"
+
+        x_r = model.embed(ctx.tokens[:, prompt_width:])
+        rope_r = model.rope(ctx.positions[:, prompt_width:])
+        x_p = rope_p = None
+        if refresh_prompt:
+            x_p, rope_p = model.embed(ctx.tokens[:, :prompt_width]), model.rope(ctx.positions[:, :prompt_width])
+        for i, layer in enumerate(model.layers):
+            x_p, x_r = self.layer_step(model, i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx)
+        self.count_rows(prompt_width if refresh_prompt else 0,
+                        {"all": response_rows, "none": 0, "drifted": drifted}[recomputed], ctx.tokens.shape[1])
+        self.t += 1
+        return model.head(x_r, ctx.logits_start - prompt_width, ctx.logits_stop - prompt_width)
+
+    def layer_step(self, model, i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx):
+        """One layer. x_p: the prompt's hidden states at a prompt refresh, else None; recomputed:
+        which response rows get fresh attention and FFN ('all', 'none' or 'drifted': the `drifted`
+        rows whose value moved most). Returns the layer's (x_p, x_r)."""
+        h_r = layer.attn_norm(x_r)
+        if recomputed == "all":
+            q_r, k_r, v_r = layer.qkv(h_r, rope_r)
+        elif recomputed == "drifted":
+            q_r, rows = self.refresh_drifted(model, self.layers[i], layer, h_r, drifted, ctx)
+        if x_p is not None:
+            q_p, k_p, v_p = layer.qkv(layer.attn_norm(x_p), rope_p)
+            if recomputed == "none":
+                k_r, v_r = self.response_kv(self.layers[i])
+            self.store_prompt(i, k_p, v_p, k_r, v_r, ctx, x_r.shape[1])
+        elif recomputed == "all":
+            k_cached, v_cached = self.response_kv(self.layers[i])
+            k_cached.copy_(k_r)
+            v_cached.copy_(v_r)
+        cache = self.layers[i]
+
+        if x_p is not None:
+            x_p = x_p + layer.out(attention(q_p, cache.keys, cache.values, cache.key_mask))
+            x_p = x_p + layer.mlp(layer.mlp_norm(x_p))
+        if recomputed == "all":
+            cache.attn_out = layer.out(attention(q_r, cache.keys, cache.values, cache.key_mask))
+            cache.mlp_out = layer.mlp(layer.mlp_norm(x_r + cache.attn_out))
+            if self.t == 0:
+                self.first_step_attention(i, q_p, q_r, ctx)
+        elif recomputed == "drifted" and drifted:
+            attn_rows = layer.out(attention(q_r, cache.keys, cache.values, cache.key_mask))
+            put_rows(cache.attn_out, rows, attn_rows)
+            put_rows(cache.mlp_out, rows, layer.mlp(layer.mlp_norm(take_rows(x_r, rows) + attn_rows)))
+        x_r = x_r + cache.attn_out
+        return x_p, x_r + cache.mlp_out
+
+    @staticmethod
+    def response_kv(cache: LayerCache):
+        """Views of the response part of a layer's key and value buffers."""
+        return cache.keys[:, :, cache.prompt_slots:], cache.values[:, :, cache.prompt_slots:]
+
+    def refresh_drifted(self, model, cache, layer, h_r, count, ctx):
+        """Algorithm 7: fresh values for every response row; fresh keys (written in place) and
+        queries for the `count` rows whose values drifted most. Returns (queries, rows)."""
+        k_cached, v_cached = self.response_kv(cache)
+        v_r = layer.value(h_r)
+        rows = self.drifted_rows(v_r, v_cached, count)
+        v_cached.copy_(v_r)
+        if not count:
+            return None, rows
+        positions = ctx.positions[:, -h_r.shape[1]:].gather(1, rows)
+        q_rows, k_rows, _ = layer.qkv(take_rows(h_r, rows), model.rope(positions))
+        index = rows[:, None, :, None].expand(-1, k_rows.shape[1], -1, k_rows.shape[3])
+        k_cached.scatter_(2, index, k_rows)
+        return q_rows, rows
+
+    def drifted_rows(self, values, cached_values, count):
+        """[batch, count] indices of the response rows whose value vectors (all KV heads together)
+        have the lowest cosine similarity to the cached ones."""
+        batch, _, rows, _ = values.shape
+        new = values.transpose(1, 2).reshape(batch, rows, -1).float()
+        old = cached_values.transpose(1, 2).reshape(batch, rows, -1).float()
+        drift = 1 - F.cosine_similarity(new, old, dim=-1)
+        return drift.topk(count, dim=1).indices
+
+    def store_prompt(self, i, k_p, v_p, k_r, v_r, ctx, response_rows):
+        """Build layer i's key/value buffers: the kept prompt K/V, then the response's."""
+        k_kept, v_kept, prompt_mask = self.keep_prompt(i, k_p, v_p, ctx)
+        key_mask = None
+        if prompt_mask is not None and not bool(prompt_mask.all()):
+            response_mask = prompt_mask.new_ones(*prompt_mask.shape[:3], response_rows)
+            key_mask = torch.cat([prompt_mask, response_mask], dim=3)
+        old = self.layers[i] if i < len(self.layers) else None
+        cache = LayerCache(torch.cat([k_kept, k_r], dim=2), torch.cat([v_kept, v_r], dim=2), key_mask,
+                           None if old is None else old.attn_out, None if old is None else old.mlp_out)
+        if old is None:
+            self.layers.append(cache)
+        else:
+            self.layers[i] = cache
+
+    def keep_prompt(self, i, k_p, v_p, ctx):
+        """The prompt K/V layer i keeps, with a key mask [batch, 1 or kv_heads, 1, kept] or None:
+        all of them here, padding hidden."""
+        prompt_width = k_p.shape[2]
+        valid = ctx.valid[:, :prompt_width]
+        return k_p, v_p, None if bool(valid.all()) else valid[:, None, None, :]
+
+    def first_step_attention(self, i, q_p, q_r, ctx):
+        """Called at step 0 after layer i's exact attention, with the prompt's and the response's
+        queries ([batch, heads, rows, head_dim]); MaskKV and SnapKV vote and evict here."""
+
+    def count_rows(self, prompt_rows, response_rows, total):
+        """stats['rows_computed']: canvas rows forwarded through the layers / rows a dense step forwards."""
+        self.rows_computed += prompt_rows + response_rows
+        self.rows_total += total
+        self.stats["rows_computed"] = self.rows_computed / self.rows_total

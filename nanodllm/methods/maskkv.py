@@ -1,0 +1,253 @@
+"""MaskKV: mask-query voting evicts the prompt's KV down to a per-layer, per-head budget, on top of
+dLLM-Cache (masked engine).
+
+Paper: "MaskKV", ../shared/papers/001_11756cf7236fadd5.txt (section 3.3, Algorithms 1-3; the cached
+steps, Algorithms 4-7, are dllm_cache.py).
+
+Idea. In a diffusion LM the [MASK] queries do the long-range retrieval, and what they attend to at the
+first step stays stable over the generation. So step 0 runs exact and, per layer, the response's
+[MASK] queries vote: I[h, j] = sum over mask queries of softmax(q k^T / sqrt(d)) on prompt key j,
+the softmax taken over the whole canvas (eq. 6-7), averaged over each KV head's query group. Budgets
+are hierarchical:
+    layers (Algorithm 2): B_l = floor(beta B) + an equal share of the remaining pool (B - floor(beta B)) L
+        split between the boundary and the middle layers in proportion to their summed importance
+        S_l = 1 - mean cos(h_in, h_out) (eq. 8), taken from an offline profile;
+    heads (Algorithm 3): k_h = floor(alpha B_l) + floor((B_l - floor(alpha B_l)) H_kv P_h), with P_h
+        head h's share of the prompt attention mass (prompt preference).
+Each head keeps its top-k_h prompt tokens (in prompt order); every later step, prompt refreshes
+included, attends to the kept prompt K/V plus the response's. The full prompt KV is never stored
+past step 0 (each layer is evicted as soon as it has voted), so the cache holds ~B + R keys per head.
+
+Profile: `maskkv_profile.json` next to the checkpoint ({"layer_importance": [...]}), written by
+    python -m nanodllm.methods.maskkv --calibrate MODEL_DIR
+Without one (or the `profile` knob naming a file), the importance is measured by one dense forward
+of the first canvas decoded and kept for later generations (the paper's online variant, Table 12).
+
+Hooks: dllm_cache's, plus keep_prompt (gather the kept K/V at each prompt refresh) and
+first_step_attention (vote, allocate, evict).
+Equals dllm_cache (same intervals and rho) when the budget is at least the longest prompt.
+Knobs (paper defaults): budget = 256 KV pairs per head on average (paper sweeps 16..512), alpha = 0.1,
+beta = 0.4, boundary_layers = layers at each end counted as boundary (default max(1, L // 8), an
+assumption: the paper does not say where the groups split), profile = path to a profile JSON;
+prompt_interval, response_interval, rho as dllm_cache.
+stats: kv_kept = kept / prompt KV entries (layers, heads, rows averaged); kv_per_head = (kept, prompt).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..attention import CanvasMask
+from .dllm_cache import DllmCache
+
+PROFILE_NAME = "maskkv_profile.json"
+
+
+def attention_mass(q, keys, key_mask, query_weight, prompt_width):
+    """[batch, kv_heads, prompt_width]: sum over queries (weighted by query_weight [batch, q_len])
+    of their softmax probability on each prompt key, the softmax over all `keys` (masked), averaged
+    over each KV head's query group. Computed one KV head at a time to bound the fp32 scores."""
+    batch, num_heads, q_len, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    group = num_heads // kv_heads
+    weight = query_weight.float()[:, None, :, None]
+    mass = q.new_zeros(batch, kv_heads, prompt_width, dtype=torch.float32)
+    for h in range(kv_heads):
+        scores = q[:, h * group : (h + 1) * group].float() @ keys[:, h : h + 1].float().transpose(-1, -2)
+        scores = scores * head_dim**-0.5
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, h if key_mask.shape[1] > 1 else 0][:, None], float("-inf"))
+        probs = scores.softmax(dim=-1)[..., :prompt_width]
+        mass[:, h] = (probs * weight).sum(dim=2).mean(dim=1)
+    return mass
+
+
+def keep_top(scores, counts, prompt_lengths):
+    """Per (row, KV head) the counts[b, h] best prompt positions, in prompt order, padded.
+
+    scores [batch, kv_heads, P] (left-padded prompts: row b's tokens are its last prompt_lengths[b]
+    columns), counts [batch, kv_heads]. Returns (indices [batch, kv_heads, kmax], keep [batch,
+    kv_heads, 1, kmax]: False at padding slots)."""
+    width = scores.shape[2]
+    columns = torch.arange(width, device=scores.device)
+    real = columns[None, :] >= (width - prompt_lengths)[:, None]
+    scores = scores.masked_fill(~real[:, None, :], float("-inf"))
+    counts = torch.minimum(counts, prompt_lengths[:, None])
+    kmax = max(int(counts.max()), 1)
+    top = scores.topk(kmax, dim=-1).indices
+    slots = torch.arange(kmax, device=scores.device)
+    indices = torch.where(slots < counts[..., None], top, width).sort(dim=-1).values
+    keep = indices < width
+    return indices.clamp(max=width - 1), keep[:, :, None, :]
+
+
+def gather_tokens(x, indices):
+    """x [batch, kv_heads, P, d], indices [batch, kv_heads, k] -> [batch, kv_heads, k, d]."""
+    return x.gather(2, indices[..., None].expand(-1, -1, -1, x.shape[3]))
+
+
+def layer_budgets(budget: int, importance, beta: float, boundary_layers: int) -> list[int]:
+    """Algorithm 2: a base of floor(beta * budget) per layer, the rest of budget * L shared out
+    between the boundary and the middle group by summed importance, equally within a group."""
+    num_layers = len(importance)
+    boundary = set(range(boundary_layers)) | set(range(num_layers - boundary_layers, num_layers))
+    middle = [l for l in range(num_layers) if l not in boundary]
+    base = int(beta * budget)
+    pool = (budget - base) * num_layers
+    s_boundary = sum(importance[l] for l in boundary)
+    s_middle = sum(importance[l] for l in middle)
+    pool_boundary = int(pool * s_boundary / (s_boundary + s_middle)) if s_boundary + s_middle > 0 else pool
+    if not middle:
+        pool_boundary = pool
+    share = {True: pool_boundary // len(boundary), False: (pool - pool_boundary) // max(len(middle), 1)}
+    return [base + share[l in boundary] for l in range(num_layers)]
+
+
+def head_budgets(mass, layer_budget: int, alpha: float):
+    """Algorithm 3: [batch, kv_heads] = floor(alpha B_l) + floor(pool * prompt preference)."""
+    kv_heads = mass.shape[1]
+    per_head = mass.sum(dim=-1)
+    preference = per_head / per_head.sum(dim=1, keepdim=True).clamp(min=1e-30)
+    base = int(alpha * layer_budget)
+    return base + (preference * (layer_budget - base) * kv_heads).floor().long()
+
+
+@torch.no_grad()
+def layer_importance(model, tokens, positions, valid, attn_mask=None) -> list[float]:
+    """Eq. 8 on one canvas: per layer, 1 - mean over real tokens of cos(layer input, layer output)."""
+    from ..attention import attention
+
+    x, rope = model.embed(tokens), model.rope(positions)
+    importance = []
+    for layer in model.layers:
+        out = layer(x, rope, lambda q, k, v: attention(q, k, v, attn_mask))
+        cos = torch.nn.functional.cosine_similarity(x.float(), out.float(), dim=-1)
+        importance.append(float(1 - cos[valid].mean()))
+        x = out
+    return importance
+
+
+class MaskKV(DllmCache):
+    name = "maskkv"
+
+    def __init__(self, budget: int = 256, alpha: float = 0.1, beta: float = 0.4, boundary_layers: int | None = None,
+                 profile: str | None = None, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):
+        super().__init__(prompt_interval, response_interval, rho)
+        if not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be an integer >= 1 (KV pairs per head), got {budget!r}")
+        for knob, value in (("alpha", alpha), ("beta", beta)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{knob} must be in [0, 1], got {value!r}")
+        if boundary_layers is not None and (not isinstance(boundary_layers, int) or boundary_layers < 1):
+            raise ValueError(f"boundary_layers must be an integer >= 1, got {boundary_layers!r}")
+        self.budget, self.alpha, self.beta = budget, alpha, beta
+        self.boundary_layers, self.profile = boundary_layers, profile
+        self.importance: list[float] | None = None
+        self.indices: list = []  # per layer: (indices, keep) of the kept prompt tokens
+        self.kept_sum = self.prompt_sum = self.head_rows = 0
+
+    def step(self, model, ctx):
+        if self.t == 0:
+            self.indices = []  # step 0 is exact and votes again
+        if self.t == 0 and self.importance is None and self.evicts(ctx):
+            self.importance = self.load_importance(model, ctx)
+        return super().step(model, ctx)
+
+    def load_importance(self, model, ctx) -> list[float]:
+        """The profile's layer importance, or (no profile) one measured on this canvas."""
+        path = Path(self.profile) if self.profile else None
+        if path is None and getattr(model, "checkpoint_dir", None) is not None:
+            path = Path(model.checkpoint_dir) / PROFILE_NAME
+        if path is not None and path.is_file():
+            importance = json.loads(path.read_text())["layer_importance"]
+            if len(importance) != model.cfg.num_layers:
+                raise ValueError(f"{path}: {len(importance)} layer importances for a {model.cfg.num_layers}-layer model")
+            self.stats["profile"] = str(path)
+            return importance
+        if self.profile:
+            raise FileNotFoundError(f"MaskKV profile not found: {self.profile}")
+        self.stats["profile"] = "online (measured on the first canvas)"
+        mask = ctx.attn_mask if isinstance(ctx.attn_mask, CanvasMask) else None
+        return layer_importance(model, ctx.tokens, ctx.positions, ctx.valid, mask)
+
+    def evicts(self, ctx) -> bool:
+        return self.budget < int(ctx.prompt_lengths.max())
+
+    def keep_prompt(self, i, k_p, v_p, ctx):
+        if i >= len(self.indices):  # step 0: exact
+            return super().keep_prompt(i, k_p, v_p, ctx)
+        indices, keep = self.indices[i]
+        return gather_tokens(k_p, indices), gather_tokens(v_p, indices), keep
+
+    def first_step_attention(self, i, q_p, q_r, ctx):
+        """Vote with the exact step-0 attention, allocate the budgets, evict layer i's prompt KV."""
+        if not self.evicts(ctx):
+            return
+        cache = self.layers[i]
+        prompt_width = cache.prompt_slots
+        scores = self.token_scores(i, q_p, q_r, cache, ctx)
+        counts = self.head_counts(i, scores, ctx)
+        indices, keep = keep_top(scores, counts, ctx.prompt_lengths)
+        self.indices.append((indices, keep))
+        k_r, v_r = self.response_kv(cache)
+        k_p, v_p = cache.keys[:, :, :prompt_width], cache.values[:, :, :prompt_width]
+        self.store_prompt(i, k_p, v_p, k_r, v_r, ctx, k_r.shape[2])
+        self.count_kept(keep, ctx.prompt_lengths)
+
+    def token_scores(self, i, q_p, q_r, cache, ctx):
+        """Mask voting (eq. 6-7): [batch, kv_heads, P]."""
+        is_mask = ctx.tokens[:, cache.prompt_slots:] == ctx.mask_id
+        return attention_mass(q_r, cache.keys, cache.key_mask, is_mask, cache.prompt_slots)
+
+    def head_counts(self, i, scores, ctx):
+        """Algorithms 2-3: [batch, kv_heads] prompt tokens each head keeps in layer i."""
+        num_layers = len(self.importance)
+        boundary = self.boundary_layers or max(1, num_layers // 8)
+        budget = layer_budgets(self.budget, self.importance, self.beta, min(boundary, num_layers))[i]
+        return head_budgets(scores, budget, self.alpha)
+
+    def count_kept(self, keep, prompt_lengths):
+        """stats over the layers evicted so far (each row and KV head one entry)."""
+        self.kept_sum += int(keep.sum())
+        self.prompt_sum += int(prompt_lengths.sum()) * keep.shape[1]
+        self.head_rows += keep.shape[0] * keep.shape[1]
+        self.stats["kv_kept"] = self.kept_sum / self.prompt_sum
+        self.stats["kv_per_head"] = (self.kept_sum / self.head_rows, self.prompt_sum / self.head_rows)
+
+
+def calibrate(model_dir, lengths=(1024, 2048), n: int = 4, gen_length: int = 32, seed: int = 99,
+              device="cpu", dtype=torch.float32) -> Path:
+    """Write MODEL_DIR/maskkv_profile.json: eq. 8 averaged over n canvases (prompt + gen_length
+    masks) per task and length, drawn from nanodllm.tasks with a seed the evaluation does not use."""
+    from .. import tasks
+    from ..loader import load_model
+    from ..tokenizer import Tokenizer
+
+    model_dir = Path(model_dir)
+    model = load_model(model_dir, device, dtype, context=max(lengths) + 2 * gen_length)
+    cfg = model.cfg
+    tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
+    count = lambda text: len(tokenizer.encode(text))
+    profiles = []
+    for task in ("passkey", "multikey", "kv"):
+        for length in lengths:
+            for sample in tasks.make_samples(task, length, n, seed, count_tokens=count):
+                ids = tokenizer.chat([{"role": "user", "content": sample.prompt}]) + [cfg.mask_token_id] * gen_length
+                tokens = torch.tensor([ids], device=device)
+                positions = torch.arange(len(ids), device=device)[None]
+                valid = torch.ones_like(tokens, dtype=torch.bool)
+                mask = CanvasMask(block_size=cfg.block_size) if cfg.attention == "block_causal" else None
+                profiles.append(layer_importance(model, tokens, positions, valid, mask))
+    importance = torch.tensor(profiles).mean(dim=0).tolist()
+    record = {"layer_importance": importance, "calibration": {
+        "tasks": ["passkey", "multikey", "kv"], "lengths": list(lengths), "samples_per_cell": n,
+        "gen_length": gen_length, "seed": seed, "canvases": len(profiles)}}
+    path = model_dir / PROFILE_NAME
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    partial.replace(path)  # never a half-written profile
+    return path
+

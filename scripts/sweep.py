@@ -1,0 +1,120 @@
+"""Accuracy of methods over a knob sweep on the same samples, next to dense, as Markdown tables.
+
+    python scripts/sweep.py --model tiny-llada --methods dllm_cache,maskkv,snapkv --knob budget=16,32,64,128,256 \
+        --lengths 2048,4096,8192 --n 40 --device cuda --dtype bfloat16 --out docs/results/maskkv_tiny.md
+
+Every method in --methods that takes the swept knob runs once per value; a method without it runs
+once with its defaults. Prints (and writes with --out) one table of accuracy per context length,
+with agreement with dense and KV kept alongside, and per variant a depth x length accuracy grid
+(the NIAH heatmap, as a table: no plotting library needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanodllm import tasks  # noqa: E402
+from nanodllm.config import GenerationConfig  # noqa: E402
+from nanodllm.eval import DTYPES, Runner, agreement, resolve_model  # noqa: E402
+from nanodllm.methods import METHODS  # noqa: E402
+
+
+def variants(methods: list[str], knob: str, values: list) -> list[tuple[str, dict]]:
+    out = [("dense", {})]
+    for name in methods:
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(sorted(METHODS))}")
+        takes = knob in inspect.signature(METHODS[name].__init__).parameters
+        out += [(name, {knob: v}) for v in values] if takes else [(name, {})]
+    return out
+
+
+def label(name: str, knobs: dict) -> str:
+    return name + "".join(f" {k}={v}" for k, v in knobs.items())
+
+
+def run(runner: Runner, samples, plan, batch: int):
+    """{label: {(length, depth): [(score, tokens, kv_kept)]}}, every variant on the same chunks."""
+    results = {label(*v): defaultdict(list) for v in plan}
+    for start in range(0, len(samples), batch):
+        chunk = samples[start : start + batch]
+        for name, knobs in plan:
+            runner.knobs = knobs
+            outcome = runner.generate(chunk, name)
+            for sample, score, tokens, kept in zip(chunk, outcome.scores, outcome.tokens, outcome.kv_kept):
+                results[label(name, knobs)][(sample.length, sample.depth)].append((score, tokens, kept))
+        print(f"  {start + len(chunk)}/{len(samples)} samples", file=sys.stderr, flush=True)
+    return results
+
+
+def length_table(results, lengths) -> str:
+    dense = results["dense"]
+    head = ["variant", *(f"{l} acc" for l in lengths), "all acc", "agree with dense", "KV kept"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, cells in results.items():
+        by_length = defaultdict(list)
+        for (length, _), records in cells.items():
+            by_length[length] += [r[0] for r in records]
+        everything = [r for records in cells.values() for r in records]
+        ours = [r[1] for cell in sorted(cells) for r in cells[cell]]
+        theirs = [r[1] for cell in sorted(cells) for r in dense[cell]]
+        accs = [f"{sum(by_length[l]) / len(by_length[l]):.3f}" for l in lengths]
+        rows.append("| " + " | ".join([name, *accs, f"{sum(r[0] for r in everything) / len(everything):.3f}",
+                                       f"{agreement(ours, theirs):.3f}",
+                                       f"{sum(r[2] for r in everything) / len(everything):.3f}"]) + " |")
+    return "\n".join(rows)
+
+
+def depth_grid(name, cells, lengths) -> str:
+    depths = sorted({d for _, d in cells})
+    rows = [f"{name}:\n", "| depth | " + " | ".join(str(l) for l in lengths) + " |", "|" + "---|" * (len(lengths) + 1)]
+    for d in depths:
+        accs = [sum(r[0] for r in cells[(l, d)]) / max(len(cells[(l, d)]), 1) for l in lengths]
+        rows.append(f"| {d:.2f} | " + " | ".join(f"{a:.2f}" for a in accs) + " |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llada")
+    parser.add_argument("--methods", required=True, help="comma-separated")
+    parser.add_argument("--knob", required=True, help="name=v1,v2,... (integers)")
+    parser.add_argument("--task", default="passkey", choices=tasks.TASKS)
+    parser.add_argument("--lengths", default="2048,4096")
+    parser.add_argument("--n", type=int, default=40, help="samples per length (spread over the depths)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--out", type=Path, help="also write the tables to this Markdown file")
+    args = parser.parse_args(argv)
+    knob, _, values = args.knob.partition("=")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    try:
+        plan = variants(args.methods.split(","), knob, [int(v) for v in values.split(",")])
+        runner = Runner(resolve_model(args.model), args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not runner.is_block:
+        runner.gen = GenerationConfig(gen_length=32, block_length=32, steps=32)
+    samples = [s for length in lengths
+               for s in tasks.make_samples(args.task, length, args.n, args.seed + length, count_tokens=runner.count_tokens)]
+    results = run(runner, samples, plan, args.batch)
+    text = [f"{args.model}, task {args.task}, {runner.gen}, {args.n} samples per length, {args.device} {args.dtype}\n",
+            length_table(results, lengths), "", "Accuracy by needle depth x context length:\n"]
+    text += [depth_grid(name, cells, lengths) + "\n" for name, cells in results.items()]
+    print("\n".join(text))
+    if args.out:
+        args.out.write_text("\n".join(text) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

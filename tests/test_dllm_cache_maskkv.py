@@ -1,0 +1,165 @@
+"""dLLM-Cache, MaskKV and SnapKV (methods/dllm_cache.py, maskkv.py, snapkv.py): refreshing every step
+equals dense, a budget covering the prompt equals dllm_cache, small budgets and stale caches differ,
+and the pieces (drift rows, mask voting, budget allocation, eviction) do what the papers say."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanodllm import masked
+from nanodllm.config import GenerationConfig
+from nanodllm.methods import get_method
+from nanodllm.methods.maskkv import attention_mass, head_budgets, keep_top, layer_budgets
+from tests.tiny_models import MASK_ID, random_prompt, tiny_model
+
+MODEL = tiny_model("llada")
+GEN = GenerationConfig(gen_length=16, block_length=4, steps=16)
+PROMPTS = [random_prompt(20, seed=1), random_prompt(13, seed=2)]  # ragged: row 1 is left-padded
+
+
+def generate(method, prompts=PROMPTS, gen=GEN, model=MODEL):
+    return masked.generate(model, prompts, gen, method).tokens
+
+
+def differing(a, b):
+    return sum(x != y for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+DENSE = generate(get_method("dense"))
+
+
+@settings(max_examples=6, deadline=None)
+@given(lengths=st.lists(st.integers(3, 24), min_size=1, max_size=3), cfg_scale=st.sampled_from([0.0, 1.0]),
+       threshold=st.sampled_from([None, 0.5]), seed=st.integers(0, 1000))
+def test_refreshing_every_step_equals_dense(lengths, cfg_scale, threshold, seed):
+    prompts = [random_prompt(n, seed=seed + i) for i, n in enumerate(lengths)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=8, cfg_scale=cfg_scale, threshold=threshold)
+    expected = generate(get_method("dense"), prompts, gen)
+    assert generate(get_method("dllm_cache", prompt_interval=1, response_interval=1), prompts, gen) == expected
+
+
+def test_stale_caches_differ_and_count_rows():
+    method = get_method("dllm_cache", prompt_interval=50, response_interval=8, rho=0.0)
+    assert differing(generate(method), DENSE) > 0
+    assert 0 < method.stats["rows_computed"] < 0.3  # 2 response refreshes + the first step over 16 steps
+
+
+def test_all_rows_drifting_equals_a_response_refresh():
+    """rho = 1 recomputes every response row through the drift path (gather, scatter of K and of
+    the cached outputs): the same tokens as refreshing the response every step."""
+    refreshed = generate(get_method("dllm_cache", prompt_interval=50, response_interval=1))
+    assert generate(get_method("dllm_cache", prompt_interval=50, response_interval=100, rho=1.0)) == refreshed
+
+
+def test_drifted_rows_are_the_least_similar_values():
+    method = get_method("dllm_cache")
+    old = torch.randn(2, 3, 6, 4, dtype=torch.float64)
+    new = old.clone()
+    new[0, :, 4] = -old[0, :, 4]  # cos = -1: drift 2
+    new[0, :, 1] += 0.5 * torch.randn(3, 4, dtype=torch.float64)
+    new[1, :, 2] = torch.randn(3, 4, dtype=torch.float64)
+    rows = method.drifted_rows(new, old, 2)
+    assert rows[0].tolist() == [4, 1]
+    assert 2 in rows[1].tolist()
+
+
+@pytest.mark.parametrize("name", ["maskkv", "snapkv"])
+def test_budget_covering_the_prompt_equals_dllm_cache(name):
+    expected = generate(get_method("dllm_cache", prompt_interval=3, response_interval=2))
+    method = get_method(name, budget=20, prompt_interval=3, response_interval=2)
+    assert generate(method) == expected
+    assert "kv_kept" not in method.stats  # nothing was evicted
+
+
+@pytest.mark.parametrize("name", ["maskkv", "snapkv"])
+def test_tiny_budget_differs_and_keeps_little(name):
+    knobs = {"window": 4} if name == "snapkv" else {}
+    expected = generate(get_method("dllm_cache"))
+    method = get_method(name, budget=1, **knobs)
+    assert differing(generate(method), expected) > 0
+    kept, prompt = method.stats["kv_per_head"]
+    assert kept <= 1 and prompt == pytest.approx(16.5)
+    for cache in method.layers:  # the full prompt is not kept past step 0
+        assert cache.keys.shape[2] <= 1 + GEN.gen_length
+
+
+def test_eviction_keeps_each_heads_budget_of_the_real_prompt():
+    method = get_method("snapkv", budget=5, window=2, pool=1)
+    generate(method)
+    for indices, keep in method.indices:
+        assert keep.sum(dim=-1).flatten().tolist() == [5] * (2 * 4)  # 2 rows x 4 KV heads
+        assert bool((indices[1][keep[1, :, 0]] >= 20 - 13).all())  # row 1: never a pad column
+        assert bool((indices[:, :, :, None] != indices[:, :, None, :]).sum() == 2 * 4 * 5 * 4)  # distinct
+        assert bool((indices[..., 1:] >= indices[..., :-1]).all())  # prompt order
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 2), group=st.sampled_from([1, 2]), q_len=st.integers(1, 5), prompt=st.integers(1, 9),
+       extra=st.integers(0, 4), per_head_mask=st.booleans(), seed=st.integers(0, 2**16))
+def test_attention_mass_is_the_summed_softmax(batch, group, q_len, prompt, extra, per_head_mask, seed):
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, d, n = 2, 4, prompt + extra
+    q = torch.randn(batch, kv_heads * group, q_len, d, generator=generator, dtype=torch.float64)
+    keys = torch.randn(batch, kv_heads, n, d, generator=generator, dtype=torch.float64)
+    weight = torch.rand(batch, q_len, generator=generator) > 0.3
+    mask = torch.rand(batch, kv_heads if per_head_mask else 1, 1, n, generator=generator) > 0.3
+    mask[..., -1] = True
+    got = attention_mass(q, keys, mask, weight, prompt)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, keys.repeat_interleave(group, dim=1)) / d**0.5
+    scores = scores.masked_fill(~mask.repeat_interleave(group, dim=1) if per_head_mask else ~mask, float("-inf"))
+    probs = scores.softmax(-1)[..., :prompt] * weight[:, None, :, None]
+    expected = probs.sum(2).view(batch, kv_heads, group, prompt).mean(2)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_layer_budgets_follow_algorithm_2():
+    # 4 layers, boundary = layers 0 and 3; base floor(0.4 * 100) = 40; pool 60 * 4 = 240 split 3:1
+    budgets = layer_budgets(100, [0.5, 0.1, 0.1, 0.1], beta=0.4, boundary_layers=1)
+    assert budgets == [40 + 180 // 2, 40 + 60 // 2, 40 + 60 // 2, 40 + 180 // 2]
+    assert sum(budgets) <= 400
+    assert layer_budgets(100, [0.0] * 4, beta=0.4, boundary_layers=2) == [100] * 4  # all boundary
+
+
+def test_head_budgets_follow_algorithm_3():
+    mass = torch.tensor([[[3.0, 1.0], [1.0, 0.0], [0.0, 0.0]]])  # prompt mass 4, 1, 0 -> preference .8 .2 0
+    counts = head_budgets(mass, layer_budget=10, alpha=0.1)
+    assert counts.tolist() == [[1 + 21, 1 + 5, 1 + 0]]  # base 1, pool 27
+
+
+def test_keep_top_respects_counts_padding_and_order():
+    scores = torch.tensor([[[0.9, 0.1, 0.5, 0.7, 0.3]], [[0.9, 0.8, 0.1, 0.2, 0.6]]])
+    indices, keep = keep_top(scores, torch.tensor([[3], [9]]), prompt_lengths=torch.tensor([5, 3]))
+    assert indices[0, 0][keep[0, 0, 0]].tolist() == [0, 2, 3]
+    assert indices[1, 0][keep[1, 0, 0]].tolist() == [2, 3, 4]  # row 1: 2 pad columns, count clamped to 3
+
+
+def test_profile_is_read_next_to_the_checkpoint_and_checked(tmp_path):
+    model = tiny_model("llada")
+    model.checkpoint_dir = tmp_path
+    (tmp_path / "maskkv_profile.json").write_text(json.dumps({"layer_importance": [0.9, 0.1]}))
+    method = get_method("maskkv", budget=4)
+    generate(method, model=model)
+    assert method.stats["profile"] == str(tmp_path / "maskkv_profile.json")
+    (tmp_path / "maskkv_profile.json").write_text(json.dumps({"layer_importance": [0.9, 0.1, 0.3]}))
+    with pytest.raises(ValueError, match="3 layer importances for a 2-layer model"):
+        generate(get_method("maskkv", budget=4), model=model)
+    with pytest.raises(FileNotFoundError, match="profile not found"):
+        generate(get_method("maskkv", budget=4, profile=str(tmp_path / "none.json")))
+
+
+def test_bad_knobs_and_block_causal_models_are_named():
+    with pytest.raises(ValueError, match="response_interval"):
+        get_method("dllm_cache", response_interval=0)
+    with pytest.raises(ValueError, match="rho"):
+        get_method("dllm_cache", rho=1.5)
+    with pytest.raises(ValueError, match="budget"):
+        get_method("maskkv", budget=0)
+    with pytest.raises(ValueError, match="pool"):
+        get_method("snapkv", pool=4)
+    sdar = tiny_model("sdar")
+    with pytest.raises(ValueError, match="block-causal"):
+        masked.generate(sdar, [random_prompt(8, 1)], GenerationConfig(gen_length=4, block_length=4, steps=4),
+                        get_method("dllm_cache"), mask_id=MASK_ID)
