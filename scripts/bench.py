@@ -3,11 +3,14 @@
     python scripts/bench.py kernels [--quick] [--out docs/results]
     python scripts/bench.py mage [--quick] [--out docs/results]
     python scripts/bench.py maskkv [--quick] [--out docs/results]
+    python scripts/bench.py sparse_dllm [--quick] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
 maskkv: tokens/s and peak memory of the masked engine on the llada-8b preset with 8K-32K prompts,
 vanilla vs dllm_cache vs MaskKV (scripts/bench_maskkv.py has the details).
+sparse_dllm: tokens/s and peak memory at 1K-32K on the llada-8b preset, vanilla vs Fast-dLLM's prefix
+and dual caches vs Sparse-dLLM (scripts/bench_sparse_dllm.py).
 
 kernels: the attention kernels next to their floors and to what a user has (torch SDPA), in one run:
   1. ceilings: copy bandwidth (1 GiB device-to-device, bytes read + written, best of several) and
@@ -417,6 +420,7 @@ def bench_methods(args):
     """`mage` and `maskkv`: end-to-end step timings of the methods on an 8B preset."""
     from bench_mage import bench_mage  # scripts/ is on sys.path when this file runs
     from bench_maskkv import bench_maskkv
+    from bench_sparse_dllm import bench_sparse_dllm
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = QUICK if args.quick else FULL
@@ -432,10 +436,14 @@ def bench_methods(args):
         report.say(f"# MAGE and its baselines on the block engine: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
         bench_mage(args, timer, report, lambda: rates()[0], meta)
-    else:
+    elif args.command == "maskkv":
         report.say(f"# MaskKV, dLLM-Cache and vanilla on the masked engine: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
         bench_maskkv(args, timer, report, rates, meta)
+    else:
+        report.say(f"# Sparse-dLLM, Fast-dLLM's caches and vanilla on the masked engine: {meta['device']}, "
+                   f"torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
+        bench_sparse_dllm(args, timer, report, rates, meta)
     report.write(args.out, f"bench_{args.command}_quick" if args.quick else f"bench_{args.command}", meta)
 
 
@@ -452,6 +460,10 @@ def main():
     maskkv = commands.add_parser("maskkv", help="tokens/s and peak memory: vanilla, dllm_cache, MaskKV (llada-8b preset)")
     maskkv.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
     maskkv.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
+    sparse = commands.add_parser("sparse_dllm", help="tokens/s and peak memory at 1K-32K: vanilla, fast_dllm "
+                                 "prefix / dual, sparse_dllm (llada-8b preset)")
+    sparse.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
+    sparse.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
     args = parser.parse_args()
     if args.command == "kernels":
         bench_kernels(args)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanodllm import tasks  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.eval import DTYPES, Runner, agreement, resolve_model  # noqa: E402
-from nanodllm.methods import METHODS  # noqa: E402
+from nanodllm.methods import METHODS, parse_value  # noqa: E402
 
 
 def variants(methods: list[str], knob: str, values: list) -> list[tuple[str, dict]]:
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llada")
     parser.add_argument("--methods", required=True, help="comma-separated")
-    parser.add_argument("--knob", required=True, help="name=v1,v2,... (integers)")
+    parser.add_argument("--knob", required=True, help="name=v1,v2,... (numbers or words, as --knobs parses them)")
     parser.add_argument("--task", default="passkey", choices=tasks.TASKS)
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--n", type=int, default=40, help="samples per length (spread over the depths)")
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     knob, _, values = args.knob.partition("=")
     lengths = [int(x) for x in args.lengths.split(",")]
     try:
-        plan = variants(args.methods.split(","), knob, [int(v) for v in values.split(",")])
+        plan = variants(args.methods.split(","), knob, [parse_value(v) for v in values.split(",")])
         runner = Runner(resolve_model(args.model), args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

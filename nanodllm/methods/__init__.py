@@ -2,19 +2,23 @@
 
 from .base import Dense, Method, StepContext
 from .dllm_cache import DllmCache
+from .fast_dllm import FastDllm
 from .mage import Mage
 from .maskkv import MaskKV
 from .quest import Quest
 from .snapkv import SnapKV
+from .sparse_dllm import SparseDllm
 from .sparsed import SparseD
 
 METHODS: dict[str, type[Method]] = {
     "dense": Dense,
     "dllm_cache": DllmCache,
+    "fast_dllm": FastDllm,
     "mage": Mage,
     "maskkv": MaskKV,
     "quest": Quest,
     "snapkv": SnapKV,
+    "sparse_dllm": SparseDllm,
     "sparsed": SparseD,
 }
 
@@ -33,19 +37,21 @@ def parse_knobs(text: str | None) -> dict:
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
             raise ValueError(f"knobs are name=value pairs separated by commas, got {item!r}")
-        value = value.strip()
-        if value.lower() in ("true", "false"):
-            knobs[name.strip()] = value.lower() == "true"
-            continue
-        for convert in (int, float):
-            try:
-                knobs[name.strip()] = convert(value)
-                break
-            except ValueError:
-                pass
-        else:
-            knobs[name.strip()] = value
+        knobs[name.strip()] = parse_value(value)
     return knobs
 
 
-__all__ = ["METHODS", "Method", "Dense", "StepContext", "get_method", "parse_knobs"]
+def parse_value(text: str):
+    """A knob's value from text: true/false, an int, a float, else the string itself."""
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+__all__ = ["METHODS", "Method", "Dense", "StepContext", "get_method", "parse_knobs", "parse_value"]

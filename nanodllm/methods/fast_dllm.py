@@ -1,0 +1,127 @@
+"""Fast-dLLM's approximate KV caches for the masked engine: the prefix cache and the dual cache.
+
+Paper: Wu et al. 2025, "Fast-dLLM: training-free acceleration of diffusion LLM by enabling KV cache
+and parallel decoding", the baseline Sparse-dLLM (../shared/papers/004_1b321dc639f7ffd1.txt) is
+measured against.
+
+Idea. While a block is being denoised, the K/V of the tokens outside it barely change. So at the
+block's step `delay` (0: its first step) the whole canvas is forwarded, exactly as dense, and each
+layer keeps the K/V outside the block:
+    mode = "prefix"   the K/V before the block; later steps feed the block and everything after it
+                      (the still-masked suffix);
+    mode = "dual"     the K/V before and after the block; later steps feed only the block.
+Fed tokens attend to the kept K/V plus their own fresh K/V (bidirectionally, as the canvas does).
+Steps before `delay` run in full without a cache; a new block starts over. With the engine's
+threshold decoding (--threshold 0.9) this is Fast-dLLM's whole recipe.
+
+Hooks: begin_block (drop the cache), step. Subclasses choose what to keep (`keep`; sparse_dllm.py
+prunes there).
+Equals dense: refresh = 1 (a full forward every step). A cached step on the canvas its cache was
+built from gives the full forward's logits (test).
+Knobs: mode = "dual" | "prefix" (default dual), delay = 0, refresh = 0 (0: the cache lives for the
+whole block; n: a full forward every n steps from `delay` on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import attention
+from .base import Method, StepContext
+
+
+@dataclass
+class KeptKV:
+    """One layer's kept K/V outside the fed tokens: [batch, kv_heads, n, head_dim], a key mask
+    [batch, 1 or kv_heads, 1, n] (False = hidden: padding, unused slots) or None, and how many real
+    tokens (summed over rows) they were chosen from."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor | None
+    candidates: int
+
+
+def outside_block(x: torch.Tensor, start: int, stop: int, dim: int) -> torch.Tensor:
+    """x without positions start..stop-1 along dim."""
+    return torch.cat([x.narrow(dim, 0, start), x.narrow(dim, stop, x.shape[dim] - stop)], dim=dim)
+
+
+class FastDllm(Method):
+    name = "fast_dllm"
+    engines = ("masked",)
+
+    def __init__(self, mode: str = "dual", delay: int = 0, refresh: int = 0):
+        super().__init__()
+        if mode not in ("dual", "prefix"):
+            raise ValueError(f"mode must be 'dual' or 'prefix', got {mode!r}")
+        for knob, value in (("delay", delay), ("refresh", refresh)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{knob} must be an integer >= 0, got {value!r}")
+        self.mode, self.delay, self.refresh = mode, delay, refresh
+        self.kept: list[KeptKV] = []
+        self.keys_kept = self.keys_outside = 0
+
+    def begin_block(self, ctx: StepContext):
+        self.kept = []
+
+    def step(self, model, ctx: StepContext) -> torch.Tensor:
+        if ctx.attn_mask is not None and ctx.attn_mask.block_size is not None:
+            raise ValueError(f"{self.name} caches a bidirectional canvas; this model is block-causal "
+                             "(decode it with the block engine)")
+        since = ctx.step - self.delay
+        if since < 0 or not self.kept or (self.refresh and since % self.refresh == 0):
+            return self.full_step(model, ctx, build=since >= 0)
+        return self.cached_step(model, ctx)
+
+    def full_step(self, model, ctx, build: bool) -> torch.Tensor:
+        """The dense forward; with build, each layer's K/V outside the block are kept as it passes."""
+        kept = []
+
+        def attend(layer, q, k, v):
+            if build:
+                kept.append(self.keep(layer, q, k, v, ctx))
+            return attention(q, k, v, ctx.attn_mask)
+
+        logits = model(ctx.tokens, ctx.positions, attend, ctx.logits_start, ctx.logits_stop)
+        if build:
+            self.kept = kept
+            self.count_kept(kept, ctx)
+        return logits
+
+    def cached_step(self, model, ctx) -> torch.Tensor:
+        """Feed the block (dual) or the block and the suffix (prefix) against the kept K/V."""
+        start, stop = ctx.logits_start, ctx.logits_stop
+        fed_stop = stop if self.mode == "dual" else ctx.tokens.shape[1]
+
+        def attend(layer, q, k, v):
+            kept = self.kept[layer]
+            mask = kept.mask
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(*mask.shape[:3], k.shape[2])], dim=3)
+            return attention(q, torch.cat([kept.keys, k], dim=2), torch.cat([kept.values, v], dim=2), mask)
+
+        tokens, positions = ctx.tokens[:, start:fed_stop], ctx.positions[:, start:fed_stop]
+        return model(tokens, positions, attend, 0, stop - start)
+
+    def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
+        """What layer `layer` keeps of the full forward's K/V: everything before the block (and after
+        it, dual), padding hidden. q is the full canvas's queries (unused here)."""
+        start, stop = ctx.logits_start, ctx.logits_stop
+        stop = stop if self.mode == "dual" else k.shape[2]
+        valid = outside_block(ctx.valid, start, stop, dim=1)
+        mask = None if bool(valid.all()) else valid[:, None, None, :]
+        return KeptKV(outside_block(k, start, stop, dim=2), outside_block(v, start, stop, dim=2), mask,
+                      int(valid.sum()))
+
+    def count_kept(self, kept: list[KeptKV], ctx):
+        """stats['kv_kept']: cached keys / the real tokens they were chosen from, per KV head, over
+        layers and blocks (1.0 for these caches, the retention for sparse_dllm)."""
+        for layer in kept:
+            batch, heads, n, _ = layer.keys.shape
+            mask = layer.mask
+            self.keys_kept += batch * heads * n if mask is None else int(mask.expand(-1, heads, -1, -1).sum())
+            self.keys_outside += layer.candidates * heads
+        self.stats["kv_kept"] = self.keys_kept / max(self.keys_outside, 1)

@@ -1,0 +1,83 @@
+"""Sparse-dLLM: Fast-dLLM's dual cache, pruned per layer to the keys the block attends to (masked engine).
+
+Paper: "Sparse-dLLM: accelerating diffusion LLMs with dynamic cache eviction",
+../shared/papers/004_1b321dc639f7ffd1.txt (section 3, Algorithms 1-5).
+
+Idea. Which tokens a block attends to is stable across its steps, and the attention is sparse. Per
+block: steps before `delay` run the full canvas without a cache (the K/V are not settled yet, Fig.
+4); step `delay` runs it too and, layer by layer, builds the cache of everything outside the block,
+pruned (Algorithm 1): score each candidate key by its dot product with the block's mean query,
+max-pool the scores over neighbouring tokens (width `kernel`), keep the top floor(ratio * candidates);
+later steps feed only the block and attend to the kept K/V plus the block's own. The paper keeps one
+index set for all heads (scores averaged over heads; `per_head` keeps one per KV head);
+`prefix_sparse` (Algorithm 5) prunes only the tokens before the block and keeps the whole suffix.
+
+Hooks: fast_dllm's; keep is overridden.
+Equals fast_dllm mode=dual with the same delay when ratio = 1; a small ratio differs (tests).
+Knobs (paper defaults): ratio r = 0.5, kernel = 3, delay = 1, per_head = False, prefix_sparse = False.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fast_dllm import FastDllm, KeptKV, outside_block
+
+
+def pivotal_tokens(q_mean, candidates, valid, ratio: float, kernel: int, per_head: bool):
+    """Algorithm 1 lines 5-10. q_mean [batch, heads, d] (the block's mean query), candidates
+    [batch, kv_heads, n, d], valid [batch, n]. Returns (indices [batch, 1 or kv_heads, kept] in
+    token order, keep [batch, 1 or kv_heads, 1, kept]: False where a pooled score picked padding)."""
+    batch, kv_heads, n, head_dim = candidates.shape
+    group = q_mean.shape[1] // kv_heads
+    grouped = q_mean.float().view(batch, kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bhnd->bhn", grouped, candidates.float()) / group  # mean over the group
+    if not per_head:
+        scores = scores.mean(dim=1, keepdim=True)
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    if kernel > 1:
+        heads = scores.shape[1]
+        pooled = F.max_pool1d(scores.view(batch * heads, 1, n), kernel, stride=1, padding=kernel // 2)
+        scores = pooled.view(batch, heads, n)
+    count = int(ratio * n)
+    indices = scores.topk(count, dim=-1).indices.sort(dim=-1).values
+    keep = valid[:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
+    return indices, keep[:, :, None, :]
+
+
+def gather_tokens(x, indices):
+    """x [batch, kv_heads, n, d], indices [batch, 1 or kv_heads, k] -> [batch, kv_heads, k, d]."""
+    index = indices[..., None].expand(-1, x.shape[1], -1, x.shape[3])
+    return x.gather(2, index)
+
+
+class SparseDllm(FastDllm):
+    name = "sparse_dllm"
+
+    def __init__(self, ratio: float = 0.5, kernel: int = 3, delay: int = 1, per_head: bool = False,
+                 prefix_sparse: bool = False):
+        super().__init__(mode="dual", delay=delay)
+        if not 0 < ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd integer >= 1, got {kernel!r}")
+        self.ratio, self.kernel, self.per_head, self.prefix_sparse = ratio, kernel, per_head, prefix_sparse
+
+    def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
+        start, stop = ctx.logits_start, ctx.logits_stop
+        q_mean = q[:, :, start:stop].mean(dim=2)
+        if self.prefix_sparse:  # Algorithm 5: the candidates are the tokens before the block
+            k_f, v_f, valid = k[:, :, :start], v[:, :, :start], ctx.valid[:, :start]
+        else:
+            k_f, v_f = outside_block(k, start, stop, dim=2), outside_block(v, start, stop, dim=2)
+            valid = outside_block(ctx.valid, start, stop, dim=1)
+        indices, keep = pivotal_tokens(q_mean, k_f, valid, self.ratio, self.kernel, self.per_head)
+        keys, values = gather_tokens(k_f, indices), gather_tokens(v_f, indices)
+        if self.prefix_sparse:
+            suffix = k.shape[2] - stop
+            keys = torch.cat([keys, k[:, :, stop:]], dim=2)
+            values = torch.cat([values, v[:, :, stop:]], dim=2)
+            keep = torch.cat([keep, keep.new_ones(*keep.shape[:3], suffix)], dim=3)
+        mask = None if bool(keep.all()) else keep
+        return KeptKV(keys, values, mask, int(outside_block(ctx.valid, start, stop, 1).sum()))
