@@ -127,6 +127,27 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return attention(q, keys, values, mask)
 
 
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_valid: torch.Tensor | None = None):
+    """Bidirectional attention of q against every key (k_valid [batch, k_len]: False = hidden), with
+    the log-sum-exp of each row's scaled scores: (out [batch, heads, q_len, d], lse [batch, heads,
+    q_len] float32). Methods that reuse a row's softmax normaliser later (DyLLM) need it."""
+    if use_kernels(q):
+        from kernels.flash_attention import flash_attention
+
+        return flash_attention(q, k, v, k_valid=k_valid, return_lse=True)
+    batch, num_heads, q_len, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(compute).reshape(batch, k.shape[1], group * q_len, head_dim)
+    scores = (qg @ k.to(compute).transpose(-1, -2)) * head_dim**-0.5
+    if k_valid is not None:
+        scores = scores.masked_fill(~k_valid[:, None, None, :], float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    out = (scores - lse[..., None]).exp() @ v.to(compute)
+    return (out.view(batch, num_heads, q_len, head_dim).to(q.dtype),
+            lse.view(batch, num_heads, q_len).to(torch.promote_types(compute, torch.float32)))
+
+
 def attention_reference(q, k, v, mask=None):
     """Plain torch, scores and softmax in fp32 (float64 for float64 inputs), cast back to q's dtype."""
     batch, num_heads, q_len, head_dim = q.shape

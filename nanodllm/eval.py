@@ -50,6 +50,7 @@ class Outcome:
     tokens: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
     kv_kept: list[float] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)  # the method's stats after the batch (e.g. salient_per_layer)
 
 
 class Runner:
@@ -88,6 +89,7 @@ class Runner:
             outcome.scores.append(tasks.score(sample, text))
             outcome.tokens.append(tokens)
             outcome.kv_kept.append(method.stats.get("kv_kept", 1.0))
+        outcome.stats = dict(method.stats)
         return outcome
 
 

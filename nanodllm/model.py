@@ -5,7 +5,7 @@ maps each family's tensor names onto them. A layer exposes the primitives a meth
 
     h = layer.attn_norm(x)
     q, k, v = layer.qkv(h, rope)          # projections, optional q/k norm, RoPE; [b, heads, t, d]
-    v = layer.value(h)                    # the value projection alone
+    q, v = layer.query(h, rope), layer.value(h)   # one projection alone
     x = x + layer.out(attend(q, k, v))    # attention is always somebody else's callback
     x = x + layer.mlp(layer.mlp_norm(x))
 
@@ -105,6 +105,12 @@ class Layer(nn.Module):
         if self.cfg.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         return rope.apply(q), rope.apply(k), self.value(h)
+
+    def query(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """[b, t, hidden] -> q [b, heads, t, d] alone, normed (q/k norm) and rotated."""
+        attn, b, t = self.self_attn, h.shape[0], h.shape[1]
+        q = attn.q_proj(h).view(b, t, -1, self.cfg.head_dim).transpose(1, 2)
+        return rope.apply(attn.q_norm(q) if self.cfg.qk_norm else q)
 
     def value(self, h: torch.Tensor) -> torch.Tensor:
         """[b, t, hidden] -> v [b, kv_heads, t, d] alone (caches that watch value drift)."""

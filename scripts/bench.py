@@ -4,6 +4,7 @@
     python scripts/bench.py mage [--quick] [--out docs/results]
     python scripts/bench.py maskkv [--quick] [--out docs/results]
     python scripts/bench.py sparse_dllm [--quick] [--out docs/results]
+    python scripts/bench.py dyllm [--quick] [--fractions F ...] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
@@ -11,6 +12,8 @@ maskkv: tokens/s and peak memory of the masked engine on the llada-8b preset wit
 vanilla vs dllm_cache vs MaskKV (scripts/bench_maskkv.py has the details).
 sparse_dllm: tokens/s and peak memory at 1K-32K on the llada-8b preset, vanilla vs Fast-dLLM's prefix
 and dual caches vs Sparse-dLLM (scripts/bench_sparse_dllm.py).
+dyllm: DyLLM's sparse steps at fixed salient fractions, 512 + 256 tokens, batch 1 and 16, vs vanilla
+and the dual cache (scripts/bench_dyllm.py).
 
 kernels: the attention kernels next to their floors and to what a user has (torch SDPA), in one run:
   1. ceilings: copy bandwidth (1 GiB device-to-device, bytes read + written, best of several) and
@@ -420,6 +423,7 @@ def bench_methods(args):
     """`mage` and `maskkv`: end-to-end step timings of the methods on an 8B preset."""
     from bench_mage import bench_mage  # scripts/ is on sys.path when this file runs
     from bench_maskkv import bench_maskkv
+    from bench_dyllm import bench_dyllm
     from bench_sparse_dllm import bench_sparse_dllm
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -440,10 +444,14 @@ def bench_methods(args):
         report.say(f"# MaskKV, dLLM-Cache and vanilla on the masked engine: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
         bench_maskkv(args, timer, report, rates, meta)
-    else:
+    elif args.command == "sparse_dllm":
         report.say(f"# Sparse-dLLM, Fast-dLLM's caches and vanilla on the masked engine: {meta['device']}, "
                    f"torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
         bench_sparse_dllm(args, timer, report, rates, meta)
+    else:
+        report.say(f"# DyLLM's sparse steps vs vanilla and Fast-dLLM's dual cache: {meta['device']}, "
+                   f"torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
+        bench_dyllm(args, timer, report, rates, meta)
     report.write(args.out, f"bench_{args.command}_quick" if args.quick else f"bench_{args.command}", meta)
 
 
@@ -464,6 +472,11 @@ def main():
                                  "prefix / dual, sparse_dllm (llada-8b preset)")
     sparse.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
     sparse.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
+    dyllm = commands.add_parser("dyllm", help="DyLLM sparse steps at fixed salient fractions vs vanilla and "
+                                "fast_dllm dual (llada-8b preset, 512 + 256 tokens, batch 1 and 16)")
+    dyllm.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
+    dyllm.add_argument("--fractions", type=float, nargs="+", help="salient fractions (default 0.1 0.25 0.5)")
+    dyllm.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
     args = parser.parse_args()
     if args.command == "kernels":
         bench_kernels(args)

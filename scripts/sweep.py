@@ -40,8 +40,10 @@ def label(name: str, knobs: dict) -> str:
 
 
 def run(runner: Runner, samples, plan, batch: int):
-    """{label: {(length, depth): [(score, tokens, kv_kept)]}}, every variant on the same chunks."""
+    """({label: {(length, depth): [(score, tokens, kv_kept)]}}, {label: {length: [method stats per
+    batch]}}), every variant on the same chunks (a batch's stats are filed under its first sample's length)."""
     results = {label(*v): defaultdict(list) for v in plan}
+    stats = {label(*v): defaultdict(list) for v in plan}
     for start in range(0, len(samples), batch):
         chunk = samples[start : start + batch]
         for name, knobs in plan:
@@ -49,8 +51,26 @@ def run(runner: Runner, samples, plan, batch: int):
             outcome = runner.generate(chunk, name)
             for sample, score, tokens, kept in zip(chunk, outcome.scores, outcome.tokens, outcome.kv_kept):
                 results[label(name, knobs)][(sample.length, sample.depth)].append((score, tokens, kept))
+            stats[label(name, knobs)][chunk[0].length].append(outcome.stats)
         print(f"  {start + len(chunk)}/{len(samples)} samples", file=sys.stderr, flush=True)
-    return results
+    return results, stats
+
+
+def per_layer_table(stats, key: str) -> str:
+    """A method statistic that is a list per layer (e.g. dyllm's salient_per_layer), averaged over
+    the batches of each context length; '' if no variant reports it."""
+    rows = []
+    for name, by_length in stats.items():
+        for length, records in sorted(by_length.items()):
+            lists = [r[key] for r in records if key in r]
+            if lists:
+                mean = [sum(values) / len(values) for values in zip(*lists)]
+                rows.append(f"| {name} | {length} | " + " | ".join(f"{v:.3f}" for v in mean) + " |")
+    if not rows:
+        return ""
+    layers = rows[0].count("|") - 3
+    head = "| variant | length | " + " | ".join(f"layer {i}" for i in range(layers)) + " |"
+    return "\n".join([f"{key} (mean over batches):\n", head, "|" + "---|" * (layers + 2), *rows])
 
 
 def length_table(results, lengths) -> str:
@@ -106,9 +126,13 @@ def main(argv=None) -> int:
         runner.gen = GenerationConfig(gen_length=32, block_length=32, steps=32)
     samples = [s for length in lengths
                for s in tasks.make_samples(args.task, length, args.n, args.seed + length, count_tokens=runner.count_tokens)]
-    results = run(runner, samples, plan, args.batch)
+    results, stats = run(runner, samples, plan, args.batch)
     text = [f"{args.model}, task {args.task}, {runner.gen}, {args.n} samples per length, {args.device} {args.dtype}\n",
-            length_table(results, lengths), "", "Accuracy by needle depth x context length:\n"]
+            length_table(results, lengths), ""]
+    for key in ("salient_per_layer",):
+        table = per_layer_table(stats, key)
+        text += [table, ""] if table else []
+    text += ["Accuracy by needle depth x context length:\n"]
     text += [depth_grid(name, cells, lengths) + "\n" for name, cells in results.items()]
     print("\n".join(text))
     if args.out:

@@ -2,6 +2,7 @@
 
 from .base import Dense, Method, StepContext
 from .dllm_cache import DllmCache
+from .dyllm import DyLLM
 from .fast_dllm import FastDllm
 from .mage import Mage
 from .maskkv import MaskKV
@@ -13,6 +14,7 @@ from .sparsed import SparseD
 METHODS: dict[str, type[Method]] = {
     "dense": Dense,
     "dllm_cache": DllmCache,
+    "dyllm": DyLLM,
     "fast_dllm": FastDllm,
     "mage": Mage,
     "maskkv": MaskKV,

@@ -1,0 +1,145 @@
+"""Approximate attention update over salient columns (DyLLM, Algorithm 4), with the cosine statistics fused.
+
+Between two denoising steps only the salient tokens get fresh keys and values. A row whose own
+attention is not recomputed updates its cached context C by the change the salient values make:
+
+    C_new[i] = C_old[i] + sum over salient j of  exp(scale * q_i . k_j - lse_i) * (v_j - v_j_old)
+
+with lse_i the row's cached softmax normaliser (from the last exact attention of that row), so
+the full score matrix is never formed and only the salient columns' K rows are read. In the same
+pass the kernel writes, per (row, head), the three sums a cosine between C_new and C_old needs:
+new . old, new . new and old . old (DyLLM picks the next salient rows by that cosine, over all
+heads together; the caller adds the heads up).
+
+Grid: (query tiles of BLOCK_M rows, batch * heads). A program holds its query tile and walks the
+salient list in tiles of BLOCK_N columns, gathering K rows by token index (whole D-element rows,
+coalesced per row) and the matching value deltas; scores in base 2 with the scale folded in.
+Query head h reads KV head h // group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = math.log2(math.e)
+
+
+@triton.jit
+def approx_attention_kernel(
+    q_ptr, k_ptr, dv_ptr, columns_ptr, counts_ptr, lse_ptr, context_ptr, out_ptr, stats_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_cb, stride_cs,
+    stride_lb, stride_lh, stride_ll,
+    stride_xb, stride_xh, stride_xl, stride_xd,
+    stride_ob, stride_oh, stride_ol, stride_od,
+    stride_sb, stride_sh, stride_sl,
+    num_heads, group, num_rows, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    m_tile, batch_head = tl.program_id(0), tl.program_id(1)
+    batch, head = batch_head // num_heads, batch_head % num_heads
+    kv_head = head // group
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < num_rows
+    q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_ql + dims[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + batch * stride_lb + head * stride_lh + rows * stride_ll, mask=row_ok, other=0.0)
+    lse2 = lse * 1.4426950408889634  # natural log -> base 2
+    count = tl.load(counts_ptr + batch)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    for start in range(0, count, BLOCK_N):
+        slots = start + tl.arange(0, BLOCK_N)
+        slot_ok = slots < count
+        tokens = tl.load(columns_ptr + batch * stride_cb + slots * stride_cs, mask=slot_ok, other=0).to(tl.int64)
+        k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + tokens[:, None] * stride_kn
+                    + dims[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)
+        dv = tl.load(dv_ptr + batch * stride_vb + kv_head * stride_vh + slots[:, None] * stride_vs
+                     + dims[None, :] * stride_vd, mask=slot_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # base 2
+        p = tl.exp2(scores - lse2[:, None])
+        p = tl.where(slot_ok[None, :] & row_ok[:, None], p, 0.0)
+        acc += tl.dot(p.to(dv.dtype), dv)
+    old = tl.load(context_ptr + batch * stride_xb + head * stride_xh + rows[:, None] * stride_xl
+                  + dims[None, :] * stride_xd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    new = old + acc
+    tl.store(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ol + dims[None, :] * stride_od,
+             new.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    stats = stats_ptr + batch * stride_sb + head * stride_sh + rows * stride_sl
+    tl.store(stats, tl.sum(new * old, axis=1), mask=row_ok)
+    tl.store(stats + 1, tl.sum(new * new, axis=1), mask=row_ok)
+    tl.store(stats + 2, tl.sum(old * old, axis=1), mask=row_ok)
+
+
+def check_inputs(q, k, dv, columns, counts, lse, context):
+    if q.dim() != 4 or k.dim() != 4 or dv.dim() != 4:
+        raise ValueError("q, k and dv must be 4-D: [batch, heads, rows, D], [batch, kv_heads, N, D], "
+                         "[batch, kv_heads, S, D]")
+    batch, num_heads, num_rows, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim or num_heads % k.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}")
+    if dv.shape[:2] != k.shape[:2] or dv.shape[3] != head_dim:
+        raise ValueError(f"dv must be [batch, kv_heads, S, D] = [{batch}, {k.shape[1]}, S, {head_dim}], got {tuple(dv.shape)}")
+    if columns.shape != (batch, dv.shape[2]):
+        raise ValueError(f"columns must be [batch, S] = [{batch}, {dv.shape[2]}], got {tuple(columns.shape)}")
+    if counts.shape != (batch,):
+        raise ValueError(f"counts must be [batch] = [{batch}], got {tuple(counts.shape)}")
+    if lse.shape != q.shape[:3] or context.shape != q.shape:
+        raise ValueError(f"lse must be {tuple(q.shape[:3])} and context {tuple(q.shape)}, "
+                         f"got {tuple(lse.shape)} and {tuple(context.shape)}")
+    if head_dim not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {head_dim}")
+
+
+def approximate_attention(q, k, dv, columns, counts, lse, context, *, scale=None):
+    """Update cached contexts by the salient columns' value deltas; see the module docstring.
+
+    q [batch, heads, rows, D]: the rows' queries (fresh); k [batch, kv_heads, N, D]: every key, the
+    salient ones fresh; dv [batch, kv_heads, S, D]: v_new - v_old of the salient columns;
+    columns [batch, S] int: their token indices into N (entries past counts[b] are ignored);
+    counts [batch] int; lse [batch, heads, rows] float32: each row's cached normaliser;
+    context [batch, heads, rows, D]: each row's cached context.
+    Returns (new context [batch, heads, rows, D] in context's dtype, stats [batch, heads, rows, 3]
+    float32: new . old, new . new, old . old per head)."""
+    check_inputs(q, k, dv, columns, counts, lse, context)
+    batch, num_heads, num_rows, head_dim = q.shape
+    scale = head_dim**-0.5 if scale is None else scale
+    out = torch.empty_like(context)
+    stats = torch.empty(batch, num_heads, num_rows, 3, dtype=torch.float32, device=q.device)
+    block_m = 64 if q.is_cuda else 16
+    block_n = 64 if q.is_cuda else 16
+    grid = (triton.cdiv(num_rows, block_m), batch * num_heads)
+    approx_attention_kernel[grid](
+        q, k, dv, columns, counts, lse, context, out, stats,
+        *q.stride(), *k.stride(), *dv.stride(), *columns.stride(), *lse.stride(), *context.stride(),
+        *out.stride(), *stats.stride()[:3],
+        num_heads, num_heads // k.shape[1], num_rows, scale * LOG2_E,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        num_warps=4,
+    )
+    return out, stats
+
+
+def approximate_attention_reference(q, k, dv, columns, counts, lse, context, *, scale=None):
+    """Plain torch, fp32 (float64 for float64 inputs): gather the salient keys, exp(s - lse) dv."""
+    batch, num_heads, num_rows, head_dim = q.shape
+    kv_heads, group = k.shape[1], num_heads // k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)
+    index = columns.long()[:, None, :, None].expand(-1, kv_heads, -1, head_dim)
+    keys = k.gather(2, index).to(compute).repeat_interleave(group, dim=1)  # [batch, heads, S, D]
+    deltas = dv.to(compute).repeat_interleave(group, dim=1)
+    scores = q.to(compute) @ keys.transpose(-1, -2) * scale
+    weights = (scores - lse.to(compute)[..., None]).exp()
+    slots = torch.arange(columns.shape[1], device=q.device)
+    weights = weights.masked_fill(~(slots[None, :] < counts[:, None])[:, None, None, :], 0.0)
+    old = context.to(compute)
+    new = old + weights @ deltas
+    stats = torch.stack([(new * old).sum(-1), (new * new).sum(-1), (old * old).sum(-1)], dim=-1)
+    return new.to(context.dtype), stats.float()

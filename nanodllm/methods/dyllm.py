@@ -1,0 +1,206 @@
+"""DyLLM: recompute only the salient rows, update the others approximately (masked engine).
+
+Paper: "DyLLM", ../shared/papers/003_c932456616d17bf8.txt (appendix C, Algorithms 1-4).
+
+Idea. From one denoising step to the next most rows' attention context barely moves. After
+`full_steps` dense steps that cache, per layer, K, V, every row's attention context C (per head,
+before o_proj) with its softmax log-sum-exp, and every row's FFN output, each step is sparse. It
+feeds the whole canvas every `full_period`-th step (t % full_period == 0) and only the response
+otherwise, and per layer, given the salient rows S coming in:
+    Q for every fed row; fresh K, V for S only, dV = V_new[S] - V_old[S];
+    rows in S: exact attention over all keys (and a fresh log-sum-exp);
+    every other row: C = C_old + sum over j in S of exp(scale q k_j - lse_old) dV_j, with the row's
+        cached normaliser, so no score matrix is formed (kernels/approx_attention.py on CUDA);
+    the next S: the fed rows whose C has cosine similarity to C_old below tau (all heads together);
+    every fed row adds o_proj(C); only the next S run the FFN, the others add their cached output.
+S entering layer 1 is the last layer's S of the previous step plus the tokens unmasked since (their
+inputs changed: an assumption, Algorithm 1 does not say). After a full step every row counts as
+salient, so a first sparse step recomputes layer 1 in full (Algorithm 1 starts from the response
+rows; with every row, tau > 1 is exactly dense).
+
+Hooks: begin_block (block 0 starts a new generation), step (from the layer primitives).
+Equals dense: tau > 1 (every row salient) with full_period = 1 (every step feeds the whole canvas).
+Knobs (paper defaults): tau = 0.99 (LLaDA; 0.995 for Dream), full_steps T_full = 4, full_period = 4,
+salient_fraction = None (benchmarks: the next S is that fraction of the fed rows with the lowest
+cosine, instead of a threshold). stats: salient = mean fraction of fed rows salient per layer and
+sparse step; salient_per_layer = the same per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import attention_with_lse, use_kernels
+from .base import Method, StepContext
+from .dllm_cache import put_rows, take_rows
+
+
+@dataclass
+class LayerState:
+    """One layer's caches over the canvas: keys/values [batch, kv_heads, N, d], context [batch,
+    heads, N, d], lse [batch, heads, N] (float32 or wider), mlp_out [batch, N, hidden]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    context: torch.Tensor
+    lse: torch.Tensor
+    mlp_out: torch.Tensor
+
+
+def index_rows(mask: torch.Tensor):
+    """[batch, n] bool -> (rows [batch, s] of the True entries first, in order; ok [batch, s]: which
+    entries are real), s = the largest count (at least 1)."""
+    count = max(int(mask.sum(dim=1).max()), 1)
+    rows = (~mask).to(torch.int8).argsort(dim=1, stable=True)[:, :count]
+    return rows, mask.gather(1, rows)
+
+
+def heads_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [batch, heads, n, ...], rows [batch, s] -> x at those rows, [batch, heads, s, ...]."""
+    index = rows[:, None].view(rows.shape[0], 1, rows.shape[1], *([1] * (x.dim() - 3)))
+    return x.gather(2, index.expand(-1, x.shape[1], -1, *x.shape[3:]))
+
+
+def approximate(q, keys, dv, columns, lse, context):
+    """Algorithm 4 with cached normalisers: (new context, per-head [new.old, new.new, old.old])."""
+    counts = torch.full((q.shape[0],), columns.shape[1], dtype=torch.int32, device=q.device)
+    if use_kernels(q):
+        from kernels.approx_attention import approximate_attention
+
+        return approximate_attention(q, keys, dv, columns, counts, lse.float(), context)
+    from kernels.approx_attention import approximate_attention_reference
+
+    return approximate_attention_reference(q, keys, dv, columns, counts, lse, context)
+
+
+class DyLLM(Method):
+    name = "dyllm"
+    engines = ("masked",)
+
+    def __init__(self, tau: float = 0.99, full_steps: int = 4, full_period: int = 4,
+                 salient_fraction: float | None = None):
+        super().__init__()
+        for knob, value in (("full_steps", full_steps), ("full_period", full_period)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{knob} must be an integer >= 1, got {value!r}")
+        if salient_fraction is not None and not 0 <= salient_fraction <= 1:
+            raise ValueError(f"salient_fraction must be in [0, 1], got {salient_fraction!r}")
+        self.tau, self.full_steps, self.full_period, self.salient_fraction = tau, full_steps, full_period, salient_fraction
+        self.layers: list[LayerState] = []
+        self.t = 0
+        self.salient = self.previous_tokens = None
+        self.salient_sum: list[float] = []
+        self.sparse_steps = 0
+
+    def begin_block(self, ctx: StepContext):
+        if ctx.block == 0:
+            self.layers, self.t, self.salient = [], 0, None
+
+    def step(self, model, ctx: StepContext) -> torch.Tensor:
+        if ctx.attn_mask is not None and ctx.attn_mask.block_size is not None:
+            raise ValueError("dyllm caches a bidirectional canvas; this model is block-causal "
+                             "(decode it with the block engine)")
+        if self.t < self.full_steps or not self.layers:
+            logits = self.full_step(model, ctx)
+        else:
+            logits = self.sparse_step(model, ctx)
+        self.previous_tokens = ctx.tokens.clone()
+        self.t += 1
+        return logits
+
+    def key_valid(self, ctx):
+        return None if bool(ctx.valid.all()) else ctx.valid
+
+    def full_step(self, model, ctx) -> torch.Tensor:
+        """Algorithm 2: the dense forward, caching K, V, C, lse and the FFN output of every row."""
+        x, rope, k_valid = model.embed(ctx.tokens), model.rope(ctx.positions), self.key_valid(ctx)
+        self.layers = []
+        for layer in model.layers:
+            q, k, v = layer.qkv(layer.attn_norm(x), rope)
+            context, lse = attention_with_lse(q, k, v, k_valid)
+            x = x + layer.out(context)
+            mlp_out = layer.mlp(layer.mlp_norm(x))
+            x = x + mlp_out
+            self.layers.append(LayerState(k, v, context, lse, mlp_out))
+        self.salient = ctx.valid.clone()  # every row was just computed
+        return model.head(x, ctx.logits_start, ctx.logits_stop)
+
+    def sparse_step(self, model, ctx) -> torch.Tensor:
+        """Algorithm 3 over the fed rows (the whole canvas, or the response only)."""
+        prompt_width = ctx.logits_start - ctx.block * ctx.block_length
+        offset = 0 if self.t % self.full_period == 0 else prompt_width
+        valid = ctx.valid[:, offset:]
+        positions = ctx.positions[:, offset:]
+        changed = ctx.tokens != self.previous_tokens
+        salient = (self.salient | changed)[:, offset:] & valid
+        x, k_valid = model.embed(ctx.tokens[:, offset:]), self.key_valid(ctx)
+        rope = model.rope(positions)
+        counts = []
+        for i, layer in enumerate(model.layers):
+            x, salient = self.layer_step(model, layer, self.layers[i], x, rope, positions, salient, valid, offset, k_valid)
+            counts.append(salient.sum(dim=1).float().mean().item() / x.shape[1])
+        self.salient = torch.zeros_like(ctx.valid)
+        self.salient[:, offset:] = salient
+        self.count_salient(counts)
+        return model.head(x, ctx.logits_start - offset, ctx.logits_stop - offset)
+
+    def layer_step(self, model, layer, state, x, rope, positions, salient, valid, offset, k_valid):
+        """One layer of a sparse step; returns (x, the next salient rows [batch, fed])."""
+        h = layer.attn_norm(x)
+        q = layer.query(h, rope)
+        rows, ok = index_rows(salient)
+        columns = rows + offset
+        _, k_rows, v_rows = layer.qkv(take_rows(h, rows), model.rope(positions.gather(1, rows)))
+        old_k, old_v = heads_rows(state.keys, columns), heads_rows(state.values, columns)
+        keep = ok[:, None, :, None]
+        k_rows, v_rows = torch.where(keep, k_rows, old_k), torch.where(keep, v_rows, old_v)
+        index = columns[:, None, :, None].expand(-1, k_rows.shape[1], -1, k_rows.shape[3])
+        state.keys.scatter_(2, index, k_rows)
+        state.values.scatter_(2, index, v_rows)
+
+        old_context, old_lse = state.context[:, :, offset:], state.lse[:, :, offset:]
+        context, stats = approximate(q, state.keys, v_rows - old_v, columns, old_lse, old_context)
+        exact, lse = attention_with_lse(heads_rows(q, rows), state.keys, state.values, k_valid)
+        exact = torch.where(keep, exact, heads_rows(context, rows))
+        lse = torch.where(ok[:, None, :], lse.to(old_lse.dtype), heads_rows(old_lse, rows))
+        self.put_heads_rows(context, rows, exact)
+        self.put_heads_rows(old_lse, rows, lse)
+        old_salient = heads_rows(old_context, rows).float()
+        exact_stats = torch.stack([(exact.float() * old_salient).sum(-1), exact.float().pow(2).sum(-1),
+                                   old_salient.pow(2).sum(-1)], dim=-1)
+        self.put_heads_rows(stats, rows, exact_stats)
+        next_salient = self.next_salient(stats.sum(dim=1), valid)
+        old_context.copy_(context)
+
+        x = x + layer.out(context)
+        rows, ok = index_rows(next_salient)
+        cached = state.mlp_out[:, offset:]
+        fresh = layer.mlp(layer.mlp_norm(take_rows(x, rows)))
+        put_rows(cached, rows, torch.where(ok[..., None], fresh, take_rows(cached, rows)))
+        return x + cached, next_salient
+
+    @staticmethod
+    def put_heads_rows(x, rows, src):
+        index = rows[:, None].view(rows.shape[0], 1, rows.shape[1], *([1] * (x.dim() - 3)))
+        x.scatter_(2, index.expand(-1, x.shape[1], -1, *x.shape[3:]), src)
+
+    def next_salient(self, stats, valid):
+        """Rows whose context moved: cos(C, C_old) < tau, or the lowest-cosine salient_fraction."""
+        cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
+        if self.salient_fraction is None:
+            return (cos < self.tau) & valid
+        count = math.ceil(self.salient_fraction * cos.shape[1])
+        lowest = cos.masked_fill(~valid, float("inf")).topk(count, dim=1, largest=False).indices
+        return torch.zeros_like(valid).scatter_(1, lowest, True) & valid
+
+    def count_salient(self, fractions: list[float]):
+        if not self.salient_sum:
+            self.salient_sum = [0.0] * len(fractions)
+        self.salient_sum = [s + f for s, f in zip(self.salient_sum, fractions)]
+        self.sparse_steps += 1
+        per_layer = [s / self.sparse_steps for s in self.salient_sum]
+        self.stats["salient_per_layer"] = per_layer
+        self.stats["salient"] = sum(per_layer) / len(per_layer)

@@ -1,0 +1,132 @@
+"""DyLLM (methods/dyllm.py) and its approximate-attention kernel (kernels/approx_attention.py): the
+kernel equals its reference, the update is exact when only values change, every row salient equals
+dense, a low threshold shrinks the salient set and changes the output."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.approx_attention import approximate_attention, approximate_attention_reference
+from nanodllm import masked
+from nanodllm.attention import attention_with_lse
+from nanodllm.config import GenerationConfig
+from nanodllm.methods import get_method
+from nanodllm.methods.dyllm import index_rows
+from tests.tiny_models import MASK_ID, random_prompt, tiny_model
+
+MODEL = tiny_model("llada")
+GEN = GenerationConfig(gen_length=16, block_length=4, steps=16)
+PROMPTS = [random_prompt(20, seed=1), random_prompt(13, seed=2)]  # ragged: row 1 is left-padded
+
+
+def generate(method, prompts=PROMPTS, gen=GEN):
+    return masked.generate(MODEL, prompts, gen, method).tokens
+
+
+def differing(a, b):
+    return sum(x != y for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+def random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)
+    q, k = randn(batch, kv_heads * group, rows, head_dim), randn(batch, kv_heads, keys, head_dim)
+    dv = randn(batch, kv_heads, salient, head_dim) * 0.1
+    columns = torch.stack([torch.randperm(keys, generator=generator)[:salient] for _ in range(batch)])
+    counts = torch.randint(0, salient + 1, (batch,), generator=generator)
+    lse = randn(batch, kv_heads * group, rows).abs() + 2
+    context = randn(batch, kv_heads * group, rows, head_dim)
+    return [t.to(dtype) for t in (q, k, dv)] + [columns, counts, lse, context.to(dtype)]
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), kv_heads=st.integers(1, 2),
+       rows=st.integers(1, 40), keys=st.integers(1, 60), head_dim=st.sampled_from([16, 32, 64]),
+       dtype=st.sampled_from([torch.float32, torch.float16]), data=st.data())
+def test_kernel_matches_reference(batch, group, kv_heads, rows, keys, head_dim, dtype, data):
+    salient = data.draw(st.integers(1, keys))
+    inputs = random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, data.draw(st.integers(0, 999)))
+    got_context, got_stats = approximate_attention(*inputs)
+    expected_context, expected_stats = approximate_attention_reference(*inputs)
+    tolerance = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_context.float(), expected_context.float(), **tolerance)
+    torch.testing.assert_close(got_stats, expected_stats, atol=0.05 if dtype == torch.float16 else 1e-3, rtol=1e-3)
+
+
+def test_update_is_exact_when_only_values_change():
+    """Same keys, so the same softmax: C_old + p dV over the changed columns is the new attention."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 9, 16, generator=generator, dtype=torch.float64)
+    k = torch.randn(1, 2, 30, 16, generator=generator, dtype=torch.float64)
+    v_old = torch.randn(1, 2, 30, 16, generator=generator, dtype=torch.float64)
+    columns = torch.tensor([[3, 17, 29, 8]])
+    v_new = v_old.clone()
+    v_new[:, :, columns[0]] += torch.randn(1, 2, 4, 16, generator=generator, dtype=torch.float64)
+    old, lse = attention_with_lse(q, k, v_old)
+    new, stats = approximate_attention_reference(q, k, v_new[:, :, columns[0]] - v_old[:, :, columns[0]], columns,
+                                                 torch.tensor([4]), lse, old)
+    expected, _ = attention_with_lse(q, k, v_new)
+    torch.testing.assert_close(new, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(stats[..., 1], (expected**2).sum(-1).float())
+
+
+def test_bad_kernel_shapes_are_named():
+    inputs = random_inputs(1, 2, 2, 5, 10, 3, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match="columns"):
+        approximate_attention(*inputs[:3], inputs[3][:, :2], *inputs[4:])
+    with pytest.raises(ValueError, match="head_dim"):
+        approximate_attention(*random_inputs(1, 1, 1, 5, 10, 3, 24, torch.float32, 0))
+
+
+@settings(max_examples=5, deadline=None)
+@given(lengths=st.lists(st.integers(3, 24), min_size=1, max_size=3), full_steps=st.integers(1, 3),
+       seed=st.integers(0, 1000))
+def test_every_row_salient_equals_dense(lengths, full_steps, seed):
+    prompts = [random_prompt(n, seed=seed + i) for i, n in enumerate(lengths)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
+    expected = generate(get_method("dense"), prompts, gen)
+    assert generate(get_method("dyllm", tau=1.5, full_period=1, full_steps=full_steps), prompts, gen) == expected
+
+
+def test_low_threshold_shrinks_the_salient_set_and_differs():
+    dense = generate(get_method("dense"))
+    loose, tight = get_method("dyllm", tau=0.5), get_method("dyllm", tau=0.99)
+    assert differing(generate(loose), dense) > 0
+    generate(tight)
+    assert loose.stats["salient"] < tight.stats["salient"] < 1
+    assert len(loose.stats["salient_per_layer"]) == 2
+
+
+def test_salient_fraction_fixes_the_count():
+    method = get_method("dyllm", salient_fraction=0.25)
+    generate(method)
+    assert method.stats["salient_per_layer"] == pytest.approx([0.25, 0.25], abs=0.03)
+
+
+def test_index_rows_lists_true_entries_first():
+    rows, ok = index_rows(torch.tensor([[False, True, False, True], [True, False, False, False]]))
+    assert rows[:, :2].tolist() == [[1, 3], [0, 1]] and ok.tolist() == [[True, True], [True, False]]
+    rows, ok = index_rows(torch.zeros(1, 3, dtype=torch.bool))
+    assert rows.shape == (1, 1) and not bool(ok.any())
+
+
+def test_bad_knobs_and_block_causal_models_are_named():
+    with pytest.raises(ValueError, match="full_period"):
+        get_method("dyllm", full_period=0)
+    with pytest.raises(ValueError, match="salient_fraction"):
+        get_method("dyllm", salient_fraction=2.0)
+    sdar = tiny_model("sdar")
+    with pytest.raises(ValueError, match="block-causal"):
+        masked.generate(sdar, [random_prompt(8, 1)], GenerationConfig(gen_length=4, block_length=4, steps=4),
+                        get_method("dyllm", full_steps=1), mask_id=MASK_ID)
+
+
+def test_the_kernel_path_decodes_what_the_torch_path_decodes(monkeypatch):
+    import nanodllm.methods.dyllm as dyllm
+
+    model = tiny_model("llada", dtype=torch.float32, d_model=64)  # head_dim 16
+    run = lambda: masked.generate(model, PROMPTS, GEN, get_method("dyllm", tau=0.95)).tokens
+    torch_path = run()
+    monkeypatch.setattr(dyllm, "use_kernels", lambda q: True)  # the Triton kernel, interpreted on a CPU
+    assert run() == torch_path
