@@ -9,23 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanodllm import masked
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
 from nanodllm.methods.maskkv import attention_mass, head_budgets, keep_top, layer_budgets
-from tests.tiny_models import MASK_ID, random_prompt, tiny_model
+from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
+                               refuses_block_causal, tiny_model)
+from tests.tiny_models import masked_tokens as generate
 
-MODEL = tiny_model("llada")
-GEN = GenerationConfig(gen_length=16, block_length=4, steps=16)
-PROMPTS = [random_prompt(20, seed=1), random_prompt(13, seed=2)]  # ragged: row 1 is left-padded
-
-
-def generate(method, prompts=PROMPTS, gen=GEN, model=MODEL):
-    return masked.generate(model, prompts, gen, method).tokens
-
-
-def differing(a, b):
-    return sum(x != y for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+MODEL, GEN, PROMPTS = MASKED_MODEL, MASKED_GEN, RAGGED_PROMPTS
 
 
 DENSE = generate(get_method("dense"))
@@ -159,7 +150,4 @@ def test_bad_knobs_and_block_causal_models_are_named():
         get_method("maskkv", budget=0)
     with pytest.raises(ValueError, match="pool"):
         get_method("snapkv", pool=4)
-    sdar = tiny_model("sdar")
-    with pytest.raises(ValueError, match="block-causal"):
-        masked.generate(sdar, [random_prompt(8, 1)], GenerationConfig(gen_length=4, block_length=4, steps=4),
-                        get_method("dllm_cache"), mask_id=MASK_ID)
+    assert "block-causal" in refuses_block_causal(get_method("dllm_cache"))

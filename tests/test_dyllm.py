@@ -8,24 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.approx_attention import approximate_attention, approximate_attention_reference
-from nanodllm import masked
 from nanodllm.attention import attention_with_lse
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
 from nanodllm.methods.dyllm import index_rows
-from tests.tiny_models import MASK_ID, random_prompt, tiny_model
+from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
+                               refuses_block_causal, tiny_model)
+from tests.tiny_models import masked_tokens as generate
 
-MODEL = tiny_model("llada")
-GEN = GenerationConfig(gen_length=16, block_length=4, steps=16)
-PROMPTS = [random_prompt(20, seed=1), random_prompt(13, seed=2)]  # ragged: row 1 is left-padded
-
-
-def generate(method, prompts=PROMPTS, gen=GEN):
-    return masked.generate(MODEL, prompts, gen, method).tokens
-
-
-def differing(a, b):
-    return sum(x != y for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+MODEL, GEN, PROMPTS = MASKED_MODEL, MASKED_GEN, RAGGED_PROMPTS
 
 
 def random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, seed):
@@ -116,17 +107,14 @@ def test_bad_knobs_and_block_causal_models_are_named():
         get_method("dyllm", full_period=0)
     with pytest.raises(ValueError, match="salient_fraction"):
         get_method("dyllm", salient_fraction=2.0)
-    sdar = tiny_model("sdar")
-    with pytest.raises(ValueError, match="block-causal"):
-        masked.generate(sdar, [random_prompt(8, 1)], GenerationConfig(gen_length=4, block_length=4, steps=4),
-                        get_method("dyllm", full_steps=1), mask_id=MASK_ID)
+    assert "block-causal" in refuses_block_causal(get_method("dyllm", full_steps=1))
 
 
 def test_the_kernel_path_decodes_what_the_torch_path_decodes(monkeypatch):
     import nanodllm.methods.dyllm as dyllm
 
     model = tiny_model("llada", dtype=torch.float32, d_model=64)  # head_dim 16
-    run = lambda: masked.generate(model, PROMPTS, GEN, get_method("dyllm", tau=0.95)).tokens
+    run = lambda: generate(get_method("dyllm", tau=0.95), model=model)
     torch_path = run()
     monkeypatch.setattr(dyllm, "use_kernels", lambda q: True)  # the Triton kernel, interpreted on a CPU
     assert run() == torch_path

@@ -3,7 +3,8 @@ to ~1e-15 and confidence ties cannot flip a top-k)."""
 
 import torch
 
-from nanodllm.config import ModelConfig
+from nanodllm import masked
+from nanodllm.config import GenerationConfig, ModelConfig
 from nanodllm.model import build_random
 
 VOCAB = 64
@@ -39,3 +40,29 @@ def tiny_model(model_type: str, seed: int = 0, dtype=torch.float64, **overrides)
 def random_prompt(length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB - 2, (length,), generator=generator).tolist()
+
+
+# The masked-engine method tests share one float64 model, schedule and ragged batch (row 1 left-padded).
+MASKED_MODEL = tiny_model("llada")
+MASKED_GEN = GenerationConfig(gen_length=16, block_length=4, steps=16)
+RAGGED_PROMPTS = [random_prompt(20, seed=1), random_prompt(13, seed=2)]
+
+
+def masked_tokens(method, prompts=RAGGED_PROMPTS, gen=MASKED_GEN, model=MASKED_MODEL):
+    """What the masked engine decodes with `method`."""
+    return masked.generate(model, prompts, gen, method).tokens
+
+
+def differing(a, b) -> int:
+    """How many generated positions two decodes disagree on."""
+    return sum(x != y for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+def refuses_block_causal(method) -> str:
+    """The error a masked-engine method gives for a block-causal model ('' if none)."""
+    try:
+        masked.generate(tiny_model("sdar"), [random_prompt(8, 1)],
+                        GenerationConfig(gen_length=4, block_length=4, steps=4), method, mask_id=MASK_ID)
+    except ValueError as err:
+        return str(err)
+    return ""
