@@ -67,6 +67,17 @@ class Runner:
         self.device = torch.device(device)
         self.knobs: dict = {}  # the evaluated method's knobs (dense takes none)
 
+    @property
+    def engine_name(self) -> str:
+        return "block" if self.is_block else "masked"
+
+    def check_engine(self, method_name: str):
+        """A clear error when the method does not run on this model's engine."""
+        engines = METHODS[method_name].engines
+        if self.engine_name not in engines:
+            raise ValueError(f"method {method_name!r} runs on the {' and '.join(engines)} engine; this "
+                             f"{self.model.cfg.model_type} model decodes with the {self.engine_name} engine")
+
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
@@ -259,6 +270,10 @@ def main(argv=None) -> int:
             return print_calibration(model_dir, lengths, args)
         runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
         runner.knobs = parse_knobs(args.knobs)
+        if args.method == "all":
+            methods = [m for m in methods if runner.engine_name in METHODS[m].engines]
+        else:
+            runner.check_engine(args.method)
         steps = args.steps or (runner.gen.block_length if runner.is_block else args.gen_length)
         runner.gen = GenerationConfig(gen_length=args.gen_length, block_length=runner.gen.block_length
                                       if runner.is_block else min(32, args.gen_length), steps=steps,

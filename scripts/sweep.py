@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     try:
         plan = variants(args.methods.split(","), knob, [parse_value(v) for v in values.split(",")])
         runner = Runner(resolve_model(args.model), args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
+        for name, _ in plan:
+            runner.check_engine(name)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -64,6 +64,7 @@ def test_longbench_file_is_scored(capsys, tmp_path):
     (["--method", "nope"], "unknown method 'nope'; valid methods: dense"),
     (["--task", "longbench"], "--task longbench needs --data"),
     (["--model", "/nowhere"], "model not found: /nowhere"),
+    (["--model", "tiny-llada", "--method", "mage"], "method 'mage' runs on the block engine; this llada model"),
 ])
 def test_bad_arguments_are_named(capsys, args, message):
     code, _, err = run_eval(capsys, *args)
@@ -102,3 +103,12 @@ def test_kv_key_words_are_one_token_each_in_the_tiny_tokenizers(name):
     for key in KV_KEYS:
         assert tokenizer.encode(f"\n{key} :").tokens == ["Ċ", key, "Ġ:"]
         assert tokenizer.encode(f"of {key}?").tokens == ["of", "Ġ", key, "?"]
+
+
+def test_method_all_runs_the_methods_of_the_models_engine(capsys):
+    code, out, err = run_eval(capsys, "--model", "tiny-sdar", "--method", "all", "--lengths", "256", "--n", "1",
+                              "--gen-length", "32")
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("| cell"))
+    assert "mage acc" in header and "quest acc" in header and "maskkv" not in header and "dyllm" not in header
+
