@@ -5,6 +5,7 @@ from .dllm_cache import DllmCache
 from .dyllm import DyLLM
 from .fast_dllm import FastDllm
 from .mage import Mage
+from .momo import Momo
 from .maskkv import MaskKV
 from .quest import Quest
 from .snapkv import SnapKV
@@ -18,6 +19,7 @@ METHODS: dict[str, type[Method]] = {
     "fast_dllm": FastDllm,
     "mage": Mage,
     "maskkv": MaskKV,
+    "momo": Momo,
     "quest": Quest,
     "snapkv": SnapKV,
     "sparse_dllm": SparseDllm,

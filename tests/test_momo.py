@@ -1,0 +1,107 @@
+"""MOMO (methods/momo.py, the torch reference): k covering every key block equals dense for every
+mask and top-k variant, a small k differs, the top-k variants return what they claim, Algorithm 2's
+union and trim, and the engines decode dense's tokens with a full budget."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanodllm import block
+from nanodllm.attention import CanvasMask, attention_reference
+from nanodllm.config import GenerationConfig
+from nanodllm.methods import get_method
+from nanodllm.methods.momo import estimated_top_k, exact_top_k, momo_attention, union_and_trim
+from tests.tiny_models import masked_tokens, random_prompt, tiny_model
+
+MASKS = ["bidirectional", "padding", "block-causal", "causal"]
+
+
+def make_mask(kind, valid):
+    return {"bidirectional": None, "padding": CanvasMask(valid=valid),
+            "block-causal": CanvasMask(valid=valid, block_size=8), "causal": CanvasMask(block_size=1)}[kind]
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(8, 120), gamma=st.sampled_from([1, 2, 4]), per_block=st.sampled_from([1, 2, 4]),
+       beta=st.sampled_from([4, 8, 16]), kind=st.sampled_from(MASKS), top_k=st.sampled_from(["exact", "estimated"]),
+       group=st.sampled_from([1, 2]), seed=st.integers(0, 999))
+def test_k_covering_every_block_equals_dense(n, gamma, per_block, beta, kind, top_k, group, seed):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 2 * group, n, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, n, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, n - n // 3 :] = False  # row 1 right-padded, as the block engine's prefill
+    mask = make_mask(kind, valid)
+    dense_mask = None if mask is None else mask.dense(n, n, q.device)
+    blocks = -(-n // beta)
+    out = momo_attention(q, k, v, mask, gamma=gamma, chi=gamma * per_block, beta=beta, k_blocks=blocks,
+                         k_exact=min(2, blocks), top_k=top_k)
+    expected = attention_reference(q, k, v, dense_mask)
+    real = valid if kind in ("padding", "block-causal") else torch.ones_like(valid)
+    torch.testing.assert_close(out[real[:, None].expand(-1, q.shape[1], -1)],
+                               expected[real[:, None].expand(-1, q.shape[1], -1)], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("top_k", ["exact", "estimated"])
+def test_small_k_differs(top_k):
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    out = momo_attention(q, k, v, None, gamma=4, chi=16, beta=16, k_blocks=2, k_exact=1, top_k=top_k)
+    assert (out - attention_reference(q, k, v)).abs().max() > 1e-3
+
+
+def test_exact_top_k_breaks_ties_to_the_lower_block():
+    scores = torch.tensor([[1.0, 3.0, 3.0, float("-inf"), 2.0]])
+    assert exact_top_k(scores, 2).tolist() == [[1, 2]]
+    assert exact_top_k(scores, 5).tolist() == [[1, 2, 4, 0, -1]]  # the invisible block is never chosen
+
+
+@settings(max_examples=20, deadline=None)
+@given(blocks=st.integers(1, 40), k=st.integers(1, 12), seed=st.integers(0, 999), data=st.data())
+def test_estimated_top_k_keeps_the_exact_part_and_at_most_k(blocks, k, seed, data):
+    k_exact = data.draw(st.integers(0, k))
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(3, blocks, generator=generator, dtype=torch.float64)
+    scores[0, blocks // 2 :] = float("-inf")  # a causal-like row
+    chosen = estimated_top_k(scores, k, k_exact)
+    exact = exact_top_k(scores, k)
+    for row in range(3):
+        picked = [int(i) for i in chosen[row] if i >= 0]
+        assert len(picked) == len(set(picked)) <= k
+        assert all(scores[row, i] > float("-inf") for i in picked)
+        assert {int(i) for i in exact_top_k(scores[row : row + 1], k_exact)[0] if i >= 0} <= set(picked)
+        if k_exact == k:
+            assert set(picked) == {int(i) for i in exact[row] if i >= 0}
+        visible = int((scores[row] > float("-inf")).sum())
+        if visible <= k:
+            assert len(picked) == visible  # room for everything: everything is taken
+
+
+def test_union_and_trim_ranks_by_mean_score():
+    # one query block of two sampled rows over 4 key blocks; row 0 chose {0, 1}, row 1 chose {1, 3}
+    scores = torch.tensor([[[[5.0, 1.0, 0.0, 0.0], [0.0, 4.0, 0.0, 3.5]]]])
+    chosen = torch.tensor([[[[0, 1], [1, 3]]]])
+    keep = union_and_trim(scores, chosen, rows_per_block=2, k_trim=2)
+    assert keep[0, 0, 0].tolist() == [True, False, False, True]  # means: 5, 2.5, -, 3.5
+
+
+def test_engines_decode_dense_tokens_with_a_full_budget():
+    full = dict(gamma=2, chi=4, beta=4, k=64, k_exact=4)
+    assert masked_tokens(get_method("momo", canvas=True, **full)) == masked_tokens(get_method("dense"))
+    assert masked_tokens(get_method("momo", canvas=True, gamma=2, chi=4, beta=4, k=1, k_exact=1)) != \
+        masked_tokens(get_method("dense"))
+    sdar = tiny_model("sdar", block_size=4)
+    prompts = [random_prompt(30, seed=3), random_prompt(21, seed=4)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4)
+    run = lambda method: block.generate(sdar, prompts, gen, method=method, stop_ids=()).tokens
+    assert run(get_method("momo", **full)) == run(get_method("dense"))
+
+
+def test_bad_knobs_are_named():
+    with pytest.raises(ValueError, match="multiple of gamma"):
+        get_method("momo", gamma=16, chi=100)
+    with pytest.raises(ValueError, match="top_k"):
+        get_method("momo", top_k="tree")
+    with pytest.raises(ValueError, match="k_exact"):
+        get_method("momo", k=8, k_exact=9)
