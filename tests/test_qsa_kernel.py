@@ -1,0 +1,64 @@
+"""kernels/qsa_attention.py (MOMO step 1) against its torch reference under TRITON_INTERPRET=1:
+the sampled rows' outputs and LSE, and a top-k block set that is a true top-k of the block scores."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.qsa_attention import qsa_attention, qsa_attention_reference
+from nanodllm.methods.momo import block_scores, scaled_scores
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 160), gamma=st.sampled_from([1, 3, 4, 16]), beta=st.sampled_from([16, 32]),
+       top_k=st.integers(1, 12), head_dim=st.sampled_from([16, 32, 64]), group=st.sampled_from([1, 2]),
+       mask=st.sampled_from(["none", "causal", "block", "padding"]),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 999))
+def test_qsa_matches_the_reference(n, gamma, beta, top_k, head_dim, group, mask, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 2 * group, n, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(2, 2, n, head_dim, generator=generator).to(dtype) for _ in range(2))
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, (2 * n) // 3 :] = False
+    masks = {"none": {}, "causal": {"causal": True}, "block": {"block_size": 8},
+             "padding": {"k_valid": valid, "block_size": 8}}[mask]
+    out, lse, top_index, top_score = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=top_k, **masks)
+    ref_out, ref_lse, _, _ = qsa_attention_reference(q, k, v, gamma=gamma, beta=beta, top_k=top_k, **masks)
+    tolerance = 2e-3 if dtype == torch.float16 else 1e-4
+    seen = ref_lse > float("-inf")
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=tolerance, rtol=tolerance)
+    assert bool((lse[~seen] == float("-inf")).all())
+
+    # every block score, to check the kernel's set is a top-k (near-ties may differ from torch.topk)
+    positions = torch.arange(0, n, gamma)
+    visible = None
+    if mask != "none":
+        size = 1 if mask == "causal" else 8
+        visible = (torch.arange(n)[None, :] // size) <= (positions[:, None] // size)
+        visible = visible[None, None] & (valid[:, None, None, :] if mask == "padding" else True)
+    scores = block_scores(scaled_scores(q[:, :, positions], k, visible), beta)
+    for b in range(2):
+        for h in range(2 * group):
+            for row in range(len(positions)):
+                row_scores = scores[b, h, row]
+                picked = top_index[b, h, row][top_index[b, h, row] >= 0].long()
+                visible_blocks = int((row_scores > float("-inf")).sum())
+                assert len(picked) == min(top_k, visible_blocks) == len(set(picked.tolist()))
+                if len(picked):
+                    kth = row_scores.sort(descending=True).values[len(picked) - 1]
+                    assert bool((row_scores[picked] >= kth - tolerance * 10).all())
+                    torch.testing.assert_close(top_score[b, h, row][top_index[b, h, row] >= 0],
+                                               row_scores[picked].float(), atol=tolerance * 10, rtol=tolerance)
+
+
+def test_bad_arguments_are_named():
+    q = torch.randn(1, 2, 8, 16)
+    k = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="beta"):
+        qsa_attention(q, k, k, gamma=2, beta=24, top_k=2)
+    with pytest.raises(ValueError, match="exclusive"):
+        qsa_attention(q, k, k, gamma=2, beta=16, top_k=2, causal=True, block_size=4)
+    with pytest.raises(ValueError, match="k_valid"):
+        qsa_attention(q, k, k, gamma=2, beta=16, top_k=2, k_valid=torch.ones(1, 7, dtype=torch.bool))
