@@ -80,10 +80,30 @@ def test_estimated_top_k_keeps_the_exact_part_and_at_most_k(blocks, k, seed, dat
 
 def test_union_and_trim_ranks_by_mean_score():
     # one query block of two sampled rows over 4 key blocks; row 0 chose {0, 1}, row 1 chose {1, 3}
-    scores = torch.tensor([[[[5.0, 1.0, 0.0, 0.0], [0.0, 4.0, 0.0, 3.5]]]])
     chosen = torch.tensor([[[[0, 1], [1, 3]]]])
-    keep = union_and_trim(scores, chosen, rows_per_block=2, k_trim=2)
+    chosen_scores = torch.tensor([[[[5.0, 1.0], [4.0, 3.5]]]])
+    keep = union_and_trim(chosen, chosen_scores, blocks=4, rows_per_block=2, k_trim=2)
     assert keep[0, 0, 0].tolist() == [True, False, False, True]  # means: 5, 2.5, -, 3.5
+    keep = union_and_trim(torch.tensor([[[[0, -1], [-1, -1]]]]), chosen_scores, blocks=4, rows_per_block=2, k_trim=2)
+    assert keep[0, 0, 0].tolist() == [True, False, False, False]  # empty slots choose nothing
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", "padding", "block-causal"])
+def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypatch, kind):
+    import nanodllm.methods.momo as momo
+
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 200, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 200, 16, generator=generator) for _ in range(2))
+    valid = torch.ones(2, 200, dtype=torch.bool)
+    valid[1, 150:] = False
+    knobs = dict(gamma=4, chi=64, beta=16, k_blocks=4)
+    expected = momo_attention(q, k, v, make_mask(kind, valid), **knobs)
+    monkeypatch.setattr(momo, "use_kernels", lambda q: True)  # the Triton kernels, interpreted on a CPU
+    got = momo_attention(q, k, v, make_mask(kind, valid), **knobs)
+    real = valid[:, None, :, None].expand_as(got) if kind != "bidirectional" else torch.ones_like(got, dtype=torch.bool)
+    torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=1e-4)
+    assert (expected - momo_attention(q, k, v, make_mask(kind, valid), **{**knobs, "k_blocks": 13})).abs().max() > 1e-3
 
 
 def test_engines_decode_dense_tokens_with_a_full_budget():

@@ -13,9 +13,9 @@ O_i = O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) * gamma] (eq. 2-3).
 Top-k variants (`top_k`): "exact" (the online k-slot buffer and the tournament tree both return the
 exact top-k, ties to the lower block index), "estimated" (the k_exact best exactly, the other
 k - k_exact slots filled greedily by blocks whose score beats a Gaussian threshold from Welford
-running statistics: eq. 6-7). This file is the torch reference of the whole pipeline (it forms the
-score matrix of the sampled rows and the sparse mask densely); the Triton kernels that never form
-them are the next slice of the issue.
+running statistics: eq. 6-7). In torch the pipeline forms the sampled rows' scores and the sparse
+mask densely (the reference); on CUDA with exact top-k it runs on kernels/qsa_attention.py (step 1
+with the top-k fused) and kernels/block_sparse_attention.py (step 3), union and trim in torch.
 
 Hooks: prefill (block engine: the prompt's attention), step (masked engine, canvas=True: every full
 canvas step).
@@ -30,13 +30,20 @@ import math
 
 import torch
 
-from ..attention import CanvasMask
+from ..attention import CanvasMask, use_kernels
 from .base import Method
 
 
 def dense_mask(mask, n, device):
-    """The [batch, 1, n, n] bool mask (or None) of a CanvasMask, a bool tensor or None."""
-    return mask.dense(n, n, device) if isinstance(mask, CanvasMask) else mask
+    """The [batch, 1, n, n] bool mask (or None) of a CanvasMask, a bool tensor or None. Padded keys
+    are hidden from every query, padded ones included (as the kernels do), so that a padded sampled
+    query votes for real blocks like any other."""
+    if not isinstance(mask, CanvasMask):
+        return mask
+    dense = mask.dense(n, n, device)
+    if mask.valid is not None:
+        dense = dense & mask.valid[:, None, None, -n:]
+    return dense
 
 
 def scaled_scores(q, k, mask):
@@ -127,48 +134,89 @@ def mark(indices, size):
     return out.scatter_(-1, torch.where(indices >= 0, indices, size), True)[..., :size]
 
 
-def union_and_trim(scores, chosen, rows_per_block, k_trim):
-    """Algorithm 2: per query block, the union of its sampled rows' chosen blocks, ranked by their
-    mean score over the rows that chose them; the k_trim best. scores [batch, heads, rows, blocks],
-    chosen [batch, heads, rows, k] (-1 = none). Returns keep [batch, heads, query blocks, blocks] bool."""
-    batch, heads, rows, blocks = scores.shape
+def union_and_trim(chosen, chosen_scores, blocks, rows_per_block, k_trim):
+    """Algorithm 2: per query block, the union of its sampled rows' chosen key blocks, ranked by
+    their mean score over the rows that chose them; the k_trim best. chosen [batch, heads, rows, k]
+    (-1 = none) with their scores; returns keep [batch, heads, query blocks, blocks] bool."""
+    batch, heads, rows, k = chosen.shape
     query_blocks = math.ceil(rows / rows_per_block)
-    picked = mark(chosen, blocks)
     pad = query_blocks * rows_per_block - rows
-    picked = torch.nn.functional.pad(picked, (0, 0, 0, pad)).view(batch, heads, query_blocks, rows_per_block, blocks)
-    values = torch.nn.functional.pad(scores, (0, 0, 0, pad)).view(picked.shape)
-    total = torch.where(picked, values, 0.0).sum(dim=3)
-    times = picked.sum(dim=3)
-    mean = torch.where(times > 0, total / times.clamp(min=1), float("-inf"))
+    chosen = torch.nn.functional.pad(chosen, (0, 0, 0, pad), value=-1)
+    entries = chosen.view(batch, heads, query_blocks, rows_per_block * k)
+    values = torch.nn.functional.pad(chosen_scores.double(), (0, 0, 0, pad)).view(entries.shape)
+    slots = torch.where(entries >= 0, entries.long(), blocks)  # a sentinel column for the empty slots
+    total = values.new_zeros(batch, heads, query_blocks, blocks + 1).scatter_add_(3, slots, torch.where(entries >= 0, values, 0.0))
+    times = total.new_zeros(total.shape).scatter_add_(3, slots, (entries >= 0).double())
+    mean = torch.where(times > 0, total / times.clamp(min=1), float("-inf"))[..., :blocks]
     return mark(exact_top_k(mean, k_trim), blocks)
+
+
+def diagonal_blocks(n, chi, beta, device):
+    """[query blocks, key blocks] bool: the key blocks overlapping each query block's own rows."""
+    starts = torch.arange(0, n, chi, device=device)
+    first, last = starts // beta, (torch.clamp(starts + chi, max=n) - 1) // beta
+    key_block = torch.arange(math.ceil(n / beta), device=device)
+    return (key_block[None, :] >= first[:, None]) & (key_block[None, :] <= last[:, None])
+
+
+def block_lists(keep):
+    """[..., blocks] bool -> [..., L] int32 key-block lists (-1 padded), L = the longest."""
+    blocks = keep.shape[-1]
+    longest = max(int(keep.sum(dim=-1).max()), 1)
+    listed = torch.where(keep, torch.arange(blocks, device=keep.device), blocks).sort(dim=-1).values[..., :longest]
+    return torch.where(listed < blocks, listed, -1).to(torch.int32)
 
 
 def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128, k_exact=8, k_trim=None,
                    top_k="exact"):
-    """Algorithm 1 in torch: q [batch, heads, n, d], k/v [batch, kv_heads, n, d], mask a CanvasMask,
-    a bool [batch, 1, n, n] or None (bidirectional). Returns [batch, heads, n, d] in q's dtype."""
+    """Algorithm 1: q [batch, heads, n, d], k/v [batch, kv_heads, n, d], mask a CanvasMask, a bool
+    [batch, 1, n, n] or None (bidirectional). Returns [batch, heads, n, d] in q's dtype. On the
+    Triton kernels (kernels/qsa_attention.py, block_sparse_attention.py) when use_kernels(q), the
+    top-k is exact and the mask is structured; else in torch, forming the scores densely."""
     if chi % gamma:
         raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
-    batch, heads, n, _ = q.shape
+    n = q.shape[2]
+    structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
+    if use_kernels(q) and structured and top_k == "exact" and beta in (16, 32, 64, 128) and chi % 64 == 0:
+        return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_trim or k_blocks)
     full = dense_mask(mask, n, q.device)
     sampled = torch.arange(0, n, gamma, device=q.device)
-    sampled_mask = None if full is None else full[:, :, sampled]
-    sampled_scores = scaled_scores(q[:, :, sampled], k, sampled_mask)
+    sampled_scores = scaled_scores(q[:, :, sampled], k, None if full is None else full[:, :, sampled])
     o_gamma = softmax_out(sampled_scores, v)
     scores = block_scores(sampled_scores, beta)
     chosen = exact_top_k(scores, k_blocks) if top_k == "exact" else estimated_top_k(scores, k_blocks, k_exact)
-    keep = union_and_trim(scores, chosen, chi // gamma, k_trim or k_blocks)
-    query_block = torch.arange(n, device=q.device) // chi
-    key_block = torch.arange(n, device=q.device) // beta
-    diagonal = (key_block[None, :] >= (query_block[:, None] * chi) // beta) & \
-        (key_block[None, :] <= (torch.clamp(query_block[:, None] * chi + chi, max=n) - 1) // beta)
-    sparse = keep[:, :, query_block][..., key_block] | diagonal  # [batch, heads, n, n]
+    chosen_scores = torch.where(chosen >= 0, scores.gather(-1, chosen.clamp(min=0)), float("-inf"))
+    keep = union_and_trim(chosen, chosen_scores, scores.shape[-1], chi // gamma, k_trim or k_blocks)
+    keep = keep | diagonal_blocks(n, chi, beta, q.device)
+    positions = torch.arange(n, device=q.device)
+    sparse = keep[:, :, positions // chi][..., positions // beta]  # [batch, heads, n, n]
     if full is not None:
         sparse = sparse & full
     o_sparse = softmax_out(scaled_scores(q, k, sparse), v)
-    delta = o_gamma - o_sparse[:, :, sampled]
-    window = torch.arange(n, device=q.device) // gamma
-    return (o_sparse + delta[:, :, window]).to(q.dtype)
+    return delta_corrected(o_sparse, o_gamma, gamma).to(q.dtype)
+
+
+def delta_corrected(o_sparse, o_gamma, gamma):
+    """eq. 3: O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) gamma]."""
+    n = o_sparse.shape[2]
+    delta = o_gamma.to(o_sparse.dtype) - o_sparse[:, :, ::gamma]
+    return o_sparse + delta[:, :, torch.arange(n, device=o_sparse.device) // gamma]
+
+
+def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_trim):
+    """The same pipeline without an [n, n] tensor: QSA kernel -> union and trim -> block-sparse kernel."""
+    from kernels.block_sparse_attention import block_sparse_attention
+    from kernels.qsa_attention import qsa_attention
+
+    masking = {}
+    if mask is not None:
+        masking = {"block_size": mask.block_size, "k_valid": None if mask.valid is None else mask.valid[:, -q.shape[2]:]}
+    o_gamma, _, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks, **masking)
+    blocks = math.ceil(q.shape[2] / beta)
+    keep = union_and_trim(chosen, chosen_scores, blocks, chi // gamma, k_trim)
+    keep = keep | diagonal_blocks(q.shape[2], chi, beta, q.device)
+    o_sparse, _ = block_sparse_attention(q, k, v, block_lists(keep), chi=chi, beta=beta, **masking)
+    return delta_corrected(o_sparse.float(), o_gamma.float(), gamma).to(q.dtype)
 
 
 class Momo(Method):

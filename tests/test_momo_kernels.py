@@ -1,11 +1,13 @@
-"""kernels/qsa_attention.py (MOMO step 1) against its torch reference under TRITON_INTERPRET=1:
-the sampled rows' outputs and LSE, and a top-k block set that is a true top-k of the block scores."""
+"""MOMO's kernels against their torch references under TRITON_INTERPRET=1: kernels/qsa_attention.py
+(the sampled rows' outputs and LSE, and a top-k block set that is a true top-k of the block scores)
+and kernels/block_sparse_attention.py (listed key blocks, masks, empty list entries)."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
 from kernels.qsa_attention import qsa_attention, qsa_attention_reference
 from nanodllm.methods.momo import block_scores, scaled_scores
 
@@ -62,3 +64,28 @@ def test_bad_arguments_are_named():
         qsa_attention(q, k, k, gamma=2, beta=16, top_k=2, causal=True, block_size=4)
     with pytest.raises(ValueError, match="k_valid"):
         qsa_attention(q, k, k, gamma=2, beta=16, top_k=2, k_valid=torch.ones(1, 7, dtype=torch.bool))
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 200), chi_tiles=st.integers(1, 3), beta=st.sampled_from([16, 32]), listed=st.integers(1, 6),
+       mask=st.sampled_from(["none", "causal", "block", "padding"]), group=st.sampled_from([1, 2]),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 999))
+def test_block_sparse_matches_the_reference(n, chi_tiles, beta, listed, mask, group, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    chi = 16 * chi_tiles  # the interpreter's BLOCK_M is 16
+    q = torch.randn(1, 2 * group, n, 16, generator=generator).to(dtype)
+    k, v = (torch.randn(1, 2, n, 16, generator=generator).to(dtype) for _ in range(2))
+    key_blocks, query_blocks = -(-n // beta), -(-n // chi)
+    lists = torch.stack([torch.randperm(key_blocks, generator=generator)[:listed] for _ in range(2 * group * query_blocks)])
+    lists = torch.nn.functional.pad(lists, (0, listed - lists.shape[1]), value=-1).view(1, 2 * group, query_blocks, -1)
+    lists[..., -1] = torch.where(torch.rand(lists.shape[:3], generator=generator) < 0.3, -1, lists[..., -1])
+    valid = torch.ones(1, n, dtype=torch.bool)
+    valid[0, (2 * n) // 3 :] = False
+    masks = {"none": {}, "causal": {"causal": True}, "block": {"block_size": 8}, "padding": {"k_valid": valid}}[mask]
+    out, lse = block_sparse_attention(q, k, v, lists.int(), chi=chi, beta=beta, **masks)
+    ref_out, ref_lse = block_sparse_attention_reference(q, k, v, lists.int(), chi=chi, beta=beta, **masks)
+    tolerance = 2e-3 if dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tolerance, rtol=tolerance)
+    seen = ref_lse > float("-inf")
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=tolerance, rtol=tolerance)
+    assert bool((lse[~seen] == float("-inf")).all())

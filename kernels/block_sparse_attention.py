@@ -1,0 +1,136 @@
+"""Block-sparse attention over listed key blocks (MOMO, step 3).
+
+The queries are cut into query blocks of chi rows; each (batch, head, query block) has a list of key
+blocks of beta keys to attend to (MOMO's trimmed union plus the diagonal blocks). A program owns
+BLOCK_M rows of one query block and walks its list, one key block per tile (BLOCK_N = beta), with the
+online softmax of flash_attention.py (base 2, fp32 running max / sum / accumulator). The mask is
+applied inside each tile: bidirectional, causal, or block-causal with block_size B (query at p sees
+key j iff j // B <= p // B), and key padding k_valid [batch, N]. Lists may be shorter than their
+buffer: entries < 0 are skipped. A row that sees no listed key gets out = 0 and lse = -inf.
+GQA: query head h reads KV head h // group. Lists must be duplicate-free (a duplicate counts twice).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = math.log2(math.e)
+LN_2 = tl.constexpr(math.log(2.0))
+
+
+@triton.jit
+def block_sparse_kernel(
+    q_ptr, k_ptr, v_ptr, valid_ptr, blocks_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_valid_b, stride_valid_n,
+    stride_bb, stride_bh, stride_bq, stride_bk,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    n, num_heads, group, chi, list_length, mask_block, qk_scale,
+    MASKED: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    m_tile, batch_head = tl.program_id(0), tl.program_id(1)
+    batch, head = batch_head // num_heads, batch_head % num_heads
+    kv_head = head // group
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n
+    query_block = (m_tile * BLOCK_M) // chi
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qn + dims[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    list_base = blocks_ptr + batch * stride_bb + head * stride_bh + query_block * stride_bq
+    for entry in range(0, list_length):
+        key_block = tl.load(list_base + entry * stride_bk)
+        if key_block >= 0:
+            keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
+            visible = (keys[None, :] < n) & row_ok[:, None]
+            if MASKED:
+                visible = visible & ((keys[None, :] // mask_block) <= (rows[:, None] // mask_block))
+            if HAS_VALID:
+                key_valid = tl.load(valid_ptr + batch * stride_valid_b + keys * stride_valid_n, mask=keys < n, other=0)
+                visible = visible & (key_valid[None, :] != 0)
+            k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + keys[:, None] * stride_kn
+                        + dims[None, :] * stride_kd, mask=keys[:, None] < n, other=0.0)
+            v = tl.load(v_ptr + batch * stride_vb + kv_head * stride_vh + keys[:, None] * stride_vn
+                        + dims[None, :] * stride_vd, mask=keys[:, None] < n, other=0.0)
+            scores = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_on + dims[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN_2, float("-inf"))
+    tl.store(lse_ptr + batch * stride_lb + head * stride_lh + rows * stride_ln, lse, mask=row_ok)
+
+
+def block_sparse_attention(q, k, v, blocks, *, chi: int, beta: int, causal=False, block_size=None, k_valid=None,
+                           scale=None):
+    """q [batch, heads, N, D], k/v [batch, kv_heads, N, D], blocks [batch, heads, ceil(N / chi), L]
+    int (key block indices, < 0 = none). Returns (out [batch, heads, N, D], lse [batch, heads, N] float32)."""
+    batch, heads, n, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[2] != n or k.shape[3] != head_dim or heads % k.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
+    if head_dim not in (16, 32, 64, 128) or beta not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim and beta must each be 16, 32, 64 or 128, got {head_dim} and {beta}")
+    block_m = 64 if q.is_cuda else 16
+    if chi % block_m:
+        raise ValueError(f"chi must be a multiple of {block_m}, got {chi}")
+    if blocks.dim() != 4 or blocks.shape[:3] != (batch, heads, triton.cdiv(n, chi)):
+        raise ValueError(f"blocks must be [batch, heads, ceil(N / chi), L] = [{batch}, {heads}, "
+                         f"{triton.cdiv(n, chi)}, L], got {tuple(blocks.shape)}")
+    if causal and block_size is not None:
+        raise ValueError("causal and block_size are exclusive (causal is block_size = 1)")
+    scale = head_dim**-0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, n, dtype=torch.float32, device=q.device)
+    valid = k_valid.view(torch.uint8) if k_valid is not None else lse
+    valid_strides = k_valid.stride() if k_valid is not None else (0, 0)
+    grid = (triton.cdiv(n, block_m), batch * heads)
+    block_sparse_kernel[grid](
+        q, k, v, valid, blocks, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *valid_strides, *blocks.stride(), *out.stride(), *lse.stride(),
+        n, heads, heads // k.shape[1], chi, blocks.shape[3], 1 if causal else (block_size or 1), scale * LOG2_E,
+        MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, BLOCK_M=block_m, BLOCK_N=beta,
+        HEAD_DIM=head_dim, num_warps=4,
+    )
+    return out, lse
+
+
+def block_sparse_attention_reference(q, k, v, blocks, *, chi: int, beta: int, causal=False, block_size=None,
+                                     k_valid=None, scale=None):
+    """Plain torch: the listed blocks as a dense [N, N] mask, softmax in fp32 or wider."""
+    batch, heads, n, head_dim = q.shape
+    group = heads // k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)
+    key_blocks = triton.cdiv(n, beta)
+    listed = torch.zeros(batch, heads, blocks.shape[2], key_blocks + 1, dtype=torch.bool, device=q.device)
+    listed.scatter_(3, torch.where(blocks >= 0, blocks.long(), key_blocks), True)
+    positions = torch.arange(n, device=q.device)
+    visible = listed[:, :, positions // chi][..., positions // beta]
+    if causal or block_size is not None:
+        size = 1 if causal else block_size
+        visible = visible & ((positions[None, :] // size) <= (positions[:, None] // size))
+    if k_valid is not None:
+        visible = visible & k_valid[:, None, None, :]
+    scores = q.to(compute) @ k.to(compute).repeat_interleave(group, 1).transpose(-1, -2) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    probs = torch.nan_to_num((scores - lse[..., None]).exp(), nan=0.0)
+    out = probs @ v.to(compute).repeat_interleave(group, 1)
+    return out.to(q.dtype), lse.float()
