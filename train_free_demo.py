@@ -1,13 +1,14 @@
 """Run dense decoding and one training-free method side by side on the same prompt.
 
-    python train_free_demo.py --method dense
+    python train_free_demo.py --method maskkv
     python train_free_demo.py --model DIR --method dense --prompt "..."
 
 Prints both outputs, how many generated tokens agree, tokens/s and peak memory of each run.
 LLaDA checkpoints decode with the masked engine, SDAR checkpoints with the block engine. Without
---model the demo uses the tiny trained model shipped in nanodllm/assets for the method's engine
-(tiny-llada for masked diffusion, tiny-sdar for block diffusion) and, without --prompt, a built-in
-long-context passkey prompt whose answer it prints.
+--model the demo uses the tiny trained model shipped in nanodllm/assets for the method's first
+engine (tiny-llada for masked diffusion, tiny-sdar for block diffusion; MOMO, which serves both, is
+shown on the block engine's prefill) and, without --prompt, a built-in long-context passkey prompt
+whose answer it prints.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     if args.method not in METHODS:
         print(f"error: unknown method {args.method!r}; valid methods: {', '.join(sorted(METHODS))}", file=sys.stderr)
         return 2
-    model_dir = args.model or ASSETS / ("tiny-llada" if "masked" in METHODS[args.method].engines else "tiny-sdar")
+    model_dir = args.model or ASSETS / ("tiny-llada" if METHODS[args.method].engines[0] == "masked" else "tiny-sdar")
     try:
         cfg = ModelConfig.from_dir(model_dir)
         is_block = cfg.attention == "block_causal"
