@@ -22,16 +22,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanodllm import tasks  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.eval import DTYPES, Runner, agreement, resolve_model  # noqa: E402
-from nanodllm.methods import METHODS, parse_value  # noqa: E402
+from nanodllm.methods import METHODS, parse_knobs, parse_value  # noqa: E402
 
 
-def variants(methods: list[str], knob: str, values: list) -> list[tuple[str, dict]]:
+def variants(methods: list[str], knob: str, values: list, fixed: dict) -> list[tuple[str, dict]]:
+    """dense, then each method once per value of the swept knob (once if it has no such knob), with
+    the fixed knobs it accepts."""
     out = [("dense", {})]
     for name in methods:
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(sorted(METHODS))}")
-        takes = knob in inspect.signature(METHODS[name].__init__).parameters
-        out += [(name, {knob: v}) for v in values] if takes else [(name, {})]
+        accepted = inspect.signature(METHODS[name].__init__).parameters
+        base = {k: v for k, v in fixed.items() if k in accepted}
+        out += [(name, {**base, knob: v}) for v in values] if knob in accepted else [(name, base)]
     return out
 
 
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="tiny-llada")
     parser.add_argument("--methods", required=True, help="comma-separated")
     parser.add_argument("--knob", required=True, help="name=v1,v2,... (numbers or words, as --knobs parses them)")
+    parser.add_argument("--knobs", help="fixed knobs for every method that takes them, e.g. k_exact=1,chi=64")
     parser.add_argument("--task", default="passkey", choices=tasks.TASKS)
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--n", type=int, default=40, help="samples per length (spread over the depths)")
@@ -117,7 +121,8 @@ def main(argv=None) -> int:
     knob, _, values = args.knob.partition("=")
     lengths = [int(x) for x in args.lengths.split(",")]
     try:
-        plan = variants(args.methods.split(","), knob, [parse_value(v) for v in values.split(",")])
+        plan = variants(args.methods.split(","), knob, [parse_value(v) for v in values.split(",")],
+                        parse_knobs(args.knobs))
         runner = Runner(resolve_model(args.model), args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
         for name, _ in plan:
             runner.check_engine(name)

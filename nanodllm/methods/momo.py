@@ -180,20 +180,30 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
     if use_kernels(q) and structured and top_k == "exact" and beta in (16, 32, 64, 128) and chi % 64 == 0:
         return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_trim or k_blocks)
     full = dense_mask(mask, n, q.device)
+    o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks, top_k)
+    o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full)), v)
+    return delta_corrected(o_sparse, o_gamma, gamma).to(q.dtype)
+
+
+def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k):
+    """Steps 1-2 in torch: (O_gamma [batch, heads, sampled rows, d], keep [batch, heads, query
+    blocks, key blocks] bool, the trimmed union with the diagonal blocks). full: dense_mask's."""
+    n = q.shape[2]
     sampled = torch.arange(0, n, gamma, device=q.device)
     sampled_scores = scaled_scores(q[:, :, sampled], k, None if full is None else full[:, :, sampled])
     o_gamma = softmax_out(sampled_scores, v)
     scores = block_scores(sampled_scores, beta)
     chosen = exact_top_k(scores, k_blocks) if top_k == "exact" else estimated_top_k(scores, k_blocks, k_exact)
     chosen_scores = torch.where(chosen >= 0, scores.gather(-1, chosen.clamp(min=0)), float("-inf"))
-    keep = union_and_trim(chosen, chosen_scores, scores.shape[-1], chi // gamma, k_trim or k_blocks)
-    keep = keep | diagonal_blocks(n, chi, beta, q.device)
-    positions = torch.arange(n, device=q.device)
-    sparse = keep[:, :, positions // chi][..., positions // beta]  # [batch, heads, n, n]
-    if full is not None:
-        sparse = sparse & full
-    o_sparse = softmax_out(scaled_scores(q, k, sparse), v)
-    return delta_corrected(o_sparse, o_gamma, gamma).to(q.dtype)
+    keep = union_and_trim(chosen, chosen_scores, scores.shape[-1], chi // gamma, k_trim)
+    return o_gamma, keep | diagonal_blocks(n, chi, beta, q.device)
+
+
+def expand_blocks(keep, n, chi, beta, full=None):
+    """[batch, heads, query blocks, key blocks] -> the [batch, heads, n, n] token mask (and full's)."""
+    positions = torch.arange(n, device=keep.device)
+    sparse = keep[:, :, positions // chi][..., positions // beta]
+    return sparse if full is None else sparse & full
 
 
 def delta_corrected(o_sparse, o_gamma, gamma):
