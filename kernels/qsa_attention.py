@@ -7,15 +7,19 @@ block score, MOMO's eq. 4: S(j) = logsumexp over the block of the row's scaled s
 row sees none of the block). Each row keeps the k best blocks in a k-slot buffer held in registers
 (the paper's online exact top-k): a block replaces the buffer's minimum when its score is strictly
 higher, so among equal scores the lower block stays, and the buffer ends with the exact top-k.
-That update costs O(k) per block (a min and an argmin over the buffer); the paper's tournament tree
-(O(log k), buffer in HBM) and its Gaussian-threshold estimate (O(1)) are the other two variants.
+That update costs O(k) per block (a min and an argmin over the buffer). With k_exact < k the kernel
+runs the paper's estimate instead (eq. 6-7): only k_exact slots are exact, and what they displace
+or reject fills the other k - k_exact slots when it beats a Gaussian threshold from Welford running
+statistics (O(1) per block beyond the small exact part; `estimated_top_k` is its torch form). The
+paper's tournament tree (O(log k), buffer in HBM) is not here.
 
 Masks as in flash_attention.py: bidirectional, causal, or block-causal with block_size B (query at
 position p sees key j iff j // B <= p // B), and optional key padding k_valid [batch, N]. Sampled
 query i sits at position i * gamma. GQA: query head h reads KV head h // group.
 Outputs: o [batch, heads, S, D] (S = ceil(N / gamma)), lse [batch, heads, S] float32, and the top-k
 blocks per sampled row: indices [batch, heads, S, k] int32 (-1 = empty slot: the row sees fewer
-blocks) with their scores [batch, heads, S, k] float32 (natural log), in buffer order (unsorted).
+blocks) with their scores [batch, heads, S, k] float32 (natural log), in buffer order (unsorted;
+the estimate's k_exact exact slots first).
 """
 
 from __future__ import annotations
@@ -32,17 +36,17 @@ LN_2 = tl.constexpr(math.log(2.0))
 
 @triton.jit
 def qsa_kernel(
-    q_ptr, k_ptr, v_ptr, valid_ptr, out_ptr, lse_ptr, top_index_ptr, top_score_ptr,
+    q_ptr, k_ptr, v_ptr, valid_ptr, last_ptr, out_ptr, lse_ptr, top_index_ptr, top_score_ptr,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_valid_b, stride_valid_n,
+    stride_valid_b, stride_valid_n, stride_last_b, stride_last_s,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
     stride_tb, stride_th, stride_ts, stride_tk,
-    n_keys, num_sampled, num_heads, group, gamma, mask_block, qk_scale, top_k,
-    MASKED: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, K_SLOTS: tl.constexpr,
+    n_keys, num_sampled, num_heads, group, gamma, mask_block, qk_scale, k_exact, k_greedy,
+    MASKED: tl.constexpr, HAS_VALID: tl.constexpr, ESTIMATED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SLOTS: tl.constexpr, G_SLOTS: tl.constexpr,
 ):
     m_tile, batch_head = tl.program_id(0), tl.program_id(1)
     batch, head = batch_head // num_heads, batch_head % num_heads
@@ -58,9 +62,18 @@ def qsa_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     slots = tl.arange(0, K_SLOTS)
-    # slots past k hold +inf: never the minimum, never replaced
-    top_score = tl.where(slots[None, :] < top_k, float("-inf"), float("inf")) + tl.zeros((BLOCK_M, K_SLOTS), tl.float32)
+    # the exact buffer: slots past k_exact hold +inf, never the minimum, never replaced
+    top_score = tl.where(slots[None, :] < k_exact, float("-inf"), float("inf")) + tl.zeros((BLOCK_M, K_SLOTS), tl.float32)
     top_index = tl.full((BLOCK_M, K_SLOTS), -1, tl.int32)
+    # the estimated part (ESTIMATED): k_greedy slots filled in order, Welford statistics per row
+    greedy_slots = tl.arange(0, G_SLOTS)
+    greedy_index = tl.full((BLOCK_M, G_SLOTS), -1, tl.int32)
+    greedy_score = tl.full((BLOCK_M, G_SLOTS), float("-inf"), tl.float32)
+    filled = tl.zeros((BLOCK_M,), tl.int32)
+    count = tl.zeros((BLOCK_M,), tl.float32)
+    mean = tl.zeros((BLOCK_M,), tl.float32)
+    m2 = tl.zeros((BLOCK_M,), tl.float32)
+    last = tl.load(last_ptr + batch * stride_last_b + rows * stride_last_s, mask=row_ok, other=0)
 
     last_row = tl.minimum(m_tile * BLOCK_M + BLOCK_M, num_sampled) - 1
     key_end = n_keys
@@ -85,12 +98,32 @@ def qsa_kernel(
         tile_sum = tl.sum(tl.exp2(scores - tl.where(seen, tile_max, 0.0)[:, None]), axis=1)
         block_score = tl.where(seen, (tile_max + tl.log2(tl.where(seen, tile_sum, 1.0))) * LN_2, float("-inf"))
 
+        block = start // BLOCK_N
         lowest = tl.min(top_score, axis=1)
         lowest_slot = tl.argmin(top_score, axis=1)
         replace = seen & (block_score > lowest)
         hit = replace[:, None] & (slots[None, :] == lowest_slot[:, None])
+        lowest_index = tl.max(tl.where(slots[None, :] == lowest_slot[:, None], top_index, -1), axis=1)
         top_score = tl.where(hit, block_score[:, None], top_score)
-        top_index = tl.where(hit, start // BLOCK_N, top_index)
+        top_index = tl.where(hit, block, top_index)
+        if ESTIMATED:  # what the exact buffer displaced or rejected meets the threshold (eq. 6-7)
+            count += seen.to(tl.float32)
+            finite = tl.where(seen, block_score, 0.0)  # keeps -inf out of the arithmetic
+            delta = tl.where(seen, finite - mean, 0.0)
+            mean += tl.where(seen, delta / tl.maximum(count, 1.0), 0.0)
+            m2 += tl.where(seen, delta * (finite - mean), 0.0)
+            out_score = tl.where(replace, lowest, tl.where(seen, block_score, float("-inf")))
+            out_index = tl.where(replace, lowest_index, tl.where(seen, block, -1))
+            free = k_greedy - filled
+            p = 1.0 - free.to(tl.float32) / tl.maximum(last - block, 1).to(tl.float32)
+            sigma = tl.sqrt(m2 / tl.maximum(count - 1.0, 1.0))
+            z = (out_score - mean) / tl.maximum(sigma * 1.4142135623730951, 1e-30)
+            beats = tl.where(sigma > 0, tl.erf(z) > 2.0 * p - 1.0, out_score > mean)
+            accept = (out_index >= 0) & (free > 0) & (block < last) & ((p <= 0) | beats)
+            take = accept[:, None] & (greedy_slots[None, :] == filled[:, None])
+            greedy_index = tl.where(take, out_index[:, None], greedy_index)
+            greedy_score = tl.where(take, out_score[:, None], greedy_score)
+            filled += accept.to(tl.int32)
 
         m_new = tl.maximum(m_i, tile_max)
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -105,10 +138,15 @@ def qsa_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN_2, float("-inf"))
     tl.store(lse_ptr + batch * stride_lb + head * stride_lh + rows * stride_ls, lse, mask=row_ok)
-    top_offsets = batch * stride_tb + head * stride_th + rows[:, None] * stride_ts + slots[None, :] * stride_tk
-    keep = row_ok[:, None] & (slots[None, :] < top_k)
-    tl.store(top_index_ptr + top_offsets, top_index, mask=keep)
-    tl.store(top_score_ptr + top_offsets, top_score, mask=keep)
+    row_base = batch * stride_tb + head * stride_th + rows[:, None] * stride_ts
+    keep = row_ok[:, None] & (slots[None, :] < k_exact)
+    tl.store(top_index_ptr + row_base + slots[None, :] * stride_tk, top_index, mask=keep)
+    tl.store(top_score_ptr + row_base + slots[None, :] * stride_tk, top_score, mask=keep)
+    if ESTIMATED:
+        keep = row_ok[:, None] & (greedy_slots[None, :] < k_greedy)
+        greedy_offsets = row_base + (k_exact + greedy_slots[None, :]) * stride_tk
+        tl.store(top_index_ptr + greedy_offsets, greedy_index, mask=keep)
+        tl.store(top_score_ptr + greedy_offsets, greedy_score, mask=keep)
 
 
 def check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid):
@@ -129,10 +167,15 @@ def check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid):
         raise ValueError(f"k_valid must be a bool tensor of shape ({batch}, {n})")
 
 
-def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, causal=False, block_size=None, k_valid=None,
-                  scale=None):
-    """See the module docstring. Returns (o, lse, top_indices, top_scores)."""
+def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | None = None, causal=False,
+                  block_size=None, k_valid=None, scale=None):
+    """See the module docstring. k_exact: None (or top_k) for the exact top-k; smaller for the
+    estimated one (k_exact exact slots, the rest by threshold: `estimated_top_k`).
+    Returns (o, lse, top_indices, top_scores)."""
     check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid)
+    k_exact = top_k if k_exact is None else k_exact
+    if not 0 <= k_exact <= top_k:
+        raise ValueError(f"k_exact must be in [0, top_k], got {k_exact}")
     batch, heads, n, head_dim = q.shape
     sampled = triton.cdiv(n, gamma)
     scale = head_dim**-0.5 if scale is None else scale
@@ -142,22 +185,26 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, causal=False, b
     top_score = torch.empty(batch, heads, sampled, top_k, dtype=torch.float32, device=q.device)
     valid = k_valid.view(torch.uint8) if k_valid is not None else lse
     valid_strides = k_valid.stride() if k_valid is not None else (0, 0)
+    last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device)
     block_m = 16
     grid = (triton.cdiv(sampled, block_m), batch * heads)
     qsa_kernel[grid](
-        q, k, v, valid, out, lse, top_index, top_score,
-        *q.stride(), *k.stride(), *v.stride(), *valid_strides, *out.stride(), *lse.stride(), *top_index.stride(),
-        n, sampled, heads, heads // k.shape[1], gamma, 1 if causal else (block_size or 1), scale * LOG2_E, top_k,
-        MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, BLOCK_M=block_m, BLOCK_N=beta,
-        HEAD_DIM=head_dim, K_SLOTS=triton.next_power_of_2(top_k), num_warps=4,
+        q, k, v, valid, last, out, lse, top_index, top_score,
+        *q.stride(), *k.stride(), *v.stride(), *valid_strides, *last.stride(), *out.stride(), *lse.stride(),
+        *top_index.stride(),
+        n, sampled, heads, heads // k.shape[1], gamma, 1 if causal else (block_size or 1), scale * LOG2_E,
+        k_exact, top_k - k_exact,
+        MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=k_exact < top_k,
+        BLOCK_M=block_m, BLOCK_N=beta, HEAD_DIM=head_dim, K_SLOTS=triton.next_power_of_2(max(k_exact, 1)),
+        G_SLOTS=triton.next_power_of_2(max(top_k - k_exact, 1)), num_warps=4,
     )
     return out, lse, top_index, top_score
 
 
-def qsa_attention_reference(q, k, v, *, gamma: int, beta: int, top_k: int, causal=False, block_size=None,
-                            k_valid=None, scale=None):
-    """Plain torch (dense scores of the sampled rows, fp32 or wider): the same outputs, the top-k
-    sorted by score (ties to the lower block)."""
+def qsa_attention_reference(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | None = None,
+                            causal=False, block_size=None, k_valid=None, scale=None):
+    """Plain torch (dense scores of the sampled rows, fp32 or wider): the same outputs; the exact
+    top-k sorted by score (ties to the lower block), or estimated_top_k's choice (k_exact < top_k)."""
     batch, heads, n, head_dim = q.shape
     group = heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -178,6 +225,11 @@ def qsa_attention_reference(q, k, v, *, gamma: int, beta: int, top_k: int, causa
     blocks = triton.cdiv(n, beta)
     padded = torch.nn.functional.pad(scores, (0, blocks * beta - n), value=float("-inf"))
     block_scores = padded.view(batch, heads, len(positions), blocks, beta).logsumexp(dim=-1)
+    if k_exact is not None and k_exact < top_k:
+        last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device)
+        chosen = estimated_top_k(block_scores, top_k, k_exact, last[:, None].expand(-1, heads, -1))
+        picked = block_scores.gather(-1, chosen.clamp(min=0)).float()
+        return out.to(q.dtype), lse.float(), chosen.to(torch.int32), torch.where(chosen >= 0, picked, float("-inf"))
     count = min(top_k, blocks)
     ranked = block_scores.double() - torch.arange(blocks, device=q.device) * 1e-9  # ties: the lower block first
     values, indices = ranked.topk(count, dim=-1)
@@ -189,3 +241,70 @@ def qsa_attention_reference(q, k, v, *, gamma: int, beta: int, top_k: int, causa
         indices = torch.nn.functional.pad(indices, pad, value=-1)
         top_score = torch.nn.functional.pad(top_score, pad, value=float("-inf"))
     return out.to(q.dtype), lse.float(), indices, top_score
+
+
+def last_blocks(n, gamma, beta, causal=False, block_size=None, k_valid=None, batch=1, device="cpu"):
+    """[batch, sampled rows] int32: 1 + the last key block each sampled row sees any key of (0: none).
+    The estimated top-k counts the blocks left in a row against it."""
+    positions = torch.arange(0, n, gamma, device=device)
+    limit = torch.full_like(positions, n - 1)
+    if causal or block_size is not None:
+        size = 1 if causal else block_size
+        limit = torch.clamp((positions // size + 1) * size, max=n) - 1
+    last = limit[None].expand(batch, -1)
+    if k_valid is not None:
+        upto = torch.where(k_valid, torch.arange(n, device=device), -1).cummax(dim=1).values  # last valid key <= i
+        last = upto.gather(1, last)
+    return torch.where(last >= 0, last // beta + 1, 0).to(torch.int32)
+
+
+def estimated_top_k(scores, k, k_exact, last=None):
+    """The estimated online top-k (MOMO eq. 6-7 with an exact part), in torch, scanning the blocks of
+    each row in order as the kernel does. scores [..., blocks] (-inf = not visible), last [...]:
+    last_blocks' count (default: from the scores). Each visible block updates Welford's mean m and
+    variance sigma^2 and is offered to a k_exact-slot exact buffer; what the buffer rejects or
+    displaces takes one of the k - k_exact other slots when it beats the threshold:
+    erf((s - m) / (sigma sqrt 2)) > 2p - 1 (s > m while sigma = 0), p = 1 - free slots / blocks left
+    (this one included), taken outright when p <= 0. Returns [..., k] block indices (-1 = empty):
+    the exact part, then the others in the order they were taken."""
+    rows_shape, blocks = scores.shape[:-1], scores.shape[-1]
+    flat = scores.reshape(-1, blocks).double()
+    rows = flat.shape[0]
+    device = scores.device
+    if last is None:
+        visible_any = flat > float("-inf")
+        last = torch.where(visible_any.any(1), blocks - visible_any.flip(1).int().argmax(1), 0)
+    last = last.reshape(-1).to(device)
+    exact_scores = flat.new_full((rows, k_exact), float("-inf"))
+    exact_index = torch.full((rows, k_exact), -1, dtype=torch.long, device=device)
+    greedy = torch.full((rows, k - k_exact), -1, dtype=torch.long, device=device)
+    filled = torch.zeros(rows, dtype=torch.long, device=device)
+    count, mean, m2 = (torch.zeros(rows, dtype=torch.float64, device=device) for _ in range(3))
+    all_rows = torch.arange(rows, device=device)
+    for j in range(blocks):
+        score = flat[:, j]
+        visible = score > float("-inf")
+        count += visible.double()
+        delta = torch.where(visible, score - mean, 0.0)
+        mean += torch.where(visible, delta / count.clamp(min=1), 0.0)
+        m2 += torch.where(visible, delta * (score - mean), 0.0)
+        out_score, out_index = torch.where(visible, score, float("-inf")), torch.where(visible, j, -1)
+        if k_exact:
+            slot = exact_scores.argmin(dim=1)
+            lowest, lowest_index = exact_scores[all_rows, slot], exact_index[all_rows, slot]
+            takes = visible & (score > lowest)
+            out_score, out_index = torch.where(takes, lowest, out_score), torch.where(takes, lowest_index, out_index)
+            exact_scores[all_rows, slot] = torch.where(takes, score, lowest)
+            exact_index[all_rows, slot] = torch.where(takes, j, lowest_index)
+        free = greedy.shape[1] - filled
+        p = 1 - free.double() / (last - j).clamp(min=1).double()
+        sigma = (m2 / (count - 1).clamp(min=1)).sqrt()
+        z = (out_score - mean) / (sigma * math.sqrt(2)).clamp(min=1e-300)
+        beats = torch.where(sigma > 0, torch.erf(z) > 2 * p - 1, out_score > mean)
+        accept = (out_index >= 0) & (free > 0) & (j < last) & ((p <= 0) | beats)
+        if greedy.shape[1]:
+            target = filled.clamp(max=greedy.shape[1] - 1)
+            greedy[all_rows, target] = torch.where(accept, out_index, greedy[all_rows, target])
+        filled += accept.long()
+    return torch.cat([exact_index, greedy], dim=1).view(*rows_shape, k)
+

@@ -88,8 +88,9 @@ def test_union_and_trim_ranks_by_mean_score():
     assert keep[0, 0, 0].tolist() == [True, False, False, False]  # empty slots choose nothing
 
 
+@pytest.mark.parametrize("top_k", ["exact", "estimated"])
 @pytest.mark.parametrize("kind", ["bidirectional", "padding", "block-causal"])
-def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypatch, kind):
+def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypatch, kind, top_k):
     import nanodllm.methods.momo as momo
 
     generator = torch.Generator().manual_seed(1)
@@ -97,7 +98,7 @@ def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypat
     k, v = (torch.randn(2, 2, 200, 16, generator=generator) for _ in range(2))
     valid = torch.ones(2, 200, dtype=torch.bool)
     valid[1, 150:] = False
-    knobs = dict(gamma=4, chi=64, beta=16, k_blocks=4)
+    knobs = dict(gamma=4, chi=64, beta=16, k_blocks=4, k_exact=2, top_k=top_k)
     expected = momo_attention(q, k, v, make_mask(kind, valid), **knobs)
     monkeypatch.setattr(momo, "use_kernels", lambda q: True)  # the Triton kernels, interpreted on a CPU
     got = momo_attention(q, k, v, make_mask(kind, valid), **knobs)

@@ -14,8 +14,8 @@ Top-k variants (`top_k`): "exact" (the online k-slot buffer and the tournament t
 exact top-k, ties to the lower block index), "estimated" (the k_exact best exactly, the other
 k - k_exact slots filled greedily by blocks whose score beats a Gaussian threshold from Welford
 running statistics: eq. 6-7). In torch the pipeline forms the sampled rows' scores and the sparse
-mask densely (the reference); on CUDA with exact top-k it runs on kernels/qsa_attention.py (step 1
-with the top-k fused) and kernels/block_sparse_attention.py (step 3), union and trim in torch.
+mask densely (the reference); on CUDA it runs on kernels/qsa_attention.py (step 1 with either top-k
+fused) and kernels/block_sparse_attention.py (step 3), union and trim in torch.
 
 Hooks: prefill (block engine: the prompt's attention), step (masked engine, canvas=True: every full
 canvas step).
@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from kernels.qsa_attention import estimated_top_k
 
 from ..attention import CanvasMask, use_kernels
 from .base import Method
@@ -80,54 +82,6 @@ def exact_top_k(scores, k):
     return torch.where(values > float("-inf"), indices, -1)
 
 
-def estimated_top_k(scores, k, k_exact):
-    """eq. 6-7 with a k_exact exact part, scanning the blocks in order as the kernel does: each
-    block is offered to the exact buffer; what it displaces (or the block itself) is accepted into
-    one of the k - k_exact other slots when its score beats m + sqrt(2) sigma erfinv(2p - 1),
-    p = 1 - free slots / blocks left, m and sigma running over the visible blocks seen so far."""
-    rows_shape, blocks = scores.shape[:-1], scores.shape[-1]
-    flat = scores.reshape(-1, blocks).double()
-    rows = flat.shape[0]
-    exact_scores = flat.new_full((rows, k_exact), float("-inf"))
-    exact_index = torch.full((rows, k_exact), -1, dtype=torch.long, device=scores.device)
-    greedy = torch.full((rows, max(k - k_exact, 0)), -1, dtype=torch.long, device=scores.device)
-    filled = torch.zeros(rows, dtype=torch.long, device=scores.device)
-    count = torch.zeros(rows, dtype=torch.float64, device=scores.device)
-    mean = torch.zeros(rows, dtype=torch.float64, device=scores.device)
-    m2 = torch.zeros(rows, dtype=torch.float64, device=scores.device)
-    visible_total = (flat > float("-inf")).sum(dim=1)
-    seen = torch.zeros(rows, dtype=torch.long, device=scores.device)
-    all_rows = torch.arange(rows, device=scores.device)
-    for j in range(blocks):
-        score = flat[:, j]
-        visible = score > float("-inf")
-        seen += visible.long()
-        count += visible.double()  # Welford over the visible blocks
-        delta = torch.where(visible, score - mean, 0.0)
-        mean += torch.where(visible, delta / count.clamp(min=1), 0.0)
-        m2 += torch.where(visible, delta * (score - mean), 0.0)
-        out_score, out_index = torch.where(visible, score, float("-inf")), torch.where(visible, j, -1)
-        if k_exact:
-            slot = exact_scores.argmin(dim=1)
-            lowest, lowest_index = exact_scores[all_rows, slot], exact_index[all_rows, slot]
-            takes = visible & (score > lowest)
-            out_score, out_index = torch.where(takes, lowest, out_score), torch.where(takes, lowest_index, out_index)
-            exact_scores[all_rows, slot] = torch.where(takes, score, lowest)
-            exact_index[all_rows, slot] = torch.where(takes, j, lowest_index)
-        free = greedy.shape[1] - filled
-        left = (visible_total - seen + 1).double()  # blocks left to scan, this one included
-        p = 1 - free.double() / left.clamp(min=1)
-        sigma = (m2 / (count - 1).clamp(min=1)).sqrt()
-        threshold = mean + math.sqrt(2) * sigma * torch.special.erfinv((2 * p - 1).clamp(-1 + 1e-12, 1 - 1e-12))
-        accept = (out_index >= 0) & (free > 0) & ((p <= 0) | (out_score > threshold))
-        target = filled.clamp(max=max(greedy.shape[1] - 1, 0))
-        if greedy.shape[1]:
-            greedy[all_rows, target] = torch.where(accept, out_index, greedy[all_rows, target])
-        filled += accept.long()
-    chosen = torch.cat([exact_index, greedy], dim=1)
-    return chosen.view(*rows_shape, -1)
-
-
 def mark(indices, size):
     """[..., k] indices (-1 = none) -> [..., size] bool, True at the listed ones."""
     out = torch.zeros(*indices.shape[:-1], size + 1, dtype=torch.bool, device=indices.device)
@@ -171,14 +125,15 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
                    top_k="exact"):
     """Algorithm 1: q [batch, heads, n, d], k/v [batch, kv_heads, n, d], mask a CanvasMask, a bool
     [batch, 1, n, n] or None (bidirectional). Returns [batch, heads, n, d] in q's dtype. On the
-    Triton kernels (kernels/qsa_attention.py, block_sparse_attention.py) when use_kernels(q), the
-    top-k is exact and the mask is structured; else in torch, forming the scores densely."""
+    Triton kernels (kernels/qsa_attention.py, block_sparse_attention.py) when use_kernels(q) and the
+    mask is structured; else in torch, forming the scores densely."""
     if chi % gamma:
         raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
     n = q.shape[2]
     structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
-    if use_kernels(q) and structured and top_k == "exact" and beta in (16, 32, 64, 128) and chi % 64 == 0:
-        return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_trim or k_blocks)
+    if use_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % 64 == 0:
+        k_exact = k_blocks if top_k == "exact" else k_exact
+        return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks)
     full = dense_mask(mask, n, q.device)
     o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks, top_k)
     o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full)), v)
@@ -213,7 +168,7 @@ def delta_corrected(o_sparse, o_gamma, gamma):
     return o_sparse + delta[:, :, torch.arange(n, device=o_sparse.device) // gamma]
 
 
-def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_trim):
+def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim):
     """The same pipeline without an [n, n] tensor: QSA kernel -> union and trim -> block-sparse kernel."""
     from kernels.block_sparse_attention import block_sparse_attention
     from kernels.qsa_attention import qsa_attention
@@ -221,7 +176,8 @@ def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_trim):
     masking = {}
     if mask is not None:
         masking = {"block_size": mask.block_size, "k_valid": None if mask.valid is None else mask.valid[:, -q.shape[2]:]}
-    o_gamma, _, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks, **masking)
+    o_gamma, _, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks,
+                                                      k_exact=k_exact, **masking)
     blocks = math.ceil(q.shape[2] / beta)
     keep = union_and_trim(chosen, chosen_scores, blocks, chi // gamma, k_trim)
     keep = keep | diagonal_blocks(q.shape[2], chi, beta, q.device)
