@@ -10,8 +10,9 @@ higher, so among equal scores the lower block stays, and the buffer ends with th
 That update costs O(k) per block (a min and an argmin over the buffer). With k_exact < k the kernel
 runs the paper's estimate instead (eq. 6-7): only k_exact slots are exact, and what they displace
 or reject fills the other k - k_exact slots when it beats a Gaussian threshold from Welford running
-statistics (O(1) per block beyond the small exact part; `estimated_top_k` is its torch form). The
-paper's tournament tree (O(log k), buffer in HBM) is not here.
+statistics (O(1) per block beyond the small exact part; `estimated_top_k` is its torch form). With
+tree=True the exact top-k lives in a tournament tree in HBM instead (O(log k) loads and stores per
+accepted block, any k; the paper's third variant).
 
 Masks as in flash_attention.py: bidirectional, causal, or block-causal with block_size B (query at
 position p sees key j iff j // B <= p // B), and optional key padding k_valid [batch, N]. Sampled
@@ -35,8 +36,35 @@ LN_2 = tl.constexpr(math.log(2.0))
 
 
 @triton.jit
+def tree_insert(tree_score_ptr, tree_index_ptr, tree_leaf_ptr, row_base, block_score, block, seen,
+                LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr):
+    """The tournament tree (a winner tree over LEAVES slots, in HBM): node 1 holds the minimum and
+    the leaf it sits in; a block beating it overwrites that leaf and the path to the root is
+    replayed, O(log k) loads and stores. Rows are independent; a barrier orders each level."""
+    root_score = tl.load(tree_score_ptr + row_base + 1)
+    update = seen & (block_score > root_score)
+    node = tl.load(tree_leaf_ptr + row_base + 1)
+    tl.store(tree_score_ptr + row_base + node, block_score, mask=update)
+    tl.store(tree_index_ptr + row_base + node, block, mask=update)
+    for _ in tl.static_range(LOG_LEAVES):
+        tl.debug_barrier()
+        node = node // 2
+        left = 2 * node
+        left_score = tl.load(tree_score_ptr + row_base + left, mask=update, other=0.0)
+        right_score = tl.load(tree_score_ptr + row_base + left + 1, mask=update, other=0.0)
+        left_leaf = tl.where(left >= LEAVES, left, tl.load(tree_leaf_ptr + row_base + left, mask=update & (left < LEAVES), other=0))
+        right_leaf = tl.where(left + 1 >= LEAVES, left + 1,
+                              tl.load(tree_leaf_ptr + row_base + left + 1, mask=update & (left + 1 < LEAVES), other=0))
+        left_wins = left_score <= right_score
+        tl.store(tree_score_ptr + row_base + node, tl.where(left_wins, left_score, right_score), mask=update)
+        tl.store(tree_leaf_ptr + row_base + node, tl.where(left_wins, left_leaf, right_leaf), mask=update)
+    tl.debug_barrier()
+
+
+@triton.jit
 def qsa_kernel(
     q_ptr, k_ptr, v_ptr, valid_ptr, last_ptr, out_ptr, lse_ptr, top_index_ptr, top_score_ptr,
+    tree_score_ptr, tree_index_ptr, tree_leaf_ptr,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -45,8 +73,9 @@ def qsa_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_tb, stride_th, stride_ts, stride_tk,
     n_keys, num_sampled, num_heads, group, gamma, mask_block, qk_scale, k_exact, k_greedy,
-    MASKED: tl.constexpr, HAS_VALID: tl.constexpr, ESTIMATED: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SLOTS: tl.constexpr, G_SLOTS: tl.constexpr,
+    MASKED: tl.constexpr, HAS_VALID: tl.constexpr, ESTIMATED: tl.constexpr, TREE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SLOTS: tl.constexpr,
+    G_SLOTS: tl.constexpr, LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr,
 ):
     m_tile, batch_head = tl.program_id(0), tl.program_id(1)
     batch, head = batch_head // num_heads, batch_head % num_heads
@@ -106,6 +135,10 @@ def qsa_kernel(
         lowest_index = tl.max(tl.where(slots[None, :] == lowest_slot[:, None], top_index, -1), axis=1)
         top_score = tl.where(hit, block_score[:, None], top_score)
         top_index = tl.where(hit, block, top_index)
+        if TREE:
+            tree_base = (batch_head * num_sampled + rows).to(tl.int64) * (2 * LEAVES)
+            tree_insert(tree_score_ptr, tree_index_ptr, tree_leaf_ptr, tree_base, block_score, block, seen,
+                        LEAVES, LOG_LEAVES)
         if ESTIMATED:  # what the exact buffer displaced or rejected meets the threshold (eq. 6-7)
             count += seen.to(tl.float32)
             finite = tl.where(seen, block_score, 0.0)  # keeps -inf out of the arithmetic
@@ -167,15 +200,39 @@ def check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid):
         raise ValueError(f"k_valid must be a bool tensor of shape ({batch}, {n})")
 
 
-def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | None = None, causal=False,
-                  block_size=None, k_valid=None, scale=None):
+def new_tree(rows_shape, leaves, top_k, device):
+    """Tournament-tree scratch per row: scores and block indices of nodes 1 .. 2 leaves - 1 (leaves at
+    leaves .. 2 leaves - 1; those past top_k hold +inf and are never the minimum) and, per internal
+    node, the leaf its minimum sits in (initially the leftmost leaf under it)."""
+    scores = torch.full((*rows_shape, 2 * leaves), float("-inf"), dtype=torch.float32, device=device)
+    scores[..., leaves + top_k :] = float("inf")
+    nodes = torch.arange(2 * leaves, device=device)
+    depth = torch.floor(torch.log2(nodes.clamp(min=1).double())).long()
+    leftmost = nodes * (2 ** (int(math.log2(leaves)) - depth))
+    leaf = torch.where(nodes >= leaves, nodes, leftmost).to(torch.int32).expand(*rows_shape, -1).contiguous()
+    if top_k < leaves:  # the initial minimum must sit in a real slot: replay the winners bottom-up
+        for node in range(leaves - 1, 0, -1):
+            left, right = 2 * node, 2 * node + 1
+            left_wins = scores[..., left] <= scores[..., right]
+            scores[..., node] = torch.where(left_wins, scores[..., left], scores[..., right])
+            leaf[..., node] = torch.where(left_wins, leaf[..., left] if left < leaves else left,
+                                          leaf[..., right] if right < leaves else right)
+    index = torch.full((*rows_shape, 2 * leaves), -1, dtype=torch.int32, device=device)
+    return scores, index, leaf
+
+
+def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | None = None, tree=False,
+                  causal=False, block_size=None, k_valid=None, scale=None):
     """See the module docstring. k_exact: None (or top_k) for the exact top-k; smaller for the
-    estimated one (k_exact exact slots, the rest by threshold: `estimated_top_k`).
+    estimated one (k_exact exact slots, the rest by threshold: `estimated_top_k`). tree: the exact
+    top-k in a tournament tree in HBM instead of the register buffer.
     Returns (o, lse, top_indices, top_scores)."""
     check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid)
     k_exact = top_k if k_exact is None else k_exact
     if not 0 <= k_exact <= top_k:
         raise ValueError(f"k_exact must be in [0, top_k], got {k_exact}")
+    if tree and k_exact < top_k:
+        raise ValueError("the tournament tree keeps the exact top-k: leave k_exact unset")
     batch, heads, n, head_dim = q.shape
     sampled = triton.cdiv(n, gamma)
     scale = head_dim**-0.5 if scale is None else scale
@@ -186,18 +243,25 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
     valid = k_valid.view(torch.uint8) if k_valid is not None else lse
     valid_strides = k_valid.stride() if k_valid is not None else (0, 0)
     last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device)
+    leaves = triton.next_power_of_2(top_k) if tree else 1
+    tree_score, tree_index, tree_leaf = new_tree((batch, heads, sampled), leaves, top_k if tree else 1, q.device)
+    register_slots = 0 if tree else k_exact
     block_m = 16
     grid = (triton.cdiv(sampled, block_m), batch * heads)
     qsa_kernel[grid](
-        q, k, v, valid, last, out, lse, top_index, top_score,
+        q, k, v, valid, last, out, lse, top_index, top_score, tree_score, tree_index, tree_leaf,
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *last.stride(), *out.stride(), *lse.stride(),
         *top_index.stride(),
         n, sampled, heads, heads // k.shape[1], gamma, 1 if causal else (block_size or 1), scale * LOG2_E,
-        k_exact, top_k - k_exact,
+        register_slots, top_k - k_exact,
         MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=k_exact < top_k,
-        BLOCK_M=block_m, BLOCK_N=beta, HEAD_DIM=head_dim, K_SLOTS=triton.next_power_of_2(max(k_exact, 1)),
-        G_SLOTS=triton.next_power_of_2(max(top_k - k_exact, 1)), num_warps=4,
+        TREE=tree, BLOCK_M=block_m, BLOCK_N=beta, HEAD_DIM=head_dim,
+        K_SLOTS=triton.next_power_of_2(max(register_slots, 1)), G_SLOTS=triton.next_power_of_2(max(top_k - k_exact, 1)),
+        LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), num_warps=4,
     )
+    if tree:
+        top_index = tree_index[..., leaves : leaves + top_k].contiguous()
+        top_score = tree_score[..., leaves : leaves + top_k].contiguous()
     return out, lse, top_index, top_score
 
 

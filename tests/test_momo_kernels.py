@@ -75,6 +75,20 @@ def test_estimated_top_k_in_the_kernel_matches_its_torch_form(n, gamma, top_k, g
     assert bool(((got_scores > float("-inf")) == (got >= 0)).all())
 
 
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 300), gamma=st.sampled_from([1, 4]), top_k=st.integers(1, 20), mask=st.sampled_from(["none", "causal"]),
+       seed=st.integers(0, 999))
+def test_the_tournament_tree_keeps_the_exact_top_k(n, gamma, top_k, mask, seed):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, n, 16, generator=generator)
+    k, v = (torch.randn(1, 1, n, 16, generator=generator) for _ in range(2))
+    masks = {"causal": True} if mask == "causal" else {}
+    _, _, tree, tree_scores = qsa_attention(q, k, v, gamma=gamma, beta=16, top_k=top_k, tree=True, **masks)
+    _, _, buffer, _ = qsa_attention(q, k, v, gamma=gamma, beta=16, top_k=top_k, **masks)
+    assert torch.equal(tree.long().sort(-1).values, buffer.long().sort(-1).values)
+    assert bool(((tree_scores > float("-inf")) == (tree >= 0)).all())
+
+
 def test_bad_arguments_are_named():
     q = torch.randn(1, 2, 8, 16)
     k = torch.randn(1, 1, 8, 16)
@@ -82,6 +96,8 @@ def test_bad_arguments_are_named():
         qsa_attention(q, k, k, gamma=2, beta=24, top_k=2)
     with pytest.raises(ValueError, match="exclusive"):
         qsa_attention(q, k, k, gamma=2, beta=16, top_k=2, causal=True, block_size=4)
+    with pytest.raises(ValueError, match="tournament tree"):
+        qsa_attention(q, k, k, gamma=2, beta=16, top_k=4, k_exact=2, tree=True)
     with pytest.raises(ValueError, match="k_valid"):
         qsa_attention(q, k, k, gamma=2, beta=16, top_k=2, k_valid=torch.ones(1, 7, dtype=torch.bool))
 

@@ -10,8 +10,8 @@ always added. Every query then attends to its query block's kept key blocks (blo
 O_*), and the error that sparsity makes is corrected with the sampled rows' exact outputs:
 O_i = O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) * gamma] (eq. 2-3).
 
-Top-k variants (`top_k`): "exact" (the online k-slot buffer and the tournament tree both return the
-exact top-k, ties to the lower block index), "estimated" (the k_exact best exactly, the other
+Top-k variants (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) both
+return the exact top-k (ties to the lower block index), "estimated" (the k_exact best exactly, the other
 k - k_exact slots filled greedily by blocks whose score beats a Gaussian threshold from Welford
 running statistics: eq. 6-7). In torch the pipeline forms the sampled rows' scores and the sparse
 mask densely (the reference); on CUDA it runs on kernels/qsa_attention.py (step 1 with either top-k
@@ -21,7 +21,7 @@ Hooks: prefill (block engine: the prompt's attention), step (masked engine, canv
 canvas step).
 Equals dense: k covering every key block (delta = 0 then; test for both top-k variants).
 Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
-top_k = "exact" | "estimated", canvas = False.
+top_k = "exact" | "tree" | "estimated", canvas = False.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
     n = q.shape[2]
     structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
     if use_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % 64 == 0:
-        k_exact = k_blocks if top_k == "exact" else k_exact
-        return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks)
+        k_exact = k_exact if top_k == "estimated" else k_blocks
+        return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks, top_k == "tree")
     full = dense_mask(mask, n, q.device)
     o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks, top_k)
     o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full)), v)
@@ -148,7 +148,7 @@ def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim,
     sampled_scores = scaled_scores(q[:, :, sampled], k, None if full is None else full[:, :, sampled])
     o_gamma = softmax_out(sampled_scores, v)
     scores = block_scores(sampled_scores, beta)
-    chosen = exact_top_k(scores, k_blocks) if top_k == "exact" else estimated_top_k(scores, k_blocks, k_exact)
+    chosen = estimated_top_k(scores, k_blocks, k_exact) if top_k == "estimated" else exact_top_k(scores, k_blocks)
     chosen_scores = torch.where(chosen >= 0, scores.gather(-1, chosen.clamp(min=0)), float("-inf"))
     keep = union_and_trim(chosen, chosen_scores, scores.shape[-1], chi // gamma, k_trim)
     return o_gamma, keep | diagonal_blocks(n, chi, beta, q.device)
@@ -168,7 +168,7 @@ def delta_corrected(o_sparse, o_gamma, gamma):
     return o_sparse + delta[:, :, torch.arange(n, device=o_sparse.device) // gamma]
 
 
-def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim):
+def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, tree):
     """The same pipeline without an [n, n] tensor: QSA kernel -> union and trim -> block-sparse kernel."""
     from kernels.block_sparse_attention import block_sparse_attention
     from kernels.qsa_attention import qsa_attention
@@ -177,7 +177,7 @@ def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim):
     if mask is not None:
         masking = {"block_size": mask.block_size, "k_valid": None if mask.valid is None else mask.valid[:, -q.shape[2]:]}
     o_gamma, _, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks,
-                                                      k_exact=k_exact, **masking)
+                                                      k_exact=k_exact, tree=tree, **masking)
     blocks = math.ceil(q.shape[2] / beta)
     keep = union_and_trim(chosen, chosen_scores, blocks, chi // gamma, k_trim)
     keep = keep | diagonal_blocks(q.shape[2], chi, beta, q.device)
@@ -197,8 +197,8 @@ class Momo(Method):
                 raise ValueError(f"{knob} must be an integer >= 1, got {value!r}")
         if chi % gamma:
             raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
-        if top_k not in ("exact", "estimated"):
-            raise ValueError(f"top_k must be 'exact' or 'estimated', got {top_k!r}")
+        if top_k not in ("exact", "tree", "estimated"):
+            raise ValueError(f"top_k must be 'exact', 'tree' or 'estimated', got {top_k!r}")
         if not 0 <= k_exact <= k:
             raise ValueError(f"k_exact must be in [0, k], got {k_exact!r}")
         self.knobs = dict(gamma=gamma, chi=chi, beta=beta, k_blocks=k, k_exact=k_exact, k_trim=k_trim, top_k=top_k)
