@@ -23,6 +23,45 @@ LN_2 = tl.constexpr(math.log(2.0))
 
 
 @triton.jit
+def key_tile(k_ptr, v_ptr, valid_ptr, k_base, v_base, valid_base, keys, positions, row_ok, n, stride_kn, stride_kd,
+             stride_vn, stride_vd, stride_valid_n, mask_block, MASKED: tl.constexpr, HAS_VALID: tl.constexpr,
+             HEAD_DIM: tl.constexpr):
+    """K and V of a tile of keys, and which (row, key) pairs the mask lets through."""
+    dims = tl.arange(0, HEAD_DIM)
+    visible = (keys[None, :] < n) & row_ok[:, None]
+    if MASKED:
+        visible = visible & ((keys[None, :] // mask_block) <= (positions[:, None] // mask_block))
+    if HAS_VALID:
+        key_valid = tl.load(valid_ptr + valid_base + keys * stride_valid_n, mask=keys < n, other=0)
+        visible = visible & (key_valid[None, :] != 0)
+    k = tl.load(k_ptr + k_base + keys[:, None] * stride_kn + dims[None, :] * stride_kd, mask=keys[:, None] < n, other=0.0)
+    v = tl.load(v_ptr + v_base + keys[:, None] * stride_vn + dims[None, :] * stride_vd, mask=keys[:, None] < n, other=0.0)
+    return k, v, visible
+
+
+@triton.jit
+def online_softmax(scores, v, m_i, l_i, acc):
+    """Fold a tile of base-2 scores (-inf = hidden) and its values into the running max, sum and output."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: exp2 gives 0, not NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def store_rows(out_ptr, lse_ptr, out_base, lse_base, rows, row_ok, acc, m_i, l_i, stride_on, stride_od, stride_ln,
+               HEAD_DIM: tl.constexpr):
+    """out = acc / l and lse = ln(sum of exp) for the rows (0 and -inf where a row saw nothing)."""
+    dims = tl.arange(0, HEAD_DIM)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + out_base + rows[:, None] * stride_on + dims[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN_2, float("-inf"))
+    tl.store(lse_ptr + lse_base + rows * stride_ln, lse, mask=row_ok)
+
+
+@triton.jit
 def block_sparse_kernel(
     q_ptr, k_ptr, v_ptr, valid_ptr, blocks_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -53,29 +92,14 @@ def block_sparse_kernel(
         key_block = tl.load(list_base + entry * stride_bk)
         if key_block >= 0:
             keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
-            visible = (keys[None, :] < n) & row_ok[:, None]
-            if MASKED:
-                visible = visible & ((keys[None, :] // mask_block) <= (rows[:, None] // mask_block))
-            if HAS_VALID:
-                key_valid = tl.load(valid_ptr + batch * stride_valid_b + keys * stride_valid_n, mask=keys < n, other=0)
-                visible = visible & (key_valid[None, :] != 0)
-            k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + keys[:, None] * stride_kn
-                        + dims[None, :] * stride_kd, mask=keys[:, None] < n, other=0.0)
-            v = tl.load(v_ptr + batch * stride_vb + kv_head * stride_vh + keys[:, None] * stride_vn
-                        + dims[None, :] * stride_vd, mask=keys[:, None] < n, other=0.0)
+            k, v, visible = key_tile(k_ptr, v_ptr, valid_ptr, batch * stride_kb + kv_head * stride_kh,
+                                     batch * stride_vb + kv_head * stride_vh, batch * stride_valid_b, keys, rows,
+                                     row_ok, n, stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n,
+                                     mask_block, MASKED, HAS_VALID, HEAD_DIM)
             scores = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_on + dims[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN_2, float("-inf"))
-    tl.store(lse_ptr + batch * stride_lb + head * stride_lh + rows * stride_ln, lse, mask=row_ok)
+            m_i, l_i, acc = online_softmax(scores, v, m_i, l_i, acc)
+    store_rows(out_ptr, lse_ptr, batch * stride_ob + head * stride_oh, batch * stride_lb + head * stride_lh, rows,
+               row_ok, acc, m_i, l_i, stride_on, stride_od, stride_ln, HEAD_DIM)
 
 
 def block_sparse_attention(q, k, v, blocks, *, chi: int, beta: int, causal=False, block_size=None, k_valid=None,

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .block_sparse_attention import key_tile, online_softmax, store_rows
+
 LOG2_E = math.log2(math.e)
 LN_2 = tl.constexpr(math.log(2.0))
 
@@ -110,16 +112,10 @@ def qsa_kernel(
         key_end = tl.minimum((last_row * gamma // mask_block + 1) * mask_block, n_keys)
     for start in range(0, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        visible = (keys[None, :] < n_keys) & row_ok[:, None]
-        if MASKED:
-            visible = visible & ((keys[None, :] // mask_block) <= (positions[:, None] // mask_block))
-        if HAS_VALID:
-            key_valid = tl.load(valid_ptr + batch * stride_valid_b + keys * stride_valid_n, mask=keys < n_keys, other=0)
-            visible = visible & (key_valid[None, :] != 0)
-        k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + keys[:, None] * stride_kn + dims[None, :] * stride_kd,
-                    mask=keys[:, None] < n_keys, other=0.0)
-        v = tl.load(v_ptr + batch * stride_vb + kv_head * stride_vh + keys[:, None] * stride_vn + dims[None, :] * stride_vd,
-                    mask=keys[:, None] < n_keys, other=0.0)
+        k, v, visible = key_tile(k_ptr, v_ptr, valid_ptr, batch * stride_kb + kv_head * stride_kh,
+                                 batch * stride_vb + kv_head * stride_vh, batch * stride_valid_b, keys, positions,
+                                 row_ok, n_keys, stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n,
+                                 mask_block, MASKED, HAS_VALID, HEAD_DIM)
         scores = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # base 2
 
         tile_max = tl.max(scores, axis=1)
@@ -158,19 +154,10 @@ def qsa_kernel(
             greedy_score = tl.where(take, out_score[:, None], greedy_score)
             filled += accept.to(tl.int32)
 
-        m_new = tl.maximum(m_i, tile_max)
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax(scores, v, m_i, l_i, acc)
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_os + dims[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * LN_2, float("-inf"))
-    tl.store(lse_ptr + batch * stride_lb + head * stride_lh + rows * stride_ls, lse, mask=row_ok)
+    store_rows(out_ptr, lse_ptr, batch * stride_ob + head * stride_oh, batch * stride_lb + head * stride_lh, rows,
+               row_ok, acc, m_i, l_i, stride_os, stride_od, stride_ls, HEAD_DIM)
     row_base = batch * stride_tb + head * stride_th + rows[:, None] * stride_ts
     keep = row_ok[:, None] & (slots[None, :] < k_exact)
     tl.store(top_index_ptr + row_base + slots[None, :] * stride_tk, top_index, mask=keep)
