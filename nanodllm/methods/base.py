@@ -125,6 +125,14 @@ def attend_with_cache(layer: int, q, k, v, cache: KVCache) -> torch.Tensor:
                            ragged=not cache.uniform)
 
 
+def check_int(minimum: int, odd: bool = False, **knobs):
+    """Knob validation: a ValueError naming the first knob that is not an integer >= minimum (and
+    odd, if asked)."""
+    for name, value in knobs.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (odd and value % 2 == 0):
+            raise ValueError(f"{name} must be {'an odd' if odd else 'an'} integer >= {minimum}, got {value!r}")
+
+
 class Dense(Method):
     """The exact reference computation; every hook is the base one."""
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import attention
-from .base import Method, StepContext
+from .base import Method, StepContext, check_int
 
 
 @dataclass
@@ -73,9 +73,7 @@ class DllmCache(Method):
 
     def __init__(self, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):
         super().__init__()
-        for knob, value in (("prompt_interval", prompt_interval), ("response_interval", response_interval)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{knob} must be an integer >= 1, got {value!r}")
+        check_int(1, prompt_interval=prompt_interval, response_interval=response_interval)
         if not 0 <= rho <= 1:
             raise ValueError(f"rho must be in [0, 1], got {rho!r}")
         self.prompt_interval, self.response_interval, self.rho = prompt_interval, response_interval, rho

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import attention_with_lse, use_kernels
-from .base import Method, StepContext
+from .base import Method, StepContext, check_int
 from .dllm_cache import put_rows, take_rows
 
 
@@ -83,9 +83,7 @@ class DyLLM(Method):
     def __init__(self, tau: float = 0.99, full_steps: int = 4, full_period: int = 4,
                  salient_fraction: float | None = None):
         super().__init__()
-        for knob, value in (("full_steps", full_steps), ("full_period", full_period)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{knob} must be an integer >= 1, got {value!r}")
+        check_int(1, full_steps=full_steps, full_period=full_period)
         if salient_fraction is not None and not 0 <= salient_fraction <= 1:
             raise ValueError(f"salient_fraction must be in [0, 1], got {salient_fraction!r}")
         self.tau, self.full_steps, self.full_period, self.salient_fraction = tau, full_steps, full_period, salient_fraction

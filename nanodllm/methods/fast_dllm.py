@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import attention
-from .base import Method, StepContext
+from .base import Method, StepContext, check_int
 
 
 @dataclass
@@ -57,9 +57,7 @@ class FastDllm(Method):
         super().__init__()
         if mode not in ("dual", "prefix"):
             raise ValueError(f"mode must be 'dual' or 'prefix', got {mode!r}")
-        for knob, value in (("delay", delay), ("refresh", refresh)):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{knob} must be an integer >= 0, got {value!r}")
+        check_int(0, delay=delay, refresh=refresh)
         self.mode, self.delay, self.refresh = mode, delay, refresh
         self.kept: list[KeptKV] = []
         self.keys_kept = self.keys_outside = 0

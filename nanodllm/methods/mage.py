@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import attention, use_kernels
-from .base import Method, StepContext, attend_with_cache
+from .base import Method, StepContext, attend_with_cache, check_int
 
 
 def block_scores(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
@@ -120,10 +120,8 @@ class Mage(Method):
 
     def __init__(self, k: int = 1024, exact_layers: int = 2, sparse_commit: bool = False, side_stream: bool = True):
         super().__init__()
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive int (keys kept per KV head), got {k!r}")
-        if not isinstance(exact_layers, int) or exact_layers < 0:
-            raise ValueError(f"exact_layers must be an int >= 0, got {exact_layers!r}")
+        check_int(1, k=k)
+        check_int(0, exact_layers=exact_layers)
         self.k, self.exact_layers, self.sparse_commit = k, exact_layers, sparse_commit
         self.side_stream = side_stream
         self.stream = None  # the CUDA side stream, created on first use

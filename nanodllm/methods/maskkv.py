@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..attention import CanvasMask
+from .base import check_int
 from .dllm_cache import DllmCache
 
 PROFILE_NAME = "maskkv_profile.json"
@@ -136,13 +137,12 @@ class MaskKV(DllmCache):
     def __init__(self, budget: int = 256, alpha: float = 0.1, beta: float = 0.4, boundary_layers: int | None = None,
                  profile: str | None = None, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):
         super().__init__(prompt_interval, response_interval, rho)
-        if not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be an integer >= 1 (KV pairs per head), got {budget!r}")
+        check_int(1, budget=budget)
         for knob, value in (("alpha", alpha), ("beta", beta)):
             if not 0 <= value <= 1:
                 raise ValueError(f"{knob} must be in [0, 1], got {value!r}")
-        if boundary_layers is not None and (not isinstance(boundary_layers, int) or boundary_layers < 1):
-            raise ValueError(f"boundary_layers must be an integer >= 1, got {boundary_layers!r}")
+        if boundary_layers is not None:
+            check_int(1, boundary_layers=boundary_layers)
         self.budget, self.alpha, self.beta = budget, alpha, beta
         self.boundary_layers, self.profile = boundary_layers, profile
         self.importance: list[float] | None = None

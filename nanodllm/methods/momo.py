@@ -33,7 +33,7 @@ import torch
 from kernels.qsa_attention import estimated_top_k
 
 from ..attention import CanvasMask, use_kernels
-from .base import Method
+from .base import Method, check_int
 
 
 def dense_mask(mask, n, device):
@@ -192,9 +192,7 @@ class Momo(Method):
     def __init__(self, gamma: int = 16, chi: int = 128, beta: int = 64, k: int = 128, k_exact: int = 8,
                  k_trim: int | None = None, top_k: str = "exact", canvas: bool = False):
         super().__init__()
-        for knob, value in (("gamma", gamma), ("chi", chi), ("beta", beta), ("k", k)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{knob} must be an integer >= 1, got {value!r}")
+        check_int(1, gamma=gamma, chi=chi, beta=beta, k=k)
         if chi % gamma:
             raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
         if top_k not in ("exact", "tree", "estimated"):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
-from .base import Method, StepContext, attend_with_cache
+from .base import Method, StepContext, attend_with_cache, check_int
 from .mage import select_top_k, sparse_cache_attention
 
 
@@ -93,12 +93,9 @@ class Quest(Method):
 
     def __init__(self, k: int = 1024, page_size: int = 16, exact_layers: int = 2, sparse_commit: bool = False):
         super().__init__()
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        if not isinstance(k, int) or k < page_size:
-            raise ValueError(f"k must be an int >= page_size ({page_size}): k / page_size pages are kept, got {k!r}")
-        if not isinstance(exact_layers, int) or exact_layers < 0:
-            raise ValueError(f"exact_layers must be an int >= 0, got {exact_layers!r}")
+        check_int(1, page_size=page_size)
+        check_int(page_size, k=k)  # k / page_size pages are kept
+        check_int(0, exact_layers=exact_layers)
         self.k, self.page_size, self.exact_layers, self.sparse_commit = k, page_size, exact_layers, sparse_commit
         self.bounds: dict[int, PageBounds] = {}  # layer -> bounds over the current generation's cache
         self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this step's pages

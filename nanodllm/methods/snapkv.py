@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .base import check_int
 from .maskkv import MaskKV, attention_mass
 
 
@@ -31,10 +32,8 @@ class SnapKV(MaskKV):
     def __init__(self, budget: int = 256, window: int = 32, pool: int = 5, prompt_interval: int = 50,
                  response_interval: int = 5, rho: float = 0.25):
         super().__init__(budget=budget, prompt_interval=prompt_interval, response_interval=response_interval, rho=rho)
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {window!r}")
-        if not isinstance(pool, int) or pool < 1 or pool % 2 == 0:
-            raise ValueError(f"pool must be an odd integer >= 1, got {pool!r}")
+        check_int(1, window=window)
+        check_int(1, odd=True, pool=pool)
         self.window, self.pool = window, pool
 
     def step(self, model, ctx):

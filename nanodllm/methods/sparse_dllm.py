@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .base import check_int
 from .fast_dllm import FastDllm, KeptKV, outside_block
 
 
@@ -60,8 +61,7 @@ class SparseDllm(FastDllm):
         super().__init__(mode="dual", delay=delay)
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
-        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"kernel must be an odd integer >= 1, got {kernel!r}")
+        check_int(1, odd=True, kernel=kernel)
         self.ratio, self.kernel, self.per_head, self.prefix_sparse = ratio, kernel, per_head, prefix_sparse
 
     def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
