@@ -54,6 +54,13 @@ class Rope:
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [batch, 1, t, d]
         self.cos, self.sin = angles.cos(), angles.sin()
 
+    def rows(self, rows: torch.Tensor) -> "Rope":
+        """The tables at some positions only: rows [batch, s] indexes this Rope's t (no recompute)."""
+        index = rows[:, None, :, None].expand(-1, 1, -1, self.cos.shape[-1])
+        picked = Rope.__new__(Rope)
+        picked.cos, picked.sin = self.cos.gather(2, index), self.sin.gather(2, index)
+        return picked
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         x32 = fp32_or_wider(x)
         half = x32.shape[-1] // 2

@@ -67,6 +67,21 @@ def put_rows(x: torch.Tensor, rows: torch.Tensor, src: torch.Tensor):
     x.scatter_(1, index, src)
 
 
+def heads_index(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """index [batch, 1 or heads, k] expanded to gather/scatter x [batch, heads, n, ...] along n."""
+    return index.view(*index.shape, *([1] * (x.dim() - 3))).expand(-1, x.shape[1], -1, *x.shape[3:])
+
+
+def take_heads(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [batch, heads, n, ...] at positions index [batch, 1 (shared) or heads, k] -> [batch, heads, k, ...]."""
+    return x.gather(2, heads_index(x, index))
+
+
+def put_heads(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor):
+    """x[b, h, index[b, h, j]] = src[b, h, j] in place (index shared over heads when its dim 1 is 1)."""
+    x.scatter_(2, heads_index(x, index), src)
+
+
 class DllmCache(Method):
     name = "dllm_cache"
     engines = ("masked",)
@@ -105,13 +120,13 @@ class DllmCache(Method):
         if refresh_prompt:
             x_p, rope_p = model.embed(ctx.tokens[:, :prompt_width]), model.rope(ctx.positions[:, :prompt_width])
         for i, layer in enumerate(model.layers):
-            x_p, x_r = self.layer_step(model, i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx)
+            x_p, x_r = self.layer_step(i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx)
         self.count_rows(prompt_width if refresh_prompt else 0,
                         {"all": response_rows, "none": 0, "drifted": drifted}[recomputed], ctx.tokens.shape[1])
         self.t += 1
         return model.head(x_r, ctx.logits_start - prompt_width, ctx.logits_stop - prompt_width)
 
-    def layer_step(self, model, i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx):
+    def layer_step(self, i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx):
         """One layer. x_p: the prompt's hidden states at a prompt refresh, else None; recomputed:
         which response rows get fresh attention and FFN ('all', 'none' or 'drifted': the `drifted`
         rows whose value moved most). Returns the layer's (x_p, x_r)."""
@@ -119,7 +134,7 @@ class DllmCache(Method):
         if recomputed == "all":
             q_r, k_r, v_r = layer.qkv(h_r, rope_r)
         elif recomputed == "drifted":
-            q_r, rows = self.refresh_drifted(model, self.layers[i], layer, h_r, drifted, ctx)
+            q_r, rows = self.refresh_drifted(self.layers[i], layer, h_r, rope_r, drifted)
         if x_p is not None:
             q_p, k_p, v_p = layer.qkv(layer.attn_norm(x_p), rope_p)
             if recomputed == "none":
@@ -151,7 +166,7 @@ class DllmCache(Method):
         """Views of the response part of a layer's key and value buffers."""
         return cache.keys[:, :, cache.prompt_slots:], cache.values[:, :, cache.prompt_slots:]
 
-    def refresh_drifted(self, model, cache, layer, h_r, count, ctx):
+    def refresh_drifted(self, cache, layer, h_r, rope_r, count):
         """Algorithm 7: fresh values for every response row; fresh keys (written in place) and
         queries for the `count` rows whose values drifted most. Returns (queries, rows)."""
         k_cached, v_cached = self.response_kv(cache)
@@ -160,10 +175,8 @@ class DllmCache(Method):
         v_cached.copy_(v_r)
         if not count:
             return None, rows
-        positions = ctx.positions[:, -h_r.shape[1]:].gather(1, rows)
-        q_rows, k_rows, _ = layer.qkv(take_rows(h_r, rows), model.rope(positions))
-        index = rows[:, None, :, None].expand(-1, k_rows.shape[1], -1, k_rows.shape[3])
-        k_cached.scatter_(2, index, k_rows)
+        q_rows, k_rows, _ = layer.qkv(take_rows(h_r, rows), rope_r.rows(rows))
+        put_heads(k_cached, rows[:, None], k_rows)
         return q_rows, rows
 
     def drifted_rows(self, values, cached_values, count):

@@ -35,7 +35,7 @@ import torch
 
 from ..attention import attention_with_lse, use_kernels
 from .base import Method, StepContext, check_int
-from .dllm_cache import put_rows, take_rows
+from .dllm_cache import put_heads, put_rows, take_heads, take_rows
 
 
 @dataclass
@@ -56,12 +56,6 @@ def index_rows(mask: torch.Tensor):
     count = max(int(mask.sum(dim=1).max()), 1)
     rows = (~mask).to(torch.int8).argsort(dim=1, stable=True)[:, :count]
     return rows, mask.gather(1, rows)
-
-
-def heads_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [batch, heads, n, ...], rows [batch, s] -> x at those rows, [batch, heads, s, ...]."""
-    index = rows[:, None].view(rows.shape[0], 1, rows.shape[1], *([1] * (x.dim() - 3)))
-    return x.gather(2, index.expand(-1, x.shape[1], -1, *x.shape[3:]))
 
 
 def approximate(q, keys, dv, columns, lse, context):
@@ -138,38 +132,38 @@ class DyLLM(Method):
         rope = model.rope(positions)
         counts = []
         for i, layer in enumerate(model.layers):
-            x, salient = self.layer_step(model, layer, self.layers[i], x, rope, positions, salient, valid, offset, k_valid)
-            counts.append(salient.sum(dim=1).float().mean().item() / x.shape[1])
+            x, salient = self.layer_step(layer, self.layers[i], x, rope, salient, valid, offset, k_valid)
+            counts.append(salient.sum(dim=1).float().mean() / x.shape[1])
         self.salient = torch.zeros_like(ctx.valid)
         self.salient[:, offset:] = salient
-        self.count_salient(counts)
+        self.count_salient(torch.stack(counts).tolist())  # one host sync per step for the stats
         return model.head(x, ctx.logits_start - offset, ctx.logits_stop - offset)
 
-    def layer_step(self, model, layer, state, x, rope, positions, salient, valid, offset, k_valid):
+    def layer_step(self, layer, state, x, rope, salient, valid, offset, k_valid):
         """One layer of a sparse step; returns (x, the next salient rows [batch, fed])."""
         h = layer.attn_norm(x)
         q = layer.query(h, rope)
         rows, ok = index_rows(salient)
         columns = rows + offset
-        _, k_rows, v_rows = layer.qkv(take_rows(h, rows), model.rope(positions.gather(1, rows)))
-        old_k, old_v = heads_rows(state.keys, columns), heads_rows(state.values, columns)
+        _, k_rows, v_rows = layer.qkv(take_rows(h, rows), rope.rows(rows))
+        old_k, old_v = take_heads(state.keys, columns[:, None]), take_heads(state.values, columns[:, None])
         keep = ok[:, None, :, None]
         k_rows, v_rows = torch.where(keep, k_rows, old_k), torch.where(keep, v_rows, old_v)
-        index = columns[:, None, :, None].expand(-1, k_rows.shape[1], -1, k_rows.shape[3])
-        state.keys.scatter_(2, index, k_rows)
-        state.values.scatter_(2, index, v_rows)
+        put_heads(state.keys, columns[:, None], k_rows)
+        put_heads(state.values, columns[:, None], v_rows)
 
         old_context, old_lse = state.context[:, :, offset:], state.lse[:, :, offset:]
         context, stats = approximate(q, state.keys, v_rows - old_v, columns, old_lse, old_context)
-        exact, lse = attention_with_lse(heads_rows(q, rows), state.keys, state.values, k_valid)
-        exact = torch.where(keep, exact, heads_rows(context, rows))
-        lse = torch.where(ok[:, None, :], lse.to(old_lse.dtype), heads_rows(old_lse, rows))
-        self.put_heads_rows(context, rows, exact)
-        self.put_heads_rows(old_lse, rows, lse)
-        old_salient = heads_rows(old_context, rows).float()
+        shared = rows[:, None]  # the same rows for every head
+        exact, lse = attention_with_lse(take_heads(q, shared), state.keys, state.values, k_valid)
+        exact = torch.where(keep, exact, take_heads(context, shared))
+        lse = torch.where(ok[:, None, :], lse.to(old_lse.dtype), take_heads(old_lse, shared))
+        put_heads(context, shared, exact)
+        put_heads(old_lse, shared, lse)
+        old_salient = take_heads(old_context, shared).float()
         exact_stats = torch.stack([(exact.float() * old_salient).sum(-1), exact.float().pow(2).sum(-1),
                                    old_salient.pow(2).sum(-1)], dim=-1)
-        self.put_heads_rows(stats, rows, exact_stats)
+        put_heads(stats, shared, exact_stats)
         next_salient = self.next_salient(stats.sum(dim=1), valid)
         old_context.copy_(context)
 
@@ -179,11 +173,6 @@ class DyLLM(Method):
         fresh = layer.mlp(layer.mlp_norm(take_rows(x, rows)))
         put_rows(cached, rows, torch.where(ok[..., None], fresh, take_rows(cached, rows)))
         return x + cached, next_salient
-
-    @staticmethod
-    def put_heads_rows(x, rows, src):
-        index = rows[:, None].view(rows.shape[0], 1, rows.shape[1], *([1] * (x.dim() - 3)))
-        x.scatter_(2, index.expand(-1, x.shape[1], -1, *x.shape[3:]), src)
 
     def next_salient(self, stats, valid):
         """Rows whose context moved: cos(C, C_old) < tau, or the lowest-cosine salient_fraction."""

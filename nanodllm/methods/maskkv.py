@@ -42,7 +42,7 @@ import torch
 
 from ..attention import CanvasMask
 from .base import check_int
-from .dllm_cache import DllmCache
+from .dllm_cache import DllmCache, take_heads
 
 PROFILE_NAME = "maskkv_profile.json"
 
@@ -83,11 +83,6 @@ def keep_top(scores, counts, prompt_lengths):
     indices = torch.where(slots < counts[..., None], top, width).sort(dim=-1).values
     keep = indices < width
     return indices.clamp(max=width - 1), keep[:, :, None, :]
-
-
-def gather_tokens(x, indices):
-    """x [batch, kv_heads, P, d], indices [batch, kv_heads, k] -> [batch, kv_heads, k, d]."""
-    return x.gather(2, indices[..., None].expand(-1, -1, -1, x.shape[3]))
 
 
 def layer_budgets(budget: int, importance, beta: float, boundary_layers: int) -> list[int]:
@@ -147,12 +142,14 @@ class MaskKV(DllmCache):
         self.boundary_layers, self.profile = boundary_layers, profile
         self.importance: list[float] | None = None
         self.indices: list = []  # per layer: (indices, keep) of the kept prompt tokens
+        self.evicting = False  # this generation's budget is below its longest prompt
         self.kept_sum = self.prompt_sum = self.head_rows = 0
 
     def step(self, model, ctx):
         if self.t == 0:
             self.indices = []  # step 0 is exact and votes again
-        if self.t == 0 and self.importance is None and self.evicts(ctx):
+            self.evicting = self.budget < int(ctx.prompt_lengths.max())  # else nothing to evict
+        if self.t == 0 and self.importance is None and self.evicting:
             self.importance = self.load_importance(model, ctx)
         return super().step(model, ctx)
 
@@ -173,18 +170,15 @@ class MaskKV(DllmCache):
         mask = ctx.attn_mask if isinstance(ctx.attn_mask, CanvasMask) else None
         return layer_importance(model, ctx.tokens, ctx.positions, ctx.valid, mask)
 
-    def evicts(self, ctx) -> bool:
-        return self.budget < int(ctx.prompt_lengths.max())
-
     def keep_prompt(self, i, k_p, v_p, ctx):
         if i >= len(self.indices):  # step 0: exact
             return super().keep_prompt(i, k_p, v_p, ctx)
         indices, keep = self.indices[i]
-        return gather_tokens(k_p, indices), gather_tokens(v_p, indices), keep
+        return take_heads(k_p, indices), take_heads(v_p, indices), keep
 
     def first_step_attention(self, i, q_p, q_r, ctx):
         """Vote with the exact step-0 attention, allocate the budgets, evict layer i's prompt KV."""
-        if not self.evicts(ctx):
+        if not self.evicting:
             return
         cache = self.layers[i]
         prompt_width = cache.prompt_slots

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import check_int
+from .dllm_cache import take_heads
 from .fast_dllm import FastDllm, KeptKV, outside_block
 
 
@@ -47,12 +48,6 @@ def pivotal_tokens(q_mean, candidates, valid, ratio: float, kernel: int, per_hea
     return indices, keep[:, :, None, :]
 
 
-def gather_tokens(x, indices):
-    """x [batch, kv_heads, n, d], indices [batch, 1 or kv_heads, k] -> [batch, kv_heads, k, d]."""
-    index = indices[..., None].expand(-1, x.shape[1], -1, x.shape[3])
-    return x.gather(2, index)
-
-
 class SparseDllm(FastDllm):
     name = "sparse_dllm"
 
@@ -73,7 +68,7 @@ class SparseDllm(FastDllm):
             k_f, v_f = outside_block(k, start, stop, dim=2), outside_block(v, start, stop, dim=2)
             valid = outside_block(ctx.valid, start, stop, dim=1)
         indices, keep = pivotal_tokens(q_mean, k_f, valid, self.ratio, self.kernel, self.per_head)
-        keys, values = gather_tokens(k_f, indices), gather_tokens(v_f, indices)
+        keys, values = take_heads(k_f, indices), take_heads(v_f, indices)
         if self.prefix_sparse:
             suffix = k.shape[2] - stop
             keys = torch.cat([keys, k[:, :, stop:]], dim=2)
