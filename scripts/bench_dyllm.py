@@ -18,28 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from bench_maskkv import eager_us
+from bench_maskkv import canvas_context, eager_us
 from nanodllm.config import ModelConfig, preset
 from nanodllm.methods import get_method
-from nanodllm.methods.base import Dense, StepContext
+from nanodllm.methods.base import Dense
 from nanodllm.model import build_random
 
 FULL = dict(prompt=512, gen_length=256, block_length=32, batches=(1, 16), fractions=(0.1, 0.25, 0.5))
 QUICK = dict(prompt=48, gen_length=16, block_length=4, batches=(1, 2), fractions=(0.25,))
 QUICK_MODEL = dict(model_type="llada", d_model=128, n_layers=3, n_heads=4, n_kv_heads=4, mlp_hidden_size=256,
                    vocab_size=256, mask_token_id=255, eos_token_id=254, max_sequence_length=1024)
-
-
-def canvas(cfg, batch, shapes, device, block=0) -> StepContext:
-    width = shapes["prompt"] + shapes["gen_length"]
-    generator = torch.Generator(device=device).manual_seed(0)
-    tokens = torch.randint(0, cfg.mask_token_id, (batch, width), device=device, generator=generator)
-    tokens[:, shapes["prompt"]:] = cfg.mask_token_id
-    start = shapes["prompt"] + block * shapes["block_length"]
-    return StepContext(tokens, torch.arange(width, device=device)[None].expand(batch, -1),
-                       torch.ones_like(tokens, dtype=torch.bool), torch.full((batch,), shapes["prompt"], device=device),
-                       block=block, mask_id=cfg.mask_token_id, logits_start=start,
-                       logits_stop=start + shapes["block_length"], block_length=shapes["block_length"])
 
 
 def linear_flops(cfg) -> dict:
@@ -80,7 +68,7 @@ def bench_dyllm(args, timer, report, measure_rates, meta):
                f"steps over the whole canvas and {steps - 4 - len(full_kinds)} over the response only.\n")
     step_rows, rows = [], []
     for batch in shapes["batches"]:
-        ctx = canvas(cfg, batch, shapes, device)
+        ctx = canvas_context(cfg, shapes["prompt"], shapes["gen_length"], shapes["block_length"], device, batch=batch)
         dense = Dense()
         full_us = eager_us(lambda: dense.step(model, ctx), device)
         full_floor = floor_us(batch, width, width, width)

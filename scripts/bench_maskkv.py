@@ -45,16 +45,18 @@ def step_kind(t: int, method) -> str:
             (False, False): "drift"}[(prompt, response)]
 
 
-def canvas_context(cfg, context, shapes, device) -> StepContext:
-    width = context + shapes["gen_length"]
+def canvas_context(cfg, prompt, gen_length, block_length, device, batch=1, block=0) -> StepContext:
+    """The masked engine's step context for `block` of a canvas of random prompt tokens + masks
+    (shared by the masked-engine benchmarks)."""
+    width = prompt + gen_length
     generator = torch.Generator(device=device).manual_seed(0)
-    tokens = torch.randint(0, cfg.mask_token_id, (1, width), device=device, generator=generator)
-    tokens[:, context:] = cfg.mask_token_id
-    positions = torch.arange(width, device=device)[None]
-    return StepContext(tokens, positions, torch.ones_like(tokens, dtype=torch.bool),
-                       torch.tensor([context], device=device), steps_per_block=shapes["block_length"],
-                       mask_id=cfg.mask_token_id, logits_start=context, logits_stop=context + shapes["block_length"],
-                       block_length=shapes["block_length"])
+    tokens = torch.randint(0, cfg.mask_token_id, (batch, width), device=device, generator=generator)
+    tokens[:, prompt:] = cfg.mask_token_id
+    start = prompt + block * block_length
+    return StepContext(tokens, torch.arange(width, device=device)[None].expand(batch, -1),
+                       torch.ones_like(tokens, dtype=torch.bool), torch.full((batch,), prompt, device=device),
+                       block=block, steps_per_block=block_length, mask_id=cfg.mask_token_id, logits_start=start,
+                       logits_stop=start + block_length, block_length=block_length)
 
 
 def eager_us(fn, device, tries=3) -> float:
@@ -134,7 +136,7 @@ def bench_maskkv(args, timer, report, measure_rates, meta):
 
     step_rows, gen_rows = [], []
     for context in shapes["contexts"]:
-        ctx = canvas_context(cfg, context, shapes, device)
+        ctx = canvas_context(cfg, context, shapes["gen_length"], shapes["block_length"], device)
         width, budget = context + gen, min(shapes["budget"], context)
         vanilla = Dense()
         vanilla_us = eager_us(lambda: vanilla.step(model, ctx), device)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from bench_maskkv import eager_us, peak_gib, step_flops
+from bench_maskkv import canvas_context, eager_us, peak_gib, step_flops
 from nanodllm import masked
 from nanodllm.config import GenerationConfig, ModelConfig, preset
 from nanodllm.methods import get_method
@@ -36,15 +36,8 @@ METHODS = {"fast_dllm prefix": ("fast_dllm", {"mode": "prefix"}), "fast_dllm dua
 
 
 def block_context(cfg, length, block, shapes, device) -> StepContext:
-    prompt = length - shapes["gen_length"]
-    generator = torch.Generator(device=device).manual_seed(0)
-    tokens = torch.randint(0, cfg.mask_token_id, (1, length), device=device, generator=generator)
-    tokens[:, prompt:] = cfg.mask_token_id
-    start = prompt + block * shapes["block_length"]
-    return StepContext(tokens, torch.arange(length, device=device)[None], torch.ones_like(tokens, dtype=torch.bool),
-                       torch.tensor([prompt], device=device), block=block, steps_per_block=shapes["block_length"],
-                       mask_id=cfg.mask_token_id, logits_start=start, logits_stop=start + shapes["block_length"],
-                       block_length=shapes["block_length"])
+    return canvas_context(cfg, length - shapes["gen_length"], shapes["gen_length"], shapes["block_length"], device,
+                          block=block)
 
 
 def method_block(model, ctx, method, timer, device):
