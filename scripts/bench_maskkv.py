@@ -24,6 +24,7 @@ import time
 
 import torch
 
+import nanodllm.graphs as graphs_module
 from nanodllm import masked
 from nanodllm.config import GenerationConfig, ModelConfig, preset
 from nanodllm.methods import get_method
@@ -90,7 +91,8 @@ def peak_gib(fn, device) -> float:
 
 def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, float]:
     """For every kind of step the schedule uses: GPU microseconds (short kinds as CUDA graphs, host
-    overhead excluded) and eager microseconds (host overhead included, as the engine runs them), and
+    overhead excluded) and engine microseconds (host overhead included, as the engine runs them: the
+    drift steps replay the method's own CUDA graph), and
     the peak memory of the first step."""
     pinned = lambda t: (setattr(method, "t", t), method.step(model, ctx))
     first_peak = peak_gib(lambda: pinned(0), device)  # t = 0 starts the caches afresh
@@ -102,7 +104,9 @@ def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, fl
             continue
         eager[kind] = gpu[kind] = eager_us(lambda t=t: pinned(t), device)
         if kind in ("drift", "response refresh") and device.type == "cuda":  # no host syncs in these
+            graphs_module.GRAPHS_ENABLED = False  # the timer records the step itself
             gpu[kind] = timer(lambda t=t: pinned(t))
+            graphs_module.GRAPHS_ENABLED = True
     return gpu, eager, first_peak
 
 def step_flops(cfg, rows, keys_attended, linear_params) -> float:
@@ -190,7 +194,7 @@ def bench_maskkv(args, timer, report, measure_rates, meta):
     report.table("Steps", step_rows, "Microseconds per step of the whole model, by kind; 'count' = steps of that "
                  "kind in one generation; 'us' = GPU time (drift and response refresh: CUDA graph replay, L2 "
                  "evicted; the long kinds eagerly with events), 'eager us' = one eager call, host launch overhead "
-                 "included. Floors: max(weight bytes / copy bandwidth, FLOPs / matmul rate).")
+                 "included (drift steps: the method's CUDA graph replayed, as the engine runs them). Floors: max(weight bytes / copy bandwidth, FLOPs / matmul rate).")
     report.table("Per generation", gen_rows, "Assembled from the step times (sum of count x us; 'eager' columns from "
                  "the eager step times, as the engine runs today); peak = max allocated (weights included) during "
                  "vanilla's step or the method's first step, the highest of its steps. KV GiB = the method's cached "

@@ -5,9 +5,9 @@ dual caches, Sparse-dLLM (the paper's Fig. 5, as a table).
 A sequence of N tokens is a prompt of N - G tokens and G = 256 generated ones, 8 blocks of 32, 32
 steps per block. Per block, vanilla runs 32 full steps; fast_dllm one full step that builds its cache
 and 31 cached steps; sparse_dllm (delay 1) a full step, a full step that builds the pruned cache and
-30 cached steps. Each kind of step is timed on its own (full and building steps eagerly with CUDA
-events, cached steps as CUDA graphs with L2 evicted, host launch overhead excluded) and a
-generation is assembled from them; the prefix cache's cached steps feed the block and the suffix,
+30 cached steps. Each kind of step is timed on its own, eagerly with CUDA events as the engine runs it
+(the cached steps replay the CUDA graph the method captures of them: nanodllm/graphs.py; the
+first call captures it, outside the timing), and a generation is assembled from them; the prefix cache's cached steps feed the block and the suffix,
 so they are timed in every block. Peak memory = max allocated (weights included) over a method's
 building and cached steps, vanilla's over a full step. One real generation per method at the
 shortest length checks the assembly (eager: host overhead included).
@@ -16,6 +16,7 @@ Floors per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate) as in b
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -40,7 +41,7 @@ def block_context(cfg, length, block, shapes, device) -> StepContext:
                           block=block)
 
 
-def method_block(model, ctx, method, timer, device):
+def method_block(model, ctx, method, device):
     """(us of the building step, us of a cached step, peak GiB) for one block."""
     ctx.step = method.delay
     method.begin_block(ctx)
@@ -50,7 +51,7 @@ def method_block(model, ctx, method, timer, device):
     ctx.step = method.delay + 1
     cached = lambda: method.step(model, ctx)
     peak = max(peak, peak_gib(cached, device))
-    cached_us = timer(cached) if device.type == "cuda" else eager_us(cached, device)
+    cached_us = eager_us(cached, device)
     return build_us, cached_us, peak
 
 
@@ -89,7 +90,7 @@ def bench_sparse_dllm(args, timer, report, measure_rates, meta):
             peaks = []
             for b in timed:
                 ctx = middle if label != "fast_dllm prefix" else block_context(cfg, length, b, shapes, device)
-                build_us, cached_us, block_peak = method_block(model, ctx, method, timer, device)
+                build_us, cached_us, block_peak = method_block(model, ctx, method, device)
                 fed = block if method.mode == "dual" else length - ctx.logits_start
                 if name == "sparse_dllm":
                     kept = int(method.ratio * (length - block))
@@ -112,12 +113,13 @@ def bench_sparse_dllm(args, timer, report, measure_rates, meta):
             rows.append({"length": length, "method": label, "tokens/s": gen / (total / 1e6),
                          "speedup vs vanilla": totals["vanilla"][0] / total, "x floor": total / floor,
                          "peak GiB": peak, "peak vs vanilla": peak / vanilla_peak})
+        print(f"[sparse_dllm bench] {length} tokens done", file=sys.stderr, flush=True)
         if length == min(shapes["lengths"]):
             rows += end_to_end(model, cfg, length, shapes, device, totals)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    report.table("Steps", step_rows, "Microseconds per step of the whole model (full and building steps eagerly, "
-                 "cached steps as CUDA graphs); the prefix cache is timed in every block, the others in the "
+    report.table("Steps", step_rows, "Microseconds per step of the whole model, eager (the cached steps "
+                 "replay the method's CUDA graph); the prefix cache is timed in every block, the others in the "
                  "middle one. Floors: max(weight bytes / copy bandwidth, FLOPs / matmul rate).")
     report.table("Per generation", rows, "Assembled from the step times (see scripts/bench_sparse_dllm.py); "
                  "'a real generation' rows time masked.generate end to end, eagerly.")

@@ -18,6 +18,9 @@ rows are forwarded only at prompt refreshes, since nothing else reads their hidd
 the prompt only K/V are kept (MaskKV's prompt-state exclusion); the engine asks for the active block's
 logits only (mask-only projection). Step 0 refreshes everything.
 
+On a GPU the drift steps, whose shapes are fixed, replay a CUDA graph recorded once per prompt
+refresh (nanodllm/graphs.py); for that, response refreshes write the cached outputs in place.
+
 Hooks: begin_block (block 0 starts a new generation), step (the forward, from the layer primitives).
 Subclasses decide which prompt K/V are kept (`keep_prompt`, MaskKV and SnapKV evict) and may look at
 the exact first step (`first_step_attention`).
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import attention
+from ..graphs import StepGraphs
 from .base import Method, StepContext, check_int
 
 
@@ -82,6 +86,13 @@ def put_heads(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor):
     x.scatter_(2, heads_index(x, index), src)
 
 
+def overwrite(buffer: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """value written into buffer when it has value's shape (same storage), else value itself."""
+    if buffer is None or buffer.shape != value.shape:
+        return value
+    return buffer.copy_(value)
+
+
 class DllmCache(Method):
     name = "dllm_cache"
     engines = ("masked",)
@@ -95,10 +106,13 @@ class DllmCache(Method):
         self.layers: list[LayerCache] = []
         self.t = 0
         self.rows_computed = self.rows_total = 0
+        self.prompt_builds = 0  # prompt refreshes so far (each builds new K/V buffers)
+        self.graphs = StepGraphs()  # the drift steps' CUDA graph, valid until the next prompt refresh
 
     def begin_block(self, ctx: StepContext):
         if ctx.block == 0:  # a new generation
             self.layers, self.t = [], 0
+            self.graphs.reset()
 
     def step(self, model, ctx: StepContext) -> torch.Tensor:
         if ctx.attn_mask is not None and ctx.attn_mask.block_size is not None:
@@ -114,17 +128,32 @@ class DllmCache(Method):
         else:
             recomputed = "all" if refresh_response else "drifted"
 
-        x_r = model.embed(ctx.tokens[:, prompt_width:])
-        rope_r = model.rope(ctx.positions[:, prompt_width:])
-        x_p = rope_p = None
-        if refresh_prompt:
-            x_p, rope_p = model.embed(ctx.tokens[:, :prompt_width]), model.rope(ctx.positions[:, :prompt_width])
-        for i, layer in enumerate(model.layers):
-            x_p, x_r = self.layer_step(i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx)
+        stop = (ctx.logits_start - prompt_width, ctx.logits_stop - prompt_width)
+        tokens_r, positions_r = ctx.tokens[:, prompt_width:], ctx.positions[:, prompt_width:]
+        if recomputed == "drifted":  # the steady state: shapes fixed, no host syncs, so a CUDA graph
+            forward = lambda tokens, positions: self.forward(model, None, None, tokens, positions, recomputed,
+                                                             drifted, ctx, stop)
+            key = (self.prompt_builds, drifted, stop, tuple(tokens_r.shape))
+            logits = self.graphs(key, forward, tokens_r, positions_r)
+        else:
+            prompt = (ctx.tokens[:, :prompt_width], ctx.positions[:, :prompt_width]) if refresh_prompt else (None, None)
+            logits = self.forward(model, *prompt, tokens_r, positions_r, recomputed, drifted, ctx, stop)
+            self.prompt_builds += refresh_prompt
         self.count_rows(prompt_width if refresh_prompt else 0,
                         {"all": response_rows, "none": 0, "drifted": drifted}[recomputed], ctx.tokens.shape[1])
         self.t += 1
-        return model.head(x_r, ctx.logits_start - prompt_width, ctx.logits_stop - prompt_width)
+        return logits
+
+    def forward(self, model, tokens_p, positions_p, tokens_r, positions_r, recomputed, drifted, ctx, stop):
+        """The layers over the response rows (and the prompt's, given its tokens); the logits of
+        response rows stop[0]:stop[1]."""
+        x_r, rope_r = model.embed(tokens_r), model.rope(positions_r)
+        x_p = rope_p = None
+        if tokens_p is not None:
+            x_p, rope_p = model.embed(tokens_p), model.rope(positions_p)
+        for i, layer in enumerate(model.layers):
+            x_p, x_r = self.layer_step(i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx)
+        return model.head(x_r, *stop)
 
     def layer_step(self, i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx):
         """One layer. x_p: the prompt's hidden states at a prompt refresh, else None; recomputed:
@@ -149,9 +178,10 @@ class DllmCache(Method):
         if x_p is not None:
             x_p = x_p + layer.out(attention(q_p, cache.keys, cache.values, cache.key_mask))
             x_p = x_p + layer.mlp(layer.mlp_norm(x_p))
-        if recomputed == "all":
-            cache.attn_out = layer.out(attention(q_r, cache.keys, cache.values, cache.key_mask))
-            cache.mlp_out = layer.mlp(layer.mlp_norm(x_r + cache.attn_out))
+        if recomputed == "all":  # in place after the first time, so a captured drift step stays valid
+            attn_out = layer.out(attention(q_r, cache.keys, cache.values, cache.key_mask))
+            cache.attn_out = overwrite(cache.attn_out, attn_out)
+            cache.mlp_out = overwrite(cache.mlp_out, layer.mlp(layer.mlp_norm(x_r + attn_out)))
             if self.t == 0:
                 self.first_step_attention(i, q_p, q_r, ctx)
         elif recomputed == "drifted" and drifted:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import attention
+from ..graphs import StepGraphs
 from .base import Method, StepContext, check_int
 
 
@@ -61,9 +62,12 @@ class FastDllm(Method):
         self.mode, self.delay, self.refresh = mode, delay, refresh
         self.kept: list[KeptKV] = []
         self.keys_kept = self.keys_outside = 0
+        self.builds = 0  # caches built so far: a cached step's CUDA graph lives as long as its cache
+        self.graphs = StepGraphs()
 
     def begin_block(self, ctx: StepContext):
         self.kept = []
+        self.graphs.reset()
 
     def step(self, model, ctx: StepContext) -> torch.Tensor:
         if ctx.attn_mask is not None and ctx.attn_mask.block_size is not None:
@@ -86,23 +90,26 @@ class FastDllm(Method):
         logits = model(ctx.tokens, ctx.positions, attend, ctx.logits_start, ctx.logits_stop)
         if build:
             self.kept = kept
+            self.builds += 1
             self.count_kept(kept, ctx)
         return logits
 
     def cached_step(self, model, ctx) -> torch.Tensor:
-        """Feed the block (dual) or the block and the suffix (prefix) against the kept K/V."""
+        """Feed the block (dual) or the block and the suffix (prefix) against the kept K/V; on a GPU
+        replayed from a CUDA graph captured once per cache (nanodllm/graphs.py)."""
         start, stop = ctx.logits_start, ctx.logits_stop
         fed_stop = stop if self.mode == "dual" else ctx.tokens.shape[1]
-
-        def attend(layer, q, k, v):
-            kept = self.kept[layer]
-            mask = kept.mask
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(*mask.shape[:3], k.shape[2])], dim=3)
-            return attention(q, torch.cat([kept.keys, k], dim=2), torch.cat([kept.values, v], dim=2), mask)
-
         tokens, positions = ctx.tokens[:, start:fed_stop], ctx.positions[:, start:fed_stop]
-        return model(tokens, positions, attend, 0, stop - start)
+        forward = lambda tokens, positions: model(tokens, positions, self.attend_cached, 0, stop - start)
+        return self.graphs((self.builds, start, tuple(tokens.shape)), forward, tokens, positions)
+
+    def attend_cached(self, layer, q, k, v):
+        """The fed tokens' attention: the kept K/V and their own."""
+        kept = self.kept[layer]
+        mask = kept.mask
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(*mask.shape[:3], k.shape[2])], dim=3)
+        return attention(q, torch.cat([kept.keys, k], dim=2), torch.cat([kept.values, v], dim=2), mask)
 
     def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
         """What layer `layer` keeps of the full forward's K/V: everything before the block (and after
