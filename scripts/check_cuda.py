@@ -1,6 +1,6 @@
 """CUDA check of the foundation, with its first measurements. Run on a GPU machine:
 
-    python scripts/check_cuda.py [--sections parity,engines,presets,streaming,kernels] --out FILE.md
+    python scripts/check_cuda.py [--sections parity,engines,presets,streaming,kernels,methods] --out FILE.md
 
 1. parity: the tests/fixtures checkpoints on CUDA (SDPA path, float32) against transformers' logits;
 2. engines: the tiny random test models decode the same tokens on CUDA as on CPU (ragged batches);
@@ -10,7 +10,11 @@
 4. streamed loading: a random sdar-1.7b written as a sharded checkpoint, loaded in a child process
    whose peak host RSS is reported next to the largest tensor;
 5. kernels: the shipped tiny models decode passkey prompts in bf16 on the Triton kernels and on
-   torch SDPA: accuracy of each and how many tokens agree.
+   torch SDPA: accuracy of each and how many tokens agree;
+6. methods: the methods' own kernels (MOMO's QSA and block-sparse, DyLLM's approximate attention)
+   against their torch references at 8B head shapes in bf16 and fp16, and the tiny models decoding
+   with MOMO and DyLLM on those kernels vs the methods' torch paths; the cached-step methods with
+   their steps replayed from CUDA graphs vs eager.
 --sections picks some of them (default: all).
 """
 
@@ -275,7 +279,109 @@ def check_kernels(n: int = 40):
     attention_module.KERNELS_ENABLED = True
 
 
-SECTIONS = ("parity", "engines", "presets", "streaming", "kernels")
+def worst_error(pairs) -> float:
+    """The largest |a - b| over (a, b) tensor pairs, -inf entries of both ignored."""
+    worst = 0.0
+    for a, b in pairs:
+        a, b = a.float(), b.float()
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        worst = max(worst, float((a - b)[finite].abs().max()) if bool(finite.any()) else 0.0)
+    return worst
+
+
+def check_method_kernels():
+    from kernels.approx_attention import approximate_attention, approximate_attention_reference
+    from kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
+    from kernels.qsa_attention import qsa_attention, qsa_attention_reference
+
+    report("\n## 6a. The methods' kernels against their torch references (CUDA, 32 heads, 8 KV heads, d 128)\n")
+    report("Top-k columns: the fraction of sampled rows whose kernel block set has the reference's score sum "
+           "(to 1e-2; near-ties may pick other blocks of the same score).\n")
+    report("| kernel | dtype | N | mask | max abs err | top-k rows matching |")
+    report("|---|---|---|---|---|---|")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        new = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype, generator=generator)
+        n = 2048
+        q, k, v = new(1, 32, n, 128), new(1, 8, n, 128), new(1, 8, n, 128)
+        for mask_name, masking in (("none", {}), ("causal", {"causal": True}), ("block 4", {"block_size": 4})):
+            for variant, extra in (("exact", {}), ("tree", {"tree": True}), ("estimated", {"k_exact": 4})):
+                got = qsa_attention(q, k, v, gamma=16, beta=64, top_k=16, **extra, **masking)
+                reference_extra = {"k_exact": 4} if variant == "estimated" else {}
+                want = qsa_attention_reference(q, k, v, gamma=16, beta=64, top_k=16, **reference_extra, **masking)
+                sums = [torch.where(s > float("-inf"), s, 0).sum(-1) for s in (got[3], want[3])]
+                matching = float(((sums[0] - sums[1]).abs() <= 1e-2 * sums[1].abs().clamp(min=1)).float().mean())
+                report(f"| qsa {variant} | {str(dtype)[6:]} | {n} | {mask_name} | "
+                       f"{worst_error([(got[0], want[0]), (got[1], want[1])]):.2e} | {matching:.3f} |")
+            order = torch.rand(1, 32, n // 128, n // 64, device="cuda", generator=generator).argsort(dim=-1)
+            blocks = order[..., :12].sort(dim=-1).values.int()  # 12 distinct key blocks per query block
+            blocks[..., ::5] = -1  # and some empty entries
+            got = block_sparse_attention(q, k, v, blocks, chi=128, beta=64, **masking)
+            want = block_sparse_attention_reference(q, k, v, blocks, chi=128, beta=64, **masking)
+            report(f"| block-sparse | {str(dtype)[6:]} | {n} | {mask_name} | "
+                   f"{worst_error([(got[0], want[0]), (got[1], want[1])]):.2e} | |")
+        rows, salient = 512, 256
+        columns = torch.randperm(n, device="cuda", generator=generator)[None, :salient].int()
+        context = new(1, 32, rows, 128)
+        lse = (torch.rand(1, 32, rows, device="cuda", generator=generator) * 4 + 6).float()
+        args = (new(1, 32, rows, 128), k, new(1, 8, salient, 128) * 0.1, columns,
+                torch.tensor([salient - 17], device="cuda", dtype=torch.int32), lse, context)
+        got, want = approximate_attention(*args), approximate_attention_reference(*args)
+        report(f"| approximate attention | {str(dtype)[6:]} | {n} (256 salient) | none | "
+               f"{worst_error([(got[0], want[0])]):.2e} (stats {worst_error([(got[1], want[1])]):.2e}) | |")
+
+
+def check_methods_on_kernels(n: int = 20):
+    from nanodllm.eval import Runner, agreement, resolve_model
+
+    check_method_kernels()
+    report("\n## 6b. The tiny models with the methods on their kernels vs on the methods' torch paths (bf16, passkey)\n")
+    report("| model | method | knobs | length | n | accuracy kernels | accuracy torch | token agreement | s kernels | s torch |")
+    report("|---|---|---|---|---|---|---|---|---|---|")
+    cases = (("tiny-sdar", "momo", {"k": 8, "k_exact": 1}), ("tiny-sdar", "momo", {"k": 8, "top_k": "tree"}),
+             ("tiny-llada", "momo", {"k": 8, "canvas": True}), ("tiny-llada", "dyllm", {"tau": 0.995}))
+    for name, method, knobs in cases:
+        runner = Runner(resolve_model(name), "cuda", torch.bfloat16, None)
+        runner.knobs = knobs
+        for length in (1024, 2048):
+            samples = tasks.make_samples("passkey", length, n, seed=1234, count_tokens=runner.count_tokens)
+            outcomes = {}
+            for enabled in (True, False):
+                attention_module.KERNELS_ENABLED = enabled
+                runner.generate(samples[:2], method)
+                outcomes[enabled] = runner.generate(samples, method)
+            accuracy = {key: sum(o.scores) / len(o.scores) for key, o in outcomes.items()}
+            report(f"| {name} | {method} | {knobs} | {length} | {n} | {accuracy[True]:.3f} | {accuracy[False]:.3f} | "
+                   f"{agreement(outcomes[True].tokens, outcomes[False].tokens):.3f} | "
+                   f"{outcomes[True].seconds:.2f} | {outcomes[False].seconds:.2f} |")
+    attention_module.KERNELS_ENABLED = True
+    check_step_graphs(n)
+
+
+def check_step_graphs(n: int):
+    import nanodllm.graphs as graphs_module
+    from nanodllm.eval import Runner, agreement, resolve_model
+
+    report("\n## 6c. Cached steps replayed from CUDA graphs vs eager (tiny-llada, bf16, passkey)\n")
+    report("| method | length | n | accuracy graphs | accuracy eager | token agreement | s graphs | s eager |")
+    report("|---|---|---|---|---|---|---|---|")
+    runner = Runner(resolve_model("tiny-llada"), "cuda", torch.bfloat16, None)
+    for method in ("dllm_cache", "maskkv", "fast_dllm", "sparse_dllm"):
+        for length in (1024, 2048):
+            samples = tasks.make_samples("passkey", length, n, seed=1234, count_tokens=runner.count_tokens)
+            outcomes = {}
+            for enabled in (True, False):
+                graphs_module.GRAPHS_ENABLED = enabled
+                runner.generate(samples[:2], method)
+                outcomes[enabled] = runner.generate(samples, method)
+            accuracy = {key: sum(o.scores) / len(o.scores) for key, o in outcomes.items()}
+            report(f"| {method} | {length} | {n} | {accuracy[True]:.3f} | {accuracy[False]:.3f} | "
+                   f"{agreement(outcomes[True].tokens, outcomes[False].tokens):.3f} | "
+                   f"{outcomes[True].seconds:.2f} | {outcomes[False].seconds:.2f} |")
+    graphs_module.GRAPHS_ENABLED = True
+
+
+SECTIONS = ("parity", "engines", "presets", "streaming", "kernels", "methods")
 
 
 def main():
@@ -291,7 +397,8 @@ def main():
     report(f"# CUDA checks: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
            f"triton {__import__('triton').__version__}\n")
     run = {"parity": check_parity, "engines": check_engines, "presets": lambda: check_presets(args.profile),
-           "streaming": check_streaming, "kernels": check_kernels}
+           "streaming": check_streaming, "kernels": check_kernels,
+           "methods": check_methods_on_kernels}
     for name in SECTIONS:
         if name in chosen:
             run[name]()
