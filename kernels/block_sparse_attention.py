@@ -19,6 +19,9 @@ import triton
 import triton.language as tl
 
 LOG2_E = math.log2(math.e)
+# Rows per program and launch settings on a GPU (the interpreter uses 16 rows); chi must be a
+# multiple of BLOCK_M.
+CUDA_TILES = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
 LN_2 = tl.constexpr(math.log(2.0))
 
 
@@ -111,7 +114,8 @@ def block_sparse_attention(q, k, v, blocks, *, chi: int, beta: int, causal=False
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
     if head_dim not in (16, 32, 64, 128) or beta not in (16, 32, 64, 128):
         raise ValueError(f"head_dim and beta must each be 16, 32, 64 or 128, got {head_dim} and {beta}")
-    block_m = 64 if q.is_cuda else 16
+    tiles = CUDA_TILES if q.is_cuda else {"BLOCK_M": 16, "num_warps": 4, "num_stages": 1}
+    block_m = tiles["BLOCK_M"]
     if chi % block_m:
         raise ValueError(f"chi must be a multiple of {block_m}, got {chi}")
     if blocks.dim() != 4 or blocks.shape[:3] != (batch, heads, triton.cdiv(n, chi)):
@@ -129,8 +133,8 @@ def block_sparse_attention(q, k, v, blocks, *, chi: int, beta: int, causal=False
         q, k, v, valid, blocks, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *blocks.stride(), *out.stride(), *lse.stride(),
         n, heads, heads // k.shape[1], chi, blocks.shape[3], 1 if causal else (block_size or 1), scale * LOG2_E,
-        MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, BLOCK_M=block_m, BLOCK_N=beta,
-        HEAD_DIM=head_dim, num_warps=4,
+        MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, BLOCK_N=beta, HEAD_DIM=head_dim,
+        **tiles,
     )
     return out, lse
 

@@ -34,6 +34,11 @@ import triton.language as tl
 from .block_sparse_attention import key_tile, online_softmax, store_rows
 
 LOG2_E = math.log2(math.e)
+# Sampled rows per program and launch settings on a GPU (the interpreter uses 16 rows). The top-k
+# buffer is BLOCK_M x K_SLOTS scores + indices in registers; even so 64 rows at 4 warps ran fastest
+# on an H100 at 64K causal, k = 128 (19.3 ms vs 29.5 at 16 rows, 23.3 at 32; 8 warps slower at each:
+# docs/results/bench_momo.md, launch settings).
+CUDA_TILES = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
 LN_2 = tl.constexpr(math.log(2.0))
 
 
@@ -233,8 +238,8 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
     leaves = triton.next_power_of_2(top_k) if tree else 1
     tree_score, tree_index, tree_leaf = new_tree((batch, heads, sampled), leaves, top_k if tree else 1, q.device)
     register_slots = 0 if tree else k_exact
-    block_m = 16
-    grid = (triton.cdiv(sampled, block_m), batch * heads)
+    tiles = CUDA_TILES if q.is_cuda else {"BLOCK_M": 16, "num_warps": 4, "num_stages": 1}
+    grid = (triton.cdiv(sampled, tiles["BLOCK_M"]), batch * heads)
     qsa_kernel[grid](
         q, k, v, valid, last, out, lse, top_index, top_score, tree_score, tree_index, tree_leaf,
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *last.stride(), *out.stride(), *lse.stride(),
@@ -242,9 +247,9 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
         n, sampled, heads, heads // k.shape[1], gamma, 1 if causal else (block_size or 1), scale * LOG2_E,
         register_slots, top_k - k_exact,
         MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=k_exact < top_k,
-        TREE=tree, BLOCK_M=block_m, BLOCK_N=beta, HEAD_DIM=head_dim,
+        TREE=tree, BLOCK_N=beta, HEAD_DIM=head_dim,
         K_SLOTS=triton.next_power_of_2(max(register_slots, 1)), G_SLOTS=triton.next_power_of_2(max(top_k - k_exact, 1)),
-        LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), num_warps=4,
+        LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), **tiles,
     )
     if tree:
         top_index = tree_index[..., leaves : leaves + top_k].contiguous()

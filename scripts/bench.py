@@ -5,6 +5,7 @@
     python scripts/bench.py maskkv [--quick] [--out docs/results]
     python scripts/bench.py sparse_dllm [--quick] [--out docs/results]
     python scripts/bench.py dyllm [--quick] [--fractions F ...] [--out docs/results]
+    python scripts/bench.py momo [--quick] [--lengths N ...] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
@@ -14,6 +15,8 @@ sparse_dllm: tokens/s and peak memory at 1K-32K on the llada-8b preset, vanilla 
 and dual caches vs Sparse-dLLM (scripts/bench_sparse_dllm.py).
 dyllm: DyLLM's sparse steps at fixed salient fractions, 512 + 256 tokens, batch 1 and 16, vs vanilla
 and the dual cache (scripts/bench_dyllm.py).
+momo: MOMO's prefill attention at 32K-128K, causal and block-causal, each top-k variant, vs SDPA and
+our dense kernel, with the FLOP floors and latency vs k (scripts/bench_momo.py).
 
 kernels: the attention kernels next to their floors and to what a user has (torch SDPA), in one run:
   1. ceilings: copy bandwidth (1 GiB device-to-device, bytes read + written, best of several) and
@@ -420,9 +423,10 @@ def bench_kernels(args):
 
 
 def bench_methods(args):
-    """`mage` and `maskkv`: end-to-end step timings of the methods on an 8B preset."""
+    """`mage`, `maskkv`, `sparse_dllm`, `dyllm`, `momo`: the methods' timings on 8B shapes."""
     from bench_mage import bench_mage  # scripts/ is on sys.path when this file runs
     from bench_maskkv import bench_maskkv
+    from bench_momo import bench_momo
     from bench_dyllm import bench_dyllm
     from bench_sparse_dllm import bench_sparse_dllm
 
@@ -448,6 +452,10 @@ def bench_methods(args):
         report.say(f"# Sparse-dLLM, Fast-dLLM's caches and vanilla on the masked engine: {meta['device']}, "
                    f"torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
         bench_sparse_dllm(args, timer, report, rates, meta)
+    elif args.command == "momo":
+        report.say(f"# MOMO's prefill attention vs SDPA and our dense kernel: {meta['device']}, torch {meta['torch']}, "
+                   f"triton {meta['triton']}, {meta['dtype']}\n")
+        bench_momo(args, timer, report, rates, meta)
     else:
         report.say(f"# DyLLM's sparse steps vs vanilla and Fast-dLLM's dual cache: {meta['device']}, "
                    f"torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
@@ -477,6 +485,11 @@ def main():
     dyllm.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
     dyllm.add_argument("--fractions", type=float, nargs="+", help="salient fractions (default 0.1 0.25 0.5)")
     dyllm.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
+    momo = commands.add_parser("momo", help="MOMO prefill attention vs SDPA and the dense kernel at 32K-128K")
+    momo.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
+    momo.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 32768 65536 131072)")
+    momo.add_argument("--tune", action="store_true", help="also sweep the kernels' launch settings (GPU)")
+    momo.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
     args = parser.parse_args()
     if args.command == "kernels":
         bench_kernels(args)

@@ -1,70 +1,189 @@
 """Captured attention mass of MOMO's block mask against the oracle block mask and mean pooling, on a
-tiny model's real queries and keys (the paper's Fig. 2e / the issue's accuracy bar).
+tiny model's real queries and keys or on structured synthetic ones (the paper's Fig. 2e / the issue's
+accuracy bar).
 
     python scripts/momo_mass.py --model tiny-sdar --lengths 2048,4096 --n 4 --k 4
+    python scripts/momo_mass.py --synthetic --lengths 32768,65536,131072 --mask causal,block --k 128
 
-For every layer and head of a prefill over passkey prompts: P = the dense attention probabilities.
-A block mask (per query block of chi rows, a set of key blocks of beta keys) captures
+Model mode: every layer and head of a prefill over passkey prompts. Synthetic mode: the inputs below,
+on --device (CUDA: bfloat16, MOMO's mask from the Triton kernels; CPU: float32, small lengths only).
+Let P be the dense attention probabilities. A block mask (per query block of chi rows, a set of key
+blocks of beta keys) captures
     mass = mean over rows of the sum of P over the keys the row's query block keeps (and the mask allows).
 MOMO's mask is steps 1-2 of methods/momo.py (trimmed union of the sampled rows' top-k plus the
 diagonal blocks). The oracle keeps, per query block, as many key blocks as MOMO kept there, chosen by
 their true mass over the block's rows; mean pooling (the paper's baseline) ranks key blocks by the dot
-product of the query block's mean query with the key block's mean key (scaled, masked), same count.
-Prints mass / oracle mass for MOMO and mean pooling per length (averaged over layers, heads, prompts).
+product of the query block's mean query with the key block's mean key (visible blocks only, diagonal
+blocks forced), same count. P is never formed whole: its block masses are summed over chunks of about
+2^28 / n query rows (fp32 scores against the keys those rows may see), per head.
+Prints mass / oracle mass for MOMO and mean pooling per length (averaged over layers, heads, prompts);
+synthetic rows add the seconds for MOMO's mask, the masses and pooling (the first includes Triton's compile).
+
+Synthetic inputs (deterministic from --seed + length): Gaussian noise of std --noise in every
+coordinate of q [1, heads, n, d] and k [1, kv_heads, n, d], plus, per KV head (its query heads share it):
+  vertical stripes: 32 anchor keys (positions 0-3 and 28 drawn at random) carry a direction u in the
+    first 16 coordinates, every query carries u too: anchor scores q . k / sqrt(d) gain --sink-logit;
+  slash lines: the other coordinates carry a vector w of equal-energy pairs, RoPE-rotated (base 10000):
+    key j holds R(j) w, query i holds the sum of R(i - o) w over offsets o = 0 (the local window) and two
+    drawn log-uniformly in [64, n / 4], so the scores gain --slash-logit * sum_o c(i - j - o) with
+    c(D) = the mean over the pairs' frequencies of cos(frequency D): 1 on the line, falling about like
+    1 - ln|D| / ln 10000 near it (a halo), ripples of std 0.1 far from it (|D| > 10^4).
+At the defaults (10, 8, 1) the last query blocks at 128K put 10-45% of their mass (by head) on the
+anchors, the rest on the lines and spread out (halos, ripples, noise); their best 128 of 2048 key blocks
+hold 0.80-0.96 of it, the best 8 0.43-0.62 (at 32K: 70-75% on the anchors, 128 blocks 0.98-1.0). The
+table's "oracle mass" is over all rows (early rows see fewer than k blocks: all of their mass).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanodllm import tasks  # noqa: E402
 from nanodllm.attention import CanvasMask  # noqa: E402
-from nanodllm.eval import resolve_model  # noqa: E402
-from nanodllm.loader import load_model  # noqa: E402
-from nanodllm.methods.momo import (dense_mask, diagonal_blocks, expand_blocks, measure_and_mask,  # noqa: E402
-                                   scaled_scores)
-from nanodllm.tokenizer import Tokenizer  # noqa: E402
+from nanodllm.methods.momo import dense_mask, diagonal_blocks, measure_and_mask, union_and_trim  # noqa: E402
+
+ANCHORS, ANCHOR_DIMS = 32, 16
+MASKS = {"causal": lambda args: 1, "block": lambda args: args.block_size, "none": lambda args: None}
 
 
-def captured(probs, keep, n, chi, beta, full):
-    """Mean over rows (and heads) of the probability mass inside the kept blocks."""
-    return float((probs * expand_blocks(keep, n, chi, beta, full)).sum(-1).mean())
+def rope(vector, positions, base=10000.0):
+    """[len(positions), d]: vector with each coordinate pair f rotated by position * base ** (-f / pairs)."""
+    pairs = vector.shape[-1] // 2
+    angle = positions.double()[:, None] * base ** (-torch.arange(pairs, dtype=torch.float64) / pairs)
+    x, y = vector[0::2].double(), vector[1::2].double()
+    return torch.stack([x * angle.cos() - y * angle.sin(), x * angle.sin() + y * angle.cos()], -1).flatten(-2).float()
 
 
-def block_mass(probs, n, chi, beta):
-    """[batch, heads, query blocks, key blocks]: the true mass each key block gets from each query block."""
-    query_blocks, key_blocks = -(-n // chi), -(-n // beta)
-    padded = torch.nn.functional.pad(probs, (0, key_blocks * beta - n, 0, query_blocks * chi - n))
-    return padded.view(*probs.shape[:2], query_blocks, chi, key_blocks, beta).sum(dim=(3, 5))
+def structured_qk(n, heads, kv_heads, head_dim, seed, sink_logit=10.0, slash_logit=8.0, noise=1.0):
+    """The synthetic q [1, heads, n, d] and k [1, kv_heads, n, d] (float32, CPU) of the module docstring."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, n, head_dim, generator=generator) * noise
+    k = torch.randn(1, kv_heads, n, head_dim, generator=generator) * noise
+    positions, group, root = torch.arange(n), heads // kv_heads, head_dim**0.25
+    for kv_head in range(kv_heads):
+        queries = q[0, kv_head * group : (kv_head + 1) * group]
+        anchors = torch.cat([torch.arange(4), 4 + torch.randperm(n - 4, generator=generator)[: ANCHORS - 4]])
+        u = torch.randn(ANCHOR_DIMS, generator=generator)
+        u *= math.sqrt(sink_logit) * root / u.norm()
+        k[0, kv_head, anchors, :ANCHOR_DIMS] += u
+        queries[..., :ANCHOR_DIMS] += u
+        phase = torch.rand((head_dim - ANCHOR_DIMS) // 2, generator=generator) * 2 * math.pi
+        w = torch.stack([phase.cos(), phase.sin()], -1).flatten() * math.sqrt(slash_logit / len(phase)) * root
+        far = torch.empty(2).uniform_(math.log(64), math.log(max(n / 4, 64)), generator=generator).exp()
+        k[0, kv_head, :, ANCHOR_DIMS:] += rope(w, positions)
+        queries[..., ANCHOR_DIMS:] += sum(rope(w, positions - offset) for offset in [0, *far.long().tolist()])
+    return q, k
 
 
-def best_per_query_block(scores, counts):
-    """keep [.., query blocks, key blocks] with counts[..., qb] best key blocks per query block."""
-    order = scores.argsort(dim=-1, descending=True)
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1]).expand_as(order))
-    return (ranks < counts[..., None]) & (scores > float("-inf"))
+def momo_keep(q, k, mask_block, args, on_kernels=None):
+    """MOMO's keep [batch, heads, query blocks, key blocks] as momo_attention builds it: on CUDA
+    momo_on_kernels' steps 1-2 (QSA kernel, union and trim, diagonal blocks: nothing n x n), else
+    measure_and_mask (forms the [n, n] mask: small n only)."""
+    n = q.shape[2]
+    if q.is_cuda if on_kernels is None else on_kernels:
+        from kernels.qsa_attention import qsa_attention
+
+        k_exact = args.k_exact if args.top_k == "estimated" else args.k
+        _, _, chosen, chosen_scores = qsa_attention(q, k, k, gamma=args.gamma, beta=args.beta, top_k=args.k,
+                                                    k_exact=k_exact, tree=args.top_k == "tree", block_size=mask_block)
+        keep = union_and_trim(chosen, chosen_scores, -(-n // args.beta), args.chi // args.gamma, args.k)
+        return keep | diagonal_blocks(n, args.chi, args.beta, q.device)
+    full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
+    return measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k_exact, args.k, args.top_k)[1]
 
 
-def mean_pooling_scores(q, k, n, chi, beta, full):
-    """The baseline's block scores: mean query of each query block . mean key of each key block."""
-    group = q.shape[1] // k.shape[1]
+def sees(query_positions, key_positions, mask_block):
+    """[queries, keys] bool: query p sees key j iff j // B <= p // B (B = mask_block: 1 causal, None all)."""
+    if mask_block is None:
+        return torch.ones(len(query_positions), len(key_positions), dtype=torch.bool, device=query_positions.device)
+    return key_positions[None, :] // mask_block <= query_positions[:, None] // mask_block
+
+
+def block_mass(probs, chi, beta):
+    """[..., row blocks, key blocks]: the probability mass of each (chi rows, beta keys) block of probs [..., rows, keys]."""
+    rows, keys = probs.shape[-2:]
+    row_blocks, key_blocks = -(-rows // chi), -(-keys // beta)
+    padded = torch.nn.functional.pad(probs, (0, key_blocks * beta - keys, 0, row_blocks * chi - rows))
+    return padded.view(*probs.shape[:-2], row_blocks, chi, key_blocks, beta).sum(dim=(-3, -1))
+
+
+def chunked_block_mass(q, k, mask_block, chi, beta, budget=2**28):
+    """[batch, heads, query blocks, key blocks]: block_mass of the dense attention probabilities, from
+    fp32 scores of chi-aligned chunks of about budget / n query rows against the keys they may see."""
+    batch, heads, n, head_dim = q.shape
+    group, rows = heads // k.shape[1], max(chi, budget // n // chi * chi)
+    mass = torch.zeros(batch, heads, -(-n // chi), -(-n // beta), device=q.device)
+    for head in range(heads):
+        keys = k[:, head // group].float()
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            seen = n if mask_block is None else min(n, ((stop - 1) // mask_block + 1) * mask_block)
+            scores = q[:, head, start:stop].float() @ keys[:, :seen].transpose(-1, -2) * head_dim**-0.5
+            if mask_block is not None:
+                positions = torch.arange(seen, device=q.device)
+                scores.masked_fill_(~sees(positions[start:stop], positions, mask_block), float("-inf"))
+            mass[:, head, start // chi : -(-stop // chi), : -(-seen // beta)] = block_mass(scores.softmax(-1), chi, beta)
+    return mass
+
+
+def mean_pooling_scores(q, k, chi, beta, visible):
+    """The baseline's block scores: mean query of each query block . mean key of each key block;
+    -inf where visible [query blocks, key blocks] is False (no row of the query block sees the key block)."""
+    group, n = q.shape[1] // k.shape[1], q.shape[2]
     query_blocks, key_blocks = -(-n // chi), -(-n // beta)
     pooled_q = torch.nn.functional.pad(q.float(), (0, 0, 0, query_blocks * chi - n)).view(
         *q.shape[:2], query_blocks, chi, -1).sum(3) / chi
     keys = k.float().repeat_interleave(group, dim=1)
     pooled_k = torch.nn.functional.pad(keys, (0, 0, 0, key_blocks * beta - n)).view(
         *keys.shape[:2], key_blocks, beta, -1).sum(3) / beta
-    scores = pooled_q @ pooled_k.transpose(-1, -2)
-    if full is not None:  # a key block no row of the query block may see is never chosen
-        visible = block_mass(full.float().expand(-1, q.shape[1], -1, -1), n, chi, beta) > 0
-        scores = scores.masked_fill(~visible, float("-inf"))
-    return scores
+    return (pooled_q @ pooled_k.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+
+
+def best_per_query_block(scores, counts):
+    """keep [.., query blocks, key blocks] with counts[..., qb] best key blocks per query block."""
+    order = scores.argsort(dim=-1, descending=True)
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
+    return (ranks < counts[..., None]) & (scores > float("-inf"))
+
+
+def captured(mass, keep, n):
+    """Mean over rows (and heads) of the probability mass inside the kept blocks, from the block masses."""
+    return float((mass * keep).sum()) / (mass[..., 0, 0].numel() * n)
+
+
+def mass_ratios(mass, keep, pool_scores, n, chi, beta):
+    """From the true block masses, MOMO's keep and the pooled scores: MOMO's and mean pooling's captured
+    mass over the oracle's (same count per query block), the oracle's mass, the mean blocks kept."""
+    counts = keep.sum(-1)
+    oracle = best_per_query_block(mass, counts)
+    diagonal = diagonal_blocks(n, chi, beta, mass.device)
+    pool = best_per_query_block(pool_scores.masked_fill(diagonal, float("inf")), counts)
+    best = captured(mass, oracle, n)
+    return {"momo": captured(mass, keep, n) / best, "pool": captured(mass, pool, n) / best, "oracle": best,
+            "kept": float(counts.float().mean())}
+
+
+def measure(q, k, mask_block, args):
+    """mass_ratios of one forward's q [batch, heads, n, d], k [batch, kv_heads, n, d]."""
+    n, chi, beta = q.shape[2], args.chi, args.beta
+    keep = momo_keep(q, k, mask_block, args)
+    mass = chunked_block_mass(q, k, mask_block, chi, beta)
+    positions = torch.arange(n, device=q.device)
+    visible = sees(torch.clamp(positions[::chi] + chi, max=n) - 1, positions[::beta], mask_block)
+    return mass_ratios(mass, keep, mean_pooling_scores(q, k, chi, beta, visible), n, chi, beta)
+
+
+def table_row(first_columns, results, n, beta):
+    mean = lambda key: sum(result[key] for result in results) / len(results)
+    return (f"| {' | '.join(map(str, first_columns))} | {mean('momo'):.4f} | {mean('pool'):.4f} | "
+            f"{mean('oracle'):.4f} | {mean('kept'):.1f} of {-(-n // beta)} |")
 
 
 def layer_queries_and_keys(model, ids, positions, mask):
@@ -80,53 +199,87 @@ def layer_queries_and_keys(model, ids, positions, mask):
     return captured_qk
 
 
-@torch.no_grad()
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-sdar")
-    parser.add_argument("--lengths", default="2048")
-    parser.add_argument("--n", type=int, default=4, help="prompts per length")
-    parser.add_argument("--gamma", type=int, default=16)
-    parser.add_argument("--chi", type=int, default=128)
-    parser.add_argument("--beta", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="top-k key blocks per sampled query (and k_trim)")
-    parser.add_argument("--seed", type=int, default=4321)
-    args = parser.parse_args(argv)
+def model_table(args):
+    from nanodllm import tasks
+    from nanodllm.eval import resolve_model
+    from nanodllm.loader import load_model
+    from nanodllm.tokenizer import Tokenizer
+
     model_dir = resolve_model(args.model)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    model = load_model(model_dir, "cpu", torch.float32, context=max(lengths) + 64)
-    cfg = model.cfg
-    tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
-    block_size = cfg.block_size if cfg.attention == "block_causal" else None
-    print(f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks\n")
-    print("| length | prompts | MOMO / oracle | mean pooling / oracle | oracle mass | blocks kept per query block |")
-    print("|---|---|---|---|---|---|")
-    for length in lengths:
-        ratios = {"momo": [], "pool": []}
-        oracle_mass, kept = [], []
+    model = load_model(model_dir, "cpu", torch.float32, context=max(args.lengths) + 64)
+    tokenizer = Tokenizer.from_dir(model_dir, model.cfg.model_type)
+    block_size = model.cfg.block_size if model.cfg.attention == "block_causal" else None
+    yield f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks\n"
+    yield "| length | prompts | MOMO / oracle | mean pooling / oracle | oracle mass | blocks kept per query block |"
+    yield "|---|---|---|---|---|---|"
+    for length in args.lengths:
+        results = []
         samples = tasks.make_samples("passkey", length, args.n, args.seed + length,
                                      count_tokens=lambda text: len(tokenizer.encode(text)))
         for sample in samples:
             ids = torch.tensor([tokenizer.chat([{"role": "user", "content": sample.prompt}])])
             n = ids.shape[1]
             mask = CanvasMask(block_size=block_size) if block_size else None
-            full = dense_mask(mask, n, ids.device)
             for q, k in layer_queries_and_keys(model, ids, torch.arange(n)[None], mask):
-                probs = torch.nan_to_num(scaled_scores(q, k, full).softmax(-1), nan=0.0)
-                _, keep = measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k, args.k, "exact")
-                counts = keep.sum(-1)
-                oracle = best_per_query_block(block_mass(probs, n, args.chi, args.beta), counts)
-                pool_scores = mean_pooling_scores(q, k, n, args.chi, args.beta, full)
-                diagonal = diagonal_blocks(n, args.chi, args.beta, q.device)
-                pool = best_per_query_block(pool_scores.masked_fill(diagonal, float("inf")), counts)
-                best = captured(probs, oracle, n, args.chi, args.beta, full)
-                ratios["momo"].append(captured(probs, keep, n, args.chi, args.beta, full) / best)
-                ratios["pool"].append(captured(probs, pool, n, args.chi, args.beta, full) / best)
-                oracle_mass.append(best)
-                kept.append(float(counts.float().mean()))
-        mean = lambda xs: sum(xs) / len(xs)
-        print(f"| {length} | {len(samples)} | {mean(ratios['momo']):.4f} | {mean(ratios['pool']):.4f} | "
-              f"{mean(oracle_mass):.4f} | {mean(kept):.1f} of {-(-n // args.beta)} |")
+                results.append(measure(q, k, block_size, args))
+        yield table_row([length, len(samples)], results, n, args.beta)
+
+
+def synthetic_table(args):
+    yield (f"synthetic (sink {args.sink_logit}, slash {args.slash_logit}, noise {args.noise}), {args.device} "
+           f"{args.dtype}: heads {args.heads} (KV {args.kv_heads}), d {args.head_dim}, gamma {args.gamma}, "
+           f"chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks, top-k {args.top_k}\n")
+    yield "| length | mask | MOMO / oracle | mean pooling / oracle | oracle mass | blocks kept per query block | seconds |"
+    yield "|---|---|---|---|---|---|---|"
+    for length in args.lengths:
+        q, k = structured_qk(length, args.heads, args.kv_heads, args.head_dim, args.seed + length,
+                             args.sink_logit, args.slash_logit, args.noise)
+        q, k = (x.to(args.device, getattr(torch, args.dtype)) for x in (q, k))
+        for mask in args.mask.split(","):
+            start = time.perf_counter()
+            result = measure(q, k, MASKS[mask](args), args)
+            label = f"block-causal ({args.block_size})" if mask == "block" else mask
+            yield table_row([length, label], [result], length, args.beta) + f" {time.perf_counter() - start:.1f} |"
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--synthetic", action="store_true", help="structured synthetic q/k instead of a model's")
+    parser.add_argument("--model", default="tiny-sdar")
+    parser.add_argument("--lengths", default=None, help="default 2048; synthetic 32768,65536,131072")
+    parser.add_argument("--n", type=int, default=4, help="prompts per length")
+    parser.add_argument("--gamma", type=int, default=16)
+    parser.add_argument("--chi", type=int, default=128)
+    parser.add_argument("--beta", type=int, default=64)
+    parser.add_argument("--k", type=int, default=None, help="top-k key blocks per sampled query (and k_trim); "
+                        "default 4 (tiny models), synthetic 128 (the paper's)")
+    parser.add_argument("--top-k", default="exact", choices=["exact", "tree", "estimated"])
+    parser.add_argument("--k-exact", type=int, default=8, help="exact slots of the estimated top-k")
+    parser.add_argument("--seed", type=int, default=4321)
+    synthetic = parser.add_argument_group("synthetic mode")
+    synthetic.add_argument("--heads", type=int, default=4)
+    synthetic.add_argument("--kv-heads", type=int, default=None, help="default: --heads (each head its own pattern)")
+    synthetic.add_argument("--head-dim", type=int, default=128)
+    synthetic.add_argument("--mask", default="causal", help="comma list of causal, block (block-causal), none")
+    synthetic.add_argument("--block-size", type=int, default=4)
+    synthetic.add_argument("--sink-logit", type=float, default=10.0)
+    synthetic.add_argument("--slash-logit", type=float, default=8.0)
+    synthetic.add_argument("--noise", type=float, default=1.0)
+    synthetic.add_argument("--device", default="cuda" if cuda else "cpu")
+    synthetic.add_argument("--dtype", default="bfloat16" if cuda else "float32")
+    parser.add_argument("--out", default=None, help="also write the table to this Markdown file")
+    args = parser.parse_args(argv)
+    args.lengths = [int(x) for x in (args.lengths or ("32768,65536,131072" if args.synthetic else "2048")).split(",")]
+    args.k = args.k or (128 if args.synthetic else 4)
+    args.kv_heads = args.kv_heads or args.heads
+    lines = []
+    for line in synthetic_table(args) if args.synthetic else model_table(args):
+        print(line, flush=True)
+        lines.append(line)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -1,6 +1,10 @@
 """MOMO (methods/momo.py, the torch reference): k covering every key block equals dense for every
 mask and top-k variant, a small k differs, the top-k variants return what they claim, Algorithm 2's
-union and trim, and the engines decode dense's tokens with a full budget."""
+union and trim, the engines decode dense's tokens with a full budget, and scripts/momo_mass.py's chunked
+block masses are the dense ones."""
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +15,8 @@ from nanodllm import block
 from nanodllm.attention import CanvasMask, attention_reference
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
-from nanodllm.methods.momo import estimated_top_k, exact_top_k, momo_attention, union_and_trim
+from nanodllm.methods.momo import (dense_mask, estimated_top_k, exact_top_k, expand_blocks, momo_attention,
+                                   scaled_scores, union_and_trim)
 from tests.tiny_models import masked_tokens, random_prompt, tiny_model
 
 MASKS = ["bidirectional", "padding", "block-causal", "causal"]
@@ -126,3 +131,19 @@ def test_bad_knobs_are_named():
         get_method("momo", top_k="heap")
     with pytest.raises(ValueError, match="k_exact"):
         get_method("momo", k=8, k_exact=9)
+
+
+@pytest.mark.parametrize("mask_block", [1, 4, None])
+def test_mass_script_chunks_give_the_dense_block_masses(mask_block):
+    spec = importlib.util.spec_from_file_location("momo_mass", Path(__file__).resolve().parents[1] / "scripts" / "momo_mass.py")
+    momo_mass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(momo_mass)
+    n, chi, beta = 300, 32, 16  # chunks of 2 query blocks, the last one short
+    q, k = momo_mass.structured_qk(n, heads=4, kv_heads=2, head_dim=32, seed=5)
+    full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
+    probs = scaled_scores(q, k, full).softmax(-1)
+    mass = momo_mass.chunked_block_mass(q, k, mask_block, chi, beta, budget=2 * chi * n)
+    torch.testing.assert_close(mass, momo_mass.block_mass(probs, chi, beta), atol=1e-6, rtol=1e-6)
+    keep = torch.rand(mass.shape, generator=torch.Generator().manual_seed(0)) < 0.3
+    dense = float((probs * expand_blocks(keep, n, chi, beta, full)).sum(-1).mean())
+    assert abs(momo_mass.captured(mass, keep, n) - dense) < 1e-5

@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from kernels.block_sparse_attention import CUDA_TILES as SPARSE_TILES
 from kernels.qsa_attention import estimated_top_k
 
 from ..attention import CanvasMask, use_kernels
@@ -131,7 +132,7 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
         raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
     n = q.shape[2]
     structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
-    if use_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % 64 == 0:
+    if use_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % SPARSE_TILES["BLOCK_M"] == 0:
         k_exact = k_exact if top_k == "estimated" else k_blocks
         return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks, top_k == "tree")
     full = dense_mask(mask, n, q.device)
