@@ -1,6 +1,7 @@
 """Fast-dLLM's caches and Sparse-dLLM (methods/fast_dllm.py, sparse_dllm.py): a full forward every
 step equals dense, a cached step on the canvas its cache came from equals the full forward, ratio 1
-equals the dual cache with the same delay, a small ratio differs, and Algorithm 1's selection."""
+equals the dual cache with the same delay, a small ratio differs, the cached steps' decode-kernel path
+decodes what the torch path does, and Algorithm 1's selection."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from nanodllm.methods import get_method
 from nanodllm.methods.base import StepContext
 from nanodllm.methods.sparse_dllm import pivotal_tokens
 from tests.tiny_models import (MASK_ID, MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
-                               refuses_block_causal)
+                               refuses_block_causal, tiny_model)
 from tests.tiny_models import masked_tokens as generate
 
 MODEL, GEN, PROMPTS = MASKED_MODEL, MASKED_GEN, RAGGED_PROMPTS
@@ -54,6 +55,20 @@ def test_a_cached_step_on_an_unchanged_canvas_equals_the_full_forward(name, knob
     full = method.step(MODEL, ctx)  # builds the cache
     ctx.step = 1
     torch.testing.assert_close(method.step(MODEL, ctx), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["dual", "prefix"])
+def test_cached_steps_through_the_decode_kernel_equal_the_torch_path(mode, monkeypatch):
+    """Unpadded rows: a dual cached step feeds the block (4 tokens) to the split-KV decode kernel
+    (interpreted on a CPU), prefix feeds 4 + the suffix; the kept K/V stay in place between steps."""
+    import nanodllm.attention as attention_module
+
+    model = tiny_model("llada", dtype=torch.float32, d_model=128, n_heads=2, n_kv_heads=2)  # head_dim 64
+    prompts = [random_prompt(20, seed=3), random_prompt(20, seed=4)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
+    torch_path = generate(get_method("fast_dllm", mode=mode), prompts, gen, model=model)
+    monkeypatch.setattr(attention_module, "use_kernels", lambda q: True)
+    assert generate(get_method("fast_dllm", mode=mode), prompts, gen, model=model) == torch_path
 
 
 @pytest.mark.parametrize("delay", [0, 1, 2])

@@ -28,21 +28,37 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import attention
+from ..attention import attention, cache_attention
 from ..graphs import StepGraphs
 from .base import Method, StepContext, check_int
 
 
 @dataclass
 class KeptKV:
-    """One layer's kept K/V outside the fed tokens: [batch, kv_heads, n, head_dim], a key mask
-    [batch, 1 or kv_heads, 1, n] (False = hidden: padding, unused slots) or None, and how many real
-    tokens (summed over rows) they were chosen from."""
+    """One layer's kept K/V outside the fed tokens: [batch, kv_heads, n + room, head_dim] (the last
+    `room` slots belong to the fed tokens of each cached step: `with_room`), a key mask [batch, 1 or
+    kv_heads, 1, n + room] (False = hidden: padding, unused slots) or None, and how many real tokens
+    (summed over rows) they were chosen from."""
 
     keys: torch.Tensor
     values: torch.Tensor
     mask: torch.Tensor | None
     candidates: int
+    room: int = 0
+
+
+def with_room(kept: KeptKV, room: int) -> KeptKV:
+    """The same K/V in buffers with `room` more slots at the end, where each cached step writes its fed
+    tokens' K/V: attention then reads one buffer in place (no concatenation per step), through the
+    split-KV decode kernel when the fed tokens are few (cache_attention). The mask grows with visible
+    slots."""
+    batch, heads, n, head_dim = kept.keys.shape
+    keys, values = (x.new_empty(batch, heads, n + room, head_dim) for x in (kept.keys, kept.values))
+    keys[:, :, :n], values[:, :, :n] = kept.keys, kept.values
+    mask = kept.mask
+    if mask is not None:
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:3], room)], dim=3)
+    return KeptKV(keys, values, mask, kept.candidates, room)
 
 
 def outside_block(x: torch.Tensor, start: int, stop: int, dim: int) -> torch.Tensor:
@@ -81,10 +97,11 @@ class FastDllm(Method):
     def full_step(self, model, ctx, build: bool) -> torch.Tensor:
         """The dense forward; with build, each layer's K/V outside the block are kept as it passes."""
         kept = []
+        room = (ctx.logits_stop if self.mode == "dual" else ctx.tokens.shape[1]) - ctx.logits_start  # fed tokens
 
         def attend(layer, q, k, v):
             if build:
-                kept.append(self.keep(layer, q, k, v, ctx))
+                kept.append(with_room(self.keep(layer, q, k, v, ctx), room))
             return attention(q, k, v, ctx.attn_mask)
 
         logits = model(ctx.tokens, ctx.positions, attend, ctx.logits_start, ctx.logits_stop)
@@ -104,12 +121,15 @@ class FastDllm(Method):
         return self.graphs((self.builds, start, tuple(tokens.shape)), forward, tokens, positions)
 
     def attend_cached(self, layer, q, k, v):
-        """The fed tokens' attention: the kept K/V and their own."""
+        """The fed tokens' attention: the kept K/V and their own, written into the buffers' room."""
         kept = self.kept[layer]
-        mask = kept.mask
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(*mask.shape[:3], k.shape[2])], dim=3)
-        return attention(q, torch.cat([kept.keys, k], dim=2), torch.cat([kept.values, v], dim=2), mask)
+        kept.keys[:, :, -kept.room :].copy_(k)
+        kept.values[:, :, -kept.room :].copy_(v)
+        if kept.mask is None and q.shape[2] <= 64:  # the block-decode shape: split the keys over the SMs
+            total = kept.keys.shape[2]
+            lengths = torch.full((q.shape[0],), total, dtype=torch.int32, device=q.device)
+            return cache_attention(q, kept.keys.transpose(1, 2), kept.values.transpose(1, 2), lengths, total, False)
+        return attention(q, kept.keys, kept.values, kept.mask)
 
     def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
         """What layer `layer` keeps of the full forward's K/V: everything before the block (and after
@@ -125,8 +145,9 @@ class FastDllm(Method):
         """stats['kv_kept']: cached keys / the real tokens they were chosen from, per KV head, over
         layers and blocks (1.0 for these caches, the retention for sparse_dllm)."""
         for layer in kept:
-            batch, heads, n, _ = layer.keys.shape
-            mask = layer.mask
+            batch, heads, slots, _ = layer.keys.shape
+            n = slots - layer.room
+            mask = None if layer.mask is None else layer.mask[..., :n]
             self.keys_kept += batch * heads * n if mask is None else int(mask.expand(-1, heads, -1, -1).sum())
             self.keys_outside += layer.candidates * heads
         self.stats["kv_kept"] = self.keys_kept / max(self.keys_outside, 1)
