@@ -35,10 +35,12 @@ from .block_sparse_attention import key_tile, online_softmax, store_rows
 
 LOG2_E = math.log2(math.e)
 # Sampled rows per program and launch settings on a GPU (the interpreter uses 16 rows). The top-k
-# buffer is BLOCK_M x K_SLOTS scores + indices in registers; even so 64 rows at 4 warps ran fastest
-# on an H100 at 64K causal, k = 128 (19.3 ms vs 29.5 at 16 rows, 23.3 at 32; 8 warps slower at each:
-# docs/results/bench_momo.md, launch settings).
+# buffer is BLOCK_M x K_SLOTS scores + indices in registers: 64 rows at 4 warps ran fastest on an H100
+# at 64K causal with k = 128 (19.3 ms vs 29.5 at 16 rows, 23.3 at 32; 8 warps slower at each:
+# docs/results/bench_momo_tune.md), but at k = 256 they spill (MOMO 121 ms at 64 rows in
+# docs/results/bench_momo.md, 87.5 at 16 in bench_momo_tune.md), so buffers (exact or estimated) over WIDE_BUFFER slots take 16 rows.
 CUDA_TILES = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
+WIDE_BUFFER = 128
 LN_2 = tl.constexpr(math.log(2.0))
 
 
@@ -238,7 +240,11 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
     leaves = triton.next_power_of_2(top_k) if tree else 1
     tree_score, tree_index, tree_leaf = new_tree((batch, heads, sampled), leaves, top_k if tree else 1, q.device)
     register_slots = 0 if tree else k_exact
-    tiles = CUDA_TILES if q.is_cuda else {"BLOCK_M": 16, "num_warps": 4, "num_stages": 1}
+    tiles = dict(CUDA_TILES) if q.is_cuda else {"BLOCK_M": 16, "num_warps": 4, "num_stages": 1}
+    k_slots = triton.next_power_of_2(max(register_slots, 1))
+    g_slots = triton.next_power_of_2(max(top_k - k_exact, 1))
+    if max(k_slots, g_slots) > WIDE_BUFFER:
+        tiles["BLOCK_M"] = 16
     grid = (triton.cdiv(sampled, tiles["BLOCK_M"]), batch * heads)
     qsa_kernel[grid](
         q, k, v, valid, last, out, lse, top_index, top_score, tree_score, tree_index, tree_leaf,
@@ -248,7 +254,7 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
         register_slots, top_k - k_exact,
         MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=k_exact < top_k,
         TREE=tree, BLOCK_N=beta, HEAD_DIM=head_dim,
-        K_SLOTS=triton.next_power_of_2(max(register_slots, 1)), G_SLOTS=triton.next_power_of_2(max(top_k - k_exact, 1)),
+        K_SLOTS=k_slots, G_SLOTS=g_slots,
         LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), **tiles,
     )
     if tree:
