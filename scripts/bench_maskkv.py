@@ -20,6 +20,7 @@ softmax over the whole canvas every step).
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -186,6 +187,7 @@ def bench_maskkv(args, timer, report, measure_rates, meta):
                              "KV GiB": cache[0] if cache else float("nan")})
         gen_rows.append(blank_row(context, "reference vanilla (full logits)", **{
             "peak GiB": reference_peak, "peak vs vanilla": reference_peak / vanilla_peak, "peak vs reference vanilla": 1.0}))
+        print(f"[maskkv bench] {context} tokens done", file=sys.stderr, flush=True)
         if context == min(shapes["contexts"]):
             gen_rows += end_to_end(model, cfg, context, shapes, device, totals)
         del ctx
