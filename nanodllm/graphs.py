@@ -1,12 +1,13 @@
 """CUDA graphs for a method's repeated steps.
 
-A cached step of an 8B model feeds a few dozen tokens through 32 layers: about 1,500 kernel launches
-whose GPU time is ~11 ms on an H100, while launching them from Python took ~40 ms of host time
-(torch.profiler, Fast-dLLM's dual-cache step of llada-8b at 512 + 256 tokens). Recording the step once into a CUDA graph and replaying it
-costs one launch. A step may be graphed when, between captures, it is a pure function of tensors
-that stay in place: the method's cached state (the same tensor objects) and the step's inputs,
-which `StepGraphs` copies into static buffers before each replay. Host syncs (`.item()`, `bool()`
-of a tensor, shapes that depend on values) are not allowed inside.
+A cached step of an 8B model feeds a few dozen tokens through 32 layers: about 1,500 kernel
+launches whose GPU time is ~11 ms on an H100, while launching them from Python took ~40 ms of host
+time (torch.profiler, Fast-dLLM's dual-cache step of llada-8b at 512 + 256 tokens). Recording the
+step once into a CUDA graph and replaying it costs one launch. A step may be graphed when, between
+captures, it is a pure function of tensors that stay in place: the method's cached state (the same
+tensor objects) and the step's inputs, which `StepGraphs` copies into static buffers before each
+replay. Host syncs (`.item()`, `bool()` of a tensor, shapes that depend on values) are not allowed
+inside.
 
 Usage: `graphs(key, fn, *inputs)` returns fn(*inputs). The first call with a new key runs fn eagerly
 (that call is the step; it also compiles and autotunes whatever the graph will hold) and then records
