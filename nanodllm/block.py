@@ -25,7 +25,8 @@ import torch
 
 from .cache import KVCache
 from .config import GenerationConfig
-from .decoding import GenerationResult, check_prompts, split_evenly, top_confident, without_token
+from .decoding import (GenerationResult, check_prompts, refuse_shifted_logits, split_evenly, top_confident,
+                       without_token)
 from .methods.base import Dense, Method, StepContext
 from .model import fp32_or_wider
 
@@ -65,6 +66,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     method = method or Dense()
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     stop_ids = cfg.eos_token_ids if stop_ids is None else tuple(stop_ids)
+    refuse_shifted_logits(cfg)
     if cfg.attention != "block_causal":
         raise ValueError(f"the block engine needs a block-causal model; {cfg.model_type} is {cfg.attention}")
     if gen.remasking not in REMASKING:

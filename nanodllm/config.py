@@ -1,11 +1,15 @@
 """Model and generation configuration.
 
-`ModelConfig.from_dir(path)` reads a checkpoint's config.json. Two families are understood:
+`ModelConfig.from_dir(path)` reads a checkpoint's config.json. Four families are understood:
 
 - `llada`: LLaDA-8B-Base/-Instruct, LLaDA-1.5. OLMo field names (d_model, n_layers, ...),
   fully bidirectional attention.
 - `sdar`: SDAR-*-Chat, TraDo. Qwen3 field names, q/k norm, block-causal attention with
   `block_size` (default 4) and `mask_token_id` (default 151669) when the config lacks them.
+- `Dream`: Dream-v0-7B. Qwen2 field names, q/k/v biases, no q/k norm, bidirectional, logits shifted
+  (position i is predicted from hidden state i-1), mask 151666 by default.
+- `Fast_dLLM_Qwen`: Fast-dLLM v2 7B. The same Qwen2 layout, block-causal with `bd_size` (default
+  32), logits shifted, mask 151665 by default.
 
 Everything inside nanodllm uses the one internal vocabulary of this dataclass; the loader maps tensor
 names the same way. `preset(name)` gives the real 8B-class shapes so benchmarks can build a model
@@ -20,7 +24,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llada", "sdar")
+SUPPORTED_MODEL_TYPES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen")
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ class ModelConfig:
             return _from_olmo_fields(raw, source)
         if model_type == "sdar":
             return _from_qwen3_fields(raw, source)
+        if model_type in ("Dream", "Fast_dLLM_Qwen"):
+            return _from_qwen2_fields(raw, source)
         raise ValueError(
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
@@ -148,17 +154,30 @@ def _from_olmo_fields(raw: dict, source: str) -> ModelConfig:
 
 
 def _from_qwen3_fields(raw: dict, source: str) -> ModelConfig:
-    rope_scaling = raw.get("rope_scaling")
-    if rope_scaling:
-        raise ValueError(
-            f"{source}: rope_scaling={rope_scaling!r} is not supported; nanodllm applies NTK scaling itself"
-        )
     if raw.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias=true is not supported for sdar checkpoints")
-    hidden = _require(raw, "hidden_size", source)
-    n_heads = _require(raw, "num_attention_heads", source)
     return ModelConfig(
         model_type="sdar",
+        **_qwen_shape(raw, source),
+        attention="block_causal",
+        block_size=4 if raw.get("block_size") is None else raw["block_size"],
+        mask_token_id=151669 if raw.get("mask_token_id") is None else raw["mask_token_id"],
+        eos_token_ids=_stop_ids(raw, default=(151645, 151643)),
+        qk_norm=True,
+    )
+
+
+def _qwen_shape(raw: dict, source: str) -> dict:
+    """The ModelConfig fields Qwen2 and Qwen3 configs name alike."""
+    if raw.get("rope_scaling"):
+        raise ValueError(
+            f"{source}: rope_scaling={raw['rope_scaling']!r} is not supported; nanodllm applies NTK scaling itself"
+        )
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported (the released checkpoints set it false)")
+    hidden = _require(raw, "hidden_size", source)
+    n_heads = _require(raw, "num_attention_heads", source)
+    return dict(
         vocab_size=_require(raw, "vocab_size", source),
         hidden_size=hidden,
         intermediate_size=_require(raw, "intermediate_size", source),
@@ -169,12 +188,24 @@ def _from_qwen3_fields(raw: dict, source: str) -> ModelConfig:
         rope_theta=float(raw.get("rope_theta", 1e6)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 32768),
-        attention="block_causal",
-        block_size=4 if raw.get("block_size") is None else raw["block_size"],
-        mask_token_id=151669 if raw.get("mask_token_id") is None else raw["mask_token_id"],
-        eos_token_ids=_stop_ids(raw, default=(151645, 151643)),
-        qk_norm=True,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+
+
+def _from_qwen2_fields(raw: dict, source: str) -> ModelConfig:
+    """Dream and Fast-dLLM v2: Qwen2 layout (q/k/v biases, no q/k norm), shifted logits."""
+    dream = raw["model_type"] == "Dream"
+    block_size = None if dream else (32 if raw.get("bd_size") is None else raw["bd_size"])
+    default_mask = 151666 if dream else 151665
+    return ModelConfig(
+        model_type=raw["model_type"],
+        **_qwen_shape(raw, source),
+        attention="bidirectional" if dream else "block_causal",
+        block_size=block_size,
+        mask_token_id=default_mask if raw.get("mask_token_id") is None else raw["mask_token_id"],
+        eos_token_ids=_stop_ids(raw, default=(151645, 151643)),
+        qkv_bias=True,
+        logit_shift=True,
     )
 
 
@@ -188,6 +219,12 @@ _PRESETS = {
                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936),
     "sdar-1.7b": dict(model_type="sdar", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936),
+    "dream-7b": dict(model_type="Dream", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                     max_position_embeddings=131072),
+    "fast-dllm-v2-7b": dict(model_type="Fast_dLLM_Qwen", hidden_size=3584, num_hidden_layers=28,
+                            num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                            vocab_size=152064, bd_size=32),
 }
 PRESETS = tuple(_PRESETS)
 

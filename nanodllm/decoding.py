@@ -23,6 +23,17 @@ def until_stop(tokens: list[int], stop_ids) -> list[int]:
     return tokens
 
 
+def refuse_shifted_logits(cfg):
+    """Dream / Fast-dLLM v2 checkpoints load and run forward passes, but predict token i from position
+    i - 1 and decode with their own loops, which the engines do not have yet: a clear error instead
+    of a decode that silently differs from theirs."""
+    if cfg.logit_shift:
+        raise NotImplementedError(
+            f"{cfg.model_type} checkpoints predict each token from the previous position (shifted logits) and "
+            "decode with their own loop (Dream's diffusion_generate, Fast-dLLM v2's sub-blocks), which nanodllm's "
+            "engines do not implement yet; the model loads and its forward passes match transformers")
+
+
 def check_prompts(prompts, vocab_size: int, context_length: int, extra: int) -> list[list[int]]:
     """Validate a batch of token-id prompts before anything runs; returns plain int lists.
 

@@ -44,6 +44,8 @@ RENAMES = {
         ("model.{name}", "{name}"),
     ],
 }
+RENAMES["Dream"] = RENAMES["Fast_dLLM_Qwen"] = RENAMES["sdar"]  # Qwen2 names (+ q/k/v biases) are Qwen3's
+QWEN_FAMILIES = ("sdar", "Dream", "Fast_dLLM_Qwen")
 
 
 def _rename(name: str, source: str, target: str) -> str | None:
@@ -157,8 +159,8 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = N
     has_head = any(internal_name(cfg.model_type, name) == "lm_head.weight" for name in files)
     if has_head and cfg.tie_word_embeddings:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head is used as stored
-    if not has_head and cfg.model_type == "sdar":
-        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # Qwen3 rule: no head -> the embedding
+    if not has_head and cfg.model_type in QWEN_FAMILIES:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # Qwen rule: no head -> the embedding
     if context:
         cfg = cfg.with_context(context)
     model = build_empty(cfg, device, dtype)

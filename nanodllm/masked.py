@@ -24,8 +24,8 @@ import torch
 
 from .attention import CanvasMask
 from .config import GenerationConfig
-from .decoding import (GenerationResult, check_prompts, split_evenly, threshold_transfer, top_confident,
-                       without_token)
+from .decoding import (GenerationResult, check_prompts, refuse_shifted_logits, split_evenly, threshold_transfer,
+                       top_confident, without_token)
 from .methods.base import Dense, Method, StepContext
 
 
@@ -45,6 +45,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     method = method or Dense()
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     pad_id = cfg.eos_token_ids[0] if pad_id is None else pad_id
+    refuse_shifted_logits(cfg)
     if gen.gen_length % gen.block_length:
         raise ValueError(f"gen_length={gen.gen_length} is not a multiple of block_length={gen.block_length}")
     num_blocks = gen.gen_length // gen.block_length

@@ -1,4 +1,5 @@
-"""Write the tiny parity fixtures under tests/fixtures/ (llada_tiny/, sdar_tiny/).
+"""Write the tiny parity fixtures under tests/fixtures/ (llada_tiny/, sdar_tiny/, dream_tiny/,
+fast_dllm_v2_tiny/).
 
 Each fixture is a small random checkpoint in the EXACT on-disk format of the real family
 (the names nanodllm/loader.py maps) plus `golden.safetensors` holding fixed input ids and
@@ -12,6 +13,12 @@ the float32 logits that Hugging Face transformers (an independent implementation
 - sdar_tiny: Qwen3/SDAR config.json field names, plain Qwen3 tensor names (incl. q_norm/k_norm),
   GQA (4 query heads, 2 KV heads), bfloat16 weights in a single model.safetensors. Golden:
   Qwen3ForCausalLM with the BLOCK-CAUSAL mask (query q sees key k iff k // 4 <= q // 4).
+- dream_tiny, fast_dllm_v2_tiny: Dream / Fast-dLLM v2 config.json field names (Qwen2's, model_type
+  "Dream" / "Fast_dLLM_Qwen", bd_size 4 for the latter), Qwen2 tensor names with q/k/v biases and no
+  q/k norm, GQA, bf16 in one model.safetensors. Golden: Qwen2ForCausalLM with the bidirectional /
+  block-causal(4) mask, then SHIFTED as both families decode (logits = cat([l[:, :1], l[:, :-1]]):
+  position i is predicted from hidden state i-1). No tokenizer.json (their tokenizers are not
+  supported yet).
 
 The golden models run in float32 with attn_implementation="eager" on the bf16 weights upcast to
 float32; positions are 0..T-1 and T = 13 is not a multiple of the block size. Custom masks are
@@ -137,6 +144,47 @@ SDAR_CONFIG = {
     "vocab_size": VOCAB,
 }
 
+QWEN2_CONFIG = {
+    "attention_dropout": 0.0,
+    "bos_token_id": 251,
+    "eos_token_id": 251,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 160,
+    "mask_token_id": 250,
+    "max_position_embeddings": 131072,
+    "max_window_layers": 2,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "pad_token_id": 251,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.46.2",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": VOCAB,
+}
+DREAM_CONFIG = {
+    **QWEN2_CONFIG,
+    "architectures": ["DreamModel"],
+    "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+    "model_type": "Dream",
+}
+FAST_DLLM_V2_CONFIG = {
+    **QWEN2_CONFIG,
+    "architectures": ["Fast_dLLM_QwenForCausalLM"],
+    "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+                 "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
+    "bd_size": BLOCK,
+    "model_type": "Fast_dLLM_Qwen",
+}
+
 # ----------------------------------------------------------------------------------------------
 # random weights
 
@@ -173,8 +221,13 @@ def llada_weights(gen) -> dict[str, torch.Tensor]:
 
 
 def sdar_weights(gen) -> dict[str, torch.Tensor]:
-    c = SDAR_CONFIG
-    d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    return qwen_weights(gen, SDAR_CONFIG, qk_norm=True, qkv_bias=False)
+
+
+def qwen_weights(gen, c: dict, qk_norm: bool, qkv_bias: bool) -> dict[str, torch.Tensor]:
+    """Qwen3 (q/k norm) or Qwen2 (q/k/v biases) tensors of config c."""
+    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = c.get("head_dim") or d // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     w = {"model.embed_tokens.weight": torch.randn(v, d, generator=gen)}
     for i in range(c["num_hidden_layers"]):
@@ -184,9 +237,13 @@ def sdar_weights(gen) -> dict[str, torch.Tensor]:
         w[p + "self_attn.k_proj.weight"] = _linear(gen, kv, d)
         w[p + "self_attn.v_proj.weight"] = _linear(gen, kv, d)
         w[p + "self_attn.o_proj.weight"] = _linear(gen, d, q)
-        # q/k norm weights scale q.k directly (q/k are RMS-normalised per head): ~2 gives peaked attention
-        w[p + "self_attn.q_norm.weight"] = 2 * _norm(gen, hd)
-        w[p + "self_attn.k_norm.weight"] = 2 * _norm(gen, hd)
+        if qkv_bias:
+            for name, size in (("q", q), ("k", kv), ("v", kv)):
+                w[p + f"self_attn.{name}_proj.bias"] = 0.5 * torch.randn(size, generator=gen)
+        if qk_norm:
+            # q/k norm weights scale q.k directly (q/k are RMS-normalised per head): ~2 gives peaked attention
+            w[p + "self_attn.q_norm.weight"] = 2 * _norm(gen, hd)
+            w[p + "self_attn.k_norm.weight"] = 2 * _norm(gen, hd)
         w[p + "post_attention_layernorm.weight"] = _norm(gen, d)
         w[p + "mlp.gate_proj.weight"] = _linear(gen, f, d)
         w[p + "mlp.up_proj.weight"] = _linear(gen, f, d)
@@ -330,6 +387,37 @@ def hf_qwen3(weights: dict[str, torch.Tensor]):
     return model
 
 
+def hf_qwen2(weights: dict[str, torch.Tensor], c: dict):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"],
+        hidden_act="silu",
+        max_position_embeddings=c["max_position_embeddings"],
+        rms_norm_eps=c["rms_norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": float(c["rope_theta"])},
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    model = Qwen2ForCausalLM(config).float().eval()
+    model.load_state_dict({k: t.float() for k, t in weights.items()}, strict=True)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr(), "head got tied"
+    _check_rope(model, float(c["rope_theta"]), c["hidden_size"] // c["num_attention_heads"])
+    return model
+
+
+def shifted(logits: torch.Tensor) -> torch.Tensor:
+    """Dream / Fast-dLLM v2 decoding: position i takes the logits of position i - 1 (0 keeps its own)."""
+    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+
 def _check_rope(model, theta: float, head_dim: int) -> None:
     expected = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     got = model.model.rotary_emb.inv_freq
@@ -456,7 +544,24 @@ def main() -> int:
     write_tokenizer(out, "sdar", SDAR_CONFIG["mask_token_id"], SDAR_CONFIG["eos_token_id"])
     write_golden(out, ids, logits)
 
-    for name in ("llada_tiny", "sdar_tiny"):
+    # --- Dream (bidirectional) and Fast-dLLM v2 (block-causal): Qwen2 with biases, shifted logits
+    for name, config, seed in (("dream_tiny", DREAM_CONFIG, 91011), ("fast_dllm_v2_tiny", FAST_DLLM_V2_CONFIG, 121314)):
+        gen = torch.Generator().manual_seed(seed)
+        weights = qwen_weights(gen, config, qk_norm=False, qkv_bias=True)
+        ids = input_ids(gen)
+        model = hf_qwen2(weights, config)
+        if config["model_type"] == "Dream":
+            logits = hf_logits(model, ids, bidirectional_allowed(*ids.shape))
+            verify_bidirectional(model, ids, logits)
+        else:
+            logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, BLOCK))
+            verify_block_causal(model, ids, logits)
+        out = fresh_dir(name)
+        write_config(out, config)
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        write_golden(out, ids, shifted(logits))
+
+    for name in ("llada_tiny", "sdar_tiny", "dream_tiny", "fast_dllm_v2_tiny"):
         size = dir_size(FIXTURES / name)
         print(f"{name}: {size} bytes ({', '.join(sorted(p.name for p in (FIXTURES / name).iterdir()))})")
         assert size < MAX_FIXTURE_BYTES, f"{name} is {size} bytes, over {MAX_FIXTURE_BYTES}"

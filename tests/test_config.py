@@ -11,7 +11,9 @@ from nanodllm.model import build_empty
 from tiny_models import tiny_config, tiny_model
 
 # Totals with a separate LM head (Qwen3-4B and -1.7B tie it and publish 4.0B and 1.7B).
-EXPECTED_PARAMS = {"llada-8b": 8.02e9, "sdar-8b": 8.19e9, "sdar-4b": 4.41e9, "sdar-1.7b": 2.03e9}
+# Dream-7B and Fast-dLLM v2 7B are Qwen2.5-7B's shape (7.62B, untied head).
+EXPECTED_PARAMS = {"llada-8b": 8.02e9, "sdar-8b": 8.19e9, "sdar-4b": 4.41e9, "sdar-1.7b": 2.03e9,
+                   "dream-7b": 7.62e9, "fast-dllm-v2-7b": 7.62e9}
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -21,7 +23,7 @@ def test_presets_have_the_released_shapes(name):
     params = sum(p.numel() for p in model.parameters())
     assert abs(params - EXPECTED_PARAMS[name]) / EXPECTED_PARAMS[name] < 0.01, params
     assert cfg.head_dim == 128
-    assert cfg.attention == ("bidirectional" if name.startswith("llada") else "block_causal")
+    assert cfg.attention == ("bidirectional" if name.startswith(("llada", "dream")) else "block_causal")
 
 
 def test_ntk_scaling_stretches_the_rope_base():
@@ -47,7 +49,7 @@ def test_ntk_scaling_changes_only_long_range_logits_a_little():
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'; supported: llada, sdar"):
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'; supported: llada, sdar, Dream, Fast_dLLM_Qwen"):
         ModelConfig.from_dict({"model_type": "gpt2"})
 
 
@@ -99,3 +101,28 @@ def test_qkv_bias_is_used():
     with torch.no_grad():
         biased.layers[0].self_attn.v_proj.bias.fill_(0.5)
     assert not torch.allclose(biased(ids, positions, dense), model(ids, positions, dense))
+
+
+QWEN2_RAW = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, vocab_size=300)
+
+
+@pytest.mark.parametrize("model_type,attention,block_size,mask_id", [
+    ("Dream", "bidirectional", None, 151666), ("Fast_dLLM_Qwen", "block_causal", 32, 151665)])
+def test_qwen2_families_get_their_documented_defaults(model_type, attention, block_size, mask_id):
+    cfg = ModelConfig.from_dict({**QWEN2_RAW, "model_type": model_type})
+    assert (cfg.attention, cfg.block_size, cfg.mask_token_id) == (attention, block_size, mask_id)
+    assert cfg.qkv_bias and cfg.logit_shift and not cfg.qk_norm
+    assert cfg.eos_token_ids == (151645, 151643) and cfg.head_dim == 16
+    assert ModelConfig.from_dict({**QWEN2_RAW, "model_type": model_type, "mask_token_id": 7}).mask_token_id == 7
+    assert ModelConfig.from_dict({**QWEN2_RAW, "model_type": "Fast_dLLM_Qwen", "bd_size": 8}).block_size == 8
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("use_sliding_window", True, "use_sliding_window=true is not supported"),
+    ("rope_scaling", {"type": "yarn", "factor": 4.0}, "rope_scaling=.* is not supported"),
+    ("hidden_size", None, "required field 'hidden_size' is missing"),
+])
+def test_unsupported_qwen2_options_are_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**QWEN2_RAW, "model_type": "Dream", field: value})

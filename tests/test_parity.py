@@ -1,8 +1,10 @@
 """Logit parity with transformers on tiny checkpoints in the real on-disk formats.
 
-The fixtures (tests/fixtures/{llada_tiny,sdar_tiny}) and their golden logits are written by
-scripts/make_fixtures.py, which runs transformers' LlamaForCausalLM (bidirectional mask) and
-Qwen3ForCausalLM (block-causal mask, block 4) in float32. These tests need only torch + safetensors.
+The fixtures (tests/fixtures/{llada_tiny,sdar_tiny,dream_tiny,fast_dllm_v2_tiny}) and their golden
+logits are written by scripts/make_fixtures.py, which runs transformers' LlamaForCausalLM
+(bidirectional mask), Qwen3ForCausalLM (block-causal mask, block 4) and Qwen2ForCausalLM (q/k/v
+biases; bidirectional for Dream, block-causal 4 for Fast-dLLM v2, logits shifted by one position as
+both decode) in float32. These tests need only torch + safetensors.
 Run with `pytest -s` to see the max differences.
 """
 
@@ -21,6 +23,8 @@ from nanodllm.loader import load_model
 FIXTURES = Path(__file__).parent / "fixtures"
 LLADA = FIXTURES / "llada_tiny"
 SDAR = FIXTURES / "sdar_tiny"
+DREAM = FIXTURES / "dream_tiny"
+FAST_DLLM_V2 = FIXTURES / "fast_dllm_v2_tiny"
 TOLERANCE = 1e-4
 
 
@@ -42,8 +46,9 @@ def run(model, ids, positions, mask):
 
 @pytest.mark.parametrize(
     "path, family, attention_kind, block_size",
-    [(LLADA, "llada", "bidirectional", None), (SDAR, "sdar", "block_causal", 4)],
-    ids=["llada", "sdar"],
+    [(LLADA, "llada", "bidirectional", None), (SDAR, "sdar", "block_causal", 4),
+     (DREAM, "Dream", "bidirectional", None), (FAST_DLLM_V2, "Fast_dLLM_Qwen", "block_causal", 4)],
+    ids=["llada", "sdar", "dream", "fast_dllm_v2"],
 )
 def test_logits_match_transformers(path, family, attention_kind, block_size):
     model = load_model(path, dtype=torch.float32)
@@ -59,7 +64,7 @@ def test_logits_match_transformers(path, family, attention_kind, block_size):
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
-@pytest.mark.parametrize("path", [LLADA, SDAR], ids=["llada", "sdar"])
+@pytest.mark.parametrize("path", [LLADA, SDAR, DREAM, FAST_DLLM_V2], ids=["llada", "sdar", "dream", "fast_dllm_v2"])
 def test_wrong_mask_is_detected(path):
     """The fixtures are sensitive to the mask: another mask misses the golden logits by far."""
     model = load_model(path, dtype=torch.float32)
@@ -71,6 +76,24 @@ def test_wrong_mask_is_detected(path):
         wrong += [block_causal_mask(positions, positions, 4)]
     for mask in wrong:
         assert (run(model, ids, positions, mask) - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("path", [DREAM, FAST_DLLM_V2], ids=["dream", "fast_dllm_v2"])
+def test_unshifted_logits_and_missing_biases_are_detected(path):
+    """The shift and the q/k/v biases each matter: without either the golden logits are missed."""
+    import dataclasses
+
+    model = load_model(path, dtype=torch.float32)
+    ids, positions, expected = golden(path)
+    assert model.cfg.qkv_bias and model.cfg.logit_shift and not model.cfg.qk_norm
+    mask = mask_for(model, positions)
+    model.cfg = dataclasses.replace(model.cfg, logit_shift=False)
+    assert (run(model, ids, positions, mask)[:, 1:] - expected[:, 1:]).abs().max() > 1e-2
+    model.cfg = dataclasses.replace(model.cfg, logit_shift=True)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.q_proj.bias.zero_()
+    assert (run(model, ids, positions, mask) - expected).abs().max() > 1e-2
 
 
 def test_sharded_equals_single_file(tmp_path):
@@ -92,3 +115,14 @@ def test_sharded_equals_single_file(tmp_path):
 
     ids, positions, _ = golden(LLADA)
     assert torch.equal(run(sharded, ids, positions, None), run(single, ids, positions, None))
+
+
+@pytest.mark.parametrize("path", [DREAM, FAST_DLLM_V2], ids=["dream", "fast_dllm_v2"])
+def test_engines_refuse_shifted_logit_models_until_their_decoding_exists(path):
+    from nanodllm import block, masked
+    from nanodllm.config import GenerationConfig
+
+    model = load_model(path, dtype=torch.float32)
+    engine = masked if model.cfg.attention == "bidirectional" else block
+    with pytest.raises(NotImplementedError, match="shifted logits"):
+        engine.generate(model, [[1, 2, 3]], GenerationConfig(gen_length=4, block_length=4, steps=4))
