@@ -24,14 +24,14 @@ def until_stop(tokens: list[int], stop_ids) -> list[int]:
 
 
 def refuse_shifted_logits(cfg):
-    """Dream / Fast-dLLM v2 checkpoints load and run forward passes, but predict token i from position
-    i - 1 and decode with their own loops, which the engines do not have yet: a clear error instead
-    of a decode that silently differs from theirs."""
+    """Fast-dLLM v2 checkpoints load and run forward passes, but predict token i from position i - 1
+    and decode with their own loop (sub-blocks), which the engines do not have yet: a clear error
+    instead of a decode that silently differs from theirs. (Dream's loop is nanodllm/dream.py.)"""
     if cfg.logit_shift:
         raise NotImplementedError(
             f"{cfg.model_type} checkpoints predict each token from the previous position (shifted logits) and "
-            "decode with their own loop (Dream's diffusion_generate, Fast-dLLM v2's sub-blocks), which nanodllm's "
-            "engines do not implement yet; the model loads and its forward passes match transformers")
+            "decode with their own loop (Fast-dLLM v2's sub-blocks), which nanodllm's engines do not implement "
+            "yet; the model loads and its forward passes match transformers")
 
 
 def check_prompts(prompts, vocab_size: int, context_length: int, extra: int) -> list[list[int]]:

@@ -45,6 +45,10 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     method = method or Dense()
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     pad_id = cfg.eos_token_ids[0] if pad_id is None else pad_id
+    if cfg.model_type == "Dream":  # its own loop: the whole response at once (nanodllm/dream.py)
+        from . import dream
+
+        return dream.generate(model, prompts, gen, method, mask_id, pad_id)
     refuse_shifted_logits(cfg)
     if gen.gen_length % gen.block_length:
         raise ValueError(f"gen_length={gen.gen_length} is not a multiple of block_length={gen.block_length}")

@@ -1,0 +1,120 @@
+"""Dream's decoding (nanodllm/dream.py) against a transcription of Dream's diffusion_generate / _sample
+on the tiny Dream-format checkpoint (tests/fixtures/dream_tiny), ragged batches, every algorithm, and
+the sampling filters."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanodllm import masked
+from nanodllm.attention import attention
+from nanodllm.config import GenerationConfig
+from nanodllm.dream import DreamSampling, filtered
+from nanodllm.loader import load_model
+from nanodllm.methods import get_method
+from tests.tiny_models import random_prompt
+
+MODEL = load_model(Path(__file__).parent / "fixtures" / "dream_tiny", dtype=torch.float32)
+MASK, PAD = MODEL.cfg.mask_token_id, MODEL.cfg.eos_token_ids[0]
+PROMPTS = [random_prompt(9, seed=1), random_prompt(5, seed=2)]
+
+
+@torch.no_grad()
+def reference(prompts, gen_length, steps, alg, alg_temp=0.0, eps=1e-3):
+    """Dream's loop at temperature 0 without top-p / top-k, as its generation_utils writes it: left-padded
+    input_ids with an attention mask, x padded with masks, tok_idx = cumsum - 1 (pads 1), logits of the
+    whole canvas shifted by one, the batch-mean transfer count, topk (or multinomial) over the canvas.
+    Pads are hidden as keys only (the reference also blanks pad queries, whose outputs nobody reads)."""
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    x = torch.nn.functional.pad(input_ids, (0, gen_length), value=MASK)
+    attention_mask = torch.nn.functional.pad(attention_mask, (0, gen_length), value=1)
+    tok_idx = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    keys = attention_mask.bool()[:, None, None, :]
+    timesteps = torch.linspace(1, eps, steps + 1)
+    for i in range(steps):
+        mask_index = x == MASK
+        hidden = MODEL.hidden(x, tok_idx, lambda layer, q, k, v: attention(q, k, v, keys))
+        logits = MODEL.lm_head(MODEL.norm(hidden))
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        mask_logits = logits[mask_index]
+        t, s = timesteps[i], timesteps[i + 1]
+        if alg == "origin":
+            p_transfer = 1 - s / t if i < steps - 1 else 1
+            x0 = torch.zeros_like(x[mask_index]) + MASK
+            transfer_index_t_s = torch.rand(*x0.shape) < p_transfer
+            x0[transfer_index_t_s] = mask_logits[transfer_index_t_s].softmax(-1).max(dim=-1).indices
+            x[mask_index] = x0.clone()
+            continue
+        probs = mask_logits.softmax(-1)
+        confidence, x0 = probs.max(dim=-1)
+        if alg == "topk_margin":
+            ranked = probs.sort(dim=-1, descending=True).values
+            confidence = ranked[:, 0] - ranked[:, 1]
+        elif alg == "entropy":
+            confidence = (probs * torch.log(probs + 1e-10)).sum(dim=-1)
+        num_mask_token = mask_index.sum() / mask_index.shape[0]
+        number_transfer_tokens = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
+        full_confidence = torch.full_like(x, -torch.inf, dtype=logits.dtype)
+        full_confidence[mask_index] = confidence
+        if number_transfer_tokens > 0:
+            if alg_temp == 0:
+                _, transfer_index = torch.topk(full_confidence, number_transfer_tokens)
+            else:
+                weights = torch.softmax(full_confidence / alg_temp, dim=-1)
+                transfer_index = torch.multinomial(weights, num_samples=number_transfer_tokens)
+            x_ = torch.zeros_like(x) + MASK
+            x_[mask_index] = x0.clone()
+            row_indices = torch.arange(x.size(0)).unsqueeze(1).expand_as(transfer_index)
+            x[row_indices, transfer_index] = x_[row_indices, transfer_index]
+    return [row[width:].tolist() for row in x]
+
+
+def decode(prompts, gen_length, steps, **sampling):
+    from nanodllm import dream
+
+    gen = GenerationConfig(gen_length=gen_length, block_length=gen_length, steps=steps)
+    return dream.generate(MODEL, prompts, gen, sampling=DreamSampling(**sampling)).tokens
+
+
+@pytest.mark.parametrize("alg", ["maskgit_plus", "topk_margin", "entropy"])
+@pytest.mark.parametrize("gen_length,steps", [(12, 12), (12, 5), (8, 3)])
+def test_confidence_algorithms_decode_the_references_tokens(alg, gen_length, steps):
+    assert decode(PROMPTS, gen_length, steps, alg=alg) == reference(PROMPTS, gen_length, steps, alg)
+
+
+@pytest.mark.parametrize("alg,alg_temp", [("origin", 0.0), ("maskgit_plus", 0.5)])
+def test_random_algorithms_follow_the_references_draws(alg, alg_temp):
+    torch.manual_seed(7)
+    ours = decode(PROMPTS, 10, 4, alg=alg, alg_temp=alg_temp)
+    torch.manual_seed(7)
+    assert ours == reference(PROMPTS, 10, 4, alg, alg_temp=alg_temp)
+    assert all(MASK not in row for row in ours)  # the last step decodes everything
+
+
+def test_the_masked_engine_hands_dream_models_to_dreams_loop():
+    gen = GenerationConfig(gen_length=8, block_length=8, steps=4)
+    assert masked.generate(MODEL, PROMPTS, gen).tokens == reference(PROMPTS, 8, 4, "entropy")
+    with pytest.raises(ValueError, match="one block"):
+        masked.generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=4, steps=4))
+    with pytest.raises(NotImplementedError, match="does not run on shifted-logit"):
+        masked.generate(MODEL, PROMPTS, gen, get_method("dllm_cache"))
+
+
+def test_filters_keep_what_they_promise():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    lowest = torch.finfo(torch.float32).min
+    assert filtered(logits, None, 2).tolist() == [[4.0, 3.0, lowest, lowest, lowest]]
+    probs = logits.softmax(-1)[0]  # 0.64, 0.24, 0.09, ...: top-p 0.7 keeps the token that crosses it
+    assert probs[0] < 0.7 < probs[0] + probs[1]
+    assert filtered(logits, 0.7, None).tolist() == [[4.0, 3.0, lowest, lowest, lowest]]
+    assert torch.equal(filtered(logits, 1.0, None), logits)
+
+
+@pytest.mark.parametrize("knobs,message", [({"alg": "greedy"}, "alg must be one of"), ({"top_p": 0.0}, "top_p"),
+                                           ({"top_k": 0}, "top_k"), ({"eps": 1.0}, "eps"), ({"alg_temp": -1}, "alg_temp")])
+def test_bad_sampling_knobs_are_named(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        DreamSampling(**knobs)
