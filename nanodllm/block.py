@@ -66,6 +66,10 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     method = method or Dense()
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     stop_ids = cfg.eos_token_ids if stop_ids is None else tuple(stop_ids)
+    if cfg.model_type == "Fast_dLLM_Qwen":  # its own loop: sub-blocks, AR first tokens (nanodllm/fast_dllm_v2.py)
+        from . import fast_dllm_v2
+
+        return fast_dllm_v2.generate(model, prompts, gen, method, mask_id, stop_ids)
     refuse_shifted_logits(cfg)
     if cfg.attention != "block_causal":
         raise ValueError(f"the block engine needs a block-causal model; {cfg.model_type} is {cfg.attention}")

@@ -24,14 +24,13 @@ def until_stop(tokens: list[int], stop_ids) -> list[int]:
 
 
 def refuse_shifted_logits(cfg):
-    """Fast-dLLM v2 checkpoints load and run forward passes, but predict token i from position i - 1
-    and decode with their own loop (sub-blocks), which the engines do not have yet: a clear error
-    instead of a decode that silently differs from theirs. (Dream's loop is nanodllm/dream.py.)"""
+    """Shifted-logit checkpoints (Dream, Fast-dLLM v2) predict token i from position i - 1 and decode
+    with their own loops (nanodllm/dream.py, fast_dllm_v2.py), which the engines hand them to; any
+    other engine path would silently differ from the reference: a clear error instead."""
     if cfg.logit_shift:
         raise NotImplementedError(
-            f"{cfg.model_type} checkpoints predict each token from the previous position (shifted logits) and "
-            "decode with their own loop (Fast-dLLM v2's sub-blocks), which nanodllm's engines do not implement "
-            "yet; the model loads and its forward passes match transformers")
+            f"{cfg.model_type} checkpoints predict each token from the previous position (shifted logits); "
+            "decode Dream models with the masked engine and Fast-dLLM v2 models with the block engine")
 
 
 def check_prompts(prompts, vocab_size: int, context_length: int, extra: int) -> list[list[int]]:

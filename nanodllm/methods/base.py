@@ -75,17 +75,19 @@ class Method:
         self.keys_total += sum(total)
         self.stats["kv_kept"] = self.keys_read / max(self.keys_total, 1)
 
-    def prefill(self, model, ctx: StepContext):
+    def prefill(self, model, ctx: StepContext) -> torch.Tensor:
         """Forward the prompt's complete blocks (ctx.tokens, right-padded, ctx.counts valid per row)
-        under the block-causal mask and append their KV to ctx.cache."""
+        under the block-causal mask and append their KV to ctx.cache; returns the last hidden states
+        (Fast-dLLM v2 predicts the next block's first token from them)."""
         mask = CanvasMask(valid=ctx.valid, block_size=ctx.block_length)  # right-padded: blocks align to column 0
 
         def attend_and_store(layer, q, k, v):
             ctx.cache.write(layer, k, v, ctx.counts)
             return attention(q, k, v, mask)
 
-        model.hidden(ctx.tokens, ctx.positions, attend_and_store)
+        hidden = model.hidden(ctx.tokens, ctx.positions, attend_and_store)
         ctx.cache.advance(ctx.counts)
+        return hidden
 
     def begin_block(self, ctx: StepContext):
         pass
@@ -99,16 +101,17 @@ class Method:
             return attention(q, k, v, ctx.attn_mask)
         return attend_with_cache(layer, q, k, v, ctx.cache)
 
-    def commit(self, model, ctx: StepContext):
+    def commit(self, model, ctx: StepContext) -> torch.Tensor:
         """Forward the clean block against the cache; its K/V, written after each row's cache,
-        become part of the cache for rows with ctx.counts > 0."""
+        become part of the cache for rows with ctx.counts > 0. Returns the block's last hidden states."""
 
         def attend_and_store(layer, q, k, v):
             ctx.cache.write(layer, k, v)
             return self.attend_commit(layer, q, k, v, ctx)
 
-        model.hidden(ctx.tokens, ctx.positions, attend_and_store)
+        hidden = model.hidden(ctx.tokens, ctx.positions, attend_and_store)
         ctx.cache.advance(ctx.counts)
+        return hidden
 
     def attend_commit(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         """Attention of the commit forward; exact by default, as the reference does."""

@@ -1,0 +1,111 @@
+"""Fast-dLLM v2's decoding (nanodllm/fast_dllm_v2.py) against a transcription of its model's generate()
+(no sub-block cache, temperature 0) on the tiny Fast-dLLM v2 checkpoint (bd_size 4): prompts
+shorter than, ending inside and ending on a block, thresholds from one token per step to many, sub-
+blocks, stop tokens, ragged batches. The transcription has no KV cache: every forward runs the
+whole sequence under the block-causal mask, which is what the exact cache gives the active block."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanodllm import block
+from nanodllm.attention import attention, block_causal_mask
+from nanodllm.config import GenerationConfig
+from nanodllm.fast_dllm_v2 import generate
+from nanodllm.loader import load_model
+from nanodllm.methods import get_method
+from tests.tiny_models import random_prompt
+
+MODEL = load_model(Path(__file__).parent / "fixtures" / "fast_dllm_v2_tiny", dtype=torch.float32)
+SIZE, MASK = MODEL.cfg.block_size, MODEL.cfg.mask_token_id
+PROMPTS = [random_prompt(n, seed=n) for n in (3, 6, 8, 9)]  # inside the first block, inside, on a boundary, inside
+
+
+@torch.no_grad()
+def logits_of(ids):
+    """Unshifted logits of a forward over ids [1, t] under the block-causal mask."""
+    positions = torch.arange(ids.shape[1])[None]
+    mask = block_causal_mask(positions, positions, SIZE)
+    return MODEL.lm_head(MODEL.norm(MODEL.hidden(ids, positions, lambda layer, q, k, v: attention(q, k, v, mask))))
+
+
+def reference(prompt, max_new_tokens, threshold, small_block_size, stop_token):
+    """generate() of Fast-dLLM v2's modeling file, batch 1, use_block_cache=False, temperature 0, with
+    nanodllm's one deliberate change: [MASK] is never the chosen token (the tiny random model does
+    predict it; the reference then leaves the position masked, or loops forever when it is the best)."""
+    input_ids = torch.tensor([prompt])
+    num_blocks, original_input_length = max_new_tokens // SIZE, input_ids.shape[1]
+    if input_ids.shape[1] > SIZE:
+        logits = logits_of(input_ids[:, : input_ids.shape[1] // SIZE * SIZE])
+        if input_ids.shape[1] % SIZE == 0:
+            input_ids = torch.cat([input_ids, logits[:, -1:].argmax(dim=-1)], dim=1)
+
+    def stopped(x_t, prompt_length):
+        generated = x_t[0, prompt_length:]
+        if stop_token not in generated:
+            return False
+        stop_at = int((generated == stop_token).nonzero()[0][0])
+        return int((generated[:stop_at] == MASK).sum()) == 0
+
+    for _ in range(num_blocks):
+        if stop_token in input_ids[0, original_input_length:]:
+            break
+        prompt_length = input_ids.shape[1]
+        x_t = torch.cat([input_ids, torch.full((1, SIZE - prompt_length % SIZE), MASK)], dim=1)
+        while True:
+            if stopped(x_t, prompt_length):
+                break
+            if int((x_t[:, -SIZE:] == MASK).sum()) == 0:
+                x_t = torch.cat([x_t, logits_of(x_t)[:, -1:].argmax(dim=-1)], dim=1)
+                break
+            for small in range(SIZE // small_block_size):
+                start = -SIZE + small * small_block_size
+                end = None if SIZE == (small + 1) * small_block_size else start + small_block_size
+                while True:
+                    mask_idx = x_t[:, -SIZE:] == MASK
+                    if int(mask_idx[:, start:end].sum()) == 0 or stopped(x_t, prompt_length):
+                        break
+                    logits = logits_of(x_t)[:, -SIZE:]
+                    logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)[:, start:end]
+                    p_1t = logits.softmax(dim=-1)
+                    x_1 = p_1t.index_fill(-1, torch.tensor([MASK]), 0.0).argmax(dim=-1)  # nanodllm's one guard
+                    x1_p = torch.where(mask_idx[:, start:end], p_1t.gather(-1, x_1[..., None]).squeeze(-1), -torch.inf)
+                    unmask_idx = x1_p > threshold
+                    unmask_idx[torch.arange(1), x1_p.argmax(dim=-1)] = True
+                    unmask_idx &= mask_idx[:, start:end]
+                    x_t[:, start:end][unmask_idx] = x_1[unmask_idx]
+        input_ids = x_t
+    generated = input_ids[0, original_input_length:].tolist()
+    return generated[: generated.index(stop_token) + 1] if stop_token in generated else generated
+
+
+def ours(prompts, max_new_tokens, threshold, sub_block, stop_token):
+    gen = GenerationConfig(gen_length=max_new_tokens, block_length=SIZE, steps=1, threshold=threshold)
+    return generate(MODEL, prompts, gen, stop_ids=(stop_token,), sub_block=sub_block).tokens
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.2, 0.02])
+@pytest.mark.parametrize("sub_block", [2, 4])
+def test_decodes_the_references_tokens(threshold, sub_block):
+    want = [reference(p, 12, threshold, sub_block, stop_token=MODEL.cfg.eos_token_ids[0]) for p in PROMPTS]
+    assert [ours([p], 12, threshold, sub_block, MODEL.cfg.eos_token_ids[0])[0] for p in PROMPTS] == want
+    assert ours(PROMPTS, 12, threshold, sub_block, MODEL.cfg.eos_token_ids[0]) == want  # ragged batch
+
+
+def test_stop_tokens_end_a_row_as_in_the_reference():
+    free = [reference(p, 12, 0.2, 2, stop_token=-1) for p in PROMPTS]
+    for prompt, tokens in zip(PROMPTS, free):
+        for stop_token in {tokens[0], tokens[3], tokens[6]}:  # an AR first token, mid-block tokens
+            want = reference(prompt, 12, 0.2, 2, stop_token)
+            assert want[-1] == stop_token and len(want) < len(tokens)
+            assert ours([prompt], 12, 0.2, 2, stop_token) == [want]
+
+
+def test_the_block_engine_hands_fast_dllm_v2_models_to_their_loop():
+    gen = GenerationConfig(gen_length=8, block_length=SIZE, steps=1, threshold=0.2)
+    assert block.generate(MODEL, PROMPTS, gen).tokens == ours(PROMPTS, 8, 0.2, SIZE, MODEL.cfg.eos_token_ids[0])
+    with pytest.raises(ValueError, match="block_length"):
+        block.generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=8, steps=1))
+    with pytest.raises(NotImplementedError, match="does not run on Fast-dLLM v2"):
+        block.generate(MODEL, PROMPTS, gen, get_method("quest"))
