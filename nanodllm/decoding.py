@@ -60,6 +60,33 @@ def check_prompts(prompts, vocab_size: int, context_length: int, extra: int) -> 
     return rows
 
 
+@dataclass
+class Canvas:
+    """Left-padded prompts followed by gen_length masks, so every row's generated region is the same
+    columns: tokens [batch, width], valid [batch, width] (False at pads), positions [batch, width]
+    (from 0 at each row's first prompt token), lengths [batch], prompt_width, ragged (any pads)."""
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    prompt_width: int
+    ragged: bool
+
+
+def left_padded_canvas(prompts: list[list[int]], gen_length: int, mask_id: int, pad_id: int, device) -> Canvas:
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    prompt_width = int(lengths.max())
+    columns = torch.arange(prompt_width + gen_length, device=device)[None, :]
+    pads = (prompt_width - lengths)[:, None]
+    tokens = torch.full((len(prompts), columns.shape[1]), mask_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : prompt_width - len(prompt)] = pad_id
+        tokens[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt, device=device)
+    return Canvas(tokens, columns >= pads, (columns - pads).clamp(min=0), lengths, prompt_width,
+                  bool((pads > 0).any()))
+
+
 def split_evenly(total: torch.Tensor, steps: int) -> torch.Tensor:
     """How many tokens to unmask at each step: total // steps each, +1 for the first total % steps.
 

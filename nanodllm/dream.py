@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .attention import CanvasMask
 from .config import GenerationConfig
-from .decoding import GenerationResult, check_prompts
+from .decoding import GenerationResult, check_prompts, left_padded_canvas
 from .methods.base import Dense, Method, StepContext
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -142,18 +142,11 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     pad_id = cfg.eos_token_ids[0] if pad_id is None else pad_id
     prompts = check_prompts(prompts, cfg.vocab_size, cfg.context_length, gen.gen_length)
     device = model.embed_tokens.weight.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    prompt_width = int(lengths.max())
-    width = prompt_width + gen.gen_length
-    columns = torch.arange(width, device=device)[None, :]
-    pads = (prompt_width - lengths)[:, None]
-    x = torch.full((len(prompts), width), mask_id, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        x[row, : prompt_width - len(prompt)] = pad_id
-        x[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt, device=device)
-    valid = columns >= pads
-    positions = (columns - pads).clamp(min=0)
-    attn_mask = CanvasMask(valid=valid if bool((pads > 0).any()) else None)
+    canvas = left_padded_canvas(prompts, gen.gen_length, mask_id, pad_id, device)
+    x, valid, positions, lengths, prompt_width = (canvas.tokens, canvas.valid, canvas.positions, canvas.lengths,
+                                                  canvas.prompt_width)
+    width = x.shape[1]
+    attn_mask = CanvasMask(valid=valid if canvas.ragged else None)
     timesteps = torch.linspace(1, sampling.eps, gen.steps + 1, device=device)
     method.begin_block(StepContext(x, positions, valid, lengths, block=0, mask_id=mask_id))
     for step in range(gen.steps):

@@ -24,8 +24,8 @@ import torch
 
 from .attention import CanvasMask
 from .config import GenerationConfig
-from .decoding import (GenerationResult, check_prompts, refuse_shifted_logits, split_evenly, threshold_transfer,
-                       top_confident, without_token)
+from .decoding import (GenerationResult, check_prompts, left_padded_canvas, refuse_shifted_logits, split_evenly,
+                       threshold_transfer, top_confident, without_token)
 from .methods.base import Dense, Method, StepContext
 
 
@@ -61,19 +61,12 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     steps_per_block = gen.steps // num_blocks
     device = model.embed_tokens.weight.device
 
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    prompt_width = int(lengths.max())
-    width = prompt_width + gen.gen_length
-    columns = torch.arange(width, device=device)[None, :]
-    pads = (prompt_width - lengths)[:, None]
-    x = torch.full((len(prompts), width), mask_id, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        x[row, : prompt_width - len(prompt)] = pad_id
-        x[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt, device=device)
-    valid = columns >= pads
-    positions = (columns - pads).clamp(min=0)
-    in_prompt = valid & (columns < prompt_width)
-    ragged = bool((pads > 0).any())
+    canvas = left_padded_canvas(prompts, gen.gen_length, mask_id, pad_id, device)
+    x, valid, positions, lengths, prompt_width = (canvas.tokens, canvas.valid, canvas.positions, canvas.lengths,
+                                                  canvas.prompt_width)
+    width, ragged = x.shape[1], canvas.ragged
+    in_prompt = valid.clone()
+    in_prompt[:, prompt_width:] = False
     block_causal = cfg.attention == "block_causal"
     attn_mask = CanvasMask(valid=valid if ragged else None, block_size=cfg.block_size if block_causal else None,
                            positions=positions if block_causal and ragged else None)

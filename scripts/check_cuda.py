@@ -257,8 +257,25 @@ print(base, peaks['RssAnon:'], peaks['RssFile:'], seconds)
 """
 
 
+def on_and_off(runner, method, length, n, module, flag) -> str:
+    """Table cells: passkey accuracy with module.<flag> on and off, token agreement and seconds of each."""
+    from nanodllm.eval import agreement
+
+    samples = tasks.make_samples("passkey", length, n, seed=1234, count_tokens=runner.count_tokens)
+    outcomes = {}
+    for enabled in (True, False):
+        setattr(module, flag, enabled)
+        runner.generate(samples[:2], method)  # compile and autotune outside the timing
+        outcomes[enabled] = runner.generate(samples, method)
+    setattr(module, flag, True)
+    accuracy = {key: sum(o.scores) / len(o.scores) for key, o in outcomes.items()}
+    return (f"{length} | {n} | {accuracy[True]:.3f} | {accuracy[False]:.3f} | "
+            f"{agreement(outcomes[True].tokens, outcomes[False].tokens):.3f} | "
+            f"{outcomes[True].seconds:.2f} | {outcomes[False].seconds:.2f} |")
+
+
 def check_kernels(n: int = 40):
-    from nanodllm.eval import Runner, agreement, resolve_model
+    from nanodllm.eval import Runner, resolve_model
 
     report("\n## 5. The tiny models on the Triton kernels vs torch SDPA (bf16, passkey)\n")
     report("| model | length | n | accuracy kernels | accuracy SDPA | token agreement | s kernels | s SDPA |")
@@ -266,17 +283,7 @@ def check_kernels(n: int = 40):
     for name in ("tiny-sdar", "tiny-llada"):
         runner = Runner(resolve_model(name), "cuda", torch.bfloat16, None)
         for length in (1024, 2048, 4096):
-            samples = tasks.make_samples("passkey", length, n, seed=1234, count_tokens=runner.count_tokens)
-            outcomes = {}
-            for enabled in (True, False):
-                attention_module.KERNELS_ENABLED = enabled
-                runner.generate(samples[:2], "dense")  # compile and autotune outside the timing
-                outcomes[enabled] = runner.generate(samples, "dense")
-            accuracy = {k: sum(o.scores) / len(o.scores) for k, o in outcomes.items()}
-            report(f"| {name} | {length} | {n} | {accuracy[True]:.3f} | {accuracy[False]:.3f} | "
-                   f"{agreement(outcomes[True].tokens, outcomes[False].tokens):.3f} | "
-                   f"{outcomes[True].seconds:.2f} | {outcomes[False].seconds:.2f} |")
-    attention_module.KERNELS_ENABLED = True
+            report(f"| {name} | " + on_and_off(runner, "dense", length, n, attention_module, "KERNELS_ENABLED"))
 
 
 def worst_error(pairs) -> float:
@@ -332,7 +339,7 @@ def check_method_kernels():
 
 
 def check_methods_on_kernels(n: int = 20):
-    from nanodllm.eval import Runner, agreement, resolve_model
+    from nanodllm.eval import Runner, resolve_model
 
     check_method_kernels()
     report("\n## 6b. The tiny models with the methods on their kernels vs on the methods' torch paths (bf16, passkey)\n")
@@ -344,23 +351,14 @@ def check_methods_on_kernels(n: int = 20):
         runner = Runner(resolve_model(name), "cuda", torch.bfloat16, None)
         runner.knobs = knobs
         for length in (1024, 2048):
-            samples = tasks.make_samples("passkey", length, n, seed=1234, count_tokens=runner.count_tokens)
-            outcomes = {}
-            for enabled in (True, False):
-                attention_module.KERNELS_ENABLED = enabled
-                runner.generate(samples[:2], method)
-                outcomes[enabled] = runner.generate(samples, method)
-            accuracy = {key: sum(o.scores) / len(o.scores) for key, o in outcomes.items()}
-            report(f"| {name} | {method} | {knobs} | {length} | {n} | {accuracy[True]:.3f} | {accuracy[False]:.3f} | "
-                   f"{agreement(outcomes[True].tokens, outcomes[False].tokens):.3f} | "
-                   f"{outcomes[True].seconds:.2f} | {outcomes[False].seconds:.2f} |")
-    attention_module.KERNELS_ENABLED = True
+            report(f"| {name} | {method} | {knobs} | " + on_and_off(runner, method, length, n, attention_module,
+                                                                  "KERNELS_ENABLED"))
     check_step_graphs(n)
 
 
 def check_step_graphs(n: int):
     import nanodllm.graphs as graphs_module
-    from nanodllm.eval import Runner, agreement, resolve_model
+    from nanodllm.eval import Runner, resolve_model
 
     report("\n## 6c. Cached steps replayed from CUDA graphs vs eager (tiny-llada, bf16, passkey)\n")
     report("| method | length | n | accuracy graphs | accuracy eager | token agreement | s graphs | s eager |")
@@ -368,17 +366,7 @@ def check_step_graphs(n: int):
     runner = Runner(resolve_model("tiny-llada"), "cuda", torch.bfloat16, None)
     for method in ("dllm_cache", "maskkv", "fast_dllm", "sparse_dllm"):
         for length in (1024, 2048):
-            samples = tasks.make_samples("passkey", length, n, seed=1234, count_tokens=runner.count_tokens)
-            outcomes = {}
-            for enabled in (True, False):
-                graphs_module.GRAPHS_ENABLED = enabled
-                runner.generate(samples[:2], method)
-                outcomes[enabled] = runner.generate(samples, method)
-            accuracy = {key: sum(o.scores) / len(o.scores) for key, o in outcomes.items()}
-            report(f"| {method} | {length} | {n} | {accuracy[True]:.3f} | {accuracy[False]:.3f} | "
-                   f"{agreement(outcomes[True].tokens, outcomes[False].tokens):.3f} | "
-                   f"{outcomes[True].seconds:.2f} | {outcomes[False].seconds:.2f} |")
-    graphs_module.GRAPHS_ENABLED = True
+            report(f"| {method} | " + on_and_off(runner, method, length, n, graphs_module, "GRAPHS_ENABLED"))
 
 
 SECTIONS = ("parity", "engines", "presets", "streaming", "kernels", "methods")

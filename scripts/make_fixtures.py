@@ -358,39 +358,13 @@ def hf_llama(weights: dict[str, torch.Tensor]):
     return model
 
 
-def hf_qwen3(weights: dict[str, torch.Tensor]):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def hf_qwen(weights: dict[str, torch.Tensor], c: dict, qwen3: bool):
+    """transformers' Qwen3ForCausalLM (q/k norm) or Qwen2ForCausalLM (q/k/v biases) holding weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    c = SDAR_CONFIG
-    config = Qwen3Config(
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"],
-        num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"],
-        head_dim=c["head_dim"],
-        hidden_act="silu",
-        max_position_embeddings=c["max_position_embeddings"],
-        rms_norm_eps=c["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": float(c["rope_theta"])},
-        attention_bias=False,
-        use_sliding_window=False,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    config._attn_implementation = "eager"
-    model = Qwen3ForCausalLM(config).float().eval()
-    model.load_state_dict({k: t.float() for k, t in weights.items()}, strict=True)
-    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr(), "head got tied"
-    _check_rope(model, float(c["rope_theta"]), c["head_dim"])
-    return model
-
-
-def hf_qwen2(weights: dict[str, torch.Tensor], c: dict):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    extra = {"head_dim": head_dim, "attention_bias": False} if qwen3 else {}
+    config = (Qwen3Config if qwen3 else Qwen2Config)(
         vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"],
@@ -404,12 +378,13 @@ def hf_qwen2(weights: dict[str, torch.Tensor], c: dict):
         use_sliding_window=False,
         tie_word_embeddings=False,
         use_cache=False,
+        **extra,
     )
     config._attn_implementation = "eager"
-    model = Qwen2ForCausalLM(config).float().eval()
+    model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config).float().eval()
     model.load_state_dict({k: t.float() for k, t in weights.items()}, strict=True)
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr(), "head got tied"
-    _check_rope(model, float(c["rope_theta"]), c["hidden_size"] // c["num_attention_heads"])
+    _check_rope(model, float(c["rope_theta"]), head_dim)
     return model
 
 
@@ -535,7 +510,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(5678)
     weights = sdar_weights(gen)
     ids = input_ids(gen)
-    model = hf_qwen3(weights)
+    model = hf_qwen(weights, SDAR_CONFIG, qwen3=True)
     logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, BLOCK))
     verify_block_causal(model, ids, logits)
     out = fresh_dir("sdar_tiny")
@@ -549,7 +524,7 @@ def main() -> int:
         gen = torch.Generator().manual_seed(seed)
         weights = qwen_weights(gen, config, qk_norm=False, qkv_bias=True)
         ids = input_ids(gen)
-        model = hf_qwen2(weights, config)
+        model = hf_qwen(weights, config, qwen3=False)
         if config["model_type"] == "Dream":
             logits = hf_logits(model, ids, bidirectional_allowed(*ids.shape))
             verify_bidirectional(model, ids, logits)
