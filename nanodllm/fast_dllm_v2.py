@@ -18,7 +18,9 @@ Sampling: temperature 0 takes the argmax and its softmax probability; T > 0 draw
 / T) after the top-p filter (Dream's, nanodllm/dream.py), row by row (the reference draws for batch
 row 0 only). [MASK] is never the chosen token (the reference has no such guard). Stop tokens: every id of cfg.eos_token_ids (the reference watches 151645 only).
 The sub-block cache (use_block_cache) is an approximation the reference leaves off by default; not here.
-Methods: dense only so far (the reference's exact computation). One deliberate difference: a prompt
+Methods: any block-engine method (its hooks: prefill, begin_block, step / attend against the cache,
+commit); a block's steps count from 0 and steps_per_block is B (the most a block can take), which
+SparseD's exact fraction reads. One deliberate difference: a prompt
 of exactly B tokens is prefilled like any other (the reference prefills only prompts longer than B,
 so at exactly B its first block never sees the prompt).
 """
@@ -67,8 +69,9 @@ def stopped(block: torch.Tensor, begin: torch.Tensor, mask_id: int, stop_ids) ->
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None, mask_id: int | None = None,
              stop_ids=None, sub_block: int = 8, top_p: float = 0.95) -> GenerationResult:
     cfg, method = model.cfg, method or Dense()
-    if not isinstance(method, Dense):
-        raise NotImplementedError(f"method {method.name!r} does not run on Fast-dLLM v2 models yet; use dense")
+    if "block" not in method.engines:
+        raise ValueError(f"method {method.name!r} runs on the {' and '.join(method.engines)} engine; Fast-dLLM v2 "
+                         "models decode block by block against the KV cache")
     size = cfg.block_size
     sub_block = min(sub_block, size)  # a block smaller than the default sub-block is one sub-block
     if gen.block_length != size:
@@ -116,17 +119,18 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         columns = starts[:, None] + offsets
         current = x[rows[:, None], columns]
         ctx = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
-                          mask_id=mask_id, cache=cache, block_length=size)
+                          steps_per_block=size, mask_id=mask_id, cache=cache, block_length=size)
         method.begin_block(ctx)
+        step = 0  # within the block (at most one step per masked position: steps_per_block = size)
         for sub in range(0, size, sub_block):
             while True:
                 active &= ~stopped(current, begin, mask_id, stop_ids)
                 todo = (current == mask_id) & active[:, None] & (offsets >= sub) & (offsets < sub + sub_block)
                 if not todo.any():
                     break
-                ctx.tokens, ctx.step = current, steps
+                ctx.tokens, ctx.step = current, step
                 tokens, probs = sample_with_top_p(method.step(model, ctx), gen.temperature, top_p, mask_id)
-                forwards, steps = forwards + 1, steps + 1
+                forwards, steps, step = forwards + 1, steps + 1, step + 1
                 confidence = torch.where(todo, probs, float("-inf"))
                 best = torch.zeros_like(todo).scatter_(1, confidence.argmax(dim=1, keepdim=True), True)
                 current = torch.where(((confidence > threshold) | best) & todo, tokens, current)

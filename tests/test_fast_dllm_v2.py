@@ -1,7 +1,8 @@
 """Fast-dLLM v2's decoding (nanodllm/fast_dllm_v2.py) against a transcription of its model's generate()
 (no sub-block cache, temperature 0) on the tiny Fast-dLLM v2 checkpoint (bd_size 4): prompts
 shorter than, ending inside and ending on a block, thresholds from one token per step to many, sub-
-blocks, stop tokens, ragged batches. The transcription has no KV cache: every forward runs the
+blocks, stop tokens, ragged batches; and the block-engine methods on it (full budget = dense, tiny
+budget differs). The transcription has no KV cache: every forward runs the
 whole sequence under the block-causal mask, which is what the exact cache gives the active block."""
 
 from pathlib import Path
@@ -107,5 +108,28 @@ def test_the_block_engine_hands_fast_dllm_v2_models_to_their_loop():
     assert block.generate(MODEL, PROMPTS, gen).tokens == ours(PROMPTS, 8, 0.2, SIZE, MODEL.cfg.eos_token_ids[0])
     with pytest.raises(ValueError, match="block_length"):
         block.generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=8, steps=1))
-    with pytest.raises(NotImplementedError, match="does not run on Fast-dLLM v2"):
-        block.generate(MODEL, PROMPTS, gen, get_method("quest"))
+    with pytest.raises(ValueError, match="runs on the masked engine"):
+        block.generate(MODEL, PROMPTS, gen, get_method("dllm_cache"))
+
+
+LONG_PROMPTS = [random_prompt(n, seed=n) for n in (30, 37, 44)]
+GEN = GenerationConfig(gen_length=12, block_length=SIZE, steps=1, threshold=0.05)
+
+
+@pytest.mark.parametrize("name,knobs", [("mage", dict(k=64, exact_layers=0)),
+                                        ("quest", dict(k=64, page_size=4, exact_layers=0)),
+                                        ("sparsed", dict(k=64, exact_fraction=0.5, exact_layers=0)),
+                                        ("mage", dict(k=64, exact_layers=0, sparse_commit=True)),
+                                        ("momo", dict(gamma=2, chi=4, beta=4, k=16, k_exact=16))])
+def test_block_methods_with_a_full_budget_decode_dense_tokens(name, knobs):
+    dense = generate(MODEL, LONG_PROMPTS, GEN).tokens
+    assert generate(MODEL, LONG_PROMPTS, GEN, get_method(name, **knobs)).tokens == dense
+
+
+@pytest.mark.parametrize("name,knobs", [("mage", dict(k=1, exact_layers=0)), ("quest", dict(k=2, page_size=2,
+                                                                                           exact_layers=0)),
+                                        ("sparsed", dict(k=1, exact_fraction=0.25, exact_layers=0)),
+                                        ("momo", dict(gamma=2, chi=4, beta=4, k=1, k_exact=1))])
+def test_block_methods_with_a_tiny_budget_differ(name, knobs):
+    dense = generate(MODEL, LONG_PROMPTS, GEN).tokens
+    assert generate(MODEL, LONG_PROMPTS, GEN, get_method(name, **knobs)).tokens != dense

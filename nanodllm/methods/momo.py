@@ -213,8 +213,9 @@ class Momo(Method):
             ctx.cache.write(layer, k, v, ctx.counts)
             return self.attention(q, k, v, mask)
 
-        model.hidden(ctx.tokens, ctx.positions, attend_and_store)
+        hidden = model.hidden(ctx.tokens, ctx.positions, attend_and_store)
         ctx.cache.advance(ctx.counts)
+        return hidden
 
     def attend(self, layer, q, k, v, ctx):
         if ctx.cache is None and self.canvas:
