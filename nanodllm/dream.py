@@ -17,8 +17,9 @@ Sampling: logits / temperature, then the top_p and top_k filters; temperature 0 
 its probability. Token for token the reference's at temperature 0 for every alg but origin, whose
 draws (like every temperature > 0 draw) follow torch's global generator in the reference's order.
 
-Only the dense forward runs here so far; the cached and sparse methods read a partial canvas, and a
-shifted model needs the hidden state just before each fed range, which they do not keep yet.
+Every masked-engine method runs here (the response is their one block); those that feed part of the
+canvas take the hidden state just before it from the column they feed in addition (Fast-dLLM's
+caches, Sparse-dLLM) or from the last step that computed the prompt (dLLM-Cache, MaskKV, DyLLM).
 """
 
 from __future__ import annotations
@@ -130,9 +131,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              pad_id: int | None = None, sampling: DreamSampling | None = None) -> GenerationResult:
     """Decode gen.gen_length tokens per prompt in gen.steps steps, as Dream's diffusion_generate."""
     cfg, method, sampling = model.cfg, method or Dense(), sampling or DreamSampling()
-    if not isinstance(method, Dense):
-        raise NotImplementedError(f"method {method.name!r} does not run on shifted-logit (Dream) models yet; "
-                                  "use dense")
+    if "masked" not in method.engines:
+        raise ValueError(f"method {method.name!r} runs on the {' and '.join(method.engines)} engine; Dream decodes "
+                         "the whole canvas (the masked engine)")
     if gen.block_length != gen.gen_length:
         raise ValueError(f"Dream decodes the whole response as one block: block_length ({gen.block_length}) "
                          f"must equal gen_length ({gen.gen_length})")

@@ -99,8 +99,41 @@ def test_the_masked_engine_hands_dream_models_to_dreams_loop():
     assert masked.generate(MODEL, PROMPTS, gen).tokens == reference(PROMPTS, 8, 4, "entropy")
     with pytest.raises(ValueError, match="one block"):
         masked.generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=4, steps=4))
-    with pytest.raises(NotImplementedError, match="does not run on shifted-logit"):
-        masked.generate(MODEL, PROMPTS, gen, get_method("dllm_cache"))
+    with pytest.raises(ValueError, match="runs on the block engine"):
+        masked.generate(MODEL, PROMPTS, gen, get_method("mage"))
+
+
+@pytest.mark.parametrize("name,knobs", [("dllm_cache", dict(prompt_interval=1, response_interval=1)),
+                                        ("maskkv", dict(budget=64, prompt_interval=1, response_interval=1)),
+                                        ("dyllm", dict(tau=1.5, full_period=1)),
+                                        ("momo", dict(canvas=True, gamma=2, chi=4, beta=4, k=8, k_exact=8))])
+def test_methods_in_their_exact_setting_decode_dense_tokens(name, knobs):
+    gen = GenerationConfig(gen_length=12, block_length=12, steps=6)
+    dense = masked.generate(MODEL, PROMPTS, gen).tokens
+    assert masked.generate(MODEL, PROMPTS, gen, get_method(name, **knobs)).tokens == dense
+
+
+@pytest.mark.parametrize("name,knobs", [("fast_dllm", dict(mode="dual")), ("fast_dllm", dict(mode="prefix")),
+                                        ("sparse_dllm", dict(ratio=1.0, delay=0))])
+def test_a_cached_step_on_an_unchanged_canvas_gives_the_full_forwards_logits(name, knobs):
+    """The fed range starts one column before the response: its hidden state gives the first logits."""
+    from nanodllm.attention import CanvasMask
+    from nanodllm.methods.base import StepContext
+
+    prompt = PROMPTS[0]
+    tokens = torch.tensor([prompt + [MASK] * 8])
+    width = tokens.shape[1]
+    ctx = StepContext(tokens, torch.arange(width)[None], torch.ones(1, width, dtype=torch.bool),
+                      torch.tensor([len(prompt)]), mask_id=MASK, attn_mask=CanvasMask(), logits_start=len(prompt),
+                      logits_stop=width, block_length=8)
+    method = get_method(name, **knobs)
+    method.begin_block(ctx)
+    full = method.step(MODEL, ctx)
+    ctx.step = 1
+    torch.testing.assert_close(method.step(MODEL, ctx), full, rtol=1e-5, atol=1e-5)
+    ctx.tokens = tokens.clone()
+    ctx.tokens[0, len(prompt) - 1] = (prompt[-1] + 1) % 200  # the fed column: the cached step sees the change
+    assert not torch.allclose(method.step(MODEL, ctx)[:, 0], full[:, 0])
 
 
 def test_filters_keep_what_they_promise():

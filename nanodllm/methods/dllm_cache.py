@@ -18,7 +18,8 @@ rows are forwarded only at prompt refreshes, since nothing else reads their hidd
 the prompt only K/V are kept (MaskKV's prompt-state exclusion); the engine asks for the active block's
 logits only (mask-only projection). Step 0 refreshes everything.
 
-On a GPU the drift steps, whose shapes are fixed, replay a CUDA graph recorded once per prompt
+On a shifted-logit model (Dream) the first response logits read the prompt's last row, whose output
+is kept from the last prompt refresh. On a GPU the drift steps, whose shapes are fixed, replay a CUDA graph recorded once per prompt
 refresh (nanodllm/graphs.py); for that, response refreshes write the cached outputs in place.
 
 Hooks: begin_block (block 0 starts a new generation), step (the forward, from the layer primitives).
@@ -107,6 +108,7 @@ class DllmCache(Method):
         self.t = 0
         self.rows_computed = self.rows_total = 0
         self.prompt_builds = 0  # prompt refreshes so far (each builds new K/V buffers)
+        self.prompt_tail = None  # shifted-logit models: the prompt's last row's output at the last refresh
         self.graphs = StepGraphs()  # the drift steps' CUDA graph, valid until the next prompt refresh
 
     def begin_block(self, ctx: StepContext):
@@ -153,7 +155,11 @@ class DllmCache(Method):
             x_p, rope_p = model.embed(tokens_p), model.rope(positions_p)
         for i, layer in enumerate(model.layers):
             x_p, x_r = self.layer_step(i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx)
-        return model.head(x_r, *stop)
+        if not model.cfg.logit_shift:
+            return model.head(x_r, *stop)
+        if x_p is not None:  # a shifted-logit model's first response logits read the prompt's last row
+            self.prompt_tail = x_p[:, -1:]
+        return model.head(torch.cat([self.prompt_tail, x_r], dim=1), stop[0] + 1, stop[1] + 1)
 
     def layer_step(self, i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx):
         """One layer. x_p: the prompt's hidden states at a prompt refresh, else None; recomputed:

@@ -19,6 +19,8 @@ salient, so a first sparse step recomputes layer 1 in full (Algorithm 1 starts f
 rows; with every row, tau > 1 is exactly dense).
 
 Hooks: begin_block (block 0 starts a new generation), step (from the layer primitives).
+On a shifted-logit model (Dream) a response-only step's first logits read the prompt's last row as
+the last step that fed it left it.
 Equals dense: tau > 1 (every row salient) with full_period = 1 (every step feeds the whole canvas).
 Knobs (paper defaults): tau = 0.99 (LLaDA; 0.995 for Dream), full_steps T_full = 4, full_period = 4,
 salient_fraction = None (benchmarks: the next S is that fraction of the fed rows with the lowest
@@ -83,7 +85,7 @@ class DyLLM(Method):
         self.tau, self.full_steps, self.full_period, self.salient_fraction = tau, full_steps, full_period, salient_fraction
         self.layers: list[LayerState] = []
         self.t = 0
-        self.salient = self.previous_tokens = None
+        self.salient = self.previous_tokens = self.prompt_tail = None
         self.salient_sum: list[float] = []
         self.sparse_steps = 0
 
@@ -118,6 +120,8 @@ class DyLLM(Method):
             x = x + mlp_out
             self.layers.append(LayerState(k, v, context, lse, mlp_out))
         self.salient = ctx.valid.clone()  # every row was just computed
+        prompt_width = ctx.logits_start - ctx.block * ctx.block_length
+        self.prompt_tail = x[:, prompt_width - 1 : prompt_width]
         return model.head(x, ctx.logits_start, ctx.logits_stop)
 
     def sparse_step(self, model, ctx) -> torch.Tensor:
@@ -137,6 +141,11 @@ class DyLLM(Method):
         self.salient = torch.zeros_like(ctx.valid)
         self.salient[:, offset:] = salient
         self.count_salient(torch.stack(counts).tolist())  # one host sync per step for the stats
+        if offset == 0:
+            self.prompt_tail = x[:, prompt_width - 1 : prompt_width]
+        elif model.cfg.logit_shift:  # the first response logits read the prompt's last row (last seen)
+            return model.head(torch.cat([self.prompt_tail, x], dim=1), ctx.logits_start - offset + 1,
+                              ctx.logits_stop - offset + 1)
         return model.head(x, ctx.logits_start - offset, ctx.logits_stop - offset)
 
     def layer_step(self, layer, state, x, rope, salient, valid, offset, k_valid):

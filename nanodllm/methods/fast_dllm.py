@@ -15,7 +15,8 @@ Steps before `delay` run in full without a cache; a new block starts over. With 
 threshold decoding (--threshold 0.9) this is Fast-dLLM's whole recipe.
 
 Hooks: begin_block (drop the cache), step. Subclasses choose what to keep (`keep`; sparse_dllm.py
-prunes there).
+prunes there). On a shifted-logit model (Dream) the fed range starts one column before the block,
+whose hidden state gives the block's first logits, and that column is not kept.
 Equals dense: refresh = 1 (a full forward every step). A cached step on the canvas its cache was
 built from gives the full forward's logits (test).
 Knobs: mode = "dual" | "prefix" (default dual), delay = 0, refresh = 0 (0: the cache lives for the
@@ -80,6 +81,7 @@ class FastDllm(Method):
         self.keys_kept = self.keys_outside = 0
         self.builds = 0  # caches built so far: a cached step's CUDA graph lives as long as its cache
         self.graphs = StepGraphs()
+        self.shift = 0  # 1 on a shifted-logit model (Dream): the fed range starts one column earlier
 
     def begin_block(self, ctx: StepContext):
         self.kept = []
@@ -89,6 +91,7 @@ class FastDllm(Method):
         if ctx.attn_mask is not None and ctx.attn_mask.block_size is not None:
             raise ValueError(f"{self.name} caches a bidirectional canvas; this model is block-causal "
                              "(decode it with the block engine)")
+        self.shift = int(model.cfg.logit_shift)
         since = ctx.step - self.delay
         if since < 0 or not self.kept or (self.refresh and since % self.refresh == 0):
             return self.full_step(model, ctx, build=since >= 0)
@@ -97,11 +100,11 @@ class FastDllm(Method):
     def full_step(self, model, ctx, build: bool) -> torch.Tensor:
         """The dense forward; with build, each layer's K/V outside the block are kept as it passes."""
         kept = []
-        room = (ctx.logits_stop if self.mode == "dual" else ctx.tokens.shape[1]) - ctx.logits_start  # fed tokens
+        low, high = self.fed_range(ctx)
 
         def attend(layer, q, k, v):
             if build:
-                kept.append(with_room(self.keep(layer, q, k, v, ctx), room))
+                kept.append(with_room(self.keep(layer, q, k, v, ctx), high - low))
             return attention(q, k, v, ctx.attn_mask)
 
         logits = model(ctx.tokens, ctx.positions, attend, ctx.logits_start, ctx.logits_stop)
@@ -111,14 +114,21 @@ class FastDllm(Method):
             self.count_kept(kept, ctx)
         return logits
 
+    def fed_range(self, ctx) -> tuple[int, int]:
+        """The columns a cached step feeds: the block (dual) or the block and everything after it
+        (prefix); on a shifted-logit model from one column earlier, whose hidden state gives the
+        block's first logits."""
+        high = ctx.logits_stop if self.mode == "dual" else ctx.tokens.shape[1]
+        return ctx.logits_start - self.shift, high
+
     def cached_step(self, model, ctx) -> torch.Tensor:
-        """Feed the block (dual) or the block and the suffix (prefix) against the kept K/V; on a GPU
-        replayed from a CUDA graph captured once per cache (nanodllm/graphs.py)."""
-        start, stop = ctx.logits_start, ctx.logits_stop
-        fed_stop = stop if self.mode == "dual" else ctx.tokens.shape[1]
-        tokens, positions = ctx.tokens[:, start:fed_stop], ctx.positions[:, start:fed_stop]
-        forward = lambda tokens, positions: model(tokens, positions, self.attend_cached, 0, stop - start)
-        return self.graphs((self.builds, start, tuple(tokens.shape)), forward, tokens, positions)
+        """Feed the fed range against the kept K/V; on a GPU replayed from a CUDA graph captured once
+        per cache (nanodllm/graphs.py)."""
+        low, high = self.fed_range(ctx)
+        start, stop = ctx.logits_start - low, ctx.logits_stop - low
+        tokens, positions = ctx.tokens[:, low:high], ctx.positions[:, low:high]
+        forward = lambda tokens, positions: model(tokens, positions, self.attend_cached, start, stop)
+        return self.graphs((self.builds, low, tuple(tokens.shape)), forward, tokens, positions)
 
     def attend_cached(self, layer, q, k, v):
         """The fed tokens' attention: the kept K/V and their own, written into the buffers' room."""
@@ -132,13 +142,12 @@ class FastDllm(Method):
         return attention(q, kept.keys, kept.values, kept.mask)
 
     def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
-        """What layer `layer` keeps of the full forward's K/V: everything before the block (and after
-        it, dual), padding hidden. q is the full canvas's queries (unused here)."""
-        start, stop = ctx.logits_start, ctx.logits_stop
-        stop = stop if self.mode == "dual" else k.shape[2]
-        valid = outside_block(ctx.valid, start, stop, dim=1)
+        """What layer `layer` keeps of the full forward's K/V: everything outside the fed range,
+        padding hidden. q is the full canvas's queries (unused here)."""
+        low, high = self.fed_range(ctx)
+        valid = outside_block(ctx.valid, low, high, dim=1)
         mask = None if bool(valid.all()) else valid[:, None, None, :]
-        return KeptKV(outside_block(k, start, stop, dim=2), outside_block(v, start, stop, dim=2), mask,
+        return KeptKV(outside_block(k, low, high, dim=2), outside_block(v, low, high, dim=2), mask,
                       int(valid.sum()))
 
     def count_kept(self, kept: list[KeptKV], ctx):

@@ -60,19 +60,19 @@ class SparseDllm(FastDllm):
         self.ratio, self.kernel, self.per_head, self.prefix_sparse = ratio, kernel, per_head, prefix_sparse
 
     def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
-        start, stop = ctx.logits_start, ctx.logits_stop
-        q_mean = q[:, :, start:stop].mean(dim=2)
+        low, high = self.fed_range(ctx)
+        q_mean = q[:, :, ctx.logits_start : ctx.logits_stop].mean(dim=2)
         if self.prefix_sparse:  # Algorithm 5: the candidates are the tokens before the block
-            k_f, v_f, valid = k[:, :, :start], v[:, :, :start], ctx.valid[:, :start]
+            k_f, v_f, valid = k[:, :, :low], v[:, :, :low], ctx.valid[:, :low]
         else:
-            k_f, v_f = outside_block(k, start, stop, dim=2), outside_block(v, start, stop, dim=2)
-            valid = outside_block(ctx.valid, start, stop, dim=1)
+            k_f, v_f = outside_block(k, low, high, dim=2), outside_block(v, low, high, dim=2)
+            valid = outside_block(ctx.valid, low, high, dim=1)
         indices, keep = pivotal_tokens(q_mean, k_f, valid, self.ratio, self.kernel, self.per_head)
         keys, values = take_heads(k_f, indices), take_heads(v_f, indices)
         if self.prefix_sparse:
-            suffix = k.shape[2] - stop
-            keys = torch.cat([keys, k[:, :, stop:]], dim=2)
-            values = torch.cat([values, v[:, :, stop:]], dim=2)
+            suffix = k.shape[2] - high
+            keys = torch.cat([keys, k[:, :, high:]], dim=2)
+            values = torch.cat([values, v[:, :, high:]], dim=2)
             keep = torch.cat([keep, keep.new_ones(*keep.shape[:3], suffix)], dim=3)
         mask = None if bool(keep.all()) else keep
-        return KeptKV(keys, values, mask, int(outside_block(ctx.valid, start, stop, 1).sum()))
+        return KeptKV(keys, values, mask, int(outside_block(ctx.valid, low, high, 1).sum()))
