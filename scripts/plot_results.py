@@ -1,0 +1,85 @@
+"""PNG figures from the benchmark tables committed in docs/results/ (the papers' figures, redrawn from
+our measurements). Needs matplotlib, an optional dependency (pip install matplotlib); reads only the
+JSON files `scripts/bench.py` wrote, so it runs anywhere, no GPU.
+
+    python scripts/plot_results.py [--results docs/results]
+
+- momo_latency_vs_k.png    MOMO's Fig. 4 analogue: prefill attention latency vs k for each top-k
+                           variant (bench_momo.json, 64K causal).
+- sparse_dllm_scaling.png  Sparse-dLLM's Fig. 5 analogue: tokens/s and peak memory vs sequence length
+                           for vanilla, Fast-dLLM's caches and Sparse-dLLM (bench_sparse_dllm.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def section(results: dict, title_start: str) -> list[dict]:
+    """The rows of the first table whose title starts with title_start."""
+    for table in results["sections"]:
+        if table["title"].startswith(title_start):
+            return table["rows"]
+    raise ValueError(f"no table titled {title_start!r}... in the results")
+
+
+def momo_latency_vs_k(results: dict, out: Path):
+    rows = section(results, "MOMO latency vs k")
+    ks = [row["k blocks"] for row in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for variant in ("exact", "tree", "estimated"):
+        ax.plot(ks, [row[f"{variant} ms"] for row in rows], marker="o", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("k (key blocks of 64 per sampled query)")
+    ax.set_ylabel("prefill attention ms")
+    ax.set_title(f"MOMO at 64K causal, 32 heads, d 128 ({results['meta']['device']})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def sparse_dllm_scaling(results: dict, out: Path):
+    rows = [row for row in section(results, "Per generation") if "real generation" not in row["method"]]
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for method in methods:
+        mine = [row for row in rows if row["method"] == method]
+        lengths = [row["length"] for row in mine]
+        speed.plot(lengths, [row["tokens/s"] for row in mine], marker="o", label=method)
+        memory.plot(lengths, [row["peak GiB"] for row in mine], marker="o", label=method)
+    for ax, label in ((speed, "tokens/s"), (memory, "peak GiB (weights included)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(label)
+    speed.set_yscale("log")
+    speed.legend(fontsize=8)
+    fig.suptitle(f"llada-8b shapes, 256 generated tokens ({results['meta']['device']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+FIGURES = {"momo_latency_vs_k.png": ("bench_momo.json", momo_latency_vs_k),
+           "sparse_dllm_scaling.png": ("bench_sparse_dllm.json", sparse_dllm_scaling)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results")
+    args = parser.parse_args()
+    for name, (source, draw) in FIGURES.items():
+        draw(json.loads((args.results / source).read_text()), args.results / name)
+        print(f"wrote {args.results / name} from {source}")
+
+
+if __name__ == "__main__":
+    main()
