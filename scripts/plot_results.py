@@ -8,6 +8,8 @@ JSON files `scripts/bench.py` wrote, so it runs anywhere, no GPU.
                            variant (bench_momo.json, 64K causal).
 - sparse_dllm_scaling.png  Sparse-dLLM's Fig. 5 analogue: tokens/s and peak memory vs sequence length
                            for vanilla, Fast-dLLM's caches and Sparse-dLLM (bench_sparse_dllm.json).
+- dyllm_salient.png        DyLLM's Fig. 7 analogue: salient fraction per layer across the denoising
+                           steps on tiny-llada (dyllm_salient.json, written by scripts/dyllm_salient.py).
 """
 
 from __future__ import annotations
@@ -68,8 +70,28 @@ def sparse_dllm_scaling(results: dict, out: Path):
     plt.close(fig)
 
 
+def dyllm_salient(results: dict, out: Path):
+    steps, per_layer = results["steps"], results["per_layer"]
+    canvas = [t % results["full_period"] == 0 for t in steps]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for layer in range(len(per_layer[0])):
+        ax.plot(steps, [fractions[layer] for fractions in per_layer], marker=".", label=f"layer {layer}")
+    for t, whole in zip(steps, canvas):
+        if whole:
+            ax.axvline(t, color="0.85", linewidth=0.8, zorder=0)
+    ax.set_xlabel("denoising step (grey: steps that feed the whole canvas)")
+    ax.set_ylabel("salient fraction of the fed rows")
+    ax.set_title(f"DyLLM on {results['model']}, passkey {results['length']}, tau {results['tau']} "
+                 f"(accuracy {results['accuracy']:.2f})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 FIGURES = {"momo_latency_vs_k.png": ("bench_momo.json", momo_latency_vs_k),
-           "sparse_dllm_scaling.png": ("bench_sparse_dllm.json", sparse_dllm_scaling)}
+           "sparse_dllm_scaling.png": ("bench_sparse_dllm.json", sparse_dllm_scaling),
+           "dyllm_salient.png": ("dyllm_salient.json", dyllm_salient)}
 
 
 def main():

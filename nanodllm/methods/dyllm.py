@@ -87,6 +87,7 @@ class DyLLM(Method):
         self.t = 0
         self.salient = self.previous_tokens = self.prompt_tail = None
         self.salient_sum: list[float] = []
+        self.salient_history: list[tuple[int, list[float]]] = []
         self.sparse_steps = 0
 
     def begin_block(self, ctx: StepContext):
@@ -193,6 +194,7 @@ class DyLLM(Method):
         return torch.zeros_like(valid).scatter_(1, lowest, True) & valid
 
     def count_salient(self, fractions: list[float]):
+        self.salient_history.append((self.t, fractions))  # (step, per-layer fraction) for plots
         if not self.salient_sum:
             self.salient_sum = [0.0] * len(fractions)
         self.salient_sum = [s + f for s, f in zip(self.salient_sum, fractions)]
