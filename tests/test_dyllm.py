@@ -62,6 +62,19 @@ def test_update_is_exact_when_only_values_change():
     torch.testing.assert_close(stats[..., 1], (expected**2).sum(-1).float())
 
 
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_a_stale_normaliser_never_weights_a_column_above_one(path):
+    """With lse far below the fresh scores, each salient column adds at most its whole value delta."""
+    from kernels.approx_attention import approximate_attention
+
+    q, k, dv, columns, _, lse, context = random_inputs(1, 1, 1, 6, 12, 4, 16, torch.float32, 3)
+    stale = torch.full_like(lse, -30.0)  # exp(score + 30) would be ~1e13
+    update = approximate_attention if path == "kernel" else approximate_attention_reference
+    new, _ = update(q, k, dv, columns, torch.tensor([4]), stale, context)
+    moved = dv[0, 0].sum(0)  # every weight clamped to 1
+    torch.testing.assert_close(new - context, moved.expand_as(new), atol=1e-4, rtol=1e-4)
+
+
 def test_bad_kernel_shapes_are_named():
     inputs = random_inputs(1, 2, 2, 5, 10, 3, 16, torch.float32, 0)
     with pytest.raises(ValueError, match="columns"):

@@ -9,8 +9,10 @@ feeds the whole canvas every `full_period`-th step (t % full_period == 0) and on
 otherwise, and per layer, given the salient rows S coming in:
     Q for every fed row; fresh K, V for S only, dV = V_new[S] - V_old[S];
     rows in S: exact attention over all keys (and a fresh log-sum-exp);
-    every other row: C = C_old + sum over j in S of exp(scale q k_j - lse_old) dV_j, with the row's
-        cached normaliser, so no score matrix is formed (kernels/approx_attention.py on CUDA);
+    every other row: C = C_old + sum over j in S of min(exp(scale q k_j - lse_old), 1) dV_j, with
+        the row's cached normaliser, so no score matrix is formed (kernels/approx_attention.py on
+        CUDA); the clamp at 1, a softmax weight's bound, keeps a stale normaliser from blowing a
+        column up (the paper normalises over the fresh scores instead);
     the next S: the fed rows whose C has cosine similarity to C_old below tau (all heads together);
     every fed row adds o_proj(C); only the next S run the FFN, the others add their cached output.
 S entering layer 1 is the last layer's S of the previous step plus the tokens unmasked since (their
