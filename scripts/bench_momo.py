@@ -23,7 +23,6 @@ here (scripts/momo_mass.py measures the masks).
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +34,7 @@ from kernels.block_sparse_attention import block_sparse_attention
 from kernels.flash_attention import flash_attention
 from kernels.qsa_attention import qsa_attention
 from nanodllm.attention import CanvasMask
-from nanodllm.methods.momo import block_lists, diagonal_blocks, momo_attention, union_and_trim
+from nanodllm.methods.momo import block_lists, kept_blocks, momo_attention
 
 FULL = dict(lengths=(32768, 65536, 131072), heads=32, kv_heads=8, head_dim=128, block_size=4, k_length=65536,
             ks=(32, 64, 128, 256))
@@ -67,8 +66,7 @@ def momo_stages(q, k, v, block_size, knobs):
 
     def trim():
         _, _, chosen, chosen_scores = state["qsa"]
-        keep = union_and_trim(chosen, chosen_scores, math.ceil(n / beta), chi // gamma, k_blocks)
-        state["keep"] = keep | diagonal_blocks(n, chi, beta, q.device)
+        state["keep"] = kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_blocks)
         state["lists"] = block_lists(state["keep"])
 
     def attend():

@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanodllm.attention import CanvasMask  # noqa: E402
-from nanodllm.methods.momo import dense_mask, diagonal_blocks, measure_and_mask, union_and_trim  # noqa: E402
+from nanodllm.methods.momo import dense_mask, diagonal_blocks, kept_blocks, measure_and_mask  # noqa: E402
 
 ANCHORS, ANCHOR_DIMS = 32, 16
 MASKS = {"causal": lambda args: 1, "block": lambda args: args.block_size, "none": lambda args: None}
@@ -93,8 +93,7 @@ def momo_keep(q, k, mask_block, args, on_kernels=None):
         k_exact = args.k_exact if args.top_k == "estimated" else args.k
         _, _, chosen, chosen_scores = qsa_attention(q, k, k, gamma=args.gamma, beta=args.beta, top_k=args.k,
                                                     k_exact=k_exact, tree=args.top_k == "tree", block_size=mask_block)
-        keep = union_and_trim(chosen, chosen_scores, -(-n // args.beta), args.chi // args.gamma, args.k)
-        return keep | diagonal_blocks(n, args.chi, args.beta, q.device)
+        return kept_blocks(chosen, chosen_scores, n, args.gamma, args.chi, args.beta, args.k)
     full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
     return measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k_exact, args.k, args.top_k)[1]
 

@@ -106,6 +106,13 @@ def union_and_trim(chosen, chosen_scores, blocks, rows_per_block, k_trim):
     return mark(exact_top_k(mean, k_trim), blocks)
 
 
+def kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim):
+    """Step 2: keep [batch, heads, query blocks, key blocks] bool, the sampled rows' chosen key
+    blocks united and trimmed per query block (Algorithm 2) plus the diagonal blocks."""
+    keep = union_and_trim(chosen, chosen_scores, math.ceil(n / beta), chi // gamma, k_trim)
+    return keep | diagonal_blocks(n, chi, beta, chosen.device)
+
+
 def diagonal_blocks(n, chi, beta, device):
     """[query blocks, key blocks] bool: the key blocks overlapping each query block's own rows."""
     starts = torch.arange(0, n, chi, device=device)
@@ -151,8 +158,7 @@ def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim,
     scores = block_scores(sampled_scores, beta)
     chosen = estimated_top_k(scores, k_blocks, k_exact) if top_k == "estimated" else exact_top_k(scores, k_blocks)
     chosen_scores = torch.where(chosen >= 0, scores.gather(-1, chosen.clamp(min=0)), float("-inf"))
-    keep = union_and_trim(chosen, chosen_scores, scores.shape[-1], chi // gamma, k_trim)
-    return o_gamma, keep | diagonal_blocks(n, chi, beta, q.device)
+    return o_gamma, kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim)
 
 
 def expand_blocks(keep, n, chi, beta, full=None):
@@ -179,9 +185,7 @@ def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, 
         masking = {"block_size": mask.block_size, "k_valid": None if mask.valid is None else mask.valid[:, -q.shape[2]:]}
     o_gamma, _, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks,
                                                       k_exact=k_exact, tree=tree, **masking)
-    blocks = math.ceil(q.shape[2] / beta)
-    keep = union_and_trim(chosen, chosen_scores, blocks, chi // gamma, k_trim)
-    keep = keep | diagonal_blocks(q.shape[2], chi, beta, q.device)
+    keep = kept_blocks(chosen, chosen_scores, q.shape[2], gamma, chi, beta, k_trim)
     o_sparse, _ = block_sparse_attention(q, k, v, block_lists(keep), chi=chi, beta=beta, **masking)
     return delta_corrected(o_sparse.float(), o_gamma.float(), gamma).to(q.dtype)
 
