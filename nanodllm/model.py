@@ -158,15 +158,19 @@ class Model(nn.Module):
     def rope(self, positions: torch.Tensor) -> Rope:
         return Rope(positions, self.cfg.head_dim, self.cfg.rope_base)
 
-    def head(self, hidden: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, start: int = 0, stop: int | None = None,
+             before: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, stop - start, vocab] for positions start..stop-1 (final norm + LM head only there).
-        With logit_shift, position i gets the logits of hidden state i-1 (position 0 keeps its own),
-        as Dream-style checkpoints expect."""
+        With logit_shift, position i gets the logits of hidden state i-1, as Dream-style checkpoints
+        expect; position 0 reads `before` ([b, 1, hidden]: the state of the column before hidden's
+        first, for a forward over part of a canvas) or, without it, keeps its own."""
         stop = hidden.shape[1] if stop is None else stop
-        if self.cfg.logit_shift:
-            source = (torch.arange(start, stop, device=hidden.device) - 1).clamp(min=0)
-            return self.lm_head(self.norm(hidden[:, source]))
-        return self.lm_head(self.norm(hidden[:, start:stop]))
+        if not self.cfg.logit_shift:
+            return self.lm_head(self.norm(hidden[:, start:stop]))
+        if start == 0 and before is not None:
+            return self.lm_head(self.norm(torch.cat([before, hidden[:, : stop - 1]], dim=1)))
+        source = (torch.arange(start, stop, device=hidden.device) - 1).clamp(min=0)
+        return self.lm_head(self.norm(hidden[:, source]))
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Run all layers; returns the last hidden state before the final norm."""

@@ -84,6 +84,8 @@ def test_logit_shift_moves_logits_one_position_right():
     torch.testing.assert_close(shifted[:, 1:], plain[:, :-1])
     torch.testing.assert_close(shifted[:, :1], plain[:, :1])
     torch.testing.assert_close(model(ids, positions, dense, 5, 9), shifted[:, 5:9])
+    hidden = model.hidden(ids, positions, dense)  # a forward over columns 5.. reads column 4 through `before`
+    torch.testing.assert_close(model.head(hidden[:, 5:], 0, 4, before=hidden[:, 4:5]), shifted[:, 5:9])
 
 
 def test_qkv_bias_is_used():

@@ -19,8 +19,9 @@ the prompt only K/V are kept (MaskKV's prompt-state exclusion); the engine asks 
 logits only (mask-only projection). Step 0 refreshes everything.
 
 On a shifted-logit model (Dream) the first response logits read the prompt's last row, whose output
-is kept from the last prompt refresh. On a GPU the drift steps, whose shapes are fixed, replay a CUDA graph recorded once per prompt
-refresh (nanodllm/graphs.py); for that, response refreshes write the cached outputs in place.
+is kept from the last prompt refresh. On a GPU the drift steps, whose shapes are fixed, replay a
+CUDA graph recorded once per prompt refresh (nanodllm/graphs.py); for that, response refreshes
+write the cached outputs in place.
 
 Hooks: begin_block (block 0 starts a new generation), step (the forward, from the layer primitives).
 Subclasses decide which prompt K/V are kept (`keep_prompt`, MaskKV and SnapKV evict) and may look at
@@ -155,11 +156,9 @@ class DllmCache(Method):
             x_p, rope_p = model.embed(tokens_p), model.rope(positions_p)
         for i, layer in enumerate(model.layers):
             x_p, x_r = self.layer_step(i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx)
-        if not model.cfg.logit_shift:
-            return model.head(x_r, *stop)
         if x_p is not None:  # a shifted-logit model's first response logits read the prompt's last row
             self.prompt_tail = x_p[:, -1:]
-        return model.head(torch.cat([self.prompt_tail, x_r], dim=1), stop[0] + 1, stop[1] + 1)
+        return model.head(x_r, *stop, before=self.prompt_tail)
 
     def layer_step(self, i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx):
         """One layer. x_p: the prompt's hidden states at a prompt refresh, else None; recomputed:

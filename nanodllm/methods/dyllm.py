@@ -144,12 +144,9 @@ class DyLLM(Method):
         self.salient = torch.zeros_like(ctx.valid)
         self.salient[:, offset:] = salient
         self.count_salient(torch.stack(counts).tolist())  # one host sync per step for the stats
-        if offset == 0:
+        if offset == 0:  # a response-only step's first logits read the prompt's last row as last seen
             self.prompt_tail = x[:, prompt_width - 1 : prompt_width]
-        elif model.cfg.logit_shift:  # the first response logits read the prompt's last row (last seen)
-            return model.head(torch.cat([self.prompt_tail, x], dim=1), ctx.logits_start - offset + 1,
-                              ctx.logits_stop - offset + 1)
-        return model.head(x, ctx.logits_start - offset, ctx.logits_stop - offset)
+        return model.head(x, ctx.logits_start - offset, ctx.logits_stop - offset, before=self.prompt_tail)
 
     def layer_step(self, layer, state, x, rope, salient, valid, offset, k_valid):
         """One layer of a sparse step; returns (x, the next salient rows [batch, fed])."""
