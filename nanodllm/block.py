@@ -59,6 +59,27 @@ def choose(confidence, masked, count, remasking: str, threshold: float | None) -
     return transfer
 
 
+def prompts_then_masks(prompts: list[list[int]], capacity: int, mask_id: int, device) -> torch.Tensor:
+    """[batch, capacity]: each prompt from column 0, masks after it (blocks align to column 0)."""
+    x = torch.full((len(prompts), capacity), mask_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        x[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    return x
+
+
+def prefill_complete_blocks(model, method: Method, x, lengths, cache: KVCache, size: int, mask_id: int):
+    """Each row's complete prompt blocks into the cache (method.prefill). Returns (starts [batch]: the
+    first column of each row's active block, the prefill's hidden states or None if no row has one)."""
+    starts = lengths // size * size
+    if int(starts.max()) == 0:
+        return starts, None
+    width = int(starts.max())
+    positions = torch.arange(width, device=x.device)[None, :].expand(x.shape[0], -1)
+    ctx = StepContext(x[:, :width], positions, positions < starts[:, None], lengths, cache=cache,
+                      counts=starts.clone(), block_length=size, mask_id=mask_id)
+    return starts, method.prefill(model, ctx)
+
+
 @torch.no_grad()
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None,
              mask_id: int | None = None, stop_ids=None) -> GenerationResult:
@@ -85,19 +106,11 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     ends = torch.tensor([math.ceil((len(p) + gen.gen_length) / size) * size for p in prompts], device=device)
     capacity = int(ends.max())
-    x = torch.full((batch, capacity), mask_id, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        x[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    x = prompts_then_masks(prompts, capacity, mask_id, device)
     cache = KVCache.for_model(cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
     offsets = torch.arange(size, device=device)
 
-    starts = lengths // size * size  # first token of each row's active block
-    if int(starts.max()) > 0:
-        width = int(starts.max())
-        positions = torch.arange(width, device=device)[None, :].expand(batch, -1)
-        ctx = StepContext(x[:, :width], positions, positions < starts[:, None], lengths, cache=cache,
-                          counts=starts.clone(), block_length=size, mask_id=mask_id)
-        method.prefill(model, ctx)
+    starts, _ = prefill_complete_blocks(model, method, x, lengths, cache, size, mask_id)
 
     schedule = split_evenly(torch.tensor([size], device=device), gen.steps)[0]
     active = starts < ends

@@ -33,6 +33,7 @@ from .cache import KVCache
 from .config import GenerationConfig
 from .decoding import GenerationResult, check_prompts, without_token
 from .dream import filtered
+from .block import prefill_complete_blocks, prompts_then_masks
 from .methods.base import Dense, Method, StepContext
 
 
@@ -55,11 +56,12 @@ def next_token(model, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return model.lm_head(model.norm(hidden[rows, last.clamp(min=0)])).argmax(dim=-1)
 
 
-def stopped(block: torch.Tensor, begin: torch.Tensor, mask_id: int, stop_ids) -> torch.Tensor:
-    """[batch] bool: a stop token at or after column begin[b] of the block with no mask before it."""
+def stopped(block: torch.Tensor, begin: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
+    """[batch] bool: a stop token (one of stops) at or after column begin[b] of the block with no mask
+    before it."""
     columns = torch.arange(block.shape[1], device=block.device)[None, :]
     generated = columns >= begin[:, None]
-    is_stop = generated & torch.isin(block, torch.tensor(stop_ids, device=block.device))
+    is_stop = generated & torch.isin(block, stops)
     first_stop = torch.where(is_stop, columns, block.shape[1]).min(dim=1).values
     masks_before = ((block == mask_id) & (columns < first_stop[:, None])).any(dim=1)
     return is_stop.any(dim=1) & ~masks_before
@@ -90,21 +92,15 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     batch = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     capacity = int((lengths // size).max() + num_blocks + 2) * size
-    x = torch.full((batch, capacity), mask_id, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        x[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    x = prompts_then_masks(prompts, capacity, mask_id, device)
     cache = KVCache.for_model(cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
     rows, offsets = torch.arange(batch, device=device), torch.arange(size, device=device)
 
-    starts = lengths // size * size  # each row's active block
+    starts, hidden = prefill_complete_blocks(model, method, x, lengths, cache, size, mask_id)
     on_boundary = lengths % size == 0  # the prompt fills its last block: the prefill gives the next token
     forwards = steps = 0
-    if int(starts.max()) > 0:
-        width = int(starts.max())
-        positions = torch.arange(width, device=device)[None, :].expand(batch, -1)
-        ctx = StepContext(x[:, :width], positions, positions < starts[:, None], lengths, cache=cache,
-                          counts=starts.clone(), block_length=size, mask_id=mask_id)
-        first = next_token(model, method.prefill(model, ctx), starts - 1)
+    if hidden is not None:
+        first = next_token(model, hidden, starts - 1)
         x[rows[on_boundary], starts[on_boundary]] = first[on_boundary]
         forwards += 1
     ends = torch.where(on_boundary, starts + 1, starts)  # one past each row's last written token
@@ -124,7 +120,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         step = 0  # within the block (at most one step per masked position: steps_per_block = size)
         for sub in range(0, size, sub_block):
             while True:
-                active &= ~stopped(current, begin, mask_id, stop_ids)
+                active &= ~stopped(current, begin, mask_id, stops)
                 todo = (current == mask_id) & active[:, None] & (offsets >= sub) & (offsets < sub + sub_block)
                 if not todo.any():
                     break

@@ -30,9 +30,7 @@ class StepGraphs:
     """One live CUDA graph of a step function, keyed; see the module docstring."""
 
     def __init__(self):
-        self.key = None
-        self.graph = self.static_inputs = self.output = None
-        self.captures = 0
+        self.reset()
 
     def __call__(self, key, fn, *inputs: torch.Tensor) -> torch.Tensor:
         if not (GRAPHS_ENABLED and inputs[0].is_cuda):
@@ -47,13 +45,12 @@ class StepGraphs:
         return self.output.clone()
 
     def capture(self, key, fn, inputs):
-        self.graph = self.static_inputs = self.output = None  # the old graph's memory goes first
+        self.reset()  # the old graph's memory goes first
         static_inputs = [x.clone() for x in inputs]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             output = fn(*static_inputs)
         self.key, self.graph, self.static_inputs, self.output = key, graph, static_inputs, output
-        self.captures += 1
 
     def reset(self):
         self.key = None

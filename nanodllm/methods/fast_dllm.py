@@ -46,6 +46,7 @@ class KeptKV:
     mask: torch.Tensor | None
     candidates: int
     room: int = 0
+    lengths: torch.Tensor | None = None  # [batch] int32, n + room for every row: the decode kernel's lengths
 
 
 def with_room(kept: KeptKV, room: int) -> KeptKV:
@@ -59,7 +60,8 @@ def with_room(kept: KeptKV, room: int) -> KeptKV:
     mask = kept.mask
     if mask is not None:
         mask = torch.cat([mask, mask.new_ones(*mask.shape[:3], room)], dim=3)
-    return KeptKV(keys, values, mask, kept.candidates, room)
+    lengths = torch.full((batch,), n + room, dtype=torch.int32, device=keys.device)
+    return KeptKV(keys, values, mask, kept.candidates, room, lengths)
 
 
 def outside_block(x: torch.Tensor, start: int, stop: int, dim: int) -> torch.Tensor:
@@ -136,9 +138,8 @@ class FastDllm(Method):
         kept.keys[:, :, -kept.room :].copy_(k)
         kept.values[:, :, -kept.room :].copy_(v)
         if kept.mask is None and q.shape[2] <= 64:  # the block-decode shape: split the keys over the SMs
-            total = kept.keys.shape[2]
-            lengths = torch.full((q.shape[0],), total, dtype=torch.int32, device=q.device)
-            return cache_attention(q, kept.keys.transpose(1, 2), kept.values.transpose(1, 2), lengths, total, False)
+            return cache_attention(q, kept.keys.transpose(1, 2), kept.values.transpose(1, 2), kept.lengths,
+                                   kept.keys.shape[2], False)
         return attention(q, kept.keys, kept.values, kept.mask)
 
     def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
