@@ -1,19 +1,32 @@
-"""Tokenizer: a checkpoint's tokenizer.json, its special ids, and its chat template.
+"""Tokenizer: a checkpoint's tokenizer files, its special ids, and its chat template.
 
-`Tokenizer.from_dir(path, family)` loads `<path>/tokenizer.json` with the `tokenizers` library
-(no transformers needed). `family` is the config's model_type: "llada" or "sdar".
+`Tokenizer.from_dir(path, family)` builds a `tokenizers` tokenizer (no transformers needed). `family`
+is the config's model_type: "llada", "sdar", "Dream" or "Fast_dLLM_Qwen".
+
+Loading: `<path>/tokenizer.json` when present. Otherwise, for the Qwen2-vocabulary families (sdar,
+Dream, Fast_dLLM_Qwen), `vocab.json` + `merges.txt` built the way transformers' Qwen2 tokenizer
+builds them (NFC; Qwen2's regex split then byte-level; byte-level BPE; byte-level decoder), plus the
+added tokens of `tokenizer_config.json`'s added_tokens_decoder at their ids (a token that would land
+elsewhere is a ValueError). Dream ships only those files. Encoding and decoding follow the
+`tokenizers` library: decode(skip_special_tokens=True) drops every added token flagged special.
 
 Special ids (mask_id, eos_id, pad_id, bos_id) are resolved field by field, first hit wins:
   1. config.json             mask_token_id / eos_token_id / pad_token_id / bos_token_id
   2. generation_config.json  the same fields
-  3. the vocabulary, by token string (LLaDA: <|mdm_mask|>, <|endoftext|>, <|startoftext|>;
-     SDAR: <|MASK|>, <|im_end|>, <|endoftext|>, no BOS string)
-  4. documented defaults     LLaDA mask 126336, eos/pad 126081, bos 126080;
-                             SDAR mask 151669, eos 151645, pad 151643, bos None
+  3. tokenizer_config.json   mask_token / eos_token / pad_token / bos_token (a string or a
+                             {"content": ...} dict), looked up in the vocabulary
+  4. the vocabulary, by the family's token string (LLaDA: <|mdm_mask|>, <|endoftext|>,
+     <|startoftext|>; SDAR: <|MASK|>, <|im_end|>, <|endoftext|>, no BOS; Dream: <|mask|>,
+     <|endoftext|>, <|endoftext|>, <|beginoftext|>; Fast-dLLM v2: no mask string, <|im_end|>,
+     <|endoftext|>, no BOS)
+  5. documented defaults     LLaDA mask 126336, eos/pad 126081, bos 126080;
+                             SDAR mask 151669, eos 151645, pad 151643, bos None;
+                             Dream mask 151666, eos/pad 151643, bos 151665;
+                             Fast-dLLM v2 mask 151665, eos 151645, pad 151643, bos None
 eos_token_id may be a list; eos_id is its first entry. stop_ids gathers, in order and without
 repeats: the eos_token_id entries of config.json and generation_config.json, then the family's
 stop tokens, each looked up in the vocabulary, else its default (LLaDA <|endoftext|> 126081 and
-<|eot_id|> 126348; SDAR <|im_end|> 151645 and <|endoftext|> 151643).
+<|eot_id|> 126348; SDAR, Dream and Fast-dLLM v2 <|im_end|> 151645 and <|endoftext|> 151643).
 
 Chat templates are Python ports of the published jinja templates, checked against them in
 tests/test_tokenizer.py. Only plain {"role", "content"} messages with roles system/user/assistant
@@ -27,15 +40,32 @@ are supported; anything else is a ValueError.
     message's "<think>...</think>" part is dropped unless the message comes after the last user
     query, and the final such message always gets a (possibly empty) <think> block. Qwen3's
     enable_thinking switch is not offered: the default (thinking enabled) adds nothing.
+  - Dream and Fast-dLLM v2 (Qwen2.5 ChatML): the same turns, no <think> handling, and a system turn
+    first: the leading system message, else <|im_start|>system\\n{default_system_prompt}<|im_end|>\\n.
+    The default is read from the checkpoint's chat template (tokenizer_config.json's chat_template,
+    else chat_template.jinja): the literal '<|im_start|>system\\n...<|im_end|>\\n' of its no-tools
+    branch; a template without one is a ValueError. Without a template it is ASSUMED to be
+    "You are a helpful assistant." (Qwen2.5-*-Instruct's own templates say "You are Qwen, created
+    by Alibaba Cloud. You are a helpful assistant.").
 """
 
 import json
+import re
 from pathlib import Path
 
-from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
-SUPPORTED_FAMILIES = ("llada", "sdar")
+SUPPORTED_FAMILIES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen")
+QWEN2_VOCAB_FAMILIES = ("sdar", "Dream", "Fast_dLLM_Qwen")
+QWEN25_CHAT_FAMILIES = ("Dream", "Fast_dLLM_Qwen")
 CHAT_ROLES = ("system", "user", "assistant")
+
+# transformers' models/qwen2/tokenization_qwen2.py PRETOKENIZE_REGEX (the same in its Qwen2Converter)
+QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                           r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# the no-tools default system turn of a Qwen2.5 template: '<|im_start|>system\n{default}<|im_end|>\n'
+QWEN25_DEFAULT_SYSTEM_TURN = re.compile(r"'<\|im_start\|>system\\n([^'\\]*)<\|im_end\|>\\n'")
+ASSUMED_QWEN25_SYSTEM_PROMPT = "You are a helpful assistant."
 
 # field -> (token string or None, default id or None), per family
 SPECIAL_TOKENS = {
@@ -51,17 +81,44 @@ SPECIAL_TOKENS = {
         "pad_token_id": ("<|endoftext|>", 151643),
         "bos_token_id": (None, None),
     },
+    "Dream": {
+        "mask_token_id": ("<|mask|>", 151666),
+        "eos_token_id": ("<|endoftext|>", 151643),
+        "pad_token_id": ("<|endoftext|>", 151643),
+        "bos_token_id": ("<|beginoftext|>", 151665),
+    },
+    "Fast_dLLM_Qwen": {
+        "mask_token_id": (None, 151665),
+        "eos_token_id": ("<|im_end|>", 151645),
+        "pad_token_id": ("<|endoftext|>", 151643),
+        "bos_token_id": (None, None),
+    },
 }
+QWEN_STOP_TOKENS = (("<|im_end|>", 151645), ("<|endoftext|>", 151643))
 STOP_TOKENS = {
     "llada": (("<|endoftext|>", 126081), ("<|eot_id|>", 126348)),
-    "sdar": (("<|im_end|>", 151645), ("<|endoftext|>", 151643)),
+    "sdar": QWEN_STOP_TOKENS,
+    "Dream": QWEN_STOP_TOKENS,
+    "Fast_dLLM_Qwen": QWEN_STOP_TOKENS,
+}
+# special-id field -> the tokenizer_config.json entry naming its token
+TOKENIZER_CONFIG_NAMES = {
+    "mask_token_id": "mask_token",
+    "eos_token_id": "eos_token",
+    "pad_token_id": "pad_token",
+    "bos_token_id": "bos_token",
 }
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer: HFTokenizer, family: str, configs: list[dict]):
+    def __init__(self, hf_tokenizer: HFTokenizer, family: str, configs: list[dict],
+                 tokenizer_config: dict | None = None, chat_template: str | None = None):
+        """configs: config.json then generation_config.json ({} when absent). chat_template: the
+        checkpoint's jinja template, read only for the Qwen2.5 families' default system prompt."""
         self.hf = hf_tokenizer
         self.family = family
+        tokenizer_config = tokenizer_config or {}
+        self._named = {field: _token_content(tokenizer_config, name) for field, name in TOKENIZER_CONFIG_NAMES.items()}
         self.mask_id = self._resolve("mask_token_id", configs)
         self.eos_id = self._resolve("eos_token_id", configs)
         self.pad_id = self._resolve("pad_token_id", configs)
@@ -69,6 +126,8 @@ class Tokenizer:
         stop = [i for config in configs for i in _as_id_list(config.get("eos_token_id"))]
         stop += [self._vocab_id(token, default) for token, default in STOP_TOKENS[family]]
         self.stop_ids = tuple(dict.fromkeys(stop))
+        qwen25 = family in QWEN25_CHAT_FAMILIES
+        self.default_system_prompt = _qwen25_system_prompt(chat_template) if qwen25 else None
 
     @classmethod
     def from_dir(cls, path, family: str) -> "Tokenizer":
@@ -77,11 +136,10 @@ class Tokenizer:
         directory = Path(path)
         if not directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {directory}")
-        tokenizer_file = directory / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file}")
+        tokenizer_config = _read_json(directory / "tokenizer_config.json")
+        hf_tokenizer = _load_hf_tokenizer(directory, family, tokenizer_config)
         configs = [_read_json(directory / name) for name in ("config.json", "generation_config.json")]
-        return cls(HFTokenizer.from_file(str(tokenizer_file)), family, configs)
+        return cls(hf_tokenizer, family, configs, tokenizer_config, _chat_template(directory, tokenizer_config))
 
     def _vocab_id(self, token, default):
         token_id = self.hf.token_to_id(token) if token is not None else None
@@ -92,7 +150,8 @@ class Tokenizer:
             ids = _as_id_list(config.get(field))
             if ids:
                 return ids[0]
-        return self._vocab_id(*SPECIAL_TOKENS[self.family][field])
+        named_id = self._vocab_id(self._named[field], None)
+        return named_id if named_id is not None else self._vocab_id(*SPECIAL_TOKENS[self.family][field])
 
     @property
     def vocab_size(self) -> int:
@@ -106,8 +165,11 @@ class Tokenizer:
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         _check_messages(messages)
-        render = _llada_chat_text if self.family == "llada" else _qwen3_chat_text
-        return render(messages, add_generation_prompt)
+        if self.family == "llada":
+            return _llada_chat_text(messages, add_generation_prompt)
+        if self.family == "sdar":
+            return _qwen3_chat_text(messages, add_generation_prompt)
+        return _qwen25_chat_text(messages, add_generation_prompt, self.default_system_prompt)
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.chat_text(messages, add_generation_prompt))
@@ -117,6 +179,80 @@ class Tokenizer:
         if isinstance(prompt, str):
             return self.chat([{"role": "user", "content": prompt}]) if chat else self.encode(prompt)
         return self.chat(prompt)
+
+
+def _load_hf_tokenizer(directory: Path, family: str, tokenizer_config: dict) -> HFTokenizer:
+    tokenizer_file = directory / "tokenizer.json"
+    if tokenizer_file.is_file():
+        return HFTokenizer.from_file(str(tokenizer_file))
+    if family not in QWEN2_VOCAB_FAMILIES:
+        raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file}")
+    vocab_file, merges_file = directory / "vocab.json", directory / "merges.txt"
+    if not (vocab_file.is_file() and merges_file.is_file()):
+        raise FileNotFoundError(f"no tokenizer found: looked for {tokenizer_file}, "
+                                f"else {vocab_file} and {merges_file}")
+    hf_tokenizer = _qwen2_tokenizer(vocab_file, merges_file)
+    _add_tokens(hf_tokenizer, tokenizer_config.get("added_tokens_decoder") or {})
+    return hf_tokenizer
+
+
+def _qwen2_tokenizer(vocab_file: Path, merges_file: Path) -> HFTokenizer:
+    """transformers' Qwen2 tokenizer (its Qwen2Converter) without the added tokens; the converter's
+    ByteLevel post-processor only moves offsets, which nanodllm never reads, and is left out."""
+    bpe = models.BPE.from_file(str(vocab_file), str(merges_file), dropout=None, unk_token=None,
+                               continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                               byte_fallback=False)
+    hf_tokenizer = HFTokenizer(bpe)
+    hf_tokenizer.normalizer = normalizers.NFC()
+    hf_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    hf_tokenizer.decoder = decoders.ByteLevel()
+    return hf_tokenizer
+
+
+def _add_tokens(hf_tokenizer: HFTokenizer, added_tokens_decoder: dict) -> None:
+    """Register tokenizer_config.json's added tokens in id order; each must land at its stated id."""
+    for token_id, entry in sorted(added_tokens_decoder.items(), key=lambda item: int(item[0])):
+        special = bool(entry.get("special", False))
+        token = AddedToken(entry["content"], single_word=entry.get("single_word", False),
+                           lstrip=entry.get("lstrip", False), rstrip=entry.get("rstrip", False),
+                           normalized=entry.get("normalized", not special), special=special)
+        (hf_tokenizer.add_special_tokens if special else hf_tokenizer.add_tokens)([token])
+        actual = hf_tokenizer.token_to_id(entry["content"])
+        if actual != int(token_id):
+            raise ValueError(f"tokenizer_config.json gives added token {entry['content']!r} id {token_id}, but it "
+                             f"lands at id {actual} after a vocabulary of "
+                             f"{hf_tokenizer.get_vocab_size(with_added_tokens=False)} tokens")
+
+
+def _chat_template(directory: Path, tokenizer_config: dict):
+    template = tokenizer_config.get("chat_template")
+    jinja_file = directory / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        return jinja_file.read_text()
+    return template
+
+
+def _qwen25_system_prompt(chat_template) -> str:
+    if chat_template is None:
+        return ASSUMED_QWEN25_SYSTEM_PROMPT
+    match = QWEN25_DEFAULT_SYSTEM_TURN.search(chat_template) if isinstance(chat_template, str) else None
+    if match is None:
+        raise ValueError("the checkpoint's chat template is not a Qwen2.5 ChatML template nanodllm can port: "
+                         "no default system turn '<|im_start|>system\\n...<|im_end|>\\n' found in it")
+    return match.group(1)
+
+
+def _token_content(tokenizer_config: dict, name: str):
+    value = tokenizer_config.get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"tokenizer_config.json {name} must be a token string or a {{'content': ...}} dict, "
+                         f"got {value!r}")
+    return value
 
 
 def _read_json(path: Path) -> dict:
@@ -170,4 +306,11 @@ def _qwen3_chat_text(messages, add_generation_prompt):
         if i > last_query and (i == last or reasoning):
             content = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
         text += f"<|im_start|>assistant\n{content}<|im_end|>\n"
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _qwen25_chat_text(messages, add_generation_prompt, default_system_prompt):
+    if messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": default_system_prompt}, *messages]
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")

@@ -1,5 +1,5 @@
 """Write the tiny parity fixtures under tests/fixtures/ (llada_tiny/, sdar_tiny/, dream_tiny/,
-fast_dllm_v2_tiny/).
+fast_dllm_v2_tiny/; tokenizers/qwen2_bpe/ with the qwen2_bpe step).
 
 Each fixture is a small random checkpoint in the EXACT on-disk format of the real family
 (the names nanodllm/loader.py maps) plus `golden.safetensors` holding fixed input ids and
@@ -17,8 +17,8 @@ the float32 logits that Hugging Face transformers (an independent implementation
   "Dream" / "Fast_dLLM_Qwen", bd_size 4 for the latter), Qwen2 tensor names with q/k/v biases and no
   q/k norm, GQA, bf16 in one model.safetensors. Golden: Qwen2ForCausalLM with the bidirectional /
   block-causal(4) mask, then SHIFTED as both families decode (logits = cat([l[:, :1], l[:, :-1]]):
-  position i is predicted from hidden state i-1). No tokenizer.json (their tokenizers are not
-  supported yet).
+  position i is predicted from hidden state i-1). No tokenizer files (their Qwen2 vocabulary is
+  tested on tokenizers/qwen2_bpe/).
 
 The golden models run in float32 with attn_implementation="eager" on the bf16 weights upcast to
 float32; positions are 0..T-1 and T = 13 is not a multiple of the block size. Custom masks are
@@ -30,10 +30,22 @@ Needs `transformers` (5.x) in addition to torch and safetensors; CI does not nee
 are committed. Deterministic (seeded) and rerunnable:
 
     pip install transformers && python scripts/make_fixtures.py
+
+A second step, `python scripts/make_fixtures.py qwen2_bpe`, writes tests/fixtures/tokenizers/qwen2_bpe/:
+a tiny byte-level BPE (vocab.json + merges.txt, trained here with the Qwen2 pre-tokenizer), a
+tokenizer_config.json whose added_tokens_decoder puts <|endoftext|>, <|im_start|>, <|im_end|>,
+<tool_call> (not special, as in Qwen2.5) and Dream's <|beginoftext|>, <|mask|> after the vocabulary,
+and golden.json: what transformers' SLOW (pure python) Qwen2Tokenizer makes of varied strings
+(encode without special tokens; decode with and without skip_special_tokens) and of a few id lists
+that end inside a UTF-8 character. transformers 5.x no longer has the slow tokenizer, so this step
+needs transformers 4.x (4.57.6 wrote the committed files) next to torch:
+
+    pip install 'transformers<5' && python scripts/make_fixtures.py qwen2_bpe
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -485,7 +497,7 @@ def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-def main() -> int:
+def write_models() -> int:
     torch.manual_seed(0)
     torch.set_grad_enabled(False)
 
@@ -541,6 +553,130 @@ def main() -> int:
         print(f"{name}: {size} bytes ({', '.join(sorted(p.name for p in (FIXTURES / name).iterdir()))})")
         assert size < MAX_FIXTURE_BYTES, f"{name} is {size} bytes, over {MAX_FIXTURE_BYTES}"
     return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen2 vocabulary (Dream, Fast-dLLM v2, SDAR) from vocab.json + merges.txt: golden encodings of the
+# slow transformers tokenizer
+
+QWEN2_BPE_VOCAB_SIZE = 400
+QWEN2_BPE_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It's what they'd say, isn't it? We're sure you'll see.",
+    "Diffusion language models unmask many tokens in parallel; the answer is 42 and 1234 + 5678 = 6912.",
+    "def tokenize(text):\n    return [token for token in text.split()]  # simple\n",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u2014 \u4e2d\u6587\u5206\u8bcd\u6d4b\u8bd5\u3002 "
+    "Line one\r\nLine two\n\nHello   world!",
+]
+QWEN2_ADDED_TOKENS = (  # (content, special), ids after the vocabulary in this order
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<tool_call>", False),
+    ("<|beginoftext|>", True), ("<|mask|>", True),
+)
+QWEN2_GOLDEN_TEXTS = [
+    "Hello world", " Hello world", "Hello  world", "   leading and trailing   ", "",
+    "   ", "\n\n\n", "trailing newline\n", "line one\nline two\n\nline four", "windows\r\nline\r\n\r\nend",
+    "tabs\tand\t\tmore \t tabs", "I'm sure you've seen they'll, we'd, she's, it's, we're",
+    "I'M SURE YOU'VE SEEN IT'S", "don't'S can't've", "12345678901234567890", "3.14159 and 2,718 and 1e-9",
+    "mixed123numbers456and789letters", "x\u00b2+y\u00b3=z\u2074 \u00bd \u2460 \u2167 \u0663\u0664",
+    "caf\u00e9 na\u00efve r\u00e9sum\u00e9", "cafe\u0301 (combining accent: NFC composes it)",
+    "\ufb01 ligature and \u212b (angstrom sign, NFC maps it to \u00c5)",
+    "\u4e2d\u6587\u5206\u8bcd\u6d4b\u8bd5\uff0c\u8fd8\u6709\u6807\u70b9\u3002",
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8", "\ud55c\uad6d\uc5b4 \ubb38\uc7a5",
+    "\u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac \u0438 \u0440\u0443\u0441\u0441\u043a\u0438\u0439",
+    "emoji \U0001f642\U0001f44d\U0001f3fd and \U0001f468\u200d\U0001f469\u200d\U0001f467 family",
+    "\u00a0non-breaking\u00a0space\u3000ideographic", "a\u200bzero\u200dwidth", "\x00\x01 control \x7f",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "text<|endoftext|>more",
+    "a<|mask|><|mask|>b", "<|beginoftext|>start", "  <|im_end|>  spaces around", "<|im_end", "<|im_end|>>",
+    '<tool_call>{"name": "f"}</tool_call>', "def f(x):\n    return x ** 2  # square",
+    "if (a != b) { return a->c; }", "https://example.com/path?q=1&r=2 email@example.org",
+    "!!!???...--- $100.00 (50%) #tag @user", 'He said: "don\'t" \u2014 and \u2018left\u2019.',
+    "supercalifragilisticexpialidocious",
+]
+# decoded from their byte tokens: each holds bytes that are no complete UTF-8 character
+QWEN2_GOLDEN_BYTES = [b"\xf0\x9f", b"ab\xe4\xb8", b"\xff\xfe", b"\xe4\xb8\xad\xf0"]
+
+
+def write_qwen2_bpe() -> int:
+    """tokenizers/qwen2_bpe/: the vocabulary files and the slow tokenizer's golden.json."""
+    import transformers
+    from transformers import PreTrainedTokenizer, Qwen2Tokenizer
+
+    if not issubclass(Qwen2Tokenizer, PreTrainedTokenizer):
+        raise SystemExit("the qwen2_bpe step needs transformers 4.x, whose Qwen2Tokenizer is the slow python "
+                         "tokenizer (5.x only has the tokenizers-backed one): pip install 'transformers<5'")
+    out = fresh_dir("tokenizers/qwen2_bpe")
+    vocab_size = write_qwen2_vocab(out)
+    slow = Qwen2Tokenizer.from_pretrained(str(out))
+    assert not slow.is_fast
+    for offset, (token, _) in enumerate(QWEN2_ADDED_TOKENS):
+        assert slow.convert_tokens_to_ids(token) == vocab_size + offset, token
+    byte_ids = {byte: slow.encoder[char] for byte, char in slow.byte_encoder.items()}
+    golden = {
+        "source": f"transformers {transformers.__version__} slow Qwen2Tokenizer on this directory "
+                  "(scripts/make_fixtures.py qwen2_bpe)",
+        "encode": [golden_case(slow, slow.encode(text, add_special_tokens=False), text=text)
+                   for text in QWEN2_GOLDEN_TEXTS],
+        "decode": [golden_case(slow, [byte_ids[b] for b in data]) for data in QWEN2_GOLDEN_BYTES],
+    }
+    (out / "golden.json").write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
+    size = dir_size(out)
+    print(f"tokenizers/qwen2_bpe: {size} bytes ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    assert size < 64 * 1024, f"tokenizers/qwen2_bpe is {size} bytes"
+    return 0
+
+
+def write_qwen2_vocab(out: Path) -> int:
+    """Train the byte-level BPE with Qwen2's pre-tokenizer; write its files. Returns the vocabulary size."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=QWEN2_BPE_VOCAB_SIZE, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(QWEN2_BPE_CORPUS, trainer)
+    model = json.loads(tokenizer.to_str())["model"]
+    vocab = dict(sorted(model["vocab"].items(), key=lambda item: item[1]))
+    assert list(vocab.values()) == list(range(len(vocab))) and len(vocab) >= 256
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n")
+    merges = "".join(f"{left} {right}\n" for left, right in model["merges"])
+    (out / "merges.txt").write_text("#version: 0.2\n" + merges)
+    added = {str(len(vocab) + offset): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
+                                        "single_word": False, "special": special}
+             for offset, (token, special) in enumerate(QWEN2_ADDED_TOKENS)}
+    config = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        # the slow tokenizer's skip_special_tokens drops only tokens named here or in the *_token entries
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": "<|beginoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|endoftext|>",
+        "errors": "replace",
+        "mask_token": "<|mask|>",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return len(vocab)
+
+
+def golden_case(slow, ids: list[int], **fields) -> dict:
+    return {**fields, "ids": ids, "decoded": slow.decode(ids),
+            "decoded_skip_special": slow.decode(ids, skip_special_tokens=True)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("step", nargs="?", choices=("models", "qwen2_bpe"), default="models",
+                        help="models: the four tiny checkpoints (transformers 5.x); qwen2_bpe: the tokenizer "
+                             "goldens (transformers 4.x)")
+    return write_models() if parser.parse_args().step == "models" else write_qwen2_bpe()
 
 
 if __name__ == "__main__":
