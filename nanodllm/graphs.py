@@ -9,12 +9,14 @@ tensor objects) and the step's inputs, which `StepGraphs` copies into static buf
 replay. Host syncs (`.item()`, `bool()` of a tensor, shapes that depend on values) are not allowed
 inside.
 
-Usage: `graphs(key, fn, *inputs)` returns fn(*inputs). The first call with a new key runs fn eagerly
-(that call is the step; it also compiles and autotunes whatever the graph will hold) and then records
-it (recording runs nothing, so a step that updates its cache is never applied twice); later calls
-with that key replay the recording. The key must change whenever the state fn reads is replaced by
-new tensors. Off on a CPU, and everywhere with NANODLLM_GRAPHS=0 (to compare), where it simply
-calls fn.
+Usage: `graphs(key, fn, *inputs)` returns fn(*inputs) (a tensor or a tuple of tensors). The first
+call with a new key runs fn eagerly (that call is the step; it also compiles and autotunes whatever
+the graph will hold) and then records it (recording runs nothing, so a step that updates its cache is
+never applied twice); later calls with that key replay the recording. The key must change whenever
+the state fn reads is replaced by new tensors. `StepGraphs(size)` keeps the `size` most recently
+used recordings (a method with several kinds of step keeps one per kind); they share one memory pool,
+which is safe because they never run at the same time and each replay's outputs are copied out.
+Off on a CPU, and everywhere with NANODLLM_GRAPHS=0 (to compare), where it simply calls fn.
 """
 
 from __future__ import annotations
@@ -27,31 +29,38 @@ GRAPHS_ENABLED = os.environ.get("NANODLLM_GRAPHS", "1") != "0"
 
 
 class StepGraphs:
-    """One live CUDA graph of a step function, keyed; see the module docstring."""
+    """Up to `size` live CUDA graphs of step functions, keyed; see the module docstring."""
 
-    def __init__(self):
+    def __init__(self, size: int = 1):
+        self.size = size
         self.reset()
 
-    def __call__(self, key, fn, *inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, key, fn, *inputs: torch.Tensor):
         if not (GRAPHS_ENABLED and inputs[0].is_cuda):
             return fn(*inputs)
-        if key != self.key:
+        recording = self.recordings.pop(key, None)
+        if recording is None:
             output = fn(*inputs)
             self.capture(key, fn, inputs)
             return output
-        for buffer, value in zip(self.static_inputs, inputs):
+        self.recordings[key] = recording  # now the most recently used
+        graph, static_inputs, output = recording
+        for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value)
-        self.graph.replay()
-        return self.output.clone()
+        graph.replay()
+        return tuple(x.clone() for x in output) if isinstance(output, tuple) else output.clone()
 
     def capture(self, key, fn, inputs):
-        self.reset()  # the old graph's memory goes first
+        while len(self.recordings) >= self.size:  # the least recently used goes first, with its memory
+            del self.recordings[next(iter(self.recordings))]
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         static_inputs = [x.clone() for x in inputs]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self.pool):
             output = fn(*static_inputs)
-        self.key, self.graph, self.static_inputs, self.output = key, graph, static_inputs, output
+        self.recordings[key] = (graph, static_inputs, output)
 
     def reset(self):
-        self.key = None
-        self.graph = self.static_inputs = self.output = None
+        self.recordings: dict = {}
+        self.pool = None

@@ -6,9 +6,10 @@ per layer (the `salient_fraction` knob: the lowest-cosine rows of each layer) at
 (and at whatever `--fractions` lists, e.g. those measured on tiny-llada). A generation is 256 steps,
 blocks of 32 (LLaDA's setting, one token per step): vanilla runs 256 full steps; DyLLM 4 full steps,
 then sparse steps that feed the whole canvas when t % 4 == 0 and only the response otherwise;
-fast_dllm dual per block one building full step and 31 cached steps. Each kind of step is timed
-eagerly with CUDA events (DyLLM's steps sync the host to size the salient sets, so they cannot be
-graphed; host launch overhead is included in every number) and the generation assembled.
+fast_dllm dual per block one building full step and 31 cached steps. Each kind of step is timed with
+CUDA events, host overhead included, and the generation assembled. Fast-dLLM's cached step and
+DyLLM's fixed-fraction sparse steps (fixed shapes, no host syncs) replay CUDA graphs
+(nanodllm/graphs.py); each is also timed with graphs off ("eager" rows), in the same run.
 Floor per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate), FLOPs counted per row as
 DyLLM computes them: Q and o_proj for every fed row, K/V and the FFN for the salient rows, exact
 attention for the salient rows over all keys.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+import nanodllm.graphs as graphs_module
 from bench_maskkv import canvas_context, eager_us
 from nanodllm.config import ModelConfig, preset
 from nanodllm.methods import get_method
@@ -36,6 +38,22 @@ def linear_flops(cfg) -> dict:
     per_layer = {"q": 2 * h * cfg.num_heads * d, "kv": 4 * h * kv * d, "o": 2 * cfg.num_heads * d * h,
                  "ffn": 6 * h * cfg.intermediate_size}
     return {name: flops * cfg.num_layers for name, flops in per_layer.items()}
+
+
+def graphs_on_and_off(name):
+    """Yields (row name, enabled) with CUDA graphs on, then off ('<name> eager'); leaves them on."""
+    for enabled in (True, False):
+        graphs_module.GRAPHS_ENABLED = enabled
+        yield (name if enabled else f"{name} eager"), enabled
+    graphs_module.GRAPHS_ENABLED = True
+
+
+def timed_twice_warm(fn, device) -> float:
+    """eager_us after two more calls: a graphed step records once per capacity of its first layer's
+    salient set (all rows right after a full step, then the fixed fraction)."""
+    fn()
+    fn()
+    return eager_us(fn, device)
 
 
 @torch.no_grad()
@@ -76,35 +94,37 @@ def bench_dyllm(args, timer, report, measure_rates, meta):
         dual.begin_block(ctx)
         ctx.step = 0
         build_us = eager_us(lambda: (dual.begin_block(ctx), dual.step(model, ctx)), device)
-        ctx.step = 1
-        cached_us = eager_us(lambda: dual.step(model, ctx), device)
-        ctx.step = 0
-        times = {"vanilla": steps * full_us, "fast_dllm dual": blocks * (build_us + (shapes["block_length"] - 1) * cached_us)}
-        floors = {"vanilla": steps * full_floor}
+        times, floors = {"vanilla": steps * full_us}, {"vanilla": steps * full_floor}
         step_rows += [{"batch": batch, "method": "vanilla", "step": "full", "us": full_us, "floor us": full_floor},
                       {"batch": batch, "method": "fast_dllm dual", "step": "build",
-                       "us": build_us, "floor us": float("nan")},
-                      {"batch": batch, "method": "fast_dllm dual", "step": "cached", "us": cached_us,
-                       "floor us": floor_us(batch, shapes["block_length"], shapes["block_length"], shapes["block_length"])}]
+                       "us": build_us, "floor us": float("nan")}]
+        ctx.step = 1
+        cached_floor = floor_us(batch, shapes["block_length"], shapes["block_length"], shapes["block_length"])
+        for name, enabled in graphs_on_and_off("fast_dllm dual"):
+            cached_us = timed_twice_warm(lambda: dual.step(model, ctx), device)
+            times[name] = blocks * (build_us + (shapes["block_length"] - 1) * cached_us)
+            step_rows.append({"batch": batch, "method": name, "step": "cached", "us": cached_us,
+                              "floor us": cached_floor})
+        ctx.step = 0
         for fraction in fractions:
             method = get_method("dyllm", salient_fraction=fraction)
             method.begin_block(ctx)
             for _ in range(4):  # the full steps
                 method.step(model, ctx)
-            kinds = {}
-            for label, t in (("whole canvas", 8), ("response only", 5)):
-                fed = width if label == "whole canvas" else response
-                pinned = lambda t=t: (setattr(method, "t", t), method.step(model, ctx))
-                kinds[label] = eager_us(pinned, device)
-                salient = int(fraction * fed + 0.999)
-                floor = floor_us(batch, fed, salient, salient)
-                step_rows.append({"batch": batch, "method": f"dyllm {fraction:.0%}", "step": label,
-                                  "us": kinds[label], "floor us": floor})
-                floors.setdefault(f"dyllm {fraction:.0%}", 4 * full_floor)
-                count = len(full_kinds) if label == "whole canvas" else steps - 4 - len(full_kinds)
-                floors[f"dyllm {fraction:.0%}"] += count * floor
-            times[f"dyllm {fraction:.0%}"] = (4 * full_us + len(full_kinds) * kinds["whole canvas"]
-                                              + (steps - 4 - len(full_kinds)) * kinds["response only"])
+            for name, enabled in graphs_on_and_off(f"dyllm {fraction:.0%}"):
+                kinds = {}
+                floors[name] = 4 * full_floor
+                for label, t in (("whole canvas", 8), ("response only", 5)):
+                    fed = width if label == "whole canvas" else response
+                    kinds[label] = timed_twice_warm(lambda t=t: (setattr(method, "t", t), method.step(model, ctx)),
+                                                    device)
+                    salient = int(fraction * fed + 0.999)
+                    floor = floor_us(batch, fed, salient, salient)
+                    step_rows.append({"batch": batch, "method": name, "step": label, "us": kinds[label],
+                                      "floor us": floor})
+                    floors[name] += (len(full_kinds) if label == "whole canvas" else steps - 4 - len(full_kinds)) * floor
+                times[name] = (4 * full_us + len(full_kinds) * kinds["whole canvas"]
+                               + (steps - 4 - len(full_kinds)) * kinds["response only"])
         for name, us in times.items():
             rows.append({"batch": batch, "method": name, "tokens/s": batch * response / (us / 1e6),
                          "speedup vs vanilla": times["vanilla"] / us,
@@ -112,6 +132,7 @@ def bench_dyllm(args, timer, report, measure_rates, meta):
                          "x floor": us / floors[name] if name in floors else float("nan")})
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    report.table("Steps", step_rows, "Microseconds per step of the whole model, eager (host overhead included). "
+    report.table("Steps", step_rows, "Microseconds per step of the whole model, host overhead included; "
+                 "'eager' rows: CUDA graphs off. "
                  "Floors: max(weight bytes / copy bandwidth, FLOPs of the rows computed / matmul rate).")
     report.table("Per generation", rows, "Assembled from the step times; tokens/s counts every row of the batch.")

@@ -8,7 +8,8 @@ canvas every step. dllm_cache and MaskKV run one of four kinds of step, fixed by
 (long steps eagerly with CUDA events, short ones as CUDA graphs with L2 evicted) and a generation is
 assembled as sum over kinds of count x time; the engine's own per-step work (softmax and top-k over
 8 x vocab logits) is left out. One real end-to-end generation at the shortest context checks the
-assembly (eager, so host launch overhead included).
+assembly (as the engine runs it: host launch overhead included, drift steps and response refreshes
+replayed from the method's CUDA graphs).
 
 Floors per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate), FLOPs = 2 x non-embedding
 parameters x rows forwarded + 4 x layers x hidden x (query rows x keys attended); a generation's
@@ -92,8 +93,8 @@ def peak_gib(fn, device) -> float:
 
 def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, float]:
     """For every kind of step the schedule uses: GPU microseconds (short kinds as CUDA graphs, host
-    overhead excluded) and engine microseconds (host overhead included, as the engine runs them: the
-    drift steps replay the method's own CUDA graph), and
+    overhead excluded) and engine microseconds (host overhead included, as the engine runs them: drift
+    steps and response refreshes replay the method's own CUDA graphs), and
     the peak memory of the first step."""
     pinned = lambda t: (setattr(method, "t", t), method.step(model, ctx))
     first_peak = peak_gib(lambda: pinned(0), device)  # t = 0 starts the caches afresh
@@ -196,7 +197,7 @@ def bench_maskkv(args, timer, report, measure_rates, meta):
     report.table("Steps", step_rows, "Microseconds per step of the whole model, by kind; 'count' = steps of that "
                  "kind in one generation; 'us' = GPU time (drift and response refresh: CUDA graph replay, L2 "
                  "evicted; the long kinds eagerly with events), 'eager us' = one eager call, host launch overhead "
-                 "included (drift steps: the method's CUDA graph replayed, as the engine runs them). Floors: max(weight bytes / copy bandwidth, FLOPs / matmul rate).")
+                 "included (drift steps and response refreshes: the method's CUDA graphs replayed, as the engine runs them). Floors: max(weight bytes / copy bandwidth, FLOPs / matmul rate).")
     report.table("Per generation", gen_rows, "Assembled from the step times (sum of count x us; 'eager' columns from "
                  "the eager step times, as the engine runs today); peak = max allocated (weights included) during "
                  "vanilla's step or the method's first step, the highest of its steps. KV GiB = the method's cached "
@@ -210,7 +211,8 @@ def blank_row(context, method, **values) -> dict:
 
 
 def end_to_end(model, cfg, context, shapes, device, totals) -> list[dict]:
-    """A real generation per method (eager: host overhead included), against the assembled time."""
+    """A real generation per method as the engine runs it (host overhead included), against the
+    assembled time."""
     prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     gen = GenerationConfig(gen_length=shapes["gen_length"], block_length=shapes["block_length"],
                            steps=shapes["gen_length"])
@@ -224,7 +226,7 @@ def end_to_end(model, cfg, context, shapes, device, totals) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        rows.append(blank_row(context, f"{name}, end to end (eager)", **{
+        rows.append(blank_row(context, f"{name}, end to end", **{
             "ms / generation": seconds * 1e3, "eager tokens/s": gen.gen_length / seconds,
             "eager speedup": totals["vanilla"][0] / (seconds * 1e6)}))
     return rows

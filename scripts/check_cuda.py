@@ -2,8 +2,10 @@
 
     python scripts/check_cuda.py [--sections parity,engines,presets,streaming,kernels,methods] --out FILE.md
 
-1. parity: the tests/fixtures checkpoints on CUDA (SDPA path, float32) against transformers' logits;
-2. engines: the tiny random test models decode the same tokens on CUDA as on CPU (ragged batches);
+1. parity: the tests/fixtures checkpoints (LLaDA, SDAR, Dream, Fast-dLLM v2) on CUDA (SDPA path,
+   float32) against transformers' logits;
+2. engines: the tiny random test models and the Dream / Fast-dLLM v2 fixtures decode the same tokens
+   on CUDA as on CPU (ragged batches);
 3. presets: llada-8b / sdar-8b built with random bf16 weights directly on the GPU; one dense step
    of each engine timed next to its floor (bytes / measured copy bandwidth, FLOPs / measured matmul
    rate), with stock torch SDPA attention and with the Triton kernels (nanodllm.attention);
@@ -70,11 +72,12 @@ def check_parity():
     report("## 1. Parity on CUDA (float32, SDPA) against transformers' golden logits\n")
     report("| checkpoint | max abs logit diff | argmax equal |")
     report("|---|---|---|")
-    for name in ("llada_tiny", "sdar_tiny"):
+    for name in ("llada_tiny", "sdar_tiny", "dream_tiny", "fast_dllm_v2_tiny"):
         golden = load_file(str(FIXTURES / name / "golden.safetensors"), device="cuda")
         model = load_model(FIXTURES / name, device="cuda", dtype=torch.float32)
         ids, positions = golden["input_ids"], golden["positions"]
-        mask = None if model.cfg.attention == "bidirectional" else block_causal_mask(positions, positions, 4)
+        block_size = model.cfg.block_size
+        mask = None if model.cfg.attention == "bidirectional" else block_causal_mask(positions, positions, block_size)
         with torch.no_grad():
             logits = model(ids, positions, lambda layer, q, k, v: attention(q, k, v, mask))
         diff = (logits - golden["logits"]).abs().max().item()
@@ -99,6 +102,17 @@ def check_engines():
         gpu = engine.generate(gpu_model, prompts, gen).tokens
         alone = [engine.generate(gpu_model, [p], gen).tokens[0] for p in prompts]
         report(f"- {family} {engine.__name__.split('.')[-1]} threshold={gen.threshold}: "
+               f"cuda == cpu: {gpu == cpu}; batch == batch-of-one on cuda: {gpu == alone}")
+    for name, engine, gen in (
+        ("dream_tiny", masked, GenerationConfig(gen_length=16, block_length=16, steps=16)),
+        ("fast_dllm_v2_tiny", block, GenerationConfig(gen_length=16, block_length=4, steps=4, threshold=0.9)),
+    ):
+        cpu_model = load_model(FIXTURES / name, dtype=torch.float32)
+        gpu_model = load_model(FIXTURES / name, device="cuda", dtype=torch.float32)
+        cpu = engine.generate(cpu_model, prompts, gen).tokens
+        gpu = engine.generate(gpu_model, prompts, gen).tokens
+        alone = [engine.generate(gpu_model, [p], gen).tokens[0] for p in prompts]
+        report(f"- {name} ({cpu_model.cfg.model_type}, {engine.__name__.split('.')[-1]} engine): "
                f"cuda == cpu: {gpu == cpu}; batch == batch-of-one on cuda: {gpu == alone}")
 
 
@@ -364,9 +378,12 @@ def check_step_graphs(n: int):
     report("| method | length | n | accuracy graphs | accuracy eager | token agreement | s graphs | s eager |")
     report("|---|---|---|---|---|---|---|---|")
     runner = Runner(resolve_model("tiny-llada"), "cuda", torch.bfloat16, None)
-    for method in ("dllm_cache", "maskkv", "fast_dllm", "sparse_dllm"):
+    for method, knobs in (("dllm_cache", {}), ("maskkv", {}), ("fast_dllm", {}), ("sparse_dllm", {}),
+                          ("dyllm", {"salient_fraction": 0.25})):
+        runner.knobs = knobs
         for length in (1024, 2048):
-            report(f"| {method} | " + on_and_off(runner, method, length, n, graphs_module, "GRAPHS_ENABLED"))
+            report(f"| {method} {knobs or ''} | " + on_and_off(runner, method, length, n, graphs_module,
+                                                               "GRAPHS_ENABLED"))
 
 
 SECTIONS = ("parity", "engines", "presets", "streaming", "kernels", "methods")

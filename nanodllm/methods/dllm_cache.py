@@ -19,9 +19,9 @@ the prompt only K/V are kept (MaskKV's prompt-state exclusion); the engine asks 
 logits only (mask-only projection). Step 0 refreshes everything.
 
 On a shifted-logit model (Dream) the first response logits read the prompt's last row, whose output
-is kept from the last prompt refresh. On a GPU the drift steps, whose shapes are fixed, replay a
-CUDA graph recorded once per prompt refresh (nanodllm/graphs.py); for that, response refreshes
-write the cached outputs in place.
+is kept from the last prompt refresh. On a GPU the steps between prompt refreshes (drift steps and
+response refreshes), whose shapes are fixed, replay CUDA graphs of their layers recorded once per
+prompt refresh (nanodllm/graphs.py); for that, response refreshes write the cached outputs in place.
 
 Hooks: begin_block (block 0 starts a new generation), step (the forward, from the layer primitives).
 Subclasses decide which prompt K/V are kept (`keep_prompt`, MaskKV and SnapKV evict) and may look at
@@ -110,7 +110,7 @@ class DllmCache(Method):
         self.rows_computed = self.rows_total = 0
         self.prompt_builds = 0  # prompt refreshes so far (each builds new K/V buffers)
         self.prompt_tail = None  # shifted-logit models: the prompt's last row's output at the last refresh
-        self.graphs = StepGraphs()  # the drift steps' CUDA graph, valid until the next prompt refresh
+        self.graphs = StepGraphs(size=2)  # drift and response-refresh steps, valid until the next prompt refresh
 
     def begin_block(self, ctx: StepContext):
         if ctx.block == 0:  # a new generation
@@ -133,23 +133,24 @@ class DllmCache(Method):
 
         stop = (ctx.logits_start - prompt_width, ctx.logits_stop - prompt_width)
         tokens_r, positions_r = ctx.tokens[:, prompt_width:], ctx.positions[:, prompt_width:]
-        if recomputed == "drifted":  # the steady state: shapes fixed, no host syncs, so a CUDA graph
+        if refresh_prompt:
+            prompt = ctx.tokens[:, :prompt_width], ctx.positions[:, :prompt_width]
+            x_r = self.forward(model, *prompt, tokens_r, positions_r, recomputed, drifted, ctx)
+            self.prompt_builds += 1
+        else:  # drift steps and response refreshes: shapes fixed, no host syncs, so CUDA graphs
             forward = lambda tokens, positions: self.forward(model, None, None, tokens, positions, recomputed,
-                                                             drifted, ctx, stop)
-            key = (self.prompt_builds, drifted, stop, tuple(tokens_r.shape))
-            logits = self.graphs(key, forward, tokens_r, positions_r)
-        else:
-            prompt = (ctx.tokens[:, :prompt_width], ctx.positions[:, :prompt_width]) if refresh_prompt else (None, None)
-            logits = self.forward(model, *prompt, tokens_r, positions_r, recomputed, drifted, ctx, stop)
-            self.prompt_builds += refresh_prompt
+                                                             drifted, ctx)
+            key = (self.prompt_builds, recomputed, drifted, tuple(tokens_r.shape))
+            x_r = self.graphs(key, forward, tokens_r, positions_r)
+        logits = model.head(x_r, *stop, before=self.prompt_tail)
         self.count_rows(prompt_width if refresh_prompt else 0,
                         {"all": response_rows, "none": 0, "drifted": drifted}[recomputed], ctx.tokens.shape[1])
         self.t += 1
         return logits
 
-    def forward(self, model, tokens_p, positions_p, tokens_r, positions_r, recomputed, drifted, ctx, stop):
-        """The layers over the response rows (and the prompt's, given its tokens); the logits of
-        response rows stop[0]:stop[1]."""
+    def forward(self, model, tokens_p, positions_p, tokens_r, positions_r, recomputed, drifted, ctx):
+        """The layers over the response rows (and the prompt's, given its tokens); returns the
+        response rows' hidden states."""
         x_r, rope_r = model.embed(tokens_r), model.rope(positions_r)
         x_p = rope_p = None
         if tokens_p is not None:
@@ -158,7 +159,7 @@ class DllmCache(Method):
             x_p, x_r = self.layer_step(i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx)
         if x_p is not None:  # a shifted-logit model's first response logits read the prompt's last row
             self.prompt_tail = x_p[:, -1:]
-        return model.head(x_r, *stop, before=self.prompt_tail)
+        return x_r
 
     def layer_step(self, i, layer, x_p, x_r, rope_p, rope_r, recomputed, drifted, ctx):
         """One layer. x_p: the prompt's hidden states at a prompt refresh, else None; recomputed:

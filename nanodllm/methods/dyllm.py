@@ -20,6 +20,11 @@ inputs changed: an assumption, Algorithm 1 does not say). After a full step ever
 salient, so a first sparse step recomputes layer 1 in full (Algorithm 1 starts from the response
 rows; with every row, tau > 1 is exactly dense).
 
+With tau each layer's salient set is sized from its values (a host sync per layer), so sparse steps
+run eagerly. With salient_fraction every set after layer 1's input has a fixed size and layer 1's
+input is listed in capacities of 64 rows, so on a GPU the sparse steps replay CUDA graphs, one per
+kind of step and capacity (nanodllm/graphs.py).
+
 Hooks: begin_block (block 0 starts a new generation), step (from the layer primitives).
 On a shifted-logit model (Dream) a response-only step's first logits read the prompt's last row as
 the last step that fed it left it.
@@ -38,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import attention_with_lse, use_kernels
+from ..graphs import StepGraphs
 from .base import Method, StepContext, check_int
 from .dllm_cache import put_heads, put_rows, take_heads, take_rows
 
@@ -54,12 +60,18 @@ class LayerState:
     mlp_out: torch.Tensor
 
 
-def index_rows(mask: torch.Tensor):
+def index_rows(mask: torch.Tensor, count: int | None = None):
     """[batch, n] bool -> (rows [batch, s] of the True entries first, in order; ok [batch, s]: which
-    entries are real), s = the largest count (at least 1)."""
-    count = max(int(mask.sum(dim=1).max()), 1)
+    entries are real). s = count, else the largest count of True entries (at least 1; a host sync)."""
+    if count is None:
+        count = max(int(mask.sum(dim=1).max()), 1)
     rows = (~mask).to(torch.int8).argsort(dim=1, stable=True)[:, :count]
     return rows, mask.gather(1, rows)
+
+
+def capacity(count: int, width: int, granule: int = 64) -> int:
+    """count rounded up to a multiple of granule, at most width: few distinct sizes, few graphs."""
+    return min(-(-max(count, 1) // granule) * granule, width)
 
 
 def approximate(q, keys, dv, columns, lse, context):
@@ -91,6 +103,7 @@ class DyLLM(Method):
         self.salient_sum: list[float] = []
         self.salient_history: list[tuple[int, list[float]]] = []
         self.sparse_steps = 0
+        self.graphs = StepGraphs(size=4)  # with salient_fraction: the sparse steps, per kind and capacity
 
     def begin_block(self, ctx: StepContext):
         if ctx.block == 0:
@@ -108,13 +121,12 @@ class DyLLM(Method):
         self.t += 1
         return logits
 
-    def key_valid(self, ctx):
-        return None if bool(ctx.valid.all()) else ctx.valid
-
     def full_step(self, model, ctx) -> torch.Tensor:
         """Algorithm 2: the dense forward, caching K, V, C, lse and the FFN output of every row."""
-        x, rope, k_valid = model.embed(ctx.tokens), model.rope(ctx.positions), self.key_valid(ctx)
+        x, rope = model.embed(ctx.tokens), model.rope(ctx.positions)
+        k_valid = None if bool(ctx.valid.all()) else ctx.valid
         self.layers = []
+        self.graphs.reset()  # the recorded sparse steps read the caches this step replaces
         for layer in model.layers:
             q, k, v = layer.qkv(layer.attn_norm(x), rope)
             context, lse = attention_with_lse(q, k, v, k_valid)
@@ -131,28 +143,44 @@ class DyLLM(Method):
         """Algorithm 3 over the fed rows (the whole canvas, or the response only)."""
         prompt_width = ctx.logits_start - ctx.block * ctx.block_length
         offset = 0 if self.t % self.full_period == 0 else prompt_width
-        valid = ctx.valid[:, offset:]
-        positions = ctx.positions[:, offset:]
+        tokens, positions, valid = ctx.tokens[:, offset:], ctx.positions[:, offset:], ctx.valid[:, offset:]
         changed = ctx.tokens != self.previous_tokens
         salient = (self.salient | changed)[:, offset:] & valid
-        x, k_valid = model.embed(ctx.tokens[:, offset:]), self.key_valid(ctx)
-        rope = model.rope(positions)
-        counts = []
-        for i, layer in enumerate(model.layers):
-            x, salient = self.layer_step(layer, self.layers[i], x, rope, salient, valid, offset, k_valid)
-            counts.append(salient.sum(dim=1).float().mean() / x.shape[1])
+        all_valid = bool(ctx.valid.all())
+        if self.salient_fraction is None:  # every layer's salient set is sized from its values
+            x, salient, counts = self.forward_layers(model, tokens, positions, salient, valid, ctx.valid, offset,
+                                                     all_valid, None)
+        else:  # fixed sizes after the first layer's input, no host syncs: a CUDA graph on a GPU
+            first = capacity(int(salient.sum(dim=1).max()), tokens.shape[1])
+            forward = lambda *inputs: self.forward_layers(model, *inputs, offset, all_valid, first)
+            key = (offset, first, all_valid, tuple(tokens.shape))
+            x, salient, counts = self.graphs(key, forward, tokens, positions, salient, valid, ctx.valid)
         self.salient = torch.zeros_like(ctx.valid)
         self.salient[:, offset:] = salient
-        self.count_salient(torch.stack(counts).tolist())  # one host sync per step for the stats
+        self.count_salient(counts.tolist())  # one host sync per step for the stats
         if offset == 0:  # a response-only step's first logits read the prompt's last row as last seen
             self.prompt_tail = x[:, prompt_width - 1 : prompt_width]
         return model.head(x, ctx.logits_start - offset, ctx.logits_stop - offset, before=self.prompt_tail)
 
-    def layer_step(self, layer, state, x, rope, salient, valid, offset, k_valid):
-        """One layer of a sparse step; returns (x, the next salient rows [batch, fed])."""
+    def forward_layers(self, model, tokens, positions, salient, valid, valid_keys, offset, all_valid, first):
+        """Every layer over the fed rows, given the salient rows entering layer 1 (listed `first` at a
+        time, or as many as there are): (hidden states, the last layer's salient rows, the salient
+        fraction of each layer)."""
+        x, rope = model.embed(tokens), model.rope(positions)
+        k_valid = None if all_valid else valid_keys
+        selected = (salient, *index_rows(salient, first))
+        counts = []
+        for layer, state in zip(model.layers, self.layers):
+            x, selected = self.layer_step(layer, state, x, rope, selected, valid, offset, k_valid)
+            counts.append(selected[0].sum(dim=1).float().mean() / x.shape[1])
+        return x, selected[0], torch.stack(counts)
+
+    def layer_step(self, layer, state, x, rope, selected, valid, offset, k_valid):
+        """One layer of a sparse step, given the salient rows (mask [batch, fed], rows, ok as
+        index_rows lists them); returns (x, the next salient rows in the same form)."""
         h = layer.attn_norm(x)
         q = layer.query(h, rope)
-        rows, ok = index_rows(salient)
+        _, rows, ok = selected
         columns = rows + offset
         _, k_rows, v_rows = layer.qkv(take_rows(h, rows), rope.rows(rows))
         old_k, old_v = take_heads(state.keys, columns[:, None]), take_heads(state.values, columns[:, None])
@@ -173,24 +201,28 @@ class DyLLM(Method):
         exact_stats = torch.stack([(exact.float() * old_salient).sum(-1), exact.float().pow(2).sum(-1),
                                    old_salient.pow(2).sum(-1)], dim=-1)
         put_heads(stats, shared, exact_stats)
-        next_salient = self.next_salient(stats.sum(dim=1), valid)
+        selected = self.next_salient(stats.sum(dim=1), valid)
         old_context.copy_(context)
 
         x = x + layer.out(context)
-        rows, ok = index_rows(next_salient)
+        _, rows, ok = selected
         cached = state.mlp_out[:, offset:]
         fresh = layer.mlp(layer.mlp_norm(take_rows(x, rows)))
         put_rows(cached, rows, torch.where(ok[..., None], fresh, take_rows(cached, rows)))
-        return x + cached, next_salient
+        return x + cached, selected
 
     def next_salient(self, stats, valid):
-        """Rows whose context moved: cos(C, C_old) < tau, or the lowest-cosine salient_fraction."""
+        """Rows whose context moved: cos(C, C_old) < tau, or the lowest-cosine salient_fraction (a
+        fixed count, listed without a host sync). Returns (mask, rows, ok) as layer_step takes them."""
         cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
         if self.salient_fraction is None:
-            return (cos < self.tau) & valid
+            mask = (cos < self.tau) & valid
+            return (mask, *index_rows(mask))
         count = math.ceil(self.salient_fraction * cos.shape[1])
-        lowest = cos.masked_fill(~valid, float("inf")).topk(count, dim=1, largest=False).indices
-        return torch.zeros_like(valid).scatter_(1, lowest, True) & valid
+        rows = cos.masked_fill(~valid, float("inf")).topk(max(count, 1), dim=1, largest=False).indices
+        rows = rows.sort(dim=1).values
+        ok = valid.gather(1, rows) & (count > 0)
+        return torch.zeros_like(valid).scatter_(1, rows, ok), rows, ok
 
     def count_salient(self, fractions: list[float]):
         self.salient_history.append((self.t, fractions))  # (step, per-layer fraction) for plots
