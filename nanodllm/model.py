@@ -11,7 +11,9 @@ maps each family's tensor names onto them. A layer exposes the primitives a meth
 
 `Model.forward(ids, positions, attend)` composes them, calling `attend(layer_idx, q, k, v)`.
 Numerics follow the references: RMSNorm in fp32 then cast then weight; RoPE tables and rotation in
-fp32 (LLaDA's rope_full_precision), cast back to the activation dtype.
+fp32 (LLaDA's rope_full_precision), cast back to the activation dtype. On CUDA in float16 / bfloat16
+outside autograd, both run as one-pass Triton kernels (kernels/rmsnorm.py, kernels/rope.py) with the
+same rounding points; NANODLLM_KERNELS=0 keeps them on torch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import attention
 from .config import ModelConfig
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -32,6 +35,13 @@ def fp32_or_wider(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether x's RMSNorm / RoPE run on the fused Triton kernels (tests switch this on for the
+    interpreter). Not under autograd: the kernels have no backward (training runs on torch)."""
+    return (attention.KERNELS_ENABLED and x.is_cuda and x.dtype in attention.KERNEL_DTYPES
+            and not torch.is_grad_enabled())
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -39,6 +49,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(x):
+            from kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         x32 = fp32_or_wider(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -62,6 +76,10 @@ class Rope:
         return picked
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(x):
+            from kernels.rope import apply_rope
+
+            return apply_rope(x, self.cos, self.sin)
         x32 = fp32_or_wider(x)
         half = x32.shape[-1] // 2
         rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)

@@ -1,0 +1,207 @@
+"""kernels/rmsnorm.py and kernels/rope.py against their torch references (the model's own math).
+
+Off the GPU the kernels run in Triton's interpreter: TRITON_INTERPRET=1 must be set before the kernel
+modules are imported; conftest.py sets it, and so does this module, so that it also runs on its own.
+The interpreter rounds bf16 differently from torch, so CPU runs draw float16 and float32 only.
+Outputs are allocated NaN-filled: an element a kernel never writes fails the comparison.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from contextlib import contextmanager  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import kernels.rmsnorm as rmsnorm_module  # noqa: E402
+import kernels.rope as rope_module  # noqa: E402
+import nanodllm.model as model_module  # noqa: E402
+from kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
+from kernels.rope import apply_rope, apply_rope_reference  # noqa: E402
+from nanodllm import block  # noqa: E402
+from nanodllm.config import GenerationConfig  # noqa: E402
+from nanodllm.model import Rope  # noqa: E402
+from tests.tiny_models import random_prompt, tiny_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DIMS = [16, 24, 64, 96, 128, 200]
+EXAMPLES = settings(deadline=None)
+
+
+@contextmanager
+def nan_outputs():
+    """torch.empty_like gives NaN-filled tensors (the kernels allocate their outputs with it)."""
+    empty_like = torch.empty_like
+    nan_like = lambda *args, **kwargs: empty_like(*args, **kwargs).fill_(float("nan"))
+    with mock.patch.object(torch, "empty_like", nan_like):
+        yield
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, ulps: float, dtype: torch.dtype) -> bool:
+    """Same shape and dtype, and every element within `ulps` units in the last place of `dtype`
+    (relative), or 1e-6 absolute near zero."""
+    rtol = ulps * torch.finfo(dtype).eps
+    return (out.shape == ref.shape and out.dtype == ref.dtype
+            and bool(((out.double() - ref.double()).abs() <= rtol * ref.double().abs() + 1e-6).all()))
+
+
+def norm_close(out, ref, x) -> bool:
+    """Two roundings to x's dtype (x * rstd, then the weight's product): 2 ulps; float32: the sum's
+    order differs from torch's, a few ulps."""
+    return close(out, ref, 2 if x.dtype != torch.float32 else 8, x.dtype)
+
+
+def rope_close(out, ref) -> bool:
+    return close(out, ref, 1, ref.dtype)
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal strides in every dim of size > 1 (a size-1 dim's stride is never used)."""
+    return a.shape == b.shape and all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def leading_view(layout: str, rows: int, dim: int, dtype, generator) -> torch.Tensor:
+    """An activation with `rows` rows of `dim`, laid out as
+    "rows":       [rows, dim], contiguous;
+    "batch_time": [2 or 1, t, dim], contiguous (the residual stream);
+    "heads":      [b, heads, t, dim], the transposed view of a [b, t, heads, dim] projection (q/k norm);
+    "strided":    every other row of a taller buffer (leading stride 2 * dim)."""
+    make = lambda *shape: torch.randn(*shape, generator=generator).mul(3).to(dtype=dtype, device=DEVICE)
+    if layout == "batch_time":
+        batch = 2 if rows % 2 == 0 else 1
+        return make(batch, rows // batch, dim)
+    if layout == "heads":
+        heads = next(h for h in (3, 2, 1) if rows % h == 0)
+        return make(1, rows // heads, heads, dim).transpose(1, 2)
+    if layout == "strided":
+        return make(2 * rows, dim)[::2]
+    return make(rows, dim)
+
+
+@EXAMPLES
+@given(rows=st.integers(1, 40), dim=st.sampled_from(DIMS), dtype=st.sampled_from(DTYPES),
+       layout=st.sampled_from(["rows", "batch_time", "heads", "strided"]), eps=st.sampled_from([1e-6, 1e-5, 0.5]),
+       fp32_weight=st.booleans(), seed=st.integers(0, 2**16))
+def test_rms_norm_matches_reference(rows, dim, dtype, layout, eps, fp32_weight, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = leading_view(layout, rows, dim, dtype, generator)
+    weight = (1 + torch.randn(dim, generator=generator)).to(torch.float32 if fp32_weight else dtype).to(DEVICE)
+    with nan_outputs():
+        out = rms_norm(x, weight, eps)
+    ref = rms_norm_reference(x, weight, eps)
+    assert norm_close(out, ref, x)
+    if layout != "strided":
+        assert same_layout(out, x)
+
+
+def test_rms_norm_large_and_non_power_of_two_rows():
+    generator = torch.Generator().manual_seed(0)
+    for dim in (3584, 8192):  # Dream's hidden size (tail masked) and the largest one-program row
+        x = torch.randn(3, dim, generator=generator).to(torch.float16).to(DEVICE)
+        weight = torch.randn(dim, generator=generator).to(torch.float16).to(DEVICE)
+        assert norm_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), x)
+
+
+def rope_tables(batch, length, dim, base, offsets, generator, gathered):
+    """A real Rope over positions offset..offset+length per row (batch 1: broadcast over x's batch),
+    or its Rope.rows gather of a random subset of half the columns."""
+    positions = torch.arange(length)[None, :] + torch.tensor(offsets)[:batch, None]
+    rope = Rope(positions.to(DEVICE), dim, base)
+    if gathered:
+        rows = torch.stack([torch.randperm(length, generator=generator)[: max(1, length // 2)] for _ in range(batch)])
+        rope = rope.rows(rows.to(DEVICE))
+    return rope
+
+
+@EXAMPLES
+@given(batch=st.integers(1, 2), heads=st.integers(1, 4), length=st.integers(1, 10), dim=st.sampled_from(DIMS),
+       dtype=st.sampled_from(DTYPES), base=st.sampled_from([10000.0, 1e6]), gathered=st.booleans(),
+       table_batch_one=st.booleans(), layout=st.sampled_from(["projection", "contiguous", "every_other_head"]),
+       seed=st.integers(0, 2**16))
+def test_rope_matches_reference(batch, heads, length, dim, dtype, base, gathered, table_batch_one, layout, seed):
+    generator = torch.Generator().manual_seed(seed)
+    rope = rope_tables(1 if table_batch_one else batch, length, dim, base, [3, 40], generator, gathered)
+    t = rope.cos.shape[2]
+    make = lambda *shape: torch.randn(*shape, generator=generator).mul(3).to(dtype=dtype, device=DEVICE)
+    if layout == "projection":  # [b, t, heads * d] viewed as [b, heads, t, d]
+        x = make(batch, t, heads * dim).view(batch, t, heads, dim).transpose(1, 2)
+    elif layout == "every_other_head":
+        x = make(batch, 2 * heads, t, dim)[:, ::2]
+    else:
+        x = make(batch, heads, t, dim)
+    with nan_outputs():
+        out = apply_rope(x, rope.cos, rope.sin)
+    assert rope_close(out, apply_rope_reference(x, rope.cos, rope.sin))
+    if layout != "every_other_head":
+        assert same_layout(out, x)
+
+
+def test_rope_equals_torch_bit_for_bit():
+    """Products and sums rounded separately (no FMA), as torch's separate kernels round them."""
+    generator = torch.Generator().manual_seed(1)
+    rope = rope_tables(2, 48, 128, 1e6, [0, 700], generator, gathered=False)
+    for dtype in DTYPES:
+        x = torch.randn(2, 48, 4, 128, generator=generator).mul(4).to(dtype=dtype, device=DEVICE).transpose(1, 2)
+        assert torch.equal(apply_rope(x, rope.cos, rope.sin), apply_rope_reference(x, rope.cos, rope.sin))
+
+
+def test_the_comparison_catches_a_wrong_formula():
+    generator = torch.Generator().manual_seed(2)
+    rope = rope_tables(1, 8, 64, 10000.0, [5], generator, gathered=False)
+    x = torch.randn(1, 2, 8, 64, generator=generator).half().to(DEVICE)
+    out = apply_rope(x, rope.cos, rope.sin)
+    assert rope_close(out, apply_rope_reference(x, rope.cos, rope.sin))
+    assert not rope_close(out, apply_rope_reference(x, rope.cos, -rope.sin))  # rotated the other way
+    h = torch.randn(5, 64, generator=generator).half().to(DEVICE)
+    weight = torch.linspace(0.5, 1.5, 64).half().to(DEVICE)
+    normed = rms_norm(h, weight, 1e-6)
+    assert norm_close(normed, rms_norm_reference(h, weight, 1e-6), h)
+    assert not norm_close(normed, rms_norm_reference(h, weight.flip(0), 1e-6), h)  # weight misindexed
+
+
+def test_bad_inputs_are_refused():
+    x = torch.randn(2, 3, 4, 8).half().to(DEVICE)
+    weight = torch.ones(8).half().to(DEVICE)
+    rope = Rope(torch.arange(4)[None].to(DEVICE), 8, 10000.0)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        rms_norm(torch.randn(2, 16).half().to(DEVICE)[:, ::2], weight, 1e-6)
+    with pytest.raises(ValueError, match=r"weight must be \[D\] = \[8\]"):
+        rms_norm(x, torch.ones(6).half().to(DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        rms_norm(x.double(), weight, 1e-6)
+    with pytest.raises(ValueError, match="head dim must be even"):
+        odd = Rope(torch.arange(4)[None].to(DEVICE), 7, 10000.0)
+        apply_rope(torch.randn(2, 3, 4, 7).half().to(DEVICE), odd.cos, odd.sin)
+    with pytest.raises(ValueError, match="cos must be"):
+        apply_rope(x[:, :, :3], rope.cos, rope.sin)  # 3 positions, tables for 4
+    with pytest.raises(ValueError, match="x's last dim must be contiguous"):
+        apply_rope(torch.randn(2, 3, 4, 16).half().to(DEVICE)[..., ::2], rope.cos, rope.sin)
+    with pytest.raises(ValueError, match="sin must be a float32 table"):
+        apply_rope(x, rope.cos, rope.sin.half())
+    with pytest.raises(ValueError, match="4-D"):
+        apply_rope(x[0], rope.cos, rope.sin)
+
+
+def test_model_decodes_the_same_tokens_on_the_fused_kernels(monkeypatch):
+    """The sdar tiny model (q/k norm on transposed views, block cache with gathered positions),
+    float32 so that the interpreter's results are exact but for the RMS sums' order."""
+    model = tiny_model("sdar", dtype=torch.float32, block_size=4)
+    prompts = [random_prompt(9, seed=4), random_prompt(14, seed=5)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4, remasking="low_confidence_static")
+    torch_tokens = block.generate(model, prompts, gen, stop_ids=()).tokens
+    calls = []
+    counted = lambda fn: lambda *args: calls.append(fn.__name__) or fn(*args)
+    monkeypatch.setattr(model_module, "use_fused", lambda x: True)
+    monkeypatch.setattr(rmsnorm_module, "rms_norm", counted(rms_norm))
+    monkeypatch.setattr(rope_module, "apply_rope", counted(apply_rope))
+    kernel_tokens = block.generate(model, prompts, gen, stop_ids=()).tokens
+    assert {"rms_norm", "apply_rope"} <= set(calls)
+    assert kernel_tokens == torch_tokens
