@@ -378,7 +378,8 @@ def check_step_graphs(n: int):
     report("| method | length | n | accuracy graphs | accuracy eager | token agreement | s graphs | s eager |")
     report("|---|---|---|---|---|---|---|---|")
     runner = Runner(resolve_model("tiny-llada"), "cuda", torch.bfloat16, None)
-    for method, knobs in (("dllm_cache", {}), ("maskkv", {}), ("fast_dllm", {}), ("sparse_dllm", {}),
+    for method, knobs in (("dllm_cache", {}), ("dllm_cache", {"prompt_interval": 8}), ("maskkv", {}),
+                          ("maskkv", {"prompt_interval": 8}), ("fast_dllm", {}), ("sparse_dllm", {}),
                           ("dyllm", {"salient_fraction": 0.25})):
         runner.knobs = knobs
         for length in (1024, 2048):

@@ -20,8 +20,9 @@ logits only (mask-only projection). Step 0 refreshes everything.
 
 On a shifted-logit model (Dream) the first response logits read the prompt's last row, whose output
 is kept from the last prompt refresh. On a GPU the steps between prompt refreshes (drift steps and
-response refreshes), whose shapes are fixed, replay CUDA graphs of their layers recorded once per
-prompt refresh (nanodllm/graphs.py); for that, response refreshes write the cached outputs in place.
+response refreshes), whose shapes are fixed, replay CUDA graphs of their layers (nanodllm/graphs.py);
+for that, refreshes write the cached K/V and outputs in place whenever their shapes allow, and the
+graphs are recorded again only when a buffer is replaced.
 
 Hooks: begin_block (block 0 starts a new generation), step (the forward, from the layer primitives).
 Subclasses decide which prompt K/V are kept (`keep_prompt`, MaskKV and SnapKV evict) and may look at
@@ -59,6 +60,13 @@ class LayerCache:
     @property
     def prompt_slots(self) -> int:
         return self.keys.shape[2] - self.attn_out.shape[1]
+
+
+def same_layout(cache: LayerCache, keys: torch.Tensor, key_mask: torch.Tensor | None) -> bool:
+    """Whether new K/V (and key mask) fit the cache's buffers as they are."""
+    if cache.keys.shape != keys.shape or (cache.key_mask is None) != (key_mask is None):
+        return False
+    return key_mask is None or cache.key_mask.shape == key_mask.shape
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -108,7 +116,7 @@ class DllmCache(Method):
         self.layers: list[LayerCache] = []
         self.t = 0
         self.rows_computed = self.rows_total = 0
-        self.prompt_builds = 0  # prompt refreshes so far (each builds new K/V buffers)
+        self.layouts = 0  # times the K/V buffers were replaced (recorded steps read the current ones)
         self.prompt_tail = None  # shifted-logit models: the prompt's last row's output at the last refresh
         self.graphs = StepGraphs(size=2)  # drift and response-refresh steps, valid until the next prompt refresh
 
@@ -136,11 +144,10 @@ class DllmCache(Method):
         if refresh_prompt:
             prompt = ctx.tokens[:, :prompt_width], ctx.positions[:, :prompt_width]
             x_r = self.forward(model, *prompt, tokens_r, positions_r, recomputed, drifted, ctx)
-            self.prompt_builds += 1
         else:  # drift steps and response refreshes: shapes fixed, no host syncs, so CUDA graphs
             forward = lambda tokens, positions: self.forward(model, None, None, tokens, positions, recomputed,
                                                              drifted, ctx)
-            key = (self.prompt_builds, recomputed, drifted, tuple(tokens_r.shape))
+            key = (self.layouts, recomputed, drifted, tuple(tokens_r.shape))
             x_r = self.graphs(key, forward, tokens_r, positions_r)
         logits = model.head(x_r, *stop, before=self.prompt_tail)
         self.count_rows(prompt_width if refresh_prompt else 0,
@@ -231,9 +238,17 @@ class DllmCache(Method):
         if prompt_mask is not None and not bool(prompt_mask.all()):
             response_mask = prompt_mask.new_ones(*prompt_mask.shape[:3], response_rows)
             key_mask = torch.cat([prompt_mask, response_mask], dim=3)
+        keys, values = torch.cat([k_kept, k_r], dim=2), torch.cat([v_kept, v_r], dim=2)
         old = self.layers[i] if i < len(self.layers) else None
-        cache = LayerCache(torch.cat([k_kept, k_r], dim=2), torch.cat([v_kept, v_r], dim=2), key_mask,
-                           None if old is None else old.attn_out, None if old is None else old.mlp_out)
+        if old is not None and same_layout(old, keys, key_mask):  # in place: recorded steps stay valid
+            old.keys.copy_(keys)
+            old.values.copy_(values)
+            if key_mask is not None:
+                old.key_mask.copy_(key_mask)
+            return
+        self.layouts += 1
+        cache = LayerCache(keys, values, key_mask, None if old is None else old.attn_out,
+                           None if old is None else old.mlp_out)
         if old is None:
             self.layers.append(cache)
         else:
