@@ -27,13 +27,15 @@ LN_2 = tl.constexpr(math.log(2.0))
 
 @triton.jit
 def key_tile(k_ptr, v_ptr, valid_ptr, k_base, v_base, valid_base, keys, positions, row_ok, n, stride_kn, stride_kd,
-             stride_vn, stride_vd, stride_valid_n, mask_block, MASKED: tl.constexpr, HAS_VALID: tl.constexpr,
-             HEAD_DIM: tl.constexpr):
-    """K and V of a tile of keys, and which (row, key) pairs the mask lets through."""
+             stride_vn, stride_vd, stride_valid_n, MASK_BLOCK: tl.constexpr, MASKED: tl.constexpr,
+             HAS_VALID: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """K and V of a tile of keys, and which (row, key) pairs the mask lets through. MASK_BLOCK is a
+    compile-time constant, so `// MASK_BLOCK` compiles to a shift or a multiply instead of an integer
+    division per element (one compilation per block size)."""
     dims = tl.arange(0, HEAD_DIM)
     visible = (keys[None, :] < n) & row_ok[:, None]
     if MASKED:
-        visible = visible & ((keys[None, :] // mask_block) <= (positions[:, None] // mask_block))
+        visible = visible & ((keys // MASK_BLOCK)[None, :] <= (positions // MASK_BLOCK)[:, None])
     if HAS_VALID:
         key_valid = tl.load(valid_ptr + valid_base + keys * stride_valid_n, mask=keys < n, other=0)
         visible = visible & (key_valid[None, :] != 0)
@@ -74,8 +76,8 @@ def block_sparse_kernel(
     stride_bb, stride_bh, stride_bq, stride_bk,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
-    n, num_heads, group, chi, list_length, mask_block, qk_scale,
-    MASKED: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    n, num_heads, group, chi, list_length, qk_scale,
+    MASK_BLOCK: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
     m_tile, batch_head = tl.program_id(0), tl.program_id(1)
@@ -98,7 +100,7 @@ def block_sparse_kernel(
             k, v, visible = key_tile(k_ptr, v_ptr, valid_ptr, batch * stride_kb + kv_head * stride_kh,
                                      batch * stride_vb + kv_head * stride_vh, batch * stride_valid_b, keys, rows,
                                      row_ok, n, stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n,
-                                     mask_block, MASKED, HAS_VALID, HEAD_DIM)
+                                     MASK_BLOCK, MASKED, HAS_VALID, HEAD_DIM)
             scores = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
             m_i, l_i, acc = online_softmax(scores, v, m_i, l_i, acc)
     store_rows(out_ptr, lse_ptr, batch * stride_ob + head * stride_oh, batch * stride_lb + head * stride_lh, rows,
@@ -132,8 +134,8 @@ def block_sparse_attention(q, k, v, blocks, *, chi: int, beta: int, causal=False
     block_sparse_kernel[grid](
         q, k, v, valid, blocks, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *blocks.stride(), *out.stride(), *lse.stride(),
-        n, heads, heads // k.shape[1], chi, blocks.shape[3], 1 if causal else (block_size or 1), scale * LOG2_E,
-        MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, BLOCK_N=beta, HEAD_DIM=head_dim,
+        n, heads, heads // k.shape[1], chi, blocks.shape[3], scale * LOG2_E,
+        MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, BLOCK_N=beta, HEAD_DIM=head_dim,
         **tiles,
     )
     return out, lse

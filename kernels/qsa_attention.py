@@ -81,8 +81,8 @@ def qsa_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
     stride_tb, stride_th, stride_ts, stride_tk,
-    n_keys, num_sampled, num_heads, group, gamma, mask_block, qk_scale, k_exact, k_greedy,
-    MASKED: tl.constexpr, HAS_VALID: tl.constexpr, ESTIMATED: tl.constexpr, TREE: tl.constexpr,
+    n_keys, num_sampled, num_heads, group, gamma, qk_scale, k_exact, k_greedy,
+    MASK_BLOCK: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr, ESTIMATED: tl.constexpr, TREE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SLOTS: tl.constexpr,
     G_SLOTS: tl.constexpr, LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr,
 ):
@@ -116,13 +116,13 @@ def qsa_kernel(
     last_row = tl.minimum(m_tile * BLOCK_M + BLOCK_M, num_sampled) - 1
     key_end = n_keys
     if MASKED:  # key tiles past what the tile's last row sees are never visited
-        key_end = tl.minimum((last_row * gamma // mask_block + 1) * mask_block, n_keys)
+        key_end = tl.minimum((last_row * gamma // MASK_BLOCK + 1) * MASK_BLOCK, n_keys)
     for start in range(0, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         k, v, visible = key_tile(k_ptr, v_ptr, valid_ptr, batch * stride_kb + kv_head * stride_kh,
                                  batch * stride_vb + kv_head * stride_vh, batch * stride_valid_b, keys, positions,
                                  row_ok, n_keys, stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n,
-                                 mask_block, MASKED, HAS_VALID, HEAD_DIM)
+                                 MASK_BLOCK, MASKED, HAS_VALID, HEAD_DIM)
         scores = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # base 2
 
         tile_max = tl.max(scores, axis=1)
@@ -250,9 +250,8 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
         q, k, v, valid, last, out, lse, top_index, top_score, tree_score, tree_index, tree_leaf,
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *last.stride(), *out.stride(), *lse.stride(),
         *top_index.stride(),
-        n, sampled, heads, heads // k.shape[1], gamma, 1 if causal else (block_size or 1), scale * LOG2_E,
-        register_slots, top_k - k_exact,
-        MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=k_exact < top_k,
+        n, sampled, heads, heads // k.shape[1], gamma, scale * LOG2_E, register_slots, top_k - k_exact,
+        MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=k_exact < top_k,
         TREE=tree, BLOCK_N=beta, HEAD_DIM=head_dim,
         K_SLOTS=k_slots, G_SLOTS=g_slots,
         LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), **tiles,
