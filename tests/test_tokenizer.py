@@ -362,16 +362,16 @@ def test_generation_config_fills_fields_config_lacks(tmp_path, family):
     assert tok.stop_ids[:2] == (11, 12)
 
 
-def test_llada_defaults_when_vocabulary_lacks_the_tokens(tmp_path):
-    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, "llada", with_special_tokens=False), "llada")
-    assert (tok.mask_id, tok.eos_id, tok.pad_id, tok.bos_id) == (126336, 126081, 126081, 126080)
-    assert tok.stop_ids == (126081, 126348)
-
-
-def test_sdar_defaults_when_vocabulary_lacks_the_tokens(tmp_path):
-    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, "sdar", with_special_tokens=False), "sdar")
-    assert (tok.mask_id, tok.eos_id, tok.pad_id, tok.bos_id) == (151669, 151645, 151643, None)
-    assert tok.stop_ids == (151645, 151643)
+@pytest.mark.parametrize("family, ids, stops", [
+    ("llada", (126336, 126081, 126081, 126080), (126081, 126348)),
+    ("sdar", (151669, 151645, 151643, None), (151645, 151643)),
+    ("Dream", (151666, 151643, 151643, 151665), (151645, 151643)),
+    ("Fast_dLLM_Qwen", (151665, 151645, 151643, None), (151645, 151643)),
+])
+def test_defaults_when_vocabulary_lacks_the_tokens(tmp_path, family, ids, stops):
+    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, family, with_special_tokens=False), family)
+    assert (tok.mask_id, tok.eos_id, tok.pad_id, tok.bos_id) == ids
+    assert tok.stop_ids == stops
 
 
 def test_released_llada_config_values(tmp_path):
@@ -404,18 +404,6 @@ def test_fast_dllm_v2_ids_from_vocabulary(tmp_path):
     assert tok.pad_id == vocab_id(tok, "<|endoftext|>")
     assert tok.bos_id is None
     assert tok.stop_ids == (vocab_id(tok, "<|im_end|>"), vocab_id(tok, "<|endoftext|>"))
-
-
-def test_dream_defaults_when_vocabulary_lacks_the_tokens(tmp_path):
-    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, "Dream", with_special_tokens=False), "Dream")
-    assert (tok.mask_id, tok.eos_id, tok.pad_id, tok.bos_id) == (151666, 151643, 151643, 151665)
-    assert tok.stop_ids == (151645, 151643)
-
-
-def test_fast_dllm_v2_defaults_when_vocabulary_lacks_the_tokens(tmp_path):
-    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, "Fast_dLLM_Qwen", with_special_tokens=False), "Fast_dLLM_Qwen")
-    assert (tok.mask_id, tok.eos_id, tok.pad_id, tok.bos_id) == (151665, 151645, 151643, None)
-    assert tok.stop_ids == (151645, 151643)
 
 
 def test_dream_generation_config_values(tmp_path):
