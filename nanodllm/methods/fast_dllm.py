@@ -84,6 +84,7 @@ class FastDllm(Method):
         self.builds = 0  # caches built so far: a cached step's CUDA graph lives as long as its cache
         self.graphs = StepGraphs()
         self.shift = 0  # 1 on a shifted-logit model (Dream): the fed range starts one column earlier
+        self.outside = None  # at a building step: (validity [batch, n] outside the fed range, all real, count)
 
     def begin_block(self, ctx: StepContext):
         self.kept = []
@@ -103,6 +104,9 @@ class FastDllm(Method):
         """The dense forward; with build, each layer's K/V outside the block are kept as it passes."""
         kept = []
         low, high = self.fed_range(ctx)
+        if build:  # the tokens outside the fed range: their validity, whether all are real, how many
+            valid = outside_block(ctx.valid, low, high, dim=1)
+            self.outside = (valid, bool(valid.all()), int(valid.sum()))  # host syncs once, not per layer
 
         def attend(layer, q, k, v):
             if build:
@@ -146,10 +150,9 @@ class FastDllm(Method):
         """What layer `layer` keeps of the full forward's K/V: everything outside the fed range,
         padding hidden. q is the full canvas's queries (unused here)."""
         low, high = self.fed_range(ctx)
-        valid = outside_block(ctx.valid, low, high, dim=1)
-        mask = None if bool(valid.all()) else valid[:, None, None, :]
-        return KeptKV(outside_block(k, low, high, dim=2), outside_block(v, low, high, dim=2), mask,
-                      int(valid.sum()))
+        valid, all_valid, count = self.outside
+        mask = None if all_valid else valid[:, None, None, :]
+        return KeptKV(outside_block(k, low, high, dim=2), outside_block(v, low, high, dim=2), mask, count)
 
     def count_kept(self, kept: list[KeptKV], ctx):
         """stats['kv_kept']: cached keys / the real tokens they were chosen from, per KV head, over

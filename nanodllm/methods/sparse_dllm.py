@@ -62,11 +62,11 @@ class SparseDllm(FastDllm):
     def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
         low, high = self.fed_range(ctx)
         q_mean = q[:, :, ctx.logits_start : ctx.logits_stop].mean(dim=2)
+        valid, _, count = self.outside
         if self.prefix_sparse:  # Algorithm 5: the candidates are the tokens before the block
             k_f, v_f, valid = k[:, :, :low], v[:, :, :low], ctx.valid[:, :low]
         else:
             k_f, v_f = outside_block(k, low, high, dim=2), outside_block(v, low, high, dim=2)
-            valid = outside_block(ctx.valid, low, high, dim=1)
         indices, keep = pivotal_tokens(q_mean, k_f, valid, self.ratio, self.kernel, self.per_head)
         keys, values = take_heads(k_f, indices), take_heads(v_f, indices)
         if self.prefix_sparse:
@@ -74,5 +74,5 @@ class SparseDllm(FastDllm):
             keys = torch.cat([keys, k[:, :, high:]], dim=2)
             values = torch.cat([values, v[:, :, high:]], dim=2)
             keep = torch.cat([keep, keep.new_ones(*keep.shape[:3], suffix)], dim=3)
-        mask = None if bool(keep.all()) else keep
-        return KeptKV(keys, values, mask, int(outside_block(ctx.valid, low, high, 1).sum()))
+        mask = None if bool(keep.all()) else keep  # a pooled score may pick padding: one sync per layer
+        return KeptKV(keys, values, mask, count)
