@@ -62,14 +62,19 @@ def tokenizer_json(family: str, with_special_tokens: bool) -> str:
     return hf.to_str()
 
 
-def make_checkpoint(directory: Path, family: str, config=None, generation_config=None,
-                    with_special_tokens=True) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "tokenizer.json").write_text(tokenizer_json(family, with_special_tokens))
+def write_configs(directory: Path, config, generation_config) -> Path:
+    """config.json and generation_config.json in directory, each when given."""
     for name, content in (("config.json", config), ("generation_config.json", generation_config)):
         if content is not None:
             (directory / name).write_text(json.dumps(content))
     return directory
+
+
+def make_checkpoint(directory: Path, family: str, config=None, generation_config=None,
+                    with_special_tokens=True) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(tokenizer_json(family, with_special_tokens))
+    return write_configs(directory, config, generation_config)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +91,7 @@ def qwen2_bpe_checkpoint(directory: Path, tokenizer_config_changes=None, config=
     tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
     tokenizer_config.update(tokenizer_config_changes or {})
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    for name, content in (("config.json", config), ("generation_config.json", generation_config)):
-        if content is not None:
-            (directory / name).write_text(json.dumps(content))
-    return directory
+    return write_configs(directory, config, generation_config)
 
 
 @pytest.fixture(scope="module")
