@@ -328,21 +328,18 @@ def vocab_id(tok, token):
     return tok.hf.token_to_id(token)
 
 
-def test_llada_ids_from_vocabulary(tmp_path):
-    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, "llada"), "llada")
-    assert tok.mask_id == vocab_id(tok, "<|mdm_mask|>")
-    assert tok.eos_id == tok.pad_id == vocab_id(tok, "<|endoftext|>")
-    assert tok.bos_id == vocab_id(tok, "<|startoftext|>")
-    assert tok.stop_ids == (vocab_id(tok, "<|endoftext|>"), vocab_id(tok, "<|eot_id|>"))
-
-
-def test_sdar_ids_from_vocabulary(tmp_path):
-    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, "sdar"), "sdar")
-    assert tok.mask_id == vocab_id(tok, "<|MASK|>")
-    assert tok.eos_id == vocab_id(tok, "<|im_end|>")
-    assert tok.pad_id == vocab_id(tok, "<|endoftext|>")
-    assert tok.bos_id is None
-    assert tok.stop_ids == (vocab_id(tok, "<|im_end|>"), vocab_id(tok, "<|endoftext|>"))
+@pytest.mark.parametrize("family, mask, eos, pad, bos, stops", [
+    ("llada", "<|mdm_mask|>", "<|endoftext|>", "<|endoftext|>", "<|startoftext|>", ("<|endoftext|>", "<|eot_id|>")),
+    ("sdar", "<|MASK|>", "<|im_end|>", "<|endoftext|>", None, ("<|im_end|>", "<|endoftext|>")),
+    ("Dream", "<|mask|>", "<|endoftext|>", "<|endoftext|>", "<|beginoftext|>", ("<|im_end|>", "<|endoftext|>")),
+    ("Fast_dLLM_Qwen", 151665, "<|im_end|>", "<|endoftext|>", None, ("<|im_end|>", "<|endoftext|>")),  # no mask string
+])
+def test_ids_from_vocabulary(tmp_path, family, mask, eos, pad, bos, stops):
+    """Token strings are looked up in the vocabulary (ints: the documented default, None: no token)."""
+    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, family), family)
+    as_id = lambda token: vocab_id(tok, token) if isinstance(token, str) else token
+    assert (tok.mask_id, tok.eos_id, tok.pad_id, tok.bos_id) == tuple(map(as_id, (mask, eos, pad, bos)))
+    assert tok.stop_ids == tuple(map(as_id, stops))
 
 
 @pytest.mark.parametrize("family", FAMILY_TOKENS)
@@ -389,23 +386,6 @@ def test_qwen3_style_sdar_config_values(tmp_path):
     tok = Tokenizer.from_dir(make_checkpoint(tmp_path, "sdar", config, generation_config, False), "sdar")
     assert (tok.mask_id, tok.eos_id, tok.pad_id, tok.bos_id) == (151669, 151645, 151643, 151643)
     assert tok.stop_ids == (151645, 151643)
-
-
-def test_dream_ids_from_vocabulary(tmp_path):
-    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, "Dream"), "Dream")
-    assert tok.mask_id == vocab_id(tok, "<|mask|>")
-    assert tok.eos_id == tok.pad_id == vocab_id(tok, "<|endoftext|>")
-    assert tok.bos_id == vocab_id(tok, "<|beginoftext|>")
-    assert tok.stop_ids == (vocab_id(tok, "<|im_end|>"), vocab_id(tok, "<|endoftext|>"))
-
-
-def test_fast_dllm_v2_ids_from_vocabulary(tmp_path):
-    tok = Tokenizer.from_dir(make_checkpoint(tmp_path, "Fast_dLLM_Qwen"), "Fast_dLLM_Qwen")
-    assert tok.mask_id == 151665  # no mask token string is known
-    assert tok.eos_id == vocab_id(tok, "<|im_end|>")
-    assert tok.pad_id == vocab_id(tok, "<|endoftext|>")
-    assert tok.bos_id is None
-    assert tok.stop_ids == (vocab_id(tok, "<|im_end|>"), vocab_id(tok, "<|endoftext|>"))
 
 
 def test_dream_generation_config_values(tmp_path):
