@@ -23,7 +23,7 @@ import torch
 from pathlib import Path
 
 from nanodllm import block, masked, tasks
-from nanodllm.config import GenerationConfig, ModelConfig
+from nanodllm.config import GenerationConfig, ModelConfig, default_block_length
 from nanodllm.decoding import until_stop
 from nanodllm.loader import CheckpointError, load_model
 from nanodllm.methods import METHODS, get_method
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     try:
         cfg = ModelConfig.from_dir(model_dir)
         is_block = cfg.attention == "block_causal"
-        block_length = args.block_length or (cfg.block_size if is_block else min(32, args.gen_length))
+        block_length = args.block_length or default_block_length(cfg, args.gen_length)
         gen = GenerationConfig(
             gen_length=args.gen_length,
             block_length=block_length,

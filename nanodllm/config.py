@@ -240,6 +240,15 @@ def preset(name: str, context: int | None = None, block_size: int | None = None)
     return config.with_context(context) if context else config
 
 
+def default_block_length(cfg: ModelConfig, gen_length: int) -> int:
+    """The block length a model decodes with unless told otherwise: the config's block size on the
+    block engine (SDAR, Fast-dLLM v2), the whole response for Dream (its loop decodes one block), else
+    LLaDA's 32 tokens (at most gen_length)."""
+    if cfg.attention == "block_causal":
+        return cfg.block_size
+    return gen_length if cfg.model_type == "Dream" else min(32, gen_length)
+
+
 @dataclass
 class GenerationConfig:
     """Decoding knobs shared by both engines (each engine documents which it reads)."""

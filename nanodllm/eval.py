@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from . import block, masked, tasks
-from .config import GenerationConfig
+from .config import GenerationConfig, default_block_length
 from .decoding import until_stop
 from .loader import load_model
 from .methods import METHODS, get_method, parse_knobs
@@ -62,8 +62,7 @@ class Runner:
         self.tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
         self.is_block = cfg.attention == "block_causal"
         self.engine = block if self.is_block else masked
-        block_length = cfg.block_size if self.is_block else 32
-        self.gen = gen or GenerationConfig(gen_length=32, block_length=block_length, steps=32)
+        self.gen = gen or GenerationConfig(gen_length=32, block_length=default_block_length(cfg, 32), steps=32)
         self.device = torch.device(device)
         self.knobs: dict = {}  # the evaluated method's knobs (dense takes none)
 
@@ -275,9 +274,9 @@ def main(argv=None) -> int:
         else:
             runner.check_engine(args.method)
         steps = args.steps or (runner.gen.block_length if runner.is_block else args.gen_length)
-        runner.gen = GenerationConfig(gen_length=args.gen_length, block_length=runner.gen.block_length
-                                      if runner.is_block else min(32, args.gen_length), steps=steps,
-                                      threshold=args.threshold)
+        runner.gen = GenerationConfig(gen_length=args.gen_length,
+                                      block_length=default_block_length(runner.model.cfg, args.gen_length),
+                                      steps=steps, threshold=args.threshold)
         if args.task == "longbench":
             samples = tasks.load_longbench(args.data)[: args.n]
         else:

@@ -1,10 +1,17 @@
 """train_free_demo.py end to end on the small fixture checkpoints, and its error paths."""
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
+
+from nanodllm.config import ModelConfig
+from nanodllm.model import build_random
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -63,3 +70,33 @@ def test_demo_maskkv_on_the_default_model():
     kept = done.stdout.split("[maskkv]")[1].split("(")[2]  # "256 of 528 prompt tokens per head on average)"
     assert kept.startswith("256 of ") and "prompt tokens per head" in kept
     assert "token agreement maskkv vs dense: " in done.stdout
+
+
+def qwen25_checkpoint(directory: Path, model_type: str, **fields) -> Path:
+    """A random tiny checkpoint of a Qwen2.5-vocabulary family in its on-disk format (Qwen2 names under
+    'model.'), with the vocab.json + merges.txt tokenizer fixture (400 tokens + 6 added, <|mask|> = 405)."""
+    shutil.copytree(FIXTURES / "tokenizers" / "qwen2_bpe", directory, ignore=shutil.ignore_patterns("golden.json"))
+    raw = dict(model_type=model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=64, vocab_size=406, max_position_embeddings=4096,
+               tie_word_embeddings=False, mask_token_id=405, **fields)
+    (directory / "config.json").write_text(json.dumps(raw))
+    model = build_random(ModelConfig.from_dict(raw), dtype=torch.float32)
+    tensors = {name if name == "lm_head.weight" else f"model.{name}": tensor.contiguous()
+               for name, tensor in model.state_dict().items()}
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+@pytest.mark.parametrize("model_type, fields, engine", [
+    ("Dream", {"eos_token_id": 400}, "masked"),
+    ("Fast_dLLM_Qwen", {"eos_token_id": 402, "bd_size": 4}, "block"),
+])
+def test_demo_runs_on_dream_and_fast_dllm_v2_checkpoints(tmp_path, model_type, fields, engine):
+    """Their tokenizer from vocab.json + merges.txt, the Qwen2.5 chat template, and the default block
+    length (Dream: the whole response; Fast-dLLM v2: bd_size), end to end."""
+    checkpoint = qwen25_checkpoint(tmp_path / model_type, model_type, **fields)
+    done = demo("--model", str(checkpoint), "--method", "dense", "--prompt", "what is the capital of france ?",
+                "--gen-length", "40", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert f"({model_type}, {engine} engine)" in done.stdout
+    assert "token agreement dense vs dense" in done.stdout
