@@ -380,7 +380,7 @@ def check_step_graphs(n: int):
     runner = Runner(resolve_model("tiny-llada"), "cuda", torch.bfloat16, None)
     for method, knobs in (("dllm_cache", {}), ("dllm_cache", {"prompt_interval": 8}), ("maskkv", {}),
                           ("maskkv", {"prompt_interval": 8}), ("fast_dllm", {}), ("sparse_dllm", {}),
-                          ("dyllm", {"salient_fraction": 0.25})):
+                          ("dyllm", {"salient_fraction": 0.25}), ("dyllm", {"salient_cap": 0.5})):
         runner.knobs = knobs
         for length in (1024, 2048):
             report(f"| {method} {knobs or ''} | " + on_and_off(runner, method, length, n, graphs_module,

@@ -108,6 +108,20 @@ def test_salient_fraction_fixes_the_count():
     assert method.stats["salient_per_layer"] == pytest.approx([0.25, 0.25], abs=0.03)
 
 
+def test_a_cap_covering_every_row_is_the_threshold_rule():
+    """salient_cap = 1 lists every row and keeps those below tau: the uncapped (paper's) tokens."""
+    free, capped = get_method("dyllm", tau=0.99), get_method("dyllm", tau=0.99, salient_cap=1.0)
+    assert generate(capped) == generate(free)
+    assert capped.stats["salient_per_layer"] == free.stats["salient_per_layer"]
+
+
+def test_a_small_cap_bounds_the_salient_set_and_differs():
+    free, capped = get_method("dyllm", tau=0.99), get_method("dyllm", tau=0.99, salient_cap=0.05)
+    assert differing(generate(capped), generate(free)) > 0
+    rows = MASKED_GEN.gen_length  # the fewest rows a sparse step feeds (response only)
+    assert max(capped.stats["salient_per_layer"]) <= -(-0.05 * rows // 1) / rows < free.stats["salient"]
+
+
 def test_index_rows_lists_true_entries_first():
     rows, ok = index_rows(torch.tensor([[False, True, False, True], [True, False, False, False]]))
     assert rows[:, :2].tolist() == [[1, 3], [0, 1]] and ok.tolist() == [[True, True], [True, False]]
@@ -120,6 +134,10 @@ def test_bad_knobs_and_block_causal_models_are_named():
         get_method("dyllm", full_period=0)
     with pytest.raises(ValueError, match="salient_fraction"):
         get_method("dyllm", salient_fraction=2.0)
+    with pytest.raises(ValueError, match="salient_cap"):
+        get_method("dyllm", salient_cap=-0.5)
+    with pytest.raises(ValueError, match="give one"):
+        get_method("dyllm", salient_fraction=0.25, salient_cap=0.5)
     assert "block-causal" in refuses_block_causal(get_method("dyllm", full_steps=1))
 
 

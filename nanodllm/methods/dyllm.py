@@ -20,10 +20,12 @@ inputs changed: an assumption, Algorithm 1 does not say). After a full step ever
 salient, so a first sparse step recomputes layer 1 in full (Algorithm 1 starts from the response
 rows; with every row, tau > 1 is exactly dense).
 
-With tau each layer's salient set is sized from its values (a host sync per layer), so sparse steps
-run eagerly. With salient_fraction every set after layer 1's input has a fixed size and layer 1's
-input is listed in capacities of 64 rows, so on a GPU the sparse steps replay CUDA graphs, one per
-kind of step and capacity (nanodllm/graphs.py).
+With tau alone each layer's salient set is sized from its values (a host sync per layer), so sparse
+steps run eagerly. `salient_cap` bounds the set instead: each layer lists the cap's worth of
+lowest-cosine rows and keeps those of them below tau, which is the paper's set whenever at most the
+cap's worth of rows cross tau. With a cap or salient_fraction every set after layer 1's input has a
+fixed size and layer 1's input is listed in capacities of 64 rows, so on a GPU the sparse steps
+replay CUDA graphs, one per kind of step and capacity (nanodllm/graphs.py).
 
 Hooks: begin_block (block 0 starts a new generation), step (from the layer primitives).
 On a shifted-logit model (Dream) a response-only step's first logits read the prompt's last row as
@@ -31,7 +33,8 @@ the last step that fed it left it.
 Equals dense: tau > 1 (every row salient) with full_period = 1 (every step feeds the whole canvas).
 Knobs (paper defaults): tau = 0.99 (LLaDA; 0.995 for Dream), full_steps T_full = 4, full_period = 4,
 salient_fraction = None (benchmarks: the next S is that fraction of the fed rows with the lowest
-cosine, instead of a threshold). stats: salient = mean fraction of fed rows salient per layer and
+cosine, instead of a threshold), salient_cap = None (not in the paper: at most that fraction of the
+fed rows is salient, so the steps can be graphed). stats: salient = mean fraction of fed rows salient per layer and
 sparse step; salient_per_layer = the same per layer.
 """
 
@@ -91,19 +94,23 @@ class DyLLM(Method):
     engines = ("masked",)
 
     def __init__(self, tau: float = 0.99, full_steps: int = 4, full_period: int = 4,
-                 salient_fraction: float | None = None):
+                 salient_fraction: float | None = None, salient_cap: float | None = None):
         super().__init__()
         check_int(1, full_steps=full_steps, full_period=full_period)
-        if salient_fraction is not None and not 0 <= salient_fraction <= 1:
-            raise ValueError(f"salient_fraction must be in [0, 1], got {salient_fraction!r}")
-        self.tau, self.full_steps, self.full_period, self.salient_fraction = tau, full_steps, full_period, salient_fraction
+        for name, value in (("salient_fraction", salient_fraction), ("salient_cap", salient_cap)):
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        if salient_fraction is not None and salient_cap is not None:
+            raise ValueError("salient_fraction fixes the salient set's size; salient_cap only bounds tau's: give one")
+        self.tau, self.full_steps, self.full_period = tau, full_steps, full_period
+        self.salient_fraction, self.salient_cap = salient_fraction, salient_cap
         self.layers: list[LayerState] = []
         self.t = 0
         self.salient = self.previous_tokens = self.prompt_tail = None
         self.salient_sum: list[float] = []
         self.salient_history: list[tuple[int, list[float]]] = []
         self.sparse_steps = 0
-        self.graphs = StepGraphs(size=4)  # with salient_fraction: the sparse steps, per kind and capacity
+        self.graphs = StepGraphs(size=4)  # fixed-size salient sets: the sparse steps, per kind and capacity
 
     def begin_block(self, ctx: StepContext):
         if ctx.block == 0:
@@ -147,7 +154,7 @@ class DyLLM(Method):
         changed = ctx.tokens != self.previous_tokens
         salient = (self.salient | changed)[:, offset:] & valid
         all_valid = bool(ctx.valid.all())
-        if self.salient_fraction is None:  # every layer's salient set is sized from its values
+        if self.salient_fraction is None and self.salient_cap is None:  # sets sized from their values
             x, salient, counts = self.forward_layers(model, tokens, positions, salient, valid, ctx.valid, offset,
                                                      all_valid, None)
         else:  # fixed sizes after the first layer's input, no host syncs: a CUDA graph on a GPU
@@ -212,16 +219,20 @@ class DyLLM(Method):
         return x + cached, selected
 
     def next_salient(self, stats, valid):
-        """Rows whose context moved: cos(C, C_old) < tau, or the lowest-cosine salient_fraction (a
-        fixed count, listed without a host sync). Returns (mask, rows, ok) as layer_step takes them."""
+        """Rows whose context moved: cos(C, C_old) < tau; or the lowest-cosine salient_fraction; or,
+        with salient_cap, those below tau among the lowest-cosine cap's worth (fixed counts, listed
+        without a host sync). Returns (mask, rows, ok) as layer_step takes them."""
         cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
-        if self.salient_fraction is None:
+        if self.salient_fraction is None and self.salient_cap is None:
             mask = (cos < self.tau) & valid
             return (mask, *index_rows(mask))
-        count = math.ceil(self.salient_fraction * cos.shape[1])
+        count = math.ceil((self.salient_cap if self.salient_fraction is None else self.salient_fraction)
+                          * cos.shape[1])
         rows = cos.masked_fill(~valid, float("inf")).topk(max(count, 1), dim=1, largest=False).indices
         rows = rows.sort(dim=1).values
         ok = valid.gather(1, rows) & (count > 0)
+        if self.salient_fraction is None:
+            ok = ok & (cos.gather(1, rows) < self.tau)
         return torch.zeros_like(valid).scatter_(1, rows, ok), rows, ok
 
     def count_salient(self, fractions: list[float]):
