@@ -62,9 +62,10 @@ class LayerCache:
         return self.keys.shape[2] - self.attn_out.shape[1]
 
 
-def same_layout(cache: LayerCache, keys: torch.Tensor, key_mask: torch.Tensor | None) -> bool:
-    """Whether new K/V (and key mask) fit the cache's buffers as they are."""
-    if cache.keys.shape != keys.shape or (cache.key_mask is None) != (key_mask is None):
+def same_layout(cache: LayerCache, slots: int, key_mask: torch.Tensor | None) -> bool:
+    """Whether `slots` keys per head (and key_mask) fit the cache's buffers as they are; the batch and
+    head shapes never change within a generation."""
+    if cache.keys.shape[2] != slots or (cache.key_mask is None) != (key_mask is None):
         return False
     return key_mask is None or cache.key_mask.shape == key_mask.shape
 
@@ -238,17 +239,18 @@ class DllmCache(Method):
         if prompt_mask is not None and not bool(prompt_mask.all()):
             response_mask = prompt_mask.new_ones(*prompt_mask.shape[:3], response_rows)
             key_mask = torch.cat([prompt_mask, response_mask], dim=3)
-        keys, values = torch.cat([k_kept, k_r], dim=2), torch.cat([v_kept, v_r], dim=2)
         old = self.layers[i] if i < len(self.layers) else None
-        if old is not None and same_layout(old, keys, key_mask):  # in place: recorded steps stay valid
-            old.keys.copy_(keys)
-            old.values.copy_(values)
+        slots = k_kept.shape[2] + k_r.shape[2]
+        if old is not None and same_layout(old, slots, key_mask):  # in place: recorded steps stay valid
+            for buffer, kept, response in ((old.keys, k_kept, k_r), (old.values, v_kept, v_r)):
+                buffer[:, :, : kept.shape[2]].copy_(kept)
+                buffer[:, :, kept.shape[2] :].copy_(response)  # k_r may be this very view: a no-op then
             if key_mask is not None:
                 old.key_mask.copy_(key_mask)
             return
         self.layouts += 1
-        cache = LayerCache(keys, values, key_mask, None if old is None else old.attn_out,
-                           None if old is None else old.mlp_out)
+        cache = LayerCache(torch.cat([k_kept, k_r], dim=2), torch.cat([v_kept, v_r], dim=2), key_mask,
+                           None if old is None else old.attn_out, None if old is None else old.mlp_out)
         if old is None:
             self.layers.append(cache)
         else:
