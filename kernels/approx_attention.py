@@ -1,4 +1,5 @@
-"""Approximate attention update over salient columns (DyLLM, Algorithm 4), with the cosine statistics fused.
+"""Approximate attention update over salient columns (DyLLM, Algorithm 4), merged with the salient
+rows' exact attention, in place, with the cosine statistics fused.
 
 Between two denoising steps only the salient tokens get fresh keys and values. A row whose own
 attention is not recomputed updates its cached context C by the change the salient values make:
@@ -10,15 +11,21 @@ the full score matrix is never formed and only the salient columns' K rows are r
 normaliser can put a fresh score far above it, and exp() then weights a column by much more than
 any softmax can (on tiny-llada the contexts of a layer drifted to 4x their norm within 24 steps);
 clamping at 1, the bound of a true softmax weight, keeps the update an attention update
-(tiny-llada passkey 1K: 0.90 accuracy at tau 0.99, 0.55 without the clamp; dense 0.95). In the same
-pass the kernel writes, per (row, head), the three sums a cosine between C_new and C_old needs:
-new . old, new . new and old . old (DyLLM picks the next salient rows by that cosine, over all
-heads together; the caller adds the heads up).
+(tiny-llada passkey 1K: 0.90 accuracy at tau 0.99, 0.55 without the clamp; dense 0.95).
+
+The rows whose attention was recomputed exactly (DyLLM's salient rows) come in as `merge`: their
+exact context and log-sum-exp, and per row the slot holding them (-1: approximate). The kernel
+writes both kinds of row straight into the cache (context and lse, in place), and in the same pass
+the three sums a cosine between C_new and C_old needs, per (row, head): new . old, new . new and
+old . old (DyLLM picks the next salient rows by that cosine, over all heads together; the caller
+adds the heads up). One pass over the cache replaces a gather, a select and a scatter of the exact
+rows, the statistics' reductions and a copy of the whole context.
 
 Grid: (query tiles of BLOCK_M rows, batch * heads). A program holds its query tile and walks the
 salient list in tiles of BLOCK_N columns, gathering K rows by token index (whole D-element rows,
 coalesced per row) and the matching value deltas; scores in base 2 with the scale folded in.
-Query head h reads KV head h // group.
+Query head h reads KV head h // group. Every row is read and written by one program only, so the
+update in place is safe.
 """
 
 from __future__ import annotations
@@ -30,21 +37,25 @@ import triton
 import triton.language as tl
 
 LOG2_E = math.log2(math.e)
+CUDA_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
 def approx_attention_kernel(
-    q_ptr, k_ptr, dv_ptr, columns_ptr, counts_ptr, lse_ptr, context_ptr, out_ptr, stats_ptr,
+    q_ptr, k_ptr, dv_ptr, columns_ptr, counts_ptr, lse_ptr, context_ptr, stats_ptr,
+    exact_ptr, exact_lse_ptr, slots_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_cb, stride_cs,
     stride_lb, stride_lh, stride_ll,
     stride_xb, stride_xh, stride_xl, stride_xd,
-    stride_ob, stride_oh, stride_ol, stride_od,
     stride_sb, stride_sh, stride_sl,
+    stride_eb, stride_eh, stride_es, stride_ed,
+    stride_fb, stride_fh, stride_fs,
+    stride_pb, stride_pl,
     num_heads, group, num_rows, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
 ):
     m_tile, batch_head = tl.program_id(0), tl.program_id(1)
     batch, head = batch_head // num_heads, batch_head % num_heads
@@ -54,8 +65,8 @@ def approx_attention_kernel(
     row_ok = rows < num_rows
     q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_ql + dims[None, :] * stride_qd,
                 mask=row_ok[:, None], other=0.0)
-    lse = tl.load(lse_ptr + batch * stride_lb + head * stride_lh + rows * stride_ll, mask=row_ok, other=0.0)
-    lse2 = lse * 1.4426950408889634  # natural log -> base 2
+    lse_at = lse_ptr + batch * stride_lb + head * stride_lh + rows * stride_ll
+    lse2 = tl.load(lse_at, mask=row_ok, other=0.0) * 1.4426950408889634  # natural log -> base 2
     count = tl.load(counts_ptr + batch)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     for start in range(0, count, BLOCK_N):
@@ -70,18 +81,28 @@ def approx_attention_kernel(
         p = tl.exp2(tl.minimum(scores - lse2[:, None], 0.0))  # a softmax weight is at most 1
         p = tl.where(slot_ok[None, :] & row_ok[:, None], p, 0.0)
         acc += tl.dot(p.to(dv.dtype), dv)
-    old = tl.load(context_ptr + batch * stride_xb + head * stride_xh + rows[:, None] * stride_xl
-                  + dims[None, :] * stride_xd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    context_at = (context_ptr + batch * stride_xb + head * stride_xh + rows[:, None] * stride_xl
+                  + dims[None, :] * stride_xd)
+    old = tl.load(context_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
     new = old + acc
-    tl.store(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ol + dims[None, :] * stride_od,
-             new.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if MERGE:
+        slot = tl.load(slots_ptr + batch * stride_pb + rows * stride_pl, mask=row_ok, other=-1)
+        exact_row = (slot >= 0) & row_ok
+        slot = tl.where(exact_row, slot, 0).to(tl.int64)
+        exact = tl.load(exact_ptr + batch * stride_eb + head * stride_eh + slot[:, None] * stride_es
+                        + dims[None, :] * stride_ed, mask=exact_row[:, None], other=0.0)
+        new = tl.where(exact_row[:, None], exact.to(tl.float32), new)
+        exact_lse = tl.load(exact_lse_ptr + batch * stride_fb + head * stride_fh + slot * stride_fs,
+                            mask=exact_row, other=0.0)
+        tl.store(lse_at, exact_lse, mask=exact_row)
+    tl.store(context_at, new.to(context_ptr.dtype.element_ty), mask=row_ok[:, None])
     stats = stats_ptr + batch * stride_sb + head * stride_sh + rows * stride_sl
     tl.store(stats, tl.sum(new * old, axis=1), mask=row_ok)
     tl.store(stats + 1, tl.sum(new * new, axis=1), mask=row_ok)
     tl.store(stats + 2, tl.sum(old * old, axis=1), mask=row_ok)
 
 
-def check_inputs(q, k, dv, columns, counts, lse, context):
+def check_inputs(q, k, dv, columns, counts, lse, context, merge):
     if q.dim() != 4 or k.dim() != 4 or dv.dim() != 4:
         raise ValueError("q, k and dv must be 4-D: [batch, heads, rows, D], [batch, kv_heads, N, D], "
                          "[batch, kv_heads, S, D]")
@@ -99,39 +120,50 @@ def check_inputs(q, k, dv, columns, counts, lse, context):
                          f"got {tuple(lse.shape)} and {tuple(context.shape)}")
     if head_dim not in (16, 32, 64, 128):
         raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {head_dim}")
+    if merge is not None:
+        exact, exact_lse, slots = merge
+        if exact.dim() != 4 or exact.shape[:2] != q.shape[:2] or exact.shape[3] != head_dim:
+            raise ValueError(f"merge's exact must be [batch, heads, E, D] = [{batch}, {num_heads}, E, {head_dim}], "
+                             f"got {tuple(exact.shape)}")
+        if exact_lse.shape != exact.shape[:3] or slots.shape != (batch, num_rows):
+            raise ValueError(f"merge's lse must be {tuple(exact.shape[:3])} and slots [batch, rows] = "
+                             f"[{batch}, {num_rows}], got {tuple(exact_lse.shape)} and {tuple(slots.shape)}")
 
 
-def approximate_attention(q, k, dv, columns, counts, lse, context, *, scale=None):
-    """Update cached contexts by the salient columns' value deltas; see the module docstring.
+def approximate_attention(q, k, dv, columns, counts, lse, context, merge=None, *, scale=None):
+    """Update cached contexts in place by the salient columns' value deltas; see the module docstring.
 
     q [batch, heads, rows, D]: the rows' queries (fresh); k [batch, kv_heads, N, D]: every key, the
     salient ones fresh; dv [batch, kv_heads, S, D]: v_new - v_old of the salient columns;
     columns [batch, S] int: their token indices into N (entries past counts[b] are ignored);
     counts [batch] int; lse [batch, heads, rows] float32: each row's cached normaliser;
-    context [batch, heads, rows, D]: each row's cached context.
-    Returns (new context [batch, heads, rows, D] in context's dtype, stats [batch, heads, rows, 3]
-    float32: new . old, new . new, old . old per head)."""
-    check_inputs(q, k, dv, columns, counts, lse, context)
+    context [batch, heads, rows, D]: each row's cached context (any strides);
+    merge: None, or (exact [batch, heads, E, D], exact_lse [batch, heads, E], slots [batch, rows] int):
+    a row with slots >= 0 takes exact[slots] and exact_lse[slots] instead of the update.
+    context (and, with merge, lse) are overwritten. Returns stats [batch, heads, rows, 3] float32:
+    new . old, new . new, old . old per head."""
+    check_inputs(q, k, dv, columns, counts, lse, context, merge)
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 (it is updated in place), got {lse.dtype}")
     batch, num_heads, num_rows, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
-    out = torch.empty_like(context)
     stats = torch.empty(batch, num_heads, num_rows, 3, dtype=torch.float32, device=q.device)
-    block_m = 64 if q.is_cuda else 16
-    block_n = 64 if q.is_cuda else 16
-    grid = (triton.cdiv(num_rows, block_m), batch * num_heads)
+    exact, exact_lse, slots = merge if merge is not None else (context, lse, columns)  # unread without merge
+    tiles = CUDA_TILES if q.is_cuda else {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    grid = (triton.cdiv(num_rows, tiles["BLOCK_M"]), batch * num_heads)
     approx_attention_kernel[grid](
-        q, k, dv, columns, counts, lse, context, out, stats,
+        q, k, dv, columns, counts, lse, context, stats, exact, exact_lse, slots,
         *q.stride(), *k.stride(), *dv.stride(), *columns.stride(), *lse.stride(), *context.stride(),
-        *out.stride(), *stats.stride()[:3],
+        *stats.stride()[:3], *exact.stride(), *exact_lse.stride(), *slots.stride(),
         num_heads, num_heads // k.shape[1], num_rows, scale * LOG2_E,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        num_warps=4,
+        HEAD_DIM=head_dim, MERGE=merge is not None, **tiles,
     )
-    return out, stats
+    return stats
 
 
-def approximate_attention_reference(q, k, dv, columns, counts, lse, context, *, scale=None):
-    """Plain torch, fp32 (float64 for float64 inputs): gather the salient keys, min(exp(s - lse), 1) dv."""
+def approximate_attention_reference(q, k, dv, columns, counts, lse, context, merge=None, *, scale=None):
+    """Plain torch, fp32 (float64 for float64 inputs): gather the salient keys, min(exp(s - lse), 1) dv,
+    then the merged rows; context and lse updated in place as the kernel does."""
     batch, num_heads, num_rows, head_dim = q.shape
     kv_heads, group = k.shape[1], num_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -145,5 +177,13 @@ def approximate_attention_reference(q, k, dv, columns, counts, lse, context, *, 
     weights = weights.masked_fill(~(slots[None, :] < counts[:, None])[:, None, None, :], 0.0)
     old = context.to(compute)
     new = old + weights @ deltas
+    if merge is not None:
+        exact, exact_lse, rows_slot = merge
+        exact_row = (rows_slot >= 0)[:, None, :].expand(-1, num_heads, -1)
+        at = rows_slot.long().clamp(min=0)[:, None, :].expand(-1, num_heads, -1)
+        picked = exact.to(compute).gather(2, at[..., None].expand(-1, -1, -1, head_dim))
+        new = torch.where(exact_row[..., None], picked, new)
+        lse.copy_(torch.where(exact_row, exact_lse.to(lse.dtype).gather(2, at), lse))
     stats = torch.stack([(new * old).sum(-1), (new * new).sum(-1), (old * old).sum(-1)], dim=-1)
-    return new.to(context.dtype), stats.float()
+    context.copy_(new)
+    return stats.float()

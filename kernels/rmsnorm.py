@@ -9,6 +9,9 @@ dtype of weight * x: x's dtype when the weight has it), with no FMA contraction 
 enable_fp_fusion=False). Only the sum's order and rsqrt's last bit can differ from torch, so an
 element can land one unit in the last place of x's dtype away from it (tests allow two).
 
+With `add`, the residual add before a norm is fused in: x += add (rounded to x's dtype, as torch's
+in-place add rounds) is written back into x and the sum is normalised, one pass instead of two.
+
 Grid: (row tiles of BLOCK_R rows,). x is [..., D] with the last dim contiguous; rows are the leading
 dims, read through explicit strides for up to three leading dims (a transposed [batch, heads, t, d]
 view for q/k norm is read in place). More leading dims are merged first by reshape, which copies
@@ -29,11 +32,12 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr,
+    x_ptr, w_ptr, out_ptr, add_ptr,
     stride_x0, stride_x1, stride_x2,
     stride_o0, stride_o1, stride_o2,
+    stride_a0, stride_a1, stride_a2,
     stride_w, size1, size2, num_rows, dim, eps,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i0 = (rows // (size1 * size2)).to(tl.int64)
@@ -43,6 +47,12 @@ def rms_norm_kernel(
     mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
     x_rows = i0 * stride_x0 + i1 * stride_x1 + i2 * stride_x2
     x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        add_rows = i0 * stride_a0 + i1 * stride_a1 + i2 * stride_a2
+        add = tl.load(add_ptr + add_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        summed = (x + add).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + x_rows[:, None] + cols[None, :], summed, mask=mask)
+        x = summed.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
     normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols * stride_w, mask=cols < dim, other=0.0).to(tl.float32)
@@ -50,7 +60,12 @@ def rms_norm_kernel(
     tl.store(out_ptr + out_rows[:, None] + cols[None, :], (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def check_inputs(x, weight):
+def check_inputs(x, weight, add):
+    if add is not None and (add.shape != x.shape or add.dtype not in DTYPES or x.dim() > 4):
+        raise ValueError(f"add must have x's shape {tuple(x.shape)} (x at most 4-D: it is written in place) "
+                         f"and a float dtype, got {tuple(add.shape)} {add.dtype}")
+    if add is not None and add.stride(-1) != 1 and add.shape[-1] > 1:
+        raise ValueError(f"add's last dim must be contiguous (stride 1), got strides {add.stride()}")
     if x.dim() == 0:
         raise ValueError("x must have a last dim to normalise over")
     if x.dtype not in DTYPES or weight.dtype not in DTYPES:
@@ -61,31 +76,37 @@ def check_inputs(x, weight):
         raise ValueError(f"x's last dim must be contiguous (stride 1), got strides {x.stride()}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None) -> torch.Tensor:
     """weight * rms-normalised x over the last dim; see the module docstring.
 
-    x [..., D] float16 / bfloat16 / float32, last dim contiguous; weight [D]. Returns x.shape in
+    x [..., D] float16 / bfloat16 / float32, last dim contiguous; weight [D]; add: None, or a tensor
+    of x's shape added to x in place first (x then at most 4-D). Returns x.shape in
     promote_types(weight.dtype, x.dtype), laid out as x (torch.empty_like) where x is dense."""
-    check_inputs(x, weight)
+    check_inputs(x, weight, add)
     dim = x.shape[-1]
     shape4 = (1,) * (4 - x.dim()) + tuple(x.shape) if x.dim() < 4 else (math.prod(x.shape[:-3]), *x.shape[-3:])
-    x4 = x.reshape(shape4)
+    x4 = x.reshape(shape4)  # a view (at most 4-D: only leading ones added) when add writes through it
+    add4 = add.reshape(shape4) if add is not None else x4  # not read without add
     out = torch.empty_like(x4, dtype=torch.promote_types(weight.dtype, x.dtype))
     num_rows = x4.numel() // max(dim, 1)
     if num_rows and dim:
         block_d = triton.next_power_of_2(dim)
         block_r = max(1, 4096 // block_d)
         rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
-            x4, weight, out, *x4.stride()[:3], *out.stride()[:3],
+            x4, weight, out, add4, *x4.stride()[:3], *out.stride()[:3], *add4.stride()[:3],
             weight.stride(0), x4.shape[1], x4.shape[2], num_rows, dim, eps,
-            BLOCK_R=block_r, BLOCK_D=block_d,
+            BLOCK_R=block_r, BLOCK_D=block_d, HAS_ADD=add is not None,
             num_warps=min(16, max(4, block_r * block_d // 512)), enable_fp_fusion=False,
         )
     return out.view(x.shape)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's torch form: fp32 (float64 stays float64) normalise, cast to x's dtype, times weight."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       add: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's torch form: fp32 (float64 stays float64) normalise, cast to x's dtype, times weight
+    (after x.add_(add) when add is given)."""
+    if add is not None:
+        x.add_(add)
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)

@@ -48,11 +48,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fused(x):
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of x; with add, of x + add, written into x first (x: a tensor nothing else reads)."""
+        if use_fused(x) and (add is None or x.dim() <= 4):
             from kernels.rmsnorm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, add)
+        if add is not None:
+            x.add_(add)
         x32 = fp32_or_wider(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -119,8 +122,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def attn_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.input_layernorm(x)
+    def attn_norm(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        return self.input_layernorm(x, add)
 
     def qkv(self, h: torch.Tensor, rope: Rope):
         """[b, t, hidden] -> q [b, heads, t, d], k and v [b, kv_heads, t, d]; RoPE applied to q, k."""
@@ -145,6 +148,16 @@ class Layer(nn.Module):
         """Attention output [b, heads, t, d] -> [b, t, hidden] through o_proj."""
         b, _, t, _ = o.shape
         return self.self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+    def add_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x += out(o), in place: one matmul with the add in its epilogue when x is contiguous and
+        o_proj has no bias (x [b, t, hidden] must be a tensor nothing else still reads)."""
+        proj = self.self_attn.o_proj
+        if proj.bias is not None or not x.is_contiguous():
+            return x.add_(self.out(o))
+        b, _, t, _ = o.shape
+        x.view(b * t, -1).addmm_(o.transpose(1, 2).reshape(b * t, -1), proj.weight.t())
+        return x
 
     def mlp_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_attention_layernorm(x)

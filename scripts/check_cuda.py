@@ -346,10 +346,19 @@ def check_method_kernels():
         context = new(1, 32, rows, 128)
         lse = (torch.rand(1, 32, rows, device="cuda", generator=generator) * 4 + 6).float()
         args = (new(1, 32, rows, 128), k, new(1, 8, salient, 128) * 0.1, columns,
-                torch.tensor([salient - 17], device="cuda", dtype=torch.int32), lse, context)
-        got, want = approximate_attention(*args), approximate_attention_reference(*args)
-        report(f"| approximate attention | {str(dtype)[6:]} | {n} (256 salient) | none | "
-               f"{worst_error([(got[0], want[0])]):.2e} (stats {worst_error([(got[1], want[1])]):.2e}) | |")
+                torch.tensor([salient - 17], device="cuda", dtype=torch.int32))
+        exact_rows = torch.randperm(rows, device="cuda", generator=generator)[:64]
+        slots = torch.full((1, rows), -1, device="cuda", dtype=torch.int32)
+        slots[0, exact_rows] = torch.arange(64, device="cuda", dtype=torch.int32)
+        merge = (new(1, 32, 64, 128), lse[..., :64] + 1, slots)
+        results = []
+        for update in (approximate_attention, approximate_attention_reference):  # in place: on copies
+            updated_context, updated_lse = context.clone(), lse.clone()
+            results.append((updated_context, updated_lse, update(*args, updated_lse, updated_context, merge)))
+        (got, got_lse, got_stats), (want, want_lse, want_stats) = results
+        report(f"| approximate attention, 64 exact rows merged | {str(dtype)[6:]} | {n} (256 salient) | none | "
+               f"{worst_error([(got, want), (got_lse, want_lse)]):.2e} (stats "
+               f"{worst_error([(got_stats, want_stats)]):.2e}) | |")
 
 
 def check_methods_on_kernels(n: int = 20):

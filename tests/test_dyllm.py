@@ -31,18 +31,65 @@ def random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, 
     return [t.to(dtype) for t in (q, k, dv)] + [columns, counts, lse, context.to(dtype)]
 
 
+def random_merge(batch, heads, rows, exact_rows, head_dim, dtype, seed):
+    """(exact [batch, heads, E, D], exact_lse, slots [batch, rows]): E distinct rows per batch row
+    take the exact values, every other row -1."""
+    generator = torch.Generator().manual_seed(seed)
+    exact = torch.randn(batch, heads, exact_rows, head_dim, generator=generator).to(dtype)
+    exact_lse = torch.rand(batch, heads, exact_rows, generator=generator) * 4
+    slots = torch.full((batch, rows), -1, dtype=torch.int32)
+    for b in range(batch):
+        slots[b, torch.randperm(rows, generator=generator)[:exact_rows]] = torch.arange(exact_rows, dtype=torch.int32)
+    return exact, exact_lse, slots
+
+
+def updated(update, inputs, merge=None):
+    """(context, lse, stats) after an in-place update of copies of the inputs' context and lse."""
+    *front, lse, context = inputs
+    lse, context = lse.clone(), context.clone()
+    stats = update(*front, lse, context, merge)
+    return context, lse, stats
+
+
 @settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), kv_heads=st.integers(1, 2),
        rows=st.integers(1, 40), keys=st.integers(1, 60), head_dim=st.sampled_from([16, 32, 64]),
-       dtype=st.sampled_from([torch.float32, torch.float16]), data=st.data())
-def test_kernel_matches_reference(batch, group, kv_heads, rows, keys, head_dim, dtype, data):
+       dtype=st.sampled_from([torch.float32, torch.float16]), merged=st.booleans(), data=st.data())
+def test_kernel_matches_reference(batch, group, kv_heads, rows, keys, head_dim, dtype, merged, data):
     salient = data.draw(st.integers(1, keys))
-    inputs = random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, data.draw(st.integers(0, 999)))
-    got_context, got_stats = approximate_attention(*inputs)
-    expected_context, expected_stats = approximate_attention_reference(*inputs)
+    seed = data.draw(st.integers(0, 999))
+    inputs = random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, seed)
+    merge = random_merge(batch, kv_heads * group, rows, data.draw(st.integers(1, rows)), head_dim, dtype, seed) \
+        if merged else None
+    got_context, got_lse, got_stats = updated(approximate_attention, inputs, merge)
+    expected_context, expected_lse, expected_stats = updated(approximate_attention_reference, inputs, merge)
     tolerance = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_context.float(), expected_context.float(), **tolerance)
+    torch.testing.assert_close(got_lse, expected_lse)
     torch.testing.assert_close(got_stats, expected_stats, atol=0.05 if dtype == torch.float16 else 1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_merged_rows_take_the_exact_values_and_the_others_the_update(path):
+    update = approximate_attention if path == "kernel" else approximate_attention_reference
+    inputs = random_inputs(2, 2, 2, 12, 20, 6, 16, torch.float32, 4)
+    exact, exact_lse, slots = random_merge(2, 4, 12, 5, 16, torch.float32, 4)
+    context, lse, stats = updated(update, inputs, (exact, exact_lse, slots))
+    plain_context, _, plain_stats = updated(update, inputs)
+    old = inputs[-1]
+    for b in range(2):
+        for row in range(12):
+            slot = int(slots[b, row])
+            if slot < 0:
+                torch.testing.assert_close(context[b, :, row], plain_context[b, :, row])
+                torch.testing.assert_close(lse[b, :, row], inputs[5][b, :, row])
+                torch.testing.assert_close(stats[b, :, row], plain_stats[b, :, row])
+            else:
+                torch.testing.assert_close(context[b, :, row], exact[b, :, slot])
+                torch.testing.assert_close(lse[b, :, row], exact_lse[b, :, slot])
+                fresh, cached = exact[b, :, slot], old[b, :, row]
+                sums = torch.stack([(fresh * cached).sum(-1), (fresh * fresh).sum(-1), (cached * cached).sum(-1)], -1)
+                torch.testing.assert_close(stats[b, :, row], sums, atol=1e-4, rtol=1e-4)
 
 
 def test_update_is_exact_when_only_values_change():
@@ -54,33 +101,38 @@ def test_update_is_exact_when_only_values_change():
     columns = torch.tensor([[3, 17, 29, 8]])
     v_new = v_old.clone()
     v_new[:, :, columns[0]] += torch.randn(1, 2, 4, 16, generator=generator, dtype=torch.float64)
-    old, lse = attention_with_lse(q, k, v_old)
-    new, stats = approximate_attention_reference(q, k, v_new[:, :, columns[0]] - v_old[:, :, columns[0]], columns,
-                                                 torch.tensor([4]), lse, old)
+    context, lse = attention_with_lse(q, k, v_old)
+    stats = approximate_attention_reference(q, k, v_new[:, :, columns[0]] - v_old[:, :, columns[0]], columns,
+                                            torch.tensor([4]), lse, context)
     expected, _ = attention_with_lse(q, k, v_new)
-    torch.testing.assert_close(new, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(context, expected, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(stats[..., 1], (expected**2).sum(-1).float())
 
 
 @pytest.mark.parametrize("path", ["reference", "kernel"])
 def test_a_stale_normaliser_never_weights_a_column_above_one(path):
     """With lse far below the fresh scores, each salient column adds at most its whole value delta."""
-    from kernels.approx_attention import approximate_attention
-
     q, k, dv, columns, _, lse, context = random_inputs(1, 1, 1, 6, 12, 4, 16, torch.float32, 3)
     stale = torch.full_like(lse, -30.0)  # exp(score + 30) would be ~1e13
     update = approximate_attention if path == "kernel" else approximate_attention_reference
-    new, _ = update(q, k, dv, columns, torch.tensor([4]), stale, context)
+    new, _, _ = updated(update, [q, k, dv, columns, torch.tensor([4]), stale, context])
     moved = dv[0, 0].sum(0)  # every weight clamped to 1
     torch.testing.assert_close(new - context, moved.expand_as(new), atol=1e-4, rtol=1e-4)
 
 
-def test_bad_kernel_shapes_are_named():
+def test_bad_kernel_inputs_are_named():
     inputs = random_inputs(1, 2, 2, 5, 10, 3, 16, torch.float32, 0)
     with pytest.raises(ValueError, match="columns"):
         approximate_attention(*inputs[:3], inputs[3][:, :2], *inputs[4:])
     with pytest.raises(ValueError, match="head_dim"):
         approximate_attention(*random_inputs(1, 1, 1, 5, 10, 3, 24, torch.float32, 0))
+    with pytest.raises(ValueError, match="float32"):
+        approximate_attention(*inputs[:5], inputs[5].double(), inputs[6])
+    exact, exact_lse, slots = random_merge(1, 4, 5, 2, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match="slots"):
+        approximate_attention(*inputs, (exact, exact_lse, slots[:, :3]))
+    with pytest.raises(ValueError, match="exact"):
+        approximate_attention(*inputs, (exact[:, :2], exact_lse, slots))
 
 
 @settings(max_examples=5, deadline=None)

@@ -102,6 +102,32 @@ def test_rms_norm_matches_reference(rows, dim, dtype, layout, eps, fp32_weight, 
         assert same_layout(out, x)
 
 
+@EXAMPLES
+@given(rows=st.integers(1, 40), dim=st.sampled_from(DIMS), dtype=st.sampled_from(DTYPES),
+       layout=st.sampled_from(["rows", "batch_time", "heads", "strided"]),
+       add_layout=st.sampled_from(["rows", "batch_time", "heads", "strided"]), seed=st.integers(0, 2**16))
+def test_rms_norm_with_add_writes_the_sum_and_normalises_it(rows, dim, dtype, layout, add_layout, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = leading_view(layout, rows, dim, dtype, generator)
+    add = leading_view(add_layout, rows, dim, dtype, generator).reshape(x.shape)
+    weight = (1 + torch.randn(dim, generator=generator)).to(dtype).to(DEVICE)
+    x_ref = x.clone()
+    with nan_outputs():
+        out = rms_norm(x, weight, 1e-6, add)
+    ref = rms_norm_reference(x_ref, weight, 1e-6, add)
+    assert torch.equal(x, x_ref)  # the sum, rounded to x's dtype once, written in place
+    assert norm_close(out, ref, x)
+
+
+def test_rms_norm_add_needs_a_matching_tensor():
+    x = torch.randn(2, 3, 16).to(DEVICE)
+    weight = torch.ones(16).to(DEVICE)
+    with pytest.raises(ValueError, match="add must have"):
+        rms_norm(x, weight, 1e-6, torch.randn(3, 16).to(DEVICE))
+    with pytest.raises(ValueError, match="at most 4-D"):
+        rms_norm(x.view(1, 1, 2, 3, 16), weight, 1e-6, torch.randn(1, 1, 2, 3, 16).to(DEVICE))
+
+
 def test_rms_norm_large_and_non_power_of_two_rows():
     generator = torch.Generator().manual_seed(0)
     for dim in (3584, 8192):  # Dream's hidden size (tail masked) and the largest one-program row

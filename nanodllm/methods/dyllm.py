@@ -8,7 +8,8 @@ before o_proj) with its softmax log-sum-exp, and every row's FFN output, each st
 feeds the whole canvas every `full_period`-th step (t % full_period == 0) and only the response
 otherwise, and per layer, given the salient rows S coming in:
     Q for every fed row; fresh K, V for S only, dV = V_new[S] - V_old[S];
-    rows in S: exact attention over all keys (and a fresh log-sum-exp);
+    rows in S: exact attention over all keys (and a fresh log-sum-exp), merged into the cache by
+        the same pass that updates the other rows;
     every other row: C = C_old + sum over j in S of min(exp(scale q k_j - lse_old), 1) dV_j, with
         the row's cached normaliser, so no score matrix is formed (kernels/approx_attention.py on
         CUDA); the clamp at 1, a softmax weight's bound, keeps a stale normaliser from blowing a
@@ -54,7 +55,8 @@ from .dllm_cache import put_heads, put_rows, take_heads, take_rows
 @dataclass
 class LayerState:
     """One layer's caches over the canvas: keys/values [batch, kv_heads, N, d], context [batch,
-    heads, N, d], lse [batch, heads, N] (float32 or wider), mlp_out [batch, N, hidden]."""
+    heads, N, d] (stored token-major, [batch, N, heads, d], so o_proj reads it without a copy),
+    lse [batch, heads, N] (float32 or wider), mlp_out [batch, N, hidden]."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -77,16 +79,17 @@ def capacity(count: int, width: int, granule: int = 64) -> int:
     return min(-(-max(count, 1) // granule) * granule, width)
 
 
-def approximate(q, keys, dv, columns, lse, context):
-    """Algorithm 4 with cached normalisers: (new context, per-head [new.old, new.new, old.old])."""
+def approximate(q, keys, dv, columns, lse, context, merge):
+    """Algorithm 4 with cached normalisers, the exact rows merged: context and lse updated in place;
+    returns per-head [new.old, new.new, old.old]."""
     counts = torch.full((q.shape[0],), columns.shape[1], dtype=torch.int32, device=q.device)
-    if use_kernels(q):
+    if use_kernels(q) and lse.dtype == torch.float32:
         from kernels.approx_attention import approximate_attention
 
-        return approximate_attention(q, keys, dv, columns, counts, lse.float(), context)
+        return approximate_attention(q, keys, dv, columns, counts, lse, context, merge)
     from kernels.approx_attention import approximate_attention_reference
 
-    return approximate_attention_reference(q, keys, dv, columns, counts, lse, context)
+    return approximate_attention_reference(q, keys, dv, columns, counts, lse, context, merge)
 
 
 class DyLLM(Method):
@@ -137,6 +140,7 @@ class DyLLM(Method):
         for layer in model.layers:
             q, k, v = layer.qkv(layer.attn_norm(x), rope)
             context, lse = attention_with_lse(q, k, v, k_valid)
+            context = context.transpose(1, 2).contiguous().transpose(1, 2)  # token-major: o_proj reads it as is
             x = x + layer.out(context)
             mlp_out = layer.mlp(layer.mlp_norm(x))
             x = x + mlp_out
@@ -176,16 +180,17 @@ class DyLLM(Method):
         x, rope = model.embed(tokens), model.rope(positions)
         k_valid = None if all_valid else valid_keys
         selected = (salient, *index_rows(salient, first))
-        counts = []
+        counts, mlp_out = [], None
         for layer, state in zip(model.layers, self.layers):
-            x, selected = self.layer_step(layer, state, x, rope, selected, valid, offset, k_valid)
+            x, mlp_out, selected = self.layer_step(layer, state, x, mlp_out, rope, selected, valid, offset, k_valid)
             counts.append(selected[0].sum(dim=1).float().mean() / x.shape[1])
-        return x, selected[0], torch.stack(counts)
+        return x.add_(mlp_out), selected[0], torch.stack(counts)
 
-    def layer_step(self, layer, state, x, rope, selected, valid, offset, k_valid):
-        """One layer of a sparse step, given the salient rows (mask [batch, fed], rows, ok as
-        index_rows lists them); returns (x, the next salient rows in the same form)."""
-        h = layer.attn_norm(x)
+    def layer_step(self, layer, state, x, pending, rope, selected, valid, offset, k_valid):
+        """One layer of a sparse step, given its input x + pending (the last layer's FFN output, None
+        at layer 1; added in the norm's pass) and the salient rows (mask [batch, fed], rows, ok as
+        index_rows lists them); returns (x, this layer's FFN output to add, the next salient rows)."""
+        h = layer.attn_norm(x, pending)
         q = layer.query(h, rope)
         _, rows, ok = selected
         columns = rows + offset
@@ -196,27 +201,21 @@ class DyLLM(Method):
         put_heads(state.keys, columns[:, None], k_rows)
         put_heads(state.values, columns[:, None], v_rows)
 
-        old_context, old_lse = state.context[:, :, offset:], state.lse[:, :, offset:]
-        context, stats = approximate(q, state.keys, v_rows - old_v, columns, old_lse, old_context)
         shared = rows[:, None]  # the same rows for every head
         exact, lse = attention_with_lse(take_heads(q, shared), state.keys, state.values, k_valid)
-        exact = torch.where(keep, exact, take_heads(context, shared))
-        lse = torch.where(ok[:, None, :], lse.to(old_lse.dtype), take_heads(old_lse, shared))
-        put_heads(context, shared, exact)
-        put_heads(old_lse, shared, lse)
-        old_salient = take_heads(old_context, shared).float()
-        exact_stats = torch.stack([(exact.float() * old_salient).sum(-1), exact.float().pow(2).sum(-1),
-                                   old_salient.pow(2).sum(-1)], dim=-1)
-        put_heads(stats, shared, exact_stats)
+        slots = torch.where(ok, torch.arange(rows.shape[1], device=rows.device), -1).int()
+        slots = torch.full_like(valid, -1, dtype=torch.int32).scatter_(1, rows, slots)  # row -> its exact slot
+        context = state.context[:, :, offset:]
+        stats = approximate(q, state.keys, v_rows - old_v, columns, state.lse[:, :, offset:], context,
+                            (exact, lse, slots))
         selected = self.next_salient(stats.sum(dim=1), valid)
-        old_context.copy_(context)
 
-        x = x + layer.out(context)
+        x = layer.add_out(x, context)
         _, rows, ok = selected
         cached = state.mlp_out[:, offset:]
         fresh = layer.mlp(layer.mlp_norm(take_rows(x, rows)))
         put_rows(cached, rows, torch.where(ok[..., None], fresh, take_rows(cached, rows)))
-        return x + cached, selected
+        return x, cached, selected
 
     def next_salient(self, stats, valid):
         """Rows whose context moved: cos(C, C_old) < tau; or the lowest-cosine salient_fraction; or,
