@@ -13,7 +13,7 @@
    whose peak host RSS is reported next to the largest tensor;
 5. kernels: the shipped tiny models decode passkey prompts in bf16 on the Triton kernels and on
    torch SDPA: accuracy of each and how many tokens agree;
-6. methods: the methods' own kernels (MOMO's QSA and block-sparse, DyLLM's approximate attention)
+6. methods: the methods' own kernels (MOMO's QSA and block-sparse, DyLLM's approximate attention and row scatter)
    against their torch references at 8B head shapes in bf16 and fp16, and the tiny models decoding
    with MOMO and DyLLM on those kernels vs the methods' torch paths; the cached-step methods with
    their steps replayed from CUDA graphs vs eager.
@@ -314,6 +314,7 @@ def check_method_kernels():
     from kernels.approx_attention import approximate_attention, approximate_attention_reference
     from kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
     from kernels.qsa_attention import qsa_attention, qsa_attention_reference
+    from kernels.row_scatter import put_rows_where, put_rows_where_reference
 
     report("\n## 6a. The methods' kernels against their torch references (CUDA, 32 heads, 8 KV heads, d 128)\n")
     report("Top-k columns: the fraction of sampled rows whose kernel block set has the reference's score sum "
@@ -359,6 +360,14 @@ def check_method_kernels():
         report(f"| approximate attention, 64 exact rows merged | {str(dtype)[6:]} | {n} (256 salient) | none | "
                f"{worst_error([(got, want), (got_lse, want_lse)]):.2e} (stats "
                f"{worst_error([(got_stats, want_stats)]):.2e}) | |")
+        ok = torch.rand(1, salient, device="cuda", generator=generator) < 0.8
+        src = new(1, 8, salient, 128)
+        caches = [new(1, n, 8, 128).transpose(1, 2) for _ in range(2)]
+        caches[1].copy_(caches[0])
+        deltas = [put_rows_where(caches[0], columns, ok, src, True),
+                  put_rows_where_reference(caches[1], columns, ok, src, True)]
+        report(f"| row scatter with deltas | {str(dtype)[6:]} | {n} (256 rows) | none | "
+               f"{worst_error([(caches[0], caches[1]), (deltas[0], deltas[1])]):.2e} | |")
 
 
 def check_methods_on_kernels(n: int = 20):

@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import nanodllm.methods.dyllm as dyllm_module
 from kernels.approx_attention import approximate_attention, approximate_attention_reference
+from kernels.row_scatter import put_rows_where, put_rows_where_reference
 from nanodllm.attention import attention_with_lse
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
@@ -133,6 +135,63 @@ def test_bad_kernel_inputs_are_named():
         approximate_attention(*inputs, (exact, exact_lse, slots[:, :3]))
     with pytest.raises(ValueError, match="exact"):
         approximate_attention(*inputs, (exact[:, :2], exact_lse, slots))
+
+
+def cache_layout(layout, batch, heads, n, width, dtype, generator):
+    """A [batch, heads, n, width] cache: "heads" contiguous, "tokens" a view of [batch, n, heads, width]
+    (DyLLM's context), "rows" a [batch, n, width] cache seen as [batch, 1, n, width] (its FFN outputs)."""
+    randn = lambda *shape: torch.randn(*shape, generator=generator).to(dtype)
+    if layout == "tokens":
+        return randn(batch, n, heads, width).transpose(1, 2)
+    if layout == "rows":
+        return randn(batch, n, width)[:, None]
+    return randn(batch, heads, n, width)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), heads=st.integers(1, 3), n=st.integers(1, 30), width=st.sampled_from([8, 24, 128, 300]),
+       layout=st.sampled_from(["heads", "tokens", "rows"]), delta=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16]), data=st.data())
+def test_row_scatter_matches_reference(batch, heads, n, width, layout, delta, dtype, data):
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    heads = 1 if layout == "rows" else heads
+    slots = data.draw(st.integers(0, n))
+    dst = cache_layout(layout, batch, heads, n, width, dtype, generator)
+    rows = torch.stack([torch.randperm(n, generator=generator)[:slots] for _ in range(batch)])
+    ok = torch.rand(batch, slots, generator=generator) < 0.7
+    src = torch.randn(batch, heads, slots, width, generator=generator).to(dtype)
+    expected = dst.clone()
+    expected_delta = put_rows_where_reference(expected, rows, ok, src, delta)
+    got_delta = put_rows_where(dst, rows, ok, src, delta)
+    assert torch.equal(dst, expected)
+    if delta:
+        assert torch.equal(got_delta, expected_delta)
+        assert not got_delta.masked_select(~ok[:, None, :, None]).any()  # untouched rows moved by nothing
+    else:
+        assert got_delta is None
+
+
+def test_row_scatter_bad_inputs_are_named():
+    dst, src = torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 3, 8)
+    rows, ok = torch.tensor([[0, 2, 4]]), torch.tensor([[True, False, True]])
+    with pytest.raises(ValueError, match="src must be"):
+        put_rows_where(dst, rows, ok, src[:, :1])
+    with pytest.raises(ValueError, match="rows and ok"):
+        put_rows_where(dst, rows[:, :2], ok, src)
+    with pytest.raises(ValueError, match="ok must be bool"):
+        put_rows_where(dst, rows, ok.int(), src)
+
+
+def test_sparse_steps_write_the_same_caches_with_the_row_scatter_kernel(monkeypatch):
+    """DyLLM with its caches written by the kernel (interpreter, float32) decodes what the torch path
+    decodes, with a cap so that some listed rows must keep their cached values."""
+    model = tiny_model("llada", dtype=torch.float32)
+    method = lambda: get_method("dyllm", tau=0.9, salient_cap=0.25)
+    expected = generate(method(), model=model)
+    calls = []
+    monkeypatch.setattr(dyllm_module, "use_fused", lambda x: calls.append(1) or True)
+    assert generate(method(), model=model) == expected
+    assert calls
 
 
 @settings(max_examples=5, deadline=None)

@@ -48,8 +48,9 @@ import torch
 
 from ..attention import attention_with_lse, use_kernels
 from ..graphs import StepGraphs
+from ..model import use_fused
 from .base import Method, StepContext, check_int
-from .dllm_cache import put_heads, put_rows, take_heads, take_rows
+from .dllm_cache import take_heads, take_rows
 
 
 @dataclass
@@ -90,6 +91,18 @@ def approximate(q, keys, dv, columns, lse, context, merge):
     from kernels.approx_attention import approximate_attention_reference
 
     return approximate_attention_reference(q, keys, dv, columns, counts, lse, context, merge)
+
+
+def put_where(dst, rows, ok, src, delta=False):
+    """dst[b, h, rows[b, j]] = src[b, h, j] where ok[b, j] (and src - old, 0 where not ok, if delta):
+    one pass on a GPU (kernels/row_scatter.py), the torch reference elsewhere."""
+    if use_fused(dst):
+        from kernels.row_scatter import put_rows_where
+
+        return put_rows_where(dst, rows, ok, src, delta)
+    from kernels.row_scatter import put_rows_where_reference
+
+    return put_rows_where_reference(dst, rows, ok, src, delta)
 
 
 class DyLLM(Method):
@@ -195,18 +208,15 @@ class DyLLM(Method):
         _, rows, ok = selected
         columns = rows + offset
         _, k_rows, v_rows = layer.qkv(take_rows(h, rows), rope.rows(rows))
-        old_k, old_v = take_heads(state.keys, columns[:, None]), take_heads(state.values, columns[:, None])
-        keep = ok[:, None, :, None]
-        k_rows, v_rows = torch.where(keep, k_rows, old_k), torch.where(keep, v_rows, old_v)
-        put_heads(state.keys, columns[:, None], k_rows)
-        put_heads(state.values, columns[:, None], v_rows)
+        put_where(state.keys, columns, ok, k_rows)
+        dv = put_where(state.values, columns, ok, v_rows, delta=True)  # v_new - v_old, 0 where not ok
 
         shared = rows[:, None]  # the same rows for every head
         exact, lse = attention_with_lse(take_heads(q, shared), state.keys, state.values, k_valid)
         slots = torch.where(ok, torch.arange(rows.shape[1], device=rows.device), -1).int()
         slots = torch.full_like(valid, -1, dtype=torch.int32).scatter_(1, rows, slots)  # row -> its exact slot
         context = state.context[:, :, offset:]
-        stats = approximate(q, state.keys, v_rows - old_v, columns, state.lse[:, :, offset:], context,
+        stats = approximate(q, state.keys, dv, columns, state.lse[:, :, offset:], context,
                             (exact, lse, slots))
         selected = self.next_salient(stats.sum(dim=1), valid)
 
@@ -214,7 +224,7 @@ class DyLLM(Method):
         _, rows, ok = selected
         cached = state.mlp_out[:, offset:]
         fresh = layer.mlp(layer.mlp_norm(take_rows(x, rows)))
-        put_rows(cached, rows, torch.where(ok[..., None], fresh, take_rows(cached, rows)))
+        put_where(cached[:, None], rows, ok, fresh[:, None])
         return x, cached, selected
 
     def next_salient(self, stats, valid):
