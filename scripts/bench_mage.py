@@ -11,7 +11,8 @@ docs/results/kernels_cuda.md), then a block of T steps + the commit forward is a
     Quest       T x Quest step (page bounds + top pages + sparse)        + commit
     SparseD     (c-1) x exact + capture step + (T-c) x sparse step       + commit, c = round(0.2 T)
 
-The commit forward is an exact step over the same shapes (timed as one). Floors: weight bytes read
+The commit forward is an exact step over the same shapes (timed as one). On a GPU each kind of step is
+also profiled once, eagerly, and its kernel time split into attention, selection and the rest. Floors: weight bytes read
 (embedding rows aside) plus the KV bytes each step reads (exact: the whole prefix in every layer;
 sparse: the exact layers' prefix plus k keys per KV head elsewhere), over the measured copy bandwidth.
 """
@@ -80,6 +81,60 @@ def step_times(model, ctx, timer, knobs) -> dict:
     return times
 
 
+ATTENTION_KERNELS = ("attention", "decode_split", "merge_splits", "fmha", "flash", "sdpa")
+SELECTION_KERNELS = ("key_scores", "topk", "sort", "radix")
+
+
+def kernel_bucket(name: str) -> str:
+    """Which part of a step a GPU kernel belongs to, by its name: attention (ours or SDPA's, with the
+    split-KV merge), selection (key scores, top-k and the sorts it runs) or rest (projections, FFN,
+    norms, RoPE, cache writes, element-wise)."""
+    lowered = name.lower()
+    if any(part in lowered for part in SELECTION_KERNELS):
+        return "selection"
+    if any(part in lowered for part in ATTENTION_KERNELS):
+        return "attention"
+    return "rest"
+
+
+def breakdown(fn, device) -> dict:
+    """GPU kernel milliseconds of one eager call of fn by kernel_bucket (CUDA only: {} elsewhere). Kernels
+    on MAGE's side stream are counted in full although they overlap the FFN."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    parts = {"attention": 0.0, "selection": 0.0, "rest": 0.0}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            parts[kernel_bucket(event.name)] += event.device_time / 1e3
+    return parts
+
+
+def step_breakdowns(model, ctx, knobs) -> dict:
+    """breakdown() of an exact step, MAGE's step 1 and step 2..T, and a Quest step, as step_times runs them."""
+    device = ctx.tokens.device
+    with torch.no_grad():
+        exact = Dense()
+        parts = {"exact": breakdown(lambda: exact.step(model, ctx), device)}
+        mage = Mage(**knobs)
+        ctx.step = 0
+        mage.begin_block(ctx)
+        parts["MAGE step 1"] = breakdown(lambda: mage.step(model, ctx), device)
+        ctx.step = 1
+        parts["MAGE step 2..T"] = breakdown(lambda: mage.step(model, ctx), device)
+        quest = Quest(**knobs)
+        ctx.step, ctx.block = 0, 0
+        quest.begin_block(ctx)
+        parts["Quest"] = breakdown(lambda: quest.step(model, ctx), device)
+    return parts
+
+
 def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
     capture = max(1, round(exact_fraction * steps))
     commit = times["exact"]
@@ -114,7 +169,7 @@ def bench_mage(args, timer, report, measure_rates, meta):
 
     per_key = 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8  # K + V bytes, one layer
     sparse_layers = cfg.num_layers - knobs["exact_layers"]
-    steps, rows, step_rows = shapes["steps"], [], []
+    steps, rows, step_rows, breakdown_rows = shapes["steps"], [], [], []
     total_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     for context in shapes["contexts"]:
         for batch in shapes["batches"]:
@@ -131,6 +186,11 @@ def bench_mage(args, timer, report, measure_rates, meta):
             ctx = block_context(cfg, cache, batch, context, shapes["block"], steps, device)
             times = step_times(model, ctx, timer, knobs)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+            for kind, parts in step_breakdowns(model, ctx, knobs).items():
+                if parts:
+                    breakdown_rows.append({"context": context, "batch": batch, "step": kind,
+                                           **{f"{name} ms": ms for name, ms in parts.items()},
+                                           "kernels ms": sum(parts.values())})
             blocks = block_times(times, steps, 0.2)
             exact_floor = (read_bytes + batch * context * per_key * cfg.num_layers) / bandwidth / 1e3  # us
             kept = min(knobs["k"], context)
@@ -160,6 +220,13 @@ def bench_mage(args, timer, report, measure_rates, meta):
                  "over the copy bandwidth. 'step-1 overhead' = MAGE's first step (exact attention, then key "
                  "scores + top-k on a side stream overlapped with the FFN) over an exact step; 'one stream': the "
                  "same with side_stream=False. Peak = max allocated during the configuration.")
+    if breakdown_rows:
+        report.table("Per-step breakdown", breakdown_rows,
+                     "GPU kernel milliseconds of one eager call of each kind of step, by kernel: attention (our "
+                     "decode / sparse decode / flash kernels with the split-KV merge), selection (key scores, "
+                     "top-k, sorts), rest (projections, FFN, norms, RoPE, cache writes, element-wise). Side-stream "
+                     "kernels are counted in full although they overlap the FFN; the sum can differ from the "
+                     "graphed step time above by launch gaps.")
     report.table("Time per output block", rows,
                  f"B = {shapes['block']}, T = {steps} steps per block + the commit forward, assembled from the step "
                  "times above (see scripts/bench_mage.py).")
