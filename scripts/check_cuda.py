@@ -13,10 +13,10 @@
    whose peak host RSS is reported next to the largest tensor;
 5. kernels: the shipped tiny models decode passkey prompts in bf16 on the Triton kernels and on
    torch SDPA: accuracy of each and how many tokens agree;
-6. methods: the methods' own kernels (MOMO's QSA and block-sparse, DyLLM's approximate attention and row scatter)
-   against their torch references at 8B head shapes in bf16 and fp16, and the tiny models decoding
-   with MOMO and DyLLM on those kernels vs the methods' torch paths; the cached-step methods with
-   their steps replayed from CUDA graphs vs eager.
+6. methods: the methods' own kernels (MOMO's QSA and block-sparse, DyLLM's approximate attention
+   and row scatter) against their torch references at 8B head shapes in bf16 and fp16, and the tiny
+   models decoding with MOMO and DyLLM on those kernels vs the methods' torch paths; the cached-step
+   methods with their steps replayed from CUDA graphs vs eager.
 --sections picks some of them (default: all).
 """
 
