@@ -19,8 +19,9 @@ Objectives:
   masked noisy tokens.
 
 Length curriculum, one per task (--tasks, default all three, drawn evenly): each task starts at
-128 tokens; when its held-out one-step accuracy (all answer tokens predicted from a fully masked
-response, harder than iterative decoding) reaches ADVANCE_AT, its longest length doubles, up to
+128 tokens (--first-length: shorter, e.g. 64 for a few kv pairs per sample); when its held-out
+one-step accuracy (all answer tokens predicted from a fully masked response, harder than iterative
+decoding) reaches ADVANCE_AT, its longest length doubles, up to
 MAX_LENGTH. So passkey can move on while multikey and kv are still being learned. --init continues
 from an earlier checkpoint (its curriculum starts again at 128 and moves on at each check it passes).
 Batches of at most MAX_BATCH samples (fewer at long lengths, TOKENS_PER_BATCH tokens) mix each task's
@@ -140,8 +141,9 @@ class Encoder:
 class Stages:
     """Each task's curriculum stage: the training loop moves them on, the data workers read them."""
 
-    def __init__(self, n_tasks: int, across_processes: bool):
+    def __init__(self, n_tasks: int, across_processes: bool, ladder: list[int]):
         self.cells = torch.multiprocessing.Array("i", n_tasks) if across_processes else [0] * n_tasks
+        self.ladder = ladder  # the lengths, shortest first
 
     def __getitem__(self, task_index: int) -> int:
         return self.cells[task_index]
@@ -150,7 +152,7 @@ class Stages:
         self.cells[task_index] += 1
 
     def lengths(self) -> list[int]:
-        return [STAGES[stage] for stage in self.cells]
+        return [self.ladder[stage] for stage in self.cells]
 
 
 class TaskStream(torch.utils.data.IterableDataset):
@@ -167,9 +169,10 @@ class TaskStream(torch.utils.data.IterableDataset):
         encoder = Encoder(self.directory, self.family)
         while True:
             task_index = rng.randrange(len(self.task_names))
-            length = STAGES[self.stages[task_index]]
-            target = rng.choice([length] * len(STAGES) + [s for s in STAGES if s < length])
-            target = max(64, int(target * rng.uniform(0.75, 1.0)))
+            ladder = self.stages.ladder
+            length = ladder[self.stages[task_index]]
+            target = rng.choice([length] * len(ladder) + [s for s in ladder if s < length])
+            target = max(tasks.MIN_LENGTH, int(target * rng.uniform(0.75, 1.0)))
             sample = tasks.make_sample(self.task_names[task_index], target, rng.random(), rng.randrange(2**31),
                                        encoder.count_tokens)
             response_length = rng.choice(RESPONSE_LENGTHS[self.family])
@@ -285,7 +288,7 @@ def save_checkpoint(model, family, directory: Path, config: dict):
 
 
 def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int,
-          init: str | None, task_names: tuple[str, ...], peak_lr: float = 1e-3):
+          init: str | None, task_names: tuple[str, ...], peak_lr: float = 1e-3, first_length: int = STAGES[0]):
     torch.manual_seed(seed)
     work = out / f"tiny-{family}"
     from tokenizers import Tokenizer as HFTokenizer
@@ -308,7 +311,7 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny-{family}: {params / 1e6:.2f}M parameters", flush=True)
 
-    stages = Stages(len(task_names), workers > 0)
+    stages = Stages(len(task_names), workers > 0, [first_length] + [n for n in STAGES if n > first_length])
     stream = TaskStream(work, family, seed, stages, task_names)
     loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -336,7 +339,7 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
             for index, task in enumerate(task_names):
                 key = (task, stages[index])
                 if key not in checks:
-                    checks[key] = held_out(encoder, STAGES[key[1]], 48, seed + 7919 * index + key[1], (task,))
+                    checks[key] = held_out(encoder, stages.ladder[key[1]], 48, seed + 7919 * index + key[1], (task,))
                 accuracy[task] = one_step_accuracy(model, family, checks[key], encoder, device)
             entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), loss=round(loss.item(), 4), lr=lr,
                          length=dict(zip(task_names, stages.lengths())), accuracy=accuracy)
@@ -347,7 +350,7 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
                 best, best_entry = furthest, entry
                 save_checkpoint(model, family, out / f"best-{family}", config)
             for index, task in enumerate(task_names):
-                if accuracy[task] >= ADVANCE_AT and stages[index] + 1 < len(STAGES):
+                if accuracy[task] >= ADVANCE_AT and stages[index] + 1 < len(stages.ladder):
                     stages.advance(index)
     if not log:
         raise SystemExit(f"tiny-{family}: stopped after {step} steps, before the first check (every {EVAL_EVERY}); "
@@ -370,15 +373,19 @@ def main():
     parser.add_argument("--init", help="continue from this checkpoint directory")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warmup 200 steps, cosine to 0.1x)")
     parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated tasks to train on")
+    parser.add_argument("--first-length", type=int, default=STAGES[0],
+                        help=f"the curriculum's first length (default {STAGES[0]}; then the doublings above it)")
     args = parser.parse_args()
     task_names = tuple(args.tasks.split(","))
+    if not tasks.MIN_LENGTH <= args.first_length <= MAX_LENGTH:
+        parser.error(f"--first-length must be in [{tasks.MIN_LENGTH}, {MAX_LENGTH}], got {args.first_length}")
     if not set(task_names) <= set(tasks.TASKS) or len(set(task_names)) != len(task_names):
         parser.error(f"--tasks must name distinct tasks among {', '.join(tasks.TASKS)}, got {args.tasks!r}")
     if args.what == "tokenizer":
         print(f"wrote {train_tokenizer(args.seed)}")
         return
     train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers,
-          args.init, task_names, args.lr)
+          args.init, task_names, args.lr, args.first_length)
 
 
 if __name__ == "__main__":
