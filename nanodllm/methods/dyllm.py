@@ -193,11 +193,12 @@ class DyLLM(Method):
         x, rope = model.embed(tokens), model.rope(positions)
         k_valid = None if all_valid else valid_keys
         selected = (salient, *index_rows(salient, first))
-        counts, mlp_out = [], None
+        masks, mlp_out = [], None
         for layer, state in zip(model.layers, self.layers):
             x, mlp_out, selected = self.layer_step(layer, state, x, mlp_out, rope, selected, valid, offset, k_valid)
-            counts.append(selected[0].sum(dim=1).float().mean() / x.shape[1])
-        return x.add_(mlp_out), selected[0], torch.stack(counts)
+            masks.append(selected[0])
+        fractions = torch.stack(masks).sum(dim=2).float().mean(dim=1) / x.shape[1]
+        return x.add_(mlp_out), selected[0], fractions
 
     def layer_step(self, layer, state, x, pending, rope, selected, valid, offset, k_valid):
         """One layer of a sparse step, given its input x + pending (the last layer's FFN output, None
@@ -213,8 +214,9 @@ class DyLLM(Method):
 
         shared = rows[:, None]  # the same rows for every head
         exact, lse = attention_with_lse(take_heads(q, shared), state.keys, state.values, k_valid)
-        slots = torch.where(ok, torch.arange(rows.shape[1], device=rows.device), -1).int()
-        slots = torch.full_like(valid, -1, dtype=torch.int32).scatter_(1, rows, slots)  # row -> its exact slot
+        slots = torch.full_like(valid, -1, dtype=torch.int32)  # row -> its exact slot, -1: approximate
+        slot_ids = torch.arange(rows.shape[1], device=rows.device, dtype=torch.int32)
+        put_where(slots[:, None, :, None], rows, ok, slot_ids[None, None, :, None].expand(rows.shape[0], 1, -1, 1))
         context = state.context[:, :, offset:]
         stats = approximate(q, state.keys, dv, columns, state.lse[:, :, offset:], context,
                             (exact, lse, slots))
