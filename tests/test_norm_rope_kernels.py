@@ -231,3 +231,34 @@ def test_model_decodes_the_same_tokens_on_the_fused_kernels(monkeypatch):
     kernel_tokens = block.generate(model, prompts, gen, stop_ids=()).tokens
     assert {"rms_norm", "apply_rope"} <= set(calls)
     assert kernel_tokens == torch_tokens
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_add_out_adds_o_proj_in_place(bias, contiguous):
+    """Layer.add_out: x += o_proj(o), through the matmul's epilogue (no bias, contiguous x) or a plain
+    add; both give x + out(o) and return x itself."""
+    model = tiny_model("llada", dtype=torch.float64)
+    layer = model.layers[0]
+    generator = torch.Generator().manual_seed(0)
+    if bias:
+        layer.self_attn.o_proj.bias = torch.nn.Parameter(torch.randn(model.cfg.hidden_size, generator=generator,
+                                                                      dtype=torch.float64))
+    o = torch.randn(2, model.cfg.num_heads, 5, model.cfg.head_dim, generator=generator, dtype=torch.float64)
+    x = torch.randn(2, 5, model.cfg.hidden_size, generator=generator, dtype=torch.float64)
+    if not contiguous:
+        x = torch.randn(2, 10, model.cfg.hidden_size, generator=generator, dtype=torch.float64)[:, ::2]
+    expected = x + layer.out(o)
+    assert layer.add_out(x, o) is x
+    torch.testing.assert_close(x, expected)
+
+
+def test_rms_norm_module_adds_on_the_torch_path_too():
+    """RMSNorm(x, add) off the kernels: x becomes x + add and the norm is of the sum."""
+    norm = model_module.RMSNorm(16, 1e-6).double()
+    generator = torch.Generator().manual_seed(1)
+    x, add = (torch.randn(3, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    summed = x + add
+    out = norm(x, add)
+    assert torch.equal(x, summed)
+    torch.testing.assert_close(out, norm(summed.clone()))
