@@ -17,17 +17,29 @@ Objectives:
   sees the clean blocks before it and itself (its prompt tail stays clean), exactly what the block
   engine shows it at inference; the clean copy is block-causal. The same 1/t-weighted loss on the
   masked noisy tokens.
+Two additions, both off by default, are what taught tiny-sdar retrieval by key (multikey, kv):
+- --full-mask p: a fraction p of the samples is trained at t = 1, the fully masked canvas decoding
+  starts from. With t ~ U(0.05, 1) alone most samples show some answer digits, and a model can find
+  the answer by its shown digits instead of by its key.
+- --drill p: a fraction p of the multikey and kv samples is a recall drill (Encoder.drill): the
+  question becomes a request to recite, and the response restates all four multikey needles (or
+  DRILL_KV_LINES kv lines) with only their numbers masked, each number whole. One sample then asks
+  for several keys instead of one.
 
-Length curriculum, one per task (--tasks, default all three, drawn evenly): each task starts at
-128 tokens (--first-length: shorter, e.g. 64 for a few kv pairs per sample); when its held-out
-one-step accuracy (all answer tokens predicted from a fully masked response, harder than iterative
-decoding) reaches ADVANCE_AT, its longest length doubles, up to
-MAX_LENGTH. So passkey can move on while multikey and kv are still being learned. --init continues
-from an earlier checkpoint (its curriculum starts again at 128 and moves on at each check it passes).
-Batches of at most MAX_BATCH samples (fewer at long lengths, TOKENS_PER_BATCH tokens) mix each task's
-current length with shorter ones. AdamW with warmup and a cosine decay over the run (steps or
-wall-clock minutes, whichever ends it first). The checkpoint saved is the one furthest along (the sum
-over tasks of stage index plus held-out accuracy), in bf16 and in the family's real on-disk format.
+Length curriculum, one per task (--tasks, default all three): each task starts at 128 tokens
+(--first-length: e.g. 64 for a few kv pairs per sample, or 512 to continue a trained model; the
+doublings of 128 above it follow); when its held-out one-step accuracy (all answer tokens predicted
+from a fully masked response, harder than iterative decoding) reaches ADVANCE_AT, its longest length
+doubles, up to MAX_LENGTH (--last-length: shorter, for quick steps while a skill is learned at short
+lengths). So passkey can move on while multikey and kv are still being learned. --init continues
+from an earlier checkpoint (its curriculum starts again at the first length and moves on at each
+check it passes). Every optimizer step averages one micro-batch per task (on average): at most
+MAX_BATCH samples of that task at its length or a shorter one of the ladder, TOKENS_PER_BATCH tokens
+at most, so a task still at 128 tokens keeps its batch while another is at 4096. AdamW with warmup
+and a cosine decay over the run (steps or wall-clock minutes, whichever ends it first). The
+checkpoint saved is the one furthest along (the sum over tasks of stage index plus held-out
+accuracy), in bf16 and in the family's real on-disk format. The commands that made the shipped
+checkpoints are in each one's train_log.json and in docs/results/tiny_models.md.
 
 The tokenizer is a byte-level BPE trained on the task corpus (digits one by one) plus the kv key
 words as whole tokens (`tasks.KV_KEYS`), so a kv key is one token, as a passkey digit is.
@@ -37,10 +49,12 @@ Reproducible from --seed (data order, init); GPU kernels may add run-to-run nois
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -69,6 +83,9 @@ MAX_LENGTH = 4096
 STAGES = [128, 256, 512, 1024, 2048, 4096]
 ADVANCE_AT = 0.8  # one-step accuracy (all answer tokens at once) that moves the curriculum on
 MAX_BATCH = 128
+DRILL_RESPONSE_LENGTH = 64  # a drill restates up to this many tokens of needles or kv lines
+DRILL_KV_LINES = 5
+KV_LINE = re.compile(r"^(\S+) : (\d+) \.$", re.M)
 TOKENS_PER_BATCH = int(os.environ.get("TINY_TOKENS_PER_BATCH", 65536))
 EVAL_EVERY = int(os.environ.get("TINY_EVAL_EVERY", 100))
 
@@ -114,11 +131,45 @@ def family_config(family: str, vocab: dict, vocab_size: int) -> dict:
 # ------------------------------------------------------------------------------------------------
 # data
 
+class PieceCache:
+    """The tokenizer's ids for task text, cached per whitespace-led piece: each piece is looked up with
+    its digits read as 0 (the tokenizer splits digits one by one, so the ids do not depend on which
+    digits they are) and the digits are put back. Equal to encoding the whole text when the tokenizer's
+    pre-tokenization splits at whitespace, as the tiny models' does (a test checks it on task
+    samples); it makes the data workers about three times faster."""
+
+    PIECE = re.compile(r"\s*\S+|\s+$")
+    AS_ZERO = str.maketrans("0123456789", "0000000000")
+
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+        self.cache, self.lengths = {}, {}  # piece -> ids, piece -> number of ids
+        self.zero = hf_tokenizer.token_to_id("0")
+        self.digit_ids = {digit: hf_tokenizer.token_to_id(digit) for digit in "0123456789"}
+
+    def encode(self, text: str) -> list[int]:
+        digits = iter([self.digit_ids[c] for c in text if c in self.digit_ids])
+        return [next(digits) if i == self.zero else i for piece in self._pieces(text) for i in self.cache[piece]]
+
+    def count(self, text: str) -> int:
+        return sum(map(self.lengths.__getitem__, self._pieces(text)))
+
+    def _pieces(self, text: str) -> list[str]:
+        """The text's pieces with digits read as 0, each encoded once."""
+        pieces = self.PIECE.findall(text.translate(self.AS_ZERO))
+        for piece in set(pieces) - self.cache.keys():
+            self.cache[piece] = self.hf.encode(piece, add_special_tokens=False).ids
+            self.lengths[piece] = len(self.cache[piece])
+        return pieces
+
+
 class Encoder:
-    """Chat-formatted prompt ids and the padded response, for one family."""
+    """Chat-formatted prompt ids, the padded response, and which response tokens the objective may
+    mask (all of them, except in a drill: its digits only)."""
 
     def __init__(self, directory: Path, family: str):
         self.tokenizer = Tokenizer.from_dir(directory, family)
+        self.pieces = PieceCache(self.tokenizer.hf)
         vocab = self.tokenizer.hf.get_vocab()
         end_of_turn = "<|eot_id|>" if family == "llada" else "<|im_end|>"
         self.end_of_turn, self.pad = vocab[end_of_turn], vocab["<|endoftext|>"]
@@ -126,16 +177,54 @@ class Encoder:
         self.family = family
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text))
+        return self.pieces.count(text)
 
-    def encode(self, sample: tasks.Sample, response_length: int = RESPONSE_LENGTH) -> tuple[list[int], list[int]]:
-        """Block diffusion (sdar) pads the response to the end of the block holding its last token, the
+    def encode(self, sample: tasks.Sample, response_length: int = RESPONSE_LENGTH):
+        return self._pair(sample.prompt, sample.answer, response_length, digits_only=False)
+
+    def drill(self, sample: tasks.Sample, rng: random.Random):
+        """A multikey or kv sample turned into a recall drill: the question becomes a request to recite,
+        and the response restates every multikey needle (or DRILL_KV_LINES kv lines) in a random order,
+        only their numbers maskable, each number as a whole (a number partly shown could be found by its
+        shown digits instead of its key). One sample then asks for several keys instead of one, so the
+        retrieval by key gets several times the supervision of the one-question format."""
+        if sample.task == "multikey":
+            question = tasks.MULTIKEY_QUESTION.format(name=sample.meta["key"])
+            needles = [(sample.meta["key"], sample.answer), *sample.meta["distractors"]]
+            rng.shuffle(needles)
+            text = " ".join(tasks.MULTIKEY_NEEDLE.format(name=name, number=number) for name, number in needles)
+            request = "Recite the pass keys."
+        elif sample.task == "kv":
+            question = tasks.KV_QUESTION.format(key=sample.meta["key"])
+            lines = KV_LINE.findall(sample.prompt)
+            chosen = rng.sample(lines, min(DRILL_KV_LINES, len(lines)))
+            text = "\n".join(tasks.KV_LINE.format(key=key, value=value) for key, value in chosen)
+            request = "Recite the values of some keys."
+        else:
+            raise ValueError(f"no drill for task {sample.task!r}")
+        if not sample.prompt.endswith(question):
+            raise ValueError(f"a {sample.task} prompt does not end with its question {question!r}")
+        return self._pair(sample.prompt[: -len(question)] + request, text, DRILL_RESPONSE_LENGTH, digits_only=True)
+
+    def _pair(self, message: str, answer: str, response_length: int, digits_only: bool):
+        """(prompt, response, mask groups): tokens of one positive group are masked together, 0 never.
+        Block diffusion (sdar) pads the response to the end of the block holding its last token, the
         canvas the block engine decodes for gen_length = response_length."""
-        prompt = self.tokenizer.chat([{"role": "user", "content": sample.prompt}])
+        prompt = self.pieces.encode(self.tokenizer.chat_text([{"role": "user", "content": message}]))
         if self.family == "sdar":
             response_length = -(-(len(prompt) + response_length) // BLOCK) * BLOCK - len(prompt)
-        answer = self.tokenizer.encode(sample.answer) + [self.end_of_turn]
-        return prompt, (answer + [self.pad] * response_length)[:response_length]
+        answer_ids = self.pieces.encode(answer)
+        if len(answer_ids) + 1 > response_length:
+            raise ValueError(f"an answer of {len(answer_ids)} tokens does not fit a response of {response_length}")
+        response = (answer_ids + [self.end_of_turn] + [self.pad] * response_length)[:response_length]
+        if not digits_only:
+            return prompt, response, list(range(1, len(response) + 1))
+        digits, groups, number = set(self.pieces.digit_ids.values()), [], 0
+        for index, token in enumerate(response):
+            if token in digits and (index == 0 or response[index - 1] not in digits):
+                number += 1  # a number starts: its digits form one group
+            groups.append(number if token in digits else 0)
+        return prompt, response, groups
 
 
 class Stages:
@@ -155,56 +244,78 @@ class Stages:
         return [self.ladder[stage] for stage in self.cells]
 
 
-class TaskStream(torch.utils.data.IterableDataset):
-    """Endless (prompt, response) pairs, each task at its own curriculum length (or a shorter one);
-    each worker has its own seed."""
+def micro_batch_size(length: int) -> int:
+    """Samples per micro-batch at a curriculum length: TOKENS_PER_BATCH tokens, 8 to MAX_BATCH samples."""
+    return min(MAX_BATCH, max(8, TOKENS_PER_BATCH // (length + 64)))
 
-    def __init__(self, directory: Path, family: str, seed: int, stages: Stages, task_names: tuple[str, ...]):
+
+class TaskStream(torch.utils.data.IterableDataset):
+    """Endless micro-batches of (prompt, response, mask groups), each of one task (cycling over the tasks)
+    at that task's curriculum length or a shorter one, sized by its length: a task still at 128 tokens
+    keeps its batch when another has reached 4096. With probability `drill` a multikey or kv sample is
+    a recall drill (Encoder.drill). Each worker has its own seed."""
+
+    def __init__(self, directory: Path, family: str, seed: int, stages: Stages, task_names: tuple[str, ...],
+                 drill: float):
         self.directory, self.family, self.seed = directory, family, seed
-        self.stages, self.task_names = stages, task_names
+        self.stages, self.task_names, self.drill = stages, task_names, drill
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        rng = random.Random(self.seed * 1000 + (info.id if info else 0))
+        worker = info.id if info else 0
+        rng = random.Random(self.seed * 1000 + worker)
         encoder = Encoder(self.directory, self.family)
-        while True:
-            task_index = rng.randrange(len(self.task_names))
+        for turn in itertools.count(worker):
+            task_index = turn % len(self.task_names)
             ladder = self.stages.ladder
             length = ladder[self.stages[task_index]]
-            target = rng.choice([length] * len(ladder) + [s for s in ladder if s < length])
-            target = max(tasks.MIN_LENGTH, int(target * rng.uniform(0.75, 1.0)))
-            sample = tasks.make_sample(self.task_names[task_index], target, rng.random(), rng.randrange(2**31),
-                                       encoder.count_tokens)
-            response_length = rng.choice(RESPONSE_LENGTHS[self.family])
-            yield encoder.encode(sample, response_length)
+            triples = []
+            for _ in range(micro_batch_size(length)):
+                target = rng.choice([length] * len(ladder) + [s for s in ladder if s < length])
+                target = max(tasks.MIN_LENGTH, int(target * rng.uniform(0.75, 1.0)))
+                task = self.task_names[task_index]
+                sample = tasks.make_sample(task, target, rng.random(), rng.randrange(2**31), encoder.count_tokens)
+                if task != "passkey" and rng.random() < self.drill:
+                    triples.append(encoder.drill(sample, rng))
+                else:
+                    triples.append(encoder.encode(sample, rng.choice(RESPONSE_LENGTHS[self.family])))
+            yield task_index, triples
 
 
-def collate(pairs, pad_id):
-    """Right-pad prompt ++ response; returns ids [b, t], prompt lengths [b], valid [b, t]."""
-    width = max(len(p) + len(r) for p, r in pairs)
-    ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
-    for row, (prompt, response) in enumerate(pairs):
+def collate(triples, pad_id):
+    """Right-pad prompt ++ response; returns ids [b, t], prompt lengths [b], valid [b, t] and the mask
+    groups [b, t] (0: never masked, so the whole prompt and the padding)."""
+    width = max(len(p) + len(r) for p, r, _ in triples)
+    ids = torch.full((len(triples), width), pad_id, dtype=torch.long)
+    groups = torch.zeros((len(triples), width), dtype=torch.long)
+    for row, (prompt, response, response_groups) in enumerate(triples):
         ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-    lengths = torch.tensor([len(p) for p, _ in pairs])
-    totals = torch.tensor([len(p) + len(r) for p, r in pairs])
+        groups[row, len(prompt) : len(prompt) + len(response)] = torch.tensor(response_groups)
+    lengths = torch.tensor([len(p) for p, _, _ in triples])
+    totals = torch.tensor([len(p) + len(r) for p, r, _ in triples])
     valid = torch.arange(width)[None, :] < totals[:, None]
-    return ids, lengths, valid
+    return ids, lengths, valid, groups
 
 
 # ------------------------------------------------------------------------------------------------
 # objectives
 
-def llada_batch(ids, lengths, valid, mask_id, t):
+def draw_masked(groups, t):
+    """Which tokens to mask: each group (positive id) of row b with probability t[b], all its tokens."""
+    draws = torch.rand(groups.shape[0], int(groups.max()) + 1, device=groups.device)
+    return (groups > 0) & (draws.gather(1, groups) < t[:, None])
+
+
+def llada_batch(ids, lengths, valid, groups, mask_id, t):
     """Noisy canvas, positions, attention mask and the loss targets for masked diffusion."""
     columns = torch.arange(ids.shape[1], device=ids.device)[None, :]
-    response = (columns >= lengths[:, None]) & valid
-    masked = response & (torch.rand(ids.shape, device=ids.device) < t[:, None])
+    masked = draw_masked(groups, t)
     noisy = torch.where(masked, mask_id, ids)
     positions = columns.expand(ids.shape[0], -1)
     return noisy, positions, key_padding_mask(valid, valid), masked, ids
 
 
-def sdar_batch(ids, lengths, valid, mask_id, t):
+def sdar_batch(ids, lengths, valid, groups, mask_id, t):
     """Clean sequence ++ noisy copy of the blocks holding the response (block diffusion)."""
     batch, width = ids.shape
     device = ids.device
@@ -215,8 +326,7 @@ def sdar_batch(ids, lengths, valid, mask_id, t):
     noisy_columns = starts[:, None] + offsets  # the column each noisy token copies
     noisy_valid = noisy_columns < ends[:, None]
     copied = ids.gather(1, noisy_columns.clamp(max=width - 1))
-    is_response = (noisy_columns >= lengths[:, None]) & noisy_valid
-    masked = is_response & (torch.rand(copied.shape, device=device) < t[:, None])
+    masked = draw_masked(groups.gather(1, noisy_columns.clamp(max=width - 1)) * noisy_valid, t)
     noisy = torch.where(masked, mask_id, copied)
 
     columns = torch.arange(width, device=device)[None, :].expand(batch, -1)
@@ -235,12 +345,13 @@ def sdar_batch(ids, lengths, valid, mask_id, t):
     return tokens, positions, mask, loss_at, targets
 
 
-def loss_and_accuracy(model, family, ids, lengths, valid, mask_id, t):
+def loss_and_accuracy(model, family, ids, lengths, valid, groups, mask_id, t):
+    """The 1/t-weighted loss over the masked tokens, per maskable token of each sample."""
     make = llada_batch if family == "llada" else sdar_batch
-    tokens, positions, mask, loss_at, targets = make(ids, lengths, valid, mask_id, t)
+    tokens, positions, mask, loss_at, targets = make(ids, lengths, valid, groups, mask_id, t)
     logits = model(tokens, positions, lambda layer, q, k, v: attention(q, k, v, mask)).float()
     per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-    per_sample = (per_token * loss_at).sum(1) / (t * (valid.sum(1) - lengths))
+    per_sample = (per_token * loss_at).sum(1) / (t * (groups > 0).sum(1))
     predicted = logits.argmax(-1)
     return per_sample.mean(), predicted, targets, loss_at
 
@@ -249,31 +360,33 @@ def loss_and_accuracy(model, family, ids, lengths, valid, mask_id, t):
 # training
 
 def held_out(encoder, length, n, seed, task_names):
-    """n (prompt, response) pairs cycling over task_names: the fixed set a stage is judged on."""
+    """n (prompt, response, mask groups) triples cycling over task_names: the fixed set a stage is judged on."""
     rng = random.Random(seed)
-    pairs = []
+    triples = []
     for i in range(n):
         task = task_names[i % len(task_names)]
         sample = tasks.make_sample(task, length, rng.random(), rng.randrange(2**31), encoder.count_tokens)
-        pairs.append(encoder.encode(sample))
-    return pairs
+        triples.append(encoder.encode(sample))
+    return triples
 
 
 @torch.no_grad()
-def one_step_accuracy(model, family, pairs, encoder, device):
+def one_step_accuracy(model, family, triples, encoder, device):
     """Fraction of samples whose answer (through the end-of-turn token) is predicted exactly from a
     fully masked response in one forward."""
     correct = 0
-    for chunk in range(0, len(pairs), 16):
-        ids, lengths, valid = (x.to(device) for x in collate(pairs[chunk : chunk + 16], encoder.pad))
+    for chunk in range(0, len(triples), 16):
+        batch = (x.to(device) for x in collate(triples[chunk : chunk + 16], encoder.pad))
+        ids, lengths, valid, groups = batch
         t = torch.ones(ids.shape[0], device=device)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            _, predicted, targets, loss_at = loss_and_accuracy(model, family, ids, lengths, valid, encoder.mask_id, t)
+            _, predicted, targets, loss_at = loss_and_accuracy(model, family, ids, lengths, valid, groups,
+                                                               encoder.mask_id, t)
         for row in range(ids.shape[0]):
-            answer_length = pairs[chunk + row][1].index(encoder.end_of_turn) + 1
+            answer_length = triples[chunk + row][1].index(encoder.end_of_turn) + 1
             where = loss_at[row].nonzero().flatten()[:answer_length]
             correct += bool((predicted[row, where] == targets[row, where]).all())
-    return correct / len(pairs)
+    return correct / len(triples)
 
 
 def save_checkpoint(model, family, directory: Path, config: dict):
@@ -288,7 +401,9 @@ def save_checkpoint(model, family, directory: Path, config: dict):
 
 
 def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int,
-          init: str | None, task_names: tuple[str, ...], peak_lr: float = 1e-3, first_length: int = STAGES[0]):
+          init: str | None, task_names: tuple[str, ...], peak_lr: float = 1e-3, ladder: tuple[int, ...] = tuple(STAGES),
+          drill: float = 0.0, full_mask: float = 0.0):
+    """ladder: the curriculum's lengths, shortest first."""
     torch.manual_seed(seed)
     work = out / f"tiny-{family}"
     from tokenizers import Tokenizer as HFTokenizer
@@ -311,26 +426,29 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny-{family}: {params / 1e6:.2f}M parameters", flush=True)
 
-    stages = Stages(len(task_names), workers > 0, [first_length] + [n for n in STAGES if n > first_length])
-    stream = TaskStream(work, family, seed, stages, task_names)
+    stages = Stages(len(task_names), workers > 0, list(ladder))
+    stream = TaskStream(work, family, seed, stages, task_names, drill)
     loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = 200
-    checks = {}  # (task, stage) -> held-out pairs
+    checks = {}  # (task, stage) -> held-out triples
     best, start, step, log = -1.0, time.perf_counter(), 0, []
     while step < max_steps and time.perf_counter() - start < minutes * 60:
-        batch_size = min(MAX_BATCH, max(8, TOKENS_PER_BATCH // (max(stages.lengths()) + 64)))
-        pairs = [next(loader) for _ in range(batch_size)]
-        ids, lengths, valid = (x.to(device) for x in collate(pairs, encoder.pad))
         progress = max(step / max_steps, (time.perf_counter() - start) / (minutes * 60))
         lr = peak_lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        t = torch.rand(ids.shape[0], device=device).clamp(min=0.05)
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss, *_ = loss_and_accuracy(model, family, ids, lengths, valid, encoder.mask_id, t)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        losses = {}
+        for _ in task_names:  # one micro-batch per task on average: the gradient is their mean
+            task_index, triples = next(loader)
+            ids, lengths, valid, groups = (x.to(device) for x in collate(triples, encoder.pad))
+            t = torch.rand(ids.shape[0], device=device).clamp(min=0.05)
+            t = torch.where(torch.rand(ids.shape[0], device=device) < full_mask, 1.0, t)
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                loss, *_ = loss_and_accuracy(model, family, ids, lengths, valid, groups, encoder.mask_id, t)
+            (loss / len(task_names)).backward()
+            losses[task_names[task_index]] = round(loss.item(), 4)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
@@ -341,7 +459,7 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
                 if key not in checks:
                     checks[key] = held_out(encoder, stages.ladder[key[1]], 48, seed + 7919 * index + key[1], (task,))
                 accuracy[task] = one_step_accuracy(model, family, checks[key], encoder, device)
-            entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), loss=round(loss.item(), 4), lr=lr,
+            entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), loss=losses, lr=lr,
                          length=dict(zip(task_names, stages.lengths())), accuracy=accuracy)
             log.append(entry)
             print(json.dumps(entry), flush=True)
@@ -375,17 +493,28 @@ def main():
     parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated tasks to train on")
     parser.add_argument("--first-length", type=int, default=STAGES[0],
                         help=f"the curriculum's first length (default {STAGES[0]}; then the doublings above it)")
+    parser.add_argument("--last-length", type=int, default=MAX_LENGTH,
+                        help=f"the curriculum's last length (default {MAX_LENGTH})")
+    parser.add_argument("--drill", type=float, default=0.0,
+                        help="fraction of multikey and kv samples that are recall drills (several keys each)")
+    parser.add_argument("--full-mask", type=float, default=0.0,
+                        help="fraction of samples trained fully masked (t = 1, the canvas decoding starts from)")
     args = parser.parse_args()
     task_names = tuple(args.tasks.split(","))
-    if not tasks.MIN_LENGTH <= args.first_length <= MAX_LENGTH:
-        parser.error(f"--first-length must be in [{tasks.MIN_LENGTH}, {MAX_LENGTH}], got {args.first_length}")
+    if not tasks.MIN_LENGTH <= args.first_length <= args.last_length <= MAX_LENGTH:
+        parser.error(f"--first-length and --last-length must satisfy {tasks.MIN_LENGTH} <= first <= last <= "
+                     f"{MAX_LENGTH}, got {args.first_length} and {args.last_length}")
+    ladder = (args.first_length, *(n for n in STAGES if args.first_length < n <= args.last_length))
     if not set(task_names) <= set(tasks.TASKS) or len(set(task_names)) != len(task_names):
         parser.error(f"--tasks must name distinct tasks among {', '.join(tasks.TASKS)}, got {args.tasks!r}")
+    for name in ("drill", "full_mask"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
     if args.what == "tokenizer":
         print(f"wrote {train_tokenizer(args.seed)}")
         return
     train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers,
-          args.init, task_names, args.lr, args.first_length)
+          args.init, task_names, args.lr, ladder, args.drill, args.full_mask)
 
 
 if __name__ == "__main__":

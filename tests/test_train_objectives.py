@@ -3,8 +3,12 @@
 import importlib.util
 from pathlib import Path
 
+import random
+
+import pytest
 import torch
 
+from nanodllm import tasks
 from nanodllm.attention import attention, block_causal_mask
 from tiny_models import MASK_ID, random_prompt, tiny_model
 
@@ -12,6 +16,7 @@ spec = importlib.util.spec_from_file_location("train_tiny", Path(__file__).resol
 train_tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(train_tiny)
 BLOCK = train_tiny.BLOCK
+TINY_SDAR = Path(__file__).resolve().parents[1] / "nanodllm" / "assets" / "tiny-sdar"
 
 
 def uncached_logits(model, ids, size):
@@ -27,9 +32,10 @@ def test_sdar_noisy_blocks_see_what_the_block_engine_shows():
         prompt = random_prompt(prompt_length, seed=prompt_length)
         response_length = -(-(prompt_length + 32) // BLOCK) * BLOCK - prompt_length
         pairs.append((prompt, random_prompt(response_length, seed=1 + prompt_length)))
-    ids, lengths, valid = train_tiny.collate(pairs, pad_id=0)
+    ids, lengths, valid, groups = train_tiny.collate([(p, r, range(1, len(r) + 1)) for p, r in pairs], pad_id=0)
     all_masked = torch.ones(len(pairs))
-    tokens, positions, mask, loss_at, targets = train_tiny.sdar_batch(ids, lengths, valid, MASK_ID, all_masked)
+    tokens, positions, mask, loss_at, targets = train_tiny.sdar_batch(ids, lengths, valid, groups, MASK_ID,
+                                                                      all_masked)
     logits = model(tokens, positions, lambda layer, q, k, v: attention(q, k, v, mask))
     width = ids.shape[1]
     for row, (prompt, response) in enumerate(pairs):
@@ -48,11 +54,65 @@ def test_sdar_noisy_blocks_see_what_the_block_engine_shows():
 def test_llada_noisy_canvas_is_the_masked_engine_canvas():
     model = tiny_model("llada")
     pairs = [(random_prompt(9, seed=1), random_prompt(16, seed=2)), (random_prompt(5, seed=3), random_prompt(32, seed=4))]
-    ids, lengths, valid = train_tiny.collate(pairs, pad_id=0)
-    tokens, positions, mask, loss_at, _ = train_tiny.llada_batch(ids, lengths, valid, MASK_ID, torch.ones(2))
+    ids, lengths, valid, groups = train_tiny.collate([(p, r, range(1, len(r) + 1)) for p, r in pairs], pad_id=0)
+    tokens, positions, mask, loss_at, _ = train_tiny.llada_batch(ids, lengths, valid, groups, MASK_ID, torch.ones(2))
     logits = model(tokens, positions, lambda layer, q, k, v: attention(q, k, v, mask))
     for row, (prompt, response) in enumerate(pairs):
         canvas = torch.tensor([prompt + [MASK_ID] * len(response)])
         expected = model(canvas, torch.arange(canvas.shape[1])[None], lambda layer, q, k, v: attention(q, k, v))
         torch.testing.assert_close(logits[row, : canvas.shape[1]], expected[0])
         assert loss_at[row].sum() == len(response)
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return train_tiny.Encoder(TINY_SDAR, "sdar")
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_piece_cache_encodes_task_text_as_the_tokenizer_does(encoder, task):
+    rng = random.Random(task)
+    for length in (64, 300, 1000):
+        sample = tasks.make_sample(task, length, rng.random(), rng.randrange(2**31))
+        message = encoder.tokenizer.chat_text([{"role": "user", "content": sample.prompt}])
+        for text in (message, sample.answer, sample.prompt[: rng.randrange(len(sample.prompt))], "a  b 1 \n"):
+            assert encoder.pieces.encode(text) == encoder.tokenizer.encode(text)
+            assert encoder.count_tokens(text) == len(encoder.tokenizer.encode(text))
+
+
+@pytest.mark.parametrize("task", ["multikey", "kv"])
+def test_drill_restates_needles_and_masks_only_their_numbers_whole(encoder, task):
+    rng = random.Random(7)
+    sample = tasks.make_sample(task, 400, 0.5, 11, encoder.count_tokens)
+    prompt, response, groups = encoder.drill(sample, rng)
+    message = encoder.tokenizer.decode(prompt)
+    assert "What is" not in message and "Recite" in message
+    assert len(prompt) + len(response) == -(-(len(prompt) + train_tiny.DRILL_RESPONSE_LENGTH) // BLOCK) * BLOCK
+    end = response.index(encoder.end_of_turn)
+    restated = encoder.tokenizer.decode(response[:end])
+    if task == "multikey":
+        names = [sample.meta["key"], *(name for name, _ in sample.meta["distractors"])]
+        numbers = [sample.answer, *(number for _, number in sample.meta["distractors"])]
+        expected = {tasks.MULTIKEY_NEEDLE.format(name=n, number=v) for n, v in zip(names, numbers)}
+        assert set(restated.removesuffix(".").split(". ")) == {needle.removesuffix(".") for needle in expected}
+    else:
+        lines = restated.split("\n")
+        assert len(lines) == train_tiny.DRILL_KV_LINES and all(line in sample.prompt for line in lines)
+    digits = [encoder.tokenizer.decode([token]).isdigit() for token in response]
+    assert [group > 0 for group in groups] == digits
+    width = len(sample.answer)  # every restated number has the answer's digit count
+    numbered = [group for group in groups if group]
+    assert numbered == [number for number in range(1, len(numbered) // width + 1) for _ in range(width)]
+    regular = encoder.encode(sample)
+    ids, lengths, valid, batch_groups = train_tiny.collate([regular, (prompt, response, groups)], encoder.pad)
+    _, _, _, masked, _ = train_tiny.llada_batch(ids, lengths, valid, batch_groups, encoder.mask_id, torch.ones(2))
+    assert masked[0].sum() == len(regular[1]) and masked[1].sum() == sum(digits)  # t = 1: all that may be
+    torch.manual_seed(0)
+    counts = set()
+    for _ in range(20):  # at t = 0.5 a number is masked whole or not at all, and how many varies
+        _, _, _, masked, _ = train_tiny.llada_batch(ids, lengths, valid, batch_groups, encoder.mask_id,
+                                                    torch.full((2,), 0.5))
+        whole = [masked[1, batch_groups[1] == number] for number in range(1, max(groups) + 1)]
+        assert all(m.all() or not m.any() for m in whole)
+        counts.add(sum(bool(m.all()) for m in whole))
+    assert len(counts) > 2
