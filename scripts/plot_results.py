@@ -10,6 +10,8 @@ JSON files `scripts/bench.py` wrote, so it runs anywhere, no GPU.
                            for vanilla, Fast-dLLM's caches and Sparse-dLLM (bench_sparse_dllm.json).
 - dyllm_salient.png        DyLLM's Fig. 7 analogue: salient fraction per layer across the denoising
                            steps on tiny-llada (dyllm_salient.json, written by scripts/dyllm_salient.py).
+- tiny_models_heatmap.png  dense accuracy of the shipped tiny models per task, context length and
+                           needle depth (tiny_models.json, the eval tables of tiny_models.md).
 """
 
 from __future__ import annotations
@@ -89,9 +91,38 @@ def dyllm_salient(results: dict, out: Path):
     plt.close(fig)
 
 
+def tiny_models_heatmap(results: dict, out: Path):
+    models = list(results["models"])
+    task_names = list(results["models"][models[0]])
+    fig, axes = plt.subplots(len(models), len(task_names), figsize=(3.4 * len(task_names), 3.2 * len(models)),
+                             squeeze=False, layout="constrained")
+    for row, model in enumerate(models):
+        for ax, task in zip(axes[row], task_names):
+            cells = results["models"][model][task]
+            lengths = sorted({cell["length"] for cell in cells})
+            depths = sorted({cell["depth"] for cell in cells})
+            accuracy = {(cell["length"], cell["depth"]): cell["accuracy"] for cell in cells}
+            image = ax.imshow([[accuracy[(length, depth)] for length in lengths] for depth in depths],
+                              vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for (length, depth), value in accuracy.items():
+                ax.text(lengths.index(length), depths.index(depth), f"{value:.3f}", ha="center", va="center",
+                        fontsize=7)
+            ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+            ax.set_yticks(range(len(depths)), [f"{depth:.2f}" for depth in depths])
+            ax.set_title(f"{model}: {task}", fontsize=9)
+            ax.set_xlabel("context length (tokens)", fontsize=8)
+            ax.set_ylabel("needle depth", fontsize=8)
+    fig.colorbar(image, ax=axes.ravel().tolist(), label="dense accuracy")
+    fig.suptitle(f"tiny models, temperature 0, {results['models'][models[0]][task_names[0]][0]['n']} samples "
+                 f"per cell ({results['device']})", fontsize=9)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 FIGURES = {"momo_latency_vs_k.png": ("bench_momo.json", momo_latency_vs_k),
            "sparse_dllm_scaling.png": ("bench_sparse_dllm.json", sparse_dllm_scaling),
-           "dyllm_salient.png": ("dyllm_salient.json", dyllm_salient)}
+           "dyllm_salient.png": ("dyllm_salient.json", dyllm_salient),
+           "tiny_models_heatmap.png": ("tiny_models.json", tiny_models_heatmap)}
 
 
 def main():

@@ -67,8 +67,10 @@ def test_demo_maskkv_on_the_default_model():
     done = demo("--method", "maskkv", "--context", "512")
     assert done.returncode == 0, done.stderr
     assert "[maskkv] 32 tokens" in done.stdout
-    kept = done.stdout.split("[maskkv]")[1].split("(")[2]  # "256 of 528 prompt tokens per head on average)"
-    assert kept.startswith("256 of ") and "prompt tokens per head" in kept
+    kept = done.stdout.split("[maskkv]")[1].split("(")[2]  # "255 of 527 prompt tokens per head on average)"
+    assert "prompt tokens per head" in kept
+    average, prompt = (float(number) for number in kept.split(" prompt")[0].split(" of "))
+    assert 252 <= average <= 256 < prompt  # the budget of 256, less what the layer and head shares floor away
     assert "token agreement maskkv vs dense: " in done.stdout
 
 
