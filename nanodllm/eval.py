@@ -13,6 +13,7 @@ MaskKV's layer profile next to the checkpoint (methods/maskkv.py).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -171,26 +172,41 @@ def summary(results, methods: list[str]) -> dict:
     return out
 
 
-def plot(results, methods: list[str], path: str, title: str):
+def require_matplotlib():
+    """A clear error before any work when the optional plotting dependency is missing."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib, an optional dependency: pip install matplotlib")
+
+
+def plot(grids: dict[str, dict[tuple, float]], path, title: str, columns: int = 4):
+    """One length x depth accuracy heatmap per entry of grids ({panel title: {(length, depth):
+    accuracy}}), `columns` panels a row, each cell labelled with its accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(methods), figsize=(4 * len(methods), 3.5), squeeze=False)
-    for ax, m in zip(axes[0], methods):
-        lengths = sorted({c[0] for c in results[m]})
-        depths = sorted({c[1] for c in results[m]})
-        grid = [[sum(results[m][(l, d)].scores) / max(len(results[m][(l, d)].scores), 1) for l in lengths] for d in depths]
-        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
-        ax.set_title(f"{m}")
-    fig.colorbar(image, ax=axes[0].tolist())
-    fig.suptitle(title)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    columns = min(columns, len(grids))
+    rows = -(-len(grids) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 3.0 * rows), squeeze=False, layout="constrained")
+    for ax in axes.ravel()[len(grids):]:
+        ax.axis("off")
+    for ax, (name, accuracy) in zip(axes.ravel(), grids.items()):
+        lengths = sorted({length for length, _ in accuracy})
+        depths = sorted({depth for _, depth in accuracy})
+        image = ax.imshow([[accuracy.get((length, depth), float("nan")) for length in lengths] for depth in depths],
+                          vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for (length, depth), value in accuracy.items():
+            ax.text(lengths.index(length), depths.index(depth), f"{value:.3f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+        ax.set_yticks(range(len(depths)), [f"{depth:.2f}" for depth in depths])
+        ax.set_xlabel("context length (tokens)", fontsize=8)
+        ax.set_ylabel("needle depth", fontsize=8)
+        ax.set_title(name, fontsize=9)
+    fig.colorbar(image, ax=axes.ravel().tolist(), label="accuracy")
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def parse_args(argv):
@@ -257,10 +273,7 @@ def main(argv=None) -> int:
         if args.method != "all" and args.method not in METHODS:
             raise ValueError(f"unknown method {args.method!r}; valid methods: {', '.join(sorted(METHODS))}, all")
         if args.plot:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise ValueError("--plot needs matplotlib, an optional dependency: pip install matplotlib") from None
+            require_matplotlib()
         if args.task == "longbench" and not args.data:
             raise ValueError("--task longbench needs --data FILE.jsonl")
         lengths = [int(x) for x in args.lengths.split(",")]
@@ -294,7 +307,8 @@ def main(argv=None) -> int:
     for m, by_length in summary(results, methods).items():
         print(f"{m}: " + ", ".join(f"{length}: {acc:.3f}" for length, acc in sorted(by_length.items(), key=str)))
     if args.plot:
-        plot(results, methods, args.plot, f"{args.model} {args.task}")
+        grids = {m: {cell: sum(o.scores) / len(o.scores) for cell, o in results[m].items()} for m in methods}
+        plot(grids, args.plot, f"{args.model}, {args.task}, {args.device} {args.dtype}")
         print(f"heatmap written to {args.plot}")
     return 0
 

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanodllm.eval import plot  # noqa: E402
 
 
 def section(results: dict, title_start: str) -> list[dict]:
@@ -92,31 +96,11 @@ def dyllm_salient(results: dict, out: Path):
 
 
 def tiny_models_heatmap(results: dict, out: Path):
-    models = list(results["models"])
-    task_names = list(results["models"][models[0]])
-    fig, axes = plt.subplots(len(models), len(task_names), figsize=(3.4 * len(task_names), 3.2 * len(models)),
-                             squeeze=False, layout="constrained")
-    for row, model in enumerate(models):
-        for ax, task in zip(axes[row], task_names):
-            cells = results["models"][model][task]
-            lengths = sorted({cell["length"] for cell in cells})
-            depths = sorted({cell["depth"] for cell in cells})
-            accuracy = {(cell["length"], cell["depth"]): cell["accuracy"] for cell in cells}
-            image = ax.imshow([[accuracy[(length, depth)] for length in lengths] for depth in depths],
-                              vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            for (length, depth), value in accuracy.items():
-                ax.text(lengths.index(length), depths.index(depth), f"{value:.3f}", ha="center", va="center",
-                        fontsize=7)
-            ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
-            ax.set_yticks(range(len(depths)), [f"{depth:.2f}" for depth in depths])
-            ax.set_title(f"{model}: {task}", fontsize=9)
-            ax.set_xlabel("context length (tokens)", fontsize=8)
-            ax.set_ylabel("needle depth", fontsize=8)
-    fig.colorbar(image, ax=axes.ravel().tolist(), label="dense accuracy")
-    fig.suptitle(f"tiny models, temperature 0, {results['models'][models[0]][task_names[0]][0]['n']} samples "
-                 f"per cell ({results['device']})", fontsize=9)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    grids = {f"{model}: {task}": {(cell["length"], cell["depth"]): cell["accuracy"] for cell in cells}
+             for model, by_task in results["models"].items() for task, cells in by_task.items()}
+    per_cell = next(iter(next(iter(results["models"].values())).values()))[0]["n"]
+    plot(grids, out, f"tiny models, dense, temperature 0, {per_cell} samples per cell ({results['device']})",
+         columns=len(next(iter(results["models"].values()))))
 
 
 FIGURES = {"momo_latency_vs_k.png": ("bench_momo.json", momo_latency_vs_k),

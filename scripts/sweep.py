@@ -6,7 +6,8 @@
 Every method in --methods that takes the swept knob runs once per value; a method without it runs
 once with its defaults. Prints (and writes with --out) one table of accuracy per context length,
 with agreement with dense and KV kept alongside, and per variant a depth x length accuracy grid
-(the NIAH heatmap, as a table: no plotting library needed).
+(the NIAH heatmap, as a table: no plotting library needed; --plot FILE.png also draws them, with the
+optional matplotlib).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanodllm import tasks  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
-from nanodllm.eval import DTYPES, Runner, agreement, resolve_model  # noqa: E402
+from nanodllm.eval import DTYPES, Runner, agreement, plot, require_matplotlib, resolve_model  # noqa: E402
 from nanodllm.methods import METHODS, parse_knobs, parse_value  # noqa: E402
 
 
@@ -117,12 +118,15 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--out", type=Path, help="also write the tables to this Markdown file")
+    parser.add_argument("--plot", type=Path, help="also draw the depth x length heatmaps into this PNG")
     args = parser.parse_args(argv)
     knob, _, values = args.knob.partition("=")
     lengths = [int(x) for x in args.lengths.split(",")]
     try:
         plan = variants(args.methods.split(","), knob, [parse_value(v) for v in values.split(",")],
                         parse_knobs(args.knobs))
+        if args.plot:
+            require_matplotlib()
         runner = Runner(resolve_model(args.model), args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
         for name, _ in plan:
             runner.check_engine(name)
@@ -144,6 +148,10 @@ def main(argv=None) -> int:
     print("\n".join(text))
     if args.out:
         args.out.write_text("\n".join(text) + "\n")
+    if args.plot:
+        grids = {name: {cell: sum(r[0] for r in records) / len(records) for cell, records in cells.items()}
+                 for name, cells in results.items()}
+        plot(grids, args.plot, f"{args.model}, {args.task}, {args.n} samples per length, {args.device} {args.dtype}")
     return 0
 
 
