@@ -3,7 +3,8 @@
 `ModelConfig.from_dir(path)` reads a checkpoint's config.json. Four families are understood:
 
 - `llada`: LLaDA-8B-Base/-Instruct, LLaDA-1.5. OLMo field names (d_model, n_layers, ...),
-  fully bidirectional attention.
+  fully bidirectional attention; `attention_layer_norm` (RMSNorm over the whole q and k projections,
+  false in the released checkpoints, true in tiny-llada) is read too.
 - `sdar`: SDAR-*-Chat, TraDo. Qwen3 field names, q/k norm, block-causal attention with
   `block_size` (default 4) and `mask_token_id` (default 151669) when the config lacks them.
 - `Dream`: Dream-v0-7B. Qwen2 field names, q/k/v biases, no q/k norm, bidirectional, logits shifted
@@ -44,7 +45,8 @@ class ModelConfig:
     block_size: int | None  # block-causal block length (sdar), None when bidirectional
     mask_token_id: int
     eos_token_ids: tuple[int, ...]
-    qk_norm: bool = False
+    qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3, SDAR); "projection": over the whole
+    # q and k projections before they are split into heads (OLMo's attention_layer_norm)
     qkv_bias: bool = False
     logit_shift: bool = False
     tie_word_embeddings: bool = False
@@ -59,6 +61,8 @@ class ModelConfig:
             raise ValueError(f"attention must be 'bidirectional' or 'block_causal', got {self.attention!r}")
         if self.attention == "block_causal" and not self.block_size:
             raise ValueError("block_causal attention needs a positive block_size")
+        if self.qk_norm not in (None, "head", "projection"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'projection', got {self.qk_norm!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotate-half RoPE, got {self.head_dim}")
 
@@ -123,9 +127,14 @@ def _stop_ids(raw: dict, default: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _from_olmo_fields(raw: dict, source: str) -> ModelConfig:
-    for flag in ("include_bias", "include_qkv_bias", "attention_layer_norm", "alibi"):
+    for flag in ("include_bias", "include_qkv_bias", "alibi"):
         if raw.get(flag):
             raise ValueError(f"{source}: {flag}=true is not supported (released LLaDA checkpoints set it false)")
+    if raw.get("attention_layer_norm") and raw.get("attention_layer_norm_with_affine") is False:
+        raise ValueError(f"{source}: attention_layer_norm without affine weights is not supported "
+                         "(attention_layer_norm_with_affine=false)")
+    if (raw.get("layer_norm_type") or "rms") != "rms":
+        raise ValueError(f"{source}: layer_norm_type {raw['layer_norm_type']!r} is not supported; only 'rms'")
     if raw.get("rope") is False:
         raise ValueError(f"{source}: rope=false is not supported (released LLaDA checkpoints use RoPE)")
     if raw.get("block_type", "llama") != "llama":
@@ -150,6 +159,7 @@ def _from_olmo_fields(raw: dict, source: str) -> ModelConfig:
         mask_token_id=raw.get("mask_token_id", 126336),
         eos_token_ids=_stop_ids(raw, default=(126081, 126348)),
         tie_word_embeddings=bool(raw.get("weight_tying", False)),
+        qk_norm="projection" if raw.get("attention_layer_norm") else None,
     )
 
 
@@ -163,7 +173,7 @@ def _from_qwen3_fields(raw: dict, source: str) -> ModelConfig:
         block_size=4 if raw.get("block_size") is None else raw["block_size"],
         mask_token_id=151669 if raw.get("mask_token_id") is None else raw["mask_token_id"],
         eos_token_ids=_stop_ids(raw, default=(151645, 151643)),
-        qk_norm=True,
+        qk_norm="head",
     )
 
 

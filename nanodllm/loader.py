@@ -31,6 +31,8 @@ RENAMES = {
         ("model.transformer.blocks.{i}.q_proj.weight", "layers.{i}.self_attn.q_proj.weight"),
         ("model.transformer.blocks.{i}.k_proj.weight", "layers.{i}.self_attn.k_proj.weight"),
         ("model.transformer.blocks.{i}.v_proj.weight", "layers.{i}.self_attn.v_proj.weight"),
+        ("model.transformer.blocks.{i}.q_norm.weight", "layers.{i}.self_attn.q_norm.weight"),
+        ("model.transformer.blocks.{i}.k_norm.weight", "layers.{i}.self_attn.k_norm.weight"),
         ("model.transformer.blocks.{i}.attn_out.weight", "layers.{i}.self_attn.o_proj.weight"),
         ("model.transformer.blocks.{i}.ff_norm.weight", "layers.{i}.post_attention_layernorm.weight"),
         ("model.transformer.blocks.{i}.ff_proj.weight", "layers.{i}.mlp.gate_proj.weight"),

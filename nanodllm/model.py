@@ -98,8 +98,9 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            whole = cfg.qk_norm == "projection"
+            self.q_norm = RMSNorm(cfg.num_heads * hd if whole else hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.num_kv_heads * hd if whole else hd, cfg.rms_norm_eps)
 
 
 class MLP(nn.Module):
@@ -127,18 +128,23 @@ class Layer(nn.Module):
 
     def qkv(self, h: torch.Tensor, rope: Rope):
         """[b, t, hidden] -> q [b, heads, t, d], k and v [b, kv_heads, t, d]; RoPE applied to q, k."""
-        attn, b, t, hd = self.self_attn, h.shape[0], h.shape[1], self.cfg.head_dim
-        q = attn.q_proj(h).view(b, t, -1, hd).transpose(1, 2)
-        k = attn.k_proj(h).view(b, t, -1, hd).transpose(1, 2)
-        if self.cfg.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        attn = self.self_attn
+        q = self._heads(attn.q_proj(h), attn.q_norm if self.cfg.qk_norm else None)
+        k = self._heads(attn.k_proj(h), attn.k_norm if self.cfg.qk_norm else None)
         return rope.apply(q), rope.apply(k), self.value(h)
 
     def query(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         """[b, t, hidden] -> q [b, heads, t, d] alone, normed (q/k norm) and rotated."""
-        attn, b, t = self.self_attn, h.shape[0], h.shape[1]
-        q = attn.q_proj(h).view(b, t, -1, self.cfg.head_dim).transpose(1, 2)
-        return rope.apply(attn.q_norm(q) if self.cfg.qk_norm else q)
+        attn = self.self_attn
+        return rope.apply(self._heads(attn.q_proj(h), attn.q_norm if self.cfg.qk_norm else None))
+
+    def _heads(self, projected: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """[b, t, heads * d] -> [b, heads, t, d], q/k-normed over the whole projection or per head."""
+        if norm is not None and self.cfg.qk_norm == "projection":
+            projected = norm(projected)
+        b, t = projected.shape[:2]
+        heads = projected.view(b, t, -1, self.cfg.head_dim).transpose(1, 2)
+        return norm(heads) if norm is not None and self.cfg.qk_norm == "head" else heads
 
     def value(self, h: torch.Tensor) -> torch.Tensor:
         """[b, t, hidden] -> v [b, kv_heads, t, d] alone (caches that watch value drift)."""

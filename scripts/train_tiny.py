@@ -33,9 +33,11 @@ from a fully masked response, harder than iterative decoding) reaches ADVANCE_AT
 doubles, up to MAX_LENGTH (--last-length: shorter, for quick steps while a skill is learned at short
 lengths). So passkey can move on while multikey and kv are still being learned. --init continues
 from an earlier checkpoint (its curriculum starts again at the first length and moves on at each
-check it passes). Every optimizer step averages one micro-batch per task (on average): at most
-MAX_BATCH samples of that task at its length or a shorter one of the ladder, TOKENS_PER_BATCH tokens
-at most, so a task still at 128 tokens keeps its batch while another is at 4096. AdamW with warmup
+check it passes); for llada it may be an sdar checkpoint of the same shape, converted
+(llada_from_sdar: how the shipped tiny-llada was made). Every optimizer step averages one micro-batch
+per task (on average): at most MAX_BATCH samples of that task at its length or a shorter one of the
+ladder, TOKENS_PER_BATCH tokens at most, so a task still at 128 tokens keeps its batch while another
+is at 4096. AdamW with warmup
 and a cosine decay over the run (steps or wall-clock minutes, whichever ends it first). The
 checkpoint saved is the one furthest along (the sum over tasks of stage index plus held-out
 accuracy), in bf16 and in the family's real on-disk format. The commands that made the shipped
@@ -110,13 +112,15 @@ def train_tokenizer(seed: int) -> Path:
     return path
 
 
-def family_config(family: str, vocab: dict, vocab_size: int) -> dict:
-    """config.json in the family's real field names."""
+def family_config(family: str, vocab: dict, vocab_size: int, qk_norm: bool = False) -> dict:
+    """config.json in the family's real field names; qk_norm: LLaDA's attention_layer_norm (sdar always has
+    its per-head q/k norm)."""
     if family == "llada":
         return dict(model_type="llada", architectures=["LLaDAModelLM"], d_model=256, n_layers=4, n_heads=4,
                     n_kv_heads=4, mlp_hidden_size=704, mlp_ratio=4, vocab_size=vocab_size,
                     embedding_size=vocab_size, rope_theta=500000.0, rms_norm_eps=1e-5, include_bias=False,
-                    attention_layer_norm=False, weight_tying=False, block_type="llama", rope=True,
+                    attention_layer_norm=qk_norm, attention_layer_norm_with_affine=True, layer_norm_type="rms",
+                    weight_tying=False, block_type="llama", rope=True,
                     rope_full_precision=True, max_sequence_length=2 * MAX_LENGTH,
                     mask_token_id=vocab["<|mdm_mask|>"], eos_token_id=vocab["<|endoftext|>"],
                     pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|startoftext|>"])
@@ -400,9 +404,42 @@ def save_checkpoint(model, family, directory: Path, config: dict):
     (directory / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
 
 
+def llada_config_from_sdar(llada: dict, sdar: dict) -> dict:
+    """The LLaDA config of a model converted from an SDAR checkpoint of the same shape: its KV heads, RoPE
+    base and norm eps, and q/k norm (attention_layer_norm)."""
+    if sdar.get("model_type") != "sdar" or llada.get("model_type") != "llada":
+        raise SystemExit(f"--init: only an sdar checkpoint converts (to llada); got {sdar.get('model_type')!r} "
+                         f"for {llada.get('model_type')!r}")
+    shape = dict(d_model="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
+                 mlp_hidden_size="intermediate_size", vocab_size="vocab_size")
+    differ = [f"{ours}={llada[ours]} vs {theirs}={sdar[theirs]}" for ours, theirs in shape.items()
+              if llada[ours] != sdar[theirs]]
+    if differ:
+        raise SystemExit("--init: the sdar checkpoint's shape differs from tiny-llada's: " + ", ".join(differ))
+    return dict(llada, n_kv_heads=sdar["num_key_value_heads"], rope_theta=sdar["rope_theta"],
+                rms_norm_eps=sdar["rms_norm_eps"], attention_layer_norm=True)
+
+
+def llada_from_sdar(sdar: Model, llada_config: dict) -> Model:
+    """An SDAR model's weights in a LLaDA model. SDAR's q/k norm is per head, LLaDA's over the whole
+    projection: the per-head weights are tiled over the heads, so only the normaliser changes (one RMS over
+    all heads instead of one per head). The attention becomes bidirectional. The fine-tuning that follows
+    adapts the model to both."""
+    model = Model(ModelConfig.from_dict(llada_config)).to(sdar.lm_head.weight.device)
+    weights = sdar.state_dict()
+    for name, target in model.state_dict().items():
+        weight = weights[name]
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            weight = weight.repeat(target.numel() // weight.numel())
+        target.copy_(weight)
+    with torch.no_grad():  # LLaDA's mask token starts where SDAR's is
+        model.embed_tokens.weight[model.cfg.mask_token_id] = sdar.embed_tokens.weight[sdar.cfg.mask_token_id]
+    return model
+
+
 def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int,
           init: str | None, task_names: tuple[str, ...], peak_lr: float = 1e-3, ladder: tuple[int, ...] = tuple(STAGES),
-          drill: float = 0.0, full_mask: float = 0.0):
+          drill: float = 0.0, full_mask: float = 0.0, qk_norm: bool = False):
     """ladder: the curriculum's lengths, shortest first."""
     torch.manual_seed(seed)
     work = out / f"tiny-{family}"
@@ -410,12 +447,20 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
 
     bpe = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
     vocab = {token: bpe.token_to_id(token) for token in SPECIAL_TOKENS}
-    config = family_config(family, vocab, -(-bpe.get_vocab_size() // 128) * 128)
+    config = family_config(family, vocab, -(-bpe.get_vocab_size() // 128) * 128, qk_norm)
+    source = json.loads((Path(init) / "config.json").read_text()) if init else None
+    converting = source is not None and source.get("model_type") != config["model_type"]
+    if converting:
+        config = llada_config_from_sdar(config, source)
+    elif init:
+        config = source  # the architecture continues as it was
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(config))
     (work / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
     encoder = Encoder(work, family)
-    if init:
+    if converting:
+        model = llada_from_sdar(load_model(init, device, torch.float32), config)
+    elif init:
         model = load_model(init, device, torch.float32)
     else:
         model = Model(ModelConfig.from_dict(config)).to(device)
@@ -488,7 +533,8 @@ def main():
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(ROOT / "runs"))
-    parser.add_argument("--init", help="continue from this checkpoint directory")
+    parser.add_argument("--init", help="continue from this checkpoint directory (for llada also an sdar one: "
+                                           "its weights converted, see llada_from_sdar)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warmup 200 steps, cosine to 0.1x)")
     parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated tasks to train on")
     parser.add_argument("--first-length", type=int, default=STAGES[0],
@@ -499,6 +545,8 @@ def main():
                         help="fraction of multikey and kv samples that are recall drills (several keys each)")
     parser.add_argument("--full-mask", type=float, default=0.0,
                         help="fraction of samples trained fully masked (t = 1, the canvas decoding starts from)")
+    parser.add_argument("--qk-norm", action="store_true",
+                        help="llada: RMSNorm over the q and k projections (OLMo's attention_layer_norm)")
     args = parser.parse_args()
     task_names = tuple(args.tasks.split(","))
     if not tasks.MIN_LENGTH <= args.first_length <= args.last_length <= MAX_LENGTH:
@@ -510,11 +558,13 @@ def main():
     for name in ("drill", "full_mask"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.qk_norm and (args.what != "llada" or args.init):
+        parser.error("--qk-norm is for a new llada model (sdar always has q/k norm; --init keeps its architecture)")
     if args.what == "tokenizer":
         print(f"wrote {train_tokenizer(args.seed)}")
         return
     train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers,
-          args.init, task_names, args.lr, ladder, args.drill, args.full_mask)
+          args.init, task_names, args.lr, ladder, args.drill, args.full_mask, args.qk_norm)
 
 
 if __name__ == "__main__":

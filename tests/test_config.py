@@ -7,7 +7,7 @@ import torch
 
 from nanodllm.attention import attention
 from nanodllm.config import PRESETS, ModelConfig, preset
-from nanodllm.model import build_empty
+from nanodllm.model import Rope, build_empty
 from tiny_models import tiny_config, tiny_model
 
 # Totals with a separate LM head (Qwen3-4B and -1.7B tie it and publish 4.0B and 1.7B).
@@ -61,11 +61,47 @@ def test_unknown_preset_lists_them():
 @pytest.mark.parametrize("field,value,message", [
     ("include_bias", True, "include_bias=true is not supported"),
     ("block_type", "sequential", "block_type 'sequential' is not supported"),
+    ("layer_norm_type", "default", "layer_norm_type 'default' is not supported"),
+    ("attention_layer_norm_with_affine", False, "attention_layer_norm without affine weights"),
 ])
 def test_unsupported_llada_options_are_named(field, value, message):
-    raw = dict(model_type="llada", d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64, vocab_size=10)
+    raw = dict(model_type="llada", d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64, vocab_size=10,
+               attention_layer_norm=True)
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**raw, field: value})
+
+
+def rms(x, weight, eps):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_llada_attention_layer_norm_normalises_the_whole_projection(kv_heads):
+    """OLMo's attention_layer_norm: one RMSNorm over all of q's heads (d_model wide) and one over k's
+    (kv_heads * head_dim), before the split into heads and RoPE; not SDAR's per-head norm."""
+    model = tiny_model("llada", attention_layer_norm=True, n_kv_heads=kv_heads)
+    cfg, layer = model.cfg, model.layers[0]
+    assert cfg.qk_norm == "projection" and tiny_config("llada").qk_norm is None
+    attn = layer.self_attn
+    assert attn.q_norm.weight.shape == (32,) and attn.k_norm.weight.shape == (kv_heads * 8,)
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.copy_(torch.linspace(0.5, 2.0, norm.weight.numel()))
+    h = torch.randn(2, 5, 32, dtype=torch.float64)
+    h[..., :8] *= 10  # heads of very different size: a per-head norm would give other q and k
+    rope = Rope(torch.arange(5)[None].expand(2, -1), cfg.head_dim, cfg.rope_base)
+    q, k, _ = layer.qkv(h, rope)
+
+    def expected(proj, norm):
+        normed = rms(proj(h), norm.weight, cfg.rms_norm_eps)
+        return rope.apply(normed.view(2, 5, -1, 8).transpose(1, 2))
+
+    torch.testing.assert_close(q, expected(attn.q_proj, attn.q_norm))
+    torch.testing.assert_close(k, expected(attn.k_proj, attn.k_norm))
+    torch.testing.assert_close(layer.query(h, rope), q)
+    per_head = rope.apply(rms(attn.q_proj(h).view(2, 5, -1, 8), attn.q_norm.weight.view(4, 8), cfg.rms_norm_eps)
+                          .transpose(1, 2))
+    assert (per_head - q).abs().max() > 0.1
 
 
 def test_heads_must_divide():

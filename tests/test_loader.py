@@ -270,17 +270,42 @@ def test_missing_tensor_llada_shard(tmp_path):
     assert "missing: model.transformer.blocks.1.up_proj.weight" in text  # the checkpoint's own name
 
 
-def test_llada_without_head_is_an_error(tmp_path):
-    """weight_tying is false for LLaDA: a missing ff_out is an error, not a silent tie."""
+def single_file_llada(tmp_path, edit) -> Path:
+    """The llada fixture as one model.safetensors, with edit(tensors) applied."""
     path = copy(LLADA, tmp_path)
     single = checkpoint_tensors(path)
-    del single["model.transformer.ff_out.weight"]
+    edit(single)
     for file in path.glob("model*.safetensors*"):
         file.unlink()
     save_file(single, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_llada_without_head_is_an_error(tmp_path):
+    """weight_tying is false for LLaDA: a missing ff_out is an error, not a silent tie."""
+    path = single_file_llada(tmp_path, lambda t: t.pop("model.transformer.ff_out.weight"))
     with pytest.raises(CheckpointError) as excinfo:
         load_model(path)
     assert "missing: model.transformer.ff_out.weight" in message(excinfo)
+
+
+def test_llada_attention_layer_norm_tensors_load_and_are_required(tmp_path):
+    """attention_layer_norm=true: blocks.i.q_norm / k_norm (d_model and kv_heads * head_dim wide) load into
+    the q/k norms; without them the checkpoint is refused, naming them."""
+    norms = {f"model.transformer.blocks.{i}.{name}.weight": torch.rand(64, dtype=torch.bfloat16) + 0.5
+             for i in range(2) for name in ("q_norm", "k_norm")}
+    path = single_file_llada(tmp_path, lambda t: t.update(norms))
+    edit_config(path, attention_layer_norm=True)
+    model = load_model(path, dtype=torch.float32)
+    assert model.cfg.qk_norm == "projection"
+    assert torch.equal(model.layers[1].self_attn.k_norm.weight, norms["model.transformer.blocks.1.k_norm.weight"].float())
+    assert torch.equal(model.layers[0].self_attn.q_norm.weight, norms["model.transformer.blocks.0.q_norm.weight"].float())
+    edit_single(path, lambda t: t.pop("model.transformer.blocks.1.q_norm.weight"))
+    with pytest.raises(CheckpointError, match="missing: model.transformer.blocks.1.q_norm.weight"):
+        load_model(path)
+    edit_config(path, attention_layer_norm=False)  # norms stored but the config has none: unexpected
+    with pytest.raises(CheckpointError, match="unexpected: model.transformer.blocks.0.k_norm.weight"):
+        load_model(path)
 
 
 def test_unexpected_tensor(tmp_path):
@@ -294,13 +319,8 @@ def test_unexpected_tensor(tmp_path):
 
 
 def test_unexpected_tensor_llada(tmp_path):
-    path = copy(LLADA, tmp_path)
-    single = checkpoint_tensors(path)
     extra = "model.transformer.blocks.2.attn_norm.weight"  # a layer beyond n_layers
-    single[extra] = torch.ones(64, dtype=torch.bfloat16)
-    for file in path.glob("model*.safetensors*"):
-        file.unlink()
-    save_file(single, str(path / "model.safetensors"), metadata={"format": "pt"})
+    path = single_file_llada(tmp_path, lambda t: t.update({extra: torch.ones(64, dtype=torch.bfloat16)}))
     with pytest.raises(CheckpointError) as excinfo:
         load_model(path)
     assert "unexpected" in message(excinfo) and extra in message(excinfo)

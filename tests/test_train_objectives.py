@@ -1,9 +1,9 @@
 """The training objectives of scripts/train_tiny.py show the model exactly what the engines show it."""
 
 import importlib.util
-from pathlib import Path
-
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +116,39 @@ def test_drill_restates_needles_and_masks_only_their_numbers_whole(encoder, task
         assert all(m.all() or not m.any() for m in whole)
         counts.add(sum(bool(m.all()) for m in whole))
     assert len(counts) > 2
+
+
+def test_sdar_checkpoint_converts_to_llada_carrying_every_weight(tmp_path):
+    """--init with an sdar checkpoint for llada: every tensor carried over (per-head q/k norm weights tiled
+    over the projection, the mask embedding moved to LLaDA's mask id), and the result saves and loads as a
+    LLaDA-format checkpoint."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from nanodllm.loader import load_model
+
+    sdar = load_model(TINY_SDAR, dtype=torch.float32)
+    bpe = HFTokenizer.from_file(str(train_tiny.ASSETS / "tokenizer.json"))
+    vocab = {token: bpe.token_to_id(token) for token in train_tiny.SPECIAL_TOKENS}
+    template = train_tiny.family_config("llada", vocab, sdar.cfg.vocab_size)
+    config = train_tiny.llada_config_from_sdar(template, json.loads((TINY_SDAR / "config.json").read_text()))
+    model = train_tiny.llada_from_sdar(sdar, config)
+    assert model.cfg.qk_norm == "projection" and model.cfg.num_kv_heads == sdar.cfg.num_kv_heads == 2
+    assert model.cfg.attention == "bidirectional" and model.cfg.rope_theta == sdar.cfg.rope_theta
+    theirs = dict(sdar.named_parameters())
+    for name, ours in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            assert torch.equal(ours.view(-1, sdar.cfg.head_dim), theirs[name].expand(ours.numel() // sdar.cfg.head_dim, -1)), name
+        elif name == "embed_tokens.weight":
+            assert torch.equal(ours[model.cfg.mask_token_id], theirs[name][sdar.cfg.mask_token_id])
+            others = torch.ones(ours.shape[0], dtype=torch.bool)
+            others[model.cfg.mask_token_id] = False
+            assert torch.equal(ours[others], theirs[name][others])
+        else:
+            assert torch.equal(ours, theirs[name]), name
+    train_tiny.save_checkpoint(model, "llada", tmp_path / "converted", config)
+    loaded = load_model(tmp_path / "converted", dtype=torch.float32)
+    for (name, ours), theirs in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(ours, theirs), name
+    with pytest.raises(SystemExit, match="d_model=256 vs hidden_size=128"):
+        train_tiny.llada_config_from_sdar(template, dict(json.loads((TINY_SDAR / "config.json").read_text()),
+                                                         hidden_size=128))
