@@ -9,8 +9,8 @@ Algorithm (split-KV, "flash-decoding"):
 2. Split-KV. The keys of a row are cut into `num_splits` contiguous slices of `keys_per_split`
    keys, one program per (query tile, slice, batch row * KV head): even batch 1 fills every SM.
    A program walks its slice BLOCK_N keys at a time with an online softmax (fp32 statistics, scores
-   prescaled by log2(e) so exp2 does the exponentials) and writes its normalised partial output and
-   its partial log-sum-exp (base 2) to fp32 scratch. A slice past the row's length writes the
+   prescaled by log2(e) so exp2 does the exponentials) and writes its normalised partial output (in
+   q's dtype) and its partial log-sum-exp (base 2, fp32) to scratch. A slice past the row's length writes the
    neutral partial: output 0, LSE -inf.
 3. Merge. A small kernel combines the slices of each query row, weighting slice s by
    2^(lse_s - max_s lse_s), and writes the output in q's dtype and the natural-log LSE.
@@ -34,7 +34,7 @@ LN2 = tl.constexpr(math.log(2.0))
 MAX_QUERIES = 64  # the active block; longer query sets are prefill (flash_attention.py)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D fp32) must stay small next to its K/V
+MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D) must stay small next to its K/V
 MAX_SPLITS = 128  # the merge holds all of a row's slices in registers
 INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERPRET=1)
 
@@ -81,7 +81,7 @@ def attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.c
 @triton.jit
 def store_partial(part_out_ptr, part_lse_ptr, acc, m_i, l_i, rows, batch_head, split, num_splits,
                   num_rows, HEAD_DIM: tl.constexpr):
-    """Write one slice's normalised output and base-2 LSE to the scratch
+    """Write one slice's normalised output (in part_out's dtype) and base-2 LSE (fp32) to the scratch
     part_out [batch*kv_heads, num_splits, num_rows, HEAD_DIM], part_lse [..., num_rows]."""
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -92,7 +92,8 @@ def store_partial(part_out_ptr, part_lse_ptr, acc, m_i, l_i, rows, batch_head, s
     row_valid = rows < num_rows
     dims = tl.arange(0, HEAD_DIM)
     tl.store(part_lse_ptr + row_index, lse, mask=row_valid)
-    tl.store(part_out_ptr + row_index[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
+    tl.store(part_out_ptr + row_index[:, None] * HEAD_DIM + dims[None, :], out.to(part_out_ptr.dtype.element_ty),
+             mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["keys_per_split"])
@@ -159,7 +160,7 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows, 
     weight = tl.exp2(lse - m[:, None])  # 0 for empty and padding slices
     # [BLOCK_R, BLOCK_S, HEAD_DIM]
     parts = tl.load(part_out_ptr + index[:, :, None] * HEAD_DIM + dims[None, None, :], mask=valid[:, :, None],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
     denom = tl.sum(weight, 1)
     # [BLOCK_R, HEAD_DIM]
     out = tl.sum(weight[:, :, None] * parts, 1) / denom[:, None]
@@ -260,6 +261,15 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def partial_buffers(batch_heads, num_splits, num_rows, head_dim, dtype, device):
+    """Scratch of the split kernels: normalised partial outputs in the activation dtype (half the bytes
+    of fp32 for bf16/fp16: at short key lists the partials are as many bytes as the K/V read; rounding
+    them adds at most one ulp of that dtype to the merged output), base-2 partial LSEs in fp32."""
+    part_out = new_buffer((batch_heads, num_splits, num_rows, head_dim), dtype, device)
+    part_lse = new_buffer((batch_heads, num_splits, num_rows), torch.float32, device)
+    return part_out, part_lse
+
+
 def merge_splits(part_out, part_lse, batch, num_heads, num_queries, dtype):
     """Combine the per-slice partials into out [batch, num_heads, L, D] (dtype) and lse (float32)."""
     batch_heads, num_splits, num_rows, head_dim = part_out.shape
@@ -311,8 +321,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     m_tiles = triton.cdiv(num_rows, launch["BLOCK_M"])
     keys_per_split, num_splits = split_keys(max_length, batch * num_kv_heads * m_tiles, q.device,
                                             launch["BLOCK_N"], num_splits)
-    part_out = new_buffer((batch * num_kv_heads, num_splits, num_rows, head_dim), torch.float32, q.device)
-    part_lse = new_buffer((batch * num_kv_heads, num_splits, num_rows), torch.float32, q.device)
+    part_out, part_lse = partial_buffers(batch * num_kv_heads, num_splits, num_rows, head_dim, q.dtype, q.device)
     grid = (m_tiles, num_splits, batch * num_kv_heads)
     decode_split_kernel[grid](
         q, k_cache, v_cache, lengths, part_out, part_lse,

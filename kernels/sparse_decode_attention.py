@@ -33,7 +33,7 @@ from .decode_attention import (
     dot_precision,
     load_query_tile,
     merge_splits,
-    new_buffer,
+    partial_buffers,
     split_keys,
     store_partial,
 )
@@ -166,8 +166,7 @@ def sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts,
     longest_list = indices.shape[2] * index_block + num_queries
     keys_per_split, num_splits = split_keys(longest_list, batch * num_kv_heads * m_tiles, q.device,
                                             launch["BLOCK_N"], num_splits)
-    part_out = new_buffer((batch * num_kv_heads, num_splits, num_rows, head_dim), torch.float32, q.device)
-    part_lse = new_buffer((batch * num_kv_heads, num_splits, num_rows), torch.float32, q.device)
+    part_out, part_lse = partial_buffers(batch * num_kv_heads, num_splits, num_rows, head_dim, q.dtype, q.device)
     grid = (m_tiles, num_splits, batch * num_kv_heads)
     sparse_decode_split_kernel[grid](
         q, k_cache, v_cache, cache_lengths, indices, counts, part_out, part_lse,
