@@ -36,6 +36,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D) must stay small next to its K/V
 MAX_SPLITS = 128  # the merge holds all of a row's slices in registers
+MERGE_TILE = 2048  # elements of partial output per merge warp (merge_launch)
 INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERPRET=1)
 
 # When True, every buffer a wrapper allocates for a kernel to fill (outputs and split scratch)
@@ -276,13 +277,21 @@ def merge_splits(part_out, part_lse, batch, num_heads, num_queries, dtype):
     out = new_buffer((batch, num_heads, num_queries, head_dim), dtype, part_out.device)
     lse = new_buffer((batch, num_heads, num_queries), torch.float32, part_out.device)
     block_s = triton.next_power_of_2(num_splits)
-    # rows per program: the [BLOCK_R, BLOCK_S, D] fp32 tile stays within 8K elements (64 registers
-    # per thread at 4 warps) unless one row alone is larger (many splits), then 8 warps
-    block_r = min(triton.next_power_of_2(num_rows), max(1, 8192 // (block_s * head_dim)))
+    block_r, num_warps = merge_launch(num_rows, block_s, head_dim)
     grid = (triton.cdiv(num_rows, block_r), batch_heads)
     merge_splits_kernel[grid](part_out, part_lse, out, lse, num_rows, num_splits, BLOCK_R=block_r,
-                              BLOCK_S=block_s, HEAD_DIM=head_dim, num_warps=4 if block_s * head_dim <= 8192 else 8)
+                              BLOCK_S=block_s, HEAD_DIM=head_dim, num_warps=num_warps)
     return out, lse
+
+
+def merge_launch(num_rows: int, block_s: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_R, num_warps) of the merge: rows per program so that its [BLOCK_R, BLOCK_S, D] tile holds
+    MERGE_TILE elements (one row when a row alone is larger), and one warp per MERGE_TILE elements (64 per
+    thread), up to 8. Each program is one load, so the merge is bound by how many programs are in
+    flight: many small ones beat fewer large ones (kernels_sparse_sweep.md, section 4)."""
+    row = block_s * head_dim
+    block_r = min(triton.next_power_of_2(num_rows), max(1, MERGE_TILE // row))
+    return block_r, max(1, min(8, block_r * row // MERGE_TILE))
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=True, max_length=None,
