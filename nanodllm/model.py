@@ -129,22 +129,22 @@ class Layer(nn.Module):
     def qkv(self, h: torch.Tensor, rope: Rope):
         """[b, t, hidden] -> q [b, heads, t, d], k and v [b, kv_heads, t, d]; RoPE applied to q, k."""
         attn = self.self_attn
-        q = self._heads(attn.q_proj(h), attn.q_norm if self.cfg.qk_norm else None)
-        k = self._heads(attn.k_proj(h), attn.k_norm if self.cfg.qk_norm else None)
+        q = self._heads(attn.q_proj(h), getattr(attn, "q_norm", None))
+        k = self._heads(attn.k_proj(h), getattr(attn, "k_norm", None))
         return rope.apply(q), rope.apply(k), self.value(h)
 
     def query(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         """[b, t, hidden] -> q [b, heads, t, d] alone, normed (q/k norm) and rotated."""
         attn = self.self_attn
-        return rope.apply(self._heads(attn.q_proj(h), attn.q_norm if self.cfg.qk_norm else None))
+        return rope.apply(self._heads(attn.q_proj(h), getattr(attn, "q_norm", None)))
 
     def _heads(self, projected: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
-        """[b, t, heads * d] -> [b, heads, t, d], q/k-normed over the whole projection or per head."""
-        if norm is not None and self.cfg.qk_norm == "projection":
+        """[b, t, heads * d] -> [b, heads, t, d], q/k-normed (cfg.qk_norm) over the whole projection or per head."""
+        if self.cfg.qk_norm == "projection":
             projected = norm(projected)
         b, t = projected.shape[:2]
         heads = projected.view(b, t, -1, self.cfg.head_dim).transpose(1, 2)
-        return norm(heads) if norm is not None and self.cfg.qk_norm == "head" else heads
+        return norm(heads) if self.cfg.qk_norm == "head" else heads
 
     def value(self, h: torch.Tensor) -> torch.Tensor:
         """[b, t, hidden] -> v [b, kv_heads, t, d] alone (caches that watch value drift)."""

@@ -37,10 +37,9 @@ check it passes); for llada it may be an sdar checkpoint of the same shape, conv
 (llada_from_sdar: how the shipped tiny-llada was made). Every optimizer step averages one micro-batch
 per task (on average): at most MAX_BATCH samples of that task at its length or a shorter one of the
 ladder, TOKENS_PER_BATCH tokens at most, so a task still at 128 tokens keeps its batch while another
-is at 4096. AdamW with warmup
-and a cosine decay over the run (steps or wall-clock minutes, whichever ends it first). The
-checkpoint saved is the one furthest along (the sum over tasks of stage index plus held-out
-accuracy), in bf16 and in the family's real on-disk format. The commands that made the shipped
+is at 4096. AdamW with warmup and a cosine decay over the run (steps or wall-clock minutes, whichever
+ends it first). The checkpoint saved is the one furthest along (the sum over tasks of stage index plus
+held-out accuracy), in bf16 and in the family's real on-disk format. The commands that made the shipped
 checkpoints are in each one's train_log.json and in docs/results/tiny_models.md.
 
 The tokenizer is a byte-level BPE trained on the task corpus (digits one by one) plus the kv key
