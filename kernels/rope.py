@@ -16,6 +16,11 @@ projection); cos and sin are [batch or 1, 1, t, d], any strides with the last di
 gathered tables of Rope.rows are views). Rows are walked in (batch, t, head) order, the memory order
 of a projection's output, so the heads of one position share their table rows in cache. A program
 holds BLOCK_R rows as two [BLOCK_R, BLOCK_H] halves, BLOCK_H = next power of two of d/2 (tail masked).
+
+rope_qk does the same for q and k at once, reading them from the stacked q/k/v projection
+[batch, t, (heads + 2 kv_heads) * d]: its rows are (batch, t, q or k head), and with SDAR / Qwen3's
+per-head q/k norm each row is first RMS-normalised and weighted with kernels/rmsnorm.py's rounding
+points; one launch replaces two norms and two ropes.
 """
 
 from __future__ import annotations
@@ -55,12 +60,7 @@ def rope_kernel(
     tl.store(out1_ptrs + half, (x2 * cos2 + x1 * sin2).to(out_dtype), mask=mask)
 
 
-def check_inputs(x, cos, sin):
-    if x.dim() != 4:
-        raise ValueError(f"x must be 4-D [batch, heads, t, d], got shape {tuple(x.shape)}")
-    batch, _, seq_len, head_dim = x.shape
-    if x.dtype not in DTYPES:
-        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+def check_tables(cos, sin, batch: int, seq_len: int, head_dim: int):
     if head_dim % 2:
         raise ValueError(f"the head dim must be even (rotate-half pairs its halves), got {head_dim}")
     for name, table in (("cos", cos), ("sin", sin)):
@@ -69,9 +69,24 @@ def check_inputs(x, cos, sin):
                              f"got {tuple(table.shape)}")
         if table.dtype != torch.float32:
             raise ValueError(f"{name} must be a float32 table, got {table.dtype}")
-    for name, tensor in (("x", x), ("cos", cos), ("sin", sin)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {tensor.stride()}")
+        if table.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {table.stride()}")
+
+
+def check_inputs(x, cos, sin):
+    if x.dim() != 4:
+        raise ValueError(f"x must be 4-D [batch, heads, t, d], got shape {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"x's last dim must be contiguous (stride 1), got strides {x.stride()}")
+    batch, _, seq_len, head_dim = x.shape
+    check_tables(cos, sin, batch, seq_len, head_dim)
+
+
+def empty(shape, like: torch.Tensor) -> torch.Tensor:
+    """torch.empty in like's dtype and device; the tests swap in a NaN fill to prove every element is written."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,6 +112,99 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
             BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False,
         )
     return out
+
+
+@triton.jit
+def qk_rope_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, q_weight_ptr, k_weight_ptr,
+    stride_xb, stride_xt,
+    stride_cb, stride_ct, stride_sb, stride_st,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+    num_heads, num_kv_heads, seq_len, num_rows, half, eps,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+):
+    heads_all = num_heads + num_kv_heads
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    batch = (rows // (seq_len * heads_all)).to(tl.int64)
+    pos = ((rows // heads_all) % seq_len).to(tl.int64)
+    head = (rows % heads_all).to(tl.int64)  # q heads first, then k heads: the packed row's order
+    is_q = head < num_heads
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < half
+    mask = (rows < num_rows)[:, None] & col_mask[None, :]
+    x1_ptrs = qkv_ptr + (batch * stride_xb + pos * stride_xt + head * 2 * half)[:, None] + cols[None, :]
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    dtype = q_ptr.dtype.element_ty
+    if NORM:  # per-head RMSNorm, rounded as kernels/rmsnorm.py rounds it
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)
+        pick = is_q[:, None]
+        w1 = tl.where(pick, tl.load(q_weight_ptr + cols, mask=col_mask, other=0.0)[None, :].to(tl.float32),
+                      tl.load(k_weight_ptr + cols, mask=col_mask, other=0.0)[None, :].to(tl.float32))
+        w2 = tl.where(pick, tl.load(q_weight_ptr + half + cols, mask=col_mask, other=0.0)[None, :].to(tl.float32),
+                      tl.load(k_weight_ptr + half + cols, mask=col_mask, other=0.0)[None, :].to(tl.float32))
+        x1 = ((x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    cos_ptrs = cos_ptr + (batch * stride_cb + pos * stride_ct)[:, None] + cols[None, :]
+    sin_ptrs = sin_ptr + (batch * stride_sb + pos * stride_st)[:, None] + cols[None, :]
+    cos1, cos2 = tl.load(cos_ptrs, mask=mask, other=0.0), tl.load(cos_ptrs + half, mask=mask, other=0.0)
+    sin1, sin2 = tl.load(sin_ptrs, mask=mask, other=0.0), tl.load(sin_ptrs + half, mask=mask, other=0.0)
+    out1 = (x1 * cos1 - x2 * sin1).to(dtype)
+    out2 = (x2 * cos2 + x1 * sin2).to(dtype)
+    q_rows = batch * stride_qb + head * stride_qh + pos * stride_qt
+    k_rows = batch * stride_kb + (head - num_heads) * stride_kh + pos * stride_kt
+    q_mask, k_mask = mask & is_q[:, None], mask & (~is_q)[:, None]
+    tl.store(q_ptr + q_rows[:, None] + cols[None, :], out1, mask=q_mask)
+    tl.store(q_ptr + q_rows[:, None] + half + cols[None, :], out2, mask=q_mask)
+    tl.store(k_ptr + k_rows[:, None] + cols[None, :], out1, mask=k_mask)
+    tl.store(k_ptr + k_rows[:, None] + half + cols[None, :], out2, mask=k_mask)
+
+
+def rope_qk(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+            q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0):
+    """q and k of a stacked q/k/v projection, each head RMS-normalised (with q_weight / k_weight: SDAR
+    and Qwen3's per-head q/k norm) and rotated, in one kernel instead of two norms and two ropes.
+
+    qkv [batch, t, W] with W >= (num_heads + num_kv_heads) * d: q's heads, then k's (v, after them,
+    is not read), last dim contiguous; cos, sin as apply_rope's, d = their last dim; the weights [d]
+    in qkv's dtype, both or neither. Returns q [batch, num_heads, t, d] and k [batch, num_kv_heads,
+    t, d] in qkv's dtype, laid out as the model's projections are ([batch, t, heads, d] in memory, a
+    transposed view): what rms_norm then apply_rope give, rounded at the same points."""
+    if qkv.dim() != 3 or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv must be [batch, t, W] with a contiguous last dim, got shape {tuple(qkv.shape)} "
+                         f"strides {qkv.stride()}")
+    batch, seq_len, width = qkv.shape
+    head_dim = cos.shape[-1]
+    if width < (num_heads + num_kv_heads) * head_dim:
+        raise ValueError(f"qkv's last dim {width} is narrower than (num_heads + num_kv_heads) * d = "
+                         f"({num_heads} + {num_kv_heads}) * {head_dim}")
+    if qkv.dtype not in DTYPES:
+        raise ValueError(f"qkv must be float16, bfloat16 or float32, got {qkv.dtype}")
+    check_tables(cos, sin, batch, seq_len, head_dim)
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("give both q_weight and k_weight (per-head q/k norm) or neither")
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if weight is not None and (weight.shape != (head_dim,) or weight.dtype != qkv.dtype or weight.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous [{head_dim}] tensor of qkv's dtype {qkv.dtype}, got "
+                             f"{tuple(weight.shape)} {weight.dtype}")
+    cos, sin = cos.expand(batch, -1, -1, -1), sin.expand(batch, -1, -1, -1)
+    q = empty((batch, seq_len, num_heads, head_dim), qkv).transpose(1, 2)
+    k = empty((batch, seq_len, num_kv_heads, head_dim), qkv).transpose(1, 2)
+    num_rows, half = batch * seq_len * (num_heads + num_kv_heads), head_dim // 2
+    if num_rows and half:
+        block_h = triton.next_power_of_2(half)
+        block_r = max(1, 2048 // block_h)
+        norm = q_weight is not None
+        weights = (q_weight, k_weight) if norm else (qkv, qkv)  # not read without the norm
+        qk_rope_kernel[(triton.cdiv(num_rows, block_r),)](
+            qkv, cos, sin, q, k, *weights,
+            qkv.stride(0), qkv.stride(1),
+            cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
+            *q.stride()[:3], *k.stride()[:3],
+            num_heads, num_kv_heads, seq_len, num_rows, half, eps,
+            BLOCK_R=block_r, BLOCK_H=block_h, NORM=norm, num_warps=4, enable_fp_fusion=False,
+        )
+    return q, k
 
 
 def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

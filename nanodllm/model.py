@@ -9,11 +9,15 @@ maps each family's tensor names onto them. A layer exposes the primitives a meth
     x = x + layer.out(attend(q, k, v))    # attention is always somebody else's callback
     x = x + layer.mlp(layer.mlp_norm(x))
 
-`Model.forward(ids, positions, attend)` composes them, calling `attend(layer_idx, q, k, v)`.
+`Model.forward(ids, positions, attend)` composes them, calling `attend(layer_idx, q, k, v)`; its
+residual adds run inside the next norm (Layer.step), which rounds as the separate adds above do.
 Numerics follow the references: RMSNorm in fp32 then cast then weight; RoPE tables and rotation in
 fp32 (LLaDA's rope_full_precision), cast back to the activation dtype. On CUDA in float16 / bfloat16
 outside autograd, both run as one-pass Triton kernels (kernels/rmsnorm.py, kernels/rope.py) with the
-same rounding points; NANODLLM_KERNELS=0 keeps them on torch.
+same rounding points, as does SwiGLU's silu(gate) * up (kernels/silu_mul.py); NANODLLM_KERNELS=0
+keeps them on torch. Models from build_empty (the loader, build_random) store q/k/v and gate/up
+weights back to back, so each group is one matmul at inference (stack_in_place); the Parameters and
+their names are unchanged.
 """
 
 from __future__ import annotations
@@ -89,6 +93,61 @@ class Rope:
         return (x32 * self.cos + rotated * self.sin).to(x.dtype)
 
 
+def stack_in_place(linears: list[nn.Linear]):
+    """Re-store the linears' weights (and biases, where all have one) back to back in one tensor, each
+    Parameter a view of it, so that `stacked` can run all of them as one matmul. Values are kept; the
+    state dict's names and shapes do not change (safetensors refuses to save views of one tensor:
+    clone them first)."""
+    for attr in ("weight", "bias"):
+        parts = [getattr(linear, attr) for linear in linears]
+        if any(part is None for part in parts):
+            continue
+        block = torch.cat([part.detach() for part in parts])
+        start = 0
+        for linear, part in zip(linears, parts):
+            setattr(linear, attr, nn.Parameter(block[start : start + part.shape[0]], requires_grad=part.requires_grad))
+            start += part.shape[0]
+
+
+def span(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view over parts that lie back to back in one storage (stack_in_place's layout), else None."""
+    first = parts[0]
+    address = first.data_ptr()
+    for part in parts:
+        if part.data_ptr() != address or part.dtype != first.dtype or not part.is_contiguous():
+            return None
+        address += part.numel() * part.element_size()
+    storage = first.untyped_storage()
+    if address > storage.data_ptr() + storage.nbytes():  # adjacent by chance, not one tensor
+        return None
+    rows = sum(part.shape[0] for part in parts)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def stacked(linears: list[nn.Linear]):
+    """(weight, bias) spanning the linears' outputs in order, views of the tensors stack_in_place made;
+    None under autograd (the views are not the Parameters) or if the parameters were replaced since
+    (loaded with assign, moved, cast)."""
+    if torch.is_grad_enabled():
+        return None
+    weight = span([linear.weight for linear in linears])
+    biases = [linear.bias for linear in linears]
+    if weight is None or all(b is None for b in biases):
+        return None if weight is None else (weight, None)
+    bias = span(biases) if all(b is not None for b in biases) else None
+    return None if bias is None else (weight, bias)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up over [..., gate | up] (one fused kernel on CUDA, see kernels/silu_mul.py)."""
+    if use_fused(gate_up):
+        from kernels.silu_mul import silu_mul as fused
+
+        return fused(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -102,6 +161,9 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.num_heads * hd if whole else hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.num_kv_heads * hd if whole else hd, cfg.rms_norm_eps)
 
+    def projections(self) -> list[nn.Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj]
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -111,7 +173,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = stacked([self.gate_proj, self.up_proj])
+        if gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(F.linear(x, *gate_up)))
 
 
 class Layer(nn.Module):
@@ -127,11 +192,26 @@ class Layer(nn.Module):
         return self.input_layernorm(x, add)
 
     def qkv(self, h: torch.Tensor, rope: Rope):
-        """[b, t, hidden] -> q [b, heads, t, d], k and v [b, kv_heads, t, d]; RoPE applied to q, k."""
-        attn = self.self_attn
-        q = self._heads(attn.q_proj(h), getattr(attn, "q_norm", None))
-        k = self._heads(attn.k_proj(h), getattr(attn, "k_norm", None))
-        return rope.apply(q), rope.apply(k), self.value(h)
+        """[b, t, hidden] -> q [b, heads, t, d], k and v [b, kv_heads, t, d]; RoPE applied to q, k.
+        One matmul when the projections are stacked (build_empty stacks them); on CUDA the per-head
+        q/k norm and RoPE of q and k then run as one kernel (kernels/rope.py rope_qk)."""
+        attn, cfg = self.self_attn, self.cfg
+        weights = stacked(attn.projections())
+        if weights is None:
+            q, k, v = (proj(h) for proj in attn.projections())
+        else:
+            projected = F.linear(h, *weights)
+            q, k, v = projected.split([cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2, dim=-1)
+            if use_fused(projected) and cfg.qk_norm != "projection" and projected.dim() == 3:
+                from kernels.rope import rope_qk
+
+                norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
+                eps = attn.q_norm.eps if cfg.qk_norm else 0.0
+                q, k = rope_qk(projected, cfg.num_heads, cfg.num_kv_heads, rope.cos, rope.sin, *norms, eps)
+                return q, k, self._split_heads(v)
+        q = self._heads(q, getattr(attn, "q_norm", None))
+        k = self._heads(k, getattr(attn, "k_norm", None))
+        return rope.apply(q), rope.apply(k), self._split_heads(v)
 
     def query(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         """[b, t, hidden] -> q [b, heads, t, d] alone, normed (q/k norm) and rotated."""
@@ -142,13 +222,17 @@ class Layer(nn.Module):
         """[b, t, heads * d] -> [b, heads, t, d], q/k-normed (cfg.qk_norm) over the whole projection or per head."""
         if self.cfg.qk_norm == "projection":
             projected = norm(projected)
-        b, t = projected.shape[:2]
-        heads = projected.view(b, t, -1, self.cfg.head_dim).transpose(1, 2)
+        heads = self._split_heads(projected)
         return norm(heads) if self.cfg.qk_norm == "head" else heads
+
+    def _split_heads(self, projected: torch.Tensor) -> torch.Tensor:
+        """[b, t, heads * d] -> a [b, heads, t, d] view."""
+        b, t = projected.shape[:2]
+        return projected.view(b, t, -1, self.cfg.head_dim).transpose(1, 2)
 
     def value(self, h: torch.Tensor) -> torch.Tensor:
         """[b, t, hidden] -> v [b, kv_heads, t, d] alone (caches that watch value drift)."""
-        return self.self_attn.v_proj(h).view(h.shape[0], h.shape[1], -1, self.cfg.head_dim).transpose(1, 2)
+        return self._split_heads(self.self_attn.v_proj(h))
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output [b, heads, t, d] -> [b, t, hidden] through o_proj."""
@@ -165,13 +249,20 @@ class Layer(nn.Module):
         x.view(b * t, -1).addmm_(o.transpose(1, 2).reshape(b * t, -1), proj.weight.t())
         return x
 
-    def mlp_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post_attention_layernorm(x)
+    def mlp_norm(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        return self.post_attention_layernorm(x, add)
+
+    def step(self, x: torch.Tensor, pending: torch.Tensor | None, rope: Rope, attend: Callable) -> torch.Tensor:
+        """The layer on the residual stream x, in place: x += pending (the previous layer's MLP output),
+        x += attention output, each add fused into the norm after it; returns this layer's MLP output,
+        not yet added (the next layer's norm adds it). x must be a tensor nothing else reads."""
+        q, k, v = self.qkv(self.attn_norm(x, pending), rope)
+        return self.mlp(self.mlp_norm(x, self.out(attend(q, k, v))))
 
     def forward(self, x: torch.Tensor, rope: Rope, attend: Callable) -> torch.Tensor:
-        q, k, v = self.qkv(self.attn_norm(x), rope)
-        x = x + self.out(attend(q, k, v))
-        return x + self.mlp(self.mlp_norm(x))
+        """x + attention + MLP, out of place."""
+        x = x.clone()
+        return x.add_(self.step(x, None, rope, attend))
 
 
 class Model(nn.Module):
@@ -183,6 +274,20 @@ class Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+
+    def stack_projections(self):
+        """Store each layer's q/k/v and gate/up weights back to back (stack_in_place): one matmul each.
+        Moving or casting the model afterwards (.to, .cuda, .float) stacks them again."""
+        for layer in self.layers:
+            stack_in_place(layer.self_attn.projections())
+            stack_in_place([layer.mlp.gate_proj, layer.mlp.up_proj])
+        self.projections_stacked = True
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)  # gives every Parameter a tensor of its own
+        if getattr(self, "projections_stacked", False):
+            self.stack_projections()
+        return self
 
     def tie_weights(self):
         """With tie_word_embeddings the LM head is the embedding matrix (one Parameter)."""
@@ -211,10 +316,11 @@ class Model(nn.Module):
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Run all layers; returns the last hidden state before the final norm."""
-        x, rope = self.embed(ids), self.rope(positions)
+        x, rope = self.embed(ids), self.rope(positions)  # x: a fresh tensor, updated in place
+        pending = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, lambda q, k, v, i=i: attend(i, q, k, v))
-        return x
+            pending = layer.step(x, pending, rope, lambda q, k, v, i=i: attend(i, q, k, v))
+        return x if pending is None else x.add_(pending)
 
     def forward(self, ids, positions, attend: Attend, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Logits for positions start..stop-1 of a forward over all of `ids`."""
@@ -223,11 +329,13 @@ class Model(nn.Module):
 
 def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16) -> Model:
     """A model with uninitialised parameters allocated once, in `dtype`, directly on `device`
-    (built on the meta device first, so no CPU or fp32 copy of an 8B model is ever made)."""
+    (built on the meta device first, so no CPU or fp32 copy of an 8B model is ever made), its
+    projections stacked (Model.stack_projections)."""
     with torch.device("meta"):
         model = Model(cfg).to(dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
+    model.stack_projections()
     return model.eval()
 
 

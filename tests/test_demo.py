@@ -83,7 +83,7 @@ def qwen25_checkpoint(directory: Path, model_type: str, **fields) -> Path:
                tie_word_embeddings=False, mask_token_id=405, **fields)
     (directory / "config.json").write_text(json.dumps(raw))
     model = build_random(ModelConfig.from_dict(raw), dtype=torch.float32)
-    tensors = {name if name == "lm_head.weight" else f"model.{name}": tensor.contiguous()
+    tensors = {name if name == "lm_head.weight" else f"model.{name}": tensor.clone()
                for name, tensor in model.state_dict().items()}
     save_file(tensors, str(directory / "model.safetensors"))
     return directory

@@ -1,4 +1,4 @@
-"""kernels/rmsnorm.py and kernels/rope.py against their torch references (the model's own math).
+"""kernels/rmsnorm.py, kernels/rope.py and kernels/silu_mul.py against their torch references (the model's own math).
 
 Off the GPU the kernels run in Triton's interpreter: TRITON_INTERPRET=1 must be set before the kernel
 modules are imported; conftest.py sets it, and so does this module, so that it also runs on its own.
@@ -6,6 +6,7 @@ The interpreter rounds bf16 differently from torch, so CPU runs draw float16 and
 Outputs are allocated NaN-filled: an element a kernel never writes fails the comparison.
 """
 
+import dataclasses
 import os
 
 import torch
@@ -22,10 +23,12 @@ from hypothesis import strategies as st  # noqa: E402
 
 import kernels.rmsnorm as rmsnorm_module  # noqa: E402
 import kernels.rope as rope_module  # noqa: E402
+import kernels.silu_mul as silu_mul_module  # noqa: E402
 import nanodllm.model as model_module  # noqa: E402
 from kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
-from kernels.rope import apply_rope, apply_rope_reference  # noqa: E402
-from nanodllm import block  # noqa: E402
+from kernels.rope import apply_rope, apply_rope_reference, rope_qk  # noqa: E402
+from kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
+from nanodllm import block, masked  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.model import Rope  # noqa: E402
 from tests.tiny_models import random_prompt, tiny_model  # noqa: E402
@@ -216,20 +219,127 @@ def test_bad_inputs_are_refused():
         apply_rope(x[0], rope.cos, rope.sin)
 
 
-def test_model_decodes_the_same_tokens_on_the_fused_kernels(monkeypatch):
-    """The sdar tiny model (q/k norm on transposed views, block cache with gathered positions),
-    float32 so that the interpreter's results are exact but for the RMS sums' order."""
-    model = tiny_model("sdar", dtype=torch.float32, block_size=4)
+def rope_qk_reference(qkv, num_heads, num_kv_heads, rope, weights, eps):
+    """The model's unfused path: split the projection into heads, per-head rms_norm (if weights), rope."""
+    batch, t, _ = qkv.shape
+    d = rope.cos.shape[-1]
+    outs = []
+    for start, heads, weight in ((0, num_heads, weights[0]), (num_heads * d, num_kv_heads, weights[1])):
+        x = qkv[..., start : start + heads * d].view(batch, t, heads, d).transpose(1, 2)
+        if weight is not None:
+            x = rms_norm_reference(x, weight, eps)
+        outs.append(apply_rope_reference(x, rope.cos, rope.sin))
+    return outs
+
+
+@EXAMPLES
+@given(batch=st.integers(1, 2), heads=st.sampled_from([(1, 1), (2, 1), (4, 2), (8, 1)]), length=st.integers(1, 9),
+       dim=st.sampled_from([16, 24, 64, 128]), dtype=st.sampled_from(DTYPES), norm=st.booleans(),
+       gathered=st.booleans(), table_batch_one=st.booleans(), extra=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_rope_qk_matches_norm_then_rope(batch, heads, length, dim, dtype, norm, gathered, table_batch_one,
+                                        extra, seed):
+    """q and k of a stacked projection [q heads | k heads | v heads | extra columns], normed per head
+    or not, rotated: equal to the separate references, written everywhere, in the projection's layout."""
+    num_heads, num_kv_heads = heads
+    generator = torch.Generator().manual_seed(seed)
+    rope = rope_tables(1 if table_batch_one else batch, length, dim, 1e6, [3, 40], generator, gathered)
+    t = rope.cos.shape[2]
+    width = (num_heads + 2 * num_kv_heads) * dim + extra * 8
+    qkv = torch.randn(batch, t, width, generator=generator).mul(3).to(dtype=dtype, device=DEVICE)
+    weights = [(1 + torch.randn(dim, generator=generator)).to(dtype).to(DEVICE) if norm else None for _ in range(2)]
+    with mock.patch.object(rope_module, "empty", lambda shape, like: torch.full(shape, float("nan"), dtype=like.dtype,
+                                                                               device=like.device)):
+        q, k = rope_qk(qkv, num_heads, num_kv_heads, rope.cos, rope.sin, *weights, 1e-6)
+    q_ref, k_ref = rope_qk_reference(qkv, num_heads, num_kv_heads, rope, weights, 1e-6)
+    ulps = (3 if dtype != torch.float32 else 8) if norm else 1  # the norm's two roundings, then rope's
+    for out, ref in ((q, q_ref), (k, k_ref)):
+        assert close(out, ref, ulps, dtype)
+        assert out.transpose(1, 2).is_contiguous()  # [batch, t, heads, d] in memory
+
+
+def test_rope_qk_comparison_catches_swapped_weights():
+    generator = torch.Generator().manual_seed(3)
+    rope = rope_tables(1, 6, 32, 1e4, [0], generator, gathered=False)
+    qkv = torch.randn(1, 6, 4 * 32, generator=generator).half().to(DEVICE)
+    weights = [torch.linspace(0.5, 1.5, 32).half().to(DEVICE), torch.linspace(2.0, 0.1, 32).half().to(DEVICE)]
+    q, k = rope_qk(qkv, 2, 1, rope.cos, rope.sin, *weights, 1e-6)
+    q_ref, k_ref = rope_qk_reference(qkv, 2, 1, rope, weights, 1e-6)
+    assert close(q, q_ref, 3, torch.float16) and close(k, k_ref, 3, torch.float16)
+    q_bad, _ = rope_qk_reference(qkv, 2, 1, rope, weights[::-1], 1e-6)
+    assert not close(q, q_bad, 3, torch.float16)
+
+
+def test_rope_qk_refuses_bad_inputs():
+    rope = Rope(torch.arange(4)[None].to(DEVICE), 8, 10000.0)
+    qkv = torch.randn(1, 4, 4 * 8).half().to(DEVICE)
+    weight = torch.ones(8).half().to(DEVICE)
+    with pytest.raises(ValueError, match="narrower than"):
+        rope_qk(qkv, 4, 2, rope.cos, rope.sin)
+    with pytest.raises(ValueError, match="both q_weight and k_weight"):
+        rope_qk(qkv, 2, 1, rope.cos, rope.sin, weight, None, 1e-6)
+    with pytest.raises(ValueError, match="q_weight must be a contiguous"):
+        rope_qk(qkv, 2, 1, rope.cos, rope.sin, weight.float(), weight, 1e-6)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rope_qk(torch.randn(1, 4, 64).half().to(DEVICE)[..., ::2], 2, 1, rope.cos, rope.sin)
+    with pytest.raises(ValueError, match="cos must be"):
+        rope_qk(qkv[:, :3], 2, 1, rope.cos, rope.sin)
+
+
+@EXAMPLES
+@given(shape=st.sampled_from([(1,), (3,), (2, 5), (1, 7, 3)]), width=st.integers(1, 300), dtype=st.sampled_from(DTYPES),
+       strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_silu_mul_matches_reference(shape, width, dtype, strided, seed):
+    """silu(gate) * up over [..., gate | up]; rows read through their stride (a wider buffer's columns).
+    exp and the division may differ from torch's in the last fp32 bits; rounded twice (silu, then the
+    product) that is up to 2 units in the last place of a half type. Float32 keeps the whole error: the
+    GPU's exp scales its argument by log2(e) before a base-2 exp, an error that grows with |gate|
+    (7 units at |gate| ~ 16 on an H100), so float32 allows 16."""
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randn(*shape, 2 * width + (5 if strided else 0), generator=generator).mul(4)
+    gate_up = source.to(dtype=dtype, device=DEVICE)[..., : 2 * width]
+    with nan_outputs():
+        out = silu_mul(gate_up)
+    assert out.is_contiguous() and close(out, silu_mul_reference(gate_up), 16 if dtype == torch.float32 else 2, dtype)
+
+
+def test_silu_mul_comparison_catches_swapped_halves():
+    gate_up = torch.randn(4, 64, generator=torch.Generator().manual_seed(5)).mul(3).half().to(DEVICE)
+    out = silu_mul(gate_up)
+    assert close(out, silu_mul_reference(gate_up), 2, torch.float16)
+    assert not close(out, silu_mul_reference(gate_up.roll(32, dims=-1)), 2, torch.float16)
+
+
+def test_silu_mul_refuses_bad_inputs():
+    with pytest.raises(ValueError, match=r"\[\.\.\., 2I\]"):
+        silu_mul(torch.randn(3, 5).half().to(DEVICE))
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        silu_mul(torch.randn(3, 4, dtype=torch.float64).to(DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_mul(torch.randn(3, 8).half().to(DEVICE)[:, ::2])
+
+
+@pytest.mark.parametrize("model_type, overrides, kernels", [
+    ("sdar", {}, {"rms_norm", "rope_qk", "silu_mul"}),  # per-head q/k norm fused into rope_qk
+    ("llada", {}, {"rms_norm", "rope_qk", "silu_mul"}),  # no q/k norm
+    ("llada", {"attention_layer_norm": True}, {"rms_norm", "apply_rope", "silu_mul"}),  # norm over the projection
+])
+def test_model_decodes_the_same_tokens_on_the_fused_kernels(monkeypatch, model_type, overrides, kernels):
+    """Tiny models (q/k norm on transposed views, block cache with gathered positions), float32 so that
+    the interpreter's results are exact but for the RMS sums' order and exp's last bit."""
+    model = tiny_model(model_type, dtype=torch.float32, block_size=4, **overrides).to(DEVICE)
     prompts = [random_prompt(9, seed=4), random_prompt(14, seed=5)]
     gen = GenerationConfig(gen_length=8, block_length=4, steps=4, remasking="low_confidence_static")
-    torch_tokens = block.generate(model, prompts, gen, stop_ids=()).tokens
+    decode = (lambda: block.generate(model, prompts, gen, stop_ids=()).tokens) if model_type == "sdar" else (
+        lambda: masked.generate(model, prompts, dataclasses.replace(gen, remasking="low_confidence")).tokens)
+    torch_tokens = decode()
     calls = []
     counted = lambda fn: lambda *args: calls.append(fn.__name__) or fn(*args)
     monkeypatch.setattr(model_module, "use_fused", lambda x: True)
-    monkeypatch.setattr(rmsnorm_module, "rms_norm", counted(rms_norm))
-    monkeypatch.setattr(rope_module, "apply_rope", counted(apply_rope))
-    kernel_tokens = block.generate(model, prompts, gen, stop_ids=()).tokens
-    assert {"rms_norm", "apply_rope"} <= set(calls)
+    for module, fn in ((rmsnorm_module, rms_norm), (rope_module, apply_rope), (rope_module, rope_qk),
+                       (silu_mul_module, silu_mul)):
+        monkeypatch.setattr(module, fn.__name__, counted(fn))
+    kernel_tokens = decode()
+    assert set(calls) == kernels
     assert kernel_tokens == torch_tokens
 
 
