@@ -140,12 +140,14 @@ def decode_split_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows, num_splits,
+def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows, num_splits, num_queries,
+                        num_heads, num_kv_heads,
                         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Program (row tile, batch*kv_head): combine all slices of BLOCK_R query rows at once (one load,
     no loop over slices, so the merge is not a chain of memory latencies).
-    out is contiguous [batch, num_heads, L, HEAD_DIM] and lse [batch, num_heads, L], so group row r of
-    (batch, kv_head) is flat row batch_head * num_rows + r of both."""
+    Group row r of (batch, kv_head) is query r % L of head kv_head * G + r // L. lse is contiguous
+    [batch, num_heads, L], so that is its flat row batch_head * num_rows + r; out is [batch, L,
+    num_heads, HEAD_DIM] in memory (o_proj's input layout)."""
     row_tile, batch_head = tl.program_id(0), tl.program_id(1)
     rows = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     splits = tl.arange(0, BLOCK_S)
@@ -166,10 +168,12 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows, 
     # [BLOCK_R, HEAD_DIM]
     out = tl.sum(weight[:, :, None] * parts, 1) / denom[:, None]
 
-    flat_rows = batch_head.to(tl.int64) * num_rows + rows
-    tl.store(out_ptr + flat_rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+    batch = batch_head // num_kv_heads
+    head = (batch_head % num_kv_heads) * (num_rows // num_queries) + rows // num_queries
+    out_rows = (batch.to(tl.int64) * num_queries + rows % num_queries) * num_heads + head
+    tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_valid[:, None])
-    tl.store(lse_ptr + flat_rows, (m + tl.log2(denom)) * LN2, mask=row_valid)
+    tl.store(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, (m + tl.log2(denom)) * LN2, mask=row_valid)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,14 +276,16 @@ def partial_buffers(batch_heads, num_splits, num_rows, head_dim, dtype, device):
 
 
 def merge_splits(part_out, part_lse, batch, num_heads, num_queries, dtype):
-    """Combine the per-slice partials into out [batch, num_heads, L, D] (dtype) and lse (float32)."""
+    """Combine the per-slice partials into out [batch, num_heads, L, D] (dtype; laid out [batch, L,
+    num_heads, D] in memory, a transposed view, so o_proj reads it without a copy) and lse (float32)."""
     batch_heads, num_splits, num_rows, head_dim = part_out.shape
-    out = new_buffer((batch, num_heads, num_queries, head_dim), dtype, part_out.device)
+    out = new_buffer((batch, num_queries, num_heads, head_dim), dtype, part_out.device).transpose(1, 2)
     lse = new_buffer((batch, num_heads, num_queries), torch.float32, part_out.device)
     block_s = triton.next_power_of_2(num_splits)
     block_r, num_warps = merge_launch(num_rows, block_s, head_dim)
     grid = (triton.cdiv(num_rows, block_r), batch_heads)
-    merge_splits_kernel[grid](part_out, part_lse, out, lse, num_rows, num_splits, BLOCK_R=block_r,
+    merge_splits_kernel[grid](part_out, part_lse, out, lse, num_rows, num_splits, num_queries, num_heads,
+                              batch_heads // batch, BLOCK_R=block_r,
                               BLOCK_S=block_s, HEAD_DIM=head_dim, num_warps=num_warps)
     return out, lse
 
@@ -310,7 +316,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     tiles: overrides of default_tiles' launch parameters (BLOCK_M, BLOCK_N, num_warps, num_stages),
         for benchmark sweeps (scripts/bench.py).
 
-    Returns out [batch, num_heads, L, D] in q's dtype and, if return_lse, lse [batch, num_heads, L]
+    Returns out [batch, num_heads, L, D] in q's dtype (laid out [batch, L, num_heads, D]: merge_splits)
+    and, if return_lse, lse [batch, num_heads, L]
     float32: the natural-log log-sum-exp of each query's scaled scores.
     """
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache)

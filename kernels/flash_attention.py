@@ -245,14 +245,15 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     fp32 for testing, whose dots run in TF32 on a GPU; any strides), k_valid [batch, N_k] bool or
     None, scale > 0 defaulting to D ** -0.5. Hidden keys are still read, so like SDPA's boolean mask
     they must hold finite values (0 * NaN would leak into the output).
-    Returns out [batch, num_heads, N_q, D] in q's dtype, and with return_lse also
+    Returns out [batch, num_heads, N_q, D] in q's dtype, laid out [batch, N_q, num_heads, D] in memory
+    (a transposed view: o_proj's input layout, so the model reads it without a copy), and with return_lse also
     lse [batch, num_heads, N_q] float32 (natural log of the sum of exp of the scaled visible scores).
     Rows with no visible key get out = 0 and lse = -inf."""
     _check_inputs(q, k, v, causal, block_size, k_valid, scale)
     batch, num_heads, n_q, head_dim = q.shape
     num_kv_heads, n_k = k.shape[1], k.shape[2]
     scale = head_dim**-0.5 if scale is None else float(scale)
-    out = _output((batch, num_heads, n_q, head_dim), q.dtype, q.device)
+    out = _output((batch, n_q, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
     lse = _output((batch, num_heads, n_q), torch.float32, q.device)
     # A bool tensor is read as bytes. Without a mask the kernel never touches K_VALID.
     valid = k_valid.view(torch.uint8) if k_valid is not None else out

@@ -138,7 +138,8 @@ def sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts,
         device sync: the documented cost) and raise ValueError naming the first bad entry.
     num_splits: how many slices per (row, KV head) list (upper bound); default from the SM count.
 
-    Returns out [batch, num_heads, L, D] in q's dtype and, if return_lse, lse [batch, num_heads, L]
+    Returns out [batch, num_heads, L, D] in q's dtype (laid out [batch, L, num_heads, D]: merge_splits)
+    and, if return_lse, lse [batch, num_heads, L]
     float32 (natural log of the scaled scores' sum of exponentials over the attended keys).
     """
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache)

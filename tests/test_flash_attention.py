@@ -72,6 +72,7 @@ def check_against_reference(q, k, v, tiles=(32, 16), **kwargs):
         out, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
     expected_out, expected_lse = flash_attention_reference(q, k, v, return_lse=True, **kwargs)
     assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.transpose(1, 2).is_contiguous()  # [batch, N_q, heads, D] in memory: o_proj reads it as is
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     tol = TOLERANCE[q.dtype]
     torch.testing.assert_close(out.float(), expected_out.float(), atol=tol, rtol=tol)
