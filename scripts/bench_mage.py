@@ -11,7 +11,8 @@ docs/results/kernels_cuda.md), then a block of T steps + the commit forward is a
     Quest       T x Quest step (page bounds + top pages + sparse)        + commit
     SparseD     (c-1) x exact + capture step + (T-c) x sparse step       + commit, c = round(0.2 T)
 
-The commit forward is an exact step over the same shapes (timed as one). On a GPU each kind of step is
+The commit forward is an exact step over the same shapes (timed as one). On a GPU the selection's
+top-k is also timed alone, torch (topk + sort) against kernels/top_k.py. On a GPU each kind of step is
 also profiled once, eagerly, and its kernel time split into attention, selection and the rest. Floors: weight bytes read
 (embedding rows aside) plus the KV bytes each step reads (exact: the whole prefix in every layer;
 sparse: the exact layers' prefix plus k keys per KV head elsewhere), over the measured copy bandwidth.
@@ -26,6 +27,7 @@ import torch
 import nanodllm.attention as attention_module
 from nanodllm.cache import KVCache
 from nanodllm.config import ModelConfig, preset
+import nanodllm.methods.mage as mage_module
 from nanodllm.methods import Dense, Mage, Quest, SparseD
 from nanodllm.methods.base import StepContext
 from nanodllm.model import build_random
@@ -83,6 +85,7 @@ def step_times(model, ctx, timer, knobs) -> dict:
 
 ATTENTION_KERNELS = ("attention", "decode_split", "merge_splits", "fmha", "flash", "sdpa")
 SELECTION_KERNELS = ("key_scores", "topk", "sort", "radix")
+SELECT_ON_KERNEL = mage_module.select_on_kernel
 
 
 def kernel_bucket(name: str) -> str:
@@ -135,6 +138,24 @@ def step_breakdowns(model, ctx, knobs) -> dict:
     return parts
 
 
+def selection_times(batch, num_kv_heads, context, k, timer, device) -> dict:
+    """Microseconds of select_top_k on torch (topk + sort) and on kernels/top_k.py, for probability-like
+    scores (skewed, all distinct) of every prefix key; the two must pick the same positions."""
+    generator = torch.Generator(device=device).manual_seed(context + batch)
+    scores = torch.rand(batch, num_kv_heads, context, device=device, generator=generator).pow(8) / context
+    lengths = torch.full((batch,), context, device=device)
+    times, picks = {}, []
+    try:
+        for name, on_kernel in (("torch", False), ("kernel", True)):
+            mage_module.select_on_kernel = lambda scores, on=on_kernel: on
+            times[name] = timer(lambda: mage_module.select_top_k(scores, lengths, k))
+            picks.append(mage_module.select_top_k(scores, lengths, k))
+    finally:
+        mage_module.select_on_kernel = SELECT_ON_KERNEL
+    times["same picks"] = all(torch.equal(a, b) for a, b in zip(*picks))
+    return times
+
+
 def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
     capture = max(1, round(exact_fraction * steps))
     commit = times["exact"]
@@ -169,7 +190,7 @@ def bench_mage(args, timer, report, measure_rates, meta):
 
     per_key = 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8  # K + V bytes, one layer
     sparse_layers = cfg.num_layers - knobs["exact_layers"]
-    steps, rows, step_rows, breakdown_rows = shapes["steps"], [], [], []
+    steps, rows, step_rows, breakdown_rows, selection_rows = shapes["steps"], [], [], [], []
     total_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     for context in shapes["contexts"]:
         for batch in shapes["batches"]:
@@ -191,6 +212,12 @@ def bench_mage(args, timer, report, measure_rates, meta):
                     breakdown_rows.append({"context": context, "batch": batch, "step": kind,
                                            **{f"{name} ms": ms for name, ms in parts.items()},
                                            "kernels ms": sum(parts.values())})
+            if device.type == "cuda":
+                chosen = selection_times(batch, cfg.num_kv_heads, context, knobs["k"], timer, device)
+                selection_rows.append({"context": context, "batch": batch, "torch topk + sort us": chosen["torch"],
+                                       "kernels/top_k.py us": chosen["kernel"],
+                                       "speedup": chosen["torch"] / chosen["kernel"],
+                                       "same positions": chosen["same picks"]})
             blocks = block_times(times, steps, 0.2)
             exact_floor = (read_bytes + batch * context * per_key * cfg.num_layers) / bandwidth / 1e3  # us
             kept = min(knobs["k"], context)
@@ -227,6 +254,11 @@ def bench_mage(args, timer, report, measure_rates, meta):
                      "top-k, sorts), rest (projections, FFN, norms, RoPE, cache writes, element-wise). Side-stream "
                      "kernels are counted in full although they overlap the FFN; the sum can differ from the "
                      "graphed step time above by launch gaps.")
+    if selection_rows:
+        report.table("Top-k selection", selection_rows,
+                     f"select_top_k of one layer (k = {knobs['k']} of every prefix key per KV head, probability-like "
+                     "scores): torch's topk + sort of the positions against the radix-select kernel, which "
+                     "emits the positions in order; CUDA graph, L2 flushed.")
     report.table("Time per output block", rows,
                  f"B = {shapes['block']}, T = {steps} steps per block + the commit forward, assembled from the step "
                  "times above (see scripts/bench_mage.py).")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import attention as attention_module
 from ..attention import attention, use_kernels
 from .base import Method, StepContext, attend_with_cache, check_int
 
@@ -62,10 +63,20 @@ def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: 
     return probs.mean(2) * in_prefix[:, None]
 
 
+def select_on_kernel(scores: torch.Tensor) -> bool:
+    """Whether select_top_k runs on kernels/top_k.py (tests switch this on for the interpreter)."""
+    return attention_module.KERNELS_ENABLED and scores.is_cuda
+
+
 def select_top_k(scores: torch.Tensor, prefix_lengths: torch.Tensor, k: int):
     """Per (row, KV head) the k highest-scoring prefix positions, ascending, and how many are valid
     (min(k, prefix length)). Returns indices [batch, kv_heads, min(k, max prefix)] int32 (entries past
-    counts point at slot 0 and are never read) and counts [batch, kv_heads] int32."""
+    counts point at slot 0 and are never read) and counts [batch, kv_heads] int32. On CUDA one radix
+    select, no sort (kernels/top_k.py; ties go to the lower position there, to either here)."""
+    if select_on_kernel(scores):
+        from kernels.top_k import top_k_positions
+
+        return top_k_positions(scores, prefix_lengths, k)
     batch, num_kv_heads, prefix = scores.shape
     width = min(k, prefix)
     in_prefix = torch.arange(prefix, device=scores.device)[None, :] < prefix_lengths[:, None]

@@ -1,0 +1,178 @@
+"""Exact top-k positions of each row, in ascending position order: the selection step of MAGE and Quest.
+
+For each row of scores (a KV head's key scores, say) only its first `length` entries count; the
+result is the positions of the k highest of them, sorted by position, as the sparse decode kernel
+takes its index lists. torch does this as topk (four radix passes of three launches each, then a
+gather) plus a sort of the chosen positions: ~110 us for 8 rows of 32K scores on an H100, three
+times the key-scores kernel that produces them.
+
+Here: a radix select on the scores' bits, then one compaction that emits positions in order, so no
+sort is needed. A float32 is mapped to a uint32 key with the same order (flip every bit of a negative
+number, the sign bit of a positive one). Four histogram passes find the k-th largest key T one byte
+at a time, most significant first: pass p counts, among the entries whose top p bytes equal T's
+(known from passes 0..p-1), how many have each value of the next byte; the byte whose count from the
+top first reaches the number still needed is T's. Each pass is one launch over (row, chunk)
+programs, which add their chunk's 256 counts into the row's histogram with atomics, and re-derive
+the bytes found so far from the earlier histograms themselves (256 values each: cheaper than a
+launch). Then a count launch stores, per chunk, how many entries are above T and how many equal it,
+and a write launch gives each chunk its output offset (a prefix sum over the row's chunk counts)
+and stores the positions of the entries above T, and of the first ones equal to T (in position
+order, as many as needed), in order. Ties at T are thus broken towards lower positions.
+
+Rows whose length is at most k keep all their positions. Entries of the output past a row's count
+are 0. Scores must not be NaN. Grid of every launch: (rows, chunks of CHUNK entries). Seven launches
+in all (a zero fill, four histograms, count, write). On an H100 (docs/results/bench_mage.md, 8 KV
+heads, k = 1024): 36 us for 8 rows of 32K scores (batch 1), 58 us for 8 rows of 128K or 32 rows of
+32K, 90 us for 32 rows of 64K, against 114-146 us for torch's topk + sort (1.6-3.2x); below ~8K
+entries per row the launches dominate (~30 us). The histogram passes cost the most: tl.histogram's time grows with the
+entries per program, and CHUNK and the warps were swept for it (2048 entries, 8 warps).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 2048  # entries per program on a GPU (H100 sweep, 8 warps: 2048 best or within 8% at 2K-128K entries)
+NUM_WARPS = 8
+INTERPRETER_CHUNK = 64
+
+
+@triton.jit
+def order_keys(scores_ptr, row, stride_row, positions, valid):
+    """uint32 keys of the scores at positions, ordered as the floats are."""
+    x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + positions, mask=valid, other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order = float order
+    return (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # flip the sign bit: unsigned order
+
+
+@triton.jit
+def row_length(lengths_ptr, row, heads, n):
+    return tl.minimum(tl.load(lengths_ptr + row // heads).to(tl.int32), n)
+
+
+@triton.jit
+def known_bytes(hist_ptr, row, k, PASSES: tl.constexpr):
+    """(prefix: T's top PASSES bytes, still: how many entries equal to that prefix are still to take)
+    from the histograms of passes 0..PASSES-1."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros((), tl.uint32)
+    still = k
+    for p in tl.static_range(PASSES):
+        counts = tl.load(hist_ptr + (row * 4 + p) * 256 + bins)
+        at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # entries with this byte or a higher one
+        byte = tl.max(tl.where(at_or_above >= still, bins, 0))
+        still -= tl.sum(tl.where(bins > byte, counts, 0))
+        prefix = (prefix << 8) | byte.to(tl.uint32)
+    return prefix, still
+
+
+@triton.jit
+def topk_histogram_kernel(scores_ptr, lengths_ptr, hist_ptr, stride_row, heads, n, k,
+                     PASS: tl.constexpr, CHUNK: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    length = row_length(lengths_ptr, row, heads, n)
+    if length > k:
+        positions = chunk * CHUNK + tl.arange(0, CHUNK)
+        valid = positions < length
+        keys = order_keys(scores_ptr, row, stride_row, positions, valid)
+        prefix, still = known_bytes(hist_ptr, row, k, PASS)
+        if PASS > 0:
+            valid = valid & ((keys >> (32 - 8 * PASS)) == prefix)
+        byte = ((keys >> (24 - 8 * PASS)) & 0xFF).to(tl.int32)
+        counts = tl.histogram(tl.where(valid, byte, 0), 256)  # the others land in bin 0: taken out again
+        bins = tl.arange(0, 256)
+        counts -= tl.where(bins == 0, CHUNK - tl.sum(valid.to(tl.int32)), 0)
+        tl.atomic_add(hist_ptr + (row * 4 + PASS) * 256 + bins, counts)
+
+
+@triton.jit
+def topk_count_kernel(scores_ptr, lengths_ptr, hist_ptr, chunk_counts_ptr, stride_row, heads, n, k,
+                 CHUNK: tl.constexpr):
+    """chunk_counts[row, chunk] = (entries above T, entries equal to T) of the chunk."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    length = row_length(lengths_ptr, row, heads, n)
+    if length > k:
+        positions = chunk * CHUNK + tl.arange(0, CHUNK)
+        valid = positions < length
+        keys = order_keys(scores_ptr, row, stride_row, positions, valid)
+        threshold, _ = known_bytes(hist_ptr, row, k, 4)
+        out = chunk_counts_ptr + (row * tl.num_programs(1) + chunk) * 2
+        tl.store(out, tl.sum((valid & (keys > threshold)).to(tl.int32)))
+        tl.store(out + 1, tl.sum((valid & (keys == threshold)).to(tl.int32)))
+
+
+@triton.jit
+def topk_write_kernel(scores_ptr, lengths_ptr, hist_ptr, chunk_counts_ptr, indices_ptr, counts_ptr, stride_row,
+                 stride_out, heads, n, k, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    length = row_length(lengths_ptr, row, heads, n)
+    if chunk == 0:
+        tl.store(counts_ptr + row, tl.minimum(length, k))
+    positions = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = positions < length
+    out = indices_ptr + row.to(tl.int64) * stride_out
+    if length <= k:  # every position, each at its own slot
+        tl.store(out + positions, positions, mask=valid)
+    else:
+        keys = order_keys(scores_ptr, row, stride_row, positions, valid)
+        threshold, still = known_bytes(hist_ptr, row, k, 4)
+        chunks = tl.arange(0, BLOCK_C)
+        before = chunks < chunk
+        counts = chunk_counts_ptr + (row * tl.num_programs(1) + chunks) * 2
+        above_before = tl.sum(tl.load(counts, mask=before, other=0))
+        equal_before = tl.sum(tl.load(counts + 1, mask=before, other=0))
+        above = valid & (keys > threshold)
+        equal = valid & (keys == threshold)
+        equal_rank = equal_before + tl.cumsum(equal.to(tl.int32), 0) - 1
+        take = above | (equal & (equal_rank < still))
+        slot = above_before + tl.minimum(equal_before, still) + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out + slot, positions, mask=take)
+
+
+def top_k_positions(scores: torch.Tensor, lengths: torch.Tensor, k: int, chunk: int | None = None,
+                    num_warps: int = NUM_WARPS):
+    """Per row of scores [batch, heads, n] (float16 / bfloat16 / float32, last dim contiguous), the
+    positions of the k highest entries among the first lengths[b] (lengths [batch], int), ascending.
+    Returns (indices [batch, heads, min(k, n)] int32, 0 past a row's count; counts [batch, heads] int32
+    = min(k, length)). chunk: entries per program (default CHUNK, INTERPRETER_CHUNK off the GPU)."""
+    if scores.dim() != 3 or scores.stride(-1) != 1:
+        raise ValueError(f"scores must be [batch, heads, n] with a contiguous last dim, got {tuple(scores.shape)}")
+    if scores.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"scores must be float16, bfloat16 or float32, got {scores.dtype}")
+    batch, heads, n = scores.shape
+    if lengths.shape != (batch,) or lengths.dtype not in (torch.int32, torch.int64) or lengths.device != scores.device:
+        raise ValueError(f"lengths must be an int tensor of shape ({batch},) on {scores.device}, got "
+                         f"{tuple(lengths.shape)} {lengths.dtype} on {lengths.device}")
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    chunk = chunk or (CHUNK if scores.is_cuda else INTERPRETER_CHUNK)
+    rows, width, num_chunks = batch * heads, min(k, n), triton.cdiv(n, chunk)
+    # one zero fill for the four histograms per row, the per-chunk counts, the index lists and counts
+    sizes = [rows * 4 * 256, rows * num_chunks * 2, rows * width, rows]
+    hist, chunk_counts, indices, counts = torch.zeros(sum(sizes), dtype=torch.int32, device=scores.device).split(sizes)
+    if n and rows:
+        flat = scores.reshape(rows, n)  # a view: the last dim is contiguous and rows are uniform
+        grid = (rows, num_chunks)
+        common = (flat.stride(0), heads, n, k)
+        for p in range(4):
+            topk_histogram_kernel[grid](flat, lengths, hist, *common, PASS=p, CHUNK=chunk, num_warps=num_warps)
+        topk_count_kernel[grid](flat, lengths, hist, chunk_counts, *common, CHUNK=chunk, num_warps=num_warps)
+        topk_write_kernel[grid](flat, lengths, hist, chunk_counts, indices, counts, flat.stride(0), width, *common[1:],
+                           CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=num_warps)
+    return indices.view(batch, heads, width), counts.view(batch, heads)
+
+
+def top_k_positions_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int):
+    """The same by a stable sort (ties to the lower position), in torch."""
+    batch, heads, n = scores.shape
+    width = min(k, n)
+    counts = torch.clamp(lengths.clamp(max=n), max=k).to(torch.int32)[:, None].expand(batch, heads).contiguous()
+    in_row = torch.arange(n, device=scores.device)[None, :] < lengths[:, None]
+    ranked = scores.float().masked_fill(~in_row[:, None], float("-inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :width]
+    valid = torch.arange(width, device=scores.device) < counts[..., None]
+    chosen = torch.where(valid, order, n).sort(dim=-1).values  # the invalid ones sort last
+    return torch.where(valid, chosen, 0).to(torch.int32), counts
