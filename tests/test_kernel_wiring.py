@@ -1,6 +1,7 @@
 """The engines' attention routed through the Triton kernels (as on a GPU in float16 / bfloat16) gives
 what the torch path gives. On the CPU the kernels run in Triton's interpreter: `use_kernels` is
-switched on for float16 tensors, whose dots the interpreter computes correctly."""
+switched on for float16 tensors, whose dots the interpreter computes correctly. On a GPU the same
+tests run on CUDA tensors, the torch side with the kernels switched off."""
 
 import pytest
 import torch
@@ -12,11 +13,12 @@ from nanodllm.config import GenerationConfig
 from tests.tiny_models import random_prompt, tiny_model
 
 CALLS = []
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
 def kernels_on(monkeypatch):
-    """use_kernels(q) is True for float16 CPU tensors; records each routed call's query shape."""
+    """use_kernels(q) is True for float16 tensors; records each routed call's query shape."""
 
     def use_kernels(q):
         CALLS.append(tuple(q.shape))
@@ -29,7 +31,7 @@ def kernels_on(monkeypatch):
 
 def qkv(batch, heads, kv_heads, n_q, n_k, seed):
     generator = torch.Generator().manual_seed(seed)
-    make = lambda h, n: torch.randn(batch, h, n, 64, generator=generator).half()
+    make = lambda h, n: torch.randn(batch, h, n, 64, generator=generator).half().to(DEVICE)
     return make(heads, n_q), make(kv_heads, n_k), make(kv_heads, n_k)
 
 
@@ -37,7 +39,7 @@ def qkv(batch, heads, kv_heads, n_q, n_k, seed):
 @pytest.mark.parametrize("padded", [False, True])
 def test_canvas_mask_kernel_equals_dense_mask(kernels_on, block_size, padded):
     q, k, v = qkv(2, 4, 2, 13, 13, seed=1)
-    valid = torch.ones(2, 13, dtype=torch.bool)
+    valid = torch.ones(2, 13, dtype=torch.bool, device=DEVICE)
     if padded:
         valid[1, 9:] = False  # right padding, as the block engine's prefill has
     mask = CanvasMask(valid=valid if padded else None, block_size=block_size)
@@ -50,8 +52,8 @@ def test_canvas_mask_kernel_equals_dense_mask(kernels_on, block_size, padded):
 def test_cache_attention_kernel_equals_masked_torch(kernels_on):
     q, _, _ = qkv(2, 4, 2, 5, 5, seed=2)
     generator = torch.Generator().manual_seed(3)
-    k_cache, v_cache = (torch.randn(2, 40, 2, 64, generator=generator).half() for _ in range(2))
-    lengths = torch.tensor([23, 37])
+    k_cache, v_cache = (torch.randn(2, 40, 2, 64, generator=generator).half().to(DEVICE) for _ in range(2))
+    lengths = torch.tensor([23, 37], device=DEVICE)
     out = cache_attention(q, k_cache, v_cache, lengths, 37, ragged=True)
     for row, n in enumerate(lengths.tolist()):
         keys, values = k_cache[row : row + 1, :n].transpose(1, 2), v_cache[row : row + 1, :n].transpose(1, 2)
@@ -60,6 +62,7 @@ def test_cache_attention_kernel_equals_masked_torch(kernels_on):
 
 
 def generate_both_ways(engine, model, prompts, gen, monkeypatch, **kwargs):
+    monkeypatch.setattr(attention_module, "use_kernels", lambda q: False)
     torch_tokens = engine.generate(model, prompts, gen, **kwargs).tokens
     CALLS.clear()
     monkeypatch.setattr(attention_module, "use_kernels",
@@ -70,7 +73,7 @@ def generate_both_ways(engine, model, prompts, gen, monkeypatch, **kwargs):
 
 
 def test_block_engine_tokens_equal_on_kernels(monkeypatch):
-    model = tiny_model("sdar", dtype=torch.float16, head_dim=64, block_size=4)
+    model = tiny_model("sdar", dtype=torch.float16, head_dim=64, block_size=4).to(DEVICE)
     prompts = [random_prompt(9, seed=4), random_prompt(14, seed=5)]  # ragged: prefill padding, per-row caches
     gen = GenerationConfig(gen_length=8, block_length=4, steps=4, remasking="low_confidence_static")
     torch_tokens, kernel_tokens = generate_both_ways(block, model, prompts, gen, monkeypatch, stop_ids=())
@@ -79,7 +82,7 @@ def test_block_engine_tokens_equal_on_kernels(monkeypatch):
 
 @pytest.mark.parametrize("cfg_scale", [0.0, 1.0])
 def test_masked_engine_tokens_equal_on_kernels(monkeypatch, cfg_scale):
-    model = tiny_model("llada", dtype=torch.float16, d_model=128, n_heads=2, n_kv_heads=2)  # head_dim 64
+    model = tiny_model("llada", dtype=torch.float16, d_model=128, n_heads=2, n_kv_heads=2).to(DEVICE)  # head_dim 64
     prompts = [random_prompt(7, seed=6), random_prompt(12, seed=7)]  # left padding, hidden keys
     gen = GenerationConfig(gen_length=8, block_length=4, steps=4, cfg_scale=cfg_scale)
     torch_tokens, kernel_tokens = generate_both_ways(masked, model, prompts, gen, monkeypatch)
