@@ -3,7 +3,7 @@
 For each row of scores (a KV head's key scores, say) only its first `length` entries count; the
 result is the positions of the k highest of them, sorted by position, as the sparse decode kernel
 takes its index lists. torch does this as topk (four radix passes of three launches each, then a
-gather) plus a sort of the chosen positions: ~110 us for 8 rows of 32K scores on an H100, three
+gather) plus a sort of the chosen positions: ~90 us for 8 rows of 32K scores on an H100, three
 times the key-scores kernel that produces them.
 
 Here: a radix select on the scores' bits, then one compaction that emits positions in order, so no
@@ -22,10 +22,11 @@ order, as many as needed), in order. Ties at T are thus broken towards lower pos
 Rows whose length is at most k keep all their positions. Entries of the output past a row's count
 are 0. Scores must not be NaN. Grid of every launch: (rows, chunks of CHUNK entries). Seven launches
 in all (a zero fill, four histograms, count, write). On an H100 (docs/results/bench_mage.md, 8 KV
-heads, k = 1024): 36 us for 8 rows of 32K scores (batch 1), 58 us for 8 rows of 128K or 32 rows of
-32K, 90 us for 32 rows of 64K, against 114-146 us for torch's topk + sort (1.6-3.2x); below ~8K
-entries per row the launches dominate (~30 us). The histogram passes cost the most: tl.histogram's time grows with the
-entries per program, and CHUNK and the warps were swept for it (2048 entries, 8 warps).
+heads, k = 1024): 37 us for 8 rows of 32K scores (batch 1), 55-57 us for 8 rows of 128K or 32 rows
+of 32K, 90 us for 32 rows of 64K, against 88-112 us for torch's topk + sort (1.2-2.4x); below ~8K
+entries per row the launches dominate (~30 us). The histogram passes cost the most: tl.histogram's
+time grows with the entries per program, and CHUNK and the warps were swept for it (2048 entries,
+8 warps).
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ def order_keys(scores_ptr, row, stride_row, positions, valid):
 
 
 @triton.jit
-def row_length(lengths_ptr, row, heads, n):
-    return tl.minimum(tl.load(lengths_ptr + row // heads).to(tl.int32), n)
+def this_chunk(lengths_ptr, heads, n, CHUNK: tl.constexpr):
+    """(row, chunk, the row's length, the chunk's positions, which of them are in the row) of this program."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    length = tl.minimum(tl.load(lengths_ptr + row // heads).to(tl.int32), n)
+    positions = chunk * CHUNK + tl.arange(0, CHUNK)
+    return row, chunk, length, positions, positions < length
 
 
 @triton.jit
@@ -71,12 +76,9 @@ def known_bytes(hist_ptr, row, k, PASSES: tl.constexpr):
 
 @triton.jit
 def topk_histogram_kernel(scores_ptr, lengths_ptr, hist_ptr, stride_row, heads, n, k,
-                     PASS: tl.constexpr, CHUNK: tl.constexpr):
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    length = row_length(lengths_ptr, row, heads, n)
+                          PASS: tl.constexpr, CHUNK: tl.constexpr):
+    row, _, length, positions, valid = this_chunk(lengths_ptr, heads, n, CHUNK)
     if length > k:
-        positions = chunk * CHUNK + tl.arange(0, CHUNK)
-        valid = positions < length
         keys = order_keys(scores_ptr, row, stride_row, positions, valid)
         prefix, still = known_bytes(hist_ptr, row, k, PASS)
         if PASS > 0:
@@ -90,13 +92,10 @@ def topk_histogram_kernel(scores_ptr, lengths_ptr, hist_ptr, stride_row, heads, 
 
 @triton.jit
 def topk_count_kernel(scores_ptr, lengths_ptr, hist_ptr, chunk_counts_ptr, stride_row, heads, n, k,
-                 CHUNK: tl.constexpr):
+                      CHUNK: tl.constexpr):
     """chunk_counts[row, chunk] = (entries above T, entries equal to T) of the chunk."""
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    length = row_length(lengths_ptr, row, heads, n)
+    row, chunk, length, positions, valid = this_chunk(lengths_ptr, heads, n, CHUNK)
     if length > k:
-        positions = chunk * CHUNK + tl.arange(0, CHUNK)
-        valid = positions < length
         keys = order_keys(scores_ptr, row, stride_row, positions, valid)
         threshold, _ = known_bytes(hist_ptr, row, k, 4)
         out = chunk_counts_ptr + (row * tl.num_programs(1) + chunk) * 2
@@ -106,13 +105,10 @@ def topk_count_kernel(scores_ptr, lengths_ptr, hist_ptr, chunk_counts_ptr, strid
 
 @triton.jit
 def topk_write_kernel(scores_ptr, lengths_ptr, hist_ptr, chunk_counts_ptr, indices_ptr, counts_ptr, stride_row,
-                 stride_out, heads, n, k, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    length = row_length(lengths_ptr, row, heads, n)
+                      stride_out, heads, n, k, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    row, chunk, length, positions, valid = this_chunk(lengths_ptr, heads, n, CHUNK)
     if chunk == 0:
         tl.store(counts_ptr + row, tl.minimum(length, k))
-    positions = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid = positions < length
     out = indices_ptr + row.to(tl.int64) * stride_out
     if length <= k:  # every position, each at its own slot
         tl.store(out + positions, positions, mask=valid)

@@ -25,10 +25,10 @@ import time
 import torch
 
 import nanodllm.attention as attention_module
+from kernels.top_k import top_k_positions
 from nanodllm.cache import KVCache
 from nanodllm.config import ModelConfig, preset
-import nanodllm.methods.mage as mage_module
-from nanodllm.methods import Dense, Mage, Quest, SparseD
+from nanodllm.methods import Dense, Mage, Quest
 from nanodllm.methods.base import StepContext
 from nanodllm.model import build_random
 
@@ -85,7 +85,6 @@ def step_times(model, ctx, timer, knobs) -> dict:
 
 ATTENTION_KERNELS = ("attention", "decode_split", "merge_splits", "fmha", "flash", "sdpa")
 SELECTION_KERNELS = ("key_scores", "topk", "sort", "radix")
-SELECT_ON_KERNEL = mage_module.select_on_kernel
 
 
 def kernel_bucket(name: str) -> str:
@@ -139,21 +138,15 @@ def step_breakdowns(model, ctx, knobs) -> dict:
 
 
 def selection_times(batch, num_kv_heads, context, k, timer, device) -> dict:
-    """Microseconds of select_top_k on torch (topk + sort) and on kernels/top_k.py, for probability-like
-    scores (skewed, all distinct) of every prefix key; the two must pick the same positions."""
+    """Microseconds of one layer's top-k selection for probability-like scores (skewed, all distinct) of
+    every prefix key: torch's topk, then a sort of the chosen positions, against kernels/top_k.py, which
+    must pick the same positions."""
     generator = torch.Generator(device=device).manual_seed(context + batch)
     scores = torch.rand(batch, num_kv_heads, context, device=device, generator=generator).pow(8) / context
     lengths = torch.full((batch,), context, device=device)
-    times, picks = {}, []
-    try:
-        for name, on_kernel in (("torch", False), ("kernel", True)):
-            mage_module.select_on_kernel = lambda scores, on=on_kernel: on
-            times[name] = timer(lambda: mage_module.select_top_k(scores, lengths, k))
-            picks.append(mage_module.select_top_k(scores, lengths, k))
-    finally:
-        mage_module.select_on_kernel = SELECT_ON_KERNEL
-    times["same picks"] = all(torch.equal(a, b) for a, b in zip(*picks))
-    return times
+    torch_top_k = lambda: scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    return {"torch": timer(torch_top_k), "kernel": timer(lambda: top_k_positions(scores, lengths, k)),
+            "same picks": torch.equal(top_k_positions(scores, lengths, k)[0], torch_top_k().to(torch.int32))}
 
 
 def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
@@ -256,9 +249,9 @@ def bench_mage(args, timer, report, measure_rates, meta):
                      "graphed step time above by launch gaps.")
     if selection_rows:
         report.table("Top-k selection", selection_rows,
-                     f"select_top_k of one layer (k = {knobs['k']} of every prefix key per KV head, probability-like "
-                     "scores): torch's topk + sort of the positions against the radix-select kernel, which "
-                     "emits the positions in order; CUDA graph, L2 flushed.")
+                     f"One layer's selection (k = {knobs['k']} of every prefix key per KV head, probability-like "
+                     "scores): torch's topk, then a sort of the chosen positions, against the radix-select kernel "
+                     "(kernels/top_k.py), which emits the positions in order; CUDA graph, L2 flushed.")
     report.table("Time per output block", rows,
                  f"B = {shapes['block']}, T = {steps} steps per block + the commit forward, assembled from the step "
                  "times above (see scripts/bench_mage.py).")

@@ -396,7 +396,8 @@ def save_checkpoint(model, family, directory: Path, config: dict):
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {checkpoint_name(family, name): p.detach().to(torch.bfloat16).cpu().contiguous()
+    # copies: a stacked model's q/k/v and gate/up weights are views of one tensor, which safetensors refuses
+    tensors = {checkpoint_name(family, name): p.detach().to("cpu", torch.bfloat16, copy=True)
                for name, p in model.named_parameters()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -72,21 +72,12 @@ def select_top_k(scores: torch.Tensor, prefix_lengths: torch.Tensor, k: int):
     """Per (row, KV head) the k highest-scoring prefix positions, ascending, and how many are valid
     (min(k, prefix length)). Returns indices [batch, kv_heads, min(k, max prefix)] int32 (entries past
     counts point at slot 0 and are never read) and counts [batch, kv_heads] int32. On CUDA one radix
-    select, no sort (kernels/top_k.py; ties go to the lower position there, to either here)."""
-    if select_on_kernel(scores):
-        from kernels.top_k import top_k_positions
+    select, no sort (kernels/top_k.py), elsewhere its torch reference (a stable sort): ties go to the
+    lower position on both."""
+    from kernels.top_k import top_k_positions, top_k_positions_reference
 
-        return top_k_positions(scores, prefix_lengths, k)
-    batch, num_kv_heads, prefix = scores.shape
-    width = min(k, prefix)
-    in_prefix = torch.arange(prefix, device=scores.device)[None, :] < prefix_lengths[:, None]
-    # unsorted top-k (the order comes from sorting the positions); entries past a short prefix are -inf
-    values, ranked = scores.masked_fill(~in_prefix[:, None], float("-inf")).topk(width, dim=-1, sorted=False)
-    counts = torch.clamp(prefix_lengths, max=k)[:, None].expand(batch, num_kv_heads)
-    ordered = torch.where(values > float("-inf"), ranked, prefix).sort(-1).values  # the -inf ones sort last
-    valid = torch.arange(width, device=scores.device) < counts[..., None]
-    indices = torch.where(valid, ordered, 0)
-    return indices.to(torch.int32), counts.to(torch.int32).contiguous()
+    select = top_k_positions if select_on_kernel(scores) else top_k_positions_reference
+    return select(scores, prefix_lengths, k)
 
 
 def listed_tokens(indices, counts, prefix_lengths, index_block: int = 1):
