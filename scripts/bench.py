@@ -92,20 +92,27 @@ QUICK = Shapes(heads=4, kv_heads=2, head_dim=64, block=8, batches=(1, 2), prefix
 class Timer:
     """Microseconds of one call of fn(), as the GPU sees it.
 
-    GPU: fn is captured `repeats` times into a CUDA graph, each call preceded by a write of a
-    256 MiB buffer that evicts L2; the graph of the writes alone is timed too, and the difference
-    divided by `repeats` is fn's time, median of several replays. A graph replays kernels back to
+    GPU: fn is captured `repeats` times into a CUDA graph, each call preceded by a read of a
+    256 MiB buffer that evicts L2; the graph of the reads alone is timed too, and the difference
+    divided by `repeats` is fn's time, median of several replays. The flush reads (a max over the
+    buffer) rather than writes: a write would leave the L2 full of dirty lines, which the timed
+    call would then pay to write back (up to 50 MB on an H100; bench_kernels.md's "L2 flush" table
+    times both), while a real step finds the L2 holding clean weights and cache lines. flush="write"
+    is the old method, kept for that table. A graph replays kernels back to
     back, so the host's launch overhead (Python, argument packing) is not in the number;
     `eager(fn)` gives the other view, do_bench's wall-clock per call, host overhead included.
     CPU (--quick): a plain wall-clock median; the numbers mean nothing there."""
 
     FLUSH_BYTES = 256 << 20
 
-    def __init__(self, device, quick):
-        self.device, self.quick = device, quick
+    def __init__(self, device, quick, flush="read"):
+        if flush not in ("read", "write"):
+            raise ValueError(f"flush must be 'read' or 'write', got {flush!r}")
+        self.device, self.quick, self.flush_mode = device, quick, flush
         self.repeats = 5 if quick else 20
         if device.type == "cuda":
-            self.flush = torch.empty(self.FLUSH_BYTES, dtype=torch.uint8, device=device)
+            self.flush = torch.ones(self.FLUSH_BYTES, dtype=torch.uint8, device=device)
+            self.flush_max = torch.empty((), dtype=torch.uint8, device=device)
             self.flush_graph = self.capture(lambda: None)
             self.flush_us = self.replay(self.flush_graph)
 
@@ -115,7 +122,10 @@ class Timer:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(self.repeats):
-                self.flush.zero_()
+                if self.flush_mode == "read":
+                    torch.amax(self.flush, dim=0, out=self.flush_max)
+                else:
+                    self.flush.fill_(1)
                 fn()
         return graph
 
@@ -212,6 +222,35 @@ def sdpa_on_cache(q, k_cache, v_cache, n_keys):
     """What a user has: SDPA with GQA on the [batch, kv_heads, n_keys, D] view of the cache."""
     keys, values = k_cache[:, :n_keys].transpose(1, 2), v_cache[:, :n_keys].transpose(1, 2)
     return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+
+def bench_flush_check(report, timer, shapes, device, dtype, bandwidth, caches):
+    """The same calls timed after the read flush (Timer's method) and after a write flush (the old one)."""
+    write_timer = Timer(device, shapes is QUICK, flush="write")
+    batch, hidden = shapes.batches[0], shapes.heads * shapes.head_dim
+    k_cache, v_cache = caches[batch]
+    q = torch.randn(batch, shapes.heads, shapes.block, shapes.head_dim, device=device, dtype=dtype)
+    cases = []
+    for prefix in shapes.prefixes:
+        n_keys = prefix + shapes.block
+        lengths = torch.full((batch,), n_keys, device=device, dtype=torch.int32)
+        cases.append((f"block decode, batch {batch}, P = {kilo(prefix)}", 2 * batch * k_cache[0, :n_keys].nbytes,
+                      lambda lengths=lengths, n_keys=n_keys: decode_attention(q, k_cache, v_cache, lengths,
+                                                                              max_length=n_keys)))
+    x = torch.randn(shapes.block, hidden, device=device, dtype=dtype)
+    weight = torch.randn(hidden, hidden, device=device, dtype=dtype)
+    cases.append((f"torch matmul [{shapes.block}, {hidden}] x [{hidden}, {hidden}]", weight.nbytes,
+                  lambda: F.linear(x, weight)))
+    rows = []
+    for name, nbytes, call in cases:
+        read_us, write_us = timer(call), write_timer(call)
+        rows.append({"call": name, "bytes floor us": nbytes / bandwidth / 1e3, "after a read flush us": read_us,
+                     "after a write flush us": write_us, "difference us": write_us - read_us})
+    del write_timer
+    report.table("L2 flush: read (used here) vs write", rows,
+                 "Every time in this file follows a read of a 256 MiB buffer, which leaves the L2 clean. Before "
+                 "2026-11-24 the flush was a write, which left up to the L2's size in dirty lines that the timed call "
+                 "paid to write back: the difference column, about constant per call, is that cost.")
 
 
 def bench_decode(report, timer, shapes, device, dtype, bandwidth, caches):
@@ -410,6 +449,7 @@ def bench_kernels(args):
 
     capacity = max(max(shapes.prefixes), shapes.sparse_prefix) + shapes.block
     caches = {batch: make_cache(batch, capacity, shapes, device, dtype) for batch in shapes.batches}
+    bench_flush_check(report, timer, shapes, device, dtype, bandwidth, caches)
     dense_us = bench_decode(report, timer, shapes, device, dtype, bandwidth, caches)
     bench_decode_sweep(report, timer, shapes, device, dtype, bandwidth, caches)
     bench_sparse(report, timer, shapes, device, dtype, bandwidth, caches, dense_us)
