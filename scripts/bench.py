@@ -250,7 +250,8 @@ def bench_flush_check(report, timer, shapes, device, dtype, bandwidth, caches):
     report.table("L2 flush: read (used here) vs write", rows,
                  "Every time in this file follows a read of a 256 MiB buffer, which leaves the L2 clean. Before "
                  "2026-11-24 the flush was a write, which left up to the L2's size in dirty lines that the timed call "
-                 "paid to write back: the difference column, about constant per call, is that cost.")
+                 "paid to write back: the difference column is that cost, one capture each (captures of the same call "
+                 "differ by 1-2 us).")
 
 
 def bench_decode(report, timer, shapes, device, dtype, bandwidth, caches):
