@@ -18,6 +18,7 @@ from nanodllm.methods.mage import block_probabilities, select_top_k, sparse_cach
 from tests.tiny_models import random_prompt, tiny_model
 
 GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests: compiled on a GPU, else interpreted
 
 
 @settings(max_examples=25, deadline=None)
@@ -102,11 +103,12 @@ def test_kernel_selection_and_sparse_attention_match_torch(prefixes, k):
     the interpreter in float16, against the torch pieces."""
     generator = torch.Generator().manual_seed(sum(prefixes) + k)
     batch, kv_heads, group, block, head_dim = 2, 2, 2, 4, 64
-    prefix_lengths = torch.tensor(prefixes)
-    q = torch.randn(batch, kv_heads * group, block, head_dim, generator=generator).half()
-    k_cache, v_cache = (torch.randn(batch, 50, kv_heads, head_dim, generator=generator).half() for _ in range(2))
-    slots = prefix_lengths[:, None] + torch.arange(block)  # the block's keys, stored after each prefix
-    rows = torch.arange(batch)[:, None]
+    prefix_lengths = torch.tensor(prefixes, device=DEVICE)
+    q = torch.randn(batch, kv_heads * group, block, head_dim, generator=generator).half().to(DEVICE)
+    k_cache, v_cache = (torch.randn(batch, 50, kv_heads, head_dim, generator=generator).half().to(DEVICE)
+                        for _ in range(2))
+    slots = prefix_lengths[:, None] + torch.arange(block, device=DEVICE)  # the block's keys, stored after each prefix
+    rows = torch.arange(batch, device=DEVICE)[:, None]
     k_block, v_block = k_cache[rows, slots].transpose(1, 2), v_cache[rows, slots].transpose(1, 2)
     prefix = int(prefix_lengths.max())
 
@@ -114,7 +116,8 @@ def test_kernel_selection_and_sparse_attention_match_torch(prefixes, k):
     kernel_scores = key_scores(q, k_cache, prefix_lengths, lse, max_length=prefix)
     torch_scores = block_probabilities(q, k_cache, prefix_lengths)
     torch.testing.assert_close(kernel_scores, torch_scores, atol=1e-6, rtol=1e-3)
-    indices, counts = select_top_k(torch_scores, prefix_lengths, k)
+    indices, counts = select_top_k(torch_scores.cpu(), prefix_lengths.cpu(), k)  # the torch top-k
+    indices, counts = indices.to(DEVICE), counts.to(DEVICE)
     assert counts.tolist() == [[min(k, n)] * kv_heads for n in prefixes]
 
     expected = sparse_cache_attention(q, k_block, v_block, k_cache, v_cache, prefix_lengths, indices, counts)
@@ -125,9 +128,11 @@ def test_kernel_selection_and_sparse_attention_match_torch(prefixes, k):
 def test_engine_routes_mage_through_the_kernels(monkeypatch):
     """On the kernel path the block engine runs MAGE end to end (float16 in the interpreter); tokens
     may differ from the torch path only where float16 rounding flips a near tie."""
-    model = tiny_model("sdar", dtype=torch.float16, head_dim=64)
+    model = tiny_model("sdar", dtype=torch.float16, head_dim=64).to(DEVICE)
     prompts = [random_prompt(21, seed=6), random_prompt(34, seed=7)]
+    monkeypatch.setattr(attention_module, "KERNELS_ENABLED", False)  # the torch path, on a GPU too
     torch_tokens = generate(model, prompts, get_method("mage", k=6, exact_layers=1)).tokens
+    monkeypatch.setattr(attention_module, "KERNELS_ENABLED", True)
     sparse_calls = []
     import kernels.sparse_decode_attention as sparse_module
 

@@ -12,7 +12,7 @@ from partly unmasked queries. Assumption: the phases are per block (the MAGE pap
 capture "across the trajectory"; per block is what can serve a prefix that grows every block).
 
 Hooks: those of Mage (methods/mage.py); only capture_step differs.
-Equals dense: k >= every row's prefix (test), or exact_fraction = 1.
+Equals dense: k >= every row's prefix (test), or exact_fraction = 1 with sparse_commit off.
 Knobs: k (1024), exact_fraction (0.2 of the block's steps, at least one exact step), exact_layers
 (2), sparse_commit (False).
 """
