@@ -53,12 +53,14 @@ class KVCache:
             self.values[layer][:, start : start + t] = v.transpose(1, 2)
             return
         offsets = torch.arange(t, device=k.device)
-        keep = offsets[None, :] < (t if counts is None else counts[:, None])  # [batch, t]
-        keep = keep.expand(k.shape[0], t)
-        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand(-1, t)[keep]
-        slots = (self.lengths[:, None] + offsets[None, :])[keep]
-        self.keys[layer][rows, slots] = k.transpose(1, 2)[keep]
-        self.values[layer][rows, slots] = v.transpose(1, 2)[keep]
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand(-1, t)
+        slots = self.lengths[:, None] + offsets[None, :]  # [batch, t]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [batch, t, kv_heads, D]
+        if counts is not None:  # only the first counts[row] tokens: a value-dependent shape (a device sync)
+            keep = offsets[None, :] < counts[:, None]
+            rows, slots, k, v = rows[keep], slots[keep], k[keep], v[keep]
+        self.keys[layer][rows, slots] = k
+        self.values[layer][rows, slots] = v
 
     def advance(self, counts: torch.Tensor):
         """Make the next counts[row] slots of each row part of the cache."""

@@ -57,10 +57,15 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         static_inputs = [x.clone() for x in inputs]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = fn(*static_inputs)
+        self.capturing = True
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = fn(*static_inputs)
+        finally:
+            self.capturing = False
         self.recordings[key] = (graph, static_inputs, output)
 
     def reset(self):
         self.recordings: dict = {}
         self.pool = None
+        self.capturing = False  # True while fn runs for a recording (its host-side effects already happened)

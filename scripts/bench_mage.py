@@ -11,7 +11,12 @@ docs/results/kernels_cuda.md), then a block of T steps + the commit forward is a
     Quest       T x Quest step (page bounds + top pages + sparse)        + commit
     SparseD     (c-1) x exact + capture step + (T-c) x sparse step       + commit, c = round(0.2 T)
 
-The commit forward is an exact step over the same shapes (timed as one). On a GPU the selection's
+The commit forward is an exact step over the same shapes (timed as one). The step tables time each
+step as the Timer's own graph, so the methods' graphs (nanodllm/graphs.py) are off for them. Then, as a
+user runs it, `block.generate` itself at the first context, batch 1: milliseconds per block (three
+blocks minus one, so the prompt's prefill cancels), with the engine's host loop and sampling, the
+block's first step(s) and the commit eager and the repeated steps replaying graphs, next to the
+assembled figure; with graphs off for exact and MAGE. On a GPU the selection's
 top-k is also timed alone, torch (topk + sort) against kernels/top_k.py. On a GPU each kind of step is
 also profiled once, eagerly, and its kernel time split into attention, selection and the rest. Floors: weight bytes read
 (embedding rows aside) plus the KV bytes each step reads (exact: the whole prefix in every layer;
@@ -25,10 +30,12 @@ import time
 import torch
 
 import nanodllm.attention as attention_module
+import nanodllm.graphs as graphs_module
 from kernels.top_k import top_k_positions
+from nanodllm import block as block_engine
 from nanodllm.cache import KVCache
-from nanodllm.config import ModelConfig, preset
-from nanodllm.methods import Dense, Mage, Quest
+from nanodllm.config import GenerationConfig, ModelConfig, preset
+from nanodllm.methods import Dense, Mage, Quest, get_method
 from nanodllm.methods.base import StepContext
 from nanodllm.model import build_random
 
@@ -161,6 +168,37 @@ def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
     }
 
 
+def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> list[dict]:
+    """Milliseconds per block of block.generate at batch 1 (random prompt, temperature 0, no stop
+    token): three blocks minus one block, halved. Graphed: every method; eager: exact and MAGE."""
+    prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    size, steps = shapes["block"], shapes["steps"]
+    methods = [("exact", "dense", {}), ("MAGE", "mage", knobs), ("Quest", "quest", knobs),
+               ("SparseD", "sparsed", knobs)]
+    runs = [(label, name, method_knobs, True) for label, name, method_knobs in methods]
+    runs += [(label, name, method_knobs, False) for label, name, method_knobs in methods[:2]]
+
+    def seconds(name, method_knobs, blocks):
+        gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=steps, temperature=0.0,
+                               threshold=None)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        block_engine.generate(model, [prompt], gen, method=get_method(name, **method_knobs), stop_ids=())
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    rows = []
+    for label, name, method_knobs, graphed in runs:
+        graphs_module.GRAPHS_ENABLED = graphed
+        seconds(name, method_knobs, 3)  # compile (each block's lengths: new specialisations) and autotune
+        ms = (seconds(name, method_knobs, 3) - seconds(name, method_knobs, 1)) / 2 * 1e3
+        rows.append({"context": context, "method": label, "graphs": graphed, "ms/block": ms,
+                     "ms per forward": ms / (steps + 1), "assembled ms/block": assembled[label] / 1e3,
+                     "real / assembled": ms * 1e3 / assembled[label]})
+    graphs_module.GRAPHS_ENABLED = True
+    return rows
+
+
 def bench_mage(args, timer, report, measure_rates, meta):
     device = timer.device
     shapes = QUICK if args.quick else FULL
@@ -185,6 +223,8 @@ def bench_mage(args, timer, report, measure_rates, meta):
     sparse_layers = cfg.num_layers - knobs["exact_layers"]
     steps, rows, step_rows, breakdown_rows, selection_rows = shapes["steps"], [], [], [], []
     total_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    graphs_module.GRAPHS_ENABLED = False  # each step is timed as the Timer's graph (no graph inside a graph)
+    first_blocks = None
     for context in shapes["contexts"]:
         for batch in shapes["batches"]:
             kv_bytes = batch * (context + shapes["block"]) * per_key * cfg.num_layers
@@ -212,6 +252,8 @@ def bench_mage(args, timer, report, measure_rates, meta):
                                        "speedup": chosen["torch"] / chosen["kernel"],
                                        "same positions": chosen["same picks"]})
             blocks = block_times(times, steps, 0.2)
+            if first_blocks is None and batch == 1:
+                first_blocks = (context, blocks)
             exact_floor = (read_bytes + batch * context * per_key * cfg.num_layers) / bandwidth / 1e3  # us
             kept = min(knobs["k"], context)
             sparse_floor = (read_bytes + batch * per_key * (context * knobs["exact_layers"] + kept * sparse_layers)
@@ -255,3 +297,12 @@ def bench_mage(args, timer, report, measure_rates, meta):
     report.table("Time per output block", rows,
                  f"B = {shapes['block']}, T = {steps} steps per block + the commit forward, assembled from the step "
                  "times above (see scripts/bench_mage.py).")
+    graphs_module.GRAPHS_ENABLED = True
+    if device.type == "cuda" and first_blocks is not None:
+        context, blocks = first_blocks
+        report.table("A real generation", generation_times(model, cfg, context, shapes, knobs, blocks),
+                     f"block.generate at {context} tokens of prompt, batch 1, as a user runs it: milliseconds per "
+                     "block (three blocks minus one, halved: the prefill cancels), the engine's host loop and "
+                     "sampling included; 'graphs' = the repeated denoising steps replay CUDA graphs (the "
+                     "default on a GPU), the block's first step (MAGE: its selecting step), the recording and "
+                     "the commit run eagerly. 'assembled' = the figure in the table above.")

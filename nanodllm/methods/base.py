@@ -12,16 +12,23 @@ engines call only these hooks for model work:
 Methods that change WHICH KEYS are read (MAGE, Quest, SparseD) override `attend` and `begin_block`;
 methods that change WHICH ROWS are computed (caches, MaskKV, DyLLM) override `step` and build it from
 the model's per-layer primitives. Everything a hook needs is in `ctx`; there is no global state.
+
+On a GPU the block engine's denoising steps replay CUDA graphs (nanodllm/graphs.py): within a block
+a step is the same computation on new tokens, and at batch 1 launching its ~500 kernels from Python
+takes longer than running them. `graph_key` says which steps may be replayed and which share a
+recording; a method whose step does something else (MAGE's selecting step) returns None there.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from ..attention import CanvasMask, attention, cache_attention
+from ..attention import CanvasMask, attention, cache_attention, use_kernels
 from ..cache import KVCache
+from ..graphs import StepGraphs
 
 
 @dataclass
@@ -67,10 +74,15 @@ class Method:
     def __init__(self):
         self.stats: dict = {}  # what the method reports, e.g. "kv_kept": fraction of KV entries read
         self.keys_read = self.keys_total = 0
+        self.step_graphs = StepGraphs(size=2)  # the block engine's repeated steps (graph_key)
+        self.graphed_cache = None  # weak reference to the KVCache the recordings read
+        self.step_reads: dict = {}  # graph key -> (keys read, keys total) of one step, counted again per replay
 
     def count_reads(self, read: list[int], total: list[int]):
         """stats['kv_kept']: prefix keys attended / prefix keys a dense step attends, per row, summed
         over the attention calls so far (host lengths: no device sync)."""
+        if self.step_graphs.capturing:  # a recording re-runs the step's Python; its eager run counted
+            return
         self.keys_read += sum(read)
         self.keys_total += sum(total)
         self.stats["kv_kept"] = self.keys_read / max(self.keys_total, 1)
@@ -94,7 +106,39 @@ class Method:
 
     def step(self, model, ctx: StepContext) -> torch.Tensor:
         attend = lambda layer, q, k, v: self.attend(layer, q, k, v, ctx)
-        return model(ctx.tokens, ctx.positions, attend, ctx.logits_start, ctx.logits_stop)
+        forward = lambda tokens, positions: model(tokens, positions, attend, ctx.logits_start, ctx.logits_stop)
+        key = self.graph_key(ctx)
+        if key is None:
+            return forward(ctx.tokens, ctx.positions)
+        return self.graphed(key, forward, ctx)
+
+    def graph_key(self, ctx: StepContext):
+        """A hashable key if this step may replay a CUDA graph, steps with equal keys sharing one
+        recording; None runs it eagerly. The block engine's steps on the attention kernels qualify:
+        with the same cache lengths (host ints: the kernels' launch shapes) and the same state, a step
+        is a pure function of the block's tokens, with no host sync. The masked engine's methods
+        (ctx.cache None) graph their own steps. Subclasses add what their step also depends on."""
+        cache = ctx.cache
+        if cache is None or not use_kernels(cache.keys[0]):
+            return None
+        return (ctx.block, tuple(ctx.tokens.shape), tuple(cache.host_lengths), ctx.logits_start, ctx.logits_stop)
+
+    def graphed(self, key, forward, ctx: StepContext) -> torch.Tensor:
+        """forward(tokens, positions) through self.step_graphs, recordings kept per KV cache (a new
+        cache, a new generation: recordings of the old one are dropped); the reads a replayed step
+        does not count are counted from its eager run."""
+        if self.graphed_cache is None or self.graphed_cache() is not ctx.cache:
+            self.step_graphs.reset()
+            self.step_reads = {}
+            self.graphed_cache = weakref.ref(ctx.cache)
+        replay = key in self.step_graphs.recordings
+        before = (self.keys_read, self.keys_total)
+        logits = self.step_graphs(key, forward, ctx.tokens, ctx.positions)
+        if replay and self.step_reads[key][1]:  # methods that count (Dense does not)
+            self.count_reads(*([n] for n in self.step_reads[key]))
+        elif not replay:
+            self.step_reads[key] = (self.keys_read - before[0], self.keys_total - before[1])
+        return logits
 
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if ctx.cache is None:

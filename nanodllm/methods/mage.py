@@ -145,6 +145,14 @@ class Mage(Method):
         """The denoising step whose exact attention selects the keys (MAGE: the first)."""
         return 0
 
+    def graph_key(self, ctx: StepContext):
+        """The selecting step runs eagerly (its side stream, new selections); the exact steps before
+        it (SparseD) share one recording, the sparse steps after it another."""
+        key, capture = super().graph_key(ctx), self.capture_step(ctx)
+        if key is None or ctx.step == capture:
+            return None
+        return key + ("exact" if ctx.step < capture else "selected",)
+
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if ctx.cache is None:
             raise ValueError(f"{self.name} runs on the block engine (it needs the KV cache of the prefix)")

@@ -1,0 +1,68 @@
+"""The block engine's denoising steps replayed from CUDA graphs (Method.graph_key / graphed):
+which steps share a recording, and, on a GPU, that graphed generation equals eager generation."""
+
+import pytest
+import torch
+
+import nanodllm.graphs as graphs_module
+import nanodllm.methods.base as base_module
+from nanodllm import block
+from nanodllm.cache import KVCache
+from nanodllm.methods import get_method
+from nanodllm.methods.base import StepContext
+
+
+def block_context(cache, block_index, step, steps=8, size=4):
+    tokens = torch.zeros(1, size, dtype=torch.long)
+    positions = torch.arange(size)[None] + cache.max_length
+    return StepContext(tokens, positions, torch.ones_like(tokens, dtype=torch.bool), torch.tensor([3]),
+                       block=block_index, step=step, steps_per_block=steps, cache=cache, block_length=size)
+
+
+def test_graph_keys_say_which_steps_share_a_recording(monkeypatch):
+    monkeypatch.setattr(base_module, "use_kernels", lambda tensor: True)  # as on a GPU with bf16 weights
+    cache = KVCache(2, 1, 32, 2, 8, "cpu", torch.float32)
+    cache.advance(torch.tensor([8]))
+    dense, mage, sparsed = get_method("dense"), get_method("mage", k=4), get_method("sparsed", k=4)
+    keys = [dense.graph_key(block_context(cache, 1, step)) for step in range(8)]
+    assert len(set(keys)) == 1  # every step of a block: one recording
+    assert mage.graph_key(block_context(cache, 1, 0)) is None  # the selecting step runs eagerly
+    assert len({mage.graph_key(block_context(cache, 1, step)) for step in range(1, 8)}) == 1
+    capture = sparsed.capture_step(block_context(cache, 1, 0))
+    assert capture == 1  # 20% of 8 steps: steps 0 and 1 exact, selection at 1
+    exact, selecting = sparsed.graph_key(block_context(cache, 1, 0)), sparsed.graph_key(block_context(cache, 1, 1))
+    assert exact is not None and selecting is None
+    assert exact != sparsed.graph_key(block_context(cache, 1, 2))
+    next_block = dense.graph_key(block_context(cache, 2, 0))
+    cache.advance(torch.tensor([4]))  # the commit: new lengths, new launch shapes
+    assert dense.graph_key(block_context(cache, 2, 0)) != next_block != keys[0]
+
+
+def test_no_graphs_on_the_cpu_or_without_the_kernels():
+    cache = KVCache(2, 1, 32, 2, 8, "cpu", torch.bfloat16)
+    assert get_method("dense").graph_key(block_context(cache, 0, 0)) is None
+    masked_engine = block_context(cache, 0, 0)
+    masked_engine.cache = None
+    assert get_method("dense").graph_key(masked_engine) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
+@pytest.mark.parametrize("name, knobs", [("dense", {}), ("mage", {"k": 64}), ("quest", {"k": 64}),
+                                         ("sparsed", {"k": 64})])
+def test_graphed_generation_equals_eager(monkeypatch, name, knobs):
+    from nanodllm import tasks
+    from nanodllm.eval import Runner, resolve_model
+
+    runner = Runner(resolve_model("tiny-sdar"), "cuda", torch.bfloat16, None)
+    samples = tasks.make_samples("passkey", 1024, 2, seed=3, count_tokens=runner.count_tokens)
+    prompts = [runner.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
+    prompts[1] = prompts[1][:-37]  # a ragged batch: rows at different cache lengths
+    runs = {}
+    for graphed in (False, True):
+        monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
+        method = get_method(name, **knobs)
+        result = block.generate(runner.model, prompts, runner.gen, method=method, stop_ids=())
+        runs[graphed] = (result.tokens, dict(method.stats), len(method.step_graphs.recordings))
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == pytest.approx(runs[False][1])
+    assert runs[False][2] == 0 and runs[True][2] > 0  # the graphed run did replay recordings
