@@ -1,6 +1,7 @@
 """DyLLM (methods/dyllm.py) and its approximate-attention kernel (kernels/approx_attention.py): the
 kernel equals its reference, the update is exact when only values change, every row salient equals
-dense, a low threshold shrinks the salient set and changes the output."""
+dense, a low threshold shrinks the salient set and changes the output, and a row decodes alike alone
+and in a ragged batch."""
 
 import pytest
 import torch
@@ -231,6 +232,23 @@ def test_a_small_cap_bounds_the_salient_set_and_differs():
     assert differing(generate(capped), generate(free)) > 0
     rows = MASKED_GEN.gen_length  # the fewest rows a sparse step feeds (response only)
     assert max(capped.stats["salient_per_layer"]) <= -(-0.05 * rows // 1) / rows < free.stats["salient"]
+
+
+@pytest.mark.parametrize("knobs", [{"tau": 0.9}, {"tau": 0.9, "salient_fraction": 0.25},
+                                   {"tau": 0.99, "salient_cap": 0.25}])
+def test_a_row_decodes_the_same_alone_and_in_a_ragged_batch(knobs):
+    """DESIGN.md: a row's result must not depend on the batch. The short prompt, left-padded next to a
+    longer one, sizes its salient sets from its own fed rows, as it does alone (tau alone: control)."""
+    alone = generate(get_method("dyllm", **knobs), [PROMPTS[1]])[0]
+    assert generate(get_method("dyllm", **knobs), PROMPTS)[1] == alone
+
+
+@pytest.mark.parametrize("knobs", [{"tau": 1.5}, {"salient_fraction": 1.0}])
+def test_every_row_salient_counts_as_one_in_a_ragged_batch(knobs):
+    """The salient statistic is over the real fed rows: padding is never salient nor counted."""
+    method = get_method("dyllm", full_period=1, **knobs)  # every sparse step feeds the padded canvas
+    generate(method)
+    assert method.stats["salient_per_layer"] == [1.0, 1.0]
 
 
 def test_index_rows_lists_true_entries_first():

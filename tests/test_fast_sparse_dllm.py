@@ -1,7 +1,8 @@
 """Fast-dLLM's caches and Sparse-dLLM (methods/fast_dllm.py, sparse_dllm.py): a full forward every
 step equals dense, a cached step on the canvas its cache came from equals the full forward, ratio 1
 equals the dual cache with the same delay, a small ratio differs, the cached steps' decode-kernel path
-decodes what the torch path does, and Algorithm 1's selection."""
+decodes what the torch path does, Algorithm 1's selection, and a row decodes alike alone and in a
+ragged batch."""
 
 import pytest
 import torch
@@ -87,18 +88,49 @@ def test_small_ratio_differs_and_keeps_its_share():
     assert 0.05 < method.stats["kv_kept"] < 0.15
 
 
+@pytest.mark.parametrize("name,knobs", [("fast_dllm", {"mode": "dual"}), ("sparse_dllm", {}),
+                                        ("sparse_dllm", {"ratio": 0.25}), ("sparse_dllm", {"per_head": True}),
+                                        ("sparse_dllm", {"ratio": 0.25, "prefix_sparse": True})])
+def test_a_row_decodes_the_same_alone_and_in_a_ragged_batch(name, knobs):
+    """DESIGN.md: a row's result must not depend on the batch. The short prompt, left-padded next to a
+    longer one, keeps floor(ratio * its own candidates), as it does alone (Algorithm 1 line 9)."""
+    alone = generate(get_method(name, **knobs), [PROMPTS[1]])[0]
+    assert generate(get_method(name, **knobs), PROMPTS)[1] == alone
+
+
 def test_pivotal_tokens_pool_neighbours_and_skip_padding():
     q_mean = torch.tensor([[[1.0, 0.0]]])  # one head, d = 2: a key's score is its first coordinate
-    keys = torch.tensor([[[[0.0, 0], [5, 0], [0, 0], [0, 0], [0, 0], [3, 0], [0, 0], [9, 0]]]])
-    valid = torch.tensor([[True, True, True, True, True, True, True, False]])  # the 9 is padding
-    indices, keep = pivotal_tokens(q_mean, keys, valid, ratio=0.5, kernel=1, per_head=False)
-    picked = indices[0, 0].tolist()
-    assert len(picked) == 4 and {1, 5} <= set(picked) and 7 not in picked and picked == sorted(picked)
-    indices, keep = pivotal_tokens(q_mean, keys, valid, ratio=0.75, kernel=3, per_head=False)
-    assert set(indices[0, 0].tolist()) == {0, 1, 2, 4, 5, 6}  # the 5 and the 3 spread to their neighbours
-    assert bool(keep.all())
-    indices, keep = pivotal_tokens(q_mean, keys, torch.ones_like(valid), ratio=0.25, kernel=1, per_head=False)
-    assert indices.tolist() == [[[1, 7]]]
+    keys = torch.tensor([[[[9.0, 0], [0, 0], [5, 0], [0, 0], [0, 0], [3, 0], [0, 0], [1, 0]]]])
+    valid = torch.tensor([[False, False, True, True, True, True, True, True]])  # left padding: the 9 and a 0
+    indices, keep = pivotal_tokens(q_mean, keys, valid, ratio=0.5, kernel=3, per_head=False)
+    # pooled over the 6 real tokens: 5 5 3 3 3 1; the 9 spreads nowhere and the pad beside the 5 takes no
+    # slot; int(0.5 * 8) = 4 are listed, floor(0.5 * 6) = 3 kept, and ties at 3 go to the lower position
+    assert indices.tolist() == [[[2, 3, 4, 5]]] and keep.tolist() == [[[[True, True, True, False]]]]
+    everything = torch.ones_like(valid)
+    indices, keep = pivotal_tokens(q_mean, keys, everything, ratio=0.5, kernel=3, per_head=False)
+    assert indices.tolist() == [[[0, 1, 2, 3]]]  # the 9 and the 5 spread to their neighbours
+    indices, keep = pivotal_tokens(q_mean, keys, everything, ratio=0.25, kernel=1, per_head=False)
+    assert indices.tolist() == [[[0, 2]]] and bool(keep.all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 16), pad=st.integers(1, 8), ratio=st.floats(0.05, 1.0), kernel=st.sampled_from([1, 3, 5]),
+       per_head=st.booleans(), seed=st.integers(0, 1000))
+def test_a_padded_row_keeps_what_it_keeps_alone(n, pad, ratio, kernel, per_head, seed):
+    """Row 1 is row 0's last n candidates behind `pad` pads of high score: it keeps the same
+    floor(ratio * n) of its own candidates as those n alone, whatever the pads and the longer row."""
+    generator = torch.Generator().manual_seed(seed)
+    q_mean = torch.randn(1, 4, 8, generator=generator, dtype=torch.float64).expand(2, -1, -1)  # 2 KV heads
+    keys = torch.randn(2, 2, pad + n, 8, generator=generator, dtype=torch.float64)
+    keys[1, :, :pad] = q_mean[1].view(2, 2, 8).mean(dim=1, keepdim=True) * 10  # pads that would outscore all
+    valid = torch.ones(2, pad + n, dtype=torch.bool)
+    valid[1, :pad] = False
+    indices, keep = pivotal_tokens(q_mean, keys, valid, ratio, kernel, per_head)
+    alone, alone_keep = pivotal_tokens(q_mean[1:], keys[1:, :, pad:], valid[1:, pad:], ratio, kernel, per_head)
+    kept = lambda indices, keep, shift: [[i - shift for i, k in zip(*head) if k]
+                                         for head in zip(indices.tolist(), keep[:, 0].tolist())]
+    assert kept(indices[1], keep[1], pad) == kept(alone[0], alone_keep[0], 0)
+    assert all(len(head) == int(ratio * n) for head in kept(alone[0], alone_keep[0], 0))
 
 
 def test_per_head_selection_differs_between_heads():

@@ -24,19 +24,20 @@ rows; with every row, tau > 1 is exactly dense).
 With tau alone each layer's salient set is sized from its values (a host sync per layer), so sparse
 steps run eagerly. `salient_cap` bounds the set instead: each layer lists the cap's worth of
 lowest-cosine rows and keeps those of them below tau, which is the paper's set whenever at most the
-cap's worth of rows cross tau. With a cap or salient_fraction every set after layer 1's input has a
-fixed size and layer 1's input is listed in capacities of 64 rows, so on a GPU the sparse steps
-replay CUDA graphs, one per kind of step and capacity (nanodllm/graphs.py).
+cap's worth of rows cross tau. With a cap or salient_fraction every set after layer 1's input is
+listed at a fixed size (each sequence's own count of it ok: lowest_rows) and layer 1's input in
+capacities of 64 rows, so on a GPU the sparse steps replay CUDA graphs, one per kind of step and
+capacity (nanodllm/graphs.py).
 
 Hooks: begin_block (block 0 starts a new generation), step (from the layer primitives).
 On a shifted-logit model (Dream) a response-only step's first logits read the prompt's last row as
 the last step that fed it left it.
 Equals dense: tau > 1 (every row salient) with full_period = 1 (every step feeds the whole canvas).
 Knobs (paper defaults): tau = 0.99 (LLaDA; 0.995 for Dream), full_steps T_full = 4, full_period = 4,
-salient_fraction = None (benchmarks: the next S is that fraction of the fed rows with the lowest
-cosine, instead of a threshold), salient_cap = None (not in the paper: at most that fraction of the
-fed rows is salient, so the steps can be graphed). stats: salient = mean fraction of fed rows salient per layer and
-sparse step; salient_per_layer = the same per layer.
+salient_fraction = None (benchmarks: the next S is that fraction of each sequence's real fed rows,
+those with the lowest cosine, instead of a threshold), salient_cap = None (not in the paper: at most
+that fraction of them is salient, so the steps can be graphed). stats: salient = mean fraction of the
+real fed rows salient per layer and sparse step; salient_per_layer = the same per layer.
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ def index_rows(mask: torch.Tensor, count: int | None = None):
 def capacity(count: int, width: int, granule: int = 64) -> int:
     """count rounded up to a multiple of granule, at most width: few distinct sizes, few graphs."""
     return min(-(-max(count, 1) // granule) * granule, width)
+
+
+def lowest_rows(cos: torch.Tensor, valid: torch.Tensor, fraction: float):
+    """Per sequence, its ceil(fraction * v) lowest-cosine fed rows, v its own count of real (unpadded)
+    fed rows, so its set does not depend on the batch. Every sequence lists as many rows, ceil(fraction
+    * fed width) (at least 1: a shape, fixed per CUDA-graph recording), and marks those past its own
+    count not ok: (rows [batch, width] in order, ok [batch, width]). Ties go to the lower row, alike
+    in any batch."""
+    width = max(math.ceil(fraction * cos.shape[1]), 1)
+    ranked = cos.masked_fill(~valid, float("inf")).sort(dim=1, stable=True).indices[:, :width]
+    rows, order = ranked.sort(dim=1)
+    own_count = (valid.sum(dim=1, dtype=torch.float64) * fraction).ceil()  # math.ceil of an unpadded row
+    ranks = torch.arange(width, device=cos.device)
+    return rows, (ranks < own_count[:, None]).gather(1, order)
 
 
 def approximate(q, keys, dv, columns, lse, context, merge):
@@ -197,7 +212,7 @@ class DyLLM(Method):
         for layer, state in zip(model.layers, self.layers):
             x, mlp_out, selected = self.layer_step(layer, state, x, mlp_out, rope, selected, valid, offset, k_valid)
             masks.append(selected[0])
-        fractions = torch.stack(masks).sum(dim=2).float().mean(dim=1) / x.shape[1]
+        fractions = torch.stack(masks).sum(dim=(1, 2)) / valid.sum()  # over the real fed rows
         return x.add_(mlp_out), selected[0], fractions
 
     def layer_step(self, layer, state, x, pending, rope, selected, valid, offset, k_valid):
@@ -237,11 +252,8 @@ class DyLLM(Method):
         if self.salient_fraction is None and self.salient_cap is None:
             mask = (cos < self.tau) & valid
             return (mask, *index_rows(mask))
-        count = math.ceil((self.salient_cap if self.salient_fraction is None else self.salient_fraction)
-                          * cos.shape[1])
-        rows = cos.masked_fill(~valid, float("inf")).topk(max(count, 1), dim=1, largest=False).indices
-        rows = rows.sort(dim=1).values
-        ok = valid.gather(1, rows) & (count > 0)
+        fraction = self.salient_cap if self.salient_fraction is None else self.salient_fraction
+        rows, ok = lowest_rows(cos, valid, fraction)
         if self.salient_fraction is None:
             ok = ok & (cos.gather(1, rows) < self.tau)
         return torch.zeros_like(valid).scatter_(1, rows, ok), rows, ok

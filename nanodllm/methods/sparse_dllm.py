@@ -7,10 +7,11 @@ Idea. Which tokens a block attends to is stable across its steps, and the attent
 block: steps before `delay` run the full canvas without a cache (the K/V are not settled yet, Fig.
 4); step `delay` runs it too and, layer by layer, builds the cache of everything outside the block,
 pruned (Algorithm 1): score each candidate key by its dot product with the block's mean query,
-max-pool the scores over neighbouring tokens (width `kernel`), keep the top floor(ratio * candidates);
-later steps feed only the block and attend to the kept K/V plus the block's own. The paper keeps one
-index set for all heads (scores averaged over heads; `per_head` keeps one per KV head);
-`prefix_sparse` (Algorithm 5) prunes only the tokens before the block and keeps the whole suffix.
+max-pool the scores over neighbouring tokens (width `kernel`), keep the top floor(ratio * the row's
+own candidates), padding never counted nor kept; later steps feed only the block and attend to the
+kept K/V plus the block's own. The paper keeps one index set for all heads (scores averaged over
+heads; `per_head` keeps one per KV head); `prefix_sparse` (Algorithm 5) prunes only the tokens
+before the block and keeps the whole suffix.
 
 Hooks: fast_dllm's; keep is overridden.
 Equals fast_dllm mode=dual with the same delay when ratio = 1; a small ratio differs (tests).
@@ -29,22 +30,31 @@ from .fast_dllm import FastDllm, KeptKV, outside_block
 
 def pivotal_tokens(q_mean, candidates, valid, ratio: float, kernel: int, per_head: bool):
     """Algorithm 1 lines 5-10. q_mean [batch, heads, d] (the block's mean query), candidates
-    [batch, kv_heads, n, d], valid [batch, n]. Returns (indices [batch, 1 or kv_heads, kept] in
-    token order, keep [batch, 1 or kv_heads, 1, kept]: False where a pooled score picked padding)."""
+    [batch, kv_heads, n, d], valid [batch, n]. Returns (indices [batch, 1 or kv_heads, int(ratio * n)]
+    in token order, keep [batch, 1 or kv_heads, 1, int(ratio * n)]).
+
+    Each row keeps floor(ratio * its own valid candidates), its own count (line 9), so its selection
+    does not depend on the batch: every row lists as many top-ranked slots as an unpadded row keeps,
+    and keep is False past a row's own count. Padding scores -inf before the max pool (it spreads into
+    no real token) and after it (it inherits no neighbour's score), so it never takes a slot. Ties go to
+    the lower position, alike in any batch."""
     batch, kv_heads, n, head_dim = candidates.shape
     group = q_mean.shape[1] // kv_heads
     grouped = q_mean.float().view(batch, kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bhnd->bhn", grouped, candidates.float()) / group  # mean over the group
     if not per_head:
         scores = scores.mean(dim=1, keepdim=True)
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    padding = ~valid[:, None, :]
+    scores = scores.masked_fill(padding, float("-inf"))
     if kernel > 1:
         heads = scores.shape[1]
         pooled = F.max_pool1d(scores.view(batch * heads, 1, n), kernel, stride=1, padding=kernel // 2)
-        scores = pooled.view(batch, heads, n)
-    count = int(ratio * n)
-    indices = scores.topk(count, dim=-1).indices.sort(dim=-1).values
-    keep = valid[:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
+        scores = pooled.view(batch, heads, n).masked_fill(padding, float("-inf"))
+    ranked = scores.sort(dim=-1, descending=True, stable=True).indices[..., : int(ratio * n)]
+    indices, order = ranked.sort(dim=-1)
+    own_count = (valid.sum(dim=1, dtype=torch.float64) * ratio).floor()  # int(ratio * n) of an unpadded row
+    ranks = torch.arange(ranked.shape[-1], device=valid.device)
+    keep = (ranks < own_count[:, None, None]).expand_as(ranked).gather(2, order)
     return indices, keep[:, :, None, :]
 
 
@@ -74,5 +84,5 @@ class SparseDllm(FastDllm):
             keys = torch.cat([keys, k[:, :, high:]], dim=2)
             values = torch.cat([values, v[:, :, high:]], dim=2)
             keep = torch.cat([keep, keep.new_ones(*keep.shape[:3], suffix)], dim=3)
-        mask = None if bool(keep.all()) else keep  # a pooled score may pick padding: one sync per layer
+        mask = None if bool(keep.all()) else keep  # rows keeping fewer than the list: one sync per layer
         return KeptKV(keys, values, mask, count)
