@@ -73,8 +73,36 @@ def test_tiny_budget_differs_and_keeps_little(name):
     assert differing(generate(method), expected) > 0
     kept, prompt = method.stats["kv_per_head"]
     assert kept <= 1 and prompt == pytest.approx(16.5)
-    for cache in method.layers:  # the full prompt is not kept past step 0
-        assert cache.keys.shape[2] <= 1 + GEN.gen_length
+    kv_heads = MODEL.cfg.num_kv_heads
+    layer_budget = layer_budgets(1, method.importance, beta=0.4, boundary_layers=1)  # 1 per layer: all boundary
+    for (indices, keep), cache, budget in zip(method.indices, method.layers, layer_budget, strict=True):
+        per_head = keep[:, :, 0].sum(dim=-1)  # [rows, kv_heads]
+        assert bool((per_head.sum(dim=1) <= budget * kv_heads).all())  # Algorithm 3 splits B_l * H_kv
+        assert indices.shape[2] == max(int(per_head.max()), 1) <= budget * kv_heads  # the largest head, padded
+        assert cache.keys.shape[2] == indices.shape[2] + GEN.gen_length  # the full prompt is not kept past step 0
+
+
+BATCH_CASES = [
+    ("maskkv", dict(budget=15)),  # between the rows' prompt lengths (13 and 20)
+    ("maskkv", dict(budget=5)),  # below both
+    ("maskkv", dict(budget=15, prompt_interval=3, response_interval=2)),  # the kept K/V gathered again at refreshes
+    ("maskkv", dict(budget=5, prompt_interval=3, response_interval=2)),
+    ("snapkv", dict(budget=18, window=16)),  # the window is wider than the short prompt
+    ("snapkv", dict(budget=8, window=4)),  # the pool's reach past the short row's first token
+]
+
+
+@pytest.mark.parametrize("name, knobs", BATCH_CASES)
+def test_a_row_decodes_the_same_alone_and_next_to_another_prompt(name, knobs):
+    batched = generate(get_method(name, **knobs))
+    alone = [generate(get_method(name, **knobs), [prompt])[0] for prompt in PROMPTS]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("intervals", [{}, dict(prompt_interval=3, response_interval=2)])
+def test_a_row_whose_prompt_fits_the_budget_equals_dllm_cache_in_any_batch(intervals):
+    short_row = generate(get_method("maskkv", budget=15, **intervals))[1]  # 13 tokens, next to 20
+    assert short_row == generate(get_method("dllm_cache", **intervals))[1]
 
 
 def test_eviction_keeps_each_heads_budget_of_the_real_prompt():

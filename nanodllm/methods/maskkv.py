@@ -14,18 +14,22 @@ are hierarchical:
         S_l = 1 - mean cos(h_in, h_out) (eq. 8), taken from an offline profile;
     heads (Algorithm 3): k_h = floor(alpha B_l) + floor((B_l - floor(alpha B_l)) H_kv P_h), with P_h
         head h's share of the prompt attention mass (prompt preference).
-Each head keeps its top-k_h prompt tokens (in prompt order); every later step, prompt refreshes
-included, attends to the kept prompt K/V plus the response's. The full prompt KV is never stored
-past step 0 (each layer is evicted as soon as it has voted), so the cache holds ~B + R keys per head.
+Each head keeps its top-k_h prompt tokens (in prompt order); a row whose whole prompt fits the
+budget (prompt length <= B) keeps all of it in every head, so it decodes as under dllm_cache whatever
+else is in the batch. Every later step, prompt refreshes included, attends to the kept prompt K/V
+plus the response's. The full prompt KV is never stored past step 0 (each layer is evicted as soon
+as it has voted); layer l's buffers hold, per head, as many prompt slots as its largest head keeps
+(over rows and KV heads; Algorithm 3 can give one head up to about B_l H_kv), the slots a smaller
+head does not use hidden, plus the R response keys.
 
 Profile: `maskkv_profile.json` next to the checkpoint ({"layer_importance": [...]}), written by
-    python -m nanodllm.methods.maskkv --calibrate MODEL_DIR
+    python -m nanodllm.eval --model MODEL_DIR --calibrate
 Without one (or the `profile` knob naming a file), the importance is measured by one dense forward
 of the first canvas decoded and kept for later generations (the paper's online variant, Table 12).
 
 Hooks: dllm_cache's, plus keep_prompt (gather the kept K/V at each prompt refresh) and
 first_step_attention (vote, allocate, evict).
-Equals dllm_cache (same intervals and rho) when the budget is at least the longest prompt.
+Equals dllm_cache (same intervals and rho) on every row whose prompt is at most the budget long.
 Knobs (paper defaults): budget = 256 KV pairs per head on average (paper sweeps 16..512), alpha = 0.1,
 beta = 0.4, boundary_layers = layers at each end counted as boundary (default max(1, L // 8), an
 assumption: the paper does not say where the groups split), profile = path to a profile JSON;
@@ -142,7 +146,7 @@ class MaskKV(DllmCache):
         self.boundary_layers, self.profile = boundary_layers, profile
         self.importance: list[float] | None = None
         self.indices: list = []  # per layer: (indices, keep) of the kept prompt tokens
-        self.evicting = False  # this generation's budget is below its longest prompt
+        self.evicting = False  # this generation's budget is below its longest prompt: some row evicts
         self.kept_sum = self.prompt_sum = self.head_rows = 0
 
     def step(self, model, ctx):
@@ -183,7 +187,8 @@ class MaskKV(DllmCache):
         cache = self.layers[i]
         prompt_width = cache.prompt_slots
         scores = self.token_scores(i, q_p, q_r, cache, ctx)
-        counts = self.head_counts(i, scores, ctx)
+        fits = ctx.prompt_lengths <= self.budget  # such a row has nothing to evict: it keeps its whole prompt
+        counts = torch.where(fits[:, None], ctx.prompt_lengths[:, None], self.head_counts(i, scores, ctx))
         indices, keep = keep_top(scores, counts, ctx.prompt_lengths)
         self.indices.append((indices, keep))
         k_r, v_r = self.response_kv(cache)

@@ -4,15 +4,16 @@ Paper: Li et al. 2024, "SnapKV: LLM knows what you are looking for before genera
 (../shared/papers/001_11756cf7236fadd5.txt, Tables 2 and 13) runs it on diffusion LMs: inside the same
 dLLM-Cache framework, only the token scores and the budgets differ. Here for what mask voting adds.
 
-Idea. At step 0 (exact), per layer, the `window` last prompt tokens (the observation window) vote:
-score[h, j] = sum over window queries of their softmax probability on prompt key j (softmax over the
-whole canvas, as the step attends), averaged over each KV head's query group, then smoothed by an
-average pool of width `pool` so neighbours of a hit are kept too. The window itself always stays
-(its tokens rank first, the latest first). Every layer and head keeps `budget` prompt tokens; later
-steps attend to them plus the response, as in maskkv.py.
+Idea. At step 0 (exact), per layer, each row's last min(window, its prompt length) prompt tokens (the
+observation window) vote: score[h, j] = sum over window queries of their softmax probability on
+prompt key j (softmax over the whole canvas, as the step attends), averaged over each KV head's
+query group, then smoothed by an average pool of width `pool` (over the row's own prompt tokens, never
+its left padding) so neighbours of a hit are kept too. The window itself always stays (its tokens
+rank first, the latest first). Every layer and head keeps `budget` prompt tokens; later steps attend
+to them plus the response, as in maskkv.py.
 
 Hooks: MaskKV's; token_scores and head_counts overridden.
-Equals dllm_cache when the budget is at least the longest prompt.
+Equals dllm_cache on every row whose prompt is at most the budget long.
 Knobs (SnapKV defaults): budget = 256, window = 32, pool = 5 (1 = no pooling); prompt_interval,
 response_interval, rho as dllm_cache.
 """
@@ -41,19 +42,31 @@ class SnapKV(MaskKV):
         return super().step(model, ctx)
 
     def token_scores(self, i, q_p, q_r, cache, ctx):
+        """[batch, kv_heads, P]: the votes of each row's own window, pooled over its real prompt
+        columns; the window's tokens rank above every vote, the latest first."""
         prompt_width = cache.prompt_slots
-        window = min(self.window, int(ctx.prompt_lengths.min()))
-        voters = q_p[:, :, prompt_width - window :]
-        every_voter = torch.ones(voters.shape[0], window, device=voters.device)
-        scores = attention_mass(voters, cache.keys, cache.key_mask, every_voter, prompt_width)
+        columns = torch.arange(prompt_width, device=q_p.device)
+        window_starts = prompt_width - ctx.prompt_lengths.clamp(max=self.window)
+        rank = columns - window_starts[:, None]  # [batch, P]: place in the row's window, < 0 before it
+        widest = min(self.window, prompt_width)
+        voters = q_p[:, :, prompt_width - widest :]
+        scores = attention_mass(voters, cache.keys, cache.key_mask, rank[:, -widest:] >= 0, prompt_width)
         if self.pool > 1:
-            batch, kv_heads, _ = scores.shape
-            flat = scores.view(batch * kv_heads, 1, prompt_width)
-            scores = F.avg_pool1d(flat, self.pool, stride=1, padding=self.pool // 2,
-                                  count_include_pad=False).view(batch, kv_heads, -1)
-        ranks = torch.arange(window, device=scores.device, dtype=scores.dtype)
-        scores[:, :, prompt_width - window :] = window + 1.0 + ranks  # a vote total is at most `window`
-        return scores
+            real = columns >= (prompt_width - ctx.prompt_lengths)[:, None]
+            scores = pool_real(scores, real[:, None, :], self.pool)
+        window_scores = self.window + 1.0 + rank.to(scores.dtype)  # a vote total is at most the window
+        return torch.where(rank[:, None, :] >= 0, window_scores[:, None, :], scores)
 
     def head_counts(self, i, scores, ctx):
         return torch.full(scores.shape[:2], self.budget, dtype=torch.long, device=scores.device)
+
+
+def pool_real(scores, real, pool: int):
+    """Average pool of width `pool` (stride 1, centred) over the last dim of scores [batch, heads, P],
+    each average taken over the real columns in reach only (real [batch, 1, P]: False at left padding),
+    so a row's pooled scores are those it would get alone."""
+    half = pool // 2
+    reach_sum = lambda x: F.pad(x, (half, half)).unfold(-1, pool, 1).sum(dim=-1)
+    sums = reach_sum(scores.masked_fill(~real, 0.0))
+    counts = reach_sum(real.to(scores.dtype))
+    return sums / counts.clamp(min=1)
