@@ -66,3 +66,28 @@ def test_graphed_generation_equals_eager(monkeypatch, name, knobs):
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == pytest.approx(runs[False][1])
     assert runs[False][2] == 0 and runs[True][2] > 0  # the graphed run did replay recordings
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
+@pytest.mark.parametrize("name, knobs", [("dense", {}), ("mage", {"k": 16}), ("sparsed", {"k": 16})])
+def test_graphed_fast_dllm_v2_equals_eager(monkeypatch, name, knobs):
+    """Fast-dLLM v2's loop (sub-blocks, threshold decoding) calls the same step: graphed equals eager."""
+    from nanodllm.config import GenerationConfig, ModelConfig
+    from nanodllm.model import build_random
+    from tests.tiny_models import random_prompt
+
+    cfg = ModelConfig.from_dict(dict(model_type="Fast_dLLM_Qwen", hidden_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                                     vocab_size=256, mask_token_id=250, bos_token_id=251, eos_token_id=251,
+                                     bd_size=8, max_position_embeddings=4096, rms_norm_eps=1e-6))
+    model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=3)
+    prompts = [random_prompt(70, seed=1), random_prompt(45, seed=2)]
+    gen = GenerationConfig(gen_length=32, block_length=8, steps=8, threshold=0.9)
+    runs = {}
+    for graphed in (False, True):
+        monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
+        method = get_method(name, **knobs)
+        runs[graphed] = (block.generate(model, prompts, gen, method=method, stop_ids=()).tokens,
+                         len(method.step_graphs.recordings))
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] == 0 and runs[True][1] > 0
