@@ -20,9 +20,16 @@ from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differi
 from tests.tiny_models import masked_tokens as generate
 
 MODEL, GEN, PROMPTS = MASKED_MODEL, MASKED_GEN, RAGGED_PROMPTS
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests: compiled on a GPU, else interpreted
+# A float32 tl.dot is exact in the interpreter but TF32 (float16's 10 mantissa bits) on a GPU. There the
+# kernel's float32 inputs q, k, dv are drawn on the float16 grid, which TF32 holds exactly (scores and a
+# weight-1 update stay exact), and contexts updated through a TF32 p.dv get the float16 tolerance.
+TF32_DOTS = DEVICE == "cuda"
+FP32_OUT_TOLERANCE = 2e-3 if TF32_DOTS else 1e-4
 
 
 def random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, seed):
+    """q, k, dv, columns, counts, lse, context on DEVICE (q, k, dv on the float16 grid where dots are TF32)."""
     generator = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=generator)
     q, k = randn(batch, kv_heads * group, rows, head_dim), randn(batch, kv_heads, keys, head_dim)
@@ -31,19 +38,22 @@ def random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, 
     counts = torch.randint(0, salient + 1, (batch,), generator=generator)
     lse = randn(batch, kv_heads * group, rows).abs() + 2
     context = randn(batch, kv_heads * group, rows, head_dim)
-    return [t.to(dtype) for t in (q, k, dv)] + [columns, counts, lse, context.to(dtype)]
+    dot_inputs = [t.to(dtype) for t in (q, k, dv)]
+    if TF32_DOTS and dtype == torch.float32:
+        dot_inputs = [t.half().float() for t in dot_inputs]
+    return [t.to(DEVICE) for t in dot_inputs + [columns, counts, lse, context.to(dtype)]]
 
 
 def random_merge(batch, heads, rows, exact_rows, head_dim, dtype, seed):
-    """(exact [batch, heads, E, D], exact_lse, slots [batch, rows]): E distinct rows per batch row
-    take the exact values, every other row -1."""
+    """(exact [batch, heads, E, D], exact_lse, slots [batch, rows]) on DEVICE: E distinct rows per batch
+    row take the exact values, every other row -1."""
     generator = torch.Generator().manual_seed(seed)
     exact = torch.randn(batch, heads, exact_rows, head_dim, generator=generator).to(dtype)
     exact_lse = torch.rand(batch, heads, exact_rows, generator=generator) * 4
     slots = torch.full((batch, rows), -1, dtype=torch.int32)
     for b in range(batch):
         slots[b, torch.randperm(rows, generator=generator)[:exact_rows]] = torch.arange(exact_rows, dtype=torch.int32)
-    return exact, exact_lse, slots
+    return exact.to(DEVICE), exact_lse.to(DEVICE), slots.to(DEVICE)
 
 
 def updated(update, inputs, merge=None):
@@ -66,7 +76,8 @@ def test_kernel_matches_reference(batch, group, kv_heads, rows, keys, head_dim, 
         if merged else None
     got_context, got_lse, got_stats = updated(approximate_attention, inputs, merge)
     expected_context, expected_lse, expected_stats = updated(approximate_attention_reference, inputs, merge)
-    tolerance = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
+    fp32 = FP32_OUT_TOLERANCE
+    tolerance = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=fp32, rtol=fp32)
     torch.testing.assert_close(got_context.float(), expected_context.float(), **tolerance)
     torch.testing.assert_close(got_lse, expected_lse)
     torch.testing.assert_close(got_stats, expected_stats, atol=0.05 if dtype == torch.float16 else 1e-3, rtol=1e-3)
@@ -118,7 +129,7 @@ def test_a_stale_normaliser_never_weights_a_column_above_one(path):
     q, k, dv, columns, _, lse, context = random_inputs(1, 1, 1, 6, 12, 4, 16, torch.float32, 3)
     stale = torch.full_like(lse, -30.0)  # exp(score + 30) would be ~1e13
     update = approximate_attention if path == "kernel" else approximate_attention_reference
-    new, _, _ = updated(update, [q, k, dv, columns, torch.tensor([4]), stale, context])
+    new, _, _ = updated(update, [q, k, dv, columns, torch.tensor([4], device=DEVICE), stale, context])
     moved = dv[0, 0].sum(0)  # every weight clamped to 1
     torch.testing.assert_close(new - context, moved.expand_as(new), atol=1e-4, rtol=1e-4)
 
@@ -139,9 +150,9 @@ def test_bad_kernel_inputs_are_named():
 
 
 def cache_layout(layout, batch, heads, n, width, dtype, generator):
-    """A [batch, heads, n, width] cache: "heads" contiguous, "tokens" a view of [batch, n, heads, width]
-    (DyLLM's context), "rows" a [batch, n, width] cache seen as [batch, 1, n, width] (its FFN outputs)."""
-    randn = lambda *shape: torch.randn(*shape, generator=generator).to(dtype)
+    """A [batch, heads, n, width] cache on DEVICE: "heads" contiguous, "tokens" a view of [batch, n, heads,
+    width] (DyLLM's context), "rows" a [batch, n, width] cache seen as [batch, 1, n, width] (its FFN outputs)."""
+    randn = lambda *shape: torch.randn(*shape, generator=generator).to(dtype=dtype, device=DEVICE)
     if layout == "tokens":
         return randn(batch, n, heads, width).transpose(1, 2)
     if layout == "rows":
@@ -158,9 +169,9 @@ def test_row_scatter_matches_reference(batch, heads, n, width, layout, delta, dt
     heads = 1 if layout == "rows" else heads
     slots = data.draw(st.integers(0, n))
     dst = cache_layout(layout, batch, heads, n, width, dtype, generator)
-    rows = torch.stack([torch.randperm(n, generator=generator)[:slots] for _ in range(batch)])
-    ok = torch.rand(batch, slots, generator=generator) < 0.7
-    src = torch.randn(batch, heads, slots, width, generator=generator).to(dtype)
+    rows = torch.stack([torch.randperm(n, generator=generator)[:slots] for _ in range(batch)]).to(DEVICE)
+    ok = (torch.rand(batch, slots, generator=generator) < 0.7).to(DEVICE)
+    src = torch.randn(batch, heads, slots, width, generator=generator).to(dtype=dtype, device=DEVICE)
     expected = dst.clone()
     expected_delta = put_rows_where_reference(expected, rows, ok, src, delta)
     got_delta = put_rows_where(dst, rows, ok, src, delta)
@@ -184,9 +195,10 @@ def test_row_scatter_bad_inputs_are_named():
 
 
 def test_sparse_steps_write_the_same_caches_with_the_row_scatter_kernel(monkeypatch):
-    """DyLLM with its caches written by the kernel (interpreter, float32) decodes what the torch path
-    decodes, with a cap so that some listed rows must keep their cached values."""
-    model = tiny_model("llada", dtype=torch.float32)
+    """DyLLM with its caches written by the kernel (float32; interpreted on a CPU, compiled on a GPU)
+    decodes what the torch path decodes, with a cap so that some listed rows must keep their cached
+    values. The torch path is float32's own on a GPU too (use_fused takes float16 / bfloat16)."""
+    model = tiny_model("llada", dtype=torch.float32).to(DEVICE)
     method = lambda: get_method("dyllm", tau=0.9, salient_cap=0.25)
     expected = generate(method(), model=model)
     calls = []
@@ -273,8 +285,8 @@ def test_bad_knobs_and_block_causal_models_are_named():
 def test_the_kernel_path_decodes_what_the_torch_path_decodes(monkeypatch):
     import nanodllm.methods.dyllm as dyllm
 
-    model = tiny_model("llada", dtype=torch.float32, d_model=64)  # head_dim 16
+    model = tiny_model("llada", dtype=torch.float32, d_model=64).to(DEVICE)  # head_dim 16
     run = lambda: generate(get_method("dyllm", tau=0.95), model=model)
-    torch_path = run()
-    monkeypatch.setattr(dyllm, "use_kernels", lambda q: True)  # the Triton kernel, interpreted on a CPU
+    torch_path = run()  # float32: the torch path on a GPU too (use_kernels takes float16 / bfloat16)
+    monkeypatch.setattr(dyllm, "use_kernels", lambda q: True)  # the Triton kernel (interpreted on a CPU)
     assert run() == torch_path

@@ -19,6 +19,7 @@ from tests.tiny_models import (MASK_ID, MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS
 from tests.tiny_models import masked_tokens as generate
 
 MODEL, GEN, PROMPTS = MASKED_MODEL, MASKED_GEN, RAGGED_PROMPTS
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel test: compiled on a GPU, else interpreted
 
 
 @settings(max_examples=6, deadline=None)
@@ -61,10 +62,11 @@ def test_a_cached_step_on_an_unchanged_canvas_equals_the_full_forward(name, knob
 @pytest.mark.parametrize("mode", ["dual", "prefix"])
 def test_cached_steps_through_the_decode_kernel_equal_the_torch_path(mode, monkeypatch):
     """Unpadded rows: a dual cached step feeds the block (4 tokens) to the split-KV decode kernel
-    (interpreted on a CPU), prefix feeds 4 + the suffix; the kept K/V stay in place between steps."""
+    (interpreted on a CPU, compiled on a GPU), prefix feeds 4 + the suffix; the kept K/V stay in place
+    between steps. The torch path is float32's own on a GPU too (use_kernels takes float16 / bfloat16)."""
     import nanodllm.attention as attention_module
 
-    model = tiny_model("llada", dtype=torch.float32, d_model=128, n_heads=2, n_kv_heads=2)  # head_dim 64
+    model = tiny_model("llada", dtype=torch.float32, d_model=128, n_heads=2, n_kv_heads=2).to(DEVICE)  # head_dim 64
     prompts = [random_prompt(20, seed=3), random_prompt(20, seed=4)]
     gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
     torch_path = generate(get_method("fast_dllm", mode=mode), prompts, gen, model=model)

@@ -1,15 +1,35 @@
-"""MOMO's kernels against their torch references under TRITON_INTERPRET=1: kernels/qsa_attention.py
-(the sampled rows' outputs and LSE, and a top-k block set that is a true top-k of the block scores)
-and kernels/block_sparse_attention.py (listed key blocks, masks, empty list entries)."""
+"""MOMO's kernels against their torch references, interpreted on a CPU (TRITON_INTERPRET=1) and
+compiled on a GPU: kernels/qsa_attention.py (the sampled rows' outputs and LSE, and a top-k block set
+that is a true top-k of the block scores) and kernels/block_sparse_attention.py (listed key blocks,
+masks, empty list entries).
+
+A float32 tl.dot is exact in the interpreter but TF32 on a GPU (inputs rounded to float16's 10 mantissa
+bits). On a GPU the float32 inputs are therefore drawn on the float16 grid, which TF32 holds exactly:
+the scores q.k, and with them the LSE and the block choices, are exact as in the interpreter. The p.v
+dot still rounds the probabilities to 10 bits, so there float32 outputs (only they) get the float16
+tolerance. CPU runs draw and compare exactly as before."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
+from kernels.block_sparse_attention import CUDA_TILES, block_sparse_attention, block_sparse_attention_reference
 from kernels.qsa_attention import qsa_attention, qsa_attention_reference
 from nanodllm.methods.momo import block_scores, scaled_scores
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, else interpreted
+TF32_DOTS = DEVICE == "cuda"  # float32 tl.dot: TF32 on a GPU, exact in the interpreter
+FP32_OUT_TOLERANCE = 2e-3 if TF32_DOTS else 1e-4  # outputs through a TF32 p.v: float16's tolerance
+BLOCK_M = CUDA_TILES["BLOCK_M"] if DEVICE == "cuda" else 16  # block_sparse_attention's rows per program
+
+
+def randn(*shape, generator, dtype=torch.float32):
+    """torch.randn in dtype on DEVICE; float32 on the float16 grid where dots are TF32 (see above)."""
+    x = torch.randn(*shape, generator=generator)
+    if TF32_DOTS and dtype == torch.float32:
+        x = x.half().float()
+    return x.to(dtype=dtype, device=DEVICE)
 
 
 @settings(max_examples=25, deadline=None)
@@ -19,26 +39,27 @@ from nanodllm.methods.momo import block_scores, scaled_scores
        dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 999))
 def test_qsa_matches_the_reference(n, gamma, beta, top_k, head_dim, group, mask, dtype, seed):
     generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, 2 * group, n, head_dim, generator=generator).to(dtype)
-    k, v = (torch.randn(2, 2, n, head_dim, generator=generator).to(dtype) for _ in range(2))
-    valid = torch.ones(2, n, dtype=torch.bool)
+    q = randn(2, 2 * group, n, head_dim, generator=generator, dtype=dtype)
+    k, v = (randn(2, 2, n, head_dim, generator=generator, dtype=dtype) for _ in range(2))
+    valid = torch.ones(2, n, dtype=torch.bool, device=DEVICE)
     valid[1, (2 * n) // 3 :] = False
     masks = {"none": {}, "causal": {"causal": True}, "block": {"block_size": 8},
              "padding": {"k_valid": valid, "block_size": 8}}[mask]
     out, lse, top_index, top_score = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=top_k, **masks)
     ref_out, ref_lse, _, _ = qsa_attention_reference(q, k, v, gamma=gamma, beta=beta, top_k=top_k, **masks)
     tolerance = 2e-3 if dtype == torch.float16 else 1e-4
+    out_tolerance = tolerance if dtype == torch.float16 else FP32_OUT_TOLERANCE
     seen = ref_lse > float("-inf")
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=out_tolerance, rtol=out_tolerance)
     torch.testing.assert_close(lse[seen], ref_lse[seen], atol=tolerance, rtol=tolerance)
     assert bool((lse[~seen] == float("-inf")).all())
 
     # every block score, to check the kernel's set is a top-k (near-ties may differ from torch.topk)
-    positions = torch.arange(0, n, gamma)
+    positions = torch.arange(0, n, gamma, device=DEVICE)
     visible = None
     if mask != "none":
         size = 1 if mask == "causal" else 8
-        visible = (torch.arange(n)[None, :] // size) <= (positions[:, None] // size)
+        visible = (torch.arange(n, device=DEVICE)[None, :] // size) <= (positions[:, None] // size)
         visible = visible[None, None] & (valid[:, None, None, :] if mask == "padding" else True)
     scores = block_scores(scaled_scores(q[:, :, positions], k, visible), beta)
     for b in range(2):
@@ -61,9 +82,9 @@ def test_qsa_matches_the_reference(n, gamma, beta, top_k, head_dim, group, mask,
 def test_estimated_top_k_in_the_kernel_matches_its_torch_form(n, gamma, top_k, group, mask, seed, data):
     k_exact = data.draw(st.integers(0, top_k - 1))
     generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, 2 * group, n, 16, generator=generator)
-    k, v = (torch.randn(2, 2, n, 16, generator=generator) for _ in range(2))
-    valid = torch.ones(2, n, dtype=torch.bool)
+    q = randn(2, 2 * group, n, 16, generator=generator)
+    k, v = (randn(2, 2, n, 16, generator=generator) for _ in range(2))
+    valid = torch.ones(2, n, dtype=torch.bool, device=DEVICE)
     valid[1, (2 * n) // 3 :] = False
     masks = {"none": {}, "causal": {"causal": True}, "padding": {"k_valid": valid, "block_size": 8}}[mask]
     _, _, got, got_scores = qsa_attention(q, k, v, gamma=gamma, beta=16, top_k=top_k, k_exact=k_exact, **masks)
@@ -80,8 +101,8 @@ def test_estimated_top_k_in_the_kernel_matches_its_torch_form(n, gamma, top_k, g
        seed=st.integers(0, 999))
 def test_the_tournament_tree_keeps_the_exact_top_k(n, gamma, top_k, mask, seed):
     generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 2, n, 16, generator=generator)
-    k, v = (torch.randn(1, 1, n, 16, generator=generator) for _ in range(2))
+    q = randn(1, 2, n, 16, generator=generator)
+    k, v = (randn(1, 1, n, 16, generator=generator) for _ in range(2))
     masks = {"causal": True} if mask == "causal" else {}
     _, _, tree, tree_scores = qsa_attention(q, k, v, gamma=gamma, beta=16, top_k=top_k, tree=True, **masks)
     _, _, buffer, _ = qsa_attention(q, k, v, gamma=gamma, beta=16, top_k=top_k, **masks)
@@ -108,20 +129,22 @@ def test_bad_arguments_are_named():
        dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 999))
 def test_block_sparse_matches_the_reference(n, chi_tiles, beta, listed, mask, group, dtype, seed):
     generator = torch.Generator().manual_seed(seed)
-    chi = 16 * chi_tiles  # the interpreter's BLOCK_M is 16
-    q = torch.randn(1, 2 * group, n, 16, generator=generator).to(dtype)
-    k, v = (torch.randn(1, 2, n, 16, generator=generator).to(dtype) for _ in range(2))
+    chi = BLOCK_M * chi_tiles  # a multiple of the kernel's BLOCK_M: 16 in the interpreter, 64 on a GPU
+    q = randn(1, 2 * group, n, 16, generator=generator, dtype=dtype)
+    k, v = (randn(1, 2, n, 16, generator=generator, dtype=dtype) for _ in range(2))
     key_blocks, query_blocks = -(-n // beta), -(-n // chi)
     lists = torch.stack([torch.randperm(key_blocks, generator=generator)[:listed] for _ in range(2 * group * query_blocks)])
     lists = torch.nn.functional.pad(lists, (0, listed - lists.shape[1]), value=-1).view(1, 2 * group, query_blocks, -1)
     lists[..., -1] = torch.where(torch.rand(lists.shape[:3], generator=generator) < 0.3, -1, lists[..., -1])
-    valid = torch.ones(1, n, dtype=torch.bool)
+    lists = lists.to(DEVICE)
+    valid = torch.ones(1, n, dtype=torch.bool, device=DEVICE)
     valid[0, (2 * n) // 3 :] = False
     masks = {"none": {}, "causal": {"causal": True}, "block": {"block_size": 8}, "padding": {"k_valid": valid}}[mask]
     out, lse = block_sparse_attention(q, k, v, lists.int(), chi=chi, beta=beta, **masks)
     ref_out, ref_lse = block_sparse_attention_reference(q, k, v, lists.int(), chi=chi, beta=beta, **masks)
     tolerance = 2e-3 if dtype == torch.float16 else 1e-4
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=tolerance, rtol=tolerance)
+    out_tolerance = tolerance if dtype == torch.float16 else FP32_OUT_TOLERANCE
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=out_tolerance, rtol=out_tolerance)
     seen = ref_lse > float("-inf")
     torch.testing.assert_close(lse[seen], ref_lse[seen], atol=tolerance, rtol=tolerance)
     assert bool((lse[~seen] == float("-inf")).all())

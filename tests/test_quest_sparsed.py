@@ -14,6 +14,7 @@ from nanodllm.methods.quest import page_bounds, page_scores
 from tests.tiny_models import random_prompt, tiny_model
 
 GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel test: compiled on a GPU, else interpreted
 
 
 def generate(model, prompts, method):
@@ -83,6 +84,46 @@ def test_sparsed_captures_after_a_fifth_of_the_steps():
     assert get_method("sparsed", exact_fraction=1.0).capture_step(type("Ctx", (), {"steps_per_block": 8})()) == 7
 
 
+# Blocks of 8 tokens over 8 steps: SparseD's default 20% gives capture step max(1, round(1.6)) - 1 = 1 and
+# exact_fraction 0.5 step 3, where GEN's 4 steps give step 0 for both (SparseD is then MAGE, step for step).
+GEN8 = GenerationConfig(gen_length=16, block_length=8, steps=8, remasking="low_confidence_static")
+
+
+def generate8(model, prompts, method):
+    return block.generate(model, prompts, GEN8, method=method, stop_ids=())
+
+
+@pytest.mark.parametrize("exact_fraction,capture", [(0.2, 1), (0.5, 3)])
+def test_sparsed_capturing_after_step_0_is_not_mage(exact_fraction, capture):
+    """A later capture: exact steps before it (more keys read than MAGE), a selection from partly
+    unmasked queries (other tokens than MAGE's at the same tiny k), and dense's tokens at a full k."""
+    model = tiny_model("sdar", block_size=8)
+    prompts = [random_prompt(40, seed=s) for s in range(4)]
+    sparsed = get_method("sparsed", k=1, exact_fraction=exact_fraction, exact_layers=0)
+    assert sparsed.capture_step(type("Ctx", (), {"steps_per_block": GEN8.steps})()) == capture
+    mage = get_method("mage", k=1, exact_layers=0)
+    mage_tokens = generate8(model, prompts, mage).tokens
+    assert generate8(model, prompts, sparsed).tokens != mage_tokens
+    assert mage.stats["kv_kept"] < sparsed.stats["kv_kept"] < 1
+    dense = generate8(model, prompts, get_method("dense"))
+    full = get_method("sparsed", k=64, exact_fraction=exact_fraction, exact_layers=0)
+    assert generate8(model, prompts, full).tokens == dense.tokens
+
+
+@pytest.mark.parametrize("name,knobs", [("mage", dict(k=8)), ("quest", dict(k=8, page_size=2)), ("sparsed", dict(k=8))])
+def test_a_row_decodes_the_same_alone_and_in_a_ragged_batch(name, knobs):
+    """DESIGN.md: a row's result must not depend on the batch. At k = 8 every row loses keys (the 6-token
+    prompt once its first block is committed), so the tokens are not dense's."""
+    model = tiny_model("sdar", block_size=8)
+    prompts = [random_prompt(6, seed=3), random_prompt(30, seed=4), random_prompt(17, seed=5)]
+    method = get_method(name, exact_layers=0, **knobs)
+    batch = generate8(model, prompts, method).tokens
+    assert method.stats["kv_kept"] < 1
+    assert batch != generate8(model, prompts, get_method("dense")).tokens
+    for row, prompt in enumerate(prompts):
+        assert generate8(model, [prompt], get_method(name, exact_layers=0, **knobs)).tokens[0] == batch[row]
+
+
 def test_bad_knobs_are_named():
     with pytest.raises(ValueError, match="page_size"):
         get_method("quest", page_size=0)
@@ -93,21 +134,24 @@ def test_bad_knobs_are_named():
 
 
 def test_page_lists_on_the_kernel_match_torch(monkeypatch):
-    """Quest's key-block lists (the last page partial) through kernels/sparse_decode_attention in the
-    interpreter (float16) against the torch gather."""
+    """Quest's key-block lists (the last page partial) through kernels/sparse_decode_attention (float16;
+    interpreted on a CPU, compiled on a GPU) against the torch gather."""
+    import nanodllm.attention as attention_module
     import nanodllm.methods.mage as mage_module
 
     generator = torch.Generator().manual_seed(11)
     batch, kv_heads, group, block_len, head_dim, page = 2, 2, 2, 4, 64, 4
-    prefix_lengths = torch.tensor([13, 30])  # 4 and 8 pages, row 0's last page holds 1 key
-    q = torch.randn(batch, kv_heads * group, block_len, head_dim, generator=generator).half()
-    k_cache, v_cache = (torch.randn(batch, 40, kv_heads, head_dim, generator=generator).half() for _ in range(2))
-    slots = prefix_lengths[:, None] + torch.arange(block_len)
-    rows = torch.arange(batch)[:, None]
+    prefix_lengths = torch.tensor([13, 30], device=DEVICE)  # 4 and 8 pages, row 0's last page holds 1 key
+    q = torch.randn(batch, kv_heads * group, block_len, head_dim, generator=generator).half().to(DEVICE)
+    k_cache, v_cache = (torch.randn(batch, 40, kv_heads, head_dim, generator=generator).half().to(DEVICE)
+                        for _ in range(2))
+    slots = prefix_lengths[:, None] + torch.arange(block_len, device=DEVICE)
+    rows = torch.arange(batch, device=DEVICE)[:, None]
     k_block, v_block = k_cache[rows, slots].transpose(1, 2), v_cache[rows, slots].transpose(1, 2)
-    indices = torch.tensor([[[0, 3, 0], [1, 2, 3]], [[2, 5, 7], [0, 6, 0]]], dtype=torch.int32)
-    counts = torch.tensor([[2, 3], [3, 2]], dtype=torch.int32)
+    indices = torch.tensor([[[0, 3, 0], [1, 2, 3]], [[2, 5, 7], [0, 6, 0]]], dtype=torch.int32, device=DEVICE)
+    counts = torch.tensor([[2, 3], [3, 2]], dtype=torch.int32, device=DEVICE)
     args = (q, k_block, v_block, k_cache, v_cache, prefix_lengths, indices, counts, page)
+    monkeypatch.setattr(attention_module, "KERNELS_ENABLED", False)  # the torch gather, on a GPU too
     expected = mage_module.sparse_cache_attention(*args)
     monkeypatch.setattr(mage_module, "use_kernels", lambda q: True)
     got = mage_module.sparse_cache_attention(*args)

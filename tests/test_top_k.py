@@ -60,10 +60,12 @@ def test_comparison_catches_a_wrong_selection():
 
 def test_select_top_k_on_the_kernel_equals_torch(monkeypatch):
     """MAGE's select_top_k takes the kernel where kernels are on; same sets as its torch form."""
+    import nanodllm.attention as attention_module
     import nanodllm.methods.mage as mage
 
     scores = draw_scores(2, 4, 500, "distinct", 3, torch.float32).abs()
     lengths = torch.tensor([500, 321], device=DEVICE)
+    monkeypatch.setattr(attention_module, "KERNELS_ENABLED", False)  # the torch form, on a GPU too
     torch_result = select_top_k(scores, lengths, 100)
     monkeypatch.setattr(mage, "select_on_kernel", lambda scores: True)
     kernel_result = select_top_k(scores, lengths, 100)
