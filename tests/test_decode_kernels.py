@@ -27,8 +27,8 @@ from kernels import decode_attention as decode_module  # noqa: E402
 from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from kernels.key_scores import key_scores, key_scores_reference  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference  # noqa: E402
+from tests.device import DEVICE
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 LSE_TOLERANCE = 1e-4  # fp32 scores of exact fp16/bf16 products in every dtype: only the summation order differs

@@ -18,14 +18,9 @@ from nanodllm.methods.dyllm import index_rows
 from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
                                refuses_block_causal, tiny_model)
 from tests.tiny_models import masked_tokens as generate
+from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
 MODEL, GEN, PROMPTS = MASKED_MODEL, MASKED_GEN, RAGGED_PROMPTS
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests: compiled on a GPU, else interpreted
-# A float32 tl.dot is exact in the interpreter but TF32 (float16's 10 mantissa bits) on a GPU. There the
-# kernel's float32 inputs q, k, dv are drawn on the float16 grid, which TF32 holds exactly (scores and a
-# weight-1 update stay exact), and contexts updated through a TF32 p.dv get the float16 tolerance.
-TF32_DOTS = DEVICE == "cuda"
-FP32_OUT_TOLERANCE = 2e-3 if TF32_DOTS else 1e-4
 
 
 def random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, seed):

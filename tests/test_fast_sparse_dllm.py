@@ -17,9 +17,9 @@ from nanodllm.methods.sparse_dllm import pivotal_tokens
 from tests.tiny_models import (MASK_ID, MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
                                refuses_block_causal, tiny_model)
 from tests.tiny_models import masked_tokens as generate
+from tests.device import DEVICE
 
 MODEL, GEN, PROMPTS = MASKED_MODEL, MASKED_GEN, RAGGED_PROMPTS
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel test: compiled on a GPU, else interpreted
 
 
 @settings(max_examples=6, deadline=None)

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import kernels.flash_attention as fa
 from kernels.flash_attention import flash_attention, flash_attention_reference
+from tests.device import DEVICE
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # fp32 runs exact dots in the interpreter but TF32 ones on a GPU.
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5 if DEVICE == "cpu" else 5e-3}

@@ -11,9 +11,9 @@ from nanodllm import block, masked
 from nanodllm.attention import CanvasMask, attention, cache_attention
 from nanodllm.config import GenerationConfig
 from tests.tiny_models import random_prompt, tiny_model
+from tests.device import DEVICE
 
 CALLS = []
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from nanodllm.methods import get_method
 from nanodllm.eval import agreement
 from nanodllm.methods.mage import block_probabilities, select_top_k, sparse_cache_attention
 from tests.tiny_models import random_prompt, tiny_model
+from tests.device import DEVICE
 
 GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests: compiled on a GPU, else interpreted
 
 
 @settings(max_examples=25, deadline=None)

@@ -18,14 +18,9 @@ from nanodllm.methods import get_method
 from nanodllm.methods.momo import (dense_mask, estimated_top_k, exact_top_k, expand_blocks, momo_attention,
                                    scaled_scores, union_and_trim)
 from tests.tiny_models import masked_tokens, random_prompt, tiny_model
+from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
 MASKS = ["bidirectional", "padding", "block-causal", "causal"]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel pipeline: compiled on a GPU, else interpreted
-# A float32 tl.dot is exact in the interpreter but TF32 (float16's 10 mantissa bits) on a GPU. There the
-# pipeline's inputs are drawn on the float16 grid, which TF32 holds exactly (q.k and so the chosen blocks are
-# exact, as in the interpreter), and its outputs, through a TF32 p.v, get test_momo_kernels.py's float16 tolerance.
-TF32_DOTS = DEVICE == "cuda"
-FP32_OUT_TOLERANCE = 2e-3 if TF32_DOTS else 1e-4
 
 
 def make_mask(kind, valid):

@@ -17,10 +17,8 @@ from hypothesis import strategies as st
 from kernels.block_sparse_attention import CUDA_TILES, block_sparse_attention, block_sparse_attention_reference
 from kernels.qsa_attention import qsa_attention, qsa_attention_reference
 from nanodllm.methods.momo import block_scores, scaled_scores
+from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, else interpreted
-TF32_DOTS = DEVICE == "cuda"  # float32 tl.dot: TF32 on a GPU, exact in the interpreter
-FP32_OUT_TOLERANCE = 2e-3 if TF32_DOTS else 1e-4  # outputs through a TF32 p.v: float16's tolerance
 BLOCK_M = CUDA_TILES["BLOCK_M"] if DEVICE == "cuda" else 16  # block_sparse_attention's rows per program
 
 

@@ -32,8 +32,8 @@ from nanodllm import block, masked  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.model import Rope  # noqa: E402
 from tests.tiny_models import random_prompt, tiny_model  # noqa: E402
+from tests.device import DEVICE
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 DIMS = [16, 24, 64, 96, 128, 200]
 EXAMPLES = settings(deadline=None)

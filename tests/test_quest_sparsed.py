@@ -12,9 +12,9 @@ from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
 from nanodllm.methods.quest import page_bounds, page_scores
 from tests.tiny_models import random_prompt, tiny_model
+from tests.device import DEVICE
 
 GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel test: compiled on a GPU, else interpreted
 
 
 def generate(model, prompts, method):

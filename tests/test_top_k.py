@@ -17,8 +17,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kernels.top_k import top_k_positions, top_k_positions_reference  # noqa: E402
 from nanodllm.methods.mage import select_top_k  # noqa: E402
+from tests.device import DEVICE
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def draw_scores(batch, heads, n, values, seed, dtype):

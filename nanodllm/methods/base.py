@@ -172,6 +172,18 @@ def attend_with_cache(layer: int, q, k, v, cache: KVCache) -> torch.Tensor:
                            ragged=not cache.uniform)
 
 
+def top_positions(scores: torch.Tensor, width: int, counts: torch.Tensor):
+    """The `width` best-scoring positions along the last dim, in position order, and which of them are
+    among each row's first counts[...] by rank: (positions [..., width], kept [..., width] bool).
+    counts broadcasts against scores' leading dims. A stable sort: ties go to the lower position, the
+    same in any batch (torch.topk breaks them in no fixed order). Methods list a fixed width (a shape a
+    CUDA graph can keep) and let each row keep its own count of it."""
+    ranked = scores.sort(dim=-1, descending=True, stable=True).indices[..., :width]
+    positions, order = ranked.sort(dim=-1)
+    ranks = torch.arange(width, device=scores.device)
+    return positions, (ranks < counts[..., None]).expand_as(ranked).gather(-1, order)
+
+
 def check_int(minimum: int, odd: bool = False, **knobs):
     """Knob validation: a ValueError naming the first knob that is not an integer >= minimum (and
     odd, if asked)."""

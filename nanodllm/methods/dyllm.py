@@ -50,7 +50,7 @@ import torch
 from ..attention import attention_with_lse, use_kernels
 from ..graphs import StepGraphs
 from ..model import use_fused
-from .base import Method, StepContext, check_int
+from .base import Method, StepContext, check_int, top_positions
 from .dllm_cache import take_heads, take_rows
 
 
@@ -88,11 +88,8 @@ def lowest_rows(cos: torch.Tensor, valid: torch.Tensor, fraction: float):
     count not ok: (rows [batch, width] in order, ok [batch, width]). Ties go to the lower row, alike
     in any batch."""
     width = max(math.ceil(fraction * cos.shape[1]), 1)
-    ranked = cos.masked_fill(~valid, float("inf")).sort(dim=1, stable=True).indices[:, :width]
-    rows, order = ranked.sort(dim=1)
     own_count = (valid.sum(dim=1, dtype=torch.float64) * fraction).ceil()  # math.ceil of an unpadded row
-    ranks = torch.arange(width, device=cos.device)
-    return rows, (ranks < own_count[:, None]).gather(1, order)
+    return top_positions(-cos.masked_fill(~valid, float("inf")), width, own_count)
 
 
 def approximate(q, keys, dv, columns, lse, context, merge):

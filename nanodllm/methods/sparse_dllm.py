@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import check_int
+from .base import check_int, top_positions
 from .dllm_cache import take_heads
 from .fast_dllm import FastDllm, KeptKV, outside_block
 
@@ -50,11 +50,8 @@ def pivotal_tokens(q_mean, candidates, valid, ratio: float, kernel: int, per_hea
         heads = scores.shape[1]
         pooled = F.max_pool1d(scores.view(batch * heads, 1, n), kernel, stride=1, padding=kernel // 2)
         scores = pooled.view(batch, heads, n).masked_fill(padding, float("-inf"))
-    ranked = scores.sort(dim=-1, descending=True, stable=True).indices[..., : int(ratio * n)]
-    indices, order = ranked.sort(dim=-1)
     own_count = (valid.sum(dim=1, dtype=torch.float64) * ratio).floor()  # int(ratio * n) of an unpadded row
-    ranks = torch.arange(ranked.shape[-1], device=valid.device)
-    keep = (ranks < own_count[:, None, None]).expand_as(ranked).gather(2, order)
+    indices, keep = top_positions(scores, int(ratio * n), own_count[:, None])
     return indices, keep[:, :, None, :]
 
 
