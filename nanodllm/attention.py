@@ -108,17 +108,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                    max_length: int, ragged: bool) -> torch.Tensor:
+                    max_length: int, ragged: bool, launch_length: int | None = None) -> torch.Tensor:
     """The active block's queries against each row's cached keys, read in place.
 
     k_cache, v_cache: [batch, capacity, num_kv_heads, head_dim] (token-major, as KVCache keeps them);
     row b attends to slots 0 .. lengths[b]-1, which end with the block's own keys; max_length =
-    max(lengths), known on the host; ragged: whether rows differ in length (padding to hide).
-    Returns [batch, num_heads, q_len, head_dim]."""
+    max(lengths), known on the host; ragged: whether rows differ in length (padding to hide);
+    launch_length: a bound >= max_length that sizes the kernel's launch (KVCache.launch_length; default
+    max_length). Returns [batch, num_heads, q_len, head_dim]."""
     if use_kernels(q):
         from kernels.decode_attention import decode_attention
 
-        return decode_attention(q, k_cache, v_cache, lengths, max_length=max_length, return_lse=False)
+        return decode_attention(q, k_cache, v_cache, lengths, max_length=launch_length or max_length,
+                                return_lse=False)
     keys, values = k_cache[:, :max_length].transpose(1, 2), v_cache[:, :max_length].transpose(1, 2)
     mask = None
     if ragged:

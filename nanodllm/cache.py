@@ -6,11 +6,18 @@ row's first `length` slots hold exactly what one block-causal forward over its c
 would give. The slots after a row's length are scratch: a denoising step writes the active block's
 K/V there (so attention reads cache and block as one contiguous range, no copy), and the commit
 makes them permanent by advancing the length.
+
+What the GPU does with the cache must not depend on host numbers that change every block, so that a
+CUDA graph recorded in one block replays in the next (nanodllm/graphs.py): `write` places keys by
+the device-side lengths, and the attention kernels size their launch by `launch_length`, a bound
+that moves only when the longest row crosses one of eight steps per doubling.
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import attention as attention_module
 
 
 class KVCache:
@@ -30,6 +37,14 @@ class KVCache:
     def max_length(self) -> int:
         return max(self.host_lengths)
 
+    def launch_length(self, extra: int = 0) -> int:
+        """An upper bound of max_length + extra for kernel launch shapes: rounded up to a multiple of
+        1/8 of its power of two (so at most 12.5% over, and the same for many blocks), capped at the
+        capacity."""
+        n = self.max_length + extra
+        step = 1 << max(n.bit_length() - 4, 0)
+        return min(-(-n // step) * step, self.capacity)
+
     @property
     def uniform(self) -> bool:
         """All rows have the same length (no padding to hide)."""
@@ -43,24 +58,26 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor | None = None):
         """Write k, v [batch, kv_heads, t, head_dim] into the slots right after each row's length
-        (the first counts[row] tokens of each row when counts is given). Lengths do not move."""
+        (the first counts[row] tokens of each row when counts is given). Lengths do not move. Without
+        counts the slots come from the device-side lengths (kernels/cache_write.py on CUDA): no host
+        number, so a graph can replay it."""
         t = k.shape[2]
         if self.max_length + t > self.capacity:
             raise ValueError(f"KV cache overflow: capacity {self.capacity}, need {self.max_length + t}")
-        if counts is None and self.uniform:
-            start = self.host_lengths[0]
-            self.keys[layer][:, start : start + t] = k.transpose(1, 2)
-            self.values[layer][:, start : start + t] = v.transpose(1, 2)
+        if counts is None:
+            from kernels.cache_write import cache_write, cache_write_reference
+
+            on_kernel = k.is_cuda and attention_module.KERNELS_ENABLED
+            (cache_write if on_kernel else cache_write_reference)(self.keys[layer], self.values[layer], k, v,
+                                                                  self.lengths)
             return
+        # only the first counts[row] tokens of each row: a value-dependent shape (a device sync)
         offsets = torch.arange(t, device=k.device)
-        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand(-1, t)
-        slots = self.lengths[:, None] + offsets[None, :]  # [batch, t]
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [batch, t, kv_heads, D]
-        if counts is not None:  # only the first counts[row] tokens: a value-dependent shape (a device sync)
-            keep = offsets[None, :] < counts[:, None]
-            rows, slots, k, v = rows[keep], slots[keep], k[keep], v[keep]
-        self.keys[layer][rows, slots] = k
-        self.values[layer][rows, slots] = v
+        keep = offsets[None, :] < counts[:, None]
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand(-1, t)[keep]
+        slots = (self.lengths[:, None] + offsets[None, :])[keep]
+        self.keys[layer][rows, slots] = k.transpose(1, 2)[keep]
+        self.values[layer][rows, slots] = v.transpose(1, 2)[keep]
 
     def advance(self, counts: torch.Tensor):
         """Make the next counts[row] slots of each row part of the cache."""

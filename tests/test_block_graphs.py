@@ -21,21 +21,42 @@ def block_context(cache, block_index, step, steps=8, size=4):
 
 def test_graph_keys_say_which_steps_share_a_recording(monkeypatch):
     monkeypatch.setattr(base_module, "use_kernels", lambda tensor: True)  # as on a GPU with bf16 weights
-    cache = KVCache(2, 1, 32, 2, 8, "cpu", torch.float32)
-    cache.advance(torch.tensor([8]))
+    cache = KVCache(2, 1, 256, 2, 8, "cpu", torch.float32)
+    cache.advance(torch.tensor([101]))
     dense, mage, sparsed = get_method("dense"), get_method("mage", k=4), get_method("sparsed", k=4)
     keys = [dense.graph_key(block_context(cache, 1, step)) for step in range(8)]
     assert len(set(keys)) == 1  # every step of a block: one recording
-    assert mage.graph_key(block_context(cache, 1, 0)) is None  # the selecting step runs eagerly
-    assert len({mage.graph_key(block_context(cache, 1, step)) for step in range(1, 8)}) == 1
+    assert dense.commit_key(block_context(cache, 1, 7)) not in keys  # the commit has its own
+    select = mage.graph_key(block_context(cache, 1, 0))  # the selecting step: a recording of its own
+    mage.selected = True
+    assert len({mage.graph_key(block_context(cache, 1, step)) for step in range(1, 8)} | {select}) == 2
     capture = sparsed.capture_step(block_context(cache, 1, 0))
     assert capture == 1  # 20% of 8 steps: steps 0 and 1 exact, selection at 1
     exact, selecting = sparsed.graph_key(block_context(cache, 1, 0)), sparsed.graph_key(block_context(cache, 1, 1))
-    assert exact is not None and selecting is None
-    assert exact != sparsed.graph_key(block_context(cache, 1, 2))
-    next_block = dense.graph_key(block_context(cache, 2, 0))
-    cache.advance(torch.tensor([4]))  # the commit: new lengths, new launch shapes
-    assert dense.graph_key(block_context(cache, 2, 0)) != next_block != keys[0]
+    assert len({exact, selecting, sparsed.graph_key(block_context(cache, 1, 2))}) == 3
+    # the next blocks replay the same recordings while the launch bound (101 + 4 -> 112) holds ...
+    launch = cache.launch_length(4)
+    assert launch == 112
+    cache.advance(torch.tensor([4]))
+    assert cache.launch_length(4) == launch and dense.graph_key(block_context(cache, 2, 0)) == keys[0]
+    assert sparsed.graph_key(block_context(cache, 2, 0)) == exact
+    # ... and record new ones when it moves
+    cache.advance(torch.tensor([8]))
+    assert cache.launch_length(4) == 120 and dense.graph_key(block_context(cache, 4, 0)) != keys[0]
+
+
+def test_launch_length_is_a_close_upper_bound_that_moves_rarely():
+    cache = KVCache(1, 1, 1 << 20, 1, 8, "cpu", torch.float32)
+    bounds = []
+    for n in range(1, 70000, 37):
+        cache.host_lengths = [n]
+        bound = cache.launch_length(32)
+        assert n + 32 <= bound <= max((n + 32) * 1.125, n + 32)
+        bounds.append(bound)
+    assert len(set(bounds)) < 110  # a few per doubling, not one per block
+    cache = KVCache(1, 1, 1000, 1, 8, "cpu", torch.float32)
+    cache.host_lengths = [960]
+    assert cache.launch_length(32) == 1000  # capped at the capacity
 
 
 def test_no_graphs_on_the_cpu_or_without_the_kernels():

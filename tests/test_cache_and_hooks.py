@@ -38,6 +38,42 @@ def test_ragged_write_view_and_attend_equal_per_row_attention(lengths, block):
     assert cache.host_lengths == lengths  # a denoising step never grows the cache
 
 
+@given(lengths=st.lists(st.integers(0, 20), min_size=1, max_size=3), heads=st.integers(1, 3),
+       tokens=st.integers(1, 40), head_dim=st.sampled_from([8, 64, 100, 128]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+def test_cache_write_kernel_writes_exactly_the_block_slots(lengths, heads, tokens, head_dim, dtype, seed):
+    """kernels/cache_write.py (the block engine's per-layer K/V write on CUDA) against its torch
+    reference: the t slots after each row's length get the block, every other slot keeps its value;
+    k and v come in as the model hands them over (views with a transposed layout)."""
+    from kernels.cache_write import cache_write, cache_write_reference
+    from tests.device import DEVICE
+
+    generator = torch.Generator().manual_seed(seed)
+    batch, capacity = len(lengths), max(lengths) + tokens + 3
+    cache_k, cache_v = (torch.randn(batch, capacity, heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+                        for _ in range(2))
+    k, v = (torch.randn(batch, tokens, heads, head_dim, generator=generator).to(dtype).to(DEVICE).transpose(1, 2)
+            for _ in range(2))
+    row_lengths = torch.tensor(lengths, device=DEVICE)
+    expected_k, expected_v = cache_k.clone(), cache_v.clone()
+    cache_write_reference(expected_k, expected_v, k, v, row_lengths)
+    cache_write(cache_k, cache_v, k, v, row_lengths)
+    assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v)
+    for row, n in enumerate(lengths):
+        assert torch.equal(cache_k[row, n : n + tokens], k[row].transpose(0, 1))
+
+
+def test_cache_write_kernel_refuses_mismatched_shapes():
+    from kernels.cache_write import cache_write
+
+    cache = torch.zeros(2, 16, 2, 8)
+    block = torch.zeros(2, 2, 4, 8)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        cache_write(torch.zeros(2, 16, 3, 8), cache, block, block, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="lengths must be"):
+        cache_write(cache, cache, block, block, torch.tensor([0.0, 1.0]))
+
+
 def test_advance_makes_the_written_block_part_of_the_cache():
     cache, k, v = random_cache([3, 5])
     k_new = torch.ones(2, 2, 4, 8, dtype=torch.float64)

@@ -13,10 +13,12 @@ Methods that change WHICH KEYS are read (MAGE, Quest, SparseD) override `attend`
 methods that change WHICH ROWS are computed (caches, MaskKV, DyLLM) override `step` and build it from
 the model's per-layer primitives. Everything a hook needs is in `ctx`; there is no global state.
 
-On a GPU the block engine's denoising steps replay CUDA graphs (nanodllm/graphs.py): within a block
-a step is the same computation on new tokens, and at batch 1 launching its ~500 kernels from Python
-takes longer than running them. `graph_key` says which steps may be replayed and which share a
-recording; a method whose step does something else (MAGE's selecting step) returns None there.
+On a GPU the block engine's denoising steps and commits replay CUDA graphs (nanodllm/graphs.py): a
+step is the same computation on new tokens, and at batch 1 launching its ~500 kernels from Python
+takes longer than running them. Nothing a step launches depends on host numbers that change every
+block (KVCache: device-side lengths, bucketed launch shapes), so a recording serves block after block.
+`graph_key` says which steps share a recording (MAGE: its selecting step, and the sparse steps after
+it); state a recording reads lives in tensors the method overwrites in place.
 """
 
 from __future__ import annotations
@@ -74,17 +76,21 @@ class Method:
     def __init__(self):
         self.stats: dict = {}  # what the method reports, e.g. "kv_kept": fraction of KV entries read
         self.keys_read = self.keys_total = 0
-        self.step_graphs = StepGraphs(size=2)  # the block engine's repeated steps (graph_key)
+        self.step_graphs = StepGraphs(size=4)  # the block engine's steps and commits (graph_key, commit_key)
         self.graphed_cache = None  # weak reference to the KVCache the recordings read
-        self.step_reads: dict = {}  # graph key -> (keys read, keys total) of one step, counted again per replay
+        self.step_reads: dict = {}  # graph key -> count_reads' caps of one step, counted again per replay
+        self.noted_reads: list | None = None  # while a step to be recorded runs eagerly: its caps
 
-    def count_reads(self, read: list[int], total: list[int]):
-        """stats['kv_kept']: prefix keys attended / prefix keys a dense step attends, per row, summed
-        over the attention calls so far (host lengths: no device sync)."""
+    def count_reads(self, lengths: list[int], cap: int | None = None):
+        """stats['kv_kept']: prefix keys attended / prefix keys a dense step attends, summed over the
+        attention calls so far. One call attends min(cap, n) of a row's n prefix keys (all of them
+        with cap None); lengths are the host's (no device sync)."""
         if self.step_graphs.capturing:  # a recording re-runs the step's Python; its eager run counted
             return
-        self.keys_read += sum(read)
-        self.keys_total += sum(total)
+        if self.noted_reads is not None:
+            self.noted_reads.append(cap)
+        self.keys_read += sum(n if cap is None else min(cap, n) for n in lengths)
+        self.keys_total += sum(lengths)
         self.stats["kv_kept"] = self.keys_read / max(self.keys_total, 1)
 
     def prefill(self, model, ctx: StepContext) -> torch.Tensor:
@@ -106,39 +112,61 @@ class Method:
 
     def step(self, model, ctx: StepContext) -> torch.Tensor:
         attend = lambda layer, q, k, v: self.attend(layer, q, k, v, ctx)
-        forward = lambda tokens, positions: model(tokens, positions, attend, ctx.logits_start, ctx.logits_stop)
+
+        def forward(tokens, positions):
+            logits = model(tokens, positions, attend, ctx.logits_start, ctx.logits_stop)
+            self.end_step()
+            return logits
+
         key = self.graph_key(ctx)
         if key is None:
             return forward(ctx.tokens, ctx.positions)
         return self.graphed(key, forward, ctx)
 
+    def end_step(self):
+        """Work that ends the step's forward, inside its recording (MAGE joins its side stream)."""
+
     def graph_key(self, ctx: StepContext):
         """A hashable key if this step may replay a CUDA graph, steps with equal keys sharing one
-        recording; None runs it eagerly. The block engine's steps on the attention kernels qualify:
-        with the same cache lengths (host ints: the kernels' launch shapes) and the same state, a step
-        is a pure function of the block's tokens, with no host sync. The masked engine's methods
-        (ctx.cache None) graph their own steps. Subclasses add what their step also depends on."""
+        recording; None runs it eagerly. Subclasses add what their step also depends on."""
+        return self.launch_key(ctx)
+
+    def launch_key(self, ctx: StepContext):
+        """What every graphed forward of the block engine depends on, or None where nothing is graphed.
+        On the attention kernels a forward is a pure function of the block's tokens and positions, the
+        device-side cache and the method's state, with no host sync; its launch shapes depend on the
+        tokens' shape, the logits span and the cache's launch_length. The masked engine's methods
+        (ctx.cache None) graph their own steps."""
         cache = ctx.cache
         if cache is None or not use_kernels(cache.keys[0]):
             return None
-        return (ctx.block, tuple(ctx.tokens.shape), tuple(cache.host_lengths), ctx.logits_start, ctx.logits_stop)
+        block = ctx.tokens.shape[1]
+        return (tuple(ctx.tokens.shape), cache.launch_length(block), ctx.logits_start, ctx.logits_stop)
+
+    def commit_key(self, ctx: StepContext):
+        """The graph key of the commit forward (None: eager)."""
+        key = self.launch_key(ctx)
+        return None if key is None else key + ("commit",)
 
     def graphed(self, key, forward, ctx: StepContext) -> torch.Tensor:
         """forward(tokens, positions) through self.step_graphs, recordings kept per KV cache (a new
-        cache, a new generation: recordings of the old one are dropped); the reads a replayed step
-        does not count are counted from its eager run."""
+        cache, a new generation: recordings of the old one are dropped). A replay counts the reads of
+        the recorded step's attention calls again, at the cache lengths of its own time."""
         if self.graphed_cache is None or self.graphed_cache() is not ctx.cache:
             self.step_graphs.reset()
             self.step_reads = {}
             self.graphed_cache = weakref.ref(ctx.cache)
-        replay = key in self.step_graphs.recordings
-        before = (self.keys_read, self.keys_total)
-        logits = self.step_graphs(key, forward, ctx.tokens, ctx.positions)
-        if replay and self.step_reads[key][1]:  # methods that count (Dense does not)
-            self.count_reads(*([n] for n in self.step_reads[key]))
-        elif not replay:
-            self.step_reads[key] = (self.keys_read - before[0], self.keys_total - before[1])
-        return logits
+        if key in self.step_graphs.recordings:
+            output = self.step_graphs(key, forward, ctx.tokens, ctx.positions)
+            for cap in self.step_reads[key]:
+                self.count_reads(ctx.cache.host_lengths, cap)
+            return output
+        self.noted_reads = []
+        try:
+            output = self.step_graphs(key, forward, ctx.tokens, ctx.positions)
+        finally:
+            self.step_reads[key], self.noted_reads = self.noted_reads, None
+        return output
 
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if ctx.cache is None:
@@ -148,12 +176,10 @@ class Method:
     def commit(self, model, ctx: StepContext) -> torch.Tensor:
         """Forward the clean block against the cache; its K/V, written after each row's cache,
         become part of the cache for rows with ctx.counts > 0. Returns the block's last hidden states."""
-
-        def attend_and_store(layer, q, k, v):
-            ctx.cache.write(layer, k, v)
-            return self.attend_commit(layer, q, k, v, ctx)
-
-        hidden = model.hidden(ctx.tokens, ctx.positions, attend_and_store)
+        attend = lambda layer, q, k, v: self.attend_commit(layer, q, k, v, ctx)  # attend_with_cache writes k, v
+        forward = lambda tokens, positions: model.hidden(tokens, positions, attend)
+        key = self.commit_key(ctx)
+        hidden = forward(ctx.tokens, ctx.positions) if key is None else self.graphed(key, forward, ctx)
         ctx.cache.advance(ctx.counts)
         return hidden
 
@@ -169,7 +195,7 @@ def attend_with_cache(layer: int, q, k, v, cache: KVCache) -> torch.Tensor:
     cache.write(layer, k, v)
     block = k.shape[2]
     return cache_attention(q, cache.keys[layer], cache.values[layer], cache.lengths + block, cache.max_length + block,
-                           ragged=not cache.uniform)
+                           ragged=not cache.uniform, launch_length=cache.launch_length(block))
 
 
 def top_positions(scores: torch.Tensor, width: int, counts: torch.Tensor):

@@ -27,7 +27,7 @@ Knobs (paper defaults): k = 1024 keys per KV head (256 / 512 in the accuracy tab
 the context), exact_layers = 2 (the first two layers always attend exactly), sparse_commit = False,
 side_stream = True.
 On CUDA the scoring and top-k run on a second stream, overlapped with the FFN and the following
-layers (Algorithm 1; side_stream = False keeps them on the main stream); step() joins the streams.
+layers (Algorithm 1; side_stream = False keeps them on the main stream); end_step joins the streams.
 """
 
 from __future__ import annotations
@@ -127,47 +127,63 @@ class Mage(Method):
         self.k, self.exact_layers, self.sparse_commit = k, exact_layers, sparse_commit
         self.side_stream = side_stream
         self.stream = None  # the CUDA side stream, created on first use
-        self.forked = False  # this step put selections on the side stream: step() must join it
-        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (indices, counts)
+        self.forked = False  # this step put selections on the side stream: end_step must join it
+        # layer -> (indices, counts): the same tensors block after block (a graph recorded in one block
+        # reads the next block's selection), overwritten in place when the width is unchanged
+        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.selected = False  # this block's selecting step has run with a prefix to select from
         self.stats = {"kv_kept": 1.0}
 
     def begin_block(self, ctx: StepContext):
-        self.selection = {}
+        self.selected = False
+        if ctx.block == 0:  # a new generation
+            self.selection = {}
 
     def step(self, model, ctx: StepContext) -> torch.Tensor:
         logits = super().step(model, ctx)
+        if ctx.step == self.capture_step(ctx):  # here, not in attend: a replayed step runs no Python inside
+            self.selected = ctx.cache is not None and ctx.cache.max_length > 0
+        return logits
+
+    def end_step(self):
         if self.forked:  # join: the selections are ready before anyone reads them
             torch.cuda.current_stream().wait_stream(self.stream)
             self.forked = False
-        return logits
 
     def capture_step(self, ctx: StepContext) -> int:
         """The denoising step whose exact attention selects the keys (MAGE: the first)."""
         return 0
 
     def graph_key(self, ctx: StepContext):
-        """The selecting step runs eagerly (its side stream, new selections); the exact steps before
-        it (SparseD) share one recording, the sparse steps after it another."""
+        """Three recordings: the exact steps before the selecting one (SparseD), the selecting step (its
+        side stream forks and joins inside the recording, which overwrites the selection tensors), and
+        the sparse steps after it, which read those tensors."""
         key, capture = super().graph_key(ctx), self.capture_step(ctx)
-        if key is None or ctx.step == capture:
+        if key is None:
             return None
-        return key + ("exact" if ctx.step < capture else "selected",)
+        if ctx.step <= capture:
+            return key + ("exact" if ctx.step < capture else "select",)
+        return key + ("selected", self.selected)
+
+    def commit_key(self, ctx: StepContext):
+        key = super().commit_key(ctx)
+        return None if key is None else key + (self.sparse_commit and self.selected,)
 
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if ctx.cache is None:
             raise ValueError(f"{self.name} runs on the block engine (it needs the KV cache of the prefix)")
         capture, lengths = self.capture_step(ctx), ctx.cache.host_lengths
         if layer < self.exact_layers or ctx.step < capture:
-            self.count_reads(lengths, lengths)
+            self.count_reads(lengths)
             return attend_with_cache(layer, q, k, v, ctx.cache)
-        if ctx.step == capture or layer not in self.selection:
-            self.count_reads(lengths, lengths)
+        if ctx.step == capture or not self.selected:
+            self.count_reads(lengths)
             return self.attend_and_select(layer, q, k, v, ctx)
-        self.count_reads([min(self.k, n) for n in lengths], lengths)
+        self.count_reads(lengths, cap=self.k)
         return self.attend_selected(layer, q, k, v, ctx)
 
     def attend_commit(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
-        if self.sparse_commit and layer >= self.exact_layers and layer in self.selection:
+        if self.sparse_commit and layer >= self.exact_layers and self.selected:
             return self.attend_selected(layer, q, k, v, ctx)
         return attend_with_cache(layer, q, k, v, ctx.cache)
 
@@ -182,24 +198,33 @@ class Mage(Method):
             cache.write(layer, k, v)
             block = k.shape[2]
             out, lse = decode_attention(q, cache.keys[layer], cache.values[layer], cache.lengths + block,
-                                        max_length=cache.max_length + block)
+                                        max_length=cache.launch_length(block))
             self.select_on_side_stream(layer, q, lse, cache)
             return out
         out = attend_with_cache(layer, q, k, v, cache)
-        self.selection[layer] = select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths,
-                                             self.k)
+        self.keep(layer, *select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths, self.k))
         return out
+
+    def keep(self, layer: int, indices: torch.Tensor, counts: torch.Tensor):
+        """Store a layer's new selection: into its tensors of earlier blocks if the width is the same."""
+        kept = self.selection.get(layer)
+        if kept is None or kept[0].shape != indices.shape:
+            self.selection[layer] = (indices, counts)
+            return
+        kept[0].copy_(indices)
+        kept[1].copy_(counts)
 
     def select_on_side_stream(self, layer: int, q, lse, cache):
         """Key scores from the decode pass's LSE, then top-k (Algorithm 1): on a second stream, so the
-        layer's FFN and the next layers run meanwhile; step() joins the streams. The kernels and the
+        layer's FFN and the next layers run meanwhile; end_step joins the streams. The kernels and the
         top-k are the same either way, so the selection does not depend on the stream."""
         from kernels.key_scores import key_scores
 
-        select = lambda: select_top_k(key_scores(q, cache.keys[layer], cache.lengths, lse, max_length=cache.max_length),
+        width = cache.launch_length(q.shape[2])  # >= the longest prefix, a shape that lasts many blocks
+        select = lambda: select_top_k(key_scores(q, cache.keys[layer], cache.lengths, lse, max_length=width),
                                       cache.lengths, self.k)
         if not (self.side_stream and q.is_cuda):
-            self.selection[layer] = select()
+            self.keep(layer, *select())
             return
         main = torch.cuda.current_stream(q.device)
         if self.stream is None:
@@ -208,11 +233,11 @@ class Mage(Method):
         self.forked = True
         with torch.cuda.stream(self.stream):
             indices, counts = select()
+            self.keep(layer, indices, counts)
         for tensor in (q, lse, cache.lengths):  # memory crossing streams is not reused before both are done
             tensor.record_stream(self.stream)
-        for tensor in (indices, counts):
+        for tensor in self.selection[layer]:
             tensor.record_stream(main)
-        self.selection[layer] = (indices, counts)
 
     def attend_selected(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         cache = ctx.cache

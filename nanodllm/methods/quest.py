@@ -11,10 +11,11 @@ as eq. 1 of the MAGE paper averages exact scores; since the bound is linear in q
 negative parts, the average is  mean(q+) . max + mean(q-) . min  (q+ = max(q, 0), q- = min(q, 0)).
 The top k / p pages are attended (with the block's own keys), at every step.
 
-Page bounds are kept per layer and updated only from the first page a new block touched, so a step
-reads the bounds (2/p of the K bytes) plus the selected pages, never the whole cache.
+Page bounds are kept per layer and updated only from the first page a new block touched, at the
+start of each block (outside the steps, which replay CUDA graphs), so a step reads the bounds (2/p of
+the K bytes) plus the selected pages, never the whole cache.
 
-Hooks: begin_block (new bounds for a new generation), attend (estimate + sparse attention per step), attend_commit (exact by default; with
+Hooks: begin_block (new bounds for a new generation, else brought up to date), attend (estimate + sparse attention per step), attend_commit (exact by default; with
 sparse_commit the commit forward selects from its own queries).
 On CUDA (bf16/fp16) the pages go to kernels/sparse_decode_attention as key blocks of p tokens.
 Equals dense: k >= every row's prefix rounded up to whole pages (test).
@@ -108,6 +109,8 @@ class Quest(Method):
     def begin_block(self, ctx: StepContext):
         if ctx.block == 0:  # a new generation: a new cache
             self.bounds = {}
+        for layer, bounds in self.bounds.items():
+            bounds.update(ctx.cache.keys[layer], ctx.cache)
 
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if ctx.cache is None:
@@ -123,20 +126,20 @@ class Quest(Method):
         lengths = cache.host_lengths
         if layer < self.exact_layers or cache.max_length == 0:
             if count:
-                self.count_reads(lengths, lengths)
+                self.count_reads(lengths)
             return attend_with_cache(layer, q, k, v, cache)
         if layer not in self.bounds:
             self.bounds[layer] = PageBounds(cache, self.page_size)
+            self.bounds[layer].update(cache.keys[layer], cache)
         bounds = self.bounds[layer]
-        bounds.update(cache.keys[layer], cache)
         num_pages = -(-cache.lengths // self.page_size)
-        width = -(-cache.max_length // self.page_size)
+        # every page up to the launch bound (a shape that lasts many blocks); pages past a row's are not chosen
+        width = -(-cache.launch_length(k.shape[2]) // self.page_size)
         scores = page_scores(q, bounds.low[:, :, :width], bounds.high[:, :, :width])
         indices, counts = select_top_k(scores, num_pages, self.k // self.page_size)
         self.selection[layer] = (indices, counts)
-        if count:
-            kept = [min(n, self.k // self.page_size * self.page_size) for n in lengths]  # upper bound: a kept
-            self.count_reads(kept, lengths)  # last page may be partial
+        if count:  # an upper bound: a kept last page may be partial
+            self.count_reads(lengths, cap=self.k // self.page_size * self.page_size)
         cache.write(layer, k, v)
         return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices, counts,
                                       index_block=self.page_size)
