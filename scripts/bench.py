@@ -57,7 +57,7 @@ import triton.testing  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels.decode_attention import INTERPRETER_SMS, decode_attention, default_tiles, sm_count  # noqa: E402
+from kernels.decode_attention import DENSE_STAGES, INTERPRETER_SMS, decode_attention, default_tiles, sm_count  # noqa: E402
 from kernels.key_scores import key_scores  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
 
@@ -280,6 +280,9 @@ def bench_decode(report, timer, shapes, device, dtype, bandwidth, caches):
     return ours
 
 
+SWEEP_ROUNDS = 3
+
+
 def bench_decode_sweep(report, timer, shapes, device, dtype, bandwidth, caches):
     """Tile and split variants of the decode kernel at batch 1 (what to look at if it is short of 75%)."""
     batch = shapes.batches[0]
@@ -290,7 +293,7 @@ def bench_decode_sweep(report, timer, shapes, device, dtype, bandwidth, caches):
         ("default", {}, None),
         ("BLOCK_N 128, 2 stages", {"BLOCK_N": 128, "num_stages": 2}, None),
         ("BLOCK_N 32, 4 stages", {"BLOCK_N": 32, "num_stages": 4}, None),
-        ("4 stages", {"num_stages": 4}, None),
+        ("3 stages", {"num_stages": 3}, None),
         ("BLOCK_M 64, 4 warps (2 query tiles)", {"BLOCK_M": 64, "num_warps": 4}, None),
         ("BLOCK_M 64, 4 warps, 2x splits", {"BLOCK_M": 64, "num_warps": 4}, 2),
         ("half the splits", {}, 0.5),
@@ -304,20 +307,28 @@ def bench_decode_sweep(report, timer, shapes, device, dtype, bandwidth, caches):
         n_keys = prefix + shapes.block
         lengths = torch.full((batch,), n_keys, device=device, dtype=torch.int32)
         kv_bytes = batch * n_keys * bytes_per_key
-        for name, tiles, split_factor in variants:
+        times: dict[str, list] = {name: [] for name, _, _ in variants}
+        for _ in range(SWEEP_ROUNDS):  # rounds over all variants, so that drift does not favour one of them
+            for name, tiles, split_factor in variants:
+                splits = None if split_factor is None else max(1, int(base_splits * split_factor))
+                try:  # a variant that does not compile (shared memory, registers) is reported, not fatal
+                    times[name].append(timer(lambda: decode_attention(q, k_cache, v_cache, lengths, max_length=n_keys,
+                                                                      num_splits=splits, tiles=tiles)))
+                except Exception as error:  # noqa: BLE001
+                    times[name].append(f"failed: {type(error).__name__}")
+        for name, _, split_factor in variants:
             splits = None if split_factor is None else max(1, int(base_splits * split_factor))
             row = {"P": kilo(prefix), "variant": name, "num_splits": splits or "auto"}
-            try:  # a variant that does not compile (shared memory, registers) is reported, not fatal
-                us = timer(lambda: decode_attention(q, k_cache, v_cache, lengths, max_length=n_keys,
-                                                    num_splits=splits, tiles=tiles))
+            if isinstance(times[name][0], str):
+                row.update({"us": times[name][0], "% of copy BW": ""})
+            else:
+                us = sorted(times[name])[len(times[name]) // 2]
                 row.update({"us": us, "% of copy BW": 100 * kv_bytes / us / 1e3 / bandwidth})
-            except Exception as error:  # noqa: BLE001
-                row.update({"us": f"failed: {type(error).__name__}", "% of copy BW": ""})
             rows.append(row)
-    defaults = default_tiles(shapes.heads // shapes.kv_heads * shapes.block, shapes.head_dim)
+    defaults = default_tiles(shapes.heads // shapes.kv_heads * shapes.block, shapes.head_dim, DENSE_STAGES)
     report.table(f"Block decode sweep (batch {batch})", rows,
                  f"default = {defaults}, splits = SMs // (batch * KV heads) = {base_splits} here; a variant changes "
-                 "only what its name says.")
+                 f"only what its name says; median of {SWEEP_ROUNDS} captures, taken in rounds over the variants.")
 
 
 def random_index_lists(batch, shapes, prefix, count, unit, device):

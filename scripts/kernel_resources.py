@@ -30,12 +30,13 @@ from kernels.sparse_decode_attention import sparse_decode_split_kernel  # noqa: 
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "lengths_ptr": "*i32", "cache_lengths_ptr": "*i32",
-            "indices_ptr": "*i32", "counts_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+            "indices_ptr": "*i32", "counts_ptr": "*i32", "part_out_ptr": "*bf16", "part_lse_ptr": "*fp32"}
 UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_ik"}  # contiguous last dims: 1 at launch
 ODD = {"num_kv_heads", "group", "stride_cb", "stride_ch", "qk_scale"}  # not divisible by 16 at these shapes
 INSTRUCTIONS = ("HGMMA", "LDGSTS", "LDG", "LDL", "STL", "STS", "LDS", "IMAD", "MUFU")
 CASES = [  # (kernel, label, constexprs, launch options); the first of each kernel is its default
-    (decode_split_kernel, "decode (default)", {"BLOCK_M": 128, "BLOCK_N": 64}, {"num_warps": 8, "num_stages": 3}),
+    (decode_split_kernel, "decode (default)", {"BLOCK_M": 128, "BLOCK_N": 64}, {"num_warps": 8, "num_stages": 4}),
+    (decode_split_kernel, "decode", {"BLOCK_M": 128, "BLOCK_N": 64}, {"num_warps": 8, "num_stages": 3}),
     (decode_split_kernel, "decode", {"BLOCK_M": 128, "BLOCK_N": 32}, {"num_warps": 8, "num_stages": 4}),
     (decode_split_kernel, "decode", {"BLOCK_M": 64, "BLOCK_N": 64}, {"num_warps": 4, "num_stages": 4}),
     (sparse_decode_split_kernel, "sparse decode, tokens", {"BLOCK_M": 128, "BLOCK_N": 64, "INDEX_BLOCK": 1},
