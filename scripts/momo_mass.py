@@ -18,6 +18,9 @@ blocks forced), same count. P is never formed whole: its block masses are summed
 2^28 / n query rows (fp32 scores against the keys those rows may see), per head.
 Prints mass / oracle mass for MOMO and mean pooling per length (averaged over layers, heads, prompts);
 synthetic rows add the seconds for MOMO's mask, the masses and pooling (the first includes Triton's compile).
+Model rows add a diagnostic that is not MOMO: the trim ranking every key block by its mean score over
+all sampled rows of the query block, where Algorithm 2 averages only over the rows whose top-k chose it
+(the QSA pass computes every block's score but keeps only the k best per row).
 
 Synthetic inputs (deterministic from --seed + length): Gaussian noise of std --noise in every
 coordinate of q [1, heads, n, d] and k [1, kv_heads, n, d], plus, per KV head (its query heads share it):
@@ -47,7 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanodllm.attention import CanvasMask  # noqa: E402
-from nanodllm.methods.momo import dense_mask, diagonal_blocks, kept_blocks, measure_and_mask  # noqa: E402
+from nanodllm.methods.momo import (block_scores, dense_mask, diagonal_blocks, kept_blocks,  # noqa: E402
+                                   measure_and_mask, scaled_scores)
 
 ANCHORS, ANCHOR_DIMS = 32, 16
 MASKS = {"causal": lambda args: 1, "block": lambda args: args.block_size, "none": lambda args: None}
@@ -169,20 +173,45 @@ def mass_ratios(mass, keep, pool_scores, n, chi, beta):
             "kept": float(counts.float().mean())}
 
 
-def measure(q, k, mask_block, args):
-    """mass_ratios of one forward's q [batch, heads, n, d], k [batch, kv_heads, n, d]."""
+def all_rows_scores(q, k, mask_block, gamma, chi, beta):
+    """[batch, heads, query blocks, key blocks]: each key block's eq. 4 score averaged over every
+    sampled row of the query block (rows that see none of the block excluded); small n only."""
+    n = q.shape[2]
+    sampled = torch.arange(0, n, gamma, device=q.device)
+    full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
+    scores = block_scores(scaled_scores(q[:, :, sampled], k, None if full is None else full[:, :, sampled]), beta)
+    rows_per_block = chi // gamma
+    query_blocks = -(-len(sampled) // rows_per_block)
+    padded = torch.nn.functional.pad(scores, (0, 0, 0, query_blocks * rows_per_block - len(sampled)),
+                                     value=float("-inf"))
+    grouped = padded.view(*scores.shape[:2], query_blocks, rows_per_block, scores.shape[-1])
+    seen = grouped > float("-inf")
+    total = torch.where(seen, grouped, 0.0).sum(3)
+    return torch.where(seen.any(3), total / seen.sum(3).clamp(min=1), float("-inf"))
+
+
+def measure(q, k, mask_block, args, all_rows=False):
+    """mass_ratios of one forward's q [batch, heads, n, d], k [batch, kv_heads, n, d] (and, with
+    all_rows, the diagnostic trim's ratio)."""
     n, chi, beta = q.shape[2], args.chi, args.beta
     keep = momo_keep(q, k, mask_block, args)
     mass = chunked_block_mass(q, k, mask_block, chi, beta)
     positions = torch.arange(n, device=q.device)
     visible = sees(torch.clamp(positions[::chi] + chi, max=n) - 1, positions[::beta], mask_block)
-    return mass_ratios(mass, keep, mean_pooling_scores(q, k, chi, beta, visible), n, chi, beta)
+    ratios = mass_ratios(mass, keep, mean_pooling_scores(q, k, chi, beta, visible), n, chi, beta)
+    if all_rows:
+        scores = all_rows_scores(q, k, mask_block, args.gamma, chi, beta)
+        chosen = best_per_query_block(scores.masked_fill(diagonal_blocks(n, chi, beta, q.device), float("inf")),
+                                      keep.sum(-1))
+        ratios["all rows"] = captured(mass, chosen, n) / ratios["oracle"]
+    return ratios
 
 
 def table_row(first_columns, results, n, beta):
     mean = lambda key: sum(result[key] for result in results) / len(results)
+    extra = f" {mean('all rows'):.4f} |" if "all rows" in results[0] else ""
     return (f"| {' | '.join(map(str, first_columns))} | {mean('momo'):.4f} | {mean('pool'):.4f} | "
-            f"{mean('oracle'):.4f} | {mean('kept'):.1f} of {-(-n // beta)} |")
+            f"{mean('oracle'):.4f} | {mean('kept'):.1f} of {-(-n // beta)} |{extra}")
 
 
 def layer_queries_and_keys(model, ids, positions, mask):
@@ -209,8 +238,9 @@ def model_table(args):
     tokenizer = Tokenizer.from_dir(model_dir, model.cfg.model_type)
     block_size = model.cfg.block_size if model.cfg.attention == "block_causal" else None
     yield f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks\n"
-    yield "| length | prompts | MOMO / oracle | mean pooling / oracle | oracle mass | blocks kept per query block |"
-    yield "|---|---|---|---|---|---|"
+    yield ("| length | prompts | MOMO / oracle | mean pooling / oracle | oracle mass | blocks kept per query block | "
+           "trim over all sampled rows / oracle (diagnostic) |")
+    yield "|---|---|---|---|---|---|---|"
     for length in args.lengths:
         results = []
         samples = tasks.make_samples("passkey", length, args.n, args.seed + length,
@@ -220,7 +250,7 @@ def model_table(args):
             n = ids.shape[1]
             mask = CanvasMask(block_size=block_size) if block_size else None
             for q, k in layer_queries_and_keys(model, ids, torch.arange(n)[None], mask):
-                results.append(measure(q, k, block_size, args))
+                results.append(measure(q, k, block_size, args, all_rows=True))
         yield table_row([length, len(samples)], results, n, args.beta)
 
 
