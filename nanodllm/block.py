@@ -46,12 +46,14 @@ def sample(logits: torch.Tensor, temperature: float, mask_id: int):
     return tokens, probs.gather(-1, tokens[..., None]).squeeze(-1)
 
 
-def choose(confidence, masked, count, remasking: str, threshold: float | None) -> torch.Tensor:
-    """Which masked positions of the block to unmask this step. count [batch] is already capped."""
+def choose(confidence, masked, count, remasking: str, threshold: float | None,
+           host_count: list[int] | None = None) -> torch.Tensor:
+    """Which masked positions of the block to unmask this step. count [batch] is already capped
+    (host_count: the same numbers on the host, if known)."""
     if remasking == "sequential":
         order = masked.long().cumsum(dim=-1)
         return masked & (order <= count[:, None])
-    transfer = top_confident(confidence, count)
+    transfer = top_confident(confidence, count, host_count)
     if threshold is not None and remasking != "low_confidence_static":
         confident = confidence > threshold
         enough = confident.sum(dim=-1) >= count
@@ -113,6 +115,10 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     starts, _ = prefill_complete_blocks(model, method, x, lengths, cache, size, mask_id)
 
     schedule = split_evenly(torch.tensor([size], device=device), gen.steps)[0]
+    host_schedule = schedule.tolist()
+    # Without a threshold every step unmasks exactly its count, so the host can follow how many masks
+    # each row has left and the block's steps run with no device sync; with one it asks every step.
+    counted = gen.threshold is None or gen.remasking == "low_confidence_static"
     active = starts < ends
     decoded_until = lengths.clone()  # end of each row's last committed block
     forwards = max_steps = block = 0
@@ -123,18 +129,23 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         ctx = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
                           steps_per_block=gen.steps, mask_id=mask_id, cache=cache, block_length=size)
         method.begin_block(ctx)
+        left = ((current == mask_id) & active[:, None]).sum(dim=-1).tolist() if counted else None
         for step in range(gen.steps + 1):
             masked = (current == mask_id) & active[:, None]
-            if not masked.any():
+            if not (any(left) if counted else masked.any()):
                 break
             ctx.tokens, ctx.step = current, step
             logits = method.step(model, ctx)
             forwards += 1
             x0, x0_prob = sample(logits, gen.temperature, mask_id)
             confidence = torch.where(masked, x0_prob, float("-inf"))
-            count = torch.minimum(schedule[min(step, gen.steps - 1)].expand(batch), masked.sum(dim=-1))
-            transfer = choose(confidence, masked, count, gen.remasking, gen.threshold) & masked
+            scheduled = min(step, gen.steps - 1)
+            count = torch.minimum(schedule[scheduled].expand(batch), masked.sum(dim=-1))
+            host_count = [min(host_schedule[scheduled], n) for n in left] if counted else None
+            transfer = choose(confidence, masked, count, gen.remasking, gen.threshold, host_count) & masked
             current = torch.where(transfer, x0, current)
+            if counted:
+                left = [n - c for n, c in zip(left, host_count)]
             max_steps = max(max_steps, step + 1)
         x[rows[active], columns[active]] = current[active]
         ctx.tokens, ctx.counts = current, torch.where(active, size, 0)

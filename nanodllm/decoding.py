@@ -96,11 +96,12 @@ def split_evenly(total: torch.Tensor, steps: int) -> torch.Tensor:
     return base + (torch.arange(steps, device=total.device)[None, :] < remainder).long()
 
 
-def top_confident(confidence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Bool [batch, n]: per row the counts[row] positions of highest confidence."""
+def top_confident(confidence: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
+    """Bool [batch, n]: per row the counts[row] positions of highest confidence (torch.topk per row, as
+    the references do). host_counts: the same numbers, if the host knows them (saves a device sync per row)."""
     transfer = torch.zeros_like(confidence, dtype=torch.bool)
     for row in range(confidence.shape[0]):
-        k = int(counts[row])
+        k = int(counts[row]) if host_counts is None else host_counts[row]
         if k > 0:
             transfer[row, torch.topk(confidence[row], k).indices] = True
     return transfer
@@ -117,5 +118,8 @@ def threshold_transfer(confidence: torch.Tensor, threshold: float) -> torch.Tens
 
 def without_token(scores: torch.Tensor, token_id: int, fill: float = float("-inf")) -> torch.Tensor:
     """A copy of scores [..., vocab] where `token_id` can never win (used to keep [MASK] from being
-    predicted; the references would leave such a position masked, real models never do it)."""
-    return scores.index_fill(-1, torch.tensor([token_id], device=scores.device), fill)
+    predicted; the references would leave such a position masked, real models never do it). A plain
+    index, not a tensor built from a list: copying that to the GPU would wait for the device every step."""
+    scores = scores.clone()
+    scores[..., token_id] = fill
+    return scores

@@ -76,6 +76,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         start = prompt_width + block * gen.block_length
         stop = start + gen.block_length
         schedule = split_evenly((x[:, start:stop] == mask_id).sum(dim=1), steps_per_block)
+        host_schedule = schedule.tolist()  # one device sync per block instead of one per row and step
         method.begin_block(StepContext(x, positions, valid, lengths, block=block, mask_id=mask_id))
         step = 0
         while True:
@@ -97,7 +98,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 x0_conf = torch.rand((x.shape[0], width), device=device)[:, start:stop]
             confidence = torch.where(block_masked, x0_conf, float("-inf"))
             if gen.threshold is None:
-                transfer = top_confident(confidence, schedule[:, step])
+                transfer = top_confident(confidence, schedule[:, step], [row[step] for row in host_schedule])
             else:
                 transfer = threshold_transfer(confidence, gen.threshold)
             x[:, start:stop] = torch.where(transfer, x0, x[:, start:stop])

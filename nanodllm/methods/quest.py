@@ -15,8 +15,9 @@ Page bounds are kept per layer and updated only from the first page a new block 
 start of each block (outside the steps, which replay CUDA graphs), so a step reads the bounds (2/p of
 the K bytes) plus the selected pages, never the whole cache.
 
-Hooks: begin_block (new bounds for a new generation, else brought up to date), attend (estimate + sparse attention per step), attend_commit (exact by default; with
-sparse_commit the commit forward selects from its own queries).
+Hooks: begin_block (new bounds for a new generation, else brought up to date), attend (estimate +
+sparse attention per step), attend_commit (exact by default; with sparse_commit the commit forward
+selects from its own queries).
 On CUDA (bf16/fp16) the pages go to kernels/sparse_decode_attention as key blocks of p tokens.
 Equals dense: k >= every row's prefix rounded up to whole pages (test).
 Knobs: k = 1024 keys per KV head (k / p pages), page_size p = 16, exact_layers = 2, sparse_commit False.
