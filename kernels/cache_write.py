@@ -8,7 +8,8 @@ is an index computation and two scatters (four launches per layer), here it is o
 K and V.
 
 Grid: (token tiles of BLOCK_T, batch * kv_heads). k, v: [batch, kv_heads, t, head_dim];
-k_cache, v_cache: [batch, capacity, kv_heads, head_dim]; all through their strides. The caller
+k_cache, v_cache: [batch, capacity, kv_heads, head_dim]; all through their strides, one dtype (a copy,
+no conversion). The caller
 guarantees lengths[b] + t <= capacity (KVCache.write checks it on the host).
 """
 
@@ -42,9 +43,9 @@ def cache_write_kernel(
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + tokens[:, None] * stride_vt + dims[None, :] * stride_vd,
                 mask=inside)
     tl.store(k_cache_ptr + b * stride_cb + h * stride_ch + slots[:, None] * stride_cn + dims[None, :] * stride_cd,
-             k.to(k_cache_ptr.dtype.element_ty), mask=inside)
+             k, mask=inside)
     tl.store(v_cache_ptr + b * stride_wb + h * stride_wh + slots[:, None] * stride_wn + dims[None, :] * stride_wd,
-             v.to(v_cache_ptr.dtype.element_ty), mask=inside)
+             v, mask=inside)
 
 
 def check_inputs(k_cache, v_cache, k, v, lengths):
@@ -56,6 +57,8 @@ def check_inputs(k_cache, v_cache, k, v, lengths):
             raise ValueError(f"{name} must be [{batch}, capacity, {heads}, {head_dim}], got {tuple(cache.shape)}")
         if cache.device != k.device:
             raise ValueError(f"{name} is on {cache.device}, k on {k.device}")
+        if cache.dtype != k.dtype or v.dtype != k.dtype:
+            raise ValueError(f"{name} ({cache.dtype}), k ({k.dtype}) and v ({v.dtype}) must have one dtype")
     if lengths.shape != (batch,) or lengths.dtype not in (torch.int32, torch.int64) or lengths.device != k.device:
         raise ValueError(f"lengths must be an int tensor of shape ({batch},) on {k.device}, got "
                          f"{tuple(lengths.shape)} {lengths.dtype} on {lengths.device}")
@@ -83,5 +86,5 @@ def cache_write_reference(k_cache, v_cache, k, v, lengths):
     batch, _, num_tokens, _ = k.shape
     rows = torch.arange(batch, device=k.device)[:, None]
     slots = lengths[:, None] + torch.arange(num_tokens, device=k.device)[None, :]  # [batch, t]
-    k_cache[rows, slots] = k.transpose(1, 2).to(k_cache.dtype)
-    v_cache[rows, slots] = v.transpose(1, 2).to(v_cache.dtype)
+    k_cache[rows, slots] = k.transpose(1, 2)
+    v_cache[rows, slots] = v.transpose(1, 2)

@@ -118,6 +118,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     host_schedule = schedule.tolist()
     # Without a threshold every step unmasks exactly its count, so the host can follow how many masks
     # each row has left and the block's steps run with no device sync; with one it asks every step.
+    # (sample never returns [MASK] while any other token has a nonzero probability.)
     counted = gen.threshold is None or gen.remasking == "low_confidence_static"
     active = starts < ends
     decoded_until = lengths.clone()  # end of each row's last committed block

@@ -48,6 +48,7 @@ class StepGraphs:
         for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value)
         graph.replay()
+        self.replays += 1
         return tuple(x.clone() for x in output) if isinstance(output, tuple) else output.clone()
 
     def capture(self, key, fn, inputs):
@@ -67,5 +68,6 @@ class StepGraphs:
 
     def reset(self):
         self.recordings: dict = {}
+        self.replays = 0  # since the last reset
         self.pool = None
         self.capturing = False  # True while fn runs for a recording (its host-side effects already happened)

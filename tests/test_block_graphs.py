@@ -69,7 +69,8 @@ def test_no_graphs_on_the_cpu_or_without_the_kernels():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
 @pytest.mark.parametrize("name, knobs", [("dense", {}), ("mage", {"k": 64}), ("quest", {"k": 64}),
-                                         ("sparsed", {"k": 64})])
+                                         ("sparsed", {"k": 64}), ("mage", {"k": 64, "sparse_commit": True}),
+                                         ("quest", {"k": 64, "sparse_commit": True})])
 def test_graphed_generation_equals_eager(monkeypatch, name, knobs):
     from nanodllm import tasks
     from nanodllm.eval import Runner, resolve_model
@@ -83,14 +84,15 @@ def test_graphed_generation_equals_eager(monkeypatch, name, knobs):
         monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
         method = get_method(name, **knobs)
         result = block.generate(runner.model, prompts, runner.gen, method=method, stop_ids=())
-        runs[graphed] = (result.tokens, dict(method.stats), len(method.step_graphs.recordings))
+        runs[graphed] = (result.tokens, dict(method.stats), method.step_graphs.replays)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == pytest.approx(runs[False][1])
     assert runs[False][2] == 0 and runs[True][2] > 0  # the graphed run did replay recordings
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
-@pytest.mark.parametrize("name, knobs", [("dense", {}), ("mage", {"k": 16}), ("sparsed", {"k": 16})])
+@pytest.mark.parametrize("name, knobs", [("dense", {}), ("mage", {"k": 16, "exact_layers": 0}),
+                                         ("sparsed", {"k": 16, "exact_layers": 0})])
 def test_graphed_fast_dllm_v2_equals_eager(monkeypatch, name, knobs):
     """Fast-dLLM v2's loop (sub-blocks, threshold decoding) calls the same step: graphed equals eager."""
     from nanodllm.config import GenerationConfig, ModelConfig
@@ -109,6 +111,37 @@ def test_graphed_fast_dllm_v2_equals_eager(monkeypatch, name, knobs):
         monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
         method = get_method(name, **knobs)
         runs[graphed] = (block.generate(model, prompts, gen, method=method, stop_ids=()).tokens,
-                         len(method.step_graphs.recordings))
+                         method.step_graphs.replays)
     assert runs[True][0] == runs[False][0]
     assert runs[False][1] == 0 and runs[True][1] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
+@pytest.mark.parametrize("name, knobs", [("dense", {}), ("mage", {"k": 16, "exact_layers": 0}),
+                                         ("quest", {"k": 16, "page_size": 4, "exact_layers": 0}),
+                                         ("sparsed", {"k": 16, "exact_layers": 0, "sparse_commit": True})])
+def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, knobs):
+    """A prompt shorter than one block (the first block's cache is empty for that row, and, alone, for
+    the whole batch), and one method object running two generations: graphed equals eager."""
+    from nanodllm.config import GenerationConfig, ModelConfig
+    from nanodllm.model import build_random
+    from tests.tiny_models import random_prompt
+
+    cfg = ModelConfig.from_dict(dict(model_type="sdar", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=256,
+                                     mask_token_id=250, block_size=8, max_position_embeddings=4096))
+    model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=5)
+    batches = [[random_prompt(5, seed=1)], [random_prompt(5, seed=2), random_prompt(45, seed=3)]]
+    gen = GenerationConfig(gen_length=32, block_length=8, steps=8)
+    runs = {}
+    for graphed in (False, True):
+        monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
+        method = get_method(name, **knobs)
+        tokens, replays = [], 0
+        for prompts in batches:
+            tokens.append(block.generate(model, prompts, gen, method=method, stop_ids=()).tokens)
+            replays += method.step_graphs.replays
+        runs[graphed] = (tokens, dict(method.stats), replays)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == pytest.approx(runs[False][1])
+    assert runs[False][2] == 0 and runs[True][2] > 0

@@ -72,6 +72,8 @@ def test_cache_write_kernel_refuses_mismatched_shapes():
         cache_write(torch.zeros(2, 16, 3, 8), cache, block, block, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="lengths must be"):
         cache_write(cache, cache, block, block, torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="one dtype"):
+        cache_write(cache, cache, block.half(), block.half(), torch.tensor([0, 1]))
 
 
 def test_advance_makes_the_written_block_part_of_the_cache():

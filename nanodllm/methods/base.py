@@ -141,7 +141,10 @@ class Method:
         if cache is None or not use_kernels(cache.keys[0]):
             return None
         block = ctx.tokens.shape[1]
-        return (tuple(ctx.tokens.shape), cache.launch_length(block), ctx.logits_start, ctx.logits_stop)
+        # an empty cache takes other branches (no prefix to select from); the launch bound alone tells
+        # it apart only while caches grow by whole blocks
+        return (tuple(ctx.tokens.shape), cache.launch_length(block), cache.max_length == 0, ctx.logits_start,
+                ctx.logits_stop)
 
     def commit_key(self, ctx: StepContext):
         """The graph key of the commit forward (None: eager)."""

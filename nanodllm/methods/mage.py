@@ -13,7 +13,8 @@ and the G query heads of the group (eq. 3):
 where the softmax runs over the whole prefix plus the block. The k best keys per (row, KV head)
 are kept (sorted by position); steps 2..T attend to those keys plus the block's own keys.
 
-Hooks: begin_block (forget the selection), attend (exact + select at step 0, sparse afterwards),
+Hooks: begin_block (the block has no selection yet; the selection tensors persist, overwritten in
+place, so that recorded steps read the new one), attend (exact + select at step 0, sparse afterwards),
 attend_commit (exact by default, as the paper; `sparse_commit=True` reuses the selection).
 On CUDA (bf16/fp16) step 1 is kernels/decode_attention (its LSE feeds kernels/key_scores, one
 more read of K) and steps 2..T are kernels/sparse_decode_attention over the index lists; on CPU
@@ -206,7 +207,9 @@ class Mage(Method):
         return out
 
     def keep(self, layer: int, indices: torch.Tensor, counts: torch.Tensor):
-        """Store a layer's new selection: into its tensors of earlier blocks if the width is the same."""
+        """Store a layer's new selection: into its tensors of earlier blocks if the width is the same.
+        The width is min(k, the cache's launch bound), which is in every graph key and never shrinks
+        within a generation, so a recording never replays over tensors replaced after it was made."""
         kept = self.selection.get(layer)
         if kept is None or kept[0].shape != indices.shape:
             self.selection[layer] = (indices, counts)
