@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention as attention_module
+from .attention import use_kernels
 
 
 class KVCache:
@@ -67,9 +67,8 @@ class KVCache:
         if counts is None:
             from kernels.cache_write import cache_write, cache_write_reference
 
-            on_kernel = k.is_cuda and attention_module.KERNELS_ENABLED
-            (cache_write if on_kernel else cache_write_reference)(self.keys[layer], self.values[layer], k, v,
-                                                                  self.lengths)
+            write = cache_write if use_kernels(k) else cache_write_reference
+            write(self.keys[layer], self.values[layer], k, v, self.lengths)
             return
         # only the first counts[row] tokens of each row: a value-dependent shape (a device sync)
         offsets = torch.arange(t, device=k.device)

@@ -67,6 +67,19 @@ def test_no_graphs_on_the_cpu_or_without_the_kernels():
     assert get_method("dense").graph_key(masked_engine) is None
 
 
+def assert_graphed_equals_eager(monkeypatch, name, knobs, generate):
+    """generate(method) -> tokens, run with a fresh method eagerly and then with graphs: the same tokens,
+    the same stats, and the graphed run replayed recordings (replays of its last generation)."""
+    runs = {}
+    for graphed in (False, True):
+        monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
+        method = get_method(name, **knobs)
+        runs[graphed] = (generate(method), dict(method.stats), method.step_graphs.replays)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == pytest.approx(runs[False][1])
+    assert runs[False][2] == 0 and runs[True][2] > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
 @pytest.mark.parametrize("name, knobs", [("dense", {}), ("mage", {"k": 64}), ("quest", {"k": 64}),
                                          ("sparsed", {"k": 64}), ("mage", {"k": 64, "sparse_commit": True}),
@@ -79,15 +92,8 @@ def test_graphed_generation_equals_eager(monkeypatch, name, knobs):
     samples = tasks.make_samples("passkey", 1024, 2, seed=3, count_tokens=runner.count_tokens)
     prompts = [runner.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
     prompts[1] = prompts[1][:-37]  # a ragged batch: rows at different cache lengths
-    runs = {}
-    for graphed in (False, True):
-        monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
-        method = get_method(name, **knobs)
-        result = block.generate(runner.model, prompts, runner.gen, method=method, stop_ids=())
-        runs[graphed] = (result.tokens, dict(method.stats), method.step_graphs.replays)
-    assert runs[True][0] == runs[False][0]
-    assert runs[True][1] == pytest.approx(runs[False][1])
-    assert runs[False][2] == 0 and runs[True][2] > 0  # the graphed run did replay recordings
+    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: block.generate(
+        runner.model, prompts, runner.gen, method=method, stop_ids=()).tokens)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
@@ -106,14 +112,8 @@ def test_graphed_fast_dllm_v2_equals_eager(monkeypatch, name, knobs):
     model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=3)
     prompts = [random_prompt(70, seed=1), random_prompt(45, seed=2)]
     gen = GenerationConfig(gen_length=32, block_length=8, steps=8, threshold=0.9)
-    runs = {}
-    for graphed in (False, True):
-        monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
-        method = get_method(name, **knobs)
-        runs[graphed] = (block.generate(model, prompts, gen, method=method, stop_ids=()).tokens,
-                         method.step_graphs.replays)
-    assert runs[True][0] == runs[False][0]
-    assert runs[False][1] == 0 and runs[True][1] > 0
+    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: block.generate(
+        model, prompts, gen, method=method, stop_ids=()).tokens)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
@@ -133,15 +133,5 @@ def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, k
     model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=5)
     batches = [[random_prompt(5, seed=1)], [random_prompt(5, seed=2), random_prompt(45, seed=3)]]
     gen = GenerationConfig(gen_length=32, block_length=8, steps=8)
-    runs = {}
-    for graphed in (False, True):
-        monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
-        method = get_method(name, **knobs)
-        tokens, replays = [], 0
-        for prompts in batches:
-            tokens.append(block.generate(model, prompts, gen, method=method, stop_ids=()).tokens)
-            replays += method.step_graphs.replays
-        runs[graphed] = (tokens, dict(method.stats), replays)
-    assert runs[True][0] == runs[False][0]
-    assert runs[True][1] == pytest.approx(runs[False][1])
-    assert runs[False][2] == 0 and runs[True][2] > 0
+    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [
+        block.generate(model, prompts, gen, method=method, stop_ids=()).tokens for prompts in batches])
