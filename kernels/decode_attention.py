@@ -42,6 +42,7 @@ INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERP
 # than 3 at 32K-128K keys and tie at 8K; the sparse kernel's gathers are 1-5% slower with 4, so it keeps
 # 3 (H100, 5 alternating captures each, 2026-11-24: batch 1 at 32K 58.2 vs 59.5 us).
 DENSE_STAGES = 4
+SHARED_MEMORY_BUDGET = 200 * 1024  # of the H100's 227 KB per block: room for barriers and layout conversions
 
 # When True, every buffer a wrapper allocates for a kernel to fill (outputs and split scratch)
 # starts as NaN, so an element a kernel forgets to write fails the tests instead of reading 0.
@@ -101,23 +102,28 @@ def store_partial(part_out_ptr, part_lse_ptr, acc, m_i, l_i, rows, batch_head, s
              mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["keys_per_split"])
+@triton.jit(do_not_specialize=["keys_per_split", "same_length"])
 def decode_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
-    num_kv_heads, group, num_queries, keys_per_split, qk_scale,
+    num_kv_heads, group, num_queries, keys_per_split, qk_scale, same_length,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SAME_LENGTH: tl.constexpr,
 ):
     """Program (m_tile, split, batch*kv_head): one query tile against keys
-    [split*keys_per_split, (split+1)*keys_per_split) of its row, clipped to the row's length."""
+    [split*keys_per_split, (split+1)*keys_per_split) of its row, clipped to the row's length
+    (lengths[batch], or same_length for every row when SAME_LENGTH)."""
     m_tile, split, batch_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
     q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,
                               group, num_queries, BLOCK_M, HEAD_DIM)
 
-    length = tl.load(lengths_ptr + batch).to(tl.int32)
+    if SAME_LENGTH:
+        length = same_length
+    else:
+        length = tl.load(lengths_ptr + batch).to(tl.int32)
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, length)
     k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
@@ -232,7 +238,7 @@ def check_lengths_tensor(name, lengths, batch, device):
         raise ValueError(f"{name} is on {lengths.device}, q on {device}")
 
 
-def default_tiles(num_rows: int, head_dim: int, num_stages: int = 3) -> dict:
+def default_tiles(num_rows: int, head_dim: int, element_size: int, num_stages: int = 3) -> dict:
     """Launch parameters {BLOCK_M, BLOCK_N, num_warps, num_stages} for num_rows = group * L query rows.
 
     BLOCK_M: one tile of up to 128 rows covers SDAR-8B's 4 heads x 32 queries, so K/V are read once
@@ -240,10 +246,14 @@ def default_tiles(num_rows: int, head_dim: int, num_stages: int = 3) -> dict:
     (bf16), so two tiles in flight per SM cover HBM latency, and the [128, 64] fp32 scores fit in
     registers next to the [128, 128] fp32 accumulator, which takes 8 warps (two Hopper warpgroups);
     smaller tiles take 4. Stages: 3 for the sparse kernel's gathered tiles, DENSE_STAGES for this
-    file's contiguous ones."""
+    file's contiguous ones, fewer where they and the query tile would not fit SHARED_MEMORY_BUDGET
+    (float32 at D = 128: 64 KB stages, 2 of them)."""
     block_m = min(128, max(16, triton.next_power_of_2(num_rows)))
+    block_n = 64
     num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-    return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": num_warps, "num_stages": num_stages}
+    stage = 2 * block_n * head_dim * element_size
+    num_stages = max(1, min(num_stages, (SHARED_MEMORY_BUDGET - block_m * head_dim * element_size) // stage))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
 
 
 @functools.lru_cache
@@ -313,7 +323,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     k_cache, v_cache: [batch, capacity, num_kv_heads, D], read in place through their strides.
     lengths: [batch] int32/int64 on q's device; row b attends to keys 0 .. lengths[b]-1, which
         include the block's own L keys. Contract: L <= lengths[b] <= capacity (not checked unless
-        check_lengths=True, which costs a device sync).
+        check_lengths=True, which costs a device sync). Or an int: every row's length (checked, free),
+        which spares a caller whose rows are all full the launch that would fill a lengths tensor.
     scale: score scale, default D ** -0.5. GQA: query head h reads KV head h // (num_heads // num_kv_heads).
     max_length: an upper bound of lengths known on the host (e.g. KVCache.max_length + L); the split
         size is chosen from it. Default lengths.max().item(), one device sync.
@@ -326,16 +337,22 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     float32: the natural-log log-sum-exp of each query's scaled scores.
     """
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache)
-    check_lengths_tensor("lengths", lengths, batch, q.device)
-    if check_lengths and bool(((lengths < num_queries) | (lengths > capacity)).any()):
-        raise ValueError(f"lengths {lengths.tolist()} must lie in [L, capacity] = [{num_queries}, {capacity}]")
+    same_length = isinstance(lengths, int)
+    if same_length:
+        if not num_queries <= lengths <= capacity:
+            raise ValueError(f"lengths {lengths} must lie in [L, capacity] = [{num_queries}, {capacity}]")
+        max_length = lengths if max_length is None else max_length
+    else:
+        check_lengths_tensor("lengths", lengths, batch, q.device)
+        if check_lengths and bool(((lengths < num_queries) | (lengths > capacity)).any()):
+            raise ValueError(f"lengths {lengths.tolist()} must lie in [L, capacity] = [{num_queries}, {capacity}]")
     if max_length is None:
         max_length = int(lengths.max())
     group = num_heads // num_kv_heads
     num_rows = group * num_queries
     scale = head_dim**-0.5 if scale is None else scale
 
-    launch = default_tiles(num_rows, head_dim, DENSE_STAGES)
+    launch = default_tiles(num_rows, head_dim, q.element_size(), DENSE_STAGES)
     if tiles is not None and not set(tiles) <= set(launch):
         raise ValueError(f"tiles may set {sorted(launch)}, got {sorted(tiles)}")
     launch.update(tiles or {})
@@ -345,10 +362,10 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     part_out, part_lse = partial_buffers(batch * num_kv_heads, num_splits, num_rows, head_dim, q.dtype, q.device)
     grid = (m_tiles, num_splits, batch * num_kv_heads)
     decode_split_kernel[grid](
-        q, k_cache, v_cache, lengths, part_out, part_lse,
+        q, k_cache, v_cache, q if same_length else lengths, part_out, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        num_kv_heads, group, num_queries, keys_per_split, scale * LOG2E.value,
-        HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), **launch,
+        num_kv_heads, group, num_queries, keys_per_split, scale * LOG2E.value, lengths if same_length else 0,
+        HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), SAME_LENGTH=same_length, **launch,
     )
     out, lse = merge_splits(part_out, part_lse, batch, num_heads, num_queries, q.dtype)
     return (out, lse) if return_lse else out
@@ -362,7 +379,7 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, scale=None, retu
     compute = torch.promote_types(q.dtype, torch.float32)
     outs, lses = [], []
     for b in range(batch):
-        n = int(lengths[b])
+        n = lengths if isinstance(lengths, int) else int(lengths[b])
         keys = k_cache[b, :n].to(compute).transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, n, D]
         values = v_cache[b, :n].to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
         scores = (q[b].to(compute) @ keys.transpose(1, 2)) * scale  # [heads, L, n]

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .decode_attention import (
     LOG2E,
+    SHARED_MEMORY_BUDGET,
     check_lengths_tensor,
     check_query_and_cache,
     dot_precision,
@@ -115,7 +116,6 @@ def key_scores_kernel(
             tl.store(dots_ptr + out_base + keys, tl.where(key_valid, dot_sum * dot_weight, 0.0), mask=in_chunk)
 
 
-SHARED_MEMORY_BUDGET = 200 * 1024  # of the H100's 227 KB per block: room for barriers and layout conversions
 MAX_STAGES = 3
 
 

@@ -162,7 +162,7 @@ def sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts,
     num_rows = group * num_queries
     scale = head_dim**-0.5 if scale is None else scale
 
-    launch = default_tiles(num_rows, head_dim)
+    launch = default_tiles(num_rows, head_dim, q.element_size())
     m_tiles = triton.cdiv(num_rows, launch["BLOCK_M"])
     longest_list = indices.shape[2] * index_block + num_queries
     keys_per_split, num_splits = split_keys(longest_list, batch * num_kv_heads * m_tiles, q.device,

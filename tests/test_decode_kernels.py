@@ -99,19 +99,38 @@ EDGE_CASES = [
 
 
 @given(case=cases(), num_splits=st.none() | st.integers(1, 6),
-       tiles=st.sampled_from([None, None, {"BLOCK_N": 16}, {"BLOCK_M": 32, "BLOCK_N": 32}]))
-@example(case=EDGE_CASES[0], num_splits=None, tiles=None)
-@example(case=EDGE_CASES[1], num_splits=None, tiles=None)
-@example(case=EDGE_CASES[2], num_splits=6, tiles=None)
-def test_decode_attention_matches_reference(case, num_splits, tiles):
+       tiles=st.sampled_from([None, None, {"BLOCK_N": 16}, {"BLOCK_M": 32, "BLOCK_N": 32}]), same_length=st.booleans())
+@example(case=EDGE_CASES[0], num_splits=None, tiles=None, same_length=False)
+@example(case=EDGE_CASES[1], num_splits=None, tiles=None, same_length=False)
+@example(case=EDGE_CASES[2], num_splits=6, tiles=None, same_length=False)
+@example(case=EDGE_CASES[2], num_splits=None, tiles=None, same_length=True)
+@example(case=Case(prefixes=[0], group=4, num_queries=9, head_dim=128, dtype=torch.float32), num_splits=None,
+         tiles=None, same_length=False)  # float32 at D = 128: 4 stages of K + V would overflow an H100's shared memory
+def test_decode_attention_matches_reference(case, num_splits, tiles, same_length):
     q, k, v, prefixes = case.tensors()
     lengths = prefixes + case.num_queries
+    if same_length:  # one int for every row: the shortest row's length (longer rows stop early)
+        lengths = int(lengths.min())
     out, lse = decode_attention(q, k, v, lengths, num_splits=num_splits, check_lengths=True, tiles=tiles)
     expected_out, expected_lse = decode_attention_reference(q, k, v, lengths)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.transpose(1, 2).is_contiguous()  # [batch, L, heads, D] in memory: o_proj reads it as is
     assert_close(out, expected_out, case.dtype)
     assert_lse_close(lse, expected_lse)
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_rows", [1, 36, 128, 512])
+@pytest.mark.parametrize("stages", [3, decode_module.DENSE_STAGES])
+def test_default_tiles_fit_shared_memory(element_size, head_dim, num_rows, stages):
+    tiles = decode_module.default_tiles(num_rows, head_dim, element_size, stages)
+    stage = 2 * tiles["BLOCK_N"] * head_dim * element_size
+    resident = tiles["BLOCK_M"] * head_dim * element_size
+    assert 1 <= tiles["num_stages"] <= stages
+    assert tiles["num_stages"] * stage + resident <= decode_module.SHARED_MEMORY_BUDGET
+    if element_size == 2:  # bf16 / fp16 keep the stages asked for (DENSE_STAGES: 160 KB at D = 128)
+        assert tiles["num_stages"] == stages
 
 
 def test_decode_attention_strided_q_return_lse_false_and_scale():
@@ -237,6 +256,7 @@ def valid_inputs():
     (lambda a: a.update(lengths=a["lengths"][:1]), "lengths must have shape"),
     (lambda a: a.update(lengths=a["lengths"].float()), "int32 or int64"),
     (lambda a: a.update(lengths=torch.tensor([3, 24], device=DEVICE), check_lengths=True), r"\[L, capacity\]"),
+    (lambda a: a.update(lengths=3), r"lengths 3 must lie in \[L, capacity\]"),
     (lambda a: a.update(tiles={"BLOCK_K": 32}), "tiles may set"),
 ])
 def test_decode_attention_rejects_bad_inputs(change, message):
