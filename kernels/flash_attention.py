@@ -19,7 +19,9 @@ keys' sequence (prefill has N_q == N_k). Key j is visible to query i iff
     causal=True:     j <= pos(i)
     block_size=B:    j // B <= pos(i) // B   (block-causal, blocks aligned to position 0)
     neither:         always (bidirectional)
-and, when k_valid [batch, N_k] (bool) is given, k_valid[b, j] is True (key padding).
+and, when k_valid is given, k_valid[b, j] is True (key padding; k_valid [batch, N_k] bool), or
+k_valid[b, h // group, j] is True (k_valid [batch, num_kv_heads, N_k]: keys hidden per KV head, as
+for a cache that keeps a different number of keys per head).
 Positions are columns of k, the same for every row: in a left-padded batch whose rows count positions
 from their first real token (nanodllm/masked.py), block boundaries agree only where a row's padding is
 a multiple of B.
@@ -136,13 +138,13 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "stride_valid_b", "tuning_length"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "stride_valid_b", "stride_valid_h", "tuning_length"])
 def _flash_attention_fwd(
     Q, K, V, K_VALID, OUT, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_valid_b, stride_valid_n,
+    stride_valid_b, stride_valid_h, stride_valid_n,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     n_q, n_k, num_heads, group, block_size, qk_scale,
@@ -161,7 +163,7 @@ def _flash_attention_fwd(
     q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    valid_base = K_VALID + batch.to(tl.int64) * stride_valid_b
+    valid_base = K_VALID + batch.to(tl.int64) * stride_valid_b + kv_head.to(tl.int64) * stride_valid_h
     o_base = OUT + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     lse_base = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
 
@@ -241,10 +243,11 @@ def _output(shape, dtype, device) -> torch.Tensor:
 def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, scale=None, return_lse=False):
     """softmax(scale * q k^T, masked) v with GQA; see the module docstring for shapes and masks.
 
-    q [batch, num_heads, N_q, D], k/v [batch, num_kv_heads, N_k, D] with N_q <= N_k (fp16/bf16, or
-    fp32 for testing, whose dots run in TF32 on a GPU; any strides), k_valid [batch, N_k] bool or
-    None, scale > 0 defaulting to D ** -0.5. Hidden keys are still read, so like SDPA's boolean mask
-    they must hold finite values (0 * NaN would leak into the output).
+    q [batch, num_heads, N_q, D], k/v [batch, num_kv_heads, N_k, D], N_q <= N_k under a (block-)causal
+    mask and any N_q without one (fp16/bf16, or fp32 for testing, whose dots run in TF32 on a GPU; any
+    strides), k_valid [batch, N_k] or [batch, num_kv_heads, N_k] bool or None, scale > 0 defaulting
+    to D ** -0.5. Hidden keys are still read, so like SDPA's boolean mask they must hold finite values
+    (0 * NaN would leak into the output).
     Returns out [batch, num_heads, N_q, D] in q's dtype, laid out [batch, N_q, num_heads, D] in memory
     (a transposed view: o_proj's input layout, so the model reads it without a copy), and with return_lse also
     lse [batch, num_heads, N_q] float32 (natural log of the sum of exp of the scaled visible scores).
@@ -257,7 +260,12 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     lse = _output((batch, num_heads, n_q), torch.float32, q.device)
     # A bool tensor is read as bytes. Without a mask the kernel never touches K_VALID.
     valid = k_valid.view(torch.uint8) if k_valid is not None else out
-    valid_strides = k_valid.stride() if k_valid is not None else (0, 0)
+    if k_valid is None:
+        valid_strides = (0, 0, 0)
+    elif k_valid.dim() == 2:  # shared by every head
+        valid_strides = (k_valid.stride(0), 0, k_valid.stride(1))
+    else:
+        valid_strides = k_valid.stride()
 
     # Causal is block-causal with B = 1; bidirectional never reads block_size.
     block = block_size if block_size is not None else 1
@@ -309,16 +317,17 @@ def _check_inputs(q, k, v, causal, block_size, k_valid, scale):
             raise ValueError("causal=True and block_size are exclusive (causal is block_size=1)")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if n_q > k.shape[2]:
-        raise ValueError(f"the queries are the last N_q of the N_k key positions, so N_q ({n_q}) must be "
-                         f"<= N_k ({k.shape[2]})")
+    if n_q > k.shape[2] and (causal or block_size is not None):
+        raise ValueError(f"under a (block-)causal mask the queries are the last N_q of the N_k key positions, "
+                         f"so N_q ({n_q}) must be <= N_k ({k.shape[2]})")
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be positive, got {scale!r}")
     if k_valid is not None:
+        shapes = [(batch, k.shape[2]), (batch, k.shape[1], k.shape[2])]
         if not isinstance(k_valid, torch.Tensor) or k_valid.dtype != torch.bool:
-            raise ValueError("k_valid must be a bool tensor [batch, N_k]")
-        if tuple(k_valid.shape) != (batch, k.shape[2]):
-            raise ValueError(f"k_valid must have shape {(batch, k.shape[2])}, got {tuple(k_valid.shape)}")
+            raise ValueError("k_valid must be a bool tensor [batch, N_k] or [batch, num_kv_heads, N_k]")
+        if tuple(k_valid.shape) not in shapes:
+            raise ValueError(f"k_valid must have shape {shapes[0]} or {shapes[1]}, got {tuple(k_valid.shape)}")
         if k_valid.device != q.device:
             raise ValueError(f"k_valid must be on {q.device}, got {k_valid.device}")
 
@@ -345,7 +354,8 @@ def flash_attention_reference(q, k, v, *, causal=False, block_size=None, k_valid
         visible = k_pos[None, :] // block_size <= q_pos[:, None] // block_size
     visible = visible[None, None]  # [1, 1, N_q, N_k]
     if k_valid is not None:
-        visible = visible & k_valid[:, None, None, :]
+        per_head = k_valid.repeat_interleave(group, dim=1) if k_valid.dim() == 3 else k_valid[:, None]
+        visible = visible & per_head[:, :, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
 
     lse = scores.logsumexp(dim=-1)  # [batch, num_heads, N_q], -inf where no key is visible

@@ -8,9 +8,12 @@ CanvasMask: the structured masks of the engines (key padding, block-causal), whi
 apply without materialising [q_len, k_len].
 
 Who computes it:
-    CUDA, float16 / bfloat16, head_dim 64 or 128:  the Triton kernels of kernels/ (flash_attention
-        for a CanvasMask or no mask, decode_attention for the block engine's cache);
-    other CUDA tensors, or an arbitrary bool mask:  torch SDPA;
+    CUDA, float16 / bfloat16, head_dim 64 or 128:  the Triton kernels of kernels/: decode_attention
+        for the block engine's cache, and for at most 64 queries against SPLIT_MIN_KEYS or more
+        unmasked keys (it splits the keys over the SMs, where flash_attention would run one program
+        per head); flash_attention for the rest, when the mask is a CanvasMask or hides keys without
+        depending on the query (a bool mask [batch, 1 or num_kv_heads, 1, k_len]);
+    other CUDA tensors, or a bool mask that differs per query:  torch SDPA;
     CPU:  a plain-torch version with scores and softmax in fp32.
 NANODLLM_KERNELS=0 in the environment turns the kernels off (torch SDPA on CUDA), to compare.
 """
@@ -26,6 +29,8 @@ import torch.nn.functional as F
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_HEAD_DIMS = (64, 128)
 KERNELS_ENABLED = os.environ.get("NANODLLM_KERNELS", "1") != "0"
+SPLIT_MIN_KEYS = 1024
+SPLIT_MAX_QUERIES = 64  # decode_attention's MAX_QUERIES
 
 
 def use_kernels(q: torch.Tensor) -> bool:
@@ -91,13 +96,16 @@ def key_padding_mask(k_valid: torch.Tensor, q_valid: torch.Tensor | None = None)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | CanvasMask | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) masked) v, with GQA. Returns [batch, num_heads, q_len, head_dim]."""
-    if use_kernels(q) and (mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)):
+    kernel_mask = as_kernel_mask(mask, q, k) if use_kernels(q) else None
+    if kernel_mask is not None:
+        block_size, k_valid = kernel_mask
+        if block_size is None and k_valid is None and q.shape[2] <= SPLIT_MAX_QUERIES and k.shape[2] >= SPLIT_MIN_KEYS:
+            from kernels.decode_attention import decode_attention
+
+            return decode_attention(q, k.transpose(1, 2), v.transpose(1, 2), k.shape[2], return_lse=False)
         from kernels.flash_attention import flash_attention
 
-        if mask is None:
-            return flash_attention(q, k, v)
-        k_valid = None if mask.valid is None else mask.valid[:, -k.shape[2]:]
-        return flash_attention(q, k, v, block_size=mask.block_size, k_valid=k_valid)
+        return flash_attention(q, k, v, block_size=block_size, k_valid=k_valid)
     if isinstance(mask, CanvasMask):
         mask = mask.dense(q.shape[2], k.shape[2], q.device)
     if q.is_cuda:
@@ -105,6 +113,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask = mask.repeat_interleave(q.shape[1] // mask.shape[1], dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     return attention_reference(q, k, v, mask)
+
+
+def as_kernel_mask(mask, q: torch.Tensor, k: torch.Tensor) -> tuple | None:
+    """The mask as flash_attention takes it, (block_size, k_valid), or None if it cannot: a CanvasMask
+    with per-row positions, or a bool mask that differs per query or is broadcast over the batch."""
+    if mask is None:
+        return None, None
+    if isinstance(mask, CanvasMask):
+        if mask.positions is not None:
+            return None
+        return mask.block_size, None if mask.valid is None else mask.valid[:, -k.shape[2]:]
+    if mask.shape[0] != q.shape[0] or mask.shape[2] != 1 or mask.shape[1] not in (1, k.shape[1]):
+        return None
+    return None, mask[:, 0, 0] if mask.shape[1] == 1 else mask[:, :, 0]
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,

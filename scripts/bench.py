@@ -6,6 +6,7 @@
     python scripts/bench.py sparse_dllm [--quick] [--out docs/results]
     python scripts/bench.py dyllm [--quick] [--fractions F ...] [--out docs/results]
     python scripts/bench.py momo [--quick] [--lengths N ...] [--out docs/results]
+    python scripts/bench.py routing [--quick] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
@@ -17,6 +18,8 @@ dyllm: DyLLM's sparse steps at fixed salient fractions, 512 + 256 tokens, batch 
 and the dual cache (scripts/bench_dyllm.py).
 momo: MOMO's prefill attention at 32K-128K, causal and block-causal, each top-k variant, vs SDPA and
 our dense kernel, with the FLOP floors and latency vs k (scripts/bench_momo.py).
+routing: the timings behind nanodllm/attention.py's choice between flash_attention, the split-KV
+decode kernel and SDPA (scripts/bench_routing.py).
 
 kernels: the attention kernels next to their floors and to what a user has (torch SDPA), in one run:
   1. ceilings: copy bandwidth (1 GiB device-to-device, bytes read + written, best of several) and
@@ -475,12 +478,13 @@ def bench_kernels(args):
 
 
 def bench_methods(args):
-    """`mage`, `maskkv`, `sparse_dllm`, `dyllm`, `momo`: the methods' timings on 8B shapes."""
+    """`mage`, `maskkv`, `sparse_dllm`, `dyllm`, `momo`, `routing`: the methods' timings on 8B shapes."""
     from bench_mage import bench_mage  # scripts/ is on sys.path when this file runs
     from bench_maskkv import bench_maskkv
     from bench_momo import bench_momo
     from bench_dyllm import bench_dyllm
     from bench_sparse_dllm import bench_sparse_dllm
+    from bench_routing import bench_routing
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = QUICK if args.quick else FULL
@@ -504,6 +508,10 @@ def bench_methods(args):
         report.say(f"# Sparse-dLLM, Fast-dLLM's caches and vanilla on the masked engine: {meta['device']}, "
                    f"torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
         bench_sparse_dllm(args, timer, report, rates, meta)
+    elif args.command == "routing":
+        report.say(f"# Which attention kernel nanodllm/attention.py picks: {meta['device']}, torch {meta['torch']}, "
+                   f"triton {meta['triton']}, {meta['dtype']}\n")
+        bench_routing(args, timer, report, meta)
     elif args.command == "momo":
         report.say(f"# MOMO's prefill attention vs SDPA and our dense kernel: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
@@ -542,6 +550,9 @@ def main():
     momo.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 32768 65536 131072)")
     momo.add_argument("--tune", action="store_true", help="also sweep the kernels' launch settings (GPU)")
     momo.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
+    routing = commands.add_parser("routing", help="flash vs split-KV decode vs SDPA on the shapes attention() routes")
+    routing.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
+    routing.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
     args = parser.parse_args()
     if args.command == "kernels":
         bench_kernels(args)

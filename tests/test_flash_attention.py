@@ -87,20 +87,27 @@ def attention_cases(draw):
     batch = draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([64, 128]))
     n_k = draw(st.integers(1, 72))
-    queries = draw(st.sampled_from(["prefill", "one", "suffix"]))
-    n_q = n_k if queries == "prefill" else 1 if queries == "one" else draw(st.integers(1, n_k))
+    mask = draw(st.sampled_from(["none", "causal", "block"]))
+    # Under a (block-)causal mask the queries are the last N_q keys; without one they may outnumber them.
+    queries = draw(st.sampled_from(["prefill", "one", "suffix"] + (["more"] if mask == "none" else [])))
+    n_q = {"prefill": n_k, "one": 1}.get(queries) or draw(st.integers(1, n_k) if queries == "suffix" else
+                                                           st.integers(n_k + 1, n_k + 40))
     dtype = draw(st.sampled_from(DTYPES))
     layout = draw(st.sampled_from(LAYOUTS))
     seed = draw(st.integers(0, 2**16))
 
-    mask = draw(st.sampled_from(["none", "causal", "block"]))
     kwargs = {"causal": True} if mask == "causal" else {}
     if mask == "block":
         kwargs["block_size"] = draw(st.sampled_from([1, 3, 4, 32]))
-    if draw(st.booleans()):
+    key_mask = draw(st.sampled_from(["none", "padding", "per_kv_head"]))
+    if key_mask == "padding":
         pads = draw(st.lists(st.integers(0, n_k), min_size=batch, max_size=batch))
         sides = draw(st.lists(st.sampled_from(["left", "right"]), min_size=batch, max_size=batch))
         kwargs["k_valid"] = padded_keys(pads, sides, n_k, sliced=draw(st.booleans()))
+    elif key_mask == "per_kv_head":  # each KV head hides its own keys (a cache keeping different keys per head)
+        shown = draw(st.sampled_from([0.2, 0.7, 1.0]))
+        mask_generator = torch.Generator().manual_seed(seed + 1)
+        kwargs["k_valid"] = (torch.rand(batch, num_kv_heads, n_k, generator=mask_generator) < shown).to(DEVICE)
     if draw(st.booleans()):
         kwargs["scale"] = draw(st.sampled_from([0.05, 0.3]))
 
@@ -171,9 +178,11 @@ BAD_CALLS = [
     ("causal and block", None, {"causal": True, "block_size": 4}, "exclusive"),
     ("block_size 0", None, {"block_size": 0}, "positive int"),
     ("block_size float", None, {"block_size": 4.0}, "positive int"),
-    ("more queries than keys", lambda q, k, v: _inputs(n_q=7, n_k=6), {}, r"N_q \(7\) must be <= N_k \(6\)"),
+    ("more queries than keys, causal", lambda q, k, v: _inputs(n_q=7, n_k=6), {"causal": True},
+     r"N_q \(7\) must be <= N_k \(6\)"),
     ("scale 0", None, {"scale": 0.0}, "scale must be positive"),
     ("k_valid shape", None, {"k_valid": torch.ones(1, 5, dtype=torch.bool)}, r"k_valid must have shape \(1, 6\)"),
+    ("k_valid heads", None, {"k_valid": torch.ones(1, 3, 6, dtype=torch.bool)}, r"or \(1, 2, 6\)"),
     ("k_valid dtype", None, {"k_valid": torch.ones(1, 6)}, "bool tensor"),
 ]
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import attention, cache_attention
+from ..attention import attention
 from ..graphs import StepGraphs
 from .base import Method, StepContext, check_int
 
@@ -46,22 +46,20 @@ class KeptKV:
     mask: torch.Tensor | None
     candidates: int
     room: int = 0
-    lengths: torch.Tensor | None = None  # [batch] int32, n + room for every row: the decode kernel's lengths
 
 
 def with_room(kept: KeptKV, room: int) -> KeptKV:
     """The same K/V in buffers with `room` more slots at the end, where each cached step writes its fed
     tokens' K/V: attention then reads one buffer in place (no concatenation per step), through the
-    split-KV decode kernel when the fed tokens are few (cache_attention). The mask grows with visible
-    slots."""
+    split-KV decode kernel when the fed tokens are few and nothing is hidden (nanodllm/attention.py).
+    The mask grows with visible slots."""
     batch, heads, n, head_dim = kept.keys.shape
     keys, values = (x.new_empty(batch, heads, n + room, head_dim) for x in (kept.keys, kept.values))
     keys[:, :, :n], values[:, :, :n] = kept.keys, kept.values
     mask = kept.mask
     if mask is not None:
         mask = torch.cat([mask, mask.new_ones(*mask.shape[:3], room)], dim=3)
-    lengths = torch.full((batch,), n + room, dtype=torch.int32, device=keys.device)
-    return KeptKV(keys, values, mask, kept.candidates, room, lengths)
+    return KeptKV(keys, values, mask, kept.candidates, room)
 
 
 def outside_block(x: torch.Tensor, start: int, stop: int, dim: int) -> torch.Tensor:
@@ -141,9 +139,6 @@ class FastDllm(Method):
         kept = self.kept[layer]
         kept.keys[:, :, -kept.room :].copy_(k)
         kept.values[:, :, -kept.room :].copy_(v)
-        if kept.mask is None and q.shape[2] <= 64:  # the block-decode shape: split the keys over the SMs
-            return cache_attention(q, kept.keys.transpose(1, 2), kept.values.transpose(1, 2), kept.lengths,
-                                   kept.keys.shape[2], False)
         return attention(q, kept.keys, kept.values, kept.mask)
 
     def keep(self, layer: int, q, k, v, ctx) -> KeptKV:
