@@ -5,6 +5,7 @@ maps each family's tensor names onto them. A layer exposes the primitives a meth
 
     h = layer.attn_norm(x)
     q, k, v = layer.qkv(h, rope)          # projections, optional q/k norm, RoPE; [b, heads, t, d]
+    q, k = layer.qk(h, rope)              # the same without v
     q, v = layer.query(h, rope), layer.value(h)   # one projection alone
     x = x + layer.out(attend(q, k, v))    # attention is always somebody else's callback
     x = x + layer.mlp(layer.mlp_norm(x))
@@ -195,23 +196,32 @@ class Layer(nn.Module):
         """[b, t, hidden] -> q [b, heads, t, d], k and v [b, kv_heads, t, d]; RoPE applied to q, k.
         One matmul when the projections are stacked (build_empty stacks them); on CUDA the per-head
         q/k norm and RoPE of q and k then run as one kernel (kernels/rope.py rope_qk)."""
+        return self._project(h, rope, self.self_attn.projections())
+
+    def qk(self, h: torch.Tensor, rope: Rope):
+        """q and k as qkv gives them, without v's share of the matmul (caches that project v apart)."""
+        return self._project(h, rope, self.self_attn.projections()[:2])
+
+    def _project(self, h: torch.Tensor, rope: Rope, projections: list[nn.Linear]):
+        """q and k (normed, rotated) and, if projections has v_proj too, v."""
         attn, cfg = self.self_attn, self.cfg
-        weights = stacked(attn.projections())
+        widths = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        weights = stacked(projections)
         if weights is None:
-            q, k, v = (proj(h) for proj in attn.projections())
+            outputs = [proj(h) for proj in projections]
         else:
             projected = F.linear(h, *weights)
-            q, k, v = projected.split([cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2, dim=-1)
+            outputs = projected.split(widths[: len(projections)], dim=-1)
             if use_fused(projected) and cfg.qk_norm != "projection" and projected.dim() == 3:
                 from kernels.rope import rope_qk
 
                 norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
                 eps = attn.q_norm.eps if cfg.qk_norm else 0.0
                 q, k = rope_qk(projected, cfg.num_heads, cfg.num_kv_heads, rope.cos, rope.sin, *norms, eps)
-                return q, k, self._split_heads(v)
-        q = self._heads(q, getattr(attn, "q_norm", None))
-        k = self._heads(k, getattr(attn, "k_norm", None))
-        return rope.apply(q), rope.apply(k), self._split_heads(v)
+                return (q, k, *(self._split_heads(v) for v in outputs[2:]))
+        q = rope.apply(self._heads(outputs[0], getattr(attn, "q_norm", None)))
+        k = rope.apply(self._heads(outputs[1], getattr(attn, "k_norm", None)))
+        return (q, k, *(self._split_heads(v) for v in outputs[2:]))
 
     def query(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         """[b, t, hidden] -> q [b, heads, t, d] alone, normed (q/k norm) and rotated."""

@@ -37,10 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..attention import attention
 from ..graphs import StepGraphs
+from ..model import use_fused
 from .base import Method, StepContext, check_int
 
 
@@ -95,6 +95,18 @@ def take_heads(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def put_heads(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor):
     """x[b, h, index[b, h, j]] = src[b, h, j] in place (index shared over heads when its dim 1 is 1)."""
     x.scatter_(2, heads_index(x, index), src)
+
+
+def drifted_rows(values: torch.Tensor, cached_values: torch.Tensor, count: int) -> torch.Tensor:
+    """[batch, count] indices of the response rows whose value vectors (all KV heads together) have
+    the lowest cosine similarity to the cached ones, most drifted first (ties: the lower row); the
+    cached values are then replaced by the new ones. Two small launches on a GPU
+    (kernels/value_drift.py), the torch reference elsewhere."""
+    from kernels import value_drift as kernels
+
+    if use_fused(values):
+        return kernels.most_drifted(kernels.value_drift(values, cached_values), count)
+    return kernels.most_drifted_reference(kernels.value_drift_reference(values, cached_values), count)
 
 
 def overwrite(buffer: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
@@ -214,23 +226,12 @@ class DllmCache(Method):
         """Algorithm 7: fresh values for every response row; fresh keys (written in place) and
         queries for the `count` rows whose values drifted most. Returns (queries, rows)."""
         k_cached, v_cached = self.response_kv(cache)
-        v_r = layer.value(h_r)
-        rows = self.drifted_rows(v_r, v_cached, count)
-        v_cached.copy_(v_r)
+        rows = drifted_rows(layer.value(h_r), v_cached, count)
         if not count:
             return None, rows
-        q_rows, k_rows, _ = layer.qkv(take_rows(h_r, rows), rope_r.rows(rows))
+        q_rows, k_rows = layer.qk(take_rows(h_r, rows), rope_r.rows(rows))
         put_heads(k_cached, rows[:, None], k_rows)
         return q_rows, rows
-
-    def drifted_rows(self, values, cached_values, count):
-        """[batch, count] indices of the response rows whose value vectors (all KV heads together)
-        have the lowest cosine similarity to the cached ones."""
-        batch, _, rows, _ = values.shape
-        new = values.transpose(1, 2).reshape(batch, rows, -1).float()
-        old = cached_values.transpose(1, 2).reshape(batch, rows, -1).float()
-        drift = 1 - F.cosine_similarity(new, old, dim=-1)
-        return drift.topk(count, dim=1).indices
 
     def store_prompt(self, i, k_p, v_p, k_r, v_r, ctx, response_rows):
         """Build layer i's key/value buffers: the kept prompt K/V, then the response's."""
