@@ -212,23 +212,28 @@ def blank_row(context, method, **values) -> dict:
 
 def end_to_end(model, cfg, context, shapes, device, totals) -> list[dict]:
     """A real generation per method as the engine runs it (host overhead included), against the
-    assembled time: the second of two generations by one method object, so that the first pays for
-    compiling kernels and recording the method's CUDA graphs."""
+    assembled time."""
     prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     gen = GenerationConfig(gen_length=shapes["gen_length"], block_length=shapes["block_length"],
                            steps=shapes["gen_length"])
     rows = []
     for name in ("dllm_cache", "maskkv"):
         method = get_method(name, **({"budget": shapes["budget"]} if name == "maskkv" else {}))
-        masked.generate(model, [prompt], gen, method)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        masked.generate(model, [prompt], gen, method)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        seconds = generation_seconds(model, prompt, gen, method, device)
         rows.append(blank_row(context, f"{name}, end to end", **{
             "ms / generation": seconds * 1e3, "eager tokens/s": gen.gen_length / seconds,
             "eager speedup": totals["vanilla"][0] / (seconds * 1e6)}))
     return rows
+
+
+def generation_seconds(model, prompt, gen, method, device) -> float:
+    """Wall time of the second of two generations by one method object: the first pays for compiling
+    kernels and recording the method's CUDA graphs."""
+    masked.generate(model, [prompt], gen, method)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    masked.generate(model, [prompt], gen, method)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start

@@ -10,19 +10,18 @@ and 31 cached steps; sparse_dllm (delay 1) a full step, a full step that builds 
 first call captures it, outside the timing), and a generation is assembled from them; the prefix cache's cached steps feed the block and the suffix,
 so they are timed in every block. Peak memory = max allocated (weights included) over a method's
 building and cached steps, vanilla's over a full step. One real generation per method at the
-shortest length checks the assembly (eager: host overhead included).
+shortest length checks the assembly (eager: host overhead included; the second of two by one
+method object, so compiling kernels and recording graphs is left out).
 Floors per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate) as in bench_maskkv.py.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
-from bench_maskkv import canvas_context, eager_us, peak_gib, step_flops
-from nanodllm import masked
+from bench_maskkv import canvas_context, eager_us, generation_seconds, peak_gib, step_flops
 from nanodllm.config import GenerationConfig, ModelConfig, preset
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense, StepContext
@@ -122,7 +121,8 @@ def bench_sparse_dllm(args, timer, report, measure_rates, meta):
                  "replay the method's CUDA graph); the prefix cache is timed in every block, the others in the "
                  "middle one. Floors: max(weight bytes / copy bandwidth, FLOPs / matmul rate).")
     report.table("Per generation", rows, "Assembled from the step times (see scripts/bench_sparse_dllm.py); "
-                 "'a real generation' rows time masked.generate end to end, eagerly.")
+                 "'a real generation' rows time masked.generate end to end, eagerly (a second generation of one "
+                 "method object).")
 
 
 def end_to_end(model, cfg, length, shapes, device, totals) -> list[dict]:
@@ -132,13 +132,7 @@ def end_to_end(model, cfg, length, shapes, device, totals) -> list[dict]:
                            steps=shapes["gen_length"])
     rows = []
     for label, (name, knobs) in METHODS.items():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        masked.generate(model, [prompt], gen, get_method(name, **knobs))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        seconds = generation_seconds(model, prompt, gen, get_method(name, **knobs), device)
         rows.append({"length": length, "method": f"{label}, a real generation", "tokens/s": gen.gen_length / seconds,
                      "speedup vs vanilla": totals["vanilla"][0] / (seconds * 1e6), "x floor": float("nan"),
                      "peak GiB": float("nan"), "peak vs vanilla": float("nan")})
