@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
 from nanodllm.methods.dllm_cache import drifted_rows
-from nanodllm.methods.maskkv import attention_mass, head_budgets, keep_top, layer_budgets
+from nanodllm.methods.maskkv import (attention_mass, attention_mass_kernels, attention_mass_reference, head_budgets,
+                                     keep_top, layer_budgets)
+from tests.device import DEVICE, FP32_OUT_TOLERANCE
 from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
                                refuses_block_causal, tiny_model)
 from tests.tiny_models import masked_tokens as generate
@@ -133,6 +135,46 @@ def test_attention_mass_is_the_summed_softmax(batch, group, q_len, prompt, extra
     probs = scores.softmax(-1)[..., :prompt] * weight[:, None, :, None]
     expected = probs.sum(2).view(batch, kv_heads, group, prompt).mean(2)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 2), group=st.sampled_from([1, 2]), q_len=st.sampled_from([1, 7, 64, 70]),
+       prompt=st.integers(1, 40), extra=st.integers(0, 9), key_mask=st.sampled_from(["none", "padding", "per_kv_head"]),
+       seed=st.integers(0, 2**16))
+def test_attention_mass_kernels_match_the_torch_version(batch, group, q_len, prompt, extra, key_mask, seed):
+    """flash_attention's LSE + key_scores in launches of 64 queries (interpreted on a CPU) against the
+    fp32 softmax, with padding or per-KV-head key masks and queries of weight 0. Inputs on the float16
+    grid, so a GPU's TF32 dots hold them exactly (tests/device.py)."""
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, d, n = 2, 64, prompt + extra
+    draw = lambda *shape: torch.randn(*shape, generator=generator).half().float().to(DEVICE)
+    q, keys = draw(batch, kv_heads * group, q_len, d), draw(batch, kv_heads, n, d)
+    weight = (torch.rand(batch, q_len, generator=generator) > 0.3).to(DEVICE)
+    k_valid = None
+    if key_mask != "none":
+        k_valid = torch.rand(batch, *((kv_heads,) if key_mask == "per_kv_head" else ()), n, generator=generator) > 0.3
+        k_valid[..., -1] = True
+        k_valid = k_valid.to(DEVICE)
+    mask = None if k_valid is None else (k_valid[:, :, None, :] if k_valid.dim() == 3 else k_valid[:, None, None, :])
+    got = attention_mass_kernels(q, keys, k_valid, weight, prompt)
+    expected = attention_mass_reference(q, keys, mask, weight, prompt)
+    torch.testing.assert_close(got, expected, atol=FP32_OUT_TOLERANCE, rtol=FP32_OUT_TOLERANCE)
+
+
+def test_attention_mass_takes_the_kernels_where_they_apply(monkeypatch):
+    """On a GPU, a key mask flash_attention takes (none, padding, per KV head) goes to the kernels as
+    its k_valid; a mask that differs per query stays on torch."""
+    import nanodllm.methods.maskkv as maskkv_module
+
+    calls = []
+    monkeypatch.setattr(maskkv_module, "use_kernels", lambda q: True)
+    monkeypatch.setattr(maskkv_module, "attention_mass_kernels", lambda q, keys, k_valid, weight, width: calls.append(
+        None if k_valid is None else tuple(k_valid.shape)) or attention_mass_reference(q, keys, None, weight, width))
+    q, keys, weight = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 10, 8), torch.ones(2, 3, dtype=torch.bool)
+    for mask in (None, torch.ones(2, 1, 1, 10, dtype=torch.bool), torch.ones(2, 2, 1, 10, dtype=torch.bool),
+                 torch.ones(2, 1, 3, 10, dtype=torch.bool)):
+        attention_mass(q, keys, mask, weight, 6)
+    assert calls == [None, (2, 10), (2, 2, 10)]
 
 
 def test_layer_budgets_follow_algorithm_2():

@@ -131,6 +131,7 @@ class DllmCache(Method):
         self.rows_computed = self.rows_total = 0
         self.layouts = 0  # times the K/V buffers were replaced (recorded steps read the current ones)
         self.prompt_tail = None  # shifted-logit models: the prompt's last row's output at the last refresh
+        self.prompt_padding = None  # [batch, 1, 1, prompt] key mask of the current refresh, None without padding
         self.graphs = StepGraphs(size=2)  # drift and response-refresh steps, valid until the next prompt refresh
 
     def begin_block(self, ctx: StepContext):
@@ -155,6 +156,8 @@ class DllmCache(Method):
         stop = (ctx.logits_start - prompt_width, ctx.logits_stop - prompt_width)
         tokens_r, positions_r = ctx.tokens[:, prompt_width:], ctx.positions[:, prompt_width:]
         if refresh_prompt:
+            valid = ctx.valid[:, :prompt_width]  # one sync per refresh, not one per layer
+            self.prompt_padding = None if bool(valid.all()) else valid[:, None, None, :]
             prompt = ctx.tokens[:, :prompt_width], ctx.positions[:, :prompt_width]
             x_r = self.forward(model, *prompt, tokens_r, positions_r, recomputed, drifted, ctx)
         else:  # drift steps and response refreshes: shapes fixed, no host syncs, so CUDA graphs
@@ -237,7 +240,7 @@ class DllmCache(Method):
         """Build layer i's key/value buffers: the kept prompt K/V, then the response's."""
         k_kept, v_kept, prompt_mask = self.keep_prompt(i, k_p, v_p, ctx)
         key_mask = None
-        if prompt_mask is not None and not bool(prompt_mask.all()):
+        if prompt_mask is not None:
             response_mask = prompt_mask.new_ones(*prompt_mask.shape[:3], response_rows)
             key_mask = torch.cat([prompt_mask, response_mask], dim=3)
         old = self.layers[i] if i < len(self.layers) else None
@@ -258,11 +261,9 @@ class DllmCache(Method):
             self.layers[i] = cache
 
     def keep_prompt(self, i, k_p, v_p, ctx):
-        """The prompt K/V layer i keeps, with a key mask [batch, 1 or kv_heads, 1, kept] or None:
-        all of them here, padding hidden."""
-        prompt_width = k_p.shape[2]
-        valid = ctx.valid[:, :prompt_width]
-        return k_p, v_p, None if bool(valid.all()) else valid[:, None, None, :]
+        """The prompt K/V layer i keeps, with a key mask [batch, 1 or kv_heads, 1, kept], None when it
+        would hide nothing: all of them here, padding hidden."""
+        return k_p, v_p, self.prompt_padding
 
     def first_step_attention(self, i, q_p, q_r, ctx):
         """Called at step 0 after layer i's exact attention, with the prompt's and the response's

@@ -27,6 +27,9 @@ Profile: `maskkv_profile.json` next to the checkpoint ({"layer_importance": [...
 Without one (or the `profile` knob naming a file), the importance is measured by one dense forward
 of the first canvas decoded and kept for later generations (the paper's online variant, Table 12).
 
+On a GPU the vote is two kernel passes (attention_mass_kernels: flash_attention's log-sum-exp, then
+kernels/key_scores.py), not fp32 score matrices.
+
 Hooks: dllm_cache's, plus keep_prompt (gather the kept K/V at each prompt refresh) and
 first_step_attention (vote, allocate, evict).
 Equals dllm_cache (same intervals and rho) on every row whose prompt is at most the budget long.
@@ -44,17 +47,53 @@ from pathlib import Path
 
 import torch
 
-from ..attention import CanvasMask
+from ..attention import CanvasMask, as_kernel_mask, use_kernels
 from .base import check_int
 from .dllm_cache import DllmCache, take_heads
 
 PROFILE_NAME = "maskkv_profile.json"
+MASK_VOTE_QUERIES = 64  # queries per key_scores launch (kernels/decode_attention.py MAX_QUERIES)
 
 
 def attention_mass(q, keys, key_mask, query_weight, prompt_width):
-    """[batch, kv_heads, prompt_width]: sum over queries (weighted by query_weight [batch, q_len])
-    of their softmax probability on each prompt key, the softmax over all `keys` (masked), averaged
-    over each KV head's query group. Computed one KV head at a time to bound the fp32 scores."""
+    """[batch, kv_heads, prompt_width]: sum over queries (weighted by query_weight [batch, q_len], 0 or
+    1) of their softmax probability on each prompt key, the softmax over all `keys` (hidden where the
+    bool key_mask [batch, 1 or kv_heads, 1, keys] is False), averaged over each KV head's query group.
+    On a GPU (float16 / bfloat16): attention_mass_kernels."""
+    kernel_mask = as_kernel_mask(key_mask, q, keys) if use_kernels(q) else None
+    if kernel_mask is not None:
+        return attention_mass_kernels(q, keys, kernel_mask[1], query_weight, prompt_width)
+    return attention_mass_reference(q, keys, key_mask, query_weight, prompt_width)
+
+
+def attention_mass_kernels(q, keys, k_valid, query_weight, prompt_width):
+    """attention_mass in two kernel passes, k_valid [batch, keys] or [batch, kv_heads, keys] (or None)
+    as flash_attention takes it: flash_attention gives each query's log-sum-exp over all keys (its
+    output is dropped), then key_scores sums exp(score - lse) over the queries for each prompt key,
+    MASK_VOTE_QUERIES queries per launch (its limit); a query of weight 0 gets lse = +inf, so it
+    adds exactly 0, and a hidden prompt key gets 0, as the softmax gives it. The torch version
+    materialises fp32 scores [group, q_len, keys] per KV head, several passes over them; these read
+    K twice and V once."""
+    from kernels.flash_attention import flash_attention
+    from kernels.key_scores import key_scores
+
+    batch, num_heads, q_len, _ = q.shape
+    group = num_heads // keys.shape[1]
+    _, lse = flash_attention(q, keys, keys, k_valid=k_valid, return_lse=True)
+    lse = lse.masked_fill(~query_weight.bool()[:, None, :], float("inf"))
+    cache = keys.transpose(1, 2)  # [batch, keys, kv_heads, head_dim], as key_scores reads a cache
+    lengths = torch.full((batch,), prompt_width, dtype=torch.int32, device=q.device)
+    mass = sum(key_scores(q[:, :, start:start + MASK_VOTE_QUERIES], cache, lengths,
+                          lse[:, :, start:start + MASK_VOTE_QUERIES], reduce="sum", max_length=prompt_width)
+               for start in range(0, q_len, MASK_VOTE_QUERIES)) / group
+    if k_valid is not None:
+        prompt_valid = k_valid[..., :prompt_width]
+        mass = mass.masked_fill(~(prompt_valid[:, None] if prompt_valid.dim() == 2 else prompt_valid), 0.0)
+    return mass
+
+
+def attention_mass_reference(q, keys, key_mask, query_weight, prompt_width):
+    """attention_mass in torch, one KV head at a time to bound the fp32 scores."""
     batch, num_heads, q_len, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = num_heads // kv_heads
@@ -146,16 +185,22 @@ class MaskKV(DllmCache):
         self.boundary_layers, self.profile = boundary_layers, profile
         self.importance: list[float] | None = None
         self.indices: list = []  # per layer: (indices, keep) of the kept prompt tokens
+        self.prompt_masks: list = []  # per layer: keep as a key mask, None where every slot is kept
         self.evicting = False  # this generation's budget is below its longest prompt: some row evicts
         self.kept_sum = self.prompt_sum = self.head_rows = 0
+        self.kept_this_step = None  # step 0: kept slots summed over the layers so far (on the device)
 
     def step(self, model, ctx):
-        if self.t == 0:
-            self.indices = []  # step 0 is exact and votes again
+        first = self.t == 0
+        if first:
+            self.indices, self.prompt_masks = [], []  # step 0 is exact and votes again
             self.evicting = self.budget < int(ctx.prompt_lengths.max())  # else nothing to evict
-        if self.t == 0 and self.importance is None and self.evicting:
+        if first and self.importance is None and self.evicting:
             self.importance = self.load_importance(model, ctx)
-        return super().step(model, ctx)
+        logits = super().step(model, ctx)
+        if first and self.evicting:
+            self.count_kept(ctx.prompt_lengths)
+        return logits
 
     def load_importance(self, model, ctx) -> list[float]:
         """The profile's layer importance, or (no profile) one measured on this canvas."""
@@ -177,8 +222,8 @@ class MaskKV(DllmCache):
     def keep_prompt(self, i, k_p, v_p, ctx):
         if i >= len(self.indices):  # step 0: exact
             return super().keep_prompt(i, k_p, v_p, ctx)
-        indices, keep = self.indices[i]
-        return take_heads(k_p, indices), take_heads(v_p, indices), keep
+        indices, _ = self.indices[i]
+        return take_heads(k_p, indices), take_heads(v_p, indices), self.prompt_masks[i]
 
     def first_step_attention(self, i, q_p, q_r, ctx):
         """Vote with the exact step-0 attention, allocate the budgets, evict layer i's prompt KV."""
@@ -191,10 +236,12 @@ class MaskKV(DllmCache):
         counts = torch.where(fits[:, None], ctx.prompt_lengths[:, None], self.head_counts(i, scores, ctx))
         indices, keep = keep_top(scores, counts, ctx.prompt_lengths)
         self.indices.append((indices, keep))
+        self.prompt_masks.append(None if bool(keep.all()) else keep)  # decided once: no sync at refreshes
+        kept = keep.sum()
+        self.kept_this_step = kept if self.kept_this_step is None else self.kept_this_step + kept
         k_r, v_r = self.response_kv(cache)
         k_p, v_p = cache.keys[:, :, :prompt_width], cache.values[:, :, :prompt_width]
         self.store_prompt(i, k_p, v_p, k_r, v_r, ctx, k_r.shape[2])
-        self.count_kept(keep, ctx.prompt_lengths)
 
     def token_scores(self, i, q_p, q_r, cache, ctx):
         """Mask voting (eq. 6-7): [batch, kv_heads, P]."""
@@ -208,11 +255,14 @@ class MaskKV(DllmCache):
         budget = layer_budgets(self.budget, self.importance, self.beta, min(boundary, num_layers))[i]
         return head_budgets(scores, budget, self.alpha)
 
-    def count_kept(self, keep, prompt_lengths):
-        """stats over the layers evicted so far (each row and KV head one entry)."""
-        self.kept_sum += int(keep.sum())
-        self.prompt_sum += int(prompt_lengths.sum()) * keep.shape[1]
-        self.head_rows += keep.shape[0] * keep.shape[1]
+    def count_kept(self, prompt_lengths):
+        """stats over the generations so far, after step 0 evicted every layer (each layer, row and
+        KV head one entry); one sync."""
+        layers, (batch, kv_heads) = len(self.indices), self.indices[0][0].shape[:2]
+        self.kept_sum += int(self.kept_this_step)
+        self.kept_this_step = None
+        self.prompt_sum += int(prompt_lengths.sum()) * kv_heads * layers
+        self.head_rows += batch * kv_heads * layers
         self.stats["kv_kept"] = self.kept_sum / self.prompt_sum
         self.stats["kv_per_head"] = (self.kept_sum / self.head_rows, self.prompt_sum / self.head_rows)
 
