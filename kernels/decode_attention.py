@@ -14,7 +14,8 @@ Algorithm (split-KV, "flash-decoding"):
    neutral partial: output 0, LSE -inf.
 3. Merge. A small kernel combines the slices of each query row, weighting slice s by
    2^(lse_s - max_s lse_s), and writes the output in q's dtype and the natural-log LSE.
-K and V are read once, in place, through their strides ([batch, capacity, kv_heads, head_dim]).
+K and V are read in place, through their strides ([batch, capacity, kv_heads, head_dim]), once per
+query tile: once while group * L <= 128 rows.
 
 The jit helpers (query tile, online-softmax step, partial store, merge) are shared with
 sparse_decode_attention.py, which differs only in which keys a slice walks.
@@ -32,6 +33,9 @@ import triton.language as tl
 LOG2E = tl.constexpr(math.log2(math.e))  # kernels use it as is, host code as LOG2E.value
 LN2 = tl.constexpr(math.log(2.0))
 MAX_QUERIES = 64  # the active block; longer query sets are prefill (flash_attention.py)
+# decode_attention alone takes more (a response of a masked model, say): each further query tile
+# re-reads its slice of K/V, so past 256 queries flash_attention is faster (docs/results/bench_routing.md).
+DENSE_MAX_QUERIES = 256
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D) must stay small next to its K/V
@@ -198,9 +202,9 @@ def new_buffer(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def check_query_and_cache(q, k_cache, v_cache=None):
-    """Validate q [batch, num_heads, L, D] against a cache [batch, capacity, num_kv_heads, D];
-    returns (batch, num_heads, L, D, capacity, num_kv_heads)."""
+def check_query_and_cache(q, k_cache, v_cache=None, max_queries=MAX_QUERIES):
+    """Validate q [batch, num_heads, L, D], L <= max_queries, against a cache [batch, capacity,
+    num_kv_heads, D]; returns (batch, num_heads, L, D, capacity, num_kv_heads)."""
     if q.dim() != 4:
         raise ValueError(f"q must be [batch, num_heads, L, head_dim], got shape {tuple(q.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -224,8 +228,8 @@ def check_query_and_cache(q, k_cache, v_cache=None):
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if not 1 <= num_queries <= MAX_QUERIES:
-        raise ValueError(f"L = {num_queries} queries; block decode takes 1..{MAX_QUERIES} (use flash_attention)")
+    if not 1 <= num_queries <= max_queries:
+        raise ValueError(f"L = {num_queries} queries; this kernel takes 1..{max_queries} (use flash_attention)")
     return batch, num_heads, num_queries, head_dim, capacity, num_kv_heads
 
 
@@ -319,7 +323,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
                      num_splits=None, check_lengths=False, tiles=None):
     """Attention of the active block's queries against each row's cache (prefix + block keys).
 
-    q: [batch, num_heads, L, D], L <= 64, D in (64, 128), float16 / bfloat16 / float32.
+    q: [batch, num_heads, L, D], L <= DENSE_MAX_QUERIES (256), D in (64, 128), float16 / bfloat16 / float32.
     k_cache, v_cache: [batch, capacity, num_kv_heads, D], read in place through their strides.
     lengths: [batch] int32/int64 on q's device; row b attends to keys 0 .. lengths[b]-1, which
         include the block's own L keys. Contract: L <= lengths[b] <= capacity (not checked unless
@@ -336,7 +340,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     and, if return_lse, lse [batch, num_heads, L]
     float32: the natural-log log-sum-exp of each query's scaled scores.
     """
-    batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache)
+    batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache,
+                                                                                             DENSE_MAX_QUERIES)
     same_length = isinstance(lengths, int)
     if same_length:
         if not num_queries <= lengths <= capacity:

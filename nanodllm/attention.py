@@ -9,9 +9,10 @@ apply without materialising [q_len, k_len].
 
 Who computes it:
     CUDA, float16 / bfloat16, head_dim 64 or 128:  the Triton kernels of kernels/: decode_attention
-        for the block engine's cache, and for at most 64 queries against SPLIT_MIN_KEYS or more
-        unmasked keys (it splits the keys over the SMs, where flash_attention would run one program
-        per head); flash_attention for the rest, when the mask is a CanvasMask or hides keys without
+        for the block engine's cache, and for at most SPLIT_MAX_QUERIES (256) queries against
+        SPLIT_MIN_KEYS (1024) or more unmasked keys (it splits the keys over the SMs, where
+        flash_attention would run one program per head and query tile; docs/results/bench_routing.md);
+        flash_attention for the rest, when the mask is a CanvasMask or hides keys without
         depending on the query (a bool mask [batch, 1 or num_kv_heads, 1, k_len]);
     other CUDA tensors, or a bool mask that differs per query:  torch SDPA;
     CPU:  a plain-torch version with scores and softmax in fp32.
@@ -30,7 +31,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_HEAD_DIMS = (64, 128)
 KERNELS_ENABLED = os.environ.get("NANODLLM_KERNELS", "1") != "0"
 SPLIT_MIN_KEYS = 1024
-SPLIT_MAX_QUERIES = 64  # decode_attention's MAX_QUERIES
+SPLIT_MAX_QUERIES = 256  # decode_attention's DENSE_MAX_QUERIES
 
 
 def use_kernels(q: torch.Tensor) -> bool:

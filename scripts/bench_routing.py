@@ -1,7 +1,7 @@
 """`python scripts/bench.py routing`: the measurements behind nanodllm/attention.py's choice of kernel.
 
 1. A few queries against many unmasked keys: flash_attention (one program per query tile and head)
-   vs decode_attention (the keys split over the SMs, partial results merged), for 1 to 64 queries,
+   vs decode_attention (the keys split over the SMs, partial results merged), for 8 to 256 queries,
    with and without GQA. attention() sends at most SPLIT_MAX_QUERIES queries against SPLIT_MIN_KEYS
    or more keys to the split kernel; the table's last column says which one it picks.
 2. Many queries against a few hundred keys hidden per KV head (MaskKV's full refresh: the canvas's
@@ -20,7 +20,7 @@ from kernels.decode_attention import decode_attention
 from kernels.flash_attention import flash_attention
 from nanodllm.attention import SPLIT_MAX_QUERIES, SPLIT_MIN_KEYS
 
-FULL = dict(heads=((32, 32), (32, 8)), queries=(8, 32, 64), keys=(256, 512, 1024, 2048, 4096, 8192),
+FULL = dict(heads=((32, 32), (32, 8)), queries=(8, 32, 64, 128, 256), keys=(256, 512, 1024, 2048, 4096, 8192, 32768),
             masked=((8192, 768), (32768, 768), (256, 768), (8192, 8448)), head_dim=128, kept=0.8)
 QUICK = dict(heads=((4, 4), (4, 2)), queries=(4,), keys=(32, 64), masked=((64, 48),), head_dim=64, kept=0.8)
 

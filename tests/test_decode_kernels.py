@@ -104,6 +104,8 @@ EDGE_CASES = [
 @example(case=EDGE_CASES[1], num_splits=None, tiles=None, same_length=False)
 @example(case=EDGE_CASES[2], num_splits=6, tiles=None, same_length=False)
 @example(case=EDGE_CASES[2], num_splits=None, tiles=None, same_length=True)
+@example(case=Case(prefixes=[70, 3], num_kv_heads=2, group=1, num_queries=200, head_dim=64, dtype=torch.float16),
+         num_splits=3, tiles=None, same_length=True)  # 200 queries: two query tiles, each reading the keys
 @example(case=Case(prefixes=[0], group=4, num_queries=9, head_dim=128, dtype=torch.float32), num_splits=None,
          tiles=None, same_length=False)  # float32 at D = 128: 4 stages of K + V would overflow an H100's shared memory
 def test_decode_attention_matches_reference(case, num_splits, tiles, same_length):
@@ -251,7 +253,7 @@ def valid_inputs():
     (lambda a: a.update(q=a["q"][:, :3]), "multiple of num_kv_heads"),
     (lambda a: a.update(q=a["q"][..., :32], k_cache=a["k_cache"][..., :32], v_cache=a["v_cache"][..., :32]),
      "head_dim"),
-    (lambda a: a.update(q=a["q"].repeat(1, 1, 17, 1)), "queries"),
+    (lambda a: a.update(q=a["q"].repeat(1, 1, 65, 1)), "queries"),  # 260 > DENSE_MAX_QUERIES
     (lambda a: a.update(q=a["q"].double(), k_cache=a["k_cache"].double(), v_cache=a["v_cache"].double()), "dtype"),
     (lambda a: a.update(lengths=a["lengths"][:1]), "lengths must have shape"),
     (lambda a: a.update(lengths=a["lengths"].float()), "int32 or int64"),
@@ -284,6 +286,7 @@ def sparse_inputs():
     (lambda a: a.update(index_block=4), r"indices\[0, 1, 0\] = 9 is not a key block of 4 .* \[0, 3\)"),
     (lambda a: a["counts"].__setitem__((1, 1), 4), r"counts\[1, 1\] = 4"),
     (lambda a: a.update(cache_lengths=a["cache_lengths"] + 5), "capacity"),
+    (lambda a: a.update(q=a["q"].repeat(1, 1, 17, 1)), "queries"),  # 68 > MAX_QUERIES: the dense kernel alone takes more
 ])
 def test_sparse_decode_attention_rejects_bad_inputs(change, message):
     args = sparse_inputs()

@@ -51,6 +51,7 @@ def test_canvas_mask_kernel_equals_dense_mask(kernels_on, block_size, padded):
 
 @pytest.mark.parametrize("case, expected_kernel", [
     ("few queries, many keys", "decode_attention"),  # split over the keys
+    ("many queries, many keys", "flash_attention"),
     ("few queries, few keys", "flash_attention"),
     ("more queries than keys", "flash_attention"),
     ("key mask per KV head", "flash_attention"),
@@ -58,23 +59,26 @@ def test_canvas_mask_kernel_equals_dense_mask(kernels_on, block_size, padded):
     ("mask per query", None),  # torch
 ])
 def test_attention_routes_and_equals_reference(kernels_on, monkeypatch, case, expected_kernel):
-    """attention() picks the kernel by shape and mask (SPLIT_MIN_KEYS lowered to 24 keys so the
-    interpreter stays fast) and gives the reference's output, with GQA and ragged key masks."""
+    """attention() picks the kernel by shape and mask (SPLIT_MIN_KEYS and SPLIT_MAX_QUERIES lowered
+    to 24 keys and 8 queries so the interpreter stays fast) and gives the reference's output, with
+    GQA and ragged key masks."""
     import kernels.decode_attention
     import kernels.flash_attention
 
     monkeypatch.setattr(attention_module, "SPLIT_MIN_KEYS", 24)
+    monkeypatch.setattr(attention_module, "SPLIT_MAX_QUERIES", 8)
     called = []
     for module, name in ((kernels.decode_attention, "decode_attention"), (kernels.flash_attention, "flash_attention")):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw: called.append(name) or kernel(*a, **kw))
-    n_q, n_k = {"few queries, many keys": (5, 40), "more queries than keys": (30, 20)}.get(case, (5, 20))
+    n_q, n_k = {"few queries, many keys": (8, 40), "many queries, many keys": (9, 40),
+                "more queries than keys": (30, 20)}.get(case, (5, 20))
     q, k, v = qkv(2, 4, 2, n_q, n_k, seed=4)
     generator = torch.Generator().manual_seed(5)
     heads = {"key mask per KV head": 2, "mask per query": 1}.get(case, 1)
     mask = torch.rand(2, heads, n_q if case == "mask per query" else 1, n_k, generator=generator).to(DEVICE) < 0.6
     mask[..., 0] = True  # every query sees a key
-    if case in ("few queries, many keys", "few queries, few keys", "more queries than keys"):
+    if case in ("few queries, many keys", "many queries, many keys", "few queries, few keys", "more queries than keys"):
         mask = None
     out = attention(q, k, v, mask)
     assert called == ([expected_kernel] if expected_kernel else [])
