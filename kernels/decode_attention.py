@@ -346,6 +346,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     if same_length:
         if not num_queries <= lengths <= capacity:
             raise ValueError(f"lengths {lengths} must lie in [L, capacity] = [{num_queries}, {capacity}]")
+        if max_length is not None and max_length < lengths:
+            raise ValueError(f"max_length {max_length} is below lengths {lengths}: keys past it would be skipped")
         max_length = lengths if max_length is None else max_length
     else:
         check_lengths_tensor("lengths", lengths, batch, q.device)

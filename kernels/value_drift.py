@@ -16,7 +16,8 @@ Grids: value_drift (rows, batch), each program reading its row's KV heads in chu
 most_drifted (row tiles of BLOCK_I, batch): each program ranks its rows against every row (rank =
 rows with larger drift, or equal drift and a lower index), so the ranks are distinct and row i is
 written at position rank[i] when rank[i] < count. That costs rows^2 comparisons, a few microseconds
-for the few hundred rows of a response. Drift must not be NaN.
+for the few hundred rows of a response. A NaN drift (values that were not finite) ranks above every
+number, as torch.sort places it, so every slot of the output is still written.
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ def most_drifted_kernel(drift_ptr, out_ptr, stride_db, stride_dr, stride_ob, str
     rows = tile * BLOCK_I + tl.arange(0, BLOCK_I)
     drift_base = drift_ptr + batch.to(tl.int64) * stride_db
     mine = tl.load(drift_base + rows * stride_dr, mask=rows < num_rows, other=0.0)
+    mine = tl.where(mine != mine, float("inf"), mine)  # NaN ranks first, as in torch.sort
     rank = tl.zeros([BLOCK_I], tl.int32)
     for start in range(0, num_rows, BLOCK_J):
         others = start + tl.arange(0, BLOCK_J)
         theirs = tl.load(drift_base + others * stride_dr, mask=others < num_rows, other=0.0)
+        theirs = tl.where(theirs != theirs, float("inf"), theirs)
         ahead = (theirs[None, :] > mine[:, None]) | ((theirs[None, :] == mine[:, None]) & (others[None, :] < rows[:, None]))
         rank += tl.sum((ahead & (others < num_rows)[None, :]).to(tl.int32), axis=1)
     tl.store(out_ptr + batch.to(tl.int64) * stride_ob + rank * stride_oc, rows.to(tl.int64),

@@ -118,13 +118,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def as_kernel_mask(mask, q: torch.Tensor, k: torch.Tensor) -> tuple | None:
     """The mask as flash_attention takes it, (block_size, k_valid), or None if it cannot: a CanvasMask
-    with per-row positions, or a bool mask that differs per query or is broadcast over the batch."""
+    with per-row positions, a mask that is not a 4-D bool tensor, or a bool mask that differs per
+    query or is broadcast over the batch."""
     if mask is None:
         return None, None
     if isinstance(mask, CanvasMask):
         if mask.positions is not None:
             return None
         return mask.block_size, None if mask.valid is None else mask.valid[:, -k.shape[2]:]
+    if mask.dtype != torch.bool or mask.dim() != 4:  # an additive or lower-rank mask: SDPA takes it
+        return None
     if mask.shape[0] != q.shape[0] or mask.shape[2] != 1 or mask.shape[1] not in (1, k.shape[1]):
         return None
     return None, mask[:, 0, 0] if mask.shape[1] == 1 else mask[:, :, 0]

@@ -328,7 +328,8 @@ def bench_decode_sweep(report, timer, shapes, device, dtype, bandwidth, caches):
                 us = sorted(times[name])[len(times[name]) // 2]
                 row.update({"us": us, "% of copy BW": 100 * kv_bytes / us / 1e3 / bandwidth})
             rows.append(row)
-    defaults = default_tiles(shapes.heads // shapes.kv_heads * shapes.block, shapes.head_dim, 2, DENSE_STAGES)
+    defaults = default_tiles(shapes.heads // shapes.kv_heads * shapes.block, shapes.head_dim, q.element_size(),
+                             DENSE_STAGES)
     report.table(f"Block decode sweep (batch {batch})", rows,
                  f"default = {defaults}, splits = SMs // (batch * KV heads) = {base_splits} here; a variant changes "
                  f"only what its name says; median of {SWEEP_ROUNDS} captures, taken in rounds over the variants.")

@@ -227,8 +227,10 @@ def end_to_end(model, cfg, context, shapes, device, totals) -> list[dict]:
 
 
 def generation_seconds(model, prompt, gen, method, device) -> float:
-    """Wall time of the second of two generations by one method object: the first pays for compiling
-    kernels and recording the method's CUDA graphs."""
+    """Wall time of the second of two generations by one method object. The first pays for compiling
+    and autotuning kernels and, for MaskKV without a profile file, its online layer profile (one dense
+    forward, which a checkpoint's maskkv_profile.json replaces); the method's CUDA graphs are recorded
+    again in the timed one (a new generation resets them)."""
     masked.generate(model, [prompt], gen, method)
     if device.type == "cuda":
         torch.cuda.synchronize()

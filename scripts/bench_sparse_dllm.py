@@ -11,7 +11,7 @@ first call captures it, outside the timing), and a generation is assembled from 
 so they are timed in every block. Peak memory = max allocated (weights included) over a method's
 building and cached steps, vanilla's over a full step. One real generation per method at the
 shortest length checks the assembly (eager: host overhead included; the second of two by one
-method object, so compiling kernels and recording graphs is left out).
+method object, so compiling and autotuning kernels is left out; graphs are recorded in both).
 Floors per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate) as in bench_maskkv.py.
 """
 

@@ -206,3 +206,31 @@ def test_stacked_projections_run_as_one_matmul_and_equal_the_separate_ones(model
         model.layers[0].self_attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.float().clone())
         assert stacked(model.layers[0].self_attn.projections()) is None  # replaced: the separate path runs
         torch.testing.assert_close(model(ids, ids, dense), separate(ids, ids, dense))
+
+
+@pytest.mark.parametrize("model_type", ["llada", "sdar", "Dream"])  # no q/k norm, per-head q/k norm, biases
+@pytest.mark.parametrize("stack", [True, False])
+def test_qk_equals_the_first_two_of_qkv(model_type, stack):
+    """Layer.qk projects q and k alone (the stacked weights without v's rows, or the separate q/k
+    projections) and gives what qkv gives for them (up to the matmul's rounding: a narrower output
+    may be blocked differently)."""
+    if model_type == "Dream":
+        model = build_empty(ModelConfig.from_dict(dict(QWEN2_RAW, model_type=model_type)), dtype=torch.float64)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(
+                    param.numel())) * 0.3)
+    else:
+        model = tiny_model(model_type)
+    if not stack:
+        separate = Model(model.cfg).to(torch.float64)
+        separate.load_state_dict(model.state_dict())
+        model = separate
+    layer, ids = model.layers[0], torch.arange(6)[None]
+    with torch.no_grad():
+        assert (stacked(layer.self_attn.projections()) is not None) == stack
+        h = torch.randn(1, 6, model.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        q, k = layer.qk(h, model.rope(ids))
+        q_all, k_all, _ = layer.qkv(h, model.rope(ids))
+    torch.testing.assert_close(q, q_all, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k, k_all, rtol=1e-12, atol=1e-12)

@@ -106,6 +106,8 @@ EDGE_CASES = [
 @example(case=EDGE_CASES[2], num_splits=None, tiles=None, same_length=True)
 @example(case=Case(prefixes=[70, 3], num_kv_heads=2, group=1, num_queries=200, head_dim=64, dtype=torch.float16),
          num_splits=3, tiles=None, same_length=True)  # 200 queries: two query tiles, each reading the keys
+@example(case=Case(prefixes=[40, 0], num_kv_heads=2, group=2, num_queries=100, head_dim=64, dtype=torch.float16),
+         num_splits=None, tiles=None, same_length=False)  # GQA past 64 queries: 200 rows, ragged
 @example(case=Case(prefixes=[0], group=4, num_queries=9, head_dim=128, dtype=torch.float32), num_splits=None,
          tiles=None, same_length=False)  # float32 at D = 128: 4 stages of K + V would overflow an H100's shared memory
 def test_decode_attention_matches_reference(case, num_splits, tiles, same_length):
@@ -259,6 +261,7 @@ def valid_inputs():
     (lambda a: a.update(lengths=a["lengths"].float()), "int32 or int64"),
     (lambda a: a.update(lengths=torch.tensor([3, 24], device=DEVICE), check_lengths=True), r"\[L, capacity\]"),
     (lambda a: a.update(lengths=3), r"lengths 3 must lie in \[L, capacity\]"),
+    (lambda a: a.update(lengths=24, max_length=10), "below lengths"),  # splits sized for 10 keys would skip 14
     (lambda a: a.update(tiles={"BLOCK_K": 32}), "tiles may set"),
 ])
 def test_decode_attention_rejects_bad_inputs(change, message):

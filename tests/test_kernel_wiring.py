@@ -85,6 +85,25 @@ def test_attention_routes_and_equals_reference(kernels_on, monkeypatch, case, ex
     torch.testing.assert_close(out, attention_module.attention_reference(q, k, v, mask), atol=2e-3, rtol=2e-3)
 
 
+def test_routing_limits_stay_within_the_kernels():
+    """attention() and MaskKV's vote size their calls by their own copies of the kernels' limits:
+    past a limit a call would raise instead of routing."""
+    from kernels import decode_attention as decode_module
+    from nanodllm.methods import maskkv
+
+    assert attention_module.SPLIT_MAX_QUERIES <= decode_module.DENSE_MAX_QUERIES
+    assert maskkv.MASK_VOTE_QUERIES <= decode_module.MAX_QUERIES
+
+
+def test_only_4d_bool_masks_reach_flash_attention():
+    q, k, _ = qkv(2, 4, 2, 5, 20, seed=1)
+    assert attention_module.as_kernel_mask(torch.ones(2, 2, 1, 20, dtype=torch.bool, device=DEVICE), q, k) is not None
+    for mask in (torch.zeros(2, 1, 1, 20, device=DEVICE),  # additive
+                 torch.ones(2, 20, dtype=torch.bool, device=DEVICE),  # not [batch, heads, queries, keys]
+                 torch.ones(1, 1, 1, 20, dtype=torch.bool, device=DEVICE)):  # broadcast over the batch
+        assert attention_module.as_kernel_mask(mask, q, k) is None
+
+
 def test_cache_attention_kernel_equals_masked_torch(kernels_on):
     q, _, _ = qkv(2, 4, 2, 5, 5, seed=2)
     generator = torch.Generator().manual_seed(3)
@@ -123,3 +142,44 @@ def test_masked_engine_tokens_equal_on_kernels(monkeypatch, cfg_scale):
     gen = GenerationConfig(gen_length=8, block_length=4, steps=4, cfg_scale=cfg_scale)
     torch_tokens, kernel_tokens = generate_both_ways(masked, model, prompts, gen, monkeypatch)
     assert kernel_tokens == torch_tokens
+
+
+@pytest.mark.parametrize("name, knobs, lengths, kernels_called", [
+    # unpadded: the drift steps' few queries take the split-KV kernel
+    ("dllm_cache", dict(prompt_interval=3, response_interval=2), (12, 12),
+     {"decode_attention", "flash_attention", "value_drift"}),
+    # padded prompts and per-head kept slots: key masks, so flash_attention; the vote on key_scores
+    ("maskkv", dict(budget=5, prompt_interval=3, response_interval=2), (7, 12),
+     {"flash_attention", "key_scores", "value_drift"}),
+])
+def test_cached_masked_methods_decode_the_same_tokens_on_kernels(monkeypatch, name, knobs, lengths, kernels_called):
+    """dLLM-Cache and MaskKV through every kernel they reach (interpreted on a CPU): attention routed
+    by shape, MaskKV's vote, the drift kernels; the same tokens as on torch. SPLIT_MIN_KEYS and
+    SPLIT_MAX_QUERIES are lowered so these short canvases reach both attention kernels."""
+    import nanodllm.methods.dllm_cache as dllm_cache_module
+    import nanodllm.methods.maskkv as maskkv_module
+    from nanodllm.methods import get_method
+
+    model = tiny_model("llada", dtype=torch.float16, d_model=128, n_heads=2, n_kv_heads=2).to(DEVICE)  # head_dim 64
+    prompts = [random_prompt(n, seed=6 + i) for i, n in enumerate(lengths)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
+    monkeypatch.setattr(attention_module, "SPLIT_MIN_KEYS", 16)
+    monkeypatch.setattr(attention_module, "SPLIT_MAX_QUERIES", 8)  # the 12 prompt rows stay on flash_attention
+    torch_tokens = masked.generate(model, prompts, gen, get_method(name, **knobs)).tokens
+    fp16 = lambda x: x.dtype == torch.float16
+    for module, function in ((attention_module, "use_kernels"), (maskkv_module, "use_kernels"),
+                             (dllm_cache_module, "use_fused")):
+        monkeypatch.setattr(module, function, fp16)
+    import kernels.decode_attention
+    import kernels.flash_attention
+    import kernels.key_scores
+    import kernels.value_drift
+
+    called = set()
+    for module, kernel in ((kernels.decode_attention, "decode_attention"), (kernels.flash_attention, "flash_attention"),
+                           (kernels.key_scores, "key_scores"), (kernels.value_drift, "value_drift")):
+        original = getattr(module, kernel)
+        monkeypatch.setattr(module, kernel, lambda *a, original=original, kernel=kernel, **kw: called.add(kernel)
+                            or original(*a, **kw))
+    assert masked.generate(model, prompts, gen, get_method(name, **knobs)).tokens == torch_tokens
+    assert called == kernels_called

@@ -49,11 +49,15 @@ def test_value_drift_matches_reference(batch, heads, rows, head_dim, dtype, layo
 
 
 @given(batch=st.integers(1, 3), rows=st.integers(1, 300), levels=st.sampled_from([2, 5, 1000]),
-       count_fraction=st.floats(0, 1), seed=st.integers(0, 2**16))
-def test_most_drifted_matches_stable_sort(batch, rows, levels, count_fraction, seed):
-    """Few distinct levels make many ties, which must go to the lower row."""
+       count_fraction=st.floats(0, 1), nan_fraction=st.sampled_from([0.0, 0.0, 0.1, 0.5]), seed=st.integers(0, 2**16))
+@example(batch=1, rows=4, levels=5, count_fraction=0.75, nan_fraction=0.5, seed=3)
+def test_most_drifted_matches_stable_sort(batch, rows, levels, count_fraction, nan_fraction, seed):
+    """Few distinct levels make many ties, which must go to the lower row; NaN drifts (from values
+    that were not finite) rank above every number, as in torch.sort."""
     generator = torch.Generator().manual_seed(seed)
-    drift = (torch.randint(0, levels, (batch, rows), generator=generator).float() / levels).to(DEVICE)
+    drift = torch.randint(0, levels, (batch, rows), generator=generator).float() / levels
+    drift[torch.rand(batch, rows, generator=generator) < nan_fraction] = float("nan")
+    drift = drift.to(DEVICE)
     count = round(count_fraction * rows)
     assert torch.equal(most_drifted(drift, count), most_drifted_reference(drift, count))
 
