@@ -49,6 +49,19 @@ def test_canvas_mask_kernel_equals_dense_mask(kernels_on, block_size, padded):
     torch.testing.assert_close(out[rows], reference[rows], atol=2e-3, rtol=2e-3)
 
 
+def spy_on_kernels(monkeypatch, *names):
+    """Wrap kernels/<name>.py's function <name> for each name; returns the list their calls append
+    their names to."""
+    import importlib
+
+    called = []
+    for name in names:
+        module = importlib.import_module(f"kernels.{name}")
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw: called.append(name) or kernel(*a, **kw))
+    return called
+
+
 @pytest.mark.parametrize("case, expected_kernel", [
     ("few queries, many keys", "decode_attention"),  # split over the keys
     ("many queries, many keys", "flash_attention"),
@@ -62,15 +75,9 @@ def test_attention_routes_and_equals_reference(kernels_on, monkeypatch, case, ex
     """attention() picks the kernel by shape and mask (SPLIT_MIN_KEYS and SPLIT_MAX_QUERIES lowered
     to 24 keys and 8 queries so the interpreter stays fast) and gives the reference's output, with
     GQA and ragged key masks."""
-    import kernels.decode_attention
-    import kernels.flash_attention
-
     monkeypatch.setattr(attention_module, "SPLIT_MIN_KEYS", 24)
     monkeypatch.setattr(attention_module, "SPLIT_MAX_QUERIES", 8)
-    called = []
-    for module, name in ((kernels.decode_attention, "decode_attention"), (kernels.flash_attention, "flash_attention")):
-        kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw: called.append(name) or kernel(*a, **kw))
+    called = spy_on_kernels(monkeypatch, "decode_attention", "flash_attention")
     n_q, n_k = {"few queries, many keys": (8, 40), "many queries, many keys": (9, 40),
                 "more queries than keys": (30, 20)}.get(case, (5, 20))
     q, k, v = qkv(2, 4, 2, n_q, n_k, seed=4)
@@ -116,13 +123,16 @@ def test_cache_attention_kernel_equals_masked_torch(kernels_on):
         torch.testing.assert_close(out[row : row + 1], reference, atol=2e-3, rtol=2e-3)
 
 
-def generate_both_ways(engine, model, prompts, gen, monkeypatch, **kwargs):
+def generate_both_ways(engine, model, prompts, gen, monkeypatch, make_method=None, **kwargs):
+    """Tokens on torch, then on the kernels (attention_module.use_kernels switched; a fresh method
+    from make_method for each run when given)."""
+    run = lambda: engine.generate(model, prompts, gen, **kwargs, **({"method": make_method()} if make_method else {}))
     monkeypatch.setattr(attention_module, "use_kernels", lambda q: False)
-    torch_tokens = engine.generate(model, prompts, gen, **kwargs).tokens
+    torch_tokens = run().tokens
     CALLS.clear()
     monkeypatch.setattr(attention_module, "use_kernels",
                         lambda q: CALLS.append(tuple(q.shape)) or q.dtype == torch.float16)
-    kernel_tokens = engine.generate(model, prompts, gen, **kwargs).tokens
+    kernel_tokens = run().tokens
     assert CALLS, "the engine never asked for attention"
     return torch_tokens, kernel_tokens
 
@@ -165,21 +175,11 @@ def test_cached_masked_methods_decode_the_same_tokens_on_kernels(monkeypatch, na
     gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
     monkeypatch.setattr(attention_module, "SPLIT_MIN_KEYS", 16)
     monkeypatch.setattr(attention_module, "SPLIT_MAX_QUERIES", 8)  # the 12 prompt rows stay on flash_attention
-    torch_tokens = masked.generate(model, prompts, gen, get_method(name, **knobs)).tokens
-    fp16 = lambda x: x.dtype == torch.float16
-    for module, function in ((attention_module, "use_kernels"), (maskkv_module, "use_kernels"),
-                             (dllm_cache_module, "use_fused")):
-        monkeypatch.setattr(module, function, fp16)
-    import kernels.decode_attention
-    import kernels.flash_attention
-    import kernels.key_scores
-    import kernels.value_drift
-
-    called = set()
-    for module, kernel in ((kernels.decode_attention, "decode_attention"), (kernels.flash_attention, "flash_attention"),
-                           (kernels.key_scores, "key_scores"), (kernels.value_drift, "value_drift")):
-        original = getattr(module, kernel)
-        monkeypatch.setattr(module, kernel, lambda *a, original=original, kernel=kernel, **kw: called.add(kernel)
-                            or original(*a, **kw))
-    assert masked.generate(model, prompts, gen, get_method(name, **knobs)).tokens == torch_tokens
-    assert called == kernels_called
+    follow = lambda x: attention_module.use_kernels(x)  # the vote and the drift test switch with attention
+    monkeypatch.setattr(maskkv_module, "use_kernels", follow)
+    monkeypatch.setattr(dllm_cache_module, "use_fused", follow)
+    called = spy_on_kernels(monkeypatch, "decode_attention", "flash_attention", "key_scores", "value_drift")
+    torch_tokens, kernel_tokens = generate_both_ways(masked, model, prompts, gen, monkeypatch,
+                                                     make_method=lambda: get_method(name, **knobs))
+    assert kernel_tokens == torch_tokens
+    assert set(called) == kernels_called

@@ -188,7 +188,6 @@ class MaskKV(DllmCache):
         self.prompt_masks: list = []  # per layer: keep as a key mask, None where every slot is kept
         self.evicting = False  # this generation's budget is below its longest prompt: some row evicts
         self.kept_sum = self.prompt_sum = self.head_rows = 0
-        self.kept_this_step = None  # step 0: kept slots summed over the layers so far (on the device)
 
     def step(self, model, ctx):
         first = self.t == 0
@@ -237,8 +236,6 @@ class MaskKV(DllmCache):
         indices, keep = keep_top(scores, counts, ctx.prompt_lengths)
         self.indices.append((indices, keep))
         self.prompt_masks.append(None if bool(keep.all()) else keep)  # decided once: no sync at refreshes
-        kept = keep.sum()
-        self.kept_this_step = kept if self.kept_this_step is None else self.kept_this_step + kept
         k_r, v_r = self.response_kv(cache)
         k_p, v_p = cache.keys[:, :, :prompt_width], cache.values[:, :, :prompt_width]
         self.store_prompt(i, k_p, v_p, k_r, v_r, ctx, k_r.shape[2])
@@ -259,8 +256,7 @@ class MaskKV(DllmCache):
         """stats over the generations so far, after step 0 evicted every layer (each layer, row and
         KV head one entry); one sync."""
         layers, (batch, kv_heads) = len(self.indices), self.indices[0][0].shape[:2]
-        self.kept_sum += int(self.kept_this_step)
-        self.kept_this_step = None
+        self.kept_sum += int(sum(keep.sum() for _, keep in self.indices))
         self.prompt_sum += int(prompt_lengths.sum()) * kv_heads * layers
         self.head_rows += batch * kv_heads * layers
         self.stats["kv_kept"] = self.kept_sum / self.prompt_sum
