@@ -321,7 +321,8 @@ def merge_launch(num_rows: int, block_s: int, head_dim: int) -> tuple[int, int]:
 
 def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=True, max_length=None,
                      num_splits=None, check_lengths=False, tiles=None):
-    """Attention of the active block's queries against each row's cache (prefix + block keys).
+    """Attention of the active block's queries against each row's cache (prefix + block keys): the
+    split pass (decode_partials, steps 1-2 of the module docstring) and the merge (step 3).
 
     q: [batch, num_heads, L, D], L <= DENSE_MAX_QUERIES (256), D in (64, 128), float16 / bfloat16 / float32.
     k_cache, v_cache: [batch, capacity, num_kv_heads, D], read in place through their strides.
@@ -340,6 +341,17 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     and, if return_lse, lse [batch, num_heads, L]
     float32: the natural-log log-sum-exp of each query's scaled scores.
     """
+    part_out, part_lse = decode_partials(q, k_cache, v_cache, lengths, scale=scale, max_length=max_length,
+                                         num_splits=num_splits, check_lengths=check_lengths, tiles=tiles)
+    batch, num_heads, num_queries = q.shape[:3]
+    out, lse = merge_splits(part_out, part_lse, batch, num_heads, num_queries, q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None, num_splits=None,
+                    check_lengths=False, tiles=None):
+    """decode_attention's split pass alone (same arguments): the scratch (part_out, part_lse) that
+    merge_splits combines, so that a benchmark can time the two launches apart."""
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache,
                                                                                              DENSE_MAX_QUERIES)
     same_length = isinstance(lengths, int)
@@ -374,8 +386,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
         num_kv_heads, group, num_queries, keys_per_split, scale * LOG2E.value, lengths if same_length else 0,
         HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), SAME_LENGTH=same_length, **launch,
     )
-    out, lse = merge_splits(part_out, part_lse, batch, num_heads, num_queries, q.dtype)
-    return (out, lse) if return_lse else out
+    return part_out, part_lse
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, scale=None, return_lse=True):

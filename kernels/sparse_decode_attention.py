@@ -9,13 +9,18 @@ indices j covering tokens j*S .. j*S+S-1 clipped to the prefix (index_block = S:
 Algorithm: the same as decode_attention.py (GQA group packed into the query tile, split-KV with an
 online softmax in base 2, fp32 partials merged by LSE by the shared merge kernel), walking a virtual
 key list instead of a contiguous range. Position t of the list of (b, kv_head) is
-    t <  count * S:   token indices[t // S] * S + t % S   (skipped if >= cache_lengths[b])
+    t <  count * S:   token indices[t // S] * S + t % S   (a key block's tokens >= cache_lengths[b] skipped)
     t >= count * S:   block key cache_lengths[b] + t - count * S
 so a head's list is count * S + L positions long; slices cut it into equal pieces, and each tile
 gathers its K/V rows by token number (a gather of whole D-element rows, coalesced per row).
-The list entries of tile i+1 are loaded while tile i is attended: otherwise every tile waits for
-two dependent memory round trips (entries, then K/V), which measured 1.3x slower at k = 8192
-(docs/results/kernels_sparse_sweep.md).
+Three things keep the gather close to the dense kernel's stream (H100, k = 8192, batch 4):
+- the list entries of tile i+1 are loaded while tile i is attended: otherwise every tile waits for
+  two dependent memory round trips (entries, then K/V), 1.3x slower (docs/results/kernels_sparse_sweep.md);
+- they are loaded as a [BLOCK_N, 1] column, in the layout of the K/V tile's rows; a 1-D load compiled
+  to twice the global loads and a quarter more address arithmetic (70.7 -> 63.1 us);
+- key blocks of a multiple of BLOCK_N tokens (WHOLE_TILES) take one entry per tile, and a tile's rows
+  are one run of tokens (89.3 -> 64.5 us for 64-token blocks).
+docs/results/decode_kernel_resources.md has the instruction counts, bench_decode_costs.md the rates.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def sparse_decode_split_kernel(
     stride_ib, stride_ih, stride_ik, stride_cb, stride_ch,
     num_kv_heads, group, num_queries, keys_per_split, qk_scale,
     INDEX_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):
     """Program (m_tile, split, batch*kv_head): one query tile against positions
     [split*keys_per_split, (split+1)*keys_per_split) of the head's virtual key list."""
@@ -78,21 +83,42 @@ def sparse_decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     # [BLOCK_M, HEAD_DIM]
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # the list entries of the first tile; each iteration loads the next tile's while its K/V arrive
-    entries = load_entries(index_base, start + tl.arange(0, BLOCK_N), end, num_selected, stride_ik, INDEX_BLOCK)
+    # the first tile's list entries: one per tile (WHOLE_TILES), else one per position as a column, in the
+    # layout of the K/V tile's rows; each iteration loads the next tile's while its K/V arrive
+    if WHOLE_TILES:
+        entries = load_entries(index_base, start + tl.arange(0, 1), end, num_selected, stride_ik, INDEX_BLOCK)
+    else:
+        entries = load_entries(index_base, start + tl.arange(0, BLOCK_N)[:, None], end, num_selected, stride_ik,
+                               INDEX_BLOCK)
     for pos_start in range(start, end, BLOCK_N):
         positions = pos_start + tl.arange(0, BLOCK_N)
         in_slice = positions < end
         from_list = in_slice & (positions < num_selected)
-        tokens = tl.where(from_list, entries.to(tl.int64) * INDEX_BLOCK + positions % INDEX_BLOCK,
-                          (cache_length + positions - num_selected).to(tl.int64))
-        entries = load_entries(index_base, positions + BLOCK_N, end, num_selected, stride_ik, INDEX_BLOCK)
-        key_valid = in_slice & (~from_list | (tokens < cache_length))  # key blocks clipped to the prefix
+        if WHOLE_TILES:  # one run of BLOCK_N tokens: part of one key block, or the block's keys
+            in_list = pos_start < num_selected
+            first_token = tl.where(in_list, entries.to(tl.int64) * INDEX_BLOCK + pos_start % INDEX_BLOCK,
+                                   (cache_length + pos_start - num_selected).to(tl.int64))
+            run = first_token + tl.arange(0, BLOCK_N)
+            key_valid = in_slice & (~from_list | (run < cache_length))  # key blocks clipped to the prefix
+            # [BLOCK_N, 1]
+            tokens = run[:, None]
+            entries = load_entries(index_base, pos_start + BLOCK_N + tl.arange(0, 1), end, num_selected, stride_ik,
+                                   INDEX_BLOCK)
+        else:
+            # [BLOCK_N, 1]
+            column = positions[:, None]
+            tokens = tl.where(column < num_selected, entries.to(tl.int64) * INDEX_BLOCK + column % INDEX_BLOCK,
+                              (cache_length + column - num_selected).to(tl.int64))
+            entries = load_entries(index_base, column + BLOCK_N, end, num_selected, stride_ik, INDEX_BLOCK)
+            if INDEX_BLOCK == 1:
+                key_valid = in_slice  # listed tokens lie in the prefix: the contract check_indices tests
+            else:  # key blocks clipped to the prefix
+                key_valid = in_slice & (~from_list | tl.reshape(tokens < cache_length, [BLOCK_N]))
         # [BLOCK_N, HEAD_DIM]
-        k = tl.load(k_base + tokens[:, None] * stride_kn + dims[None, :].to(tl.int64) * stride_kd,
+        k = tl.load(k_base + tokens * stride_kn + dims[None, :].to(tl.int64) * stride_kd,
                     mask=key_valid[:, None], other=0.0)
         # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_base + tokens[:, None] * stride_vn + dims[None, :].to(tl.int64) * stride_vd,
+        v = tl.load(v_base + tokens * stride_vn + dims[None, :].to(tl.int64) * stride_vd,
                     mask=key_valid[:, None], other=0.0)
         m_i, l_i, acc = attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
@@ -122,7 +148,8 @@ def check_index_lists(indices, counts, cache_lengths, index_block, num_queries, 
 
 def sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts, *, index_block=1, scale=None,
                             check_indices=False, return_lse=True, num_splits=None):
-    """Attention of the active block's queries against the selected prefix keys and the block's keys.
+    """Attention of the active block's queries against the selected prefix keys and the block's keys:
+    the split pass (sparse_decode_partials) and decode_attention.py's merge.
 
     q: [batch, num_heads, L, D] (L <= 64, D in (64, 128), float16 / bfloat16 / float32).
     k_cache, v_cache: [batch, capacity, num_kv_heads, D], read in place.
@@ -142,6 +169,18 @@ def sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts,
     and, if return_lse, lse [batch, num_heads, L]
     float32 (natural log of the scaled scores' sum of exponentials over the attended keys).
     """
+    part_out, part_lse = sparse_decode_partials(q, k_cache, v_cache, cache_lengths, indices, counts,
+                                                index_block=index_block, scale=scale, check_indices=check_indices,
+                                                num_splits=num_splits)
+    batch, num_heads, num_queries = q.shape[:3]
+    out, lse = merge_splits(part_out, part_lse, batch, num_heads, num_queries, q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def sparse_decode_partials(q, k_cache, v_cache, cache_lengths, indices, counts, *, index_block=1, scale=None,
+                           check_indices=False, num_splits=None):
+    """sparse_decode_attention's split pass alone (same arguments): the scratch (part_out, part_lse)
+    that merge_splits combines, so that a benchmark can time the two launches apart."""
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache)
     check_lengths_tensor("cache_lengths", cache_lengths, batch, q.device)
     if indices.dim() != 3 or indices.shape[:2] != (batch, num_kv_heads):
@@ -173,10 +212,10 @@ def sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts,
         q, k_cache, v_cache, cache_lengths, indices, counts, part_out, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *indices.stride(), *counts.stride(),
         num_kv_heads, group, num_queries, keys_per_split, scale * LOG2E.value,
-        INDEX_BLOCK=index_block, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), **launch,
+        INDEX_BLOCK=index_block, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype),
+        WHOLE_TILES=index_block % launch["BLOCK_N"] == 0, **launch,
     )
-    out, lse = merge_splits(part_out, part_lse, batch, num_heads, num_queries, q.dtype)
-    return (out, lse) if return_lse else out
+    return part_out, part_lse
 
 
 def selected_tokens(indices_row, count, cache_length, index_block):

@@ -7,6 +7,7 @@
     python scripts/bench.py dyllm [--quick] [--fractions F ...] [--out docs/results]
     python scripts/bench.py momo [--quick] [--lengths N ...] [--out docs/results]
     python scripts/bench.py routing [--quick] [--out docs/results]
+    python scripts/bench.py decode_costs [--quick] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
@@ -20,6 +21,8 @@ momo: MOMO's prefill attention at 32K-128K, causal and block-causal, each top-k 
 our dense kernel, with the FLOP floors and latency vs k (scripts/bench_momo.py).
 routing: the timings behind nanodllm/attention.py's choice between flash_attention, the split-KV
 decode kernel and SDPA (scripts/bench_routing.py).
+decode_costs: the decode kernels' time as fixed cost + bytes / rate, next to torch and cuBLAS streaming
+the same bytes (scripts/bench_decode_costs.py).
 
 kernels: the attention kernels next to their floors and to what a user has (torch SDPA), in one run:
   1. ceilings: copy bandwidth (1 GiB device-to-device, bytes read + written, best of several) and
@@ -479,7 +482,8 @@ def bench_kernels(args):
 
 
 def bench_methods(args):
-    """`mage`, `maskkv`, `sparse_dllm`, `dyllm`, `momo`, `routing`: the methods' timings on 8B shapes."""
+    """`mage`, `maskkv`, `sparse_dllm`, `dyllm`, `momo`, `routing`, `decode_costs`: timings on 8B shapes."""
+    from bench_decode_costs import bench_decode_costs
     from bench_mage import bench_mage  # scripts/ is on sys.path when this file runs
     from bench_maskkv import bench_maskkv
     from bench_momo import bench_momo
@@ -513,6 +517,10 @@ def bench_methods(args):
         report.say(f"# Which attention kernel nanodllm/attention.py picks: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
         bench_routing(args, timer, report, meta)
+    elif args.command == "decode_costs":
+        report.say(f"# Where the block-decode kernels' time goes: {meta['device']}, torch {meta['torch']}, "
+                   f"triton {meta['triton']}, {meta['dtype']}\n")
+        bench_decode_costs(args, timer, report, rates()[0], meta)
     elif args.command == "momo":
         report.say(f"# MOMO's prefill attention vs SDPA and our dense kernel: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
@@ -554,6 +562,9 @@ def main():
     routing = commands.add_parser("routing", help="flash vs split-KV decode vs SDPA on the shapes attention() routes")
     routing.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
     routing.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
+    costs = commands.add_parser("decode_costs", help="decode kernels: fixed cost + bytes / rate vs torch and cuBLAS")
+    costs.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
+    costs.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
     args = parser.parse_args()
     if args.command == "kernels":
         bench_kernels(args)

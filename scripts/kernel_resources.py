@@ -39,10 +39,12 @@ CASES = [  # (kernel, label, constexprs, launch options); the first of each kern
     (decode_split_kernel, "decode", {"BLOCK_M": 128, "BLOCK_N": 64}, {"num_warps": 8, "num_stages": 3}),
     (decode_split_kernel, "decode", {"BLOCK_M": 128, "BLOCK_N": 32}, {"num_warps": 8, "num_stages": 4}),
     (decode_split_kernel, "decode", {"BLOCK_M": 64, "BLOCK_N": 64}, {"num_warps": 4, "num_stages": 4}),
-    (sparse_decode_split_kernel, "sparse decode, tokens", {"BLOCK_M": 128, "BLOCK_N": 64, "INDEX_BLOCK": 1},
-     {"num_warps": 8, "num_stages": 3}),
-    (sparse_decode_split_kernel, "sparse decode, 64-token blocks", {"BLOCK_M": 128, "BLOCK_N": 64, "INDEX_BLOCK": 64},
-     {"num_warps": 8, "num_stages": 3}),
+    (sparse_decode_split_kernel, "sparse decode, tokens",
+     {"BLOCK_M": 128, "BLOCK_N": 64, "INDEX_BLOCK": 1, "WHOLE_TILES": False}, {"num_warps": 8, "num_stages": 3}),
+    (sparse_decode_split_kernel, "sparse decode, 16-token pages",
+     {"BLOCK_M": 128, "BLOCK_N": 64, "INDEX_BLOCK": 16, "WHOLE_TILES": False}, {"num_warps": 8, "num_stages": 3}),
+    (sparse_decode_split_kernel, "sparse decode, 64-token blocks",
+     {"BLOCK_M": 128, "BLOCK_N": 64, "INDEX_BLOCK": 64, "WHOLE_TILES": True}, {"num_warps": 8, "num_stages": 3}),
 ]
 
 

@@ -165,7 +165,8 @@ def random_index_lists(draw, prefixes, num_kv_heads, index_block, gen):
     return indices, torch.tensor(counts)
 
 
-@given(case=cases(), index_block=st.sampled_from([1, 1, 3, 16, 100]), index_dtype=st.sampled_from(["int32", "int64"]),
+@given(case=cases(), index_block=st.sampled_from([1, 1, 3, 16, 64, 100, 128]),
+       index_dtype=st.sampled_from(["int32", "int64"]),
        num_splits=st.none() | st.integers(1, 6), data=st.data())
 def test_sparse_decode_attention_matches_reference(case, index_block, index_dtype, num_splits, data):
     q, k, v, prefixes = case.tensors()
@@ -188,6 +189,22 @@ def test_sparse_key_block_clipped_across_whole_tiles():
     indices, counts = torch.tensor([[[1, 0]]], device=DEVICE), torch.tensor([[2]], device=DEVICE)
     out, lse = sparse_decode_attention(q, k, v, prefixes, indices, counts, index_block=200, num_splits=4)
     expected_out, expected_lse = sparse_decode_attention_reference(q, k, v, prefixes, indices, counts, index_block=200)
+    assert_close(out, expected_out, case.dtype)
+    assert_lse_close(lse, expected_lse)
+
+
+@pytest.mark.parametrize("index_block", [64, 128])
+def test_sparse_whole_tile_key_blocks(index_block):
+    """Key blocks that are whole multiples of the 64-key tile take one list entry per tile (WHOLE_TILES):
+    the last block is clipped and listed first, an entry past counts is garbage, and 3 slices cut the
+    lists inside a block (mid-block at 128)."""
+    case = Case(prefixes=[2 * index_block + 22, index_block + 6], group=2, num_queries=5, dtype=torch.float16)
+    q, k, v, prefixes = case.tensors()
+    indices = torch.tensor([[[2, 0, 1]], [[1, 0, 7]]], device=DEVICE)
+    counts = torch.tensor([[3], [2]], device=DEVICE)
+    out, lse = sparse_decode_attention(q, k, v, prefixes, indices, counts, index_block=index_block, num_splits=3)
+    expected_out, expected_lse = sparse_decode_attention_reference(q, k, v, prefixes, indices, counts,
+                                                                   index_block=index_block)
     assert_close(out, expected_out, case.dtype)
     assert_lse_close(lse, expected_lse)
 
