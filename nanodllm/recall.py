@@ -4,9 +4,10 @@ At every denoising step and layer where a selecting method (mage, quest, sparsed
 selected key set, compare that set with the ORACLE per-block top-k of the same step: the k prefix keys
 with the highest probability averaged over the block's queries and the group's heads, from this
 step's exact scores (eq. 1). Estimation accuracy = |selected and oracle| / |oracle|, per row and KV
-head. At the first step of each block also record the union of the per-query top-k sets over the
-block's queries and the group's heads, relative to k (Fig. 1a: how far one shared set is from every
-query's own choice).
+head, kept per KV head (mean over rows) and overall. Steps that attend exactly (SparseD's before
+its capture step) are not recorded: the selection they hold is the previous block's. At the first
+step of each block also record the union of the per-query top-k sets over the block's queries and
+the group's heads, relative to k (Fig. 1a: how far one shared set is from every query's own choice).
 
     records = attach(method)   # before generation; one Record per (block, step, layer)
 """
@@ -26,6 +27,7 @@ class Record:
     step: int
     layer: int
     accuracy: float  # mean over rows and KV heads with a non-empty prefix
+    head_accuracy: tuple  # per KV head, mean over rows with a non-empty prefix (nan: none)
     union_ratio: float | None  # |union of per-query top-k| / k, at a block's first step only
 
 
@@ -67,19 +69,23 @@ def attach(method) -> list[Record]:
         chosen = getattr(method, "selection", {}).get(layer)
         if cache is None or chosen is None or cache.max_length == 0:
             return out
+        if hasattr(method, "capture_step") and ctx.step < method.capture_step(ctx):
+            return out  # an exact step: the selection it holds is the previous block's
         if q.is_cuda:
             torch.cuda.synchronize(q.device)  # a side-stream selection is complete
         prefix = cache.max_length
         oracle = select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths, method.k)
         oracle_mask = token_mask(*oracle, cache.lengths, prefix, 1)
         chosen_mask = token_mask(*chosen, cache.lengths, prefix, index_block)
-        hits = (oracle_mask & chosen_mask).sum(-1).float()
+        hits = (oracle_mask & chosen_mask).sum(-1).float()  # [batch, kv_heads]
         sizes = oracle_mask.sum(-1).float()
         has_prefix = sizes > 0
-        accuracy = float((hits[has_prefix] / sizes[has_prefix]).mean())
+        ratios = torch.where(has_prefix, hits / sizes.clamp(min=1), float("nan"))
+        accuracy = float(ratios[has_prefix].mean())
+        head_accuracy = tuple(ratios.nanmean(0).tolist())
         first = ctx.step == 0
         union = union_ratio(q, cache.keys[layer], cache.lengths, method.k) if first else None
-        records.append(Record(ctx.block, ctx.step, layer, accuracy, union))
+        records.append(Record(ctx.block, ctx.step, layer, accuracy, head_accuracy, union))
         return out
 
     method.attend = attend
@@ -87,8 +93,8 @@ def attach(method) -> list[Record]:
 
 
 def summarise(records: list[Record], steps_per_bucket: int = 4) -> str:
-    """A Markdown table: mean estimation accuracy per step bucket (rows) and layer (columns), and the
-    mean union ratio at the first step."""
+    """Markdown: mean estimation accuracy per step bucket (rows) and layer (columns), the same per
+    layer and KV head over every recorded step, and the mean union ratio at the first step."""
     layers = sorted({r.layer for r in records})
     buckets = sorted({r.step // steps_per_bucket for r in records})
     lines = ["| steps | " + " | ".join(f"layer {l}" for l in layers) + " |", "|" + "---|" * (len(layers) + 1)]
@@ -99,6 +105,12 @@ def summarise(records: list[Record], steps_per_bucket: int = 4) -> str:
             cells.append(f"{sum(values) / len(values):.3f}" if values else "-")
         first, last = bucket * steps_per_bucket + 1, (bucket + 1) * steps_per_bucket
         lines.append(f"| {first}-{last} | " + " | ".join(cells) + " |")
+    heads = max((len(r.head_accuracy) for r in records), default=0)
+    lines += ["\nper KV head, over every recorded step:\n", "| layer | " + " | ".join(f"head {h}" for h in range(heads))
+              + " |", "|" + "---|" * (heads + 1)]
+    for layer in layers:
+        per_head = torch.tensor([r.head_accuracy for r in records if r.layer == layer]).nanmean(0)
+        lines.append(f"| {layer} | " + " | ".join(f"{value:.3f}" for value in per_head.tolist()) + " |")
     unions = [r.union_ratio for r in records if r.union_ratio is not None]
     if unions:
         lines.append(f"\nunion of per-query top-k over the block at step 1, relative to k: "

@@ -8,10 +8,12 @@ docs/results/kernels_cuda.md), then a block of T steps + the commit forward is a
     SDPA exact  T x step(torch SDPA)                    + commit
     exact       T x step(our kernels)                   + commit
     MAGE        step 1 (exact + selection) + (T-1) x sparse step         + commit
+    MAGE, sparse commit   the same, its commit on the selection (sparse_commit=True)
     Quest       T x Quest step (page bounds + top pages + sparse)        + commit
     SparseD     (c-1) x exact + capture step + (T-c) x sparse step       + commit, c = round(0.2 T)
 
-The commit forward is an exact step over the same shapes (timed as one). The step tables time each
+The commit forward is an exact step over the same shapes (timed as one); MAGE's with sparse_commit
+reads the block's selection, so it is timed as one sparse step. The step tables time each
 step as the Timer's own graph, so the methods' graphs (nanodllm/graphs.py) are off for them. Then, as a
 user runs it, `block.generate` itself at the first context, batch 1: milliseconds per block (four
 blocks minus one, so the prompt's prefill and the first block's recordings cancel), with the engine's
@@ -163,6 +165,7 @@ def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
         "SDPA exact": steps * times["sdpa"] + times["sdpa"],
         "exact": steps * times["exact"] + commit,
         "MAGE": times["select"] + (steps - 1) * times["sparse"] + commit,
+        "MAGE, sparse commit": times["select"] + steps * times["sparse"],
         "Quest": steps * times["quest"] + commit,
         "SparseD": (capture - 1) * times["exact"] + times["select"] + (steps - capture) * times["sparse"] + commit,
     }

@@ -49,3 +49,22 @@ def test_eval_recall_prints_a_table(capsys):
                       "--lengths", "512", "--n", "2", "--gen-length", "8", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "## mage" in out and "| steps | layer 2 | layer 3 |" in out
+
+
+def test_exact_steps_before_the_capture_are_not_recorded():
+    """SparseD attends exactly before its capture step; in later blocks it still holds the previous
+    block's selection, which those steps do not use and the records must not score."""
+    method = get_method("sparsed", k=4, exact_layers=0, exact_fraction=0.5)  # capture at step 1 of 0..3
+    records = run(method, [random_prompt(30, seed=1)])
+    assert len({r.block for r in records}) >= 3
+    assert all(r.step >= 1 for r in records)
+
+
+def test_per_head_accuracy_averages_to_the_overall_accuracy():
+    records = run(get_method("mage", k=3, exact_layers=0), [random_prompt(30, seed=1), random_prompt(25, seed=2)])
+    heads = tiny_model("sdar").cfg.num_kv_heads
+    assert all(len(r.head_accuracy) == heads for r in records)
+    for r in records:  # every row has a prefix here, so the overall mean is the mean of the heads'
+        assert abs(sum(r.head_accuracy) / heads - r.accuracy) < 1e-6
+    assert any(max(r.head_accuracy) > min(r.head_accuracy) for r in records)
+    assert "| layer | head 0 | head 1 |" in recall.summarise(records)
