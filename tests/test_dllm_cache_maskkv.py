@@ -212,6 +212,35 @@ def test_profile_is_read_next_to_the_checkpoint_and_checked(tmp_path):
         generate(get_method("maskkv", budget=4, profile=str(tmp_path / "none.json")))
 
 
+def test_calibrate_writes_the_profile_that_maskkv_then_reads(tmp_path, capsys):
+    """`python -m nanodllm.eval --model DIR --calibrate` (eq. 8 over task canvases) writes
+    DIR/maskkv_profile.json in one piece, and a model loaded from DIR has MaskKV use it."""
+    import shutil
+
+    from nanodllm.eval import main as eval_main
+    from nanodllm.eval import resolve_model
+    from nanodllm.loader import load_model
+
+    model_dir = tmp_path / "tiny-llada"
+    shutil.copytree(resolve_model("tiny-llada"), model_dir)
+    (model_dir / "maskkv_profile.json").unlink()
+    assert eval_main(["--model", str(model_dir), "--calibrate", "--lengths", "200", "--n", "1",
+                      "--gen-length", "8", "--device", "cpu"]) == 0
+    profile = model_dir / "maskkv_profile.json"
+    record = json.loads(profile.read_text())
+    assert str(profile) in capsys.readouterr().out
+    assert not list(model_dir.glob("*.partial"))
+    importance = record["layer_importance"]
+    model = load_model(model_dir, "cpu", torch.float32)
+    assert len(importance) == model.cfg.num_layers
+    assert all(0.0 <= value <= 2.0 for value in importance) and len(set(importance)) > 1  # 1 - cos, per layer
+    assert record["calibration"] == {"tasks": ["passkey", "multikey", "kv"], "lengths": [200], "samples_per_cell": 1,
+                                     "gen_length": 8, "seed": 99, "canvases": 3}
+    method = get_method("maskkv", budget=4)
+    generate(method, model=model)
+    assert method.stats["profile"] == str(profile)
+
+
 def test_bad_knobs_and_block_causal_models_are_named():
     with pytest.raises(ValueError, match="response_interval"):
         get_method("dllm_cache", response_interval=0)
