@@ -151,3 +151,19 @@ def test_filters_keep_what_they_promise():
 def test_bad_sampling_knobs_are_named(knobs, message):
     with pytest.raises(ValueError, match=message):
         DreamSampling(**knobs)
+
+
+def test_dyllm_takes_the_papers_tau_for_dream_unless_given():
+    """DyLLM's tau defaults to the paper's per-model choice: 0.995 on Dream, 0.99 on LLaDA."""
+    from tests.tiny_models import tiny_model
+
+    gen = GenerationConfig(gen_length=12, block_length=12, steps=6)
+    chosen = {}
+    for label, model in (("dream", MODEL), ("llada", tiny_model("llada"))):
+        method = get_method("dyllm")
+        masked.generate(model, PROMPTS, gen, method)
+        chosen[label] = method.threshold
+    assert chosen == {"dream": 0.995, "llada": 0.99}
+    given = get_method("dyllm", tau=0.9)
+    masked.generate(MODEL, PROMPTS, gen, given)
+    assert given.threshold == 0.9

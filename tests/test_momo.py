@@ -15,8 +15,8 @@ from nanodllm import block
 from nanodllm.attention import CanvasMask, attention_reference
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
-from nanodllm.methods.momo import (block_scores, dense_mask, estimated_top_k, exact_top_k, expand_blocks, momo_attention,
-                                   scaled_scores, union_and_trim)
+from nanodllm.methods.momo import (block_scores, delta_corrected, dense_mask, diagonal_blocks, estimated_top_k,
+                                   exact_top_k, expand_blocks, momo_attention, scaled_scores, union_and_trim)
 from tests.tiny_models import masked_tokens, random_prompt, tiny_model
 from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
@@ -30,8 +30,8 @@ def make_mask(kind, valid):
 
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(8, 120), gamma=st.sampled_from([1, 2, 4]), per_block=st.sampled_from([1, 2, 4]),
-       beta=st.sampled_from([4, 8, 16]), kind=st.sampled_from(MASKS), top_k=st.sampled_from(["exact", "estimated"]),
-       group=st.sampled_from([1, 2]), seed=st.integers(0, 999))
+       beta=st.sampled_from([4, 8, 16]), kind=st.sampled_from(MASKS),
+       top_k=st.sampled_from(["exact", "tree", "estimated"]), group=st.sampled_from([1, 2]), seed=st.integers(0, 999))
 def test_k_covering_every_block_equals_dense(n, gamma, per_block, beta, kind, top_k, group, seed):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 2 * group, n, 8, generator=generator, dtype=torch.float64)
@@ -47,6 +47,23 @@ def test_k_covering_every_block_equals_dense(n, gamma, per_block, beta, kind, to
     real = valid if kind in ("padding", "block-causal") else torch.ones_like(valid)
     torch.testing.assert_close(out[real[:, None].expand(-1, q.shape[1], -1)],
                                expected[real[:, None].expand(-1, q.shape[1], -1)], atol=1e-10, rtol=1e-10)
+
+
+def test_diagonal_blocks_are_the_key_blocks_under_each_query_blocks_rows():
+    # query blocks of chi = 100 rows over 250 rows; key blocks of beta = 64: 0-63, 64-127, 128-191, 192-249
+    assert diagonal_blocks(250, 100, 64, "cpu").tolist() == [[True, True, False, False],  # rows 0-99
+                                                             [False, True, True, True],  # rows 100-199
+                                                             [False, False, False, True]]  # rows 200-249
+    assert diagonal_blocks(128, 64, 64, "cpu").tolist() == [[True, False], [False, True]]
+
+
+def test_delta_correction_gives_the_sampled_rows_their_exact_output_and_shifts_their_window():
+    """eq. 3 with gamma = 3 over 7 rows: rows 0, 3, 6 take O_gamma; rows 1-2 and 4-5 move by their
+    window's correction O_gamma[w] - O_*[3 w]."""
+    o_sparse = torch.arange(7.0).reshape(1, 1, 7, 1) * 10  # O_*: 0, 10, ..., 60
+    o_gamma = torch.tensor([1.0, 35.0, 62.0]).reshape(1, 1, 3, 1)  # exact outputs of rows 0, 3, 6
+    out = delta_corrected(o_sparse, o_gamma, 3).flatten().tolist()
+    assert out == [1.0, 11.0, 21.0, 35.0, 45.0, 55.0, 62.0]
 
 
 @pytest.mark.parametrize("top_k", ["exact", "estimated"])

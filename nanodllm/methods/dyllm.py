@@ -33,7 +33,8 @@ Hooks: begin_block (block 0 starts a new generation), step (from the layer primi
 On a shifted-logit model (Dream) a response-only step's first logits read the prompt's last row as
 the last step that fed it left it.
 Equals dense: tau > 1 (every row salient) with full_period = 1 (every step feeds the whole canvas).
-Knobs (paper defaults): tau = 0.99 (LLaDA; 0.995 for Dream), full_steps T_full = 4, full_period = 4,
+Knobs (paper defaults): tau = 0.99 for LLaDA and 0.995 for Dream (None, the default, picks by the
+model's type at a generation's first step), full_steps T_full = 4, full_period = 4,
 salient_fraction = None (benchmarks: the next S is that fraction of each sequence's real fed rows,
 those with the lowest cosine, instead of a threshold), salient_cap = None (not in the paper: at most
 that fraction of them is salient, so the steps can be graphed). stats: salient = mean fraction of the
@@ -52,6 +53,8 @@ from ..graphs import StepGraphs
 from ..model import use_fused
 from .base import Method, StepContext, check_int, top_positions
 from .dllm_cache import take_heads, take_rows
+
+LLADA_TAU, DREAM_TAU = 0.99, 0.995  # the paper's choices (section 4.2.3, threshold sweep)
 
 
 @dataclass
@@ -121,7 +124,7 @@ class DyLLM(Method):
     name = "dyllm"
     engines = ("masked",)
 
-    def __init__(self, tau: float = 0.99, full_steps: int = 4, full_period: int = 4,
+    def __init__(self, tau: float | None = None, full_steps: int = 4, full_period: int = 4,
                  salient_fraction: float | None = None, salient_cap: float | None = None):
         super().__init__()
         check_int(1, full_steps=full_steps, full_period=full_period)
@@ -131,6 +134,7 @@ class DyLLM(Method):
         if salient_fraction is not None and salient_cap is not None:
             raise ValueError("salient_fraction fixes the salient set's size; salient_cap only bounds tau's: give one")
         self.tau, self.full_steps, self.full_period = tau, full_steps, full_period
+        self.threshold = tau  # the tau in use: the knob, or the model type's paper default (step)
         self.salient_fraction, self.salient_cap = salient_fraction, salient_cap
         self.layers: list[LayerState] = []
         self.t = 0
@@ -148,6 +152,8 @@ class DyLLM(Method):
         if ctx.attn_mask is not None and ctx.attn_mask.block_size is not None:
             raise ValueError("dyllm caches a bidirectional canvas; this model is block-causal "
                              "(decode it with the block engine)")
+        if self.t == 0 and self.tau is None:
+            self.threshold = DREAM_TAU if model.cfg.model_type == "Dream" else LLADA_TAU
         if self.t < self.full_steps or not self.layers:
             logits = self.full_step(model, ctx)
         else:
@@ -247,12 +253,12 @@ class DyLLM(Method):
         without a host sync). Returns (mask, rows, ok) as layer_step takes them."""
         cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
         if self.salient_fraction is None and self.salient_cap is None:
-            mask = (cos < self.tau) & valid
+            mask = (cos < self.threshold) & valid
             return (mask, *index_rows(mask))
         fraction = self.salient_cap if self.salient_fraction is None else self.salient_fraction
         rows, ok = lowest_rows(cos, valid, fraction)
         if self.salient_fraction is None:
-            ok = ok & (cos.gather(1, rows) < self.tau)
+            ok = ok & (cos.gather(1, rows) < self.threshold)
         return torch.zeros_like(valid).scatter_(1, rows, ok), rows, ok
 
     def count_salient(self, fractions: list[float]):

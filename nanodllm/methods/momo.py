@@ -19,7 +19,7 @@ fused) and kernels/block_sparse_attention.py (step 3), union and trim in torch.
 
 Hooks: prefill (block engine: the prompt's attention), step (masked engine, canvas=True: every full
 canvas step).
-Equals dense: k covering every key block (delta = 0 then; test for both top-k variants).
+Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant).
 Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
 top_k = "exact" | "tree" | "estimated", canvas = False.
 """
