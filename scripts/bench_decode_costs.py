@@ -1,4 +1,4 @@
-"""`python scripts/bench.py decode-costs`: where the block-decode kernels' time goes when they read few bytes.
+"""`python scripts/bench.py decode_costs`: where the block-decode kernels' time goes when they read few bytes.
 
 Each series times one call at a fixed launch grid over growing byte counts and fits
 time = fixed + bytes / rate (least squares): `rate` is how fast the call streams once it runs,
