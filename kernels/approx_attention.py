@@ -23,7 +23,9 @@ rows, the statistics' reductions and a copy of the whole context.
 
 Grid: (query tiles of BLOCK_M rows, batch * heads). A program holds its query tile and walks the
 salient list in tiles of BLOCK_N columns, gathering K rows by token index (whole D-element rows,
-coalesced per row) and the matching value deltas; scores in base 2 with the scale folded in.
+coalesced per row) and the matching value deltas; scores in base 2 with the scale folded in. The
+token indices come as a [BLOCK_N, 1] column (the K tile's row layout) one tile ahead, as in
+kernels/sparse_decode_attention.py.
 Query head h reads KV head h // group. Every row is read and written by one program only, so the
 update in place is safe.
 """
@@ -69,12 +71,15 @@ def approx_attention_kernel(
     lse2 = tl.load(lse_at, mask=row_ok, other=0.0) * 1.4426950408889634  # natural log -> base 2
     count = tl.load(counts_ptr + batch)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    # [BLOCK_N, 1]: a tile's salient tokens, loaded in the layout of the K tile's rows, one tile ahead
+    columns_at = columns_ptr + batch * stride_cb + tl.arange(0, BLOCK_N)[:, None] * stride_cs
+    tokens = tl.load(columns_at, mask=tl.arange(0, BLOCK_N)[:, None] < count, other=0)
     for start in range(0, count, BLOCK_N):
         slots = start + tl.arange(0, BLOCK_N)
         slot_ok = slots < count
-        tokens = tl.load(columns_ptr + batch * stride_cb + slots * stride_cs, mask=slot_ok, other=0).to(tl.int64)
-        k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + tokens[:, None] * stride_kn
+        k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + tokens.to(tl.int64) * stride_kn
                     + dims[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)
+        tokens = tl.load(columns_at + (start + BLOCK_N) * stride_cs, mask=(slots + BLOCK_N)[:, None] < count, other=0)
         dv = tl.load(dv_ptr + batch * stride_vb + kv_head * stride_vh + slots[:, None] * stride_vs
                      + dims[None, :] * stride_vd, mask=slot_ok[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * qk_scale  # base 2
