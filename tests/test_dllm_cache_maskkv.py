@@ -241,6 +241,28 @@ def test_calibrate_writes_the_profile_that_maskkv_then_reads(tmp_path, capsys):
     assert method.stats["profile"] == str(profile)
 
 
+def test_only_prompt_kv_is_kept_and_only_the_active_block_is_projected(monkeypatch):
+    """MaskKV's prompt-state exclusion (of the prompt only the kept K/V stay; attention and FFN outputs
+    are kept for the response's rows alone) and mask-only projection (the LM head sees the response
+    rows and returns logits for the active block only)."""
+    calls = []
+    original = MASKED_MODEL.head
+
+    def head(hidden, start=0, stop=None, before=None):
+        logits = original(hidden, start, stop, before)
+        calls.append((hidden.shape[1], logits.shape[1]))
+        return logits
+
+    monkeypatch.setattr(MASKED_MODEL, "head", head)
+    method = get_method("maskkv", budget=4)
+    generate(method)
+    response, block = MASKED_GEN.gen_length, MASKED_GEN.block_length
+    assert calls and all(rows == response and logits == block for rows, logits in calls)
+    for layer in method.layers:
+        assert layer.attn_out.shape[1] == layer.mlp_out.shape[1] == response
+        assert layer.prompt_slots <= max(len(p) for p in RAGGED_PROMPTS) and layer.prompt_slots < 20
+
+
 def test_bad_knobs_and_block_causal_models_are_named():
     with pytest.raises(ValueError, match="response_interval"):
         get_method("dllm_cache", response_interval=0)
