@@ -49,6 +49,24 @@ def canvas_context(prompts, step, block=1, block_length=4, gen_length=12):
 
 
 @pytest.mark.parametrize("name,knobs", [("fast_dllm", {"mode": "dual"}), ("fast_dllm", {"mode": "prefix"}),
+                                        ("sparse_dllm", {"ratio": 0.5})])
+def test_threshold_decoding_runs_on_the_cached_steps(name, knobs):
+    """Threshold decoding combined with the caches. With a threshold of 1 each step unmasks only its
+    most confident position (no position here is certain), so the cached method decodes what it
+    decodes one token per step without a threshold; a low threshold unmasks several per step."""
+    from nanodllm import masked
+
+    one_per_step = GenerationConfig(gen_length=16, block_length=4, steps=16)
+    never = GenerationConfig(gen_length=16, block_length=4, steps=16, threshold=1.0)
+    expected = masked.generate(MODEL, PROMPTS, one_per_step, get_method(name, **knobs))
+    result = masked.generate(MODEL, PROMPTS, never, get_method(name, **knobs))
+    assert result.tokens == expected.tokens and result.forwards == expected.forwards == 16
+    parallel = masked.generate(MODEL, PROMPTS, GenerationConfig(gen_length=16, block_length=4, steps=16,
+                                                                threshold=0.05), get_method(name, **knobs))
+    assert parallel.forwards < 16 and all(MASK_ID not in row for row in parallel.tokens)
+
+
+@pytest.mark.parametrize("name,knobs", [("fast_dllm", {"mode": "dual"}), ("fast_dllm", {"mode": "prefix"}),
                                         ("sparse_dllm", {"ratio": 1.0, "delay": 0})])
 def test_a_cached_step_on_an_unchanged_canvas_equals_the_full_forward(name, knobs):
     method = get_method(name, **knobs)
