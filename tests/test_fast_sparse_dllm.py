@@ -1,8 +1,8 @@
 """Fast-dLLM's caches and Sparse-dLLM (methods/fast_dllm.py, sparse_dllm.py): a full forward every
 step equals dense, a cached step on the canvas its cache came from equals the full forward, ratio 1
 equals the dual cache with the same delay, a small ratio differs, the cached steps' decode-kernel path
-decodes what the torch path does, Algorithm 1's selection, and a row decodes alike alone and in a
-ragged batch."""
+decodes what the torch path does, threshold decoding on the cached steps, Algorithm 1's selection,
+and a row decodes alike alone and in a ragged batch."""
 
 import pytest
 import torch
