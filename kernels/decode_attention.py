@@ -33,24 +33,19 @@ import triton.language as tl
 LOG2E = tl.constexpr(math.log2(math.e))  # kernels use it as is, host code as LOG2E.value
 LN2 = tl.constexpr(math.log(2.0))
 MAX_QUERIES = 64  # the active block; longer query sets are prefill (flash_attention.py)
-# decode_attention alone takes more (a response of a masked model, say): each further query tile
-# re-reads its slice of K/V, so past 256 queries flash_attention is faster (docs/results/bench_routing.md).
-DENSE_MAX_QUERIES = 256
+DENSE_MAX_QUERIES = 256  # decode_attention's own limit: past it flash_attention wins (bench_routing.md)
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D) must stay small next to its K/V
 MAX_SPLITS = 128  # the merge holds all of a row's slices in registers
 MERGE_TILE = 2048  # elements of partial output per merge warp (merge_launch)
 INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERPRET=1)
-# Pipeline stages of the dense kernel: 4 stages (160 KB of shared memory at D = 128) read 1-2% faster
-# than 3 at 32K-128K keys and tie at 8K; the sparse kernel's gathers are 1-5% slower with 4, so it keeps
-# 3 (H100, 5 alternating captures each, 2026-11-24: batch 1 at 32K 58.2 vs 59.5 us).
+# 4 stages (160 KB of shared memory at D = 128) read 1-2% faster than 3 at 32K-128K keys (H100); the
+# sparse kernel's gathers are 1-5% slower with 4 and keep default_tiles' 3.
 DENSE_STAGES = 4
 SHARED_MEMORY_BUDGET = 200 * 1024  # of the H100's 227 KB per block: room for barriers and layout conversions
 
-# When True, every buffer a wrapper allocates for a kernel to fill (outputs and split scratch)
-# starts as NaN, so an element a kernel forgets to write fails the tests instead of reading 0.
-DEBUG_POISON = False
+DEBUG_POISON = False  # True (tests): buffers a kernel must fill start as NaN, so an unwritten element fails
 
 
 @triton.jit
@@ -190,9 +185,7 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows, 
     tl.store(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, (m + tl.log2(denom)) * LN2, mask=row_valid)
 
 
-# ---------------------------------------------------------------------------------------------
 # Host side, shared with sparse_decode_attention.py
-# ---------------------------------------------------------------------------------------------
 
 
 def new_buffer(shape, dtype, device) -> torch.Tensor:
@@ -294,11 +287,12 @@ def partial_buffers(batch_heads, num_splits, num_rows, head_dim, dtype, device):
     return part_out, part_lse
 
 
-def merge_splits(part_out, part_lse, batch, num_heads, num_queries, dtype):
-    """Combine the per-slice partials into out [batch, num_heads, L, D] (dtype; laid out [batch, L,
-    num_heads, D] in memory, a transposed view, so o_proj reads it without a copy) and lse (float32)."""
+def merge_splits(part_out, part_lse, q):
+    """Combine the per-slice partials of q's queries into out (q's shape and dtype, laid out [batch, L, heads, D]
+    in memory: a transposed view, so o_proj reads it without a copy) and lse [batch, heads, L] (float32)."""
+    batch, num_heads, num_queries, _ = q.shape
     batch_heads, num_splits, num_rows, head_dim = part_out.shape
-    out = new_buffer((batch, num_queries, num_heads, head_dim), dtype, part_out.device).transpose(1, 2)
+    out = new_buffer((batch, num_queries, num_heads, head_dim), q.dtype, part_out.device).transpose(1, 2)
     lse = new_buffer((batch, num_heads, num_queries), torch.float32, part_out.device)
     block_s = triton.next_power_of_2(num_splits)
     block_r, num_warps = merge_launch(num_rows, block_s, head_dim)
@@ -341,17 +335,15 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     and, if return_lse, lse [batch, num_heads, L]
     float32: the natural-log log-sum-exp of each query's scaled scores.
     """
-    part_out, part_lse = decode_partials(q, k_cache, v_cache, lengths, scale=scale, max_length=max_length,
-                                         num_splits=num_splits, check_lengths=check_lengths, tiles=tiles)
-    batch, num_heads, num_queries = q.shape[:3]
-    out, lse = merge_splits(part_out, part_lse, batch, num_heads, num_queries, q.dtype)
+    partials = decode_partials(q, k_cache, v_cache, lengths, scale=scale, max_length=max_length,
+                               num_splits=num_splits, check_lengths=check_lengths, tiles=tiles)
+    out, lse = merge_splits(*partials, q)
     return (out, lse) if return_lse else out
 
 
 def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None, num_splits=None,
                     check_lengths=False, tiles=None):
-    """decode_attention's split pass alone (same arguments): the scratch (part_out, part_lse) that
-    merge_splits combines, so that a benchmark can time the two launches apart."""
+    """decode_attention's split pass alone (same arguments): the scratch merge_splits combines."""
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache,
                                                                                              DENSE_MAX_QUERIES)
     same_length = isinstance(lengths, int)

@@ -169,18 +169,15 @@ def sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts,
     and, if return_lse, lse [batch, num_heads, L]
     float32 (natural log of the scaled scores' sum of exponentials over the attended keys).
     """
-    part_out, part_lse = sparse_decode_partials(q, k_cache, v_cache, cache_lengths, indices, counts,
-                                                index_block=index_block, scale=scale, check_indices=check_indices,
-                                                num_splits=num_splits)
-    batch, num_heads, num_queries = q.shape[:3]
-    out, lse = merge_splits(part_out, part_lse, batch, num_heads, num_queries, q.dtype)
+    partials = sparse_decode_partials(q, k_cache, v_cache, cache_lengths, indices, counts, index_block=index_block,
+                                      scale=scale, check_indices=check_indices, num_splits=num_splits)
+    out, lse = merge_splits(*partials, q)
     return (out, lse) if return_lse else out
 
 
 def sparse_decode_partials(q, k_cache, v_cache, cache_lengths, indices, counts, *, index_block=1, scale=None,
                            check_indices=False, num_splits=None):
-    """sparse_decode_attention's split pass alone (same arguments): the scratch (part_out, part_lse)
-    that merge_splits combines, so that a benchmark can time the two launches apart."""
+    """sparse_decode_attention's split pass alone (same arguments): the scratch merge_splits combines."""
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache)
     check_lengths_tensor("cache_lengths", cache_lengths, batch, q.device)
     if indices.dim() != 3 or indices.shape[:2] != (batch, num_kv_heads):

@@ -532,39 +532,37 @@ def bench_methods(args):
     report.write(args.out, f"bench_{args.command}_quick" if args.quick else f"bench_{args.command}", meta)
 
 
+SHAPES_SMOKE = "tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)"
+MODEL_SMOKE = "a tiny model: a smoke test (CPU: eager timing)"
+
+
+def add_command(commands, name: str, help: str, smoke: str):
+    """A subcommand with --quick (`smoke` says what it runs instead) and --out."""
+    command = commands.add_parser(name, help=help)
+    command.add_argument("--quick", action="store_true", help=smoke)
+    command.add_argument("--out", type=Path, default=REPO / "docs" / "results",
+                         help="directory for the JSON + Markdown")
+    return command
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    kernels = commands.add_parser("kernels", help="attention kernels vs SDPA and their floors")
-    kernels.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
-    kernels.add_argument("--out", type=Path, default=REPO / "docs" / "results",
-                         help="directory for the JSON + Markdown")
-    mage = commands.add_parser("mage", help="time per output block: exact, MAGE, Quest, SparseD (sdar-8b preset)")
-    mage.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
-    mage.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
-    maskkv = commands.add_parser("maskkv", help="tokens/s and peak memory: vanilla, dllm_cache, MaskKV (llada-8b preset)")
-    maskkv.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
-    maskkv.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
-    sparse = commands.add_parser("sparse_dllm", help="tokens/s and peak memory at 1K-32K: vanilla, fast_dllm "
-                                 "prefix / dual, sparse_dllm (llada-8b preset)")
-    sparse.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
-    sparse.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
-    dyllm = commands.add_parser("dyllm", help="DyLLM sparse steps at fixed salient fractions vs vanilla and "
-                                "fast_dllm dual (llada-8b preset, 512 + 256 tokens, batch 1 and 16)")
-    dyllm.add_argument("--quick", action="store_true", help="a tiny model: a smoke test (CPU: eager timing)")
+    add_command(commands, "kernels", "attention kernels vs SDPA and their floors", SHAPES_SMOKE)
+    add_command(commands, "mage", "time per output block: exact, MAGE, Quest, SparseD (sdar-8b preset)", MODEL_SMOKE)
+    add_command(commands, "maskkv", "tokens/s and peak memory: vanilla, dllm_cache, MaskKV (llada-8b preset)",
+                MODEL_SMOKE)
+    add_command(commands, "sparse_dllm", "tokens/s and peak memory at 1K-32K: vanilla, fast_dllm prefix / dual, "
+                "sparse_dllm (llada-8b preset)", MODEL_SMOKE)
+    dyllm = add_command(commands, "dyllm", "DyLLM sparse steps at fixed salient fractions vs vanilla and fast_dllm "
+                        "dual (llada-8b preset, 512 + 256 tokens, batch 1 and 16)", MODEL_SMOKE)
     dyllm.add_argument("--fractions", type=float, nargs="+", help="salient fractions (default 0.1 0.25 0.5)")
-    dyllm.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
-    momo = commands.add_parser("momo", help="MOMO prefill attention vs SDPA and the dense kernel at 32K-128K")
-    momo.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
+    momo = add_command(commands, "momo", "MOMO prefill attention vs SDPA and the dense kernel at 32K-128K",
+                       SHAPES_SMOKE)
     momo.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 32768 65536 131072)")
     momo.add_argument("--tune", action="store_true", help="also sweep the kernels' launch settings (GPU)")
-    momo.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
-    routing = commands.add_parser("routing", help="flash vs split-KV decode vs SDPA on the shapes attention() routes")
-    routing.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
-    routing.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
-    costs = commands.add_parser("decode_costs", help="decode kernels: fixed cost + bytes / rate vs torch and cuBLAS")
-    costs.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)")
-    costs.add_argument("--out", type=Path, default=REPO / "docs" / "results", help="directory for the JSON + Markdown")
+    add_command(commands, "routing", "flash vs split-KV decode vs SDPA on the shapes attention() routes", SHAPES_SMOKE)
+    add_command(commands, "decode_costs", "decode kernels: fixed cost + bytes / rate vs torch and cuBLAS", SHAPES_SMOKE)
     args = parser.parse_args()
     if args.command == "kernels":
         bench_kernels(args)

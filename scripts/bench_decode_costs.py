@@ -78,7 +78,7 @@ def decode_series(shapes, timer, q, k_cache, v_cache):
         series["split pass alone (decode_partials)"].append((nbytes, best_of_two(timer, partials)))
         part_out, part_lse = partials()
         series["merge alone (merge_splits)"].append(
-            (nbytes, best_of_two(timer, lambda: merge_splits(part_out, part_lse, 1, shapes["heads"], block, q.dtype))))
+            (nbytes, best_of_two(timer, lambda: merge_splits(part_out, part_lse, q))))
     return series
 
 
