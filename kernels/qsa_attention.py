@@ -10,7 +10,12 @@ higher, so among equal scores the lower block stays, and the buffer ends with th
 That update costs O(k) per block (a min and an argmin over the buffer). With k_exact < k the kernel
 runs the paper's estimate instead (eq. 6-7): only k_exact slots are exact, and what they displace
 or reject fills the other k - k_exact slots when it beats a Gaussian threshold from Welford running
-statistics (O(1) per block beyond the small exact part; `estimated_top_k` is its torch form). With
+statistics (O(1) per block beyond the small exact part; `estimated_top_k` is its torch form). Its
+choice depends on the order the blocks arrive in, which the paper leaves open: it scans each row's
+key blocks from the last back to the first (FlashAttention-2's order), so a causal row's local
+blocks, often its heaviest, meet the threshold while the slots are still free, and the blocks left
+to scan at block j are simply j + 1 (forwards, the local blocks came last and mostly found the slots
+gone: 0.970 -> 0.982 of the oracle's mass at 32K, docs/results/momo_synthetic.md). With
 tree=True the exact top-k lives in a tournament tree in HBM instead (O(log k) loads and stores per
 accepted block, any k; the paper's third variant).
 
@@ -72,12 +77,12 @@ def tree_insert(tree_score_ptr, tree_index_ptr, tree_leaf_ptr, row_base, block_s
 
 @triton.jit
 def qsa_kernel(
-    q_ptr, k_ptr, v_ptr, valid_ptr, last_ptr, out_ptr, lse_ptr, top_index_ptr, top_score_ptr,
+    q_ptr, k_ptr, v_ptr, valid_ptr, out_ptr, lse_ptr, top_index_ptr, top_score_ptr,
     tree_score_ptr, tree_index_ptr, tree_leaf_ptr,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_valid_b, stride_valid_n, stride_last_b, stride_last_s,
+    stride_valid_b, stride_valid_n,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
     stride_tb, stride_th, stride_ts, stride_tk,
@@ -111,13 +116,14 @@ def qsa_kernel(
     count = tl.zeros((BLOCK_M,), tl.float32)
     mean = tl.zeros((BLOCK_M,), tl.float32)
     m2 = tl.zeros((BLOCK_M,), tl.float32)
-    last = tl.load(last_ptr + batch * stride_last_b + rows * stride_last_s, mask=row_ok, other=0)
 
     last_row = tl.minimum(m_tile * BLOCK_M + BLOCK_M, num_sampled) - 1
     key_end = n_keys
     if MASKED:  # key tiles past what the tile's last row sees are never visited
         key_end = tl.minimum((last_row * gamma // MASK_BLOCK + 1) * MASK_BLOCK, n_keys)
-    for start in range(0, key_end, BLOCK_N):
+    tiles = tl.cdiv(key_end, BLOCK_N)
+    for tile in range(0, tiles):
+        start = (tiles - 1 - tile) * BLOCK_N if ESTIMATED else tile * BLOCK_N  # the estimate scans backwards
         keys = start + tl.arange(0, BLOCK_N)
         k, v, visible = key_tile(k_ptr, v_ptr, valid_ptr, batch * stride_kb + kv_head * stride_kh,
                                  batch * stride_vb + kv_head * stride_vh, batch * stride_valid_b, keys, positions,
@@ -151,11 +157,11 @@ def qsa_kernel(
             out_score = tl.where(replace, lowest, tl.where(seen, block_score, float("-inf")))
             out_index = tl.where(replace, lowest_index, tl.where(seen, block, -1))
             free = k_greedy - filled
-            p = 1.0 - free.to(tl.float32) / tl.maximum(last - block, 1).to(tl.float32)
+            p = 1.0 - free.to(tl.float32) / (block + 1.0)  # blocks left to scan: this one and those before it
             sigma = tl.sqrt(m2 / tl.maximum(count - 1.0, 1.0))
             z = (out_score - mean) / tl.maximum(sigma * 1.4142135623730951, 1e-30)
             beats = tl.where(sigma > 0, tl.erf(z) > 2.0 * p - 1.0, out_score > mean)
-            accept = (out_index >= 0) & (free > 0) & (block < last) & ((p <= 0) | beats)
+            accept = (out_index >= 0) & (free > 0) & ((p <= 0) | beats)
             take = accept[:, None] & (greedy_slots[None, :] == filled[:, None])
             greedy_index = tl.where(take, out_index[:, None], greedy_index)
             greedy_score = tl.where(take, out_score[:, None], greedy_score)
@@ -236,7 +242,6 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
     top_score = torch.empty(batch, heads, sampled, top_k, dtype=torch.float32, device=q.device)
     valid = k_valid.view(torch.uint8) if k_valid is not None else lse
     valid_strides = k_valid.stride() if k_valid is not None else (0, 0)
-    last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device)
     leaves = triton.next_power_of_2(top_k) if tree else 1
     tree_score, tree_index, tree_leaf = new_tree((batch, heads, sampled), leaves, top_k if tree else 1, q.device)
     register_slots = 0 if tree else k_exact
@@ -247,8 +252,8 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
         tiles["BLOCK_M"] = 16
     grid = (triton.cdiv(sampled, tiles["BLOCK_M"]), batch * heads)
     qsa_kernel[grid](
-        q, k, v, valid, last, out, lse, top_index, top_score, tree_score, tree_index, tree_leaf,
-        *q.stride(), *k.stride(), *v.stride(), *valid_strides, *last.stride(), *out.stride(), *lse.stride(),
+        q, k, v, valid, out, lse, top_index, top_score, tree_score, tree_index, tree_leaf,
+        *q.stride(), *k.stride(), *v.stride(), *valid_strides, *out.stride(), *lse.stride(),
         *top_index.stride(),
         n, sampled, heads, heads // k.shape[1], gamma, scale * LOG2_E, register_slots, top_k - k_exact,
         MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=k_exact < top_k,
@@ -287,8 +292,7 @@ def qsa_attention_reference(q, k, v, *, gamma: int, beta: int, top_k: int, k_exa
     padded = torch.nn.functional.pad(scores, (0, blocks * beta - n), value=float("-inf"))
     block_scores = padded.view(batch, heads, len(positions), blocks, beta).logsumexp(dim=-1)
     if k_exact is not None and k_exact < top_k:
-        last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device)
-        chosen = estimated_top_k(block_scores, top_k, k_exact, last[:, None].expand(-1, heads, -1))
+        chosen = estimated_top_k(block_scores, top_k, k_exact)
         picked = block_scores.gather(-1, chosen.clamp(min=0)).float()
         return out.to(q.dtype), lse.float(), chosen.to(torch.int32), torch.where(chosen >= 0, picked, float("-inf"))
     count = min(top_k, blocks)
@@ -304,45 +308,26 @@ def qsa_attention_reference(q, k, v, *, gamma: int, beta: int, top_k: int, k_exa
     return out.to(q.dtype), lse.float(), indices, top_score
 
 
-def last_blocks(n, gamma, beta, causal=False, block_size=None, k_valid=None, batch=1, device="cpu"):
-    """[batch, sampled rows] int32: 1 + the last key block each sampled row sees any key of (0: none).
-    The estimated top-k counts the blocks left in a row against it."""
-    positions = torch.arange(0, n, gamma, device=device)
-    limit = torch.full_like(positions, n - 1)
-    if causal or block_size is not None:
-        size = 1 if causal else block_size
-        limit = torch.clamp((positions // size + 1) * size, max=n) - 1
-    last = limit[None].expand(batch, -1)
-    if k_valid is not None:
-        upto = torch.where(k_valid, torch.arange(n, device=device), -1).cummax(dim=1).values  # last valid key <= i
-        last = upto.gather(1, last)
-    return torch.where(last >= 0, last // beta + 1, 0).to(torch.int32)
-
-
-def estimated_top_k(scores, k, k_exact, last=None):
-    """The estimated online top-k (MOMO eq. 6-7 with an exact part), in torch, scanning the blocks of
-    each row in order as the kernel does. scores [..., blocks] (-inf = not visible), last [...]:
-    last_blocks' count (default: from the scores). Each visible block updates Welford's mean m and
-    variance sigma^2 and is offered to a k_exact-slot exact buffer; what the buffer rejects or
-    displaces takes one of the k - k_exact other slots when it beats the threshold:
-    erf((s - m) / (sigma sqrt 2)) > 2p - 1 (s > m while sigma = 0), p = 1 - free slots / blocks left
-    (this one included), taken outright when p <= 0. Returns [..., k] block indices (-1 = empty):
-    the exact part, then the others in the order they were taken."""
+def estimated_top_k(scores, k, k_exact):
+    """The estimated online top-k (MOMO eq. 6-7 with an exact part), in torch, scanning each row's
+    blocks from the last to the first as the kernel does. scores [..., blocks] (-inf = not visible).
+    Each visible block updates Welford's mean m and variance sigma^2 and is offered to a k_exact-slot
+    exact buffer; what the buffer rejects or displaces takes one of the k - k_exact other slots when
+    it beats the threshold: erf((s - m) / (sigma sqrt 2)) > 2p - 1 (s > m while sigma = 0),
+    p = 1 - free slots / blocks left to scan (block j: j + 1, itself included), taken outright when
+    p <= 0. Returns [..., k] block indices (-1 = empty): the exact part, then the others in the
+    order they were taken."""
     rows_shape, blocks = scores.shape[:-1], scores.shape[-1]
     flat = scores.reshape(-1, blocks).double()
     rows = flat.shape[0]
     device = scores.device
-    if last is None:
-        visible_any = flat > float("-inf")
-        last = torch.where(visible_any.any(1), blocks - visible_any.flip(1).int().argmax(1), 0)
-    last = last.reshape(-1).to(device)
     exact_scores = flat.new_full((rows, k_exact), float("-inf"))
     exact_index = torch.full((rows, k_exact), -1, dtype=torch.long, device=device)
     greedy = torch.full((rows, k - k_exact), -1, dtype=torch.long, device=device)
     filled = torch.zeros(rows, dtype=torch.long, device=device)
     count, mean, m2 = (torch.zeros(rows, dtype=torch.float64, device=device) for _ in range(3))
     all_rows = torch.arange(rows, device=device)
-    for j in range(blocks):
+    for j in reversed(range(blocks)):
         score = flat[:, j]
         visible = score > float("-inf")
         count += visible.double()
@@ -358,11 +343,11 @@ def estimated_top_k(scores, k, k_exact, last=None):
             exact_scores[all_rows, slot] = torch.where(takes, score, lowest)
             exact_index[all_rows, slot] = torch.where(takes, j, lowest_index)
         free = greedy.shape[1] - filled
-        p = 1 - free.double() / (last - j).clamp(min=1).double()
+        p = 1 - free.double() / (j + 1)
         sigma = (m2 / (count - 1).clamp(min=1)).sqrt()
         z = (out_score - mean) / (sigma * math.sqrt(2)).clamp(min=1e-300)
         beats = torch.where(sigma > 0, torch.erf(z) > 2 * p - 1, out_score > mean)
-        accept = (out_index >= 0) & (free > 0) & (j < last) & ((p <= 0) | beats)
+        accept = (out_index >= 0) & (free > 0) & ((p <= 0) | beats)
         if greedy.shape[1]:
             target = filled.clamp(max=greedy.shape[1] - 1)
             greedy[all_rows, target] = torch.where(accept, out_index, greedy[all_rows, target])

@@ -21,13 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernels.qsa_attention import estimated_top_k  # noqa: E402
 from momo_mass import structured_qk  # noqa: E402
-from nanodllm.methods.momo import block_scores, exact_top_k  # noqa: E402
-
-
-def members(indices: torch.Tensor, blocks: int) -> torch.Tensor:
-    """[..., k] block indices (-1 = empty) -> [..., blocks] bool."""
-    chosen = torch.zeros(*indices.shape[:-1], blocks, dtype=torch.bool)
-    return chosen.scatter_(-1, indices.clamp(min=0), indices >= 0)
+from nanodllm.methods.momo import block_scores, exact_top_k, mark  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -46,8 +40,8 @@ def main(argv=None) -> int:
     per_block = block_scores(scores, args.beta)  # [1, heads, sampled rows, blocks]
     blocks = per_block.shape[-1]
     mass = per_block.softmax(dim=-1)
-    exact = members(exact_top_k(per_block, args.k), blocks)
-    estimated = members(estimated_top_k(per_block, args.k, args.k_exact), blocks)
+    exact = mark(exact_top_k(per_block, args.k), blocks)
+    estimated = mark(estimated_top_k(per_block, args.k, args.k_exact), blocks)
     distance = ((rows // args.beta)[:, None] - torch.arange(blocks)[None, :]).expand_as(exact)
     quarters = torch.tensor([0.25, 0.5, 0.75])
     quartiles = lambda where: [round(x) for x in distance[where].float().quantile(quarters).tolist()]

@@ -101,6 +101,15 @@ def test_estimated_top_k_keeps_the_exact_part_and_at_most_k(blocks, k, seed, dat
             assert len(picked) == visible  # room for everything: everything is taken
 
 
+def test_estimated_top_k_scans_each_row_from_its_last_block_back():
+    # equal scores never beat the running mean; blocks are taken once the free slots cover the blocks
+    # left to scan, which backwards are the first ones, whatever the row's last visible block
+    scores = torch.zeros(2, 10, dtype=torch.float64)
+    scores[1, 6:] = float("-inf")
+    assert estimated_top_k(scores, 3, 0).tolist() == [[2, 1, 0], [2, 1, 0]]
+    assert estimated_top_k(scores, 4, 1).tolist() == [[9, 2, 1, 0], [5, 2, 1, 0]]  # the exact slot keeps the first seen
+
+
 def test_union_and_trim_ranks_by_mean_score():
     # one query block of two sampled rows over 4 key blocks; row 0 chose {0, 1}, row 1 chose {1, 3}
     chosen = torch.tensor([[[[0, 1], [1, 3]]]])

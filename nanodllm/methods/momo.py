@@ -13,7 +13,7 @@ O_i = O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) * gamma] (eq. 2-3).
 Top-k variants (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) both
 return the exact top-k (ties to the lower block index), "estimated" (the k_exact best exactly, the other
 k - k_exact slots filled greedily by blocks whose score beats a Gaussian threshold from Welford
-running statistics: eq. 6-7). In torch the pipeline forms the sampled rows' scores and the sparse
+running statistics: eq. 6-7; each row scanned from its last block back). In torch the pipeline forms the sampled rows' scores and the sparse
 mask densely (the reference); on CUDA it runs on kernels/qsa_attention.py (step 1 with either top-k
 fused) and kernels/block_sparse_attention.py (step 3), union and trim in torch.
 
