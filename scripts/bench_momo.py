@@ -34,7 +34,7 @@ from kernels.block_sparse_attention import block_sparse_attention
 from kernels.flash_attention import flash_attention
 from kernels.qsa_attention import qsa_attention
 from nanodllm.attention import CanvasMask
-from nanodllm.methods.momo import block_lists, kept_blocks, momo_attention
+from nanodllm.methods.momo import kept_lists, momo_attention
 
 FULL = dict(lengths=(32768, 65536, 131072), heads=32, kv_heads=8, head_dim=128, block_size=4, k_length=65536,
             ks=(32, 64, 128, 256))
@@ -66,15 +66,14 @@ def momo_stages(q, k, v, block_size, knobs):
 
     def trim():
         _, _, chosen, chosen_scores = state["qsa"]
-        state["keep"] = kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_blocks)
-        state["lists"] = block_lists(state["keep"])
+        state["lists"] = kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_blocks)
 
     def attend():
         block_sparse_attention(q, k, v, state["lists"], chi=chi, beta=beta, block_size=block_size)
 
     measure()
     trim()
-    return (measure, trim, attend), int(state["keep"].sum())
+    return (measure, trim, attend), int((state["lists"] >= 0).sum())
 
 
 def sdpa_causal(q, k, v):

@@ -15,8 +15,9 @@ from nanodllm import block
 from nanodllm.attention import CanvasMask, attention_reference
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
-from nanodllm.methods.momo import (block_scores, delta_corrected, dense_mask, diagonal_blocks, estimated_top_k,
-                                   exact_top_k, expand_blocks, momo_attention, scaled_scores, union_and_trim)
+from nanodllm.methods.momo import (block_lists, block_scores, delta_corrected, dense_mask, diagonal_blocks,
+                                   estimated_top_k, exact_top_k, expand_blocks, kept_blocks, kept_lists, momo_attention,
+                                   scaled_scores, union_and_trim)
 from tests.tiny_models import masked_tokens, random_prompt, tiny_model
 from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
@@ -78,6 +79,8 @@ def test_exact_top_k_breaks_ties_to_the_lower_block():
     scores = torch.tensor([[1.0, 3.0, 3.0, float("-inf"), 2.0]])
     assert exact_top_k(scores, 2).tolist() == [[1, 2]]
     assert exact_top_k(scores, 5).tolist() == [[1, 2, 4, 0, -1]]  # the invisible block is never chosen
+    # an invisible block 0 takes no slot: the tie nudge of -inf at column 0 was 0 * inf = NaN, which topk ranks first
+    assert exact_top_k(torch.tensor([[float("-inf"), 5.0, 3.0]]), 2).tolist() == [[1, 2]]
 
 
 @settings(max_examples=20, deadline=None)
@@ -118,6 +121,27 @@ def test_union_and_trim_ranks_by_mean_score():
     assert keep[0, 0, 0].tolist() == [True, False, False, True]  # means: 5, 2.5, -, 3.5
     keep = union_and_trim(torch.tensor([[[[0, -1], [-1, -1]]]]), chosen_scores, blocks=4, rows_per_block=2, k_trim=2)
     assert keep[0, 0, 0].tolist() == [True, False, False, False]  # empty slots choose nothing
+    keep = union_and_trim(torch.tensor([[[[1, 2], [2, 3]]]]), chosen_scores, blocks=4, rows_per_block=2, k_trim=3)
+    assert keep[0, 0, 0].tolist() == [False, True, True, True]  # an unchosen block 0 takes no place
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 1500), gamma=st.sampled_from([4, 8, 16]), chi=st.sampled_from([16, 32, 64]),
+       beta=st.sampled_from([16, 32, 64]), k=st.integers(1, 6), k_trim=st.integers(1, 12), seed=st.integers(0, 999))
+def test_kept_lists_are_the_lists_of_kept_blocks(n, gamma, chi, beta, k, k_trim, seed):
+    # the kernel path's lists (compact union, trim and diagonal merge where the key blocks outnumber a
+    # query block's candidates, about half of the drawn cases) against the dense mask's
+    if chi % gamma:
+        chi = gamma * (chi // gamma or 1)
+    generator = torch.Generator().manual_seed(seed)
+    rows, blocks = -(-n // gamma), -(-n // beta)
+    chosen = torch.randint(-1, blocks, (2, 3, rows, k), generator=generator)
+    chosen = torch.where(torch.rand(chosen.shape, generator=generator) < 0.2, -1, chosen)
+    chosen = torch.where(chosen >= 0, (chosen * 7919 + torch.arange(k)) % blocks, -1)  # few duplicates in a row
+    scores = torch.randint(-4, 4, chosen.shape, generator=generator).double()  # many ties
+    scores = torch.where(chosen >= 0, scores, float("-inf"))
+    expected = block_lists(kept_blocks(chosen, scores, n, gamma, chi, beta, k_trim))
+    assert torch.equal(kept_lists(chosen, scores, n, gamma, chi, beta, k_trim), expected)
 
 
 @pytest.mark.parametrize("kind,top_k", [("bidirectional", "exact"), ("padding", "exact"), ("block-causal", "exact"),
