@@ -4,7 +4,8 @@ Every gamma-th query (rows 0, gamma, 2 gamma, ...) attends to all the keys it ma
 flash attention does (online softmax in base 2, fp32 running max / sum / accumulator). The key tiles
 are the key blocks (BLOCK_N = beta keys), so while a tile is in registers the kernel also has its
 block score, MOMO's eq. 4: S(j) = logsumexp over the block of the row's scaled scores (-inf when the
-row sees none of the block). Each row keeps the k best blocks in a k-slot buffer held in registers
+row sees none of the block), from the online softmax's own exponentials (so a block whose scores all
+sit over 126, in base 2, below the row's running max counts as unseen: its weight is below 2^-126). Each row keeps the k best blocks in a k-slot buffer held in registers
 (the paper's online exact top-k): a block replaces the buffer's minimum when its score is strictly
 higher, so among equal scores the lower block stays, and the buffer ends with the exact top-k.
 That update costs O(k) per block (a min and an argmin over the buffer). With k_exact < k the kernel
@@ -36,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_attention import key_tile, online_softmax, store_rows
+from .block_sparse_attention import key_tile, store_rows
 
 LOG2_E = math.log2(math.e)
 # Sampled rows per program and launch settings on a GPU (the interpreter uses 16 rows). The top-k
@@ -134,10 +135,14 @@ def qsa_kernel(
                                  MASK_BLOCK, MASKED, HAS_VALID, HEAD_DIM)
         scores = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # base 2
 
-        tile_max = tl.max(scores, axis=1)
-        seen = tile_max > float("-inf")
-        tile_sum = tl.sum(tl.exp2(scores - tl.where(seen, tile_max, 0.0)[:, None]), axis=1)
-        block_score = tl.where(seen, (tile_max + tl.log2(tl.where(seen, tile_sum, 1.0))) * LN_2, float("-inf"))
+        # the online softmax's exponentials give the block score too: log2 sum 2^s = m + log2 sum 2^(s - m)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: exp2 gives 0, not NaN
+        alpha = tl.exp2(m_i - m_safe)
+        weights = tl.exp2(scores - m_safe[:, None])
+        tile_sum = tl.sum(weights, axis=1)
+        seen = tile_sum > 0  # a block 126 (base 2) below the running max underflows: weight < 2^-126, unseen
+        block_score = tl.where(seen, (m_safe + tl.log2(tl.where(seen, tile_sum, 1.0))) * LN_2, float("-inf"))
 
         block = start // BLOCK_N
         lowest = tl.min(top_score, axis=1)
@@ -170,7 +175,7 @@ def qsa_kernel(
             greedy_score = tl.where(take, out_score[:, None], greedy_score)
             filled += accept.to(tl.int32)
 
-        m_i, l_i, acc = online_softmax(scores, v, m_i, l_i, acc)
+        m_i, l_i, acc = m_new, l_i * alpha + tile_sum, acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
 
     store_rows(out_ptr, lse_ptr, batch * stride_ob + head * stride_oh, batch * stride_lb + head * stride_lh, rows,
                row_ok, acc, m_i, l_i, stride_os, stride_od, stride_ls, HEAD_DIM)
