@@ -4,15 +4,16 @@ Every gamma-th query (rows 0, gamma, 2 gamma, ...) attends to all the keys it ma
 flash attention does (online softmax in base 2, fp32 running max / sum / accumulator). The key tiles
 are the key blocks (BLOCK_N = beta keys), so while a tile is in registers the kernel also has its
 block score, MOMO's eq. 4: S(j) = logsumexp over the block of the row's scaled scores (-inf when the
-row sees none of the block), from the online softmax's own exponentials (so a block whose scores all
-sit over 126, in base 2, below the row's running max counts as unseen: its weight is below 2^-126). Each row keeps the k best blocks in a k-slot buffer held in registers
-(the paper's online exact top-k): a block replaces the buffer's minimum when its score is strictly
-higher, so among equal scores the lower block stays, and the buffer ends with the exact top-k.
-That update costs O(k) per block (a min and an argmin over the buffer). With k_exact < k the kernel
-runs the paper's estimate instead (eq. 6-7): only k_exact slots are exact, and what they displace
-or reject fills the other k - k_exact slots when it beats a Gaussian threshold from Welford running
-statistics (O(1) per block beyond the small exact part; `estimated_top_k` is its torch form). Its
-choice depends on the order the blocks arrive in, which the paper leaves open: it scans each row's
+row sees none of the block), taken from the online softmax's own exponentials, m + log2 of their sum
+with m the running max (a second exp2 pass over the tile cost 20% more time at 64K-128K; a block whose
+scores all sit over 126, in base 2, below m counts as unseen: its weight is below 2^-126). Each row
+keeps the k best blocks in a k-slot buffer held in registers (the paper's online exact top-k): a
+block replaces the buffer's minimum when its score is strictly higher, so among equal scores the
+lower block stays, and the buffer ends with the exact top-k. That update costs O(k) per block (a min
+and an argmin over the buffer). With k_exact < k the kernel runs the paper's estimate instead
+(eq. 6-7): only k_exact slots are exact, and what they displace or reject fills the other k - k_exact
+slots when it beats a Gaussian threshold from Welford running statistics (O(1) per block beyond the
+small exact part; `estimated_top_k` is its torch form). Its choice depends on the order the blocks arrive in, which the paper leaves open: it scans each row's
 key blocks from the last back to the first (FlashAttention-2's order), so a causal row's local
 blocks, often its heaviest, meet the threshold while the slots are still free, and the blocks left
 to scan at block j are simply j + 1 (forwards, the local blocks came last and mostly found the slots

@@ -13,9 +13,10 @@ O_i = O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) * gamma] (eq. 2-3).
 Top-k variants (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) both
 return the exact top-k (ties to the lower block index), "estimated" (the k_exact best exactly, the other
 k - k_exact slots filled greedily by blocks whose score beats a Gaussian threshold from Welford
-running statistics: eq. 6-7; each row scanned from its last block back). In torch the pipeline forms the sampled rows' scores and the sparse
-mask densely (the reference); on CUDA it runs on kernels/qsa_attention.py (step 1 with either top-k
-fused) and kernels/block_sparse_attention.py (step 3), union and trim in torch.
+running statistics: eq. 6-7; each row scanned from its last block back). In torch the pipeline forms
+the sampled rows' scores and the sparse mask densely (the reference); on CUDA it runs on
+kernels/qsa_attention.py (step 1 with either top-k fused) and kernels/block_sparse_attention.py
+(step 3), union and trim in torch (kept_lists).
 
 Hooks: prefill (block engine: the prompt's attention), step (masked engine, canvas=True: every full
 canvas step).
@@ -132,8 +133,8 @@ def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim):
     longest. A query block's union has at most chi / gamma x k candidates; where the key blocks are
     more (long prompts), only the candidates are sorted, grouped by block (mean score per group),
     trimmed to the k_trim best (ties to the lower block, as exact_top_k) and merged with the
-    diagonal blocks, so no [.., key blocks] array is formed (H100, k = 128: 25.7 against 49.8 ms at
-    256K, 12.7 against 13.6 at 128K; at 32K-64K slower, 3.6 / 6.5 against 2.0 / 4.5 ms).
+    diagonal blocks, so no [.., key blocks] array is formed (H100, k = 128: 25.9 against 49.8 ms at
+    256K, 13.1 against 13.6 at 128K; at 32K-64K slower, 3.6 / 6.5 against 2.0 / 4.5 ms).
     Else the dense mask's lists."""
     batch, heads, rows, k = chosen.shape
     blocks, rows_per_block = math.ceil(n / beta), chi // gamma
