@@ -46,12 +46,15 @@ def key_tile(k_ptr, v_ptr, valid_ptr, k_base, v_base, valid_base, keys, position
 
 @triton.jit
 def online_softmax(scores, v, m_i, l_i, acc):
-    """Fold a tile of base-2 scores (-inf = hidden) and its values into the running max, sum and output."""
+    """Fold a tile of base-2 scores (-inf = hidden) and its values into the running max, sum and output.
+    Also returns the tile's own row sums of 2^(s - m) and that m (0 while nothing is seen), so
+    log2 of the tile's sum of 2^s is m + log2(row sum) (qsa_attention.py's block scores)."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: exp2 gives 0, not NaN
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    tile_sum = tl.sum(p, axis=1)
+    return m_new, l_i * alpha + tile_sum, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), tile_sum, m_safe
 
 
 @triton.jit
@@ -102,7 +105,7 @@ def block_sparse_kernel(
                                      row_ok, n, stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n,
                                      MASK_BLOCK, MASKED, HAS_VALID, HEAD_DIM)
             scores = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-            m_i, l_i, acc = online_softmax(scores, v, m_i, l_i, acc)
+            m_i, l_i, acc, _, _ = online_softmax(scores, v, m_i, l_i, acc)
     store_rows(out_ptr, lse_ptr, batch * stride_ob + head * stride_oh, batch * stride_lb + head * stride_lh, rows,
                row_ok, acc, m_i, l_i, stride_on, stride_od, stride_ln, HEAD_DIM)
 

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_attention import key_tile, store_rows
+from .block_sparse_attention import key_tile, online_softmax, store_rows
 
 LOG2_E = math.log2(math.e)
 # Sampled rows per program and launch settings on a GPU (the interpreter uses 16 rows). The top-k
@@ -137,11 +137,7 @@ def qsa_kernel(
         scores = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # base 2
 
         # the online softmax's exponentials give the block score too: log2 sum 2^s = m + log2 sum 2^(s - m)
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: exp2 gives 0, not NaN
-        alpha = tl.exp2(m_i - m_safe)
-        weights = tl.exp2(scores - m_safe[:, None])
-        tile_sum = tl.sum(weights, axis=1)
+        m_i, l_i, acc, tile_sum, m_safe = online_softmax(scores, v, m_i, l_i, acc)
         seen = tile_sum > 0  # a block 126 (base 2) below the running max underflows: weight < 2^-126, unseen
         block_score = tl.where(seen, (m_safe + tl.log2(tl.where(seen, tile_sum, 1.0))) * LN_2, float("-inf"))
 
@@ -175,8 +171,6 @@ def qsa_kernel(
             greedy_index = tl.where(take, out_index[:, None], greedy_index)
             greedy_score = tl.where(take, out_score[:, None], greedy_score)
             filled += accept.to(tl.int32)
-
-        m_i, l_i, acc = m_new, l_i * alpha + tile_sum, acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
 
     store_rows(out_ptr, lse_ptr, batch * stride_ob + head * stride_oh, batch * stride_lb + head * stride_lh, rows,
                row_ok, acc, m_i, l_i, stride_os, stride_od, stride_ls, HEAD_DIM)

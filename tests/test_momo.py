@@ -131,8 +131,6 @@ def test_union_and_trim_ranks_by_mean_score():
 def test_kept_lists_are_the_lists_of_kept_blocks(n, gamma, chi, beta, k, k_trim, seed):
     # the kernel path's lists (compact union, trim and diagonal merge where the key blocks outnumber a
     # query block's candidates, about half of the drawn cases) against the dense mask's
-    if chi % gamma:
-        chi = gamma * (chi // gamma or 1)
     generator = torch.Generator().manual_seed(seed)
     rows, blocks = -(-n // gamma), -(-n // beta)
     chosen = torch.randint(-1, blocks, (2, 3, rows, k), generator=generator)

@@ -120,10 +120,15 @@ def kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim):
     return keep | diagonal_blocks(n, chi, beta, chosen.device)
 
 
+def diagonal_range(n, chi, beta, device):
+    """(first, last) [query blocks]: the key blocks overlapping each query block's own rows."""
+    starts = torch.arange(0, n, chi, device=device)
+    return starts // beta, (torch.clamp(starts + chi, max=n) - 1) // beta
+
+
 def diagonal_blocks(n, chi, beta, device):
     """[query blocks, key blocks] bool: the key blocks overlapping each query block's own rows."""
-    starts = torch.arange(0, n, chi, device=device)
-    first, last = starts // beta, (torch.clamp(starts + chi, max=n) - 1) // beta
+    first, last = diagonal_range(n, chi, beta, device)
     key_block = torch.arange(math.ceil(n / beta), device=device)
     return (key_block[None, :] >= first[:, None]) & (key_block[None, :] <= last[:, None])
 
@@ -146,17 +151,16 @@ def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim):
     values = torch.nn.functional.pad(chosen_scores.double(), (0, 0, 0, pad)).view(entries.shape)
     entries, order = torch.where(entries >= 0, entries, blocks).sort(dim=-1)  # empty slots (block `blocks`) last
     values = values.gather(-1, order)
-    starts = torch.ones_like(entries, dtype=torch.bool)
-    starts[..., 1:] = entries[..., 1:] != entries[..., :-1]
-    group = starts.cumsum(dim=-1) - 1  # each candidate's group: one per distinct block, in block order
+    new_block = torch.ones_like(entries, dtype=torch.bool)
+    new_block[..., 1:] = entries[..., 1:] != entries[..., :-1]
+    group = new_block.cumsum(dim=-1) - 1  # each candidate's group: one per distinct block, in block order
     total = torch.zeros_like(values).scatter_add_(-1, group, values)
     times = torch.zeros_like(values).scatter_add_(-1, group, torch.ones_like(values))
     group_block = torch.full_like(entries, blocks).scatter_(-1, group, entries)
     mean = torch.where((times > 0) & (group_block < blocks), total / times.clamp(min=1), float("-inf"))
     best, slots = lower_first(mean, group_block).topk(min(k_trim, mean.shape[-1]), dim=-1)
     trimmed = torch.where(best > float("-inf"), group_block.gather(-1, slots), blocks)
-    starts = torch.arange(0, n, chi, device=chosen.device)
-    first, last = starts // beta, (torch.clamp(starts + chi, max=n) - 1) // beta
+    first, last = diagonal_range(n, chi, beta, chosen.device)
     diagonal = first[:, None] + torch.arange(chi // beta + 2, device=chosen.device)  # enough for any alignment
     diagonal = torch.where(diagonal <= last[:, None], diagonal, blocks).expand(batch, heads, -1, -1)
     merged = torch.cat([trimmed, diagonal], dim=-1).sort(dim=-1).values
