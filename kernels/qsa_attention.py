@@ -13,13 +13,10 @@ lower block stays, and the buffer ends with the exact top-k. That update costs O
 and an argmin over the buffer). With k_exact < k the kernel runs the paper's estimate instead
 (eq. 6-7): only k_exact slots are exact, and what they displace or reject fills the other k - k_exact
 slots when it beats a Gaussian threshold from Welford running statistics (O(1) per block beyond the
-small exact part; `estimated_top_k` is its torch form). Its choice depends on the order the blocks arrive in, which the paper leaves open: it scans each row's
-key blocks from the last back to the first (FlashAttention-2's order), so a causal row's local
-blocks, often its heaviest, meet the threshold while the slots are still free, and the blocks left
-to scan at block j are simply j + 1 (forwards, the local blocks came last and mostly found the slots
-gone: 0.970 -> 0.982 of the oracle's mass at 32K, docs/results/momo_synthetic.md). With
-tree=True the exact top-k lives in a tournament tree in HBM instead (O(log k) loads and stores per
-accepted block, any k; the paper's third variant).
+small exact part). The estimate visits a row's blocks in golden-ratio strides; the order and the
+torch form (`estimated_top_k`) are in kernels/qsa_estimate.py. With tree=True the exact top-k lives
+in a tournament tree in HBM instead (O(log k) loads and stores per accepted block, any k; the paper's
+third variant).
 
 Masks as in flash_attention.py: bidirectional, causal, or block-causal with block_size B (query at
 position p sees key j iff j // B <= p // B), and optional key padding k_valid [batch, N]. Sampled
@@ -39,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .block_sparse_attention import key_tile, online_softmax, store_rows
+from .qsa_estimate import ORDER_ROWS, estimated_top_k, golden_strides, group_maxima, last_blocks
 
 LOG2_E = math.log2(math.e)
 # Sampled rows per program and launch settings on a GPU (the interpreter uses 16 rows). The top-k
@@ -80,18 +78,18 @@ def tree_insert(tree_score_ptr, tree_index_ptr, tree_leaf_ptr, row_base, block_s
 @triton.jit
 def qsa_kernel(
     q_ptr, k_ptr, v_ptr, valid_ptr, out_ptr, lse_ptr, top_index_ptr, top_score_ptr,
-    tree_score_ptr, tree_index_ptr, tree_leaf_ptr,
+    tree_score_ptr, tree_index_ptr, tree_leaf_ptr, last_ptr, scan_ptr, stride_ptr,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_valid_b, stride_valid_n,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
-    stride_tb, stride_th, stride_ts, stride_tk,
+    stride_tb, stride_th, stride_ts, stride_tk, stride_last_b, stride_scan_b,
     n_keys, num_sampled, num_heads, group, gamma, qk_scale, k_exact, k_greedy,
     MASK_BLOCK: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr, ESTIMATED: tl.constexpr, TREE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SLOTS: tl.constexpr,
-    G_SLOTS: tl.constexpr, LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr,
+    G_SLOTS: tl.constexpr, LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr, ORDER_ROWS: tl.constexpr,
 ):
     # grid (batch * heads, row tiles), the longest rows first: a head group's programs for one row tile
     # run side by side and walk the same K/V tiles (7-15% faster than (row tiles, batch * heads) at
@@ -126,9 +124,15 @@ def qsa_kernel(
     key_end = n_keys
     if MASKED:  # key tiles past what the tile's last row sees are never visited
         key_end = tl.minimum((last_row * gamma // MASK_BLOCK + 1) * MASK_BLOCK, n_keys)
-    tiles = tl.cdiv(key_end, BLOCK_N)
-    for tile in range(0, tiles):
-        start = (tiles - 1 - tile) * BLOCK_N if ESTIMATED else tile * BLOCK_N  # the estimate scans backwards
+    steps = tl.cdiv(key_end, BLOCK_N)
+    if ESTIMATED:  # the scan of the row group (ORDER_ROWS rows) this program belongs to, in golden strides
+        steps = tl.load(scan_ptr + batch * stride_scan_b + m_tile * BLOCK_M // ORDER_ROWS)
+        stride = tl.load(stride_ptr + steps)
+        last = tl.load(last_ptr + batch * stride_last_b + rows, mask=row_ok, other=0).to(tl.float32)
+    for step in range(0, steps):
+        start = step * BLOCK_N
+        if ESTIMATED:
+            start = (step * stride % steps) * BLOCK_N
         keys = start + tl.arange(0, BLOCK_N)
         k, v, visible = key_tile(k_ptr, v_ptr, valid_ptr, batch * stride_kb + kv_head * stride_kh,
                                  batch * stride_vb + kv_head * stride_vh, batch * stride_valid_b, keys, positions,
@@ -162,7 +166,8 @@ def qsa_kernel(
             out_score = tl.where(replace, lowest, tl.where(seen, block_score, float("-inf")))
             out_index = tl.where(replace, lowest_index, tl.where(seen, block, -1))
             free = k_greedy - filled
-            p = 1.0 - free.to(tl.float32) / (block + 1.0)  # blocks left to scan: this one and those before it
+            left = last - count + seen.to(tl.float32)  # the row's blocks not seen yet, this one included
+            p = 1.0 - free.to(tl.float32) / tl.maximum(left, 1.0)
             sigma = tl.sqrt(m2 / tl.maximum(count - 1.0, 1.0))
             z = (out_score - mean) / tl.maximum(sigma * 1.4142135623730951, 1e-30)
             beats = tl.where(sigma > 0, tl.erf(z) > 2.0 * p - 1.0, out_score > mean)
@@ -253,16 +258,23 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
     g_slots = triton.next_power_of_2(max(top_k - k_exact, 1))
     if max(k_slots, g_slots) > WIDE_BUFFER:
         tiles["BLOCK_M"] = 16
+    estimated = k_exact < top_k
+    if estimated and q.is_cuda:  # with its greedy slots and Welford state, 2 K/V stages beat 3 (bench_momo.md)
+        tiles["num_stages"] = 2
+    assert ORDER_ROWS % tiles["BLOCK_M"] == 0, "a program's rows must lie in one scan-order group"
+    last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device) if estimated else lse
+    scans = group_maxima(last).to(torch.int32) if estimated else lse
+    strides = golden_strides(triton.cdiv(n, beta), q.device) if estimated else lse
     grid = (batch * heads, triton.cdiv(sampled, tiles["BLOCK_M"]))
     qsa_kernel[grid](
-        q, k, v, valid, out, lse, top_index, top_score, tree_score, tree_index, tree_leaf,
+        q, k, v, valid, out, lse, top_index, top_score, tree_score, tree_index, tree_leaf, last, scans, strides,
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *out.stride(), *lse.stride(),
-        *top_index.stride(),
+        *top_index.stride(), last.stride(0), scans.stride(0),
         n, sampled, heads, heads // k.shape[1], gamma, scale * LOG2_E, register_slots, top_k - k_exact,
-        MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=k_exact < top_k,
+        MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=estimated,
         TREE=tree, BLOCK_N=beta, HEAD_DIM=head_dim,
         K_SLOTS=k_slots, G_SLOTS=g_slots,
-        LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), **tiles,
+        LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), ORDER_ROWS=ORDER_ROWS, **tiles,
     )
     if tree:
         top_index = tree_index[..., leaves : leaves + top_k].contiguous()
@@ -309,51 +321,3 @@ def qsa_attention_reference(q, k, v, *, gamma: int, beta: int, top_k: int, k_exa
         indices = torch.nn.functional.pad(indices, pad, value=-1)
         top_score = torch.nn.functional.pad(top_score, pad, value=float("-inf"))
     return out.to(q.dtype), lse.float(), indices, top_score
-
-
-def estimated_top_k(scores, k, k_exact):
-    """The estimated online top-k (MOMO eq. 6-7 with an exact part), in torch, scanning each row's
-    blocks from the last to the first as the kernel does. scores [..., blocks] (-inf = not visible).
-    Each visible block updates Welford's mean m and variance sigma^2 and is offered to a k_exact-slot
-    exact buffer; what the buffer rejects or displaces takes one of the k - k_exact other slots when
-    it beats the threshold: erf((s - m) / (sigma sqrt 2)) > 2p - 1 (s > m while sigma = 0),
-    p = 1 - free slots / blocks left to scan (block j: j + 1, itself included), taken outright when
-    p <= 0. Returns [..., k] block indices (-1 = empty): the exact part, then the others in the
-    order they were taken."""
-    rows_shape, blocks = scores.shape[:-1], scores.shape[-1]
-    flat = scores.reshape(-1, blocks).double()
-    rows = flat.shape[0]
-    device = scores.device
-    exact_scores = flat.new_full((rows, k_exact), float("-inf"))
-    exact_index = torch.full((rows, k_exact), -1, dtype=torch.long, device=device)
-    greedy = torch.full((rows, k - k_exact), -1, dtype=torch.long, device=device)
-    filled = torch.zeros(rows, dtype=torch.long, device=device)
-    count, mean, m2 = (torch.zeros(rows, dtype=torch.float64, device=device) for _ in range(3))
-    all_rows = torch.arange(rows, device=device)
-    for j in reversed(range(blocks)):
-        score = flat[:, j]
-        visible = score > float("-inf")
-        count += visible.double()
-        delta = torch.where(visible, score - mean, 0.0)
-        mean += torch.where(visible, delta / count.clamp(min=1), 0.0)
-        m2 += torch.where(visible, delta * (score - mean), 0.0)
-        out_score, out_index = torch.where(visible, score, float("-inf")), torch.where(visible, j, -1)
-        if k_exact:
-            slot = exact_scores.argmin(dim=1)
-            lowest, lowest_index = exact_scores[all_rows, slot], exact_index[all_rows, slot]
-            takes = visible & (score > lowest)
-            out_score, out_index = torch.where(takes, lowest, out_score), torch.where(takes, lowest_index, out_index)
-            exact_scores[all_rows, slot] = torch.where(takes, score, lowest)
-            exact_index[all_rows, slot] = torch.where(takes, j, lowest_index)
-        free = greedy.shape[1] - filled
-        p = 1 - free.double() / (j + 1)
-        sigma = (m2 / (count - 1).clamp(min=1)).sqrt()
-        z = (out_score - mean) / (sigma * math.sqrt(2)).clamp(min=1e-300)
-        beats = torch.where(sigma > 0, torch.erf(z) > 2 * p - 1, out_score > mean)
-        accept = (out_index >= 0) & (free > 0) & ((p <= 0) | beats)
-        if greedy.shape[1]:
-            target = filled.clamp(max=greedy.shape[1] - 1)
-            greedy[all_rows, target] = torch.where(accept, out_index, greedy[all_rows, target])
-        filled += accept.long()
-    return torch.cat([exact_index, greedy], dim=1).view(*rows_shape, k)
-

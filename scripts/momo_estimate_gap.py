@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels.qsa_attention import estimated_top_k  # noqa: E402
+from kernels.qsa_estimate import estimated_top_k  # noqa: E402
 from momo_mass import structured_qk  # noqa: E402
 from nanodllm.methods.momo import block_scores, exact_top_k, mark  # noqa: E402
 

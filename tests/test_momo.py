@@ -15,6 +15,7 @@ from nanodllm import block
 from nanodllm.attention import CanvasMask, attention_reference
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
+from kernels.qsa_estimate import golden_strides
 from nanodllm.methods.momo import (block_lists, block_scores, delta_corrected, dense_mask, diagonal_blocks,
                                    estimated_top_k, exact_top_k, expand_blocks, kept_blocks, kept_lists, momo_attention,
                                    scaled_scores, union_and_trim)
@@ -104,13 +105,22 @@ def test_estimated_top_k_keeps_the_exact_part_and_at_most_k(blocks, k, seed, dat
             assert len(picked) == visible  # room for everything: everything is taken
 
 
-def test_estimated_top_k_scans_each_row_from_its_last_block_back():
-    # equal scores never beat the running mean; blocks are taken once the free slots cover the blocks
-    # left to scan, which backwards are the first ones, whatever the row's last visible block
+def test_estimated_top_k_visits_each_row_in_golden_strides():
+    # a group of rows scans T = 10 blocks (its last row's), stride 7 (10 / 1.618 = 6 shares a factor
+    # with 10): blocks 0 7 4 1 8 5 2 9 6 3. Equal scores never beat the running mean, so blocks are
+    # taken once the free slots cover the row's own blocks left: the last ones it visits
     scores = torch.zeros(2, 10, dtype=torch.float64)
-    scores[1, 6:] = float("-inf")
-    assert estimated_top_k(scores, 3, 0).tolist() == [[2, 1, 0], [2, 1, 0]]
-    assert estimated_top_k(scores, 4, 1).tolist() == [[9, 2, 1, 0], [5, 2, 1, 0]]  # the exact slot keeps the first seen
+    scores[1, 6:] = float("-inf")  # row 1 sees blocks 0-5: 0 4 1 5 2 3 of the scan
+    assert estimated_top_k(scores, 3, 0).tolist() == [[9, 6, 3], [5, 2, 3]]
+    assert estimated_top_k(scores, 4, 1).tolist() == [[0, 9, 6, 3], [0, 5, 2, 3]]  # the exact slot keeps the first seen
+
+
+@settings(max_examples=30, deadline=None)
+@given(total=st.integers(1, 5000))
+def test_golden_strides_visit_every_block_once(total):
+    stride = int(golden_strides(total, torch.device("cpu"))[total])
+    assert sorted((step * stride) % total for step in range(total)) == list(range(total))
+    assert abs(stride - total / 1.618) <= max(3, total * 0.01)
 
 
 def test_union_and_trim_ranks_by_mean_score():

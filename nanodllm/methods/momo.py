@@ -13,8 +13,9 @@ O_i = O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) * gamma] (eq. 2-3).
 Top-k variants (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) both
 return the exact top-k (ties to the lower block index), "estimated" (the k_exact best exactly, the other
 k - k_exact slots filled greedily by blocks whose score beats a Gaussian threshold from Welford
-running statistics: eq. 6-7; each row scanned from its last block back). In torch the pipeline forms
-the sampled rows' scores and the sparse mask densely (the reference); on CUDA it runs on
+running statistics: eq. 6-7; each row's blocks visited in golden-ratio strides so that the statistics
+see the whole row early, kernels/qsa_estimate.py). In torch the pipeline forms the sampled rows'
+scores and the sparse mask densely (the reference); on CUDA it runs on
 kernels/qsa_attention.py (step 1 with either top-k fused) and kernels/block_sparse_attention.py
 (step 3), union and trim in torch (kept_lists).
 
@@ -32,7 +33,7 @@ import math
 import torch
 
 from kernels.block_sparse_attention import CUDA_TILES as SPARSE_TILES
-from kernels.qsa_attention import estimated_top_k
+from kernels.qsa_estimate import estimated_top_k
 
 from ..attention import CanvasMask, use_kernels
 from .base import Method, check_int
