@@ -2,8 +2,8 @@
 
 The estimate's choice depends on the order a row's key blocks arrive in, which the paper leaves open.
 Eq. 6 reads the running mean and variance as those of the whole row, which holds only when the blocks
-arrive in no particular order, so a row's T blocks are visited in golden-ratio strides: block (i s) mod
-T at step i, s the integer nearest T / 1.618 prime to T. Every stretch of the scan then spreads over
+arrive in no particular order, so a row's T blocks are visited in golden-ratio strides: block (i g) mod
+T at step i, g the integer nearest T / 1.618 prime to T. Every stretch of the scan then spreads over
 the whole row; scanning in order, a causal row's heavy local blocks came all first (backwards) or all
 last (forwards) and skewed the statistics. T is the number of blocks the last of a group of ORDER_ROWS
 sampled rows sees (one kernel program's rows scan together, and ORDER_ROWS is a multiple of every
@@ -25,8 +25,8 @@ ORDER_ROWS = 64  # sampled rows that scan in one order: a multiple of the QSA ke
 
 @functools.lru_cache(maxsize=16)
 def golden_strides(blocks, device):
-    """[blocks + 1] int32: for a scan of T key blocks, the stride s nearest T / golden ratio that is
-    prime to T, so (i s) mod T visits every block once (index 0: 1, an empty scan)."""
+    """[blocks + 1] int32: for a scan of T key blocks, the stride g nearest T / golden ratio that is
+    prime to T, so (i g) mod T visits every block once (index 0: 1, an empty scan)."""
     strides = [1]
     for total in range(1, blocks + 1):
         stride = max(1, round(total / GOLDEN))
@@ -63,7 +63,7 @@ def group_maxima(per_row):
 def estimated_top_k(scores, k, k_exact):
     """The estimated online top-k (MOMO eq. 6-7 with an exact part), in torch, visiting each row's
     blocks in the kernel's order: scores [..., sampled rows, blocks] (-inf = not visible); a row's scan
-    covers T blocks (its group's last_blocks), block (i s) mod T at step i (s = golden_strides[T]). Each
+    covers T blocks (its group's last_blocks), block (i g) mod T at step i (g = golden_strides[T]). Each
     visible block updates Welford's mean m and variance sigma^2 and is offered to a k_exact-slot exact
     buffer; what the buffer rejects or displaces takes one of the k - k_exact other slots when it
     beats the threshold: erf((s - m) / (sigma sqrt 2)) > 2p - 1 (s > m while sigma = 0),
