@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels.qsa_estimate import golden_strides
 from nanodllm import block
 from nanodllm.attention import CanvasMask, attention_reference
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
-from kernels.qsa_estimate import golden_strides
 from nanodllm.methods.momo import (block_lists, block_scores, delta_corrected, dense_mask, diagonal_blocks,
                                    estimated_top_k, exact_top_k, expand_blocks, kept_blocks, kept_lists, momo_attention,
                                    scaled_scores, union_and_trim)
