@@ -130,9 +130,7 @@ def qsa_kernel(
         stride = tl.load(stride_ptr + steps)
         last = tl.load(last_ptr + batch * stride_last_b + rows, mask=row_ok, other=0).to(tl.float32)
     for step in range(0, steps):
-        start = step * BLOCK_N
-        if ESTIMATED:
-            start = (step * stride % steps) * BLOCK_N
+        start = (step * stride % steps) * BLOCK_N if ESTIMATED else step * BLOCK_N
         keys = start + tl.arange(0, BLOCK_N)
         k, v, visible = key_tile(k_ptr, v_ptr, valid_ptr, batch * stride_kb + kv_head * stride_kh,
                                  batch * stride_vb + kv_head * stride_vh, batch * stride_valid_b, keys, positions,
