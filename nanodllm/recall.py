@@ -1,13 +1,14 @@
 """Recall diagnostics of per-block key selection (the MAGE paper's eq. 1, Fig. 1a and Fig. 3).
 
 At every denoising step and layer where a selecting method (mage, quest, sparsed) attends to a
-selected key set, compare that set with the ORACLE per-block top-k of the same step: the k prefix keys
-with the highest probability averaged over the block's queries and the group's heads, from this
-step's exact scores (eq. 1). Estimation accuracy = |selected and oracle| / |oracle|, per row and KV
-head, kept per KV head (mean over rows) and overall. Steps that attend exactly (SparseD's before
-its capture step) are not recorded: the selection they hold is the previous block's. At the first
-step of each block also record the union of the per-query top-k sets over the block's queries and
-the group's heads, relative to k (Fig. 1a: how far one shared set is from every query's own choice).
+selected key set (the method's attended_selection), compare that set with the ORACLE per-block
+top-k of the same step: the k prefix keys with the highest probability averaged over the block's
+queries and the group's heads, from this step's exact scores (eq. 1). Estimation accuracy =
+|selected and oracle| / |oracle|, per row and KV head, kept per KV head (mean over rows) and
+overall. Calls that attend exactly (the exact layers, SparseD's steps before its capture step) are
+not recorded: a selection they hold is the previous block's. At the first step of each block also
+record the union of the per-query top-k sets over the block's queries and the group's heads,
+relative to k (Fig. 1a: how far one shared set is from every query's own choice).
 
     records = attach(method)   # before generation; one Record per (block, step, layer)
 """
@@ -61,22 +62,20 @@ def attach(method) -> list[Record]:
     """Wrap method.attend so that every selecting attention call is compared with the oracle."""
     records: list[Record] = []
     original = method.attend
-    index_block = getattr(method, "page_size", 1)
 
     def attend(layer, q, k, v, ctx):
         out = original(layer, q, k, v, ctx)
         cache = ctx.cache
-        chosen = getattr(method, "selection", {}).get(layer)
+        chosen = method.attended_selection(layer, ctx)
         if cache is None or chosen is None or cache.max_length == 0:
-            return out
-        if hasattr(method, "capture_step") and ctx.step < method.capture_step(ctx):
-            return out  # an exact step: the selection it holds is the previous block's
+            return out  # an exact call (an exact layer, SparseD's steps before its capture step)
+        *chosen_lists, index_block = chosen
         if q.is_cuda:
             torch.cuda.synchronize(q.device)  # a side-stream selection is complete
         prefix = cache.max_length
         oracle = select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths, method.k)
         oracle_mask = token_mask(*oracle, cache.lengths, prefix, 1)
-        chosen_mask = token_mask(*chosen, cache.lengths, prefix, index_block)
+        chosen_mask = token_mask(*chosen_lists, cache.lengths, prefix, index_block)
         hits = (oracle_mask & chosen_mask).sum(-1).float()  # [batch, kv_heads]
         sizes = oracle_mask.sum(-1).float()
         has_prefix = sizes > 0

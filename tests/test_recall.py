@@ -68,3 +68,14 @@ def test_per_head_accuracy_averages_to_the_overall_accuracy():
         assert abs(sum(r.head_accuracy) / heads - r.accuracy) < 1e-6
     assert any(max(r.head_accuracy) > min(r.head_accuracy) for r in records)
     assert "| layer | head 0 | head 1 |" in recall.summarise(records)
+
+
+def test_only_the_calls_that_read_a_selection_are_recorded():
+    """Method.attended_selection: dense reads every key (no records); the selecting methods' exact
+    layers read every key too, their other layers a selection."""
+    prompts = [random_prompt(30, seed=1)]
+    assert run(get_method("dense"), prompts) == []
+    layers = tiny_model("sdar").cfg.num_layers
+    for name in ("mage", "quest", "sparsed"):
+        records = run(get_method(name, k=16, exact_layers=1), prompts)
+        assert {r.layer for r in records} == set(range(1, layers)), name

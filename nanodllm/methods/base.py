@@ -7,6 +7,7 @@ engines call only these hooks for model work:
     begin_block(ctx)             a new block starts: reset per-block state
     step(model, ctx) -> logits   logits of the positions being decoded (ctx.logits_start..stop)
     attend(layer, q, k, v, ctx)  the attention the default step uses
+    attended_selection(layer, ctx)  the keys that attend read, for diagnostics (None: every key)
     commit(model, ctx)           block engine: forward the finished block, keep its KV in the cache
 
 Methods that change WHICH KEYS are read (MAGE, Quest, SparseD) override `attend` and `begin_block`;
@@ -170,6 +171,13 @@ class Method:
         finally:
             self.step_reads[key], self.noted_reads = self.noted_reads, None
         return output
+
+    def attended_selection(self, layer: int, ctx: StepContext):
+        """The index lists this step's `attend` read at `layer`, as (indices, counts, index_block) in
+        kernels/sparse_decode_attention's form (token indices for index_block 1, key blocks of
+        index_block tokens otherwise), or None where it read every key (dense always does). The recall
+        diagnostics (nanodllm/recall.py) compare them with the step's oracle."""
+        return None
 
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if ctx.cache is None:

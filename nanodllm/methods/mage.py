@@ -155,6 +155,13 @@ class Mage(Method):
         """The denoising step whose exact attention selects the keys (MAGE: the first)."""
         return 0
 
+    def attended_selection(self, layer: int, ctx: StepContext):
+        """The block's selection past the exact layers from the capture step on (that step attends
+        exactly and makes it); None before (SparseD's exact steps hold the previous block's)."""
+        if layer < self.exact_layers or ctx.step < self.capture_step(ctx) or layer not in self.selection:
+            return None
+        return (*self.selection[layer], 1)
+
     def graph_key(self, ctx: StepContext):
         """Three recordings: the exact steps before the selecting one (SparseD), the selecting step (its
         side stream forks and joins inside the recording, which overwrites the selection tensors), and

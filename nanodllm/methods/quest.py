@@ -118,6 +118,11 @@ class Quest(Method):
             raise ValueError("quest runs on the block engine (it needs the KV cache of the prefix)")
         return self.attend_pages(layer, q, k, v, ctx.cache, count=True)
 
+    def attended_selection(self, layer: int, ctx: StepContext):
+        """The pages this step chose at the layer (None at the exact layers, which choose none)."""
+        chosen = self.selection.get(layer)
+        return None if chosen is None else (*chosen, self.page_size)
+
     def attend_commit(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if self.sparse_commit:
             return self.attend_pages(layer, q, k, v, ctx.cache, count=False)
