@@ -261,7 +261,7 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
         tiles["num_stages"] = 2
     assert ORDER_ROWS % tiles["BLOCK_M"] == 0, "a program's rows must lie in one scan-order group"
     last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device) if estimated else lse
-    scans = group_maxima(last).to(torch.int32) if estimated else lse
+    scans = group_maxima(last) if estimated else lse  # int32, as last_blocks gives it
     strides = golden_strides(triton.cdiv(n, beta), q.device) if estimated else lse
     grid = (batch * heads, triton.cdiv(sampled, tiles["BLOCK_M"]))
     qsa_kernel[grid](

@@ -3,9 +3,9 @@
 The estimate's choice depends on the order a row's key blocks arrive in, which the paper leaves open.
 Eq. 6 reads the running mean and variance as those of the whole row, which holds only when the blocks
 arrive in no particular order, so a row's T blocks are visited in golden-ratio strides: block (i g) mod
-T at step i, g the integer nearest T / 1.618 prime to T. Every stretch of the scan then spreads over
-the whole row; scanning in order, a causal row's heavy local blocks came all first (backwards) or all
-last (forwards) and skewed the statistics. T is the number of blocks the last of a group of ORDER_ROWS
+T at step i, g the first integer from round(T / 1.618) up that is prime to T. Every stretch of the
+scan then spreads over the whole row; scanning in order, a causal row's heavy local blocks came all
+first (backwards) or all last (forwards) and skewed the statistics. T is the number of blocks the last of a group of ORDER_ROWS
 sampled rows sees (one kernel program's rows scan together, and ORDER_ROWS is a multiple of every
 program's row count), so a row's order does not depend on the launch; each row counts the blocks it
 has left as its last_blocks less the visible blocks it has seen (a hidden block, all padding, counts
@@ -25,8 +25,9 @@ ORDER_ROWS = 64  # sampled rows that scan in one order: a multiple of the QSA ke
 
 @functools.lru_cache(maxsize=16)
 def golden_strides(blocks, device):
-    """[blocks + 1] int32: for a scan of T key blocks, the stride g nearest T / golden ratio that is
-    prime to T, so (i g) mod T visits every block once (index 0: 1, an empty scan)."""
+    """[blocks + 1] int32: for a scan of T key blocks, the stride g: the first integer from
+    round(T / golden ratio) up that is prime to T, so (i g) mod T visits every block once (index 0:
+    1, an empty scan)."""
     strides = [1]
     for total in range(1, blocks + 1):
         stride = max(1, round(total / GOLDEN))
