@@ -15,8 +15,8 @@ and an argmin over the buffer). With k_exact < k the kernel runs the paper's est
 slots when it beats a Gaussian threshold from Welford running statistics (O(1) per block beyond the
 small exact part). The estimate visits a row's blocks in golden-ratio strides; the order and the
 torch form (`estimated_top_k`) are in kernels/qsa_estimate.py. With tree=True the exact top-k lives
-in a tournament tree in HBM instead (O(log k) loads and stores per accepted block, any k; the paper's
-third variant).
+in a tournament tree in HBM instead (O(log k) loads and stores per accepted block, issued at once;
+any k; the paper's third variant).
 
 Masks as in flash_attention.py: bidirectional, causal, or block-causal with block_size B (query at
 position p sees key j iff j // B <= p // B), and optional key padding k_valid [batch, N]. Sampled
@@ -50,29 +50,45 @@ LN_2 = tl.constexpr(math.log(2.0))
 
 
 @triton.jit
-def tree_insert(tree_score_ptr, tree_index_ptr, tree_leaf_ptr, row_base, block_score, block, seen,
-                LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr):
-    """The tournament tree (a winner tree over LEAVES slots, in HBM): node 1 holds the minimum and
-    the leaf it sits in; a block beating it overwrites that leaf and the path to the root is
-    replayed, O(log k) loads and stores. Rows are independent; a barrier orders each level."""
-    root_score = tl.load(tree_score_ptr + row_base + 1)
+def tree_insert(tree_score_ptr, tree_index_ptr, tree_leaf_ptr, row_base, root_score, root_leaf, block_score, block,
+                seen, LOG_LEAVES: tl.constexpr, LEVELS: tl.constexpr):
+    """The tournament tree (a winner tree over 2^LOG_LEAVES slots, in HBM): node 1 holds the minimum,
+    kept in registers with the leaf it sits in (root_score, root_leaf per row). A block beating it
+    overwrites that leaf and the path to the root is replayed. The path's siblings are never on the
+    path, so all LOG_LEAVES of them load at once ([rows, LEVELS] gathers), the climb runs in
+    registers, and the path's new nodes store at once: one round trip to memory per insertion instead
+    of one per level. Skipped when no row of the tile inserts. Returns the new (root_score, root_leaf)."""
     update = seen & (block_score > root_score)
-    node = tl.load(tree_leaf_ptr + row_base + 1)
-    tl.store(tree_score_ptr + row_base + node, block_score, mask=update)
-    tl.store(tree_index_ptr + row_base + node, block, mask=update)
-    for _ in tl.static_range(LOG_LEAVES):
-        tl.debug_barrier()
-        node = node // 2
-        left = 2 * node
-        left_score = tl.load(tree_score_ptr + row_base + left, mask=update, other=0.0)
-        right_score = tl.load(tree_score_ptr + row_base + left + 1, mask=update, other=0.0)
-        left_leaf = tl.where(left >= LEAVES, left, tl.load(tree_leaf_ptr + row_base + left, mask=update & (left < LEAVES), other=0))
-        right_leaf = tl.where(left + 1 >= LEAVES, left + 1,
-                              tl.load(tree_leaf_ptr + row_base + left + 1, mask=update & (left + 1 < LEAVES), other=0))
-        left_wins = left_score <= right_score
-        tl.store(tree_score_ptr + row_base + node, tl.where(left_wins, left_score, right_score), mask=update)
-        tl.store(tree_leaf_ptr + row_base + node, tl.where(left_wins, left_leaf, right_leaf), mask=update)
-    tl.debug_barrier()
+    if tl.max(update.to(tl.int32), axis=0) > 0:
+        levels = tl.arange(0, LEVELS)[None, :]
+        path = root_leaf[:, None] >> levels  # the path's node at each level, the leaf first
+        sibling = path ^ 1
+        on_path = update[:, None] & (levels < LOG_LEAVES)
+        sibling_score = tl.load(tree_score_ptr + row_base[:, None] + sibling, mask=on_path, other=0.0)
+        sibling_leaf = tl.load(tree_leaf_ptr + row_base[:, None] + sibling, mask=on_path & (levels > 0), other=0)
+        sibling_leaf = tl.where(levels == 0, sibling, sibling_leaf)  # a leaf's minimum sits in itself
+        score, leaf = block_score, root_leaf
+        parent_score = tl.zeros(sibling_score.shape, tl.float32)
+        parent_leaf = tl.zeros(sibling_leaf.shape, tl.int32)
+        for level in tl.static_range(LOG_LEAVES):
+            here = levels == level
+            other_score = tl.max(tl.where(here, sibling_score, float("-inf")), axis=1)
+            other_leaf = tl.max(tl.where(here, sibling_leaf, -1), axis=1)
+            on_left = ((root_leaf >> level) & 1) == 0
+            other_wins = tl.where(on_left, other_score < score, other_score <= score)  # the left child wins ties
+            score = tl.where(other_wins, other_score, score)
+            leaf = tl.where(other_wins, other_leaf, leaf)
+            parent_score = tl.where(here, score[:, None], parent_score)
+            parent_leaf = tl.where(here, leaf[:, None], parent_leaf)
+        tl.store(tree_score_ptr + row_base + root_leaf, block_score, mask=update)
+        tl.store(tree_index_ptr + row_base + root_leaf, block, mask=update)
+        parents = row_base[:, None] + (path >> 1)
+        tl.store(tree_score_ptr + parents, parent_score, mask=on_path)
+        tl.store(tree_leaf_ptr + parents, parent_leaf, mask=on_path)
+        root_score = tl.where(update, score, root_score)
+        root_leaf = tl.where(update, leaf, root_leaf)
+        tl.debug_barrier()  # the next insertion's loads see these stores, whichever thread made them
+    return root_score, root_leaf
 
 
 @triton.jit
@@ -89,7 +105,8 @@ def qsa_kernel(
     n_keys, num_sampled, num_heads, group, gamma, qk_scale, k_exact, k_greedy,
     MASK_BLOCK: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr, ESTIMATED: tl.constexpr, TREE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SLOTS: tl.constexpr,
-    G_SLOTS: tl.constexpr, LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr, ORDER_ROWS: tl.constexpr,
+    G_SLOTS: tl.constexpr, LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr, LEVELS: tl.constexpr,
+    ORDER_ROWS: tl.constexpr,
 ):
     # grid (batch * heads, row tiles), the longest rows first: a head group's programs for one row tile
     # run side by side and walk the same K/V tiles (7-15% faster than (row tiles, batch * heads) at
@@ -119,6 +136,11 @@ def qsa_kernel(
     count = tl.zeros((BLOCK_M,), tl.float32)
     mean = tl.zeros((BLOCK_M,), tl.float32)
     m2 = tl.zeros((BLOCK_M,), tl.float32)
+
+    if TREE:  # the tree's root (its minimum and the leaf it sits in) rides in registers
+        tree_base = (batch_head * num_sampled + rows).to(tl.int64) * (2 * LEAVES)
+        root_score = tl.load(tree_score_ptr + tree_base + 1, mask=row_ok, other=float("inf"))
+        root_leaf = tl.load(tree_leaf_ptr + tree_base + 1, mask=row_ok, other=1)
 
     last_row = tl.minimum(m_tile * BLOCK_M + BLOCK_M, num_sampled) - 1
     key_end = n_keys
@@ -152,9 +174,8 @@ def qsa_kernel(
         top_score = tl.where(hit, block_score[:, None], top_score)
         top_index = tl.where(hit, block, top_index)
         if TREE:
-            tree_base = (batch_head * num_sampled + rows).to(tl.int64) * (2 * LEAVES)
-            tree_insert(tree_score_ptr, tree_index_ptr, tree_leaf_ptr, tree_base, block_score, block, seen,
-                        LEAVES, LOG_LEAVES)
+            root_score, root_leaf = tree_insert(tree_score_ptr, tree_index_ptr, tree_leaf_ptr, tree_base, root_score,
+                                                root_leaf, block_score, block, seen, LOG_LEAVES, LEVELS)
         if ESTIMATED:  # what the exact buffer displaced or rejected meets the threshold (eq. 6-7)
             count += seen.to(tl.float32)
             finite = tl.where(seen, block_score, 0.0)  # keeps -inf out of the arithmetic
@@ -272,7 +293,8 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
         MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=estimated,
         TREE=tree, BLOCK_N=beta, HEAD_DIM=head_dim,
         K_SLOTS=k_slots, G_SLOTS=g_slots,
-        LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), ORDER_ROWS=ORDER_ROWS, **tiles,
+        LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), LEVELS=triton.next_power_of_2(max(int(math.log2(leaves)), 1)),
+        ORDER_ROWS=ORDER_ROWS, **tiles,
     )
     if tree:
         top_index = tree_index[..., leaves : leaves + top_k].contiguous()
