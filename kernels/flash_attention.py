@@ -27,6 +27,8 @@ from their first real token (nanodllm/masked.py), block boundaries agree only wh
 a multiple of B.
 Causal is block-causal with B = 1, and the kernel treats it so. Under either, key tiles that no row
 of the query tile can see are never visited, and tiles that every row sees in full skip the mask.
+Under k_valid, key tiles before a row's first visible key (left padding) are never visited either,
+and a tile that hides none of its keys skips the select.
 A query row that sees no key at all (a padded row, say) gets out = 0 and lse = -inf; nanodllm's
 engines never read such rows.
 """
@@ -117,7 +119,8 @@ def _attend_key_tiles(
         elif HAS_K_VALID:
             # [BLOCK_N]
             key_ok = tl.load(valid_base + keys.to(tl.int64) * stride_valid_n)
-            scores = tl.where((key_ok != 0)[None, :], scores, float("-inf"))
+            if tl.min(key_ok, 0) == 0:  # only a tile with a hidden key pays for the select
+                scores = tl.where((key_ok != 0)[None, :], scores, float("-inf"))
 
         # Online softmax in base 2. scale > 0, so max(scores) * qk_scale is the max of the scaled
         # scores, and each probability costs one fused multiply-add and one exp2.
@@ -141,13 +144,13 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "stride_valid_b", "stride_valid_h", "tuning_length"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "stride_valid_b", "stride_valid_h", "stride_first_b", "tuning_length"])
 def _flash_attention_fwd(
-    Q, K, V, K_VALID, OUT, LSE,
+    Q, K, V, K_VALID, FIRST_VISIBLE, OUT, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_valid_b, stride_valid_h, stride_valid_n,
+    stride_valid_b, stride_valid_h, stride_valid_n, stride_first_b, stride_first_h,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     n_q, n_k, num_heads, group, block_size, qk_scale,
@@ -193,6 +196,10 @@ def _flash_attention_fwd(
         seen_by_all = n_k
         seen_by_any = n_k
     unmasked_stop = seen_by_all // BLOCK_N * BLOCK_N
+    key_start = 0
+    if HAS_K_VALID:  # key tiles before the first visible key (left padding) are never visited
+        first_visible = tl.load(FIRST_VISIBLE + batch.to(tl.int64) * stride_first_b + kv_head * stride_first_h)
+        key_start = tl.minimum(first_visible // BLOCK_N * BLOCK_N, unmasked_stop)
     q_block = (rows + position_shift) // block_size  # [BLOCK_M]
 
     # m starts at a finite floor, not -inf: a row whose keys so far are all masked then computes
@@ -204,7 +211,7 @@ def _flash_attention_fwd(
     # Key tiles that every row sees in full: no bounds or position checks.
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, q_block, k_base, v_base, valid_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, 0, unmasked_stop, n_k, block_size, qk_scale,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, key_start, unmasked_stop, n_k, block_size, qk_scale,
         offs_n, offs_d,
         MASK_TILE=False, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N,
     )
@@ -249,8 +256,8 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     q [batch, num_heads, N_q, D], k/v [batch, num_kv_heads, N_k, D], N_q <= N_k under a (block-)causal
     mask and any N_q without one (fp16/bf16, or fp32 for testing, whose dots run in TF32 on a GPU; any
     strides), k_valid [batch, N_k] or [batch, num_kv_heads, N_k] bool or None, scale > 0 defaulting
-    to D ** -0.5. Hidden keys are still read, so like SDPA's boolean mask they must hold finite values
-    (0 * NaN would leak into the output).
+    to D ** -0.5. Hidden keys past the first visible key's tile are still read, so like SDPA's boolean
+    mask they must hold finite values (0 * NaN would leak into the output).
     Returns out [batch, num_heads, N_q, D] in q's dtype, laid out [batch, N_q, num_heads, D] in memory
     (a transposed view: o_proj's input layout, so the model reads it without a copy), and with return_lse also
     lse [batch, num_heads, N_q] float32 (natural log of the sum of exp of the scaled visible scores).
@@ -261,14 +268,16 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     scale = head_dim**-0.5 if scale is None else float(scale)
     out = _output((batch, n_q, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
     lse = _output((batch, num_heads, n_q), torch.float32, q.device)
-    # A bool tensor is read as bytes. Without a mask the kernel never touches K_VALID.
+    # A bool tensor is read as bytes. Without a mask the kernel never touches K_VALID or FIRST_VISIBLE.
     valid = k_valid.view(torch.uint8) if k_valid is not None else out
+    # per row (and KV head) the first visible key: argmax returns the first maximum (0 if none is visible)
+    first_visible = valid.argmax(dim=-1).to(torch.int32) if k_valid is not None else out
     if k_valid is None:
-        valid_strides = (0, 0, 0)
+        valid_strides, first_strides = (0, 0, 0), (0, 0)
     elif k_valid.dim() == 2:  # shared by every head
-        valid_strides = (k_valid.stride(0), 0, k_valid.stride(1))
+        valid_strides, first_strides = (k_valid.stride(0), 0, k_valid.stride(1)), (first_visible.stride(0), 0)
     else:
-        valid_strides = k_valid.stride()
+        valid_strides, first_strides = k_valid.stride(), first_visible.stride()
 
     # Causal is block-causal with B = 1; bidirectional never reads block_size.
     block = block_size if block_size is not None else 1
@@ -277,8 +286,8 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     tuning_length = min(max(triton.next_power_of_2(n_k), 1024), 32768)
 
     args = (
-        q, k, v, valid, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *valid_strides, *out.stride(), *lse.stride(),
+        q, k, v, valid, first_visible, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *valid_strides, *first_strides, *out.stride(), *lse.stride(),
         n_q, n_k, num_heads, num_heads // num_kv_heads, block, scale * LOG2_E, tuning_length,
     )
     meta = dict(HEAD_DIM=head_dim, BLOCK_CAUSAL=causal or block_size is not None, HAS_K_VALID=k_valid is not None)

@@ -138,6 +138,22 @@ def test_matches_reference_with_gpu_tiles(mask):
     check_against_reference(q, k, v, (128, 64), k_valid=k_valid, **mask)
 
 
+def test_key_tiles_before_the_first_visible_key_are_never_read():
+    """Left padding: the tiles wholly before a row's first visible key are skipped, so NaN there
+    (which a read would leak, 0 * NaN) leaves the output equal to the reference on clean keys."""
+    generator = torch.Generator().manual_seed(2)
+    q = random_heads(2, 2, 40, 64, torch.float32, "contiguous", generator)
+    k = random_heads(2, 1, 300, 64, torch.float32, "contiguous", generator)
+    v = random_heads(2, 1, 300, 64, torch.float32, "contiguous", generator)
+    k_valid = padded_keys([280, 0], ["left", "left"], 300, sliced=False)
+    expected = flash_attention_reference(q, k, v, k_valid=k_valid)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[0, :, :256], v_nan[0, :, :256] = float("nan"), float("nan")  # whole tiles of 16, 64 or 128 keys
+    with poisoned_outputs(tiles=(16, 16)):
+        out = flash_attention(q, k_nan, v_nan, k_valid=k_valid)
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[torch.float32], rtol=0)
+
+
 def test_rows_without_visible_keys_are_zero():
     generator = torch.Generator().manual_seed(1)
     q = random_heads(2, 2, 20, 64, torch.float32, "contiguous", generator)
