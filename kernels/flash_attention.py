@@ -198,7 +198,8 @@ def _flash_attention_fwd(
     unmasked_stop = seen_by_all // BLOCK_N * BLOCK_N
     key_start = 0
     if HAS_K_VALID:  # key tiles before the first visible key (left padding) are never visited
-        first_visible = tl.load(FIRST_VISIBLE + batch.to(tl.int64) * stride_first_b + kv_head * stride_first_h)
+        first_ptr = FIRST_VISIBLE + batch.to(tl.int64) * stride_first_b + kv_head * stride_first_h
+        first_visible = tl.load(first_ptr).to(tl.int32)
         key_start = tl.minimum(first_visible // BLOCK_N * BLOCK_N, unmasked_stop)
     q_block = (rows + position_shift) // block_size  # [BLOCK_M]
 
@@ -271,7 +272,7 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     # A bool tensor is read as bytes. Without a mask the kernel never touches K_VALID or FIRST_VISIBLE.
     valid = k_valid.view(torch.uint8) if k_valid is not None else out
     # per row (and KV head) the first visible key: argmax returns the first maximum (0 if none is visible)
-    first_visible = valid.argmax(dim=-1).to(torch.int32) if k_valid is not None else out
+    first_visible = valid.argmax(dim=-1) if k_valid is not None else out  # int64, cast in the kernel
     if k_valid is None:
         valid_strides, first_strides = (0, 0, 0), (0, 0)
     elif k_valid.dim() == 2:  # shared by every head
