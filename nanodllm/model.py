@@ -15,8 +15,9 @@ residual adds run inside the next norm (Layer.step), which rounds as the separat
 Numerics follow the references: RMSNorm in fp32 then cast then weight; RoPE tables and rotation in
 fp32 (LLaDA's rope_full_precision), cast back to the activation dtype. On CUDA in float16 / bfloat16
 outside autograd, both run as one-pass Triton kernels (kernels/rmsnorm.py, kernels/rope.py) with the
-same rounding points, as does SwiGLU's silu(gate) * up (kernels/silu_mul.py); NANODLLM_KERNELS=0
-keeps them on torch. Models from build_empty (the loader, build_random) store q/k/v and gate/up
+same rounding points, as does SwiGLU's silu(gate) * up (kernels/silu_mul.py); over the few rows of a
+block-decode step (at most 32) a layer's norms and SwiGLU ride inside its matmuls instead
+(kernels/norm_linear.py, Layer.step). NANODLLM_KERNELS=0 keeps them on torch. Models from build_empty (the loader, build_random) store q/k/v and gate/up
 weights back to back, so each group is one matmul at inference (stack_in_place); the Parameters and
 their names are unchanged.
 """
@@ -204,21 +205,28 @@ class Layer(nn.Module):
 
     def _project(self, h: torch.Tensor, rope: Rope, projections: list[nn.Linear]):
         """q and k (normed, rotated) and, if projections has v_proj too, v."""
-        attn, cfg = self.self_attn, self.cfg
-        widths = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
         weights = stacked(projections)
         if weights is None:
-            outputs = [proj(h) for proj in projections]
-        else:
-            projected = F.linear(h, *weights)
-            outputs = projected.split(widths[: len(projections)], dim=-1)
-            if use_fused(projected) and cfg.qk_norm != "projection" and projected.dim() == 3:
-                from kernels.rope import rope_qk
+            return self._rotate([proj(h) for proj in projections], rope)
+        return self._split_stacked(F.linear(h, *weights), rope, len(projections))
 
-                norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
-                eps = attn.q_norm.eps if cfg.qk_norm else 0.0
-                q, k = rope_qk(projected, cfg.num_heads, cfg.num_kv_heads, rope.cos, rope.sin, *norms, eps)
-                return (q, k, *(self._split_heads(v) for v in outputs[2:]))
+    def _split_stacked(self, projected: torch.Tensor, rope: Rope, count: int):
+        """The stacked projection's output [b, t, W] -> q, k (normed, rotated) and, with count 3, v."""
+        attn, cfg = self.self_attn, self.cfg
+        widths = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        outputs = projected.split(widths[:count], dim=-1)
+        if use_fused(projected) and cfg.qk_norm != "projection" and projected.dim() == 3:
+            from kernels.rope import rope_qk
+
+            norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
+            eps = attn.q_norm.eps if cfg.qk_norm else 0.0
+            q, k = rope_qk(projected, cfg.num_heads, cfg.num_kv_heads, rope.cos, rope.sin, *norms, eps)
+            return (q, k, *(self._split_heads(v) for v in outputs[2:]))
+        return self._rotate(outputs, rope)
+
+    def _rotate(self, outputs: list[torch.Tensor], rope: Rope):
+        """The projections' outputs [b, t, heads * d] -> q, k q/k-normed and rotated, and v split into heads."""
+        attn = self.self_attn
         q = rope.apply(self._heads(outputs[0], getattr(attn, "q_norm", None)))
         k = rope.apply(self._heads(outputs[1], getattr(attn, "k_norm", None)))
         return (q, k, *(self._split_heads(v) for v in outputs[2:]))
@@ -262,17 +270,52 @@ class Layer(nn.Module):
     def mlp_norm(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         return self.post_attention_layernorm(x, add)
 
-    def step(self, x: torch.Tensor, pending: torch.Tensor | None, rope: Rope, attend: Callable) -> torch.Tensor:
+    def step(self, x: torch.Tensor, pending: torch.Tensor | None, rope: Rope, attend: Callable):
         """The layer on the residual stream x, in place: x += pending (the previous layer's MLP output),
         x += attention output, each add fused into the norm after it; returns this layer's MLP output,
-        not yet added (the next layer's norm adds it). x must be a tensor nothing else reads."""
+        not yet added (the next layer's norm adds it), or None where it was added already (the
+        few-row path). x must be a tensor nothing else reads."""
+        weights = self._few_row_weights(x)
+        if weights is not None:
+            return self._few_row_step(x, pending, rope, attend, *weights)
         q, k, v = self.qkv(self.attn_norm(x, pending), rope)
         return self.mlp(self.mlp_norm(x, self.out(attend(q, k, v))))
+
+    def _few_row_weights(self, x: torch.Tensor):
+        """(q/k/v weight, bias, gate/up weight) for _few_row_step, or None where it does not apply: off
+        the fused kernels, over more rows than kernels/norm_linear.py takes, or unstacked weights."""
+        if not use_fused(x) or x.dim() != 3 or not x.is_contiguous():
+            return None
+        from kernels.norm_linear import MAX_ROWS
+
+        qkv, gate_up = stacked(self.self_attn.projections()), stacked([self.mlp.gate_proj, self.mlp.up_proj])
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        if (x.shape[0] * x.shape[1] > MAX_ROWS or qkv is None or gate_up is None or gate_up[1] is not None
+                or self.mlp.down_proj.bias is not None or any(w.dtype != x.dtype for w in (*norms, qkv[0]))):
+            return None
+        return (*qkv, gate_up[0])
+
+    def _few_row_step(self, x, pending, rope, attend, qkv_weight, qkv_bias, gate_up_weight) -> None:
+        """step for a decode step's few rows (kernels/norm_linear.py): each norm rides in the matmul
+        after it, silu(gate) * up in gate/up's, and o_proj and down_proj add into x in their epilogues,
+        four launches where the unfused step runs seven around the attention."""
+        from kernels.norm_linear import norm_linear
+
+        if pending is not None:
+            x.add_(pending)
+        norm = self.input_layernorm
+        q, k, v = self._split_stacked(norm_linear(x, norm.weight, norm.eps, qkv_weight, qkv_bias), rope, 3)
+        self.add_out(x, attend(q, k, v))
+        norm = self.post_attention_layernorm
+        act = norm_linear(x, norm.weight, norm.eps, gate_up_weight, swiglu=True)
+        x.view(-1, x.shape[-1]).addmm_(act.view(-1, act.shape[-1]), self.mlp.down_proj.weight.t())
+        return None
 
     def forward(self, x: torch.Tensor, rope: Rope, attend: Callable) -> torch.Tensor:
         """x + attention + MLP, out of place."""
         x = x.clone()
-        return x.add_(self.step(x, None, rope, attend))
+        pending = self.step(x, None, rope, attend)
+        return x if pending is None else x.add_(pending)
 
 
 class Model(nn.Module):

@@ -21,10 +21,12 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import kernels.norm_linear as norm_linear_module  # noqa: E402
 import kernels.rmsnorm as rmsnorm_module  # noqa: E402
 import kernels.rope as rope_module  # noqa: E402
 import kernels.silu_mul as silu_mul_module  # noqa: E402
 import nanodllm.model as model_module  # noqa: E402
+from kernels.norm_linear import norm_linear  # noqa: E402
 from kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
 from kernels.rope import apply_rope, apply_rope_reference, rope_qk  # noqa: E402
 from kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
@@ -319,7 +321,8 @@ def test_silu_mul_refuses_bad_inputs():
 
 
 @pytest.mark.parametrize("model_type, overrides, kernels", [
-    ("sdar", {}, {"rms_norm", "rope_qk", "silu_mul"}),  # per-head q/k norm fused into rope_qk
+    # per-head q/k norm fused into rope_qk; every forward has at most 32 rows: norms and SwiGLU in norm_linear
+    ("sdar", {}, {"rms_norm", "rope_qk", "norm_linear"}),
     ("llada", {}, {"rms_norm", "rope_qk", "silu_mul"}),  # no q/k norm
     ("llada", {"attention_layer_norm": True}, {"rms_norm", "apply_rope", "silu_mul"}),  # norm over the projection
 ])
@@ -333,10 +336,10 @@ def test_model_decodes_the_same_tokens_on_the_fused_kernels(monkeypatch, model_t
         lambda: masked.generate(model, prompts, dataclasses.replace(gen, remasking="low_confidence")).tokens)
     torch_tokens = decode()
     calls = []
-    counted = lambda fn: lambda *args: calls.append(fn.__name__) or fn(*args)
+    counted = lambda fn: lambda *args, **kwargs: calls.append(fn.__name__) or fn(*args, **kwargs)
     monkeypatch.setattr(model_module, "use_fused", lambda x: True)
     for module, fn in ((rmsnorm_module, rms_norm), (rope_module, apply_rope), (rope_module, rope_qk),
-                       (silu_mul_module, silu_mul)):
+                       (silu_mul_module, silu_mul), (norm_linear_module, norm_linear)):
         monkeypatch.setattr(module, fn.__name__, counted(fn))
     kernel_tokens = decode()
     assert set(calls) == kernels

@@ -1,0 +1,174 @@
+"""kernels/norm_linear.py (RMSNorm -> matmul [-> SwiGLU] for a decode step's few rows) against the
+model's unfused torch path, and Layer.step's few-row path against its unfused one.
+
+The kernel rounds at other points than the unfused path (x * norm weight, not x * rstd then the
+weight), so neither is the other's bit for bit: both are held against the float64 result, and the
+kernel must come as close as the unfused path does in the same dtype (twice its error, plus a few
+units in the last place). Off the GPU the kernel runs in Triton's interpreter (float16 and float32,
+whose dots it computes correctly). Outputs are allocated NaN-filled: an element never written fails.
+"""
+
+import dataclasses
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import kernels.norm_linear as norm_linear_module  # noqa: E402
+import nanodllm.model as model_module  # noqa: E402
+from kernels.norm_linear import MAX_ROWS, norm_linear, norm_linear_reference  # noqa: E402
+from nanodllm.model import build_random  # noqa: E402
+from tests.device import DEVICE  # noqa: E402
+from tests.tiny_models import tiny_config  # noqa: E402
+
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+EXAMPLES = settings(deadline=None, max_examples=20)
+
+
+def inputs(rows, dim, width, dtype, bias, swiglu, seed):
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda *shape, scale=1.0: (torch.randn(*shape, generator=generator) * scale).to(DEVICE, dtype)
+    x = make(rows, dim, scale=3.0)  # rms 3: the norm must actually scale
+    norm_weight = (1 + torch.randn(dim, generator=generator) * 0.3).to(DEVICE, dtype)
+    n = 2 * width if swiglu else width
+    weight = make(n, dim, scale=dim**-0.5)
+    return x, norm_weight, weight, make(n) if bias else None
+
+
+def error(out, x, norm_weight, weight, bias, swiglu, eps):
+    """max |out - float64 result| and the unfused path's max error in the same dtype."""
+    exact = norm_linear_reference(*(t.double() if t is not None else None for t in (x, norm_weight)), eps,
+                                  weight.double(), None if bias is None else bias.double(), swiglu)
+    unfused = norm_linear_reference(x.clone(), norm_weight, eps, weight, bias, swiglu)
+    return (out.double() - exact).abs().max().item(), (unfused.double() - exact).abs().max().item(), exact
+
+
+def within(out_error, unfused_error, exact, dtype) -> bool:
+    ulp = torch.finfo(dtype).eps * exact.abs().max().item()
+    return out_error <= 2 * unfused_error + 4 * ulp
+
+
+def nan_empty():
+    """torch.empty NaN-filled while the kernel's wrapper allocates its output."""
+    empty = torch.empty
+    return mock.patch.object(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
+
+
+@EXAMPLES
+@given(rows=st.integers(1, MAX_ROWS), dim=st.sampled_from([16, 40, 64, 200, 300]),
+       width=st.sampled_from([8, 24, 64, 100, 130]), dtype=st.sampled_from(DTYPES), bias=st.booleans(),
+       swiglu=st.booleans(), seed=st.integers(0, 2**16))
+def test_norm_linear_comes_as_close_as_the_unfused_path(rows, dim, width, dtype, bias, swiglu, seed):
+    x, norm_weight, weight, b = inputs(rows, dim, width, dtype, bias, swiglu, seed)
+    with nan_empty():
+        out = norm_linear(x, norm_weight, 1e-5, weight, b, swiglu)
+    assert out.shape == (rows, width) and out.dtype == dtype
+    out_error, unfused_error, exact = error(out, x, norm_weight, weight, b, swiglu, 1e-5)
+    assert within(out_error, unfused_error, exact, dtype), (out_error, unfused_error)
+
+
+def test_norm_linear_keeps_leading_dims_and_reads_strided_rows():
+    x, norm_weight, weight, _ = inputs(12, 64, 48, torch.float16, False, True, 3)
+    wide = torch.zeros(2, 6, 96, device=DEVICE, dtype=torch.float16)
+    wide[..., :64] = x.view(2, 6, 64)
+    view = wide[..., :64]  # rows 96 apart
+    out = norm_linear(view, norm_weight, 1e-6, weight, swiglu=True)
+    assert out.shape == (2, 6, 48)
+    torch.testing.assert_close(out.view(12, 48), norm_linear(x, norm_weight, 1e-6, weight, swiglu=True))
+
+
+@pytest.mark.parametrize("mistake", ["norm weight", "rstd", "halves"])
+def test_the_comparison_catches_a_wrong_formula(mistake):
+    """The tolerance used above fails a result with the norm weight dropped, no 1 / rms, or gate and
+    up swapped."""
+    x, norm_weight, weight, _ = inputs(32, 64, 40, torch.float16, False, True, 7)
+    if mistake == "norm weight":
+        out = norm_linear(x, torch.ones_like(norm_weight), 1e-5, weight, swiglu=True)
+    elif mistake == "rstd":
+        out = norm_linear(x, norm_weight, 1e-5, weight, swiglu=True) * 3.0
+    else:
+        out = norm_linear(x, norm_weight, 1e-5, torch.cat(weight.chunk(2)[::-1]), swiglu=True)
+    out_error, unfused_error, exact = error(out, x, norm_weight, weight, None, True, 1e-5)
+    assert not within(out_error, unfused_error, exact, torch.float16)
+
+
+def test_bad_inputs_are_refused():
+    x, norm_weight, weight, bias = inputs(4, 16, 8, torch.float16, True, False, 0)
+    cases = [
+        ((torch.zeros(MAX_ROWS + 1, 16, device=DEVICE, dtype=torch.float16), norm_weight, 1e-6, weight), "at most"),
+        ((x, norm_weight, 1e-6, weight[:, :8]), "weight \\[N, K\\]"),
+        ((x, norm_weight[:8], 1e-6, weight), "norm_weight \\[K\\]"),
+        ((x.float(), norm_weight, 1e-6, weight), "share one of"),
+        ((x, norm_weight, 1e-6, weight, bias[:4]), "bias must be"),
+        ((x, norm_weight, 1e-6, weight[:7], None, True), "even N"),
+        ((x.t(), norm_weight[:4], 1e-6, weight[:, :4]), "contiguous"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            norm_linear(*args)
+
+
+def fused_layer(model_type, dtype, **overrides):
+    """A tiny model with every weight random, norms included (so a dropped norm weight shows)."""
+    cfg = dataclasses.replace(tiny_config(model_type), **overrides)
+    model = build_random(cfg, dtype=dtype, seed=1).to(DEVICE)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3 + (1.0 if param.dim() == 1 else 0.0))
+    return model
+
+
+@pytest.mark.parametrize("model_type, overrides", [("sdar", {}), ("llada", {}), ("sdar", {"qkv_bias": True}),
+                                                   ("llada", {"qk_norm": "projection"})])
+@pytest.mark.parametrize("rows", [(1, 8), (2, 16), (3, 11)])
+def test_layer_step_few_row_path_equals_the_unfused_step(monkeypatch, model_type, overrides, rows):
+    """Layer.step with the fused kernels on: over at most MAX_ROWS rows it runs norm_linear (norms and
+    SwiGLU in the matmuls, the MLP added in place, nothing pending), over more the unfused kernels;
+    both give what the torch step gives. float32 in the interpreter: close to 1e-5."""
+    model = fused_layer(model_type, torch.float32, **overrides)
+    layer = model.layers[0]
+    batch, t = rows
+    generator = torch.Generator().manual_seed(batch * 100 + t)
+    x = torch.randn(batch, t, model.cfg.hidden_size, generator=generator).to(DEVICE)
+    pending = torch.randn(batch, t, model.cfg.hidden_size, generator=generator).to(DEVICE)
+    rope = model.rope(torch.arange(t, device=DEVICE).expand(batch, t))
+    attend = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1))
+
+    def run():
+        out = x.clone()
+        returned = layer.step(out, pending.clone(), rope, attend)
+        return out if returned is None else out + returned
+
+    with torch.no_grad():
+        expected = run()
+        calls = []
+        monkeypatch.setattr(model_module, "use_fused", lambda tensor: True)
+        counted = lambda *args, **kwargs: calls.append(args[0].shape) or norm_linear(*args, **kwargs)
+        monkeypatch.setattr(norm_linear_module, "norm_linear", counted)
+        got = run()
+    few = batch * t <= MAX_ROWS
+    assert len(calls) == (2 if few else 0)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_step_falls_back_beyond_max_rows(monkeypatch):
+    """More rows than the kernel holds (or unstacked weights) take the unfused path."""
+    model = fused_layer("sdar", torch.float32)
+    layer = model.layers[0]
+    monkeypatch.setattr(model_module, "use_fused", lambda tensor: True)
+    with torch.no_grad():
+        assert layer._few_row_weights(torch.zeros(1, MAX_ROWS, 32, device=DEVICE)) is not None
+        assert layer._few_row_weights(torch.zeros(1, MAX_ROWS + 1, 32, device=DEVICE)) is None
+        assert layer._few_row_weights(torch.zeros(1, 4, 32, device=DEVICE, dtype=torch.float16)) is None  # dtype
+        layer.mlp.up_proj.weight = torch.nn.Parameter(layer.mlp.up_proj.weight.clone())  # no longer stacked
+        assert layer._few_row_weights(torch.zeros(1, 4, 32, device=DEVICE)) is None
