@@ -27,12 +27,15 @@ I outputs. x [M, K] and W [N, K] (row-major, as nn.Linear stores it) are read th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 32  # every row lives in each program; at 64 rows the sweep lost to cuBLAS (bench_kernels.md)
+SHARED_SLACK = 4096  # bytes Triton adds to the pipelined tiles (1.5 KB seen on an H100)
 
 
 @triton.jit
@@ -83,17 +86,40 @@ def norm_linear_kernel(
     tl.store(out_ptrs, out, mask=col_ok[:, None] & row_ok[None, :])
 
 
-def launch_shape(num_rows: int, dim: int, swiglu: bool, element_size: int) -> dict:
+def launch_shape(num_rows: int, dim: int, swiglu: bool, element_size: int, shared_limit: int | None) -> dict:
     """Tiles, warps and stages: the best of a sweep on an H100 at 32 rows, K = 4096, sdar-8b's q/k/v
     (N = 6144) and gate/up (2 x 12288) weights in bfloat16 (docs/results/bench_kernels.md, "Few-row
-    norm_linear"); float32 tiles are halved to fit the same shared memory."""
+    norm_linear"); float32 tiles are halved. Where a GPU has less shared memory per block than the
+    H100's 227 KB (shared_limit, bytes; None: no limit, the interpreter), fewer stages, then shorter
+    K tiles, until the pipelined tiles fit."""
     shape = dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3) if swiglu else dict(
         BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
     if element_size > 2:
         shape["BLOCK_K"] //= 2
         shape["BLOCK_N"] //= 2 if swiglu else 1
-    shape["BLOCK_K"] = min(shape["BLOCK_K"], max(16, triton.next_power_of_2(dim)))
-    return dict(shape, BLOCK_M=max(16, triton.next_power_of_2(num_rows)))
+    shape.update(BLOCK_K=min(shape["BLOCK_K"], max(16, triton.next_power_of_2(dim))),
+                 BLOCK_M=max(16, triton.next_power_of_2(num_rows)))
+    tile_rows = shape["BLOCK_N"] * (2 if swiglu else 1) + shape["BLOCK_M"]  # weight rows + x rows per stage
+    while shared_limit is not None and shape["BLOCK_K"] > 16 and (
+            shape["num_stages"] * tile_rows * shape["BLOCK_K"] * element_size + SHARED_SLACK > shared_limit):
+        if shape["num_stages"] > 2:
+            shape["num_stages"] -= 1
+        else:
+            shape["BLOCK_K"] //= 2
+    return shape
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """Bytes of shared memory one program may use on device, as Triton checks it at launch (None off
+    CUDA: the interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    return _device_shared_memory(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_shared_memory(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -123,7 +149,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     width = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = torch.empty((rows.shape[0], width), device=x.device, dtype=x.dtype)
     if out.numel():
-        shape = launch_shape(rows.shape[0], x.shape[-1], swiglu, x.element_size())
+        shape = launch_shape(rows.shape[0], x.shape[-1], swiglu, x.element_size(), shared_memory_limit(x.device))
         norm_linear_kernel[(triton.cdiv(width, shape["BLOCK_N"]),)](
             rows, norm_weight, weight, weight if bias is None else bias, out, rows.shape[0], width, x.shape[-1],
             rows.stride(0), weight.stride(0), out.stride(0), eps, SWIGLU=swiglu, HAS_BIAS=bias is not None,
