@@ -15,11 +15,13 @@ residual adds run inside the next norm (Layer.step), which rounds as the separat
 Numerics follow the references: RMSNorm in fp32 then cast then weight; RoPE tables and rotation in
 fp32 (LLaDA's rope_full_precision), cast back to the activation dtype. On CUDA in float16 / bfloat16
 outside autograd, both run as one-pass Triton kernels (kernels/rmsnorm.py, kernels/rope.py) with the
-same rounding points, as does SwiGLU's silu(gate) * up (kernels/silu_mul.py); over the few rows of a
+same rounding points, as does SwiGLU's silu(gate) * up (kernels/silu_mul.py). Over the few rows of a
 block-decode step (at most 32) a layer's norms and SwiGLU ride inside its matmuls instead
-(kernels/norm_linear.py, Layer.step). NANODLLM_KERNELS=0 keeps them on torch. Models from build_empty (the loader, build_random) store q/k/v and gate/up
-weights back to back, so each group is one matmul at inference (stack_in_place); the Parameters and
-their names are unchanged.
+(kernels/norm_linear.py) and o_proj and down_proj add into x in the matmul, which rounds x + o @ W^T
+once where the separate add rounds the product first (Layer.step). NANODLLM_KERNELS=0 keeps all of
+them on torch. Models from build_empty (the loader, build_random) store q/k/v and gate/up weights
+back to back, so each group is one matmul at inference (stack_in_place); the Parameters and their
+names are unchanged.
 """
 
 from __future__ import annotations
