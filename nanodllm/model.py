@@ -142,6 +142,15 @@ def stacked(linears: list[nn.Linear]):
     return None if bias is None else (weight, bias)
 
 
+def add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """x += linear(inputs), in place: one matmul with the add in its epilogue when x is contiguous and
+    the linear has no bias (x [b, t, out] must be a tensor nothing else still reads)."""
+    if linear.bias is not None or not x.is_contiguous():
+        return x.add_(linear(inputs))
+    x.view(-1, x.shape[-1]).addmm_(inputs.reshape(-1, inputs.shape[-1]), linear.weight.t())
+    return x
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up over [..., gate | up] (one fused kernel on CUDA, see kernels/silu_mul.py)."""
     if use_fused(gate_up):
@@ -260,14 +269,9 @@ class Layer(nn.Module):
         return self.self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def add_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x += out(o), in place: one matmul with the add in its epilogue when x is contiguous and
-        o_proj has no bias (x [b, t, hidden] must be a tensor nothing else still reads)."""
-        proj = self.self_attn.o_proj
-        if proj.bias is not None or not x.is_contiguous():
-            return x.add_(self.out(o))
+        """x += out(o), in place (see add_linear)."""
         b, _, t, _ = o.shape
-        x.view(b * t, -1).addmm_(o.transpose(1, 2).reshape(b * t, -1), proj.weight.t())
-        return x
+        return add_linear(x, o.transpose(1, 2).reshape(b, t, -1), self.self_attn.o_proj)
 
     def mlp_norm(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         return self.post_attention_layernorm(x, add)
@@ -286,14 +290,13 @@ class Layer(nn.Module):
     def _few_row_weights(self, x: torch.Tensor):
         """(q/k/v weight, bias, gate/up weight) for _few_row_step, or None where it does not apply: off
         the fused kernels, over more rows than kernels/norm_linear.py takes, or unstacked weights."""
-        if not use_fused(x) or x.dim() != 3 or not x.is_contiguous():
-            return None
         from kernels.norm_linear import MAX_ROWS
 
+        if not use_fused(x) or x.dim() != 3 or not x.is_contiguous() or x.shape[0] * x.shape[1] > MAX_ROWS:
+            return None
         qkv, gate_up = stacked(self.self_attn.projections()), stacked([self.mlp.gate_proj, self.mlp.up_proj])
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        if (x.shape[0] * x.shape[1] > MAX_ROWS or qkv is None or gate_up is None or gate_up[1] is not None
-                or self.mlp.down_proj.bias is not None or any(w.dtype != x.dtype for w in (*norms, qkv[0]))):
+        if qkv is None or gate_up is None or any(w.dtype != x.dtype for w in (*norms, qkv[0])):
             return None
         return (*qkv, gate_up[0])
 
@@ -310,7 +313,7 @@ class Layer(nn.Module):
         self.add_out(x, attend(q, k, v))
         norm = self.post_attention_layernorm
         act = norm_linear(x, norm.weight, norm.eps, gate_up_weight, swiglu=True)
-        x.view(-1, x.shape[-1]).addmm_(act.view(-1, act.shape[-1]), self.mlp.down_proj.weight.t())
+        add_linear(x, act, self.mlp.down_proj)
         return None
 
     def forward(self, x: torch.Tensor, rope: Rope, attend: Callable) -> torch.Tensor:
