@@ -144,11 +144,26 @@ def stacked(linears: list[nn.Linear]):
 
 def add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """x += linear(inputs), in place: one matmul with the add in its epilogue when x is contiguous and
-    the linear has no bias (x [b, t, out] must be a tensor nothing else still reads)."""
+    the linear has no bias (x [b, t, out] must be a tensor nothing else still reads). inputs [b, t, in]
+    whose sequences are each contiguous but not one block (a slice of a longer cache: DyLLM's
+    response-only steps) go through a batched matmul, which reads them in place; flattening them would
+    copy them first (16 x 256 rows of 4096: 221 -> 183 us with o_proj, H100)."""
     if linear.bias is not None or not x.is_contiguous():
         return x.add_(linear(inputs))
+    if inputs.dim() == 3 and inputs.shape[0] > 1 and rows_contiguous(inputs) and not flat(inputs):
+        return x.baddbmm_(inputs, linear.weight.t().expand(inputs.shape[0], -1, -1))
     x.view(-1, x.shape[-1]).addmm_(inputs.reshape(-1, inputs.shape[-1]), linear.weight.t())
     return x
+
+
+def rows_contiguous(t: torch.Tensor) -> bool:
+    """[b, rows, width] with each sequence's rows one after another."""
+    return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
+def flat(t: torch.Tensor) -> bool:
+    """[b, rows, width] whose sequences follow one another: viewable as [b * rows, width]."""
+    return rows_contiguous(t) and t.stride(0) == t.shape[1] * t.shape[2]
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

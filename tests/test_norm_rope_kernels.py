@@ -348,9 +348,11 @@ def test_model_decodes_the_same_tokens_on_the_fused_kernels(monkeypatch, model_t
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_add_out_adds_o_proj_in_place(bias, contiguous):
-    """Layer.add_out: x += o_proj(o), through the matmul's epilogue (no bias, contiguous x) or a plain
-    add; both give x + out(o) and return x itself."""
+@pytest.mark.parametrize("cache_slice", [False, True])
+def test_add_out_adds_o_proj_in_place(bias, contiguous, cache_slice):
+    """Layer.add_out: x += o_proj(o), through the matmul's epilogue (no bias, contiguous x; a batched
+    matmul where o is a slice of a token-major cache, as DyLLM's response-only steps pass it) or a plain
+    add; all give x + out(o) and return x itself."""
     model = tiny_model("llada", dtype=torch.float64)
     layer = model.layers[0]
     generator = torch.Generator().manual_seed(0)
@@ -358,6 +360,11 @@ def test_add_out_adds_o_proj_in_place(bias, contiguous):
         layer.self_attn.o_proj.bias = torch.nn.Parameter(torch.randn(model.cfg.hidden_size, generator=generator,
                                                                       dtype=torch.float64))
     o = torch.randn(2, model.cfg.num_heads, 5, model.cfg.head_dim, generator=generator, dtype=torch.float64)
+    if cache_slice:  # the last 5 of 9 rows of a [batch, rows, heads, d] cache, seen as [batch, heads, rows, d]
+        cache = torch.randn(2, 9, model.cfg.num_heads, model.cfg.head_dim, generator=generator, dtype=torch.float64)
+        o = cache.transpose(1, 2)[:, :, 4:]
+        rows = o.transpose(1, 2).reshape(2, 5, -1)
+        assert model_module.rows_contiguous(rows) and not model_module.flat(rows)
     x = torch.randn(2, 5, model.cfg.hidden_size, generator=generator, dtype=torch.float64)
     if not contiguous:
         x = torch.randn(2, 10, model.cfg.hidden_size, generator=generator, dtype=torch.float64)[:, ::2]
