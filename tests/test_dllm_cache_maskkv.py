@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
-from nanodllm.methods.dllm_cache import drifted_rows
+from nanodllm.methods.dllm_cache import drifted_rows, heads_index, take_heads, take_rows
 from nanodllm.methods.maskkv import (attention_mass, attention_mass_kernels, attention_mass_reference, head_budgets,
                                      keep_top, layer_budgets)
 from tests.device import DEVICE, FP32_OUT_TOLERANCE
@@ -273,3 +273,20 @@ def test_bad_knobs_and_block_causal_models_are_named():
     with pytest.raises(ValueError, match="pool"):
         get_method("snapkv", pool=4)
     assert "block-causal" in refuses_block_causal(get_method("dllm_cache"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(1, 9), count=st.integers(1, 6), heads=st.integers(1, 3),
+       layout=st.sampled_from(["contiguous", "token-major", "strided"]), shared=st.booleans(), seed=st.integers(0, 999))
+def test_row_takes_equal_the_gather(batch, length, count, heads, layout, shared, seed):
+    """take_rows / take_heads copy whole rows where the layout allows; they equal torch's gather
+    in every layout (a strided one falls back to it)."""
+    generator = torch.Generator().manual_seed(seed)
+    store = torch.randn(batch, 2 * length, heads, 5, generator=generator)
+    x = {"contiguous": store[:, :length].contiguous(), "token-major": store[:, :length],
+         "strided": store[:, ::2]}[layout]  # [batch, length, heads, 5]
+    rows = torch.randint(0, length, (batch, count), generator=generator)
+    assert torch.equal(take_rows(x, rows), x.gather(1, rows[..., None, None].expand(-1, -1, heads, 5)))
+    by_head = x.transpose(1, 2)  # [batch, heads, length, 5]
+    index = rows[:, None] if shared else torch.randint(0, length, (batch, heads, count), generator=generator)
+    assert torch.equal(take_heads(by_head, index), by_head.gather(2, heads_index(by_head, index)))
