@@ -1,6 +1,7 @@
 """Run dense decoding and one training-free method side by side on the same prompt.
 
     python train_free_demo.py --method maskkv
+    python train_free_demo.py --method maskkv --knobs budget=64
     python train_free_demo.py --model DIR --method dense --prompt "..."
 
 Prints both outputs, how many generated tokens agree, tokens/s and peak memory of each run.
@@ -26,7 +27,7 @@ from nanodllm import block, masked, tasks
 from nanodllm.config import GenerationConfig, ModelConfig, default_block_length
 from nanodllm.decoding import until_stop
 from nanodllm.loader import CheckpointError, load_model
-from nanodllm.methods import METHODS, get_method
+from nanodllm.methods import METHODS, get_method, knob_defaults, parse_knobs
 from nanodllm.tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "nanodllm" / "assets"
@@ -38,6 +39,8 @@ def parse_args(argv):
     parser.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
                         "default: tiny-llada or tiny-sdar, by the method's engine")
     parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}")
+    parser.add_argument("--knobs", help="the method's knobs, e.g. budget=64 or k=64,exact_layers=2 (default: the "
+                        "paper's; the docstring of nanodllm/methods/<method>.py says what each does)")
     parser.add_argument("--prompt", help="default: a built-in passkey retrieval prompt")
     parser.add_argument("--context", type=int, default=2048, help="length of the built-in prompt in tokens")
     parser.add_argument("--no-chat", action="store_true", help="encode the prompt as raw text, no chat template")
@@ -81,8 +84,11 @@ def kv_summary(stats: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.method not in METHODS:
-        print(f"error: unknown method {args.method!r}; valid methods: {', '.join(sorted(METHODS))}", file=sys.stderr)
+    try:  # an unknown method or a bad knob fails here, before any checkpoint is read
+        knobs = parse_knobs(args.knobs)
+        get_method(args.method, **knobs)
+    except (ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     model_dir = args.model or ASSETS / ("tiny-llada" if METHODS[args.method].engines[0] == "masked" else "tiny-sdar")
     try:
@@ -112,13 +118,17 @@ def main(argv=None) -> int:
         engine = block if is_block else masked
         runs = {}
         for name in dict.fromkeys(["dense", args.method]):
-            runs[name] = run(engine, model, prompt_ids, gen, get_method(name), tokenizer.stop_ids, device)
+            method = get_method(name, **(knobs if name == args.method else {}))
+            runs[name] = run(engine, model, prompt_ids, gen, method, tokenizer.stop_ids, device)
     except (FileNotFoundError, ValueError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
     print(f"model: {model_dir} ({cfg.model_type}, {engine_name} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
+    if knob_defaults(args.method):
+        print(f"{args.method} knobs: " + ", ".join(
+            f"{knob}={knobs.get(knob, default)}" for knob, default in knob_defaults(args.method).items()))
     if answer is not None:
         print(f"built-in prompt: find the pass key hidden halfway through {args.context} tokens; the answer is {answer}")
     for name, (tokens, seconds, peak, memory_kind, kv_kept) in runs.items():

@@ -272,6 +272,9 @@ def main(argv=None) -> int:
     try:
         if args.method != "all" and args.method not in METHODS:
             raise ValueError(f"unknown method {args.method!r}; valid methods: {', '.join(sorted(METHODS))}, all")
+        knobs = parse_knobs(args.knobs)
+        if args.method != "all":
+            get_method(args.method, **knobs)  # a bad knob fails before the model loads
         if args.plot:
             require_matplotlib()
         if args.task == "longbench" and not args.data:
@@ -281,7 +284,7 @@ def main(argv=None) -> int:
         if args.calibrate:
             return print_calibration(model_dir, lengths, args)
         runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
-        runner.knobs = parse_knobs(args.knobs)
+        runner.knobs = knobs
         if args.method == "all":
             methods = [m for m in methods if runner.engine_name in METHODS[m].engines]
         else:

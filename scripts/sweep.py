@@ -13,7 +13,6 @@ optional matplotlib).
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanodllm import tasks  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.eval import DTYPES, Runner, agreement, plot, require_matplotlib, resolve_model  # noqa: E402
-from nanodllm.methods import METHODS, parse_knobs, parse_value  # noqa: E402
+from nanodllm.methods import knob_defaults, parse_knobs, parse_value  # noqa: E402
 
 
 def variants(methods: list[str], knob: str, values: list, fixed: dict) -> list[tuple[str, dict]]:
@@ -31,9 +30,7 @@ def variants(methods: list[str], knob: str, values: list, fixed: dict) -> list[t
     the fixed knobs it accepts."""
     out = [("dense", {})]
     for name in methods:
-        if name not in METHODS:
-            raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(sorted(METHODS))}")
-        accepted = inspect.signature(METHODS[name].__init__).parameters
+        accepted = knob_defaults(name)  # an unknown name is an error listing the valid ones
         base = {k: v for k, v in fixed.items() if k in accepted}
         out += [(name, {**base, knob: v}) for v in values] if knob in accepted else [(name, base)]
     return out

@@ -5,7 +5,7 @@ from hypothesis import given, strategies as st
 
 from nanodllm.attention import attention
 from nanodllm.cache import KVCache
-from nanodllm.methods import METHODS, get_method
+from nanodllm.methods import METHODS, get_method, knob_defaults
 from nanodllm.methods.base import Dense, StepContext, attend_with_cache
 
 import pytest
@@ -106,3 +106,14 @@ def test_registry_and_unknown_method():
     assert METHODS["dense"] is Dense and isinstance(get_method("dense"), Dense)
     with pytest.raises(ValueError, match="unknown method 'nope'; valid methods: dense"):
         get_method("nope")
+
+
+def test_an_unknown_knob_lists_the_methods_knobs():
+    assert knob_defaults("mage") == {"k": 1024, "exact_layers": 2, "sparse_commit": False, "side_stream": True}
+    assert knob_defaults("dense") == {}
+    with pytest.raises(ValueError, match=r"method 'quest' has no knob 'budget', 'kk'; its knobs \(defaults\): "
+                                         r"k=1024, page_size=16, exact_layers=2, sparse_commit=False"):
+        get_method("quest", kk=3, budget=4)
+    with pytest.raises(ValueError, match="method 'dense' has no knob 'k'; its knobs \\(defaults\\): none"):
+        get_method("dense", k=1)
+    assert get_method("quest", k=64).k == 64

@@ -45,6 +45,25 @@ def test_demo_unknown_method_lists_valid_ones():
     assert "unknown method 'nope'" in done.stderr and "dense" in done.stderr
 
 
+def test_demo_knobs_reach_the_method():
+    done = demo("--method", "maskkv", "--knobs", "budget=48", "--context", "512", "--gen-length", "8", "--steps", "4")
+    assert done.returncode == 0, done.stderr
+    assert "maskkv knobs: budget=48, alpha=0.1" in done.stdout
+    kept = done.stdout.split("[maskkv]")[1].split("(")[2]  # "47 of 527 prompt tokens per head on average)"
+    assert 44 <= float(kept.split(" of ")[0]) <= 48  # the budget, less what the layer and head shares floor away
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ("size=3", "method 'mage' has no knob 'size'; its knobs (defaults): k=1024, exact_layers=2"),
+    ("k=0", "k must be an integer >= 1, got 0"),
+    ("k", "knobs are name=value pairs"),
+])
+def test_demo_bad_knobs_are_named_before_loading(knobs, message, tmp_path):
+    done = demo("--method", "mage", "--knobs", knobs, "--model", str(tmp_path / "not-read"))
+    assert done.returncode == 2 and message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_demo_bad_checkpoint_is_a_clear_error(tmp_path):
     done = demo("--model", str(tmp_path / "missing"))
     assert done.returncode != 0

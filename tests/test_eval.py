@@ -65,6 +65,7 @@ def test_longbench_file_is_scored(capsys, tmp_path):
     (["--task", "longbench"], "--task longbench needs --data"),
     (["--model", "/nowhere"], "model not found: /nowhere"),
     (["--model", "tiny-llada", "--method", "mage"], "method 'mage' runs on the block engine; this llada model"),
+    (["--method", "mage", "--knobs", "budget=64"], "method 'mage' has no knob 'budget'; its knobs (defaults): k=1024"),
 ])
 def test_bad_arguments_are_named(capsys, args, message):
     code, _, err = run_eval(capsys, *args)

@@ -1,5 +1,7 @@
 """Method registry: the --method flag's value -> class. Add a method by adding one line."""
 
+import inspect
+
 from .base import Dense, Method, StepContext
 from .dllm_cache import DllmCache
 from .dyllm import DyLLM
@@ -28,10 +30,22 @@ METHODS: dict[str, type[Method]] = {
 
 
 def get_method(name: str, **knobs) -> Method:
-    """Instantiate a registered method; an unknown name lists the valid ones."""
+    """Instantiate a registered method; an unknown name lists the valid ones, an unknown knob the
+    method's knobs with their defaults."""
+    defaults = knob_defaults(name)
+    unknown = sorted(set(knobs) - set(defaults))
+    if unknown:
+        listed = ", ".join(f"{knob}={value}" for knob, value in defaults.items()) or "none"
+        raise ValueError(f"method {name!r} has no knob {', '.join(map(repr, unknown))}; its knobs (defaults): {listed}")
+    return METHODS[name](**knobs)
+
+
+def knob_defaults(name: str) -> dict:
+    """A registered method's knobs and their defaults (the paper's), read off its constructor."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(sorted(METHODS))}")
-    return METHODS[name](**knobs)
+    parameters = list(inspect.signature(METHODS[name].__init__).parameters.values())[1:]  # past self
+    return {p.name: p.default for p in parameters}
 
 
 def parse_knobs(text: str | None) -> dict:
@@ -58,4 +72,4 @@ def parse_value(text: str):
     return text
 
 
-__all__ = ["METHODS", "Method", "Dense", "StepContext", "get_method", "parse_knobs", "parse_value"]
+__all__ = ["METHODS", "Method", "Dense", "StepContext", "get_method", "knob_defaults", "parse_knobs", "parse_value"]
