@@ -11,12 +11,16 @@ Let P be the dense attention probabilities. A block mask (per query block of chi
 blocks of beta keys) captures
     mass = mean over rows of the sum of P over the keys the row's query block keeps (and the mask allows).
 MOMO's mask is steps 1-2 of methods/momo.py (trimmed union of the sampled rows' top-k plus the
-diagonal blocks). The oracle keeps, per query block, as many key blocks as MOMO kept there, chosen by
-their true mass over the block's rows; mean pooling (the paper's baseline) ranks key blocks by the dot
-product of the query block's mean query with the key block's mean key (visible blocks only, diagonal
-blocks forced), same count. P is never formed whole: its block masses are summed over chunks of about
+diagonal blocks; --trim picks its ranking). The oracle keeps, per query block, as many key blocks as
+MOMO kept there, chosen by their true mass over the block's rows; the oracle with diagonals keeps the
+diagonal blocks, as MOMO and mean pooling must (a causal row sees its own key), and fills the same
+count with the best others by true mass, so it sets selection against selection where the diagonal
+blocks are a large part of a small budget. Mean pooling (the paper's baseline) ranks key blocks by the
+dot product of the query block's mean query with the key block's mean key (visible blocks only,
+diagonal blocks forced), same count. P is never formed whole: its block masses are summed over chunks of about
 2^28 / n query rows (fp32 scores against the keys those rows may see), per head.
-Prints mass / oracle mass for MOMO and mean pooling per length (averaged over layers, heads, prompts);
+Prints mass / oracle mass for MOMO and mean pooling per length against both oracles (averaged over
+layers, heads, prompts);
 synthetic rows add the seconds for MOMO's mask, the masses and pooling (the first includes Triton's compile).
 Model rows add a diagnostic that is not MOMO: the trim ranking every key block by its mean score over
 all sampled rows of the query block, where Algorithm 2 averages only over the rows whose top-k chose it
@@ -51,9 +55,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanodllm.attention import CanvasMask  # noqa: E402
 from nanodllm.methods.momo import (block_scores, dense_mask, diagonal_blocks, kept_blocks,  # noqa: E402
-                                   measure_and_mask, scaled_scores)
+                                   measure_and_mask, scaled_scores, trim_values)
 
 ANCHORS, ANCHOR_DIMS = 32, 16
+COLUMNS = ("| MOMO / oracle | mean pooling / oracle | MOMO / oracle with diagonals | mean pooling / oracle with "
+           "diagonals | oracle mass | blocks kept per query block |")
 MASKS = {"causal": lambda args: 1, "block": lambda args: args.block_size, "none": lambda args: None}
 
 
@@ -95,11 +101,13 @@ def momo_keep(q, k, mask_block, args, on_kernels=None):
         from kernels.qsa_attention import qsa_attention
 
         k_exact = args.k_exact if args.top_k == "estimated" else args.k
-        _, _, chosen, chosen_scores = qsa_attention(q, k, k, gamma=args.gamma, beta=args.beta, top_k=args.k,
-                                                    k_exact=k_exact, tree=args.top_k == "tree", block_size=mask_block)
-        return kept_blocks(chosen, chosen_scores, n, args.gamma, args.chi, args.beta, args.k)
+        _, lse, chosen, chosen_scores = qsa_attention(q, k, k, gamma=args.gamma, beta=args.beta, top_k=args.k,
+                                                      k_exact=k_exact, tree=args.top_k == "tree", block_size=mask_block)
+        values, summed = trim_values(chosen, chosen_scores, lse, args.trim)
+        return kept_blocks(chosen, values, n, args.gamma, args.chi, args.beta, args.k, summed)
     full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
-    return measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k_exact, args.k, args.top_k)[1]
+    return measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k_exact, args.k, args.top_k,
+                            args.trim)[1]
 
 
 def sees(query_positions, key_positions, mask_block):
@@ -163,14 +171,16 @@ def captured(mass, keep, n):
 
 def mass_ratios(mass, keep, pool_scores, n, chi, beta):
     """From the true block masses, MOMO's keep and the pooled scores: MOMO's and mean pooling's captured
-    mass over the oracle's (same count per query block), the oracle's mass, the mean blocks kept."""
+    mass over the oracle's (same count per query block) and over the oracle with diagonals', the
+    oracle's mass, the mean blocks kept."""
     counts = keep.sum(-1)
-    oracle = best_per_query_block(mass, counts)
     diagonal = diagonal_blocks(n, chi, beta, mass.device)
-    pool = best_per_query_block(pool_scores.masked_fill(diagonal, float("inf")), counts)
-    best = captured(mass, oracle, n)
-    return {"momo": captured(mass, keep, n) / best, "pool": captured(mass, pool, n) / best, "oracle": best,
-            "kept": float(counts.float().mean())}
+    best = captured(mass, best_per_query_block(mass, counts), n)
+    best_with_diagonals = captured(mass, best_per_query_block(mass.masked_fill(diagonal, float("inf")), counts), n)
+    momo = captured(mass, keep, n)
+    pool = captured(mass, best_per_query_block(pool_scores.masked_fill(diagonal, float("inf")), counts), n)
+    return {"momo": momo / best, "pool": pool / best, "momo diagonals": momo / best_with_diagonals,
+            "pool diagonals": pool / best_with_diagonals, "oracle": best, "kept": float(counts.float().mean())}
 
 
 def all_rows_scores(q, k, mask_block, gamma, chi, beta):
@@ -211,7 +221,8 @@ def table_row(first_columns, results, n, beta):
     mean = lambda key: sum(result[key] for result in results) / len(results)
     extra = f" {mean('all rows'):.4f} |" if "all rows" in results[0] else ""
     return (f"| {' | '.join(map(str, first_columns))} | {mean('momo'):.4f} | {mean('pool'):.4f} | "
-            f"{mean('oracle'):.4f} | {mean('kept'):.1f} of {-(-n // beta)} |{extra}")
+            f"{mean('momo diagonals'):.4f} | {mean('pool diagonals'):.4f} | {mean('oracle'):.4f} | "
+            f"{mean('kept'):.1f} of {-(-n // beta)} |{extra}")
 
 
 def layer_queries_and_keys(model, ids, positions, mask):
@@ -237,10 +248,10 @@ def model_table(args):
     model = load_model(model_dir, "cpu", torch.float32, context=max(args.lengths) + 64)
     tokenizer = Tokenizer.from_dir(model_dir, model.cfg.model_type)
     block_size = model.cfg.block_size if model.cfg.attention == "block_causal" else None
-    yield f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks\n"
-    yield ("| length | prompts | MOMO / oracle | mean pooling / oracle | oracle mass | blocks kept per query block | "
-           "trim over all sampled rows / oracle (diagnostic) |")
-    yield "|---|---|---|---|---|---|---|"
+    yield (f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks, "
+           f"trim {args.trim}\n")
+    yield f"| length | prompts {COLUMNS} trim over all sampled rows / oracle (diagnostic) |"
+    yield "|---|---|---|---|---|---|---|---|---|"
     for length in args.lengths:
         results = []
         samples = tasks.make_samples("passkey", length, args.n, args.seed + length,
@@ -257,9 +268,10 @@ def model_table(args):
 def synthetic_table(args):
     yield (f"synthetic (sink {args.sink_logit}, slash {args.slash_logit}, noise {args.noise}), {args.device} "
            f"{args.dtype}: heads {args.heads} (KV {args.kv_heads}), d {args.head_dim}, gamma {args.gamma}, "
-           f"chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks, top-k {args.top_k}\n")
-    yield "| length | mask | MOMO / oracle | mean pooling / oracle | oracle mass | blocks kept per query block | seconds |"
-    yield "|---|---|---|---|---|---|---|"
+           f"chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks, top-k {args.top_k}, "
+           f"trim {args.trim}\n")
+    yield f"| length | mask {COLUMNS} seconds |"
+    yield "|---|---|---|---|---|---|---|---|---|"
     for length in args.lengths:
         q, k = structured_qk(length, args.heads, args.kv_heads, args.head_dim, args.seed + length,
                              args.sink_logit, args.slash_logit, args.noise)
@@ -285,6 +297,7 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=None, help="top-k key blocks per sampled query (and k_trim); "
                         "default 4 (tiny models), synthetic 128 (the paper's)")
     parser.add_argument("--top-k", default="exact", choices=["exact", "tree", "estimated"])
+    parser.add_argument("--trim", default="mean", choices=["mean", "mass"], help="MOMO's trim: mean = Algorithm 2")
     parser.add_argument("--k-exact", type=int, default=8, help="exact slots of the estimated top-k")
     parser.add_argument("--seed", type=int, default=4321)
     synthetic = parser.add_argument_group("synthetic mode")

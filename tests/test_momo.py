@@ -1,7 +1,7 @@
 """MOMO (methods/momo.py, the torch reference): k covering every key block equals dense for every
 mask and top-k variant, a small k differs, the top-k variants return what they claim, Algorithm 2's
-union and trim, the engines decode dense's tokens with a full budget, and scripts/momo_mass.py's chunked
-block masses are the dense ones."""
+union and trim (and the "mass" trim), the engines decode dense's tokens with a full budget, and
+scripts/momo_mass.py's chunked block masses are the dense ones."""
 
 import importlib.util
 import math
@@ -19,7 +19,7 @@ from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
 from nanodllm.methods.momo import (block_lists, block_scores, delta_corrected, dense_mask, diagonal_blocks,
                                    estimated_top_k, exact_top_k, expand_blocks, kept_blocks, kept_lists, momo_attention,
-                                   scaled_scores, union_and_trim)
+                                   scaled_scores, trim_values, union_and_trim)
 from tests.tiny_models import masked_tokens, random_prompt, tiny_model
 from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
@@ -34,8 +34,9 @@ def make_mask(kind, valid):
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(8, 120), gamma=st.sampled_from([1, 2, 4]), per_block=st.sampled_from([1, 2, 4]),
        beta=st.sampled_from([4, 8, 16]), kind=st.sampled_from(MASKS),
-       top_k=st.sampled_from(["exact", "tree", "estimated"]), group=st.sampled_from([1, 2]), seed=st.integers(0, 999))
-def test_k_covering_every_block_equals_dense(n, gamma, per_block, beta, kind, top_k, group, seed):
+       top_k=st.sampled_from(["exact", "tree", "estimated"]), trim=st.sampled_from(["mean", "mass"]),
+       group=st.sampled_from([1, 2]), seed=st.integers(0, 999))
+def test_k_covering_every_block_equals_dense(n, gamma, per_block, beta, kind, top_k, trim, group, seed):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 2 * group, n, 8, generator=generator, dtype=torch.float64)
     k, v = (torch.randn(2, 2, n, 8, generator=generator, dtype=torch.float64) for _ in range(2))
@@ -45,7 +46,7 @@ def test_k_covering_every_block_equals_dense(n, gamma, per_block, beta, kind, to
     dense_mask = None if mask is None else mask.dense(n, n, q.device)
     blocks = -(-n // beta)
     out = momo_attention(q, k, v, mask, gamma=gamma, chi=gamma * per_block, beta=beta, k_blocks=blocks,
-                         k_exact=min(2, blocks), top_k=top_k)
+                         k_exact=min(2, blocks), top_k=top_k, trim=trim)
     expected = attention_reference(q, k, v, dense_mask)
     real = valid if kind in ("padding", "block-causal") else torch.ones_like(valid)
     torch.testing.assert_close(out[real[:, None].expand(-1, q.shape[1], -1)],
@@ -69,11 +70,11 @@ def test_delta_correction_gives_the_sampled_rows_their_exact_output_and_shifts_t
     assert out == [1.0, 11.0, 21.0, 35.0, 45.0, 55.0, 62.0]
 
 
-@pytest.mark.parametrize("top_k", ["exact", "estimated"])
-def test_small_k_differs(top_k):
+@pytest.mark.parametrize("top_k,trim", [("exact", "mean"), ("estimated", "mean"), ("exact", "mass")])
+def test_small_k_differs(top_k, trim):
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 256, 8, generator=generator, dtype=torch.float64) for _ in range(3))
-    out = momo_attention(q, k, v, None, gamma=4, chi=16, beta=16, k_blocks=2, k_exact=1, top_k=top_k)
+    out = momo_attention(q, k, v, None, gamma=4, chi=16, beta=16, k_blocks=2, k_exact=1, top_k=top_k, trim=trim)
     assert (out - attention_reference(q, k, v)).abs().max() > 1e-3
 
 
@@ -137,10 +138,31 @@ def test_union_and_trim_ranks_by_mean_score():
     assert keep[0, 0, 0].tolist() == [False, True, True, True]  # an unchosen block 0 takes no place
 
 
+def test_the_mass_trim_ranks_by_the_choosing_rows_summed_attention_share():
+    # row 0 (logsumexp 9) chose {0, 1}; row 1 (logsumexp 3) chose {1, 3}. By mean score block 0
+    # (score 5) wins; its share of row 0's attention is e^(5 - 9) = 0.018, while block 1 holds
+    # e^(1 - 9) + e^(2 - 3) = 0.368 and block 3 e^(1.5 - 3) = 0.223
+    chosen = torch.tensor([[[[0, 1], [1, 3]]]])
+    chosen_scores = torch.tensor([[[[5.0, 1.0], [2.0, 1.5]]]])
+    lse = torch.tensor([[[9.0, 3.0]]])
+    values, summed = trim_values(chosen, chosen_scores, lse, "mean")
+    assert not summed and union_and_trim(chosen, values, 4, 2, k_trim=1)[0, 0, 0].tolist() == [True, False, False, False]
+    values, summed = trim_values(chosen, chosen_scores, lse, "mass")
+    torch.testing.assert_close(values[0, 0], torch.tensor([[math.exp(-4), math.exp(-8)], [math.exp(-1), math.exp(-1.5)]],
+                                                          dtype=torch.float64))
+    assert summed and union_and_trim(chosen, values, 4, 2, k_trim=1, summed=True)[0, 0, 0].tolist() == [
+        False, True, False, False]
+    assert union_and_trim(chosen, values, 4, 2, k_trim=2, summed=True)[0, 0, 0].tolist() == [False, True, False, True]
+    values, _ = trim_values(torch.tensor([[[[0, -1], [-1, -1]]]]), chosen_scores, torch.tensor([[[9.0, float("-inf")]]]),
+                            "mass")
+    assert values[0, 0].tolist() == [[math.exp(-4), 0.0], [0.0, 0.0]]  # empty slots and blind rows share nothing
+
+
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 1500), gamma=st.sampled_from([4, 8, 16]), chi=st.sampled_from([16, 32, 64]),
-       beta=st.sampled_from([16, 32, 64]), k=st.integers(1, 6), k_trim=st.integers(1, 12), seed=st.integers(0, 999))
-def test_kept_lists_are_the_lists_of_kept_blocks(n, gamma, chi, beta, k, k_trim, seed):
+       beta=st.sampled_from([16, 32, 64]), k=st.integers(1, 6), k_trim=st.integers(1, 12), summed=st.booleans(),
+       seed=st.integers(0, 999))
+def test_kept_lists_are_the_lists_of_kept_blocks(n, gamma, chi, beta, k, k_trim, summed, seed):
     # the kernel path's lists (compact union, trim and diagonal merge where the key blocks outnumber a
     # query block's candidates, about half of the drawn cases) against the dense mask's
     generator = torch.Generator().manual_seed(seed)
@@ -150,13 +172,16 @@ def test_kept_lists_are_the_lists_of_kept_blocks(n, gamma, chi, beta, k, k_trim,
     chosen = torch.where(chosen >= 0, (chosen * 7919 + torch.arange(k)) % blocks, -1)  # few duplicates in a row
     scores = torch.randint(-4, 4, chosen.shape, generator=generator).double()  # many ties
     scores = torch.where(chosen >= 0, scores, float("-inf"))
-    expected = block_lists(kept_blocks(chosen, scores, n, gamma, chi, beta, k_trim))
-    assert torch.equal(kept_lists(chosen, scores, n, gamma, chi, beta, k_trim), expected)
+    if summed:  # the mass trim's values: shares in [0, 1] (quarters: many tied sums), 0 in empty slots
+        scores = torch.where(chosen >= 0, (scores + 4) / 8, 0.0)
+    expected = block_lists(kept_blocks(chosen, scores, n, gamma, chi, beta, k_trim, summed))
+    assert torch.equal(kept_lists(chosen, scores, n, gamma, chi, beta, k_trim, summed), expected)
 
 
-@pytest.mark.parametrize("kind,top_k", [("bidirectional", "exact"), ("padding", "exact"), ("block-causal", "exact"),
-                                        ("padding", "tree"), ("block-causal", "estimated")])
-def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypatch, kind, top_k):
+@pytest.mark.parametrize("kind,top_k,trim", [("bidirectional", "exact", "mean"), ("padding", "exact", "mean"),
+                                             ("block-causal", "exact", "mean"), ("padding", "tree", "mean"),
+                                             ("block-causal", "estimated", "mean"), ("padding", "exact", "mass")])
+def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypatch, kind, top_k, trim):
     import nanodllm.methods.momo as momo
 
     generator = torch.Generator().manual_seed(1)
@@ -165,7 +190,7 @@ def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypat
     k, v = (on_grid(torch.randn(2, 2, 200, 16, generator=generator)).to(DEVICE) for _ in range(2))
     valid = torch.ones(2, 200, dtype=torch.bool, device=DEVICE)
     valid[1, 150:] = False
-    knobs = dict(gamma=4, chi=64, beta=16, k_blocks=4, k_exact=2, top_k=top_k)
+    knobs = dict(gamma=4, chi=64, beta=16, k_blocks=4, k_exact=2, top_k=top_k, trim=trim)
     expected = momo_attention(q, k, v, make_mask(kind, valid), **knobs)  # float32: torch on a GPU too
     monkeypatch.setattr(momo, "use_kernels", lambda q: True)  # the Triton kernels (interpreted on a CPU)
     got = momo_attention(q, k, v, make_mask(kind, valid), **knobs)
@@ -193,6 +218,8 @@ def test_bad_knobs_are_named():
         get_method("momo", top_k="heap")
     with pytest.raises(ValueError, match="k_exact"):
         get_method("momo", k=8, k_exact=9)
+    with pytest.raises(ValueError, match="trim must be 'mean' or 'mass'"):
+        get_method("momo", trim="median")
 
 
 def load_mass_script():
@@ -234,3 +261,21 @@ def test_mass_script_all_rows_diagnostic_averages_every_sampled_row(mask_block):
         expected = torch.where(seen, stacked_rows, 0.0).sum(2) / seen.sum(2).clamp(min=1)
         expected = torch.where(seen.any(2), expected, float("-inf"))
         torch.testing.assert_close(scores[:, :, query_block], expected)
+
+
+def test_mass_script_oracle_with_diagonals_keeps_them_and_the_best_others():
+    """mass_ratios: the oracle with diagonals holds the diagonal blocks and, to the same count, the
+    others of most mass, so a mask that does exactly that scores 1 against it and no more than 1
+    against the free oracle; a free oracle's pick scores 1 against the free oracle."""
+    momo_mass = load_mass_script()
+    n, chi, beta = 256, 64, 32
+    mass = torch.rand(1, 2, n // chi, n // beta, generator=torch.Generator().manual_seed(3))
+    diagonal = diagonal_blocks(n, chi, beta, "cpu")
+    mass = torch.where(diagonal, mass / 10, mass)  # the diagonal blocks hold little: the two oracles differ
+    counts = torch.full(mass.shape[:-1], 4)
+    pooled = torch.zeros(mass.shape)
+    with_diagonals = momo_mass.best_per_query_block(mass.masked_fill(diagonal, float("inf")), counts)
+    ratios = momo_mass.mass_ratios(mass, with_diagonals, pooled, n, chi, beta)
+    assert abs(ratios["momo diagonals"] - 1) < 1e-6 and ratios["momo"] < 1 - 1e-3
+    free = momo_mass.best_per_query_block(mass, counts)
+    assert abs(momo_mass.mass_ratios(mass, free, pooled, n, chi, beta)["momo"] - 1) < 1e-6

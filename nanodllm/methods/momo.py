@@ -10,6 +10,12 @@ always added. Every query then attends to its query block's kept key blocks (blo
 O_*), and the error that sparsity makes is corrected with the sampled rows' exact outputs:
 O_i = O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) * gamma] (eq. 2-3).
 
+Trim (`trim`, not in the paper): "mass" ranks the union by each block's share of the attention of
+the rows that chose it, exp(S(j) - logsumexp of the row), summed over those rows: the oracle's
+criterion measured on the sampled rows. Algorithm 2's mean of raw eq. 4 scores lets a row with
+larger logits outvote the others, and a block one row ranks high outrank one every row ranks well;
+on the tiny models' diffuse attention "mass" keeps more of the mass (docs/results/momo_tiny.md).
+
 Top-k variants (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) both
 return the exact top-k (ties to the lower block index), "estimated" (the k_exact best exactly, the other
 k - k_exact slots filled greedily by blocks whose score beats a Gaussian threshold from Welford
@@ -21,9 +27,9 @@ kernels/qsa_attention.py (step 1 with either top-k fused) and kernels/block_spar
 
 Hooks: prefill (block engine: the prompt's attention), step (masked engine, canvas=True: every full
 canvas step).
-Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant).
+Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant and trim).
 Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
-top_k = "exact" | "tree" | "estimated", canvas = False.
+top_k = "exact" | "tree" | "estimated", trim = "mean" (Algorithm 2) | "mass", canvas = False.
 """
 
 from __future__ import annotations
@@ -97,10 +103,21 @@ def mark(indices, size):
     return out.scatter_(-1, torch.where(indices >= 0, indices, size), True)[..., :size]
 
 
-def union_and_trim(chosen, chosen_scores, blocks, rows_per_block, k_trim):
+def trim_values(chosen, chosen_scores, lse, trim):
+    """(what the trim ranks each chosen block by, whether it sums them over the choosing rows): "mean"
+    (Algorithm 2) the eq. 4 scores, averaged; "mass" the block's share of its row's attention,
+    exp(S(j) - lse) with lse [batch, heads, rows] the sampled rows' logsumexp, summed."""
+    if trim == "mean":
+        return chosen_scores, False
+    share = (chosen_scores.double() - lse.double()[..., None]).exp()
+    return torch.where(chosen >= 0, share, 0.0), True
+
+
+def union_and_trim(chosen, chosen_scores, blocks, rows_per_block, k_trim, summed=False):
     """Algorithm 2: per query block, the union of its sampled rows' chosen key blocks, ranked by
-    their mean score over the rows that chose them; the k_trim best. chosen [batch, heads, rows, k]
-    (-1 = none) with their scores; returns keep [batch, heads, query blocks, blocks] bool."""
+    their mean score over the rows that chose them (with summed, by the sum); the k_trim best. chosen
+    [batch, heads, rows, k] (-1 = none) with their scores; returns keep [batch, heads, query blocks,
+    blocks] bool."""
     batch, heads, rows, k = chosen.shape
     query_blocks = math.ceil(rows / rows_per_block)
     pad = query_blocks * rows_per_block - rows
@@ -110,14 +127,14 @@ def union_and_trim(chosen, chosen_scores, blocks, rows_per_block, k_trim):
     slots = torch.where(entries >= 0, entries.long(), blocks)  # a sentinel column for the empty slots
     total = values.new_zeros(batch, heads, query_blocks, blocks + 1).scatter_add_(3, slots, torch.where(entries >= 0, values, 0.0))
     times = total.new_zeros(total.shape).scatter_add_(3, slots, (entries >= 0).double())
-    mean = torch.where(times > 0, total / times.clamp(min=1), float("-inf"))[..., :blocks]
-    return mark(exact_top_k(mean, k_trim), blocks)
+    rank = torch.where(times > 0, total if summed else total / times.clamp(min=1), float("-inf"))[..., :blocks]
+    return mark(exact_top_k(rank, k_trim), blocks)
 
 
-def kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim):
+def kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim, summed=False):
     """Step 2: keep [batch, heads, query blocks, key blocks] bool, the sampled rows' chosen key
-    blocks united and trimmed per query block (Algorithm 2) plus the diagonal blocks."""
-    keep = union_and_trim(chosen, chosen_scores, math.ceil(n / beta), chi // gamma, k_trim)
+    blocks united and trimmed per query block (Algorithm 2, union_and_trim) plus the diagonal blocks."""
+    keep = union_and_trim(chosen, chosen_scores, math.ceil(n / beta), chi // gamma, k_trim, summed)
     return keep | diagonal_blocks(n, chi, beta, chosen.device)
 
 
@@ -134,7 +151,7 @@ def diagonal_blocks(n, chi, beta, device):
     return (key_block[None, :] >= first[:, None]) & (key_block[None, :] <= last[:, None])
 
 
-def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim):
+def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim, summed=False):
     """block_lists(kept_blocks(...)): [batch, heads, query blocks, L] int32 (-1 padded), L = the
     longest. A query block's union has at most chi / gamma x k candidates; where the key blocks are
     more (long prompts), only the candidates are sorted, grouped by block (mean score per group),
@@ -145,7 +162,7 @@ def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim):
     batch, heads, rows, k = chosen.shape
     blocks, rows_per_block = math.ceil(n / beta), chi // gamma
     if rows_per_block * k >= blocks:
-        return block_lists(kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim))
+        return block_lists(kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim, summed))
     query_blocks = math.ceil(rows / rows_per_block)
     pad = query_blocks * rows_per_block - rows
     entries = torch.nn.functional.pad(chosen, (0, 0, 0, pad), value=-1).view(batch, heads, query_blocks, -1).long()
@@ -158,8 +175,9 @@ def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim):
     total = torch.zeros_like(values).scatter_add_(-1, group, values)
     times = torch.zeros_like(values).scatter_add_(-1, group, torch.ones_like(values))
     group_block = torch.full_like(entries, blocks).scatter_(-1, group, entries)
-    mean = torch.where((times > 0) & (group_block < blocks), total / times.clamp(min=1), float("-inf"))
-    best, slots = lower_first(mean, group_block).topk(min(k_trim, mean.shape[-1]), dim=-1)
+    rank = torch.where((times > 0) & (group_block < blocks), total if summed else total / times.clamp(min=1),
+                       float("-inf"))
+    best, slots = lower_first(rank, group_block).topk(min(k_trim, rank.shape[-1]), dim=-1)
     trimmed = torch.where(best > float("-inf"), group_block.gather(-1, slots), blocks)
     first, last = diagonal_range(n, chi, beta, chosen.device)
     diagonal = first[:, None] + torch.arange(chi // beta + 2, device=chosen.device)  # enough for any alignment
@@ -180,7 +198,7 @@ def block_lists(keep):
 
 
 def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128, k_exact=8, k_trim=None,
-                   top_k="exact"):
+                   top_k="exact", trim="mean"):
     """Algorithm 1: q [batch, heads, n, d], k/v [batch, kv_heads, n, d], mask a CanvasMask, a bool
     [batch, 1, n, n] or None (bidirectional). Returns [batch, heads, n, d] in q's dtype. On the
     Triton kernels (kernels/qsa_attention.py, block_sparse_attention.py) when use_kernels(q) and the
@@ -191,14 +209,16 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
     structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
     if use_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % SPARSE_TILES["BLOCK_M"] == 0:
         k_exact = k_exact if top_k == "estimated" else k_blocks
-        return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks, top_k == "tree")
+        return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks,
+                               top_k == "tree", trim)
     full = dense_mask(mask, n, q.device)
-    o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks, top_k)
+    o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks, top_k,
+                                     trim)
     o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full)), v)
     return delta_corrected(o_sparse, o_gamma, gamma).to(q.dtype)
 
 
-def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k):
+def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k, trim="mean"):
     """Steps 1-2 in torch: (O_gamma [batch, heads, sampled rows, d], keep [batch, heads, query
     blocks, key blocks] bool, the trimmed union with the diagonal blocks). full: dense_mask's."""
     n = q.shape[2]
@@ -208,7 +228,8 @@ def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim,
     scores = block_scores(sampled_scores, beta)
     chosen = estimated_top_k(scores, k_blocks, k_exact) if top_k == "estimated" else exact_top_k(scores, k_blocks)
     chosen_scores = torch.where(chosen >= 0, scores.gather(-1, chosen.clamp(min=0)), float("-inf"))
-    return o_gamma, kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim)
+    values, summed = trim_values(chosen, chosen_scores, sampled_scores.logsumexp(dim=-1), trim)
+    return o_gamma, kept_blocks(chosen, values, n, gamma, chi, beta, k_trim, summed)
 
 
 def expand_blocks(keep, n, chi, beta, full=None):
@@ -225,7 +246,7 @@ def delta_corrected(o_sparse, o_gamma, gamma):
     return o_sparse + delta[:, :, torch.arange(n, device=o_sparse.device) // gamma]
 
 
-def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, tree):
+def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, tree, trim="mean"):
     """The same pipeline without an [n, n] tensor: QSA kernel -> union and trim -> block-sparse kernel."""
     from kernels.block_sparse_attention import block_sparse_attention
     from kernels.qsa_attention import qsa_attention
@@ -233,9 +254,10 @@ def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, 
     masking = {}
     if mask is not None:
         masking = {"block_size": mask.block_size, "k_valid": None if mask.valid is None else mask.valid[:, -q.shape[2]:]}
-    o_gamma, _, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks,
-                                                      k_exact=k_exact, tree=tree, **masking)
-    lists = kept_lists(chosen, chosen_scores, q.shape[2], gamma, chi, beta, k_trim)
+    o_gamma, lse, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks,
+                                                        k_exact=k_exact, tree=tree, **masking)
+    values, summed = trim_values(chosen, chosen_scores, lse, trim)
+    lists = kept_lists(chosen, values, q.shape[2], gamma, chi, beta, k_trim, summed)
     o_sparse, _ = block_sparse_attention(q, k, v, lists, chi=chi, beta=beta, **masking)
     return delta_corrected(o_sparse.float(), o_gamma.float(), gamma).to(q.dtype)
 
@@ -245,7 +267,7 @@ class Momo(Method):
     engines = ("block", "masked")
 
     def __init__(self, gamma: int = 16, chi: int = 128, beta: int = 64, k: int = 128, k_exact: int = 8,
-                 k_trim: int | None = None, top_k: str = "exact", canvas: bool = False):
+                 k_trim: int | None = None, top_k: str = "exact", trim: str = "mean", canvas: bool = False):
         super().__init__()
         check_int(1, gamma=gamma, chi=chi, beta=beta, k=k)
         if chi % gamma:
@@ -254,7 +276,10 @@ class Momo(Method):
             raise ValueError(f"top_k must be 'exact', 'tree' or 'estimated', got {top_k!r}")
         if not 0 <= k_exact <= k:
             raise ValueError(f"k_exact must be in [0, k], got {k_exact!r}")
-        self.knobs = dict(gamma=gamma, chi=chi, beta=beta, k_blocks=k, k_exact=k_exact, k_trim=k_trim, top_k=top_k)
+        if trim not in ("mean", "mass"):
+            raise ValueError(f"trim must be 'mean' or 'mass', got {trim!r}")
+        self.knobs = dict(gamma=gamma, chi=chi, beta=beta, k_blocks=k, k_exact=k_exact, k_trim=k_trim, top_k=top_k,
+                          trim=trim)
         self.canvas = canvas
 
     def attention(self, q, k, v, mask):
