@@ -220,6 +220,8 @@ def test_bad_knobs_are_named():
         get_method("momo", k=8, k_exact=9)
     with pytest.raises(ValueError, match="trim must be 'mean' or 'mass'"):
         get_method("momo", trim="median")
+    with pytest.raises(ValueError, match="k_trim must be an integer >= 1, got 0"):  # 0 once fell back to k
+        get_method("momo", k_trim=0)
 
 
 def load_mass_script():
