@@ -126,9 +126,9 @@ def main(argv=None) -> int:
 
     print(f"model: {model_dir} ({cfg.model_type}, {engine_name} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
-    if knob_defaults(args.method):
-        print(f"{args.method} knobs: " + ", ".join(
-            f"{knob}={knobs.get(knob, default)}" for knob, default in knob_defaults(args.method).items()))
+    defaults = knob_defaults(args.method)
+    if defaults:
+        print(f"{args.method} knobs: " + ", ".join(f"{knob}={knobs.get(knob, default)}" for knob, default in defaults.items()))
     if answer is not None:
         print(f"built-in prompt: find the pass key hidden halfway through {args.context} tokens; the answer is {answer}")
     for name, (tokens, seconds, peak, memory_kind, kv_kept) in runs.items():

@@ -77,10 +77,9 @@ def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     layer took ~180 us at batch 16, 25%, on an H100)."""
     batch, t = x.shape[:2]
     if batch == 1 or x.stride(0) == t * x.stride(1):
-        flat_rows = rows.flatten()  # batch 1: no offsets to add, no extra launch
-        if batch > 1:
-            flat_rows = (rows + torch.arange(0, batch * t, t, device=rows.device)[:, None]).flatten()
-        return x.flatten(0, 1).index_select(0, flat_rows).view(*rows.shape, *x.shape[2:])
+        # batch 1: no offsets to add, no extra launch
+        flat_rows = rows if batch == 1 else rows + torch.arange(0, batch * t, t, device=rows.device)[:, None]
+        return x.flatten(0, 1).index_select(0, flat_rows.flatten()).view(*rows.shape, *x.shape[2:])
     index = rows.view(*rows.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
     return x.gather(1, index)
 

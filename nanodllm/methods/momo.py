@@ -269,7 +269,9 @@ class Momo(Method):
     def __init__(self, gamma: int = 16, chi: int = 128, beta: int = 64, k: int = 128, k_exact: int = 8,
                  k_trim: int | None = None, top_k: str = "exact", trim: str = "mean", canvas: bool = False):
         super().__init__()
-        check_int(1, gamma=gamma, chi=chi, beta=beta, k=k, **({} if k_trim is None else {"k_trim": k_trim}))
+        check_int(1, gamma=gamma, chi=chi, beta=beta, k=k)
+        if k_trim is not None:
+            check_int(1, k_trim=k_trim)
         if chi % gamma:
             raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
         if top_k not in ("exact", "tree", "estimated"):
