@@ -104,9 +104,9 @@ def momo_keep(q, k, mask_block, args, on_kernels=None):
         _, lse, chosen, chosen_scores = qsa_attention(q, k, k, gamma=args.gamma, beta=args.beta, top_k=args.k,
                                                       k_exact=k_exact, tree=args.top_k == "tree", block_size=mask_block)
         values, summed = trim_values(chosen, chosen_scores, lse, args.trim)
-        return kept_blocks(chosen, values, n, args.gamma, args.chi, args.beta, args.k, summed)
+        return kept_blocks(chosen, values, n, args.gamma, args.chi, args.beta, args.k_trim, summed)
     full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
-    return measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k_exact, args.k, args.top_k,
+    return measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k_exact, args.k_trim, args.top_k,
                             args.trim)[1]
 
 
@@ -248,7 +248,7 @@ def model_table(args):
     model = load_model(model_dir, "cpu", torch.float32, context=max(args.lengths) + 64)
     tokenizer = Tokenizer.from_dir(model_dir, model.cfg.model_type)
     block_size = model.cfg.block_size if model.cfg.attention == "block_causal" else None
-    yield (f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks, "
+    yield (f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = {args.k}, k_trim = {args.k_trim} key blocks, "
            f"trim {args.trim}\n")
     yield f"| length | prompts {COLUMNS} trim over all sampled rows / oracle (diagnostic) |"
     yield "|---|---|---|---|---|---|---|---|---|"
@@ -268,7 +268,7 @@ def model_table(args):
 def synthetic_table(args):
     yield (f"synthetic (sink {args.sink_logit}, slash {args.slash_logit}, noise {args.noise}), {args.device} "
            f"{args.dtype}: heads {args.heads} (KV {args.kv_heads}), d {args.head_dim}, gamma {args.gamma}, "
-           f"chi {args.chi}, beta {args.beta}, k = k_trim = {args.k} key blocks, top-k {args.top_k}, "
+           f"chi {args.chi}, beta {args.beta}, k = {args.k}, k_trim = {args.k_trim} key blocks, top-k {args.top_k}, "
            f"trim {args.trim}\n")
     yield f"| length | mask {COLUMNS} seconds |"
     yield "|---|---|---|---|---|---|---|---|---|"
@@ -294,8 +294,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gamma", type=int, default=16)
     parser.add_argument("--chi", type=int, default=128)
     parser.add_argument("--beta", type=int, default=64)
-    parser.add_argument("--k", type=int, default=None, help="top-k key blocks per sampled query (and k_trim); "
+    parser.add_argument("--k", type=int, default=None, help="top-k key blocks per sampled query (and k_trim unless --k-trim); "
                         "default 4 (tiny models), synthetic 128 (the paper's)")
+    parser.add_argument("--k-trim", type=int, default=None, help="blocks kept per query block (default --k)")
     parser.add_argument("--top-k", default="exact", choices=["exact", "tree", "estimated"])
     parser.add_argument("--trim", default="mean", choices=["mean", "mass"], help="MOMO's trim: mean = Algorithm 2")
     parser.add_argument("--k-exact", type=int, default=8, help="exact slots of the estimated top-k")
@@ -315,6 +316,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in (args.lengths or ("32768,65536,131072" if args.synthetic else "2048")).split(",")]
     args.k = args.k or (128 if args.synthetic else 4)
+    args.k_trim = args.k_trim or args.k
     args.kv_heads = args.kv_heads or args.heads
     lines = []
     for line in synthetic_table(args) if args.synthetic else model_table(args):

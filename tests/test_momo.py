@@ -265,6 +265,23 @@ def test_mass_script_all_rows_diagnostic_averages_every_sampled_row(mask_block):
         torch.testing.assert_close(scores[:, :, query_block], expected)
 
 
+def test_mass_script_k_trim_below_k_trims_the_union(tmp_path):
+    """--k-trim below --k keeps fewer blocks per query block than k_trim = k: at most k_trim plus the
+    query block's two diagonal key blocks (chi = 2 beta)."""
+    momo_mass = load_mass_script()
+    common = ["--synthetic", "--lengths", "1024", "--heads", "2", "--head-dim", "32", "--k", "6", "--mask", "causal",
+              "--device", "cpu", "--dtype", "float32"]
+    kept = {}
+    for k_trim in (6, 3):
+        out = tmp_path / f"{k_trim}.md"
+        momo_mass.main(common + ["--k-trim", str(k_trim), "--out", str(out)])
+        lines = out.read_text().splitlines()
+        assert f"k = 6, k_trim = {k_trim} key blocks" in lines[0]
+        kept[k_trim] = float(lines[-1].split("|")[8].split(" of ")[0])
+    assert kept[3] < kept[6]
+    assert kept[3] <= 3 + 2
+
+
 def test_mass_script_oracle_with_diagonals_keeps_them_and_the_best_others():
     """mass_ratios: the oracle with diagonals holds the diagonal blocks and, to the same count, the
     others of most mass, so a mask that does exactly that scores 1 against it and no more than 1
