@@ -14,7 +14,8 @@ Trim (`trim`, not in the paper): "mass" ranks the union by each block's share of
 the rows that chose it, exp(S(j) - logsumexp of the row), summed over those rows: the oracle's
 criterion measured on the sampled rows. Algorithm 2's mean of raw eq. 4 scores lets a row with
 larger logits outvote the others, and a block one row ranks high outrank one every row ranks well;
-on the tiny models' diffuse attention "mass" keeps more of the mass (docs/results/momo_tiny.md).
+on the tiny models' diffuse attention "mass" keeps more of the mass (docs/results/momo_tiny.md), the
+more so with a per-row k above k_trim, which the mean ranking does not reward.
 
 Top-k variants (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) both
 return the exact top-k (ties to the lower block index), "estimated" (the k_exact best exactly, the other
