@@ -106,8 +106,8 @@ def momo_keep(q, k, mask_block, args, on_kernels=None):
         values, summed = trim_values(chosen, chosen_scores, lse, args.trim)
         return kept_blocks(chosen, values, n, args.gamma, args.chi, args.beta, args.k_trim, summed)
     full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
-    return measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k_exact, args.k_trim, args.top_k,
-                            args.trim)[1]
+    return measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k_exact, args.k_trim,
+                            args.top_k, args.trim)[1]
 
 
 def sees(query_positions, key_positions, mask_block):
@@ -248,8 +248,8 @@ def model_table(args):
     model = load_model(model_dir, "cpu", torch.float32, context=max(args.lengths) + 64)
     tokenizer = Tokenizer.from_dir(model_dir, model.cfg.model_type)
     block_size = model.cfg.block_size if model.cfg.attention == "block_causal" else None
-    yield (f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = {args.k}, k_trim = {args.k_trim} key blocks, "
-           f"trim {args.trim}\n")
+    yield (f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = {args.k}, "
+           f"k_trim = {args.k_trim} key blocks, trim {args.trim}\n")
     yield f"| length | prompts {COLUMNS} trim over all sampled rows / oracle (diagnostic) |"
     yield "|---|---|---|---|---|---|---|---|---|"
     for length in args.lengths:
@@ -294,8 +294,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gamma", type=int, default=16)
     parser.add_argument("--chi", type=int, default=128)
     parser.add_argument("--beta", type=int, default=64)
-    parser.add_argument("--k", type=int, default=None, help="top-k key blocks per sampled query (and k_trim unless --k-trim); "
-                        "default 4 (tiny models), synthetic 128 (the paper's)")
+    parser.add_argument("--k", type=int, default=None, help="top-k key blocks per sampled query (and k_trim "
+                        "unless --k-trim); default 4 (tiny models), synthetic 128 (the paper's)")
     parser.add_argument("--k-trim", type=int, default=None, help="blocks kept per query block (default --k)")
     parser.add_argument("--top-k", default="exact", choices=["exact", "tree", "estimated"])
     parser.add_argument("--trim", default="mean", choices=["mean", "mass"], help="MOMO's trim: mean = Algorithm 2")
