@@ -109,11 +109,13 @@ def decode_split_kernel(
     stride_vb, stride_vn, stride_vh, stride_vd,
     num_kv_heads, group, num_queries, keys_per_split, qk_scale, same_length,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SAME_LENGTH: tl.constexpr,
+    SAME_LENGTH: tl.constexpr, BLOCK_APART: tl.constexpr,
 ):
     """Program (m_tile, split, batch*kv_head): one query tile against keys
     [split*keys_per_split, (split+1)*keys_per_split) of its row, clipped to the row's length
-    (lengths[batch], or same_length for every row when SAME_LENGTH)."""
+    (lengths[batch], or same_length for every row when SAME_LENGTH). With BLOCK_APART the last
+    split takes the block's own num_queries keys and the others cut the prefix before them, so the
+    partials of all but the last merge to the prefix's LSE."""
     m_tile, split, batch_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
     q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,
@@ -125,6 +127,11 @@ def decode_split_kernel(
         length = tl.load(lengths_ptr + batch).to(tl.int32)
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, length)
+    if BLOCK_APART:
+        prefix = length - num_queries
+        last = split == tl.num_programs(1) - 1
+        start = tl.where(last, prefix, start)
+        end = tl.where(last, length, tl.minimum(end, prefix))
     k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     dims = tl.arange(0, HEAD_DIM)
@@ -342,8 +349,10 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
 
 
 def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None, num_splits=None,
-                    check_lengths=False, tiles=None):
-    """decode_attention's split pass alone (same arguments): the scratch merge_splits combines."""
+                    check_lengths=False, tiles=None, block_apart=False):
+    """decode_attention's split pass alone (same arguments): the scratch merge_splits combines.
+    block_apart: the block's own L keys (the last L of each row) get a slice of their own, the last,
+    so that prefix_lse can merge the others' LSEs into the prefix's alone (MAGE's eq. 3)."""
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache,
                                                                                              DENSE_MAX_QUERIES)
     same_length = isinstance(lengths, int)
@@ -368,17 +377,32 @@ def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None
         raise ValueError(f"tiles may set {sorted(launch)}, got {sorted(tiles)}")
     launch.update(tiles or {})
     m_tiles = triton.cdiv(num_rows, launch["BLOCK_M"])
-    keys_per_split, num_splits = split_keys(max_length, batch * num_kv_heads * m_tiles, q.device,
-                                            launch["BLOCK_N"], num_splits)
+    if block_apart:  # slices over the longest prefix, then one for the block's keys
+        num_splits = None if num_splits is None else min(num_splits, MAX_SPLITS - 1)
+        keys_per_split, num_splits = split_keys(max(max_length - num_queries, 1), batch * num_kv_heads * m_tiles,
+                                                q.device, launch["BLOCK_N"], num_splits)
+        num_splits += 1
+    else:
+        keys_per_split, num_splits = split_keys(max_length, batch * num_kv_heads * m_tiles, q.device,
+                                                launch["BLOCK_N"], num_splits)
     part_out, part_lse = partial_buffers(batch * num_kv_heads, num_splits, num_rows, head_dim, q.dtype, q.device)
     grid = (m_tiles, num_splits, batch * num_kv_heads)
     decode_split_kernel[grid](
         q, k_cache, v_cache, q if same_length else lengths, part_out, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads, group, num_queries, keys_per_split, scale * LOG2E.value, lengths if same_length else 0,
-        HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), SAME_LENGTH=same_length, **launch,
+        HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), SAME_LENGTH=same_length, BLOCK_APART=block_apart,
+        **launch,
     )
     return part_out, part_lse
+
+
+def prefix_lse(part_lse, q):
+    """From a block_apart split pass: each query's natural-log LSE over its row's prefix alone,
+    [batch, heads, L] float32 (-inf for an empty prefix): the base-2 LSEs of every slice but the
+    last (the block's keys) merged."""
+    batch, num_heads, num_queries, _ = q.shape
+    return torch.logsumexp(part_lse[:, :-1] * LN2.value, dim=1).reshape(batch, num_heads, num_queries)
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, scale=None, return_lse=True):

@@ -7,8 +7,9 @@ queries of each of the `group` query heads that read KV head h):
                                                                    sum (MaskKV mask voting)
     dots[b, h, j]   = mean_r scale * q_r . k_j                     (optional, Sparse-dLLM)
 
-lse is the full-attention log-sum-exp that decode_attention returns, so the probabilities are the
-true ones of the full attention over prefix and block keys; nothing is renormalised here.
+lse is the caller's normaliser, per query row: a full attention's log-sum-exp gives the true
+probabilities of that attention (MaskKV passes flash_attention's), decode_partials' prefix_lse those
+of a softmax over the prefix alone (MAGE's eq. 3); nothing is renormalised here.
 
 dots and Sparse-dLLM: its Algorithm 1 scores candidate keys with A = mean(Q_b) K^T (its equation
 divides by sqrt(d_k)): the mean of the current block's query states against each key, before max

@@ -24,7 +24,8 @@ from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kernels import decode_attention as decode_module  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from kernels.decode_attention import (decode_attention, decode_attention_reference, decode_partials,  # noqa: E402
+                                      merge_splits, prefix_lse)
 from kernels.key_scores import key_scores, key_scores_reference  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference  # noqa: E402
 from tests.device import DEVICE
@@ -121,6 +122,26 @@ def test_decode_attention_matches_reference(case, num_splits, tiles, same_length
     assert out.transpose(1, 2).is_contiguous()  # [batch, L, heads, D] in memory: o_proj reads it as is
     assert_close(out, expected_out, case.dtype)
     assert_lse_close(lse, expected_lse)
+
+
+@given(case=cases(), num_splits=st.none() | st.integers(1, 6), same_length=st.booleans())
+@example(case=EDGE_CASES[1], num_splits=None, same_length=False)  # a row with an empty prefix
+@example(case=EDGE_CASES[2], num_splits=3, same_length=False)  # ragged: a short row's prefix slices are empty
+def test_block_apart_keeps_the_attention_and_gives_the_prefix_lse(case, num_splits, same_length):
+    """With the block's keys in a slice of their own the merge is still the whole attention, and the
+    other slices merge to each query's LSE over its row's prefix alone (-inf where that is empty)."""
+    q, k, v, prefixes = case.tensors()
+    lengths = prefixes + case.num_queries
+    if same_length:
+        lengths = int(lengths.min())
+        prefixes = torch.full_like(prefixes, lengths - case.num_queries)
+    partials = decode_partials(q, k, v, lengths, num_splits=num_splits, block_apart=True)
+    out, lse = merge_splits(*partials, q)
+    expected_out, expected_lse = decode_attention_reference(q, k, v, lengths)
+    assert_close(out, expected_out, case.dtype)
+    assert_lse_close(lse, expected_lse)
+    _, expected_prefix_lse = decode_attention_reference(q, k, v, prefixes)
+    assert_lse_close(prefix_lse(partials[1], q), expected_prefix_lse)
 
 
 @pytest.mark.parametrize("element_size", [2, 4])

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nanodllm.attention as attention_module
-from kernels.decode_attention import decode_attention, decode_attention_reference
+from kernels.decode_attention import decode_attention_reference, decode_partials, prefix_lse
 from kernels.key_scores import key_scores, key_scores_reference
 from kernels.sparse_decode_attention import sparse_decode_attention
 from nanodllm import block
@@ -31,12 +31,15 @@ def test_block_probabilities_match_the_kernel_reference(batch, group, block, pre
     q = torch.randn(batch, kv_heads * group, block, head_dim, generator=generator, dtype=torch.float64)
     k_cache = torch.randn(batch, 50, kv_heads, head_dim, generator=generator, dtype=torch.float64)
     got = block_probabilities(q, k_cache, prefix_lengths)
-    _, lse = decode_attention_reference(q, k_cache, k_cache, prefix_lengths + block)
+    _, lse = decode_attention_reference(q, k_cache, k_cache, prefix_lengths)  # over each row's prefix alone
     if int(prefix_lengths.max()) == 0:
         assert got.shape == (batch, kv_heads, 0)
         return
     expected = key_scores_reference(q, k_cache, prefix_lengths, lse.float())
     torch.testing.assert_close(got, expected.to(got.dtype), atol=1e-6, rtol=1e-4)
+    # eq. 3: a mean of per-query distributions over the prefix, so each row with a prefix sums to 1
+    has_prefix = (prefix_lengths > 0).to(got.dtype)[:, None].expand(-1, kv_heads)
+    torch.testing.assert_close(got.sum(-1), has_prefix, atol=1e-6, rtol=0)  # fp32 scores
 
 
 def test_select_top_k_keeps_the_best_keys_in_order():
@@ -84,10 +87,22 @@ def test_tiny_budget_differs():
 
 
 def test_exact_layers_stay_exact():
-    model = tiny_model("sdar")
+    """On a 3-layer model with exact_layers = 2 only layer 2 ever attends to a selection; with every
+    layer exact the tokens are dense's whatever k."""
+    model = tiny_model("sdar", num_hidden_layers=3)
     prompts = [random_prompt(40, seed=s) for s in range(4)]
+    mage = get_method("mage", k=1, exact_layers=2)
+    attend_selected, sparse_layers = mage.attend_selected, set()
+
+    def spy(layer, *args):
+        sparse_layers.add(layer)
+        return attend_selected(layer, *args)
+
+    mage.attend_selected = spy
+    generate(model, prompts, mage)
+    assert sparse_layers == {2}
     dense = generate(model, prompts, get_method("dense"))
-    assert generate(model, prompts, get_method("mage", k=1, exact_layers=2)).tokens == dense.tokens
+    assert generate(model, prompts, get_method("mage", k=1, exact_layers=3)).tokens == dense.tokens
 
 
 def test_bad_knobs_are_named():
@@ -112,8 +127,9 @@ def test_kernel_selection_and_sparse_attention_match_torch(prefixes, k):
     k_block, v_block = k_cache[rows, slots].transpose(1, 2), v_cache[rows, slots].transpose(1, 2)
     prefix = int(prefix_lengths.max())
 
-    _, lse = decode_attention(q, k_cache, v_cache, prefix_lengths + block, max_length=prefix + block)
-    kernel_scores = key_scores(q, k_cache, prefix_lengths, lse, max_length=prefix)
+    partials = decode_partials(q, k_cache, v_cache, prefix_lengths + block, max_length=prefix + block,
+                               block_apart=True)
+    kernel_scores = key_scores(q, k_cache, prefix_lengths, prefix_lse(partials[1], q), max_length=prefix)
     torch_scores = block_probabilities(q, k_cache, prefix_lengths)
     torch.testing.assert_close(kernel_scores, torch_scores, atol=1e-6, rtol=1e-3)
     indices, counts = select_top_k(torch_scores.cpu(), prefix_lengths.cpu(), k)  # the torch top-k

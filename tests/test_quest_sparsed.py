@@ -67,14 +67,16 @@ def test_full_budget_equals_dense(name, knobs):
         assert generate(model, prompts, method).tokens == dense.tokens
 
 
-@pytest.mark.parametrize("name,knobs", [("quest", dict(k=2, page_size=2)), ("sparsed", dict(k=1, exact_fraction=0.25))])
-def test_tiny_budget_differs(name, knobs):
+@pytest.mark.parametrize("name,knobs,kept_below", [("quest", dict(k=2, page_size=2), 0.5),
+                                                   ("sparsed", dict(k=1, exact_fraction=0.5), 0.6)])
+def test_tiny_budget_differs(name, knobs, kept_below):
+    """SparseD at half of 4 steps: steps 0-1 exact (all keys read), captured at step 1, so not MAGE."""
     model = tiny_model("sdar")
     prompts = [random_prompt(40, seed=s) for s in range(4)]
     dense = generate(model, prompts, get_method("dense"))
     method = get_method(name, exact_layers=0, **knobs)
     assert generate(model, prompts, method).tokens != dense.tokens
-    assert 0 < method.stats["kv_kept"] < 0.5
+    assert 0 < method.stats["kv_kept"] < kept_below
 
 
 def test_sparsed_captures_after_a_fifth_of_the_steps():

@@ -10,15 +10,21 @@ and the G query heads of the group (eq. 3):
 
     score_j = 1 / (G L) * sum over the group's heads h and block queries i of softmax(q_hi K^T)_j
 
-where the softmax runs over the whole prefix plus the block. The k best keys per (row, KV head)
-are kept (sorted by position); steps 2..T attend to those keys plus the block's own keys.
+where the softmax runs over the row's prefix alone (the paper's A is in R^{G x B x N}, N the prefix
+length), so every query's prefix probabilities sum to 1 and every query weighs the same in the
+mean. Normalising over the prefix and the block instead (the exact pass's own probabilities) would
+weigh each query by its prefix share: on tiny-sdar (kv prompts at 2K / 4K, where the block's queries
+give the prefix 0.89 / 0.94 of their attention) the two top-k sets share 0.91-0.97 of their keys at
+k = 32-256. The k best keys per (row, KV head) are kept (sorted by position); steps 2..T attend to
+those keys plus the block's own keys.
 
 Hooks: begin_block (the block has no selection yet; the selection tensors persist, overwritten in
 place, so that recorded steps read the new one), attend (exact + select at step 0, sparse afterwards),
 attend_commit (exact by default, as the paper; `sparse_commit=True` reuses the selection).
-On CUDA (bf16/fp16) step 1 is kernels/decode_attention (its LSE feeds kernels/key_scores, one
-more read of K) and steps 2..T are kernels/sparse_decode_attention over the index lists; on CPU
-the same computation runs in torch.
+On CUDA (bf16/fp16) step 1 is kernels/decode_attention with the block's keys in a key slice of
+their own (block_apart), so the slices before it merge to the prefix-only LSE that kernels/key_scores
+normalises by (one more read of K), and steps 2..T are kernels/sparse_decode_attention over the index
+lists; on CPU the same computation runs in torch.
 
 Equals dense: when k >= every row's prefix length the selection is the whole prefix, so every
 step attends to every key: the same outputs up to float rounding (the gathered keys are a copy
@@ -57,11 +63,14 @@ def block_scores(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.T
 
 def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
     """Eq. 3 in torch: [batch, num_kv_heads, max prefix] mean probability of each prefix key under
-    the block's queries, the softmax taken over the prefix and the block's keys. 0 past a row's prefix."""
+    the block's queries, the softmax taken over the row's prefix alone. 0 past a row's prefix (a row
+    with no prefix is all 0)."""
     prefix = int(prefix_lengths.max())
-    probs = block_scores(q, k_cache, prefix_lengths).softmax(-1)[..., :prefix]
     in_prefix = torch.arange(prefix, device=q.device)[None, :] < prefix_lengths[:, None]  # [batch, prefix]
-    return probs.mean(2) * in_prefix[:, None]
+    visible = in_prefix[:, None, None]
+    scores = block_scores(q, k_cache, prefix_lengths)[..., :prefix].masked_fill(~visible, float("-inf"))
+    probs = torch.where(visible, scores.softmax(-1), 0.0)  # an empty prefix's NaNs dropped
+    return probs.mean(2)
 
 
 def select_on_kernel(scores: torch.Tensor) -> bool:
@@ -201,13 +210,14 @@ class Mage(Method):
         if cache.max_length == 0:
             return attend_with_cache(layer, q, k, v, cache)
         if use_kernels(q):
-            from kernels.decode_attention import decode_attention
+            from kernels.decode_attention import decode_partials, merge_splits
 
             cache.write(layer, k, v)
             block = k.shape[2]
-            out, lse = decode_attention(q, cache.keys[layer], cache.values[layer], cache.lengths + block,
-                                        max_length=cache.launch_length(block))
-            self.select_on_side_stream(layer, q, lse, cache)
+            partials = decode_partials(q, cache.keys[layer], cache.values[layer], cache.lengths + block,
+                                       max_length=cache.launch_length(block), block_apart=True)
+            out, _ = merge_splits(*partials, q)
+            self.select_on_side_stream(layer, q, partials[1], cache)
             return out
         out = attend_with_cache(layer, q, k, v, cache)
         self.keep(layer, *select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths, self.k))
@@ -224,15 +234,17 @@ class Mage(Method):
         kept[0].copy_(indices)
         kept[1].copy_(counts)
 
-    def select_on_side_stream(self, layer: int, q, lse, cache):
-        """Key scores from the decode pass's LSE, then top-k (Algorithm 1): on a second stream, so the
-        layer's FFN and the next layers run meanwhile; end_step joins the streams. The kernels and the
-        top-k are the same either way, so the selection does not depend on the stream."""
+    def select_on_side_stream(self, layer: int, q, part_lse, cache):
+        """Key scores normalised by the prefix-only LSE (merged from the decode pass's partial LSEs),
+        then top-k (Algorithm 1): on a second stream, so the layer's FFN and the next layers run
+        meanwhile; end_step joins the streams. The kernels and the top-k are the same either way, so
+        the selection does not depend on the stream."""
+        from kernels.decode_attention import prefix_lse
         from kernels.key_scores import key_scores
 
         width = cache.launch_length(q.shape[2])  # >= the longest prefix, a shape that lasts many blocks
-        select = lambda: select_top_k(key_scores(q, cache.keys[layer], cache.lengths, lse, max_length=width),
-                                      cache.lengths, self.k)
+        select = lambda: select_top_k(key_scores(q, cache.keys[layer], cache.lengths, prefix_lse(part_lse, q),
+                                                 max_length=width), cache.lengths, self.k)
         if not (self.side_stream and q.is_cuda):
             self.keep(layer, *select())
             return
@@ -244,7 +256,7 @@ class Mage(Method):
         with torch.cuda.stream(self.stream):
             indices, counts = select()
             self.keep(layer, indices, counts)
-        for tensor in (q, lse, cache.lengths):  # memory crossing streams is not reused before both are done
+        for tensor in (q, part_lse, cache.lengths):  # memory crossing streams is not reused before both are done
             tensor.record_stream(self.stream)
         for tensor in self.selection[layer]:
             tensor.record_stream(main)

@@ -7,7 +7,7 @@ Idea: split each row's cached prefix into pages of p keys and keep, per KV head,
 min and max of each page's keys. For a query q the largest score any key of the page can reach is
 bounded by  sum_d max(q_d * min_d, q_d * max_d). Per block (the B queries must share one key set per
 KV head) the estimate is that bound averaged over the block's queries and the group's query heads,
-as eq. 1 of the MAGE paper averages exact scores; since the bound is linear in q's positive and
+as eq. 2 of the MAGE paper averages exact scores; since the bound is linear in q's positive and
 negative parts, the average is  mean(q+) . max + mean(q-) . min  (q+ = max(q, 0), q- = min(q, 0)).
 The top k / p pages are attended (with the block's own keys), at every step.
 

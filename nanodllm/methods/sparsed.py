@@ -10,6 +10,8 @@ the only difference from MAGE is WHEN the set is captured: after 20% of the bloc
 of at its first, all-[MASK] step. That costs 20% of the steps at exact speed, and the set comes
 from partly unmasked queries. Assumption: the phases are per block (the MAGE paper describes a
 capture "across the trajectory"; per block is what can serve a prefix that grows every block).
+The 20% is of the block's nominal steps (steps_per_block): a block that threshold decoding finishes
+before its capture step (at T = 32, within 6 steps) runs exact throughout.
 
 Hooks: those of Mage (methods/mage.py); only capture_step differs.
 Equals dense: k >= every row's prefix (test), or exact_fraction = 1 with sparse_commit off.
