@@ -221,6 +221,15 @@ def test_low_threshold_shrinks_the_salient_set_and_differs():
     assert len(loose.stats["salient_per_layer"]) == 2
 
 
+def test_cached_keys_and_values_own_no_more_than_they_hold():
+    """The cached V is not a view of the stacked q/k/v projection, which would keep q and k alive too."""
+    method = get_method("dyllm")
+    generate(method)
+    for state in method.layers:
+        for cached in (state.keys, state.values):
+            assert cached.untyped_storage().nbytes() == cached.numel() * cached.element_size()
+
+
 def test_salient_fraction_fixes_the_count():
     method = get_method("dyllm", salient_fraction=0.25)
     generate(method)

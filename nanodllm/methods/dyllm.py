@@ -16,8 +16,11 @@ otherwise, and per layer, given the salient rows S coming in:
         column up (the paper normalises over the fresh scores instead);
     the next S: the fed rows whose C has cosine similarity to C_old below tau (all heads together);
     every fed row adds o_proj(C); only the next S run the FFN, the others add their cached output.
-S entering layer 1 is the last layer's S of the previous step plus the tokens unmasked since (their
-inputs changed: an assumption, Algorithm 1 does not say). After a full step every row counts as
+So a layer's S is the one the layer before it chose in this step: Algorithm 3's order (its line 13
+sets the set that line 7 of the next layer reads); section 3.3's "A_{t-1,l} from the previous
+iteration" reads as each layer's own set from the last step instead, which the appendix's algorithm
+does not do. S entering layer 1 is the last layer's S of the previous step plus the tokens unmasked
+since (their inputs changed: an assumption, Algorithm 1 does not say). After a full step every row counts as
 salient, so a first sparse step recomputes layer 1 in full (Algorithm 1 starts from the response
 rows; with every row, tau > 1 is exactly dense).
 
@@ -170,6 +173,7 @@ class DyLLM(Method):
         self.graphs.reset()  # the recorded sparse steps read the caches this step replaces
         for layer in model.layers:
             q, k, v = layer.qkv(layer.attn_norm(x), rope)
+            v = v.transpose(1, 2).contiguous().transpose(1, 2)  # own storage: a view would keep all of q/k/v cached
             context, lse = attention_with_lse(q, k, v, k_valid)
             context = context.transpose(1, 2).contiguous().transpose(1, 2)  # token-major: o_proj reads it as is
             x = x + layer.out(context)
