@@ -281,6 +281,9 @@ def test_bad_knobs_and_block_causal_models_are_named():
         get_method("dyllm", salient_fraction=2.0)
     with pytest.raises(ValueError, match="salient_cap"):
         get_method("dyllm", salient_cap=-0.5)
+    for tau in ("0.99", float("nan"), True):
+        with pytest.raises(ValueError, match="tau must be a number"):
+            get_method("dyllm", tau=tau)
     with pytest.raises(ValueError, match="give one"):
         get_method("dyllm", salient_fraction=0.25, salient_cap=0.5)
     assert "block-causal" in refuses_block_causal(get_method("dyllm", full_steps=1))

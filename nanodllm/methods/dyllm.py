@@ -131,6 +131,8 @@ class DyLLM(Method):
                  salient_fraction: float | None = None, salient_cap: float | None = None):
         super().__init__()
         check_int(1, full_steps=full_steps, full_period=full_period)
+        if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau)):
+            raise ValueError(f"tau must be a number (a cosine threshold; above 1 every row is salient), got {tau!r}")
         for name, value in (("salient_fraction", salient_fraction), ("salient_cap", salient_cap)):
             if value is not None and not 0 <= value <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
