@@ -1,14 +1,15 @@
 """Recall diagnostics of per-block key selection (the MAGE paper's eq. 1, Fig. 1a and Fig. 3).
 
 At every denoising step and layer where a selecting method (mage, quest, sparsed) attends to a
-selected key set (the method's attended_selection), compare that set with the ORACLE per-block
-top-k of the same step: the k prefix keys with the highest probability averaged over the block's
-queries and the group's heads, from this step's exact scores (eq. 2, normalised as methods/mage.py
-says). Estimation accuracy (eq. 1) = |selected and oracle| / |oracle|, per row and KV head, kept per
-KV head (mean over rows) and overall. Calls that attend exactly (the exact layers, SparseD's steps before its capture step) are
-not recorded: a selection they hold is the previous block's. At the first step of each block also
-record the union of the per-query top-k sets over the block's queries and the group's heads,
-relative to k (Fig. 1a: how far one shared set is from every query's own choice).
+selected key set (the method's attended_selection), compare that set with the ORACLE per-block top-k
+of the same step: the k prefix keys with the highest probability averaged over the block's queries
+and the group's heads, from this step's exact scores (eq. 2, normalised as methods/mage.py says).
+Estimation accuracy (eq. 1) = |selected and oracle| / |oracle|, per row and KV head, kept per KV
+head (mean over rows) and overall. Calls that attend exactly (the exact layers, SparseD's steps
+before its capture step) are not recorded: a selection they hold is the previous block's. At the
+first step of each block also record the union of the per-query top-k sets over the block's queries
+and the group's heads, relative to k (Fig. 1a: how far one shared set is from every query's own
+choice).
 
     records = attach(method)   # before generation; one Record per (block, step, layer)
 """

@@ -20,9 +20,9 @@ So a layer's S is the one the layer before it chose in this step: Algorithm 3's 
 sets the set that line 7 of the next layer reads); section 3.3's "A_{t-1,l} from the previous
 iteration" reads as each layer's own set from the last step instead, which the appendix's algorithm
 does not do. S entering layer 1 is the last layer's S of the previous step plus the tokens unmasked
-since (their inputs changed: an assumption, Algorithm 1 does not say). After a full step every row counts as
-salient, so a first sparse step recomputes layer 1 in full (Algorithm 1 starts from the response
-rows; with every row, tau > 1 is exactly dense).
+since (their inputs changed: an assumption, Algorithm 1 does not say). After a full step every row
+counts as salient, so a first sparse step recomputes layer 1 in full (Algorithm 1 starts from the
+response rows; with every row, tau > 1 is exactly dense).
 
 With tau alone each layer's salient set is sized from its values (a host sync per layer), so sparse
 steps run eagerly. `salient_cap` bounds the set instead: each layer lists the cap's worth of
