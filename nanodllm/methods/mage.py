@@ -2,11 +2,12 @@
 block's later denoising steps attend only to them.
 
 Paper: "MAGE" (../shared/papers/000_5b6af9b8bc57afd0.txt), block diffusion (SDAR, Fast-dLLM v2).
-Idea: at the first denoising step of a block every query is [MASK], and the keys those queries
-attend to are the ones the whole block keeps attending to (the paper's Fig. 3: the step-1 top-k
-estimates later steps' top-k well). So step 1 runs exact attention and, per layer and KV head,
-ranks the cached prefix keys by their attention probability averaged over the block's L queries
-and the G query heads of the group (eq. 3):
+Idea: at the first denoising step of a block every query is [MASK] (except decoded tokens an engine puts
+in the block: the prompt's tail in SDAR's first block, Fast-dLLM v2's first position), and the
+keys those queries attend to are the ones the whole block keeps attending to (the paper's Fig. 3:
+the step-1 top-k estimates later steps' top-k well). So step 1 runs exact attention and, per layer
+and KV head, ranks the cached prefix keys by their attention probability averaged over the block's L
+queries and the G query heads of the group (eq. 3):
 
     score_j = 1 / (G L) * sum over the group's heads h and block queries i of softmax(q_hi K^T)_j
 
