@@ -24,7 +24,7 @@ def generate(model, prompts, method):
 @settings(max_examples=30, deadline=None)
 @given(page_size=st.sampled_from([1, 2, 4, 16]), pages=st.integers(1, 5), group=st.sampled_from([1, 2]),
        fill=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
-def test_page_score_bounds_the_block_mean_of_each_query_best_key(page_size, pages, group, fill, seed):
+def test_page_score_is_quests_bound_on_the_block_mean_of_each_query_best_key(page_size, pages, group, fill, seed):
     generator = torch.Generator().manual_seed(seed)
     n, kv_heads, head_dim, block_len = pages * page_size, 2, 8, 3
     lengths = torch.tensor([max(1, round(fill * n)), n])
@@ -38,6 +38,10 @@ def test_page_score_bounds_the_block_mean_of_each_query_best_key(page_size, page
             tokens = keys[b, page * page_size : min((page + 1) * page_size, int(lengths[b]))].transpose(0, 1)
             best = (rows[b] @ tokens.transpose(1, 2)).amax(-1).mean(-1)  # [kv_heads]
             assert (scores[b, :, page] >= best - 1e-5 * (1 + best.abs())).all()  # scores are float32
+            # and it is Quest's bound itself, sum_d max(q_d min_d, q_d max_d), averaged over the rows
+            low_d, high_d = tokens.amin(1)[:, None], tokens.amax(1)[:, None]  # [kv_heads, 1, D]
+            bound = torch.maximum(rows[b] * low_d, rows[b] * high_d).sum(-1).mean(-1)
+            torch.testing.assert_close(scores[b, :, page].double(), bound, atol=1e-5, rtol=1e-5)
 
 
 def test_incremental_bounds_equal_recomputed_bounds():
