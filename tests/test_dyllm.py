@@ -1,7 +1,10 @@
 """DyLLM (methods/dyllm.py) and its approximate-attention kernel (kernels/approx_attention.py): the
 kernel equals its reference, the update is exact when only values change, every row salient equals
-dense, a low threshold shrinks the salient set and changes the output, and a row decodes alike alone
-and in a ragged batch."""
+dense, a low threshold shrinks the salient set and changes the output, a row decodes alike alone
+and in a ragged batch, and the sparse steps equal a plain-torch reading of the method's docstring
+(ReferenceDyLLM) logit for logit, response-only steps and Dream's shifted logits included."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ from kernels.approx_attention import approximate_attention, approximate_attentio
 from kernels.row_scatter import put_rows_where, put_rows_where_reference
 from nanodllm.attention import attention_with_lse
 from nanodllm.config import GenerationConfig
-from nanodllm.methods import get_method
+from nanodllm.loader import load_model
+from nanodllm.methods import Method, get_method
 from nanodllm.methods.dyllm import index_rows
 from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
                                refuses_block_causal, tiny_model)
@@ -297,3 +301,100 @@ def test_the_kernel_path_decodes_what_the_torch_path_decodes(monkeypatch):
     torch_path = run()  # float32: the torch path on a GPU too (use_kernels takes float16 / bfloat16)
     monkeypatch.setattr(dyllm, "use_kernels", lambda q: True)  # the Triton kernel (interpreted on a CPU)
     assert run() == torch_path
+
+
+def dense_attention(q, k, v, valid):
+    """Softmax attention in plain torch over the valid keys; (context, lse). q [b, heads, rows, d],
+    k / v [b, kv_heads, keys, d] (GQA: repeated), valid [b, keys]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~valid[:, None, None], float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp() @ v, lse
+
+
+class ReferenceDyLLM(Method):
+    """methods/dyllm.py's docstring written out in plain torch, row masks instead of row lists and every
+    score formed: the independent result its sparse steps are checked against."""
+
+    name, engines = "reference_dyllm", ("masked",)
+
+    def __init__(self, tau, full_steps=4, full_period=4):
+        super().__init__()
+        self.tau, self.full_steps, self.full_period = tau, full_steps, full_period
+
+    def begin_block(self, ctx):
+        if ctx.block == 0:
+            self.t, self.layers = 0, []
+
+    def step(self, model, ctx):
+        prompt_width = ctx.logits_start - ctx.block * ctx.block_length
+        full = self.t < self.full_steps
+        offset = 0 if full or self.t % self.full_period == 0 else prompt_width
+        x, rope = model.embed(ctx.tokens[:, offset:]), model.rope(ctx.positions[:, offset:])
+        if full:
+            self.layers = []
+            for layer in model.layers:
+                q, k, v = layer.qkv(layer.attn_norm(x), rope)
+                context, lse = dense_attention(q, k, v, ctx.valid)
+                x = x + layer.out(context)
+                mlp_out = layer.mlp(layer.mlp_norm(x))
+                x = x + mlp_out
+                self.layers.append(dict(k=k.clone(), v=v.clone(), context=context, lse=lse, mlp_out=mlp_out))
+            salient = ctx.valid.clone()
+        else:
+            salient = ((self.salient | (ctx.tokens != self.tokens)) & ctx.valid)[:, offset:]
+            for layer, cache in zip(model.layers, self.layers):
+                q, k, v = layer.qkv(layer.attn_norm(x), rope)
+                rows = salient[:, None, :, None]
+                keys, values = cache["k"].clone(), cache["v"].clone()
+                keys[:, :, offset:] = torch.where(rows, k, keys[:, :, offset:])
+                values[:, :, offset:] = torch.where(rows, v, values[:, :, offset:])
+                exact, exact_lse = dense_attention(q, keys, values, ctx.valid)
+                group = q.shape[1] // keys.shape[1]
+                scores = q @ keys.repeat_interleave(group, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+                weights = (scores - cache["lse"][:, :, offset:, None]).exp().clamp(max=1)
+                old = cache["context"][:, :, offset:]
+                approximate = old + weights @ (values - cache["v"]).repeat_interleave(group, 1)
+                context = torch.where(rows, exact, approximate)
+                cosine = (context * old).sum((1, 3)) / ((context**2).sum((1, 3)) * (old**2).sum((1, 3))).sqrt()
+                salient = (cosine < self.tau) & ctx.valid[:, offset:]
+                cache["k"], cache["v"] = keys, values
+                cache["context"][:, :, offset:] = context
+                cache["lse"][:, :, offset:] = torch.where(rows[..., 0], exact_lse, cache["lse"][:, :, offset:])
+                x = x + layer.out(context)
+                fresh = layer.mlp(layer.mlp_norm(x))
+                cache["mlp_out"][:, offset:] = torch.where(salient[..., None], fresh, cache["mlp_out"][:, offset:])
+                x = x + cache["mlp_out"][:, offset:]
+            salient = torch.cat([torch.zeros_like(ctx.valid[:, :offset]), salient], dim=1)
+        self.salient, self.tokens, self.t = salient, ctx.tokens.clone(), self.t + 1
+        if offset == 0:
+            self.prompt_tail = x[:, prompt_width - 1 : prompt_width]
+        return model.head(x, ctx.logits_start - offset, ctx.logits_stop - offset,
+                          before=self.prompt_tail if offset else None)
+
+
+def logits_per_step(method, **decode):
+    """The tokens the masked engine decodes with `method` and the logits of each of its steps."""
+    logits, step = [], method.step
+    method.step = lambda model, ctx: logits.append(step(model, ctx)) or logits[-1]
+    return generate(method, **decode), logits
+
+
+DREAM = dict(model=load_model(Path(__file__).parent / "fixtures" / "dream_tiny", dtype=torch.float64),
+             prompts=[random_prompt(9, seed=1), random_prompt(5, seed=2)],
+             gen=GenerationConfig(gen_length=12, block_length=12, steps=12))
+
+
+@pytest.mark.parametrize("model", ["llada", "dream"])
+@pytest.mark.parametrize("knobs", [dict(tau=0.99), dict(tau=0.5), dict(tau=0.9, full_steps=2, full_period=3)])
+def test_sparse_steps_match_the_plain_torch_reference(model, knobs):
+    """Whole-canvas and response-only steps (Dream's shifted logits included) against ReferenceDyLLM,
+    logits step by step, on float64 models."""
+    decode = DREAM if model == "dream" else {}
+    tokens, logits = logits_per_step(get_method("dyllm", **knobs), **decode)
+    expected_tokens, expected_logits = logits_per_step(ReferenceDyLLM(**knobs), **decode)
+    assert tokens == expected_tokens
+    assert len(logits) == len(expected_logits)
+    for got, expected in zip(logits, expected_logits):
+        torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
