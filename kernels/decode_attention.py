@@ -30,12 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_inputs import check_lengths_tensor, check_query_and_cache
+
 LOG2E = tl.constexpr(math.log2(math.e))  # kernels use it as is, host code as LOG2E.value
 LN2 = tl.constexpr(math.log(2.0))
-MAX_QUERIES = 64  # the active block; longer query sets are prefill (flash_attention.py)
 DENSE_MAX_QUERIES = 256  # decode_attention's own limit: past it flash_attention wins (bench_routing.md)
-HEAD_DIMS = (64, 128)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D) must stay small next to its K/V
 MAX_SPLITS = 128  # the merge holds all of a row's slices in registers
 MERGE_TILE = 2048  # elements of partial output per merge warp (merge_launch)
@@ -202,46 +201,6 @@ def new_buffer(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def check_query_and_cache(q, k_cache, v_cache=None, max_queries=MAX_QUERIES):
-    """Validate q [batch, num_heads, L, D], L <= max_queries, against a cache [batch, capacity,
-    num_kv_heads, D]; returns (batch, num_heads, L, D, capacity, num_kv_heads)."""
-    if q.dim() != 4:
-        raise ValueError(f"q must be [batch, num_heads, L, head_dim], got shape {tuple(q.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache is None:
-            continue
-        if cache.dim() != 4:
-            raise ValueError(f"{name} must be [batch, capacity, num_kv_heads, head_dim], got {tuple(cache.shape)}")
-        if cache.dtype != q.dtype:
-            raise ValueError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
-        if cache.device != q.device:
-            raise ValueError(f"{name} is on {cache.device}, q on {q.device}")
-    if v_cache is not None and v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
-    batch, num_heads, num_queries, head_dim = q.shape
-    cache_batch, capacity, num_kv_heads, cache_dim = k_cache.shape
-    if q.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {q.dtype}")
-    if cache_batch != batch or cache_dim != head_dim:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if not 1 <= num_queries <= max_queries:
-        raise ValueError(f"L = {num_queries} queries; this kernel takes 1..{max_queries} (use flash_attention)")
-    return batch, num_heads, num_queries, head_dim, capacity, num_kv_heads
-
-
-def check_lengths_tensor(name, lengths, batch, device):
-    if lengths.shape != (batch,):
-        raise ValueError(f"{name} must have shape ({batch},), got {tuple(lengths.shape)}")
-    if lengths.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64, got {lengths.dtype}")
-    if lengths.device != device:
-        raise ValueError(f"{name} is on {lengths.device}, q on {device}")
-
-
 def default_tiles(num_rows: int, head_dim: int, element_size: int, num_stages: int = 3) -> dict:
     """Launch parameters {BLOCK_M, BLOCK_N, num_warps, num_stages} for num_rows = group * L query rows.
 
@@ -377,14 +336,12 @@ def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None
         raise ValueError(f"tiles may set {sorted(launch)}, got {sorted(tiles)}")
     launch.update(tiles or {})
     m_tiles = triton.cdiv(num_rows, launch["BLOCK_M"])
-    if block_apart:  # slices over the longest prefix, then one for the block's keys
+    if block_apart:  # slices over the longest prefix, then one more for the block's keys
+        max_length -= num_queries
         num_splits = None if num_splits is None else min(num_splits, MAX_SPLITS - 1)
-        keys_per_split, num_splits = split_keys(max(max_length - num_queries, 1), batch * num_kv_heads * m_tiles,
-                                                q.device, launch["BLOCK_N"], num_splits)
-        num_splits += 1
-    else:
-        keys_per_split, num_splits = split_keys(max_length, batch * num_kv_heads * m_tiles, q.device,
-                                                launch["BLOCK_N"], num_splits)
+    keys_per_split, num_splits = split_keys(max(max_length, 1), batch * num_kv_heads * m_tiles, q.device,
+                                            launch["BLOCK_N"], num_splits)
+    num_splits += int(block_apart)
     part_out, part_lse = partial_buffers(batch * num_kv_heads, num_splits, num_rows, head_dim, q.dtype, q.device)
     grid = (m_tiles, num_splits, batch * num_kv_heads)
     decode_split_kernel[grid](

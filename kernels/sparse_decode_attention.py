@@ -32,8 +32,6 @@ import triton.language as tl
 from .decode_attention import (
     LOG2E,
     attend_tile,
-    check_lengths_tensor,
-    check_query_and_cache,
     default_tiles,
     dot_precision,
     load_query_tile,
@@ -42,6 +40,7 @@ from .decode_attention import (
     split_keys,
     store_partial,
 )
+from .decode_inputs import check_lengths_tensor, check_query_and_cache
 
 
 @triton.jit

@@ -96,10 +96,11 @@ def test_routing_limits_stay_within_the_kernels():
     """attention() and MaskKV's vote size their calls by their own copies of the kernels' limits:
     past a limit a call would raise instead of routing."""
     from kernels import decode_attention as decode_module
+    from kernels import decode_inputs
     from nanodllm.methods import maskkv
 
     assert attention_module.SPLIT_MAX_QUERIES <= decode_module.DENSE_MAX_QUERIES
-    assert maskkv.MASK_VOTE_QUERIES <= decode_module.MAX_QUERIES
+    assert maskkv.MASK_VOTE_QUERIES <= decode_inputs.MAX_QUERIES
 
 
 def test_only_4d_bool_masks_reach_flash_attention():

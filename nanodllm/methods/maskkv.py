@@ -52,7 +52,7 @@ from .base import check_int
 from .dllm_cache import DllmCache, take_heads
 
 PROFILE_NAME = "maskkv_profile.json"
-MASK_VOTE_QUERIES = 64  # queries per key_scores launch (kernels/decode_attention.py MAX_QUERIES)
+MASK_VOTE_QUERIES = 64  # queries per key_scores launch (kernels/decode_inputs.py MAX_QUERIES)
 
 
 def attention_mass(q, keys, key_mask, query_weight, prompt_width):
