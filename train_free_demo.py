@@ -128,7 +128,8 @@ def main(argv=None) -> int:
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
     defaults = knob_defaults(args.method)
     if defaults:
-        print(f"{args.method} knobs: " + ", ".join(f"{knob}={knobs.get(knob, default)}" for knob, default in defaults.items()))
+        settings = (f"{knob}={knobs.get(knob, default)}" for knob, default in defaults.items())
+        print(f"{args.method} knobs: " + ", ".join(settings))
     if answer is not None:
         print(f"built-in prompt: find the pass key hidden halfway through {args.context} tokens; the answer is {answer}")
     for name, (tokens, seconds, peak, memory_kind, kv_kept) in runs.items():

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanodllm.attention import CanvasMask  # noqa: E402
 from nanodllm.methods.momo import (block_scores, dense_mask, diagonal_blocks, kept_blocks,  # noqa: E402
-                                   measure_and_mask, scaled_scores, trim_values)
+                                   measure_and_mask, measure_on_kernels, scaled_scores)
 
 ANCHORS, ANCHOR_DIMS = 32, 16
 COLUMNS = ("| MOMO / oracle | mean pooling / oracle | MOMO / oracle with diagonals | mean pooling / oracle with "
@@ -98,12 +98,9 @@ def momo_keep(q, k, mask_block, args, on_kernels=None):
     measure_and_mask (forms the [n, n] mask: small n only)."""
     n = q.shape[2]
     if q.is_cuda if on_kernels is None else on_kernels:
-        from kernels.qsa_attention import qsa_attention
-
         k_exact = args.k_exact if args.top_k == "estimated" else args.k
-        _, lse, chosen, chosen_scores = qsa_attention(q, k, k, gamma=args.gamma, beta=args.beta, top_k=args.k,
-                                                      k_exact=k_exact, tree=args.top_k == "tree", block_size=mask_block)
-        values, summed = trim_values(chosen, chosen_scores, lse, args.trim)
+        _, chosen, values, summed = measure_on_kernels(q, k, k, args.gamma, args.beta, args.k, k_exact,
+                                                       args.top_k == "tree", args.trim, block_size=mask_block)
         return kept_blocks(chosen, values, n, args.gamma, args.chi, args.beta, args.k_trim, summed)
     full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
     return measure_and_mask(q, k, k, full, args.gamma, args.chi, args.beta, args.k, args.k_exact, args.k_trim,

@@ -128,8 +128,13 @@ def union_and_trim(chosen, chosen_scores, blocks, rows_per_block, k_trim, summed
     slots = torch.where(entries >= 0, entries.long(), blocks)  # a sentinel column for the empty slots
     total = values.new_zeros(batch, heads, query_blocks, blocks + 1).scatter_add_(3, slots, torch.where(entries >= 0, values, 0.0))
     times = total.new_zeros(total.shape).scatter_add_(3, slots, (entries >= 0).double())
-    rank = torch.where(times > 0, total if summed else total / times.clamp(min=1), float("-inf"))[..., :blocks]
-    return mark(exact_top_k(rank, k_trim), blocks)
+    return mark(exact_top_k(union_rank(total, times, summed)[..., :blocks], k_trim), blocks)
+
+
+def union_rank(total, times, summed):
+    """The trim's ranking of a union's blocks from their summed values and how many rows chose each:
+    the sum (summed) or the mean over those rows; -inf for a block no row chose."""
+    return torch.where(times > 0, total if summed else total / times.clamp(min=1), float("-inf"))
 
 
 def kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim, summed=False):
@@ -176,8 +181,7 @@ def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim, summed=False)
     total = torch.zeros_like(values).scatter_add_(-1, group, values)
     times = torch.zeros_like(values).scatter_add_(-1, group, torch.ones_like(values))
     group_block = torch.full_like(entries, blocks).scatter_(-1, group, entries)
-    rank = torch.where((times > 0) & (group_block < blocks), total if summed else total / times.clamp(min=1),
-                       float("-inf"))
+    rank = union_rank(total, times, summed).masked_fill(group_block >= blocks, float("-inf"))
     best, slots = lower_first(rank, group_block).topk(min(k_trim, rank.shape[-1]), dim=-1)
     trimmed = torch.where(best > float("-inf"), group_block.gather(-1, slots), blocks)
     first, last = diagonal_range(n, chi, beta, chosen.device)
@@ -247,17 +251,24 @@ def delta_corrected(o_sparse, o_gamma, gamma):
     return o_sparse + delta[:, :, torch.arange(n, device=o_sparse.device) // gamma]
 
 
+def measure_on_kernels(q, k, v, gamma, beta, k_blocks, k_exact, tree, trim, **masking):
+    """Step 1 on kernels/qsa_attention.py: (O_gamma, each sampled row's chosen key blocks, what the
+    trim ranks them by, whether it sums them: trim_values)."""
+    from kernels.qsa_attention import qsa_attention
+
+    o_gamma, lse, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks,
+                                                        k_exact=k_exact, tree=tree, **masking)
+    return (o_gamma, chosen, *trim_values(chosen, chosen_scores, lse, trim))
+
+
 def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, tree, trim="mean"):
     """The same pipeline without an [n, n] tensor: QSA kernel -> union and trim -> block-sparse kernel."""
     from kernels.block_sparse_attention import block_sparse_attention
-    from kernels.qsa_attention import qsa_attention
 
     masking = {}
     if mask is not None:
         masking = {"block_size": mask.block_size, "k_valid": None if mask.valid is None else mask.valid[:, -q.shape[2]:]}
-    o_gamma, lse, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks,
-                                                        k_exact=k_exact, tree=tree, **masking)
-    values, summed = trim_values(chosen, chosen_scores, lse, trim)
+    o_gamma, chosen, values, summed = measure_on_kernels(q, k, v, gamma, beta, k_blocks, k_exact, tree, trim, **masking)
     lists = kept_lists(chosen, values, q.shape[2], gamma, chi, beta, k_trim, summed)
     o_sparse, _ = block_sparse_attention(q, k, v, lists, chi=chi, beta=beta, **masking)
     return delta_corrected(o_sparse.float(), o_gamma.float(), gamma).to(q.dtype)
