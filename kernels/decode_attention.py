@@ -311,7 +311,7 @@ def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None
                     check_lengths=False, tiles=None, block_apart=False):
     """decode_attention's split pass alone (same arguments): the scratch merge_splits combines.
     block_apart: the block's own L keys (the last L of each row) get a slice of their own, the last,
-    so that prefix_lse can merge the others' LSEs into the prefix's alone (MAGE's eq. 3)."""
+    so that the others' LSEs merge into the prefix's alone (MAGE's eq. 3: key_scores' part_lse)."""
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache,
                                                                                              DENSE_MAX_QUERIES)
     same_length = isinstance(lengths, int)
@@ -352,14 +352,6 @@ def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None
         **launch,
     )
     return part_out, part_lse
-
-
-def prefix_lse(part_lse, q):
-    """From a block_apart split pass: each query's natural-log LSE over its row's prefix alone,
-    [batch, heads, L] float32 (-inf for an empty prefix): the base-2 LSEs of every slice but the
-    last (the block's keys) merged."""
-    batch, num_heads, num_queries, _ = q.shape
-    return torch.logsumexp(part_lse[:, :-1] * LN2.value, dim=1).reshape(batch, num_heads, num_queries)
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, scale=None, return_lse=True):

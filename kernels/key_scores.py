@@ -8,8 +8,10 @@ queries of each of the `group` query heads that read KV head h):
     dots[b, h, j]   = mean_r scale * q_r . k_j                     (optional, Sparse-dLLM)
 
 lse is the caller's normaliser, per query row: a full attention's log-sum-exp gives the true
-probabilities of that attention (MaskKV passes flash_attention's), decode_partials' prefix_lse those
-of a softmax over the prefix alone (MAGE's eq. 3); nothing is renormalised here.
+probabilities of that attention (MaskKV passes flash_attention's); nothing is renormalised here. Or
+part_lse, the per-slice LSEs of decode_partials(block_apart=True): each program merges every slice
+but the last (the block's own keys) into the LSE over the prefix alone, so the probabilities are
+those of a softmax over the prefix (MAGE's eq. 3), with no launch of its own for the merge.
 
 dots and Sparse-dLLM: its Algorithm 1 scores candidate keys with A = mean(Q_b) K^T (its equation
 divides by sqrt(d_k)): the mean of the current block's query states against each key, before max
@@ -52,34 +54,57 @@ from .decode_attention import (
 
 
 @triton.jit
+def row_lse(lse_ptr, batch_head, rows, num_rows, prefix_slices, BLOCK_M: tl.constexpr, FROM_SLICES: tl.constexpr):
+    """Base-2 LSE of the group's query rows (+inf for padding rows, >= num_rows: their probabilities
+    2^(s - inf) are exactly 0). lse is contiguous [batch, num_heads, L] (natural log), so group row r
+    of (batch, kv_head) is flat row batch_head * num_rows + r. FROM_SLICES: lse is decode_partials'
+    part_lse [batch * kv_heads, prefix_slices + 1, num_rows] (base 2), and the first prefix_slices
+    slices are merged: max, then the sum of 2^(lse_s - max); -inf when every slice is empty."""
+    row_valid = rows < num_rows
+    if FROM_SLICES:
+        first = lse_ptr + batch_head.to(tl.int64) * (prefix_slices + 1) * num_rows + rows
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(prefix_slices):
+            top = tl.maximum(top, tl.load(first + s * num_rows, mask=row_valid, other=float("-inf")))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        for s in range(prefix_slices):
+            total += tl.exp2(tl.load(first + s * num_rows, mask=row_valid, other=float("-inf")) - top)
+        has_keys = total > 0.0
+        lse = tl.where(has_keys, top + tl.log2(tl.where(has_keys, total, 1.0)), float("-inf"))
+    else:
+        lse = tl.load(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, mask=row_valid, other=0.0) * LOG2E
+    return tl.where(row_valid, lse, float("inf"))
+
+
+@triton.jit
 def load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, batch_head,
-                    m_tile, group, num_queries, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Query tile m_tile of the group and its LSE in base 2. lse is contiguous [batch, num_heads, L],
-    so group row r of (batch, kv_head) is flat row batch_head * group * L + r. Padding rows
-    (>= group*L) are zero queries with LSE +inf: their probabilities 2^(0 - inf) are exactly 0."""
+                    m_tile, group, num_queries, prefix_slices, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    FROM_SLICES: tl.constexpr):
+    """Query tile m_tile of the group and its base-2 LSE (row_lse)."""
     # [BLOCK_M, HEAD_DIM]
     q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,
                               group, num_queries, BLOCK_M, HEAD_DIM)
-    num_rows = group * num_queries
-    lse = tl.load(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, mask=rows < num_rows, other=float("inf"))
-    return q, lse * LOG2E
+    return q, row_lse(lse_ptr, batch_head, rows, group * num_queries, prefix_slices, BLOCK_M, FROM_SLICES)
 
 
-@triton.jit(do_not_specialize=["max_length", "keys_per_program"])
+@triton.jit(do_not_specialize=["max_length", "keys_per_program", "prefix_slices"])
 def key_scores_kernel(
     q_ptr, k_ptr, cache_lengths_ptr, lse_ptr, scores_ptr, dots_ptr,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
-    num_kv_heads, group, num_queries, max_length, keys_per_program, qk_scale, score_weight, dot_weight,
+    num_kv_heads, group, num_queries, max_length, keys_per_program, prefix_slices, qk_scale, score_weight,
+    dot_weight,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
-    WITH_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WITH_DOTS: tl.constexpr, FROM_SLICES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (chunk, batch*kv_head): scores (and dots) of keys
     [chunk*keys_per_program, (chunk+1)*keys_per_program) clipped to max_length."""
     chunk, batch_head = tl.program_id(0), tl.program_id(1)
     batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
     q_first, lse_first = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head,
-                                         batch_head, 0, group, num_queries, BLOCK_M, HEAD_DIM)
+                                         batch_head, 0, group, num_queries, prefix_slices, BLOCK_M, HEAD_DIM,
+                                         FROM_SLICES)
     # [HEAD_DIM, BLOCK_M], transposed here, outside the loop, so that it goes to shared memory once
     q_first = tl.trans(q_first)
 
@@ -102,7 +127,8 @@ def key_scores_kernel(
                 q_t, lse = q_first, lse_first
             else:
                 q, lse = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head,
-                                         batch_head, m_tile, group, num_queries, BLOCK_M, HEAD_DIM)
+                                         batch_head, m_tile, group, num_queries, prefix_slices, BLOCK_M, HEAD_DIM,
+                                         FROM_SLICES)
                 q_t = tl.trans(q)
             # [BLOCK_N, BLOCK_M]: one row per key, one column per query row
             dots = tl.dot(k, q_t, input_precision=DOT_PRECISION)
@@ -142,14 +168,18 @@ def launch_params(num_rows: int, head_dim: int, element_size: int) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 8, "num_stages": num_stages}
 
 
-def key_scores(q, k_cache, cache_lengths, lse, *, reduce="mean", scale=None, with_dots=False, max_length=None,
-               num_chunks=None):
+def key_scores(q, k_cache, cache_lengths, lse=None, *, part_lse=None, reduce="mean", scale=None, with_dots=False,
+               max_length=None, num_chunks=None):
     """Attention probability mass each cached prefix key gets from the block's queries, per KV head.
 
     q: [batch, num_heads, L, D] the active block's queries (L <= 64, D in (64, 128)).
     k_cache: [batch, capacity, num_kv_heads, D], read in place; prefix of row b = slots 0 .. cache_lengths[b]-1.
     cache_lengths: [batch] int32/int64.
-    lse: [batch, num_heads, L] float32, the natural-log LSE of the full attention (decode_attention's).
+    lse: [batch, num_heads, L] float32, the natural-log LSE the probabilities are normalised by (e.g.
+        decode_attention's, of the full attention).
+    part_lse: instead of lse, decode_partials(block_apart=True)'s partial LSEs
+        [batch * num_kv_heads, slices, group * L] float32 (base 2): every slice but the last (the
+        block's own keys) is merged in the kernel, so each query is normalised over its prefix alone.
     reduce: "mean" (MAGE eq. 3: average over the L queries and the group's heads) or "sum" (MaskKV votes).
     with_dots: also return dots, the mean over the same rows of scale * q . k_j (Sparse-dLLM's A).
     max_length: max(cache_lengths) if known on the host (saves a device sync); sets the output width.
@@ -160,19 +190,29 @@ def key_scores(q, k_cache, cache_lengths, lse, *, reduce="mean", scale=None, wit
     """
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache)
     check_lengths_tensor("cache_lengths", cache_lengths, batch, q.device)
-    if lse.shape != (batch, num_heads, num_queries) or lse.dtype != torch.float32 or lse.device != q.device:
-        raise ValueError(f"lse must be float32 [{batch}, {num_heads}, {num_queries}] on {q.device}, got "
-                         f"{lse.dtype} {tuple(lse.shape)} on {lse.device}")
+    group = num_heads // num_kv_heads
+    num_rows = group * num_queries
+    if (lse is None) == (part_lse is None):
+        raise ValueError("give the normaliser as exactly one of lse and part_lse")
+    if part_lse is None:
+        normaliser, shape_ok = lse, lse.shape == (batch, num_heads, num_queries)
+        what = f"lse must be float32 [{batch}, {num_heads}, {num_queries}]"
+    else:
+        normaliser = part_lse
+        shape_ok = part_lse.dim() == 3 and part_lse.shape[1] >= 2 and part_lse.shape[::2] == (batch * num_kv_heads,
+                                                                                               num_rows)
+        what = f"part_lse must be float32 [{batch * num_kv_heads}, slices >= 2, {num_rows}]"
+    if not shape_ok or normaliser.dtype != torch.float32 or normaliser.device != q.device:
+        raise ValueError(f"{what} on {q.device}, got {normaliser.dtype} {tuple(normaliser.shape)} on "
+                         f"{normaliser.device}")
     if reduce not in ("mean", "sum"):
         raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
     if max_length is None:
         max_length = int(cache_lengths.max())
     if max_length > capacity:
         raise ValueError(f"max_length {max_length} exceeds the cache capacity {capacity}")
-    group = num_heads // num_kv_heads
-    num_rows = group * num_queries
     scale = head_dim**-0.5 if scale is None else scale
-    lse = lse.contiguous()
+    normaliser = normaliser.contiguous()
 
     scores = new_buffer((batch, num_kv_heads, max_length), torch.float32, q.device)
     dots = new_buffer((batch, num_kv_heads, max_length), torch.float32, q.device) if with_dots else scores
@@ -183,12 +223,13 @@ def key_scores(q, k_cache, cache_lengths, lse, *, reduce="mean", scale=None, wit
                                                   num_chunks)
         grid = (num_chunks, batch * num_kv_heads)
         key_scores_kernel[grid](
-            q, k_cache, cache_lengths, lse, scores, dots,
+            q, k_cache, cache_lengths, normaliser, scores, dots,
             *q.stride(), *k_cache.stride(),
-            num_kv_heads, group, num_queries, max_length, keys_per_program, scale * LOG2E.value,
+            num_kv_heads, group, num_queries, max_length, keys_per_program,
+            0 if part_lse is None else part_lse.shape[1] - 1, scale * LOG2E.value,
             1.0 / num_rows if reduce == "mean" else 1.0, scale / num_rows,
-            HEAD_DIM=head_dim, M_TILES=m_tiles, WITH_DOTS=with_dots, DOT_PRECISION=dot_precision(q.dtype),
-            **launch,
+            HEAD_DIM=head_dim, M_TILES=m_tiles, WITH_DOTS=with_dots, FROM_SLICES=part_lse is not None,
+            DOT_PRECISION=dot_precision(q.dtype), **launch,
         )
     return (scores, dots) if with_dots else scores
 

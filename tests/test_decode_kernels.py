@@ -10,6 +10,7 @@ past each row's keys hold NaN: an element a kernel forgets to write, or a key it
 fails the comparison.
 """
 
+import math
 import os
 
 import torch
@@ -25,7 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kernels import decode_attention as decode_module  # noqa: E402
 from kernels.decode_attention import (decode_attention, decode_attention_reference, decode_partials,  # noqa: E402
-                                      merge_splits, prefix_lse)
+                                      merge_splits)
 from kernels.key_scores import key_scores, key_scores_reference  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference  # noqa: E402
 from tests.device import DEVICE
@@ -129,7 +130,9 @@ def test_decode_attention_matches_reference(case, num_splits, tiles, same_length
 @example(case=EDGE_CASES[2], num_splits=3, same_length=False)  # ragged: a short row's prefix slices are empty
 def test_block_apart_keeps_the_attention_and_gives_the_prefix_lse(case, num_splits, same_length):
     """With the block's keys in a slice of their own the merge is still the whole attention, and the
-    other slices merge to each query's LSE over its row's prefix alone (-inf where that is empty)."""
+    other slices merge to each query's LSE over its row's prefix alone (-inf where that is empty):
+    as a logsumexp here, and inside key_scores, whose part_lse scores equal the reference's
+    normalised by the prefix's LSE (MAGE's eq. 3)."""
     q, k, v, prefixes = case.tensors()
     lengths = prefixes + case.num_queries
     if same_length:
@@ -141,7 +144,12 @@ def test_block_apart_keeps_the_attention_and_gives_the_prefix_lse(case, num_spli
     assert_close(out, expected_out, case.dtype)
     assert_lse_close(lse, expected_lse)
     _, expected_prefix_lse = decode_attention_reference(q, k, v, prefixes)
-    assert_lse_close(prefix_lse(partials[1], q), expected_prefix_lse)
+    prefix_lse = torch.logsumexp(partials[1][:, :-1] * math.log(2), dim=1).view(expected_prefix_lse.shape)
+    assert_lse_close(prefix_lse, expected_prefix_lse)
+    if int(prefixes.max()) > 0:
+        scores = key_scores(q, k, prefixes, part_lse=partials[1])
+        torch.testing.assert_close(scores, key_scores_reference(q, k, prefixes, expected_prefix_lse),
+                                   atol=1e-5, rtol=1e-3)
 
 
 @pytest.mark.parametrize("element_size", [2, 4])
@@ -348,6 +356,10 @@ def test_sparse_decode_garbage_past_counts_is_ignored():
     (lambda a: a.update(lse=a["lse"].double()), "lse must be"),
     (lambda a: a.update(reduce="max"), "reduce"),
     (lambda a: a.update(max_length=10**6), "capacity"),
+    (lambda a: a.update(part_lse=torch.zeros(4, 3, 8, device=DEVICE)), "exactly one"),
+    (lambda a: a.update(lse=None, part_lse=torch.zeros(4, 3, 7, device=DEVICE)), "part_lse must be"),
+    (lambda a: a.update(lse=None, part_lse=torch.zeros(4, 1, 8, device=DEVICE)), "slices >= 2"),
+    (lambda a: a.update(lse=None), "exactly one"),
 ])
 def test_key_scores_rejects_bad_inputs(change, message):
     args = valid_inputs()

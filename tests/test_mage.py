@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nanodllm.attention as attention_module
-from kernels.decode_attention import decode_attention_reference, decode_partials, prefix_lse
+from kernels.decode_attention import decode_attention_reference, decode_partials
 from kernels.key_scores import key_scores, key_scores_reference
 from kernels.sparse_decode_attention import sparse_decode_attention
 from nanodllm import block
@@ -129,7 +129,7 @@ def test_kernel_selection_and_sparse_attention_match_torch(prefixes, k):
 
     partials = decode_partials(q, k_cache, v_cache, prefix_lengths + block, max_length=prefix + block,
                                block_apart=True)
-    kernel_scores = key_scores(q, k_cache, prefix_lengths, prefix_lse(partials[1], q), max_length=prefix)
+    kernel_scores = key_scores(q, k_cache, prefix_lengths, part_lse=partials[1], max_length=prefix)
     torch_scores = block_probabilities(q, k_cache, prefix_lengths)
     torch.testing.assert_close(kernel_scores, torch_scores, atol=1e-6, rtol=1e-3)
     indices, counts = select_top_k(torch_scores.cpu(), prefix_lengths.cpu(), k)  # the torch top-k
