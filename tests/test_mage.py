@@ -173,17 +173,33 @@ def test_knobs_parse_from_the_command_line():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream is CUDA's; run on a GPU machine")
 def test_side_stream_selection_is_identical():
+    """Every block's selection (read when the next block begins, after its steps' graphs ran) and the
+    tokens are the same with and without the side stream, over three generated blocks."""
+    from nanodllm.config import GenerationConfig
     from nanodllm.eval import Runner, resolve_model
     from nanodllm import tasks
 
     runner = Runner(resolve_model("tiny-sdar"), "cuda", torch.bfloat16, None)
     samples = tasks.make_samples("passkey", 2048, 8, seed=5, count_tokens=runner.count_tokens)
     prompts = [runner.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
+    gen = GenerationConfig(gen_length=96, block_length=32, steps=96)
+    copy_of = lambda selection: {layer: [t.cpu() for t in pair] for layer, pair in selection.items()}
     outputs = {}
     for side_stream in (True, False):
         method = get_method("mage", k=64, side_stream=side_stream)
-        result = block.generate(runner.model, prompts, runner.gen, method=method, stop_ids=())
-        outputs[side_stream] = (result.tokens, {layer: [t.cpu() for t in pair] for layer, pair in method.selection.items()})
+        selections = []
+
+        def begin_block(ctx, method=method, selections=selections, begin=method.begin_block):
+            selections.append(copy_of(method.selection))  # the block before's, after its steps ran
+            begin(ctx)
+
+        method.begin_block = begin_block
+        result = block.generate(runner.model, prompts, gen, method=method, stop_ids=())
+        selections.append(copy_of(method.selection))  # the last block's
+        outputs[side_stream] = (result.tokens, selections)
     assert outputs[True][0] == outputs[False][0]
-    for layer, (indices, counts) in outputs[False][1].items():
-        assert torch.equal(outputs[True][1][layer][0], indices) and torch.equal(outputs[True][1][layer][1], counts)
+    assert sum(bool(chosen) for chosen in outputs[False][1]) >= 3  # a selection from each generated block
+    for with_side, without in zip(*(outputs[side][1] for side in (True, False)), strict=True):
+        assert with_side.keys() == without.keys()
+        for layer, (indices, counts) in without.items():
+            assert torch.equal(with_side[layer][0], indices) and torch.equal(with_side[layer][1], counts)

@@ -4,6 +4,7 @@ Engines own the schedule and the remasking rule; a Method owns what is computed 
 engines call only these hooks for model work:
 
     prefill(model, ctx)          block engine: KV cache of the prompt's complete blocks
+    prefill_attention(q, k, v, mask)  the attention prefill uses (MOMO's block-sparse prefill)
     begin_block(ctx)             a new block starts: reset per-block state
     step(model, ctx) -> logits   logits of the positions being decoded (ctx.logits_start..stop)
     attend(layer, q, k, v, ctx)  the attention the default step uses
@@ -97,16 +98,21 @@ class Method:
     def prefill(self, model, ctx: StepContext) -> torch.Tensor:
         """Forward the prompt's complete blocks (ctx.tokens, right-padded, ctx.counts valid per row)
         under the block-causal mask and append their KV to ctx.cache; returns the last hidden states
-        (Fast-dLLM v2 predicts the next block's first token from them)."""
+        (Fast-dLLM v2 predicts the next block's first token from them). The attention is
+        prefill_attention's."""
         mask = CanvasMask(valid=ctx.valid, block_size=ctx.block_length)  # right-padded: blocks align to column 0
 
         def attend_and_store(layer, q, k, v):
             ctx.cache.write(layer, k, v, ctx.counts)
-            return attention(q, k, v, mask)
+            return self.prefill_attention(q, k, v, mask)
 
         hidden = model.hidden(ctx.tokens, ctx.positions, attend_and_store)
         ctx.cache.advance(ctx.counts)
         return hidden
+
+    def prefill_attention(self, q, k, v, mask: CanvasMask) -> torch.Tensor:
+        """The prompt's attention in prefill (long-prompt methods such as MOMO override it)."""
+        return attention(q, k, v, mask)
 
     def begin_block(self, ctx: StepContext):
         pass

@@ -26,8 +26,8 @@ scores and the sparse mask densely (the reference); on CUDA it runs on
 kernels/qsa_attention.py (step 1 with either top-k fused) and kernels/block_sparse_attention.py
 (step 3), union and trim in torch (kept_lists).
 
-Hooks: prefill (block engine: the prompt's attention), step (masked engine, canvas=True: every full
-canvas step).
+Hooks: prefill_attention (block engine: the prompt's attention), attend (masked engine, canvas=True:
+every full canvas step).
 Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant and trim).
 Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
 top_k = "exact" | "tree" | "estimated", trim = "mean" (Algorithm 2) | "mass", canvas = False.
@@ -296,21 +296,10 @@ class Momo(Method):
                           trim=trim)
         self.canvas = canvas
 
-    def attention(self, q, k, v, mask):
+    def prefill_attention(self, q, k, v, mask):
         return momo_attention(q, k, v, mask, **self.knobs)
-
-    def prefill(self, model, ctx):
-        mask = CanvasMask(valid=ctx.valid, block_size=ctx.block_length)
-
-        def attend_and_store(layer, q, k, v):
-            ctx.cache.write(layer, k, v, ctx.counts)
-            return self.attention(q, k, v, mask)
-
-        hidden = model.hidden(ctx.tokens, ctx.positions, attend_and_store)
-        ctx.cache.advance(ctx.counts)
-        return hidden
 
     def attend(self, layer, q, k, v, ctx):
         if ctx.cache is None and self.canvas:
-            return self.attention(q, k, v, ctx.attn_mask)
+            return self.prefill_attention(q, k, v, ctx.attn_mask)
         return super().attend(layer, q, k, v, ctx)
