@@ -23,9 +23,9 @@ Hooks: begin_block (the block has no selection yet; the selection tensors persis
 place, so that recorded steps read the new one), attend (exact + select at step 0, sparse afterwards),
 attend_commit (exact by default, as the paper; `sparse_commit=True` reuses the selection).
 On CUDA (bf16/fp16) step 1 is kernels/decode_attention with the block's keys in a key slice of
-their own (block_apart), and kernels/key_scores merges the slices before it into the prefix-only LSE
-it normalises by (one more read of K), and steps 2..T are kernels/sparse_decode_attention over the index
-lists; on CPU the same computation runs in torch.
+their own (block_apart), kernels/key_scores merges the slices before it into the prefix-only LSE
+and normalises by it (one more read of K), and steps 2..T are kernels/sparse_decode_attention over
+the index lists; on CPU the same computation runs in torch.
 
 Equals dense: when k >= every row's prefix length the selection is the whole prefix, so every
 step attends to every key: the same outputs up to float rounding (the gathered keys are a copy
@@ -236,10 +236,10 @@ class Mage(Method):
         kept[1].copy_(counts)
 
     def select_on_side_stream(self, layer: int, q, part_lse, cache):
-        """Key scores normalised by the prefix-only LSE (which key_scores merges from the decode pass's
-        partial LSEs), then top-k (Algorithm 1): on a second stream, so the layer's FFN and the next layers run
-        meanwhile; end_step joins the streams. The kernels and the top-k are the same either way, so
-        the selection does not depend on the stream."""
+        """Key scores normalised by the prefix-only LSE (which key_scores merges from the decode
+        pass's partial LSEs), then top-k (Algorithm 1): on a second stream, so the layer's FFN and
+        the next layers run meanwhile; end_step joins the streams. The kernels and the top-k are the
+        same either way, so the selection does not depend on the stream."""
         from kernels.key_scores import key_scores
 
         width = cache.launch_length(q.shape[2])  # >= the longest prefix, a shape that lasts many blocks
