@@ -151,6 +151,7 @@ def test_block_sparse_matches_the_reference(n, chi_tiles, beta, listed, mask, gr
     lists = torch.stack([torch.randperm(key_blocks, generator=generator)[:listed] for _ in range(2 * group * query_blocks)])
     lists = torch.nn.functional.pad(lists, (0, listed - lists.shape[1]), value=-1).view(1, 2 * group, query_blocks, -1)
     lists[..., -1] = torch.where(torch.rand(lists.shape[:3], generator=generator) < 0.3, -1, lists[..., -1])
+    lists = torch.where(torch.rand(lists.shape, generator=generator) < 0.15, -1, lists)  # gaps inside a list too
     lists = lists.to(DEVICE)
     valid = torch.ones(1, n, dtype=torch.bool, device=DEVICE)
     valid[0, (2 * n) // 3 :] = False
