@@ -1,6 +1,6 @@
 """PNG figures from the benchmark tables committed in docs/results/ (the papers' figures, redrawn from
 our measurements). Needs matplotlib, an optional dependency (pip install matplotlib); reads only the
-JSON files `scripts/bench.py` wrote, so it runs anywhere, no GPU.
+JSON files `scripts/bench.py` wrote (and the tables of a sweep's Markdown), so it runs anywhere, no GPU.
 
     python scripts/plot_results.py [--results docs/results]
 
@@ -12,6 +12,9 @@ JSON files `scripts/bench.py` wrote, so it runs anywhere, no GPU.
                            steps on tiny-llada (dyllm_salient.json, written by scripts/dyllm_salient.py).
 - tiny_models_heatmap.png  dense accuracy of the shipped tiny models per task, context length and
                            needle depth (tiny_models.json, the eval tables of tiny_models.md).
+- mage_baselines_2k_8k_tiny.png  MAGE's Fig. 4 analogue: dense, MAGE, Quest and SparseD at k = 64
+                           per task, context length and needle depth on tiny-sdar (the depth grids
+                           scripts/sweep.py printed into mage_baselines_2k_8k_tiny.md).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanodllm.eval import plot  # noqa: E402
+from sweep import read_depth_grids  # noqa: E402
 
 
 def section(results: dict, title_start: str) -> list[dict]:
@@ -103,10 +107,21 @@ def tiny_models_heatmap(results: dict, out: Path):
          columns=len(next(iter(results["models"].values()))))
 
 
+def mage_baselines_heatmaps(markdown: str, out: Path):
+    variants = ("dense", "mage exact_layers=1 k=64", "quest exact_layers=1 k=64", "sparsed exact_layers=1 k=64")
+    # a cell holds 8 prompts, so the tables' two decimals (0.12, 0.38, ...) are eighths
+    grids = {f"{task}: {variant.split(' exact_layers')[0]}": {cell: round(accuracy * 8) / 8
+                                                              for cell, accuracy in by_variant[variant].items()}
+             for task, by_variant in read_depth_grids(markdown).items() for variant in variants}
+    plot(grids, out, "tiny-sdar, k = 64 keys per KV head (one exact layer of four), 8 prompts per cell, H100 bf16",
+         columns=len(variants))
+
+
 FIGURES = {"momo_latency_vs_k.png": ("bench_momo.json", momo_latency_vs_k),
            "sparse_dllm_scaling.png": ("bench_sparse_dllm.json", sparse_dllm_scaling),
            "dyllm_salient.png": ("dyllm_salient.json", dyllm_salient),
-           "tiny_models_heatmap.png": ("tiny_models.json", tiny_models_heatmap)}
+           "tiny_models_heatmap.png": ("tiny_models.json", tiny_models_heatmap),
+           "mage_baselines_2k_8k_tiny.png": ("mage_baselines_2k_8k_tiny.md", mage_baselines_heatmaps)}
 
 
 def main():
@@ -114,7 +129,8 @@ def main():
     parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results")
     args = parser.parse_args()
     for name, (source, draw) in FIGURES.items():
-        draw(json.loads((args.results / source).read_text()), args.results / name)
+        text = (args.results / source).read_text()
+        draw(json.loads(text) if source.endswith(".json") else text, args.results / name)
         print(f"wrote {args.results / name} from {source}")
 
 

@@ -101,6 +101,29 @@ def depth_grid(name, cells, lengths) -> str:
     return "\n".join(rows)
 
 
+def read_depth_grids(markdown: str) -> dict[str, dict[str, dict[tuple, float]]]:
+    """depth_grid read back: {task: {variant: {(length, depth): accuracy}}} from a file of --out
+    sections, each under a '## Task <task>' heading (mage_baselines_2k_8k_tiny.md), for plots."""
+    grids, task, name, grid, lengths = {}, None, None, None, []
+    for line in markdown.splitlines():
+        if not line.startswith("|"):
+            grid = None
+        if line.startswith("## "):
+            task = line.removeprefix("## Task ").strip() if line.startswith("## Task ") else None
+            name = None
+            if task:
+                grids[task] = {}
+        elif task and line.endswith(":") and not line.startswith("|"):
+            name = line[:-1]
+        elif task and name and line.startswith("| depth |"):
+            lengths = [int(cell) for cell in line.strip("|").split("|")[1:]]
+            grid = grids[task][name] = {}
+        elif grid is not None and not line.startswith("|-"):
+            depth, *accuracies = (float(cell) for cell in line.strip("|").split("|"))
+            grid.update({(length, depth): accuracy for length, accuracy in zip(lengths, accuracies)})
+    return grids
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llada")

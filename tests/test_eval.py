@@ -113,3 +113,27 @@ def test_method_all_runs_the_methods_of_the_models_engine(capsys):
     header = next(line for line in out.splitlines() if line.startswith("| cell"))
     assert "mage acc" in header and "quest acc" in header and "maskkv" not in header and "dyllm" not in header
 
+
+
+def test_sweep_depth_grids_read_back():
+    """scripts/sweep.py's depth grids, as its --out file lays them out under '## Task' headings (next
+    to the per-length table, whose rows must not be read as a grid), come back cell for cell."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "sweep.py"
+    spec = importlib.util.spec_from_file_location("sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    lengths = [2048, 4096]
+    outcomes = {"dense": [1, 1, 0, 1], "mage k=64": [0, 1, 1, 1]}  # per (length, depth) cell: one record
+    cells = {name: {(length, depth): [(hits[i * 2 + j],)] for i, length in enumerate(lengths)
+                    for j, depth in enumerate((0.0, 0.5))} for name, hits in outcomes.items()}
+    sections = []
+    for task in ("kv", "passkey"):
+        sections += [f"## Task {task}\n", "| variant | 2048 acc | 4096 acc |", "|---|---|---|",
+                     "| dense | 1.000 | 0.500 |", "", "Accuracy by needle depth x context length:\n"]
+        sections += [sweep.depth_grid(name, grid, lengths) + "\n" for name, grid in cells.items()]
+    sections += ["## Something else\n", "other:\n", "| depth | 2048 |", "|---|---|", "| 0.00 | 0.25 |"]
+    grids = sweep.read_depth_grids("\n".join(sections))
+    expected = {name: {cell: float(records[0][0]) for cell, records in grid.items()} for name, grid in cells.items()}
+    assert grids == {"kv": expected, "passkey": expected}
