@@ -7,8 +7,8 @@ online softmax of flash_attention.py (base 2, fp32 running max / sum / accumulat
 applied inside each tile: bidirectional, causal, or block-causal with block_size B (query at p sees
 key j iff j // B <= p // B), and key padding k_valid [batch, N]. Lists may be shorter than their
 buffer: entries < 0 are skipped. The walk stops after a list's last entry >= 0 and has no branch
-inside (an entry < 0 before it is a tile with every key hidden), so Triton's pipeliner loads the
-next tiles while one is attended. A row that sees no listed key gets out = 0 and lse = -inf.
+inside (an entry < 0 before it is a tile past the keys, nothing loaded, every key hidden), so
+Triton's pipeliner loads the next tiles while one is attended. A row that sees no listed key gets out = 0 and lse = -inf.
 GQA: query head h reads KV head h // group. Lists must be duplicate-free (a duplicate counts twice).
 """
 
@@ -98,17 +98,18 @@ def block_sparse_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     list_base = blocks_ptr + batch * stride_bb + head * stride_bh + query_block * stride_bq
-    # the walk ends after the list's last entry >= 0; an entry < 0 before it reads block 0, all hidden
+    # the walk ends after the list's last entry >= 0; an entry < 0 before it points past the keys, so
+    # its loads read nothing and every key is hidden
     slots = tl.arange(0, LIST_PAD)
     entries = tl.load(list_base + slots * stride_bk, mask=slots < list_length, other=-1)
     end = tl.max(tl.where(entries >= 0, slots + 1, 0), axis=0)
     for entry in range(0, end):
         key_block = tl.load(list_base + entry * stride_bk)
-        keys = tl.maximum(key_block, 0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        keys = tl.where(key_block >= 0, key_block * BLOCK_N, n) + tl.arange(0, BLOCK_N)
         k, v, visible = key_tile(k_ptr, v_ptr, valid_ptr, batch * stride_kb + kv_head * stride_kh,
                                  batch * stride_vb + kv_head * stride_vh, batch * stride_valid_b, keys, rows,
-                                 row_ok & (key_block >= 0), n, stride_kn, stride_kd, stride_vn, stride_vd,
-                                 stride_valid_n, MASK_BLOCK, MASKED, HAS_VALID, HEAD_DIM)
+                                 row_ok, n, stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n,
+                                 MASK_BLOCK, MASKED, HAS_VALID, HEAD_DIM)
         scores = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
         m_i, l_i, acc, _, _ = online_softmax(scores, v, m_i, l_i, acc)
     store_rows(out_ptr, lse_ptr, batch * stride_ob + head * stride_oh, batch * stride_lb + head * stride_lh, rows,
@@ -144,7 +145,7 @@ def block_sparse_attention(q, k, v, blocks, *, chi: int, beta: int, causal=False
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *blocks.stride(), *out.stride(), *lse.stride(),
         n, heads, heads // k.shape[1], chi, blocks.shape[3], scale * LOG2_E,
         MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, BLOCK_N=beta, HEAD_DIM=head_dim,
-        LIST_PAD=triton.next_power_of_2(blocks.shape[3]), **tiles,
+        LIST_PAD=max(1, triton.next_power_of_2(blocks.shape[3])), **tiles,
     )
     return out, lse
 

@@ -164,3 +164,19 @@ def test_block_sparse_matches_the_reference(n, chi_tiles, beta, listed, mask, gr
     seen = ref_lse > float("-inf")
     torch.testing.assert_close(lse[seen], ref_lse[seen], atol=tolerance, rtol=tolerance)
     assert bool((lse[~seen] == float("-inf")).all())
+
+
+def test_block_sparse_gaps_read_nothing_and_empty_lists_see_nothing():
+    """A list entry < 0 is skipped even where block 0 holds NaN values, and a list of length 0 gives
+    every row out = 0 and lse = -inf."""
+    generator = torch.Generator().manual_seed(3)
+    q = randn(1, 2, 64, 16, generator=generator, dtype=torch.float16)
+    k, v = (randn(1, 2, 64, 16, generator=generator, dtype=torch.float16) for _ in range(2))
+    lists = torch.tensor([-1, 2, -1, 3], dtype=torch.int32, device=DEVICE).expand(1, 2, 64 // BLOCK_M, 4).contiguous()
+    expected, _ = block_sparse_attention_reference(q, k, v, lists, chi=BLOCK_M, beta=16)
+    v[:, :, :16] = float("nan")  # key block 0 (beta = 16), never listed
+    out, _ = block_sparse_attention(q, k, v, lists, chi=BLOCK_M, beta=16)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    empty = lists[..., :0]
+    out, lse = block_sparse_attention(q, k, v, empty, chi=BLOCK_M, beta=16)
+    assert bool((out == 0).all()) and bool((lse == float("-inf")).all())
