@@ -54,22 +54,24 @@ from .decode_attention import (
 
 
 @triton.jit
-def row_lse(lse_ptr, batch_head, rows, num_rows, prefix_slices, BLOCK_M: tl.constexpr, FROM_SLICES: tl.constexpr):
+def row_lse(lse_ptr, batch_head, rows, num_rows, prefix_slices, BLOCK_M: tl.constexpr, FROM_SLICES: tl.constexpr,
+            SLICE_PAD: tl.constexpr):
     """Base-2 LSE of the group's query rows (+inf for padding rows, >= num_rows: their probabilities
     2^(s - inf) are exactly 0). lse is contiguous [batch, num_heads, L] (natural log), so group row r
     of (batch, kv_head) is flat row batch_head * num_rows + r. FROM_SLICES: lse is decode_partials'
     part_lse [batch * kv_heads, prefix_slices + 1, num_rows] (base 2), and the first prefix_slices
-    slices are merged: max, then the sum of 2^(lse_s - max); -inf when every slice is empty."""
+    slices are merged as merge_splits_kernel merges them (one [rows, slices] load, max, then the sum
+    of 2^(lse_s - max)); -inf when every slice is empty."""
     row_valid = rows < num_rows
     if FROM_SLICES:
-        first = lse_ptr + batch_head.to(tl.int64) * (prefix_slices + 1) * num_rows + rows
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in range(prefix_slices):
-            top = tl.maximum(top, tl.load(first + s * num_rows, mask=row_valid, other=float("-inf")))
-        top = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        for s in range(prefix_slices):
-            total += tl.exp2(tl.load(first + s * num_rows, mask=row_valid, other=float("-inf")) - top)
+        slices = tl.arange(0, SLICE_PAD)
+        # [BLOCK_M, SLICE_PAD]
+        index = (batch_head.to(tl.int64) * (prefix_slices + 1) + slices[None, :]) * num_rows + rows[:, None]
+        parts = tl.load(lse_ptr + index, mask=row_valid[:, None] & (slices < prefix_slices)[None, :],
+                        other=float("-inf"))
+        top = tl.max(parts, 1)
+        top = tl.where(top == float("-inf"), 0.0, top)  # no keys in any slice: 2^(-inf - 0) = 0, not NaN
+        total = tl.sum(tl.exp2(parts - top[:, None]), 1)
         has_keys = total > 0.0
         lse = tl.where(has_keys, top + tl.log2(tl.where(has_keys, total, 1.0)), float("-inf"))
     else:
@@ -80,12 +82,13 @@ def row_lse(lse_ptr, batch_head, rows, num_rows, prefix_slices, BLOCK_M: tl.cons
 @triton.jit
 def load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, batch_head,
                     m_tile, group, num_queries, prefix_slices, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    FROM_SLICES: tl.constexpr):
+                    FROM_SLICES: tl.constexpr, SLICE_PAD: tl.constexpr):
     """Query tile m_tile of the group and its base-2 LSE (row_lse)."""
     # [BLOCK_M, HEAD_DIM]
     q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,
                               group, num_queries, BLOCK_M, HEAD_DIM)
-    return q, row_lse(lse_ptr, batch_head, rows, group * num_queries, prefix_slices, BLOCK_M, FROM_SLICES)
+    return q, row_lse(lse_ptr, batch_head, rows, group * num_queries, prefix_slices, BLOCK_M, FROM_SLICES,
+                      SLICE_PAD)
 
 
 @triton.jit(do_not_specialize=["max_length", "keys_per_program", "prefix_slices"])
@@ -96,7 +99,7 @@ def key_scores_kernel(
     num_kv_heads, group, num_queries, max_length, keys_per_program, prefix_slices, qk_scale, score_weight,
     dot_weight,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, M_TILES: tl.constexpr,
-    WITH_DOTS: tl.constexpr, FROM_SLICES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WITH_DOTS: tl.constexpr, FROM_SLICES: tl.constexpr, SLICE_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (chunk, batch*kv_head): scores (and dots) of keys
     [chunk*keys_per_program, (chunk+1)*keys_per_program) clipped to max_length."""
@@ -104,7 +107,7 @@ def key_scores_kernel(
     batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
     q_first, lse_first = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head,
                                          batch_head, 0, group, num_queries, prefix_slices, BLOCK_M, HEAD_DIM,
-                                         FROM_SLICES)
+                                         FROM_SLICES, SLICE_PAD)
     # [HEAD_DIM, BLOCK_M], transposed here, outside the loop, so that it goes to shared memory once
     q_first = tl.trans(q_first)
 
@@ -128,7 +131,7 @@ def key_scores_kernel(
             else:
                 q, lse = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head,
                                          batch_head, m_tile, group, num_queries, prefix_slices, BLOCK_M, HEAD_DIM,
-                                         FROM_SLICES)
+                                         FROM_SLICES, SLICE_PAD)
                 q_t = tl.trans(q)
             # [BLOCK_N, BLOCK_M]: one row per key, one column per query row
             dots = tl.dot(k, q_t, input_precision=DOT_PRECISION)
@@ -229,6 +232,7 @@ def key_scores(q, k_cache, cache_lengths, lse=None, *, part_lse=None, reduce="me
             0 if part_lse is None else part_lse.shape[1] - 1, scale * LOG2E.value,
             1.0 / num_rows if reduce == "mean" else 1.0, scale / num_rows,
             HEAD_DIM=head_dim, M_TILES=m_tiles, WITH_DOTS=with_dots, FROM_SLICES=part_lse is not None,
+            SLICE_PAD=1 if part_lse is None else triton.next_power_of_2(part_lse.shape[1] - 1),
             DOT_PRECISION=dot_precision(q.dtype), **launch,
         )
     return (scores, dots) if with_dots else scores

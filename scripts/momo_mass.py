@@ -312,8 +312,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="also write the table to this Markdown file")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in (args.lengths or ("32768,65536,131072" if args.synthetic else "2048")).split(",")]
-    args.k = args.k or (128 if args.synthetic else 4)
-    args.k_trim = args.k_trim or args.k
+    args.k = (128 if args.synthetic else 4) if args.k is None else args.k
+    args.k_trim = args.k if args.k_trim is None else args.k_trim
+    if min(args.k, args.k_trim) < 1:
+        parser.error(f"--k and --k-trim must be >= 1, got {args.k} and {args.k_trim}")
     args.kv_heads = args.kv_heads or args.heads
     lines = []
     for line in synthetic_table(args) if args.synthetic else model_table(args):
