@@ -19,6 +19,13 @@ and a write launch gives each chunk its output offset (a prefix sum over the row
 and stores the positions of the entries above T, and of the first ones equal to T (in position
 order, as many as needed), in order. Ties at T are thus broken towards lower positions.
 
+A row short enough for one program (n <= WHOLE_ROW_MAX entries) takes another route, one launch in
+all: its program holds the whole row in registers, runs the four histogram passes on it there (no
+atomics, no histograms in memory), and writes the positions with one prefix sum over the row. Below
+a few thousand entries the seven launches cost more than the work (Quest's page scores: 2K pages per
+KV head at 32K). On an H100, 8 or 32 rows: 7-12 us at 512-2048 entries and 18-19 us at 4096, against
+~31 us for the seven launches; at 8192 one program's passes lose (37-39 us; bench_mage.md).
+
 Rows whose length is at most k keep all their positions. Entries of the output past a row's count
 are 0. Scores must not be NaN. Grid of every launch: (rows, chunks of CHUNK entries). Seven launches
 in all (a zero fill, four histograms, count, write). On an H100 (docs/results/bench_mage.md, 8 KV
@@ -35,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+WHOLE_ROW_MAX = 4096  # rows up to this many entries take the one-program route (H100 sweep, bench_mage.md)
 CHUNK = 2048  # entries per program on a GPU (H100 sweep, 8 warps: 2048 best or within 8% at 2K-128K entries)
 NUM_WARPS = 8
 INTERPRETER_CHUNK = 64
@@ -128,12 +136,52 @@ def topk_write_kernel(scores_ptr, lengths_ptr, hist_ptr, chunk_counts_ptr, indic
         tl.store(out + slot, positions, mask=take)
 
 
+@triton.jit
+def topk_row_kernel(scores_ptr, lengths_ptr, indices_ptr, counts_ptr, stride_row, stride_out, heads, n, k, width,
+                    BLOCK: tl.constexpr):
+    """The whole route for one row in one program: the same four byte passes and tie rule."""
+    row = tl.program_id(0)
+    length = tl.minimum(tl.load(lengths_ptr + row // heads).to(tl.int32), n)
+    positions = tl.arange(0, BLOCK)
+    valid = positions < length
+    out = indices_ptr + row.to(tl.int64) * stride_out
+    tl.store(counts_ptr + row, tl.minimum(length, k))
+    if length <= k:  # every position, 0 in the slots past it
+        tl.store(out + positions, tl.where(valid, positions, 0), mask=positions < width)
+    else:  # then width = k: every slot is written below
+        keys = order_keys(scores_ptr, row, stride_row, positions, valid)
+        bins = tl.arange(0, 256)
+        candidates = valid  # the entries whose bytes so far equal T's
+        threshold = tl.zeros((), tl.uint32)
+        still = k
+        for p in tl.static_range(4):
+            byte = ((keys >> (24 - 8 * p)) & 0xFF).to(tl.int32)
+            counts = tl.histogram(tl.where(candidates, byte, 0), 256)
+            counts -= tl.where(bins == 0, BLOCK - tl.sum(candidates.to(tl.int32)), 0)
+            at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts
+            chosen = tl.max(tl.where(at_or_above >= still, bins, 0))
+            still -= tl.sum(tl.where(bins > chosen, counts, 0))
+            threshold = (threshold << 8) | chosen.to(tl.uint32)
+            candidates = candidates & (byte == chosen)
+        equal = valid & (keys == threshold)
+        take = (valid & (keys > threshold)) | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= still))
+        tl.store(out + tl.cumsum(take.to(tl.int32), 0) - 1, positions, mask=take)
+
+
+def whole_row_warps(block: int) -> int:
+    """Warps for a one-program row of `block` entries: the best of 4 / 8 / 16 at each size in an H100
+    sweep (512-1024 entries 4, 2048 8, 4096 16)."""
+    return 4 if block <= 1024 else 8 if block <= 2048 else 16
+
+
 def top_k_positions(scores: torch.Tensor, lengths: torch.Tensor, k: int, chunk: int | None = None,
-                    num_warps: int = NUM_WARPS):
+                    num_warps: int = NUM_WARPS, whole_row: bool | None = None):
     """Per row of scores [batch, heads, n] (float16 / bfloat16 / float32, last dim contiguous), the
     positions of the k highest entries among the first lengths[b] (lengths [batch], int), ascending.
     Returns (indices [batch, heads, min(k, n)] int32, 0 past a row's count; counts [batch, heads] int32
-    = min(k, length)). chunk: entries per program (default CHUNK, INTERPRETER_CHUNK off the GPU)."""
+    = min(k, length)). chunk: entries per program (default CHUNK, INTERPRETER_CHUNK off the GPU).
+    whole_row: one program per row (default: where n <= WHOLE_ROW_MAX); chunk and num_warps then do
+    not apply."""
     if scores.dim() != 3 or scores.stride(-1) != 1:
         raise ValueError(f"scores must be [batch, heads, n] with a contiguous last dim, got {tuple(scores.shape)}")
     if scores.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -144,13 +192,21 @@ def top_k_positions(scores: torch.Tensor, lengths: torch.Tensor, k: int, chunk: 
                          f"{tuple(lengths.shape)} {lengths.dtype} on {lengths.device}")
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
+    rows, width = batch * heads, min(k, n)
+    flat = scores.reshape(rows, n)  # a view: the last dim is contiguous and rows are uniform
+    if n and rows and (n <= WHOLE_ROW_MAX if whole_row is None else whole_row):
+        block = triton.next_power_of_2(n)
+        indices = torch.empty(rows, width, dtype=torch.int32, device=scores.device)
+        counts = torch.empty(rows, dtype=torch.int32, device=scores.device)
+        topk_row_kernel[(rows,)](flat, lengths, indices, counts, flat.stride(0), width, heads, n, k, width,
+                                 BLOCK=block, num_warps=whole_row_warps(block))
+        return indices.view(batch, heads, width), counts.view(batch, heads)
     chunk = chunk or (CHUNK if scores.is_cuda else INTERPRETER_CHUNK)
-    rows, width, num_chunks = batch * heads, min(k, n), triton.cdiv(n, chunk)
+    num_chunks = triton.cdiv(n, chunk)
     # one zero fill for the four histograms per row, the per-chunk counts, the index lists and counts
     sizes = [rows * 4 * 256, rows * num_chunks * 2, rows * width, rows]
     hist, chunk_counts, indices, counts = torch.zeros(sum(sizes), dtype=torch.int32, device=scores.device).split(sizes)
     if n and rows:
-        flat = scores.reshape(rows, n)  # a view: the last dim is contiguous and rows are uniform
         grid = (rows, num_chunks)
         common = (flat.stride(0), heads, n, k)
         for p in range(4):

@@ -37,21 +37,23 @@ def draw_scores(batch, heads, n, values, seed, dtype):
 @settings(deadline=None)
 @given(batch=st.integers(1, 3), heads=st.integers(1, 3), n=st.integers(1, 300), k=st.integers(1, 320),
        values=st.sampled_from(["distinct", "ties", "low_bits"]), dtype=st.sampled_from([torch.float32, torch.float16]),
-       chunk=st.sampled_from([None, 32, 128]), data=st.data(), seed=st.integers(0, 2**16))
-def test_top_k_positions_match_a_stable_sort(batch, heads, n, k, values, dtype, chunk, data, seed):
+       chunk=st.sampled_from([None, 32, 128]), whole_row=st.booleans(), data=st.data(), seed=st.integers(0, 2**16))
+def test_top_k_positions_match_a_stable_sort(batch, heads, n, k, values, dtype, chunk, whole_row, data, seed):
+    """Both routes: chunks across programs, and one program per row."""
     scores = draw_scores(batch, heads, n, values, seed, dtype)
     lengths = torch.tensor(data.draw(st.lists(st.integers(0, n), min_size=batch, max_size=batch)), device=DEVICE)
-    indices, counts = top_k_positions(scores, lengths, k, chunk=chunk)
+    indices, counts = top_k_positions(scores, lengths, k, chunk=chunk, whole_row=whole_row)
     expected_indices, expected_counts = top_k_positions_reference(scores, lengths, k)
     assert indices.dtype == torch.int32 and counts.dtype == torch.int32
     assert torch.equal(counts, expected_counts)
     assert torch.equal(indices, expected_indices)
 
 
-def test_comparison_catches_a_wrong_selection():
+@pytest.mark.parametrize("whole_row", [False, True])
+def test_comparison_catches_a_wrong_selection(whole_row):
     scores = draw_scores(1, 2, 200, "distinct", 0, torch.float32)
     lengths = torch.tensor([150], device=DEVICE)
-    indices, _ = top_k_positions(scores, lengths, 20)
+    indices, _ = top_k_positions(scores, lengths, 20, whole_row=whole_row)
     assert torch.equal(indices, top_k_positions_reference(scores, lengths, 20)[0])
     assert not torch.equal(indices, top_k_positions_reference(-scores, lengths, 20)[0])  # the lowest instead
     cut = lengths.clone().fill_(int(indices[0, 0, -1]))  # a row one selected position short
