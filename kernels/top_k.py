@@ -19,21 +19,21 @@ and a write launch gives each chunk its output offset (a prefix sum over the row
 and stores the positions of the entries above T, and of the first ones equal to T (in position
 order, as many as needed), in order. Ties at T are thus broken towards lower positions.
 
+Rows whose length is at most k keep all their positions. Entries of the output past a row's count
+are 0. Scores must not be NaN. Grid of every chunked launch: (rows, chunks of CHUNK entries).
+Seven launches in all (a zero fill, four histograms, count, write). On an H100 (bench_mage.md, 8 KV
+heads, k = 1024): 37 us for 8 rows of 32K scores (batch 1), 55-57 us for 8 rows of 128K or 32 rows
+of 32K, 90 us for 32 rows of 64K, against 88-112 us for torch's topk + sort (1.2-2.4x); below ~8K
+entries per row the launches dominate (~30 us). The histogram passes cost the most: tl.histogram's
+time grows with the entries per program, and CHUNK and the warps were swept for it (2048 entries,
+8 warps).
+
 A row short enough for one program (n <= WHOLE_ROW_MAX entries) takes another route, one launch in
 all: its program holds the whole row in registers, runs the four histogram passes on it there (no
 atomics, no histograms in memory), and writes the positions with one prefix sum over the row. Below
 a few thousand entries the seven launches cost more than the work (Quest's page scores: 2K pages per
 KV head at 32K). On an H100, 8 or 32 rows: 7-12 us at 512-2048 entries and 18-19 us at 4096, against
 ~31 us for the seven launches; at 8192 one program's passes lose (37-39 us; bench_mage.md).
-
-Rows whose length is at most k keep all their positions. Entries of the output past a row's count
-are 0. Scores must not be NaN. Grid of every launch: (rows, chunks of CHUNK entries). Seven launches
-in all (a zero fill, four histograms, count, write). On an H100 (docs/results/bench_mage.md, 8 KV
-heads, k = 1024): 37 us for 8 rows of 32K scores (batch 1), 55-57 us for 8 rows of 128K or 32 rows
-of 32K, 90 us for 32 rows of 64K, against 88-112 us for torch's topk + sort (1.2-2.4x); below ~8K
-entries per row the launches dominate (~30 us). The histogram passes cost the most: tl.histogram's
-time grows with the entries per program, and CHUNK and the warps were swept for it (2048 entries,
-8 warps).
 """
 
 from __future__ import annotations
