@@ -67,17 +67,31 @@ def this_chunk(lengths_ptr, heads, n, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def byte_histogram(keys, candidates, PASS: tl.constexpr):
+    """How many of the candidate keys have each value (0..255) of byte PASS (0: the top byte)."""
+    byte = ((keys >> (24 - 8 * PASS)) & 0xFF).to(tl.int32)
+    counts = tl.histogram(tl.where(candidates, byte, 0), 256)  # the others land in bin 0: taken out again
+    return counts - tl.where(tl.arange(0, 256) == 0, keys.numel - tl.sum(candidates.to(tl.int32)), 0)
+
+
+@triton.jit
+def pick_byte(counts, still):
+    """(T's next byte, how many entries equal to T's bytes so far are still to take after it) from the
+    histogram of that byte over the entries equal to T's bytes so far."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # entries with this byte or a higher one
+    byte = tl.max(tl.where(at_or_above >= still, bins, 0))
+    return byte, still - tl.sum(tl.where(bins > byte, counts, 0))
+
+
+@triton.jit
 def known_bytes(hist_ptr, row, k, PASSES: tl.constexpr):
     """(prefix: T's top PASSES bytes, still: how many entries equal to that prefix are still to take)
     from the histograms of passes 0..PASSES-1."""
-    bins = tl.arange(0, 256)
     prefix = tl.zeros((), tl.uint32)
     still = k
     for p in tl.static_range(PASSES):
-        counts = tl.load(hist_ptr + (row * 4 + p) * 256 + bins)
-        at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # entries with this byte or a higher one
-        byte = tl.max(tl.where(at_or_above >= still, bins, 0))
-        still -= tl.sum(tl.where(bins > byte, counts, 0))
+        byte, still = pick_byte(tl.load(hist_ptr + (row * 4 + p) * 256 + tl.arange(0, 256)), still)
         prefix = (prefix << 8) | byte.to(tl.uint32)
     return prefix, still
 
@@ -91,11 +105,7 @@ def topk_histogram_kernel(scores_ptr, lengths_ptr, hist_ptr, stride_row, heads, 
         prefix, still = known_bytes(hist_ptr, row, k, PASS)
         if PASS > 0:
             valid = valid & ((keys >> (32 - 8 * PASS)) == prefix)
-        byte = ((keys >> (24 - 8 * PASS)) & 0xFF).to(tl.int32)
-        counts = tl.histogram(tl.where(valid, byte, 0), 256)  # the others land in bin 0: taken out again
-        bins = tl.arange(0, 256)
-        counts -= tl.where(bins == 0, CHUNK - tl.sum(valid.to(tl.int32)), 0)
-        tl.atomic_add(hist_ptr + (row * 4 + PASS) * 256 + bins, counts)
+        tl.atomic_add(hist_ptr + (row * 4 + PASS) * 256 + tl.arange(0, 256), byte_histogram(keys, valid, PASS))
 
 
 @triton.jit
@@ -150,19 +160,13 @@ def topk_row_kernel(scores_ptr, lengths_ptr, indices_ptr, counts_ptr, stride_row
         tl.store(out + positions, tl.where(valid, positions, 0), mask=positions < width)
     else:  # then width = k: every slot is written below
         keys = order_keys(scores_ptr, row, stride_row, positions, valid)
-        bins = tl.arange(0, 256)
         candidates = valid  # the entries whose bytes so far equal T's
         threshold = tl.zeros((), tl.uint32)
         still = k
         for p in tl.static_range(4):
-            byte = ((keys >> (24 - 8 * p)) & 0xFF).to(tl.int32)
-            counts = tl.histogram(tl.where(candidates, byte, 0), 256)
-            counts -= tl.where(bins == 0, BLOCK - tl.sum(candidates.to(tl.int32)), 0)
-            at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts
-            chosen = tl.max(tl.where(at_or_above >= still, bins, 0))
-            still -= tl.sum(tl.where(bins > chosen, counts, 0))
-            threshold = (threshold << 8) | chosen.to(tl.uint32)
-            candidates = candidates & (byte == chosen)
+            byte, still = pick_byte(byte_histogram(keys, candidates, p), still)
+            threshold = (threshold << 8) | byte.to(tl.uint32)
+            candidates = candidates & (((keys >> (24 - 8 * p)) & 0xFF) == byte.to(tl.uint32))
         equal = valid & (keys == threshold)
         take = (valid & (keys > threshold)) | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= still))
         tl.store(out + tl.cumsum(take.to(tl.int32), 0) - 1, positions, mask=take)
