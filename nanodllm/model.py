@@ -7,6 +7,7 @@ maps each family's tensor names onto them. A layer exposes the primitives a meth
     q, k, v = layer.qkv(h, rope)          # projections, optional q/k norm, RoPE; [b, heads, t, d]
     q, k = layer.qk(h, rope)              # the same without v
     q, v = layer.query(h, rope), layer.value(h)   # one projection alone
+    k, v = layer.kv(h, rope)              # without q
     x = x + layer.out(attend(q, k, v))    # attention is always somebody else's callback
     x = x + layer.mlp(layer.mlp_norm(x))
 
@@ -228,6 +229,14 @@ class Layer(nn.Module):
     def qk(self, h: torch.Tensor, rope: Rope):
         """q and k as qkv gives them, without v's share of the matmul (caches that project v apart)."""
         return self._project(h, rope, self.self_attn.projections()[:2])
+
+    def kv(self, h: torch.Tensor, rope: Rope):
+        """k and v as qkv gives them, without q's share of the matmul (rows whose query is not needed)."""
+        attn = self.self_attn
+        weights = stacked([attn.k_proj, attn.v_proj])
+        k, v = (attn.k_proj(h), attn.v_proj(h)) if weights is None else F.linear(h, *weights).split(
+            [attn.k_proj.out_features, attn.v_proj.out_features], dim=-1)
+        return rope.apply(self._heads(k, getattr(attn, "k_norm", None))), self._split_heads(v)
 
     def _project(self, h: torch.Tensor, rope: Rope, projections: list[nn.Linear]):
         """q and k (normed, rotated) and, if projections has v_proj too, v."""

@@ -210,10 +210,10 @@ def test_stacked_projections_run_as_one_matmul_and_equal_the_separate_ones(model
 
 @pytest.mark.parametrize("model_type", ["llada", "sdar", "Dream"])  # no q/k norm, per-head q/k norm, biases
 @pytest.mark.parametrize("stack", [True, False])
-def test_qk_equals_the_first_two_of_qkv(model_type, stack):
-    """Layer.qk projects q and k alone (the stacked weights without v's rows, or the separate q/k
-    projections) and gives what qkv gives for them (up to the matmul's rounding: a narrower output
-    may be blocked differently)."""
+def test_qk_and_kv_equal_their_share_of_qkv(model_type, stack):
+    """Layer.qk projects q and k alone and Layer.kv k and v alone (the stacked weights without the
+    other's rows, or the separate projections), and give what qkv gives for them (up to the matmul's
+    rounding: a narrower output may be blocked differently)."""
     if model_type == "Dream":
         model = build_empty(ModelConfig.from_dict(dict(QWEN2_RAW, model_type=model_type)), dtype=torch.float64)
         with torch.no_grad():
@@ -231,6 +231,9 @@ def test_qk_equals_the_first_two_of_qkv(model_type, stack):
         assert (stacked(layer.self_attn.projections()) is not None) == stack
         h = torch.randn(1, 6, model.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         q, k = layer.qk(h, model.rope(ids))
-        q_all, k_all, _ = layer.qkv(h, model.rope(ids))
+        q_all, k_all, v_all = layer.qkv(h, model.rope(ids))
+        k_alone, v_alone = layer.kv(h, model.rope(ids))
     torch.testing.assert_close(q, q_all, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(k, k_all, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k_alone, k_all, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(v_alone, v_all, rtol=1e-12, atol=1e-12)

@@ -232,7 +232,7 @@ class DyLLM(Method):
         q = layer.query(h, rope)
         _, rows, ok = selected
         columns = rows + offset
-        _, k_rows, v_rows = layer.qkv(take_rows(h, rows), rope.rows(rows))
+        k_rows, v_rows = layer.kv(take_rows(h, rows), rope.rows(rows))
         put_where(state.keys, columns, ok, k_rows)
         dv = put_where(state.values, columns, ok, v_rows, delta=True)  # v_new - v_old, 0 where not ok
 
