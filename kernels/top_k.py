@@ -49,12 +49,18 @@ INTERPRETER_CHUNK = 64
 
 
 @triton.jit
-def order_keys(scores_ptr, row, stride_row, positions, valid):
-    """uint32 keys of the scores at positions, ordered as the floats are."""
-    x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + positions, mask=valid, other=0.0).to(tl.float32)
+def ordered_keys(x):
+    """uint32 keys of float32 x, ordered as the floats are."""
     bits = x.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order = float order
     return (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # flip the sign bit: unsigned order
+
+
+@triton.jit
+def order_keys(scores_ptr, row, stride_row, positions, valid):
+    """ordered_keys of the scores at positions."""
+    return ordered_keys(tl.load(scores_ptr + row.to(tl.int64) * stride_row + positions, mask=valid,
+                                other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -147,6 +153,22 @@ def topk_write_kernel(scores_ptr, lengths_ptr, hist_ptr, chunk_counts_ptr, indic
 
 
 @triton.jit
+def top_of_row(keys, candidates, k):
+    """Which of a whole row's candidate keys (held by one program) are its k highest, ties to the lower
+    position: the four byte passes on the registers, then one prefix sum over the keys equal to T.
+    All of them where there are at most k."""
+    remaining = candidates  # the entries whose bytes so far equal T's
+    threshold = tl.zeros((), tl.uint32)
+    still = k
+    for p in tl.static_range(4):
+        byte, still = pick_byte(byte_histogram(keys, remaining, p), still)
+        threshold = (threshold << 8) | byte.to(tl.uint32)
+        remaining = remaining & (((keys >> (24 - 8 * p)) & 0xFF) == byte.to(tl.uint32))
+    equal = candidates & (keys == threshold)
+    return (candidates & (keys > threshold)) | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= still))
+
+
+@triton.jit
 def topk_row_kernel(scores_ptr, lengths_ptr, indices_ptr, counts_ptr, stride_row, stride_out, heads, n, k, width,
                     BLOCK: tl.constexpr):
     """The whole route for one row in one program: the same four byte passes and tie rule."""
@@ -159,16 +181,7 @@ def topk_row_kernel(scores_ptr, lengths_ptr, indices_ptr, counts_ptr, stride_row
     if length <= k:  # every position, 0 in the slots past it
         tl.store(out + positions, tl.where(valid, positions, 0), mask=positions < width)
     else:  # then width = k: every slot is written below
-        keys = order_keys(scores_ptr, row, stride_row, positions, valid)
-        candidates = valid  # the entries whose bytes so far equal T's
-        threshold = tl.zeros((), tl.uint32)
-        still = k
-        for p in tl.static_range(4):
-            byte, still = pick_byte(byte_histogram(keys, candidates, p), still)
-            threshold = (threshold << 8) | byte.to(tl.uint32)
-            candidates = candidates & (((keys >> (24 - 8 * p)) & 0xFF) == byte.to(tl.uint32))
-        equal = valid & (keys == threshold)
-        take = (valid & (keys > threshold)) | (equal & (tl.cumsum(equal.to(tl.int32), 0) <= still))
+        take = top_of_row(order_keys(scores_ptr, row, stride_row, positions, valid), valid, k)
         tl.store(out + tl.cumsum(take.to(tl.int32), 0) - 1, positions, mask=take)
 
 

@@ -303,6 +303,24 @@ def test_the_kernel_path_decodes_what_the_torch_path_decodes(monkeypatch):
     assert run() == torch_path
 
 
+@pytest.mark.parametrize("knobs", [{"salient_fraction": 0.25}, {"tau": 0.99, "salient_cap": 0.25}])
+def test_fixed_size_sets_from_the_kernel_decode_what_torch_decodes(monkeypatch, knobs):
+    """next_salient on kernels/salient_rows.py (interpreted on a CPU, compiled on a GPU) against its
+    torch reference, a ragged batch (each sequence's own count) with and without the cap's tau."""
+    import nanodllm.methods.dyllm as dyllm
+
+    model = tiny_model("llada", dtype=torch.float32).to(DEVICE)
+    monkeypatch.setattr(dyllm, "select_on_kernel", lambda stats: False)
+    method = get_method("dyllm", **knobs)
+    torch_path = generate(method, model=model)
+    calls = []
+    monkeypatch.setattr(dyllm, "select_on_kernel", lambda stats: calls.append(1) or True)
+    kernel_method = get_method("dyllm", **knobs)
+    assert generate(kernel_method, model=model) == torch_path
+    assert kernel_method.stats == method.stats
+    assert calls
+
+
 def dense_attention(q, k, v, valid):
     """Softmax attention in plain torch over the valid keys; (context, lse). q [b, heads, rows, d],
     k / v [b, kv_heads, keys, d] (GQA: repeated), valid [b, keys]."""

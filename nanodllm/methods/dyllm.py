@@ -28,7 +28,8 @@ With tau alone each layer's salient set is sized from its values (a host sync pe
 steps run eagerly. `salient_cap` bounds the set instead: each layer lists the cap's worth of
 lowest-cosine rows and keeps those of them below tau, which is the paper's set whenever at most the
 cap's worth of rows cross tau. With a cap or salient_fraction every set after layer 1's input is
-listed at a fixed size (each sequence's own count of it ok: lowest_rows) and layer 1's input in
+listed at a fixed size (each sequence's own count of it ok: kernels/salient_rows.py, one launch per
+layer on CUDA, its torch reference elsewhere) and layer 1's input in
 capacities of 64 rows, so on a GPU the sparse steps replay CUDA graphs, one per kind of step and
 capacity (nanodllm/graphs.py).
 
@@ -51,10 +52,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import attention as attention_module
 from ..attention import attention_with_lse, use_kernels
 from ..graphs import StepGraphs
 from ..model import use_fused
-from .base import Method, StepContext, check_int, top_positions
+from .base import Method, StepContext, check_int
 from .dllm_cache import take_heads, take_rows
 
 LLADA_TAU, DREAM_TAU = 0.99, 0.995  # the paper's choices (section 4.2.3, threshold sweep)
@@ -87,15 +89,10 @@ def capacity(count: int, width: int, granule: int = 64) -> int:
     return min(-(-max(count, 1) // granule) * granule, width)
 
 
-def lowest_rows(cos: torch.Tensor, valid: torch.Tensor, fraction: float):
-    """Per sequence, its ceil(fraction * v) lowest-cosine fed rows, v its own count of real (unpadded)
-    fed rows, so its set does not depend on the batch. Every sequence lists as many rows, ceil(fraction
-    * fed width) (at least 1: a shape, fixed per CUDA-graph recording), and marks those past its own
-    count not ok: (rows [batch, width] in order, ok [batch, width]). Ties go to the lower row, alike
-    in any batch."""
-    width = max(math.ceil(fraction * cos.shape[1]), 1)
-    own_count = (valid.sum(dim=1, dtype=torch.float64) * fraction).ceil()  # math.ceil of an unpadded row
-    return top_positions(-cos.masked_fill(~valid, float("inf")), width, own_count)
+def select_on_kernel(stats: torch.Tensor) -> bool:
+    """Whether next_salient's fixed-size sets come from kernels/salient_rows.py (tests switch this on
+    for the interpreter)."""
+    return attention_module.KERNELS_ENABLED and stats.is_cuda
 
 
 def approximate(q, keys, dv, columns, lse, context, merge):
@@ -257,15 +254,16 @@ class DyLLM(Method):
         """Rows whose context moved: cos(C, C_old) < tau; or the lowest-cosine salient_fraction; or,
         with salient_cap, those below tau among the lowest-cosine cap's worth (fixed counts, listed
         without a host sync). Returns (mask, rows, ok) as layer_step takes them."""
-        cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
+        from kernels.salient_rows import WHOLE_ROW_MAX, salient_rows, salient_rows_reference
+
         if self.salient_fraction is None and self.salient_cap is None:
+            cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
             mask = (cos < self.threshold) & valid
             return (mask, *index_rows(mask))
         fraction = self.salient_cap if self.salient_fraction is None else self.salient_fraction
-        rows, ok = lowest_rows(cos, valid, fraction)
-        if self.salient_fraction is None:
-            ok = ok & (cos.gather(1, rows) < self.threshold)
-        return torch.zeros_like(valid).scatter_(1, rows, ok), rows, ok
+        tau = self.threshold if self.salient_fraction is None else None
+        on_kernel = select_on_kernel(stats) and stats.shape[1] <= WHOLE_ROW_MAX
+        return (salient_rows if on_kernel else salient_rows_reference)(stats, valid, fraction, tau)
 
     def count_salient(self, fractions: list[float]):
         self.salient_history.append((self.t, fractions))  # (step, per-layer fraction) for plots
