@@ -15,9 +15,9 @@ docs/results/kernels_cuda.md), then a block of T steps + the commit forward is a
 The commit forward is an exact step over the same shapes (timed as one); MAGE's with sparse_commit
 reads the block's selection, so it is timed as one sparse step. The step tables time each
 step as the Timer's own graph, so the methods' graphs (nanodllm/graphs.py) are off for them. Then, as a
-user runs it, `block.generate` itself at the first context, batch 1: milliseconds per block (four
-blocks minus one, so the prompt's prefill and the first block's recordings cancel), with the engine's
-host loop and sampling and every forward replaying a graph, next to the assembled figure; with graphs
+user runs it, `block.generate` itself at the first context, batch 1: milliseconds per block (CUDA
+events as each block begins, the median of the blocks after the first, which records the graphs;
+the prefill is not in them), with the engine's host loop and sampling and every forward replaying a graph, next to the assembled figure; with graphs
 off for exact and MAGE. On a GPU the selection's
 top-k is also timed alone, torch (topk + sort) against kernels/top_k.py. On a GPU each kind of step is
 also profiled once, eagerly, and its kernel time split into attention, selection and the rest. Floors: weight bytes read
@@ -27,6 +27,7 @@ sparse: the exact layers' prefix plus k keys per KV head elsewhere), over the me
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -171,10 +172,28 @@ def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
     }
 
 
+GENERATION_BLOCKS = 7  # per timed generation: the first (recordings) and six timed blocks
+
+
+def block_clock(method, events: list):
+    """Make method.begin_block record a CUDA event on the current stream as each block begins."""
+    begin = method.begin_block
+
+    def begin_timed(ctx):
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
+        begin(ctx)
+
+    method.begin_block = begin_timed
+    return method
+
+
 def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> list[dict]:
     """Milliseconds per block of block.generate at batch 1 (random prompt, temperature 0, no stop
-    token): four blocks minus one block, over three, each the best of two runs. Graphed: every method;
-    eager: exact and MAGE."""
+    token), timed inside one generation of GENERATION_BLOCKS blocks: a CUDA event as each block
+    begins and one after the last, so the prefill and the first block (where the method's graphs
+    are recorded) stay out of the timed blocks; their median and range. Graphed: every method;
+    eager: exact and MAGE. A warm-up generation first compiles and autotunes."""
     prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     size, steps = shapes["block"], shapes["steps"]
     methods = [("exact", "dense", {}), ("MAGE", "mage", knobs), ("Quest", "quest", knobs),
@@ -182,22 +201,25 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
     runs = [(label, name, method_knobs, True) for label, name, method_knobs in methods]
     runs += [(label, name, method_knobs, False) for label, name, method_knobs in methods[:2]]
 
-    def seconds(name, method_knobs, blocks):
+    def generate(name, method_knobs, blocks, events):
         gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=steps, temperature=0.0,
                                threshold=None)
+        method = block_clock(get_method(name, **method_knobs), events)
+        block_engine.generate(model, [prompt], gen, method=method, stop_ids=())
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        block_engine.generate(model, [prompt], gen, method=get_method(name, **method_knobs), stop_ids=())
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
 
     rows = []
     for label, name, method_knobs, graphed in runs:
         graphs_module.GRAPHS_ENABLED = graphed
-        seconds(name, method_knobs, 3)  # compile (each block's lengths: new specialisations) and autotune
-        best = lambda blocks: min(seconds(name, method_knobs, blocks) for _ in range(2))
-        ms = (best(4) - best(1)) / 3 * 1e3
+        generate(name, method_knobs, 2, [])
+        events = []
+        generate(name, method_knobs, GENERATION_BLOCKS, events)
+        block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[1:-1], events[2:]))
+        ms = statistics.median(block_ms)
         rows.append({"context": context, "method": label, "graphs": graphed, "ms/block": ms,
+                     "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}",
                      "ms per forward": ms / (steps + 1), "assembled ms/block": assembled[label] / 1e3,
                      "real / assembled": ms * 1e3 / assembled[label]})
     graphs_module.GRAPHS_ENABLED = True
@@ -307,8 +329,9 @@ def bench_mage(args, timer, report, measure_rates, meta):
         context, blocks = first_blocks
         report.table("A real generation", generation_times(model, cfg, context, shapes, knobs, blocks),
                      f"block.generate at {context} tokens of prompt, batch 1, as a user runs it: milliseconds per "
-                     "block (four blocks minus one, over three, best of two runs each: the prefill and the first "
-                     "block's recordings cancel), the engine's host loop and sampling included; 'graphs' = every "
+                     f"block (the median of blocks 2-{GENERATION_BLOCKS} of one generation, each timed by CUDA events "
+                     "as it begins; the prefill and the first block, where the graphs are recorded, are left out), "
+                     "the engine's host loop and sampling included; 'graphs' = every "
                      "denoising step and commit replays a CUDA graph recorded once per generation (the default on "
                      "a GPU); without, each forward launches its kernels from Python. 'assembled' = the figure in "
                      "the table above.")
