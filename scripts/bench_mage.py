@@ -17,8 +17,8 @@ reads the block's selection, so it is timed as one sparse step. The step tables 
 step as the Timer's own graph, so the methods' graphs (nanodllm/graphs.py) are off for them. Then, as a
 user runs it, `block.generate` itself at the first context, batch 1: milliseconds per block (CUDA
 events as each block begins, the median of the blocks after the first, which records the graphs;
-the prefill is not in them), with the engine's host loop and sampling and every forward replaying a graph, next to the assembled figure; with graphs
-off for exact and MAGE. On a GPU the selection's
+the prefill is not in them), with the engine's host loop and sampling and every forward replaying a
+graph, next to the assembled figure; with graphs off for exact and MAGE. On a GPU the selection's
 top-k is also timed alone, torch (topk + sort) against kernels/top_k.py. On a GPU each kind of step is
 also profiled once, eagerly, and its kernel time split into attention, selection and the rest. Floors: weight bytes read
 (embedding rows aside) plus the KV bytes each step reads (exact: the whole prefix in every layer;
@@ -213,6 +213,7 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
     rows = []
     for label, name, method_knobs, graphed in runs:
         graphs_module.GRAPHS_ENABLED = graphed
+        # warm-up: compiles and autotunes (a compile in a later block would show in the range, not the median)
         generate(name, method_knobs, 2, [])
         events = []
         generate(name, method_knobs, GENERATION_BLOCKS, events)
