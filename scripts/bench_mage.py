@@ -175,13 +175,18 @@ def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
 GENERATION_BLOCKS = 7  # per timed generation: the first (recordings) and six timed blocks
 
 
+def mark(events: list):
+    """Append a CUDA event recorded now on the current stream."""
+    events.append(torch.cuda.Event(enable_timing=True))
+    events[-1].record()
+
+
 def block_clock(method, events: list):
-    """Make method.begin_block record a CUDA event on the current stream as each block begins."""
+    """Make method.begin_block mark `events` as each block begins."""
     begin = method.begin_block
 
     def begin_timed(ctx):
-        events.append(torch.cuda.Event(enable_timing=True))
-        events[-1].record()
+        mark(events)
         begin(ctx)
 
     method.begin_block = begin_timed
@@ -206,8 +211,7 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
                                threshold=None)
         method = block_clock(get_method(name, **method_knobs), events)
         block_engine.generate(model, [prompt], gen, method=method, stop_ids=())
-        events.append(torch.cuda.Event(enable_timing=True))
-        events[-1].record()
+        mark(events)
         torch.cuda.synchronize()
 
     rows = []
