@@ -39,7 +39,9 @@ import triton
 import triton.language as tl
 
 LOG2_E = math.log2(math.e)
-CUDA_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# H100, DyLLM's llada-8b sparse steps at batch 16 (bench_dyllm.md): 3 stages when the columns span
+# several tiles, 1 when they fit in one (a single pass has nothing to pipeline)
+CUDA_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 
 @triton.jit
@@ -69,6 +71,17 @@ def approx_attention_kernel(
                 mask=row_ok[:, None], other=0.0)
     lse_at = lse_ptr + batch * stride_lb + head * stride_lh + rows * stride_ll
     lse2 = tl.load(lse_at, mask=row_ok, other=0.0) * 1.4426950408889634  # natural log -> base 2
+    # the old contexts (and the exact rows) are loaded before the column loop, so that their reads
+    # overlap it rather than wait behind it
+    context_at = (context_ptr + batch * stride_xb + head * stride_xh + rows[:, None] * stride_xl
+                  + dims[None, :] * stride_xd)
+    old = tl.load(context_at, mask=row_ok[:, None], other=0.0)
+    if MERGE:
+        slot = tl.load(slots_ptr + batch * stride_pb + rows * stride_pl, mask=row_ok, other=-1)
+        exact_row = (slot >= 0) & row_ok
+        slot = tl.where(exact_row, slot, 0).to(tl.int64)
+        exact = tl.load(exact_ptr + batch * stride_eb + head * stride_eh + slot[:, None] * stride_es
+                        + dims[None, :] * stride_ed, mask=exact_row[:, None], other=0.0)
     count = tl.load(counts_ptr + batch)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     # [BLOCK_N, 1]: a tile's salient tokens, loaded in the layout of the K tile's rows, one tile ahead
@@ -86,16 +99,9 @@ def approx_attention_kernel(
         p = tl.exp2(tl.minimum(scores - lse2[:, None], 0.0))  # a softmax weight is at most 1
         p = tl.where(slot_ok[None, :] & row_ok[:, None], p, 0.0)
         acc += tl.dot(p.to(dv.dtype), dv)
-    context_at = (context_ptr + batch * stride_xb + head * stride_xh + rows[:, None] * stride_xl
-                  + dims[None, :] * stride_xd)
-    old = tl.load(context_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    old = old.to(tl.float32)
     new = old + acc
     if MERGE:
-        slot = tl.load(slots_ptr + batch * stride_pb + rows * stride_pl, mask=row_ok, other=-1)
-        exact_row = (slot >= 0) & row_ok
-        slot = tl.where(exact_row, slot, 0).to(tl.int64)
-        exact = tl.load(exact_ptr + batch * stride_eb + head * stride_eh + slot[:, None] * stride_es
-                        + dims[None, :] * stride_ed, mask=exact_row[:, None], other=0.0)
         new = tl.where(exact_row[:, None], exact.to(tl.float32), new)
         exact_lse = tl.load(exact_lse_ptr + batch * stride_fb + head * stride_fh + slot * stride_fs,
                             mask=exact_row, other=0.0)
@@ -154,7 +160,10 @@ def approximate_attention(q, k, dv, columns, counts, lse, context, merge=None, *
     scale = head_dim**-0.5 if scale is None else scale
     stats = torch.empty(batch, num_heads, num_rows, 3, dtype=torch.float32, device=q.device)
     exact, exact_lse, slots = merge if merge is not None else (context, lse, columns)  # unread without merge
-    tiles = CUDA_TILES if q.is_cuda else {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if q.is_cuda:
+        tiles = dict(CUDA_TILES, num_stages=1 if dv.shape[2] <= CUDA_TILES["BLOCK_N"] else 3)
+    else:
+        tiles = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     grid = (triton.cdiv(num_rows, tiles["BLOCK_M"]), batch * num_heads)
     approx_attention_kernel[grid](
         q, k, dv, columns, counts, lse, context, stats, exact, exact_lse, slots,
