@@ -67,13 +67,30 @@ _TUNING_SPACE = {
     ],
 }
 
+# A few query rows against many keys (DyLLM's salient rows: 64-192 per sequence and head against the
+# whole canvas) leave most of a 128-row tile empty: up to FEW_ROWS query rows the autotuner also tries
+# 64-row tiles (one warpgroup), keyed on a query-row bucket so prefill keeps its own choice.
+FEW_ROWS = 256
+_FEW_ROW_TILES = {
+    128: [
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2),
+    ],
+    64: [
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=3),
+    ],
+}
+
 # Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), where timing means
 # nothing: fixed small tiles, so that small test shapes cross many tile edges. Tests may change them.
 INTERPRETER_TILES = {"BLOCK_M": 32, "BLOCK_N": 16}
 
 
 def _configs_for_head_dim(configs, named_args, **kwargs):
-    return _TUNING_SPACE[kwargs["HEAD_DIM"]]
+    few_rows = named_args["tuning_rows"] <= FEW_ROWS
+    return _TUNING_SPACE[kwargs["HEAD_DIM"]] + (_FEW_ROW_TILES[kwargs["HEAD_DIM"]] if few_rows else [])
 
 
 @triton.jit
@@ -154,7 +171,7 @@ def _flash_attention_fwd(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     n_q, n_k, num_heads, group, block_size, qk_scale,
-    tuning_length,  # read only by the autotuner's key (a power-of-two bucket of n_k)
+    tuning_length, tuning_rows,  # read only by the autotuner's key (buckets of n_k and n_q)
     HEAD_DIM: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -240,8 +257,8 @@ def _flash_attention_fwd(
 
 
 _flash_attention_fwd_tuned = triton.autotune(
-    configs=[config for configs in _TUNING_SPACE.values() for config in configs],
-    key=["HEAD_DIM", "BLOCK_CAUSAL", "HAS_K_VALID", "tuning_length"],
+    configs=[config for space in (_TUNING_SPACE, _FEW_ROW_TILES) for configs in space.values() for config in configs],
+    key=["HEAD_DIM", "BLOCK_CAUSAL", "HAS_K_VALID", "tuning_length", "tuning_rows"],
     prune_configs_by={"early_config_prune": _configs_for_head_dim},
 )(_flash_attention_fwd)
 
@@ -285,11 +302,12 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     # The autotuner keys on a power-of-two bucket of N_k from 1K to 32K, so a short warm-up call does
     # not choose the tiles of a long prefill, and lengths in one bucket share their tuning.
     tuning_length = min(max(triton.next_power_of_2(n_k), 1024), 32768)
+    tuning_rows = 64 if n_q <= 64 else FEW_ROWS if n_q <= FEW_ROWS else 1024  # two buckets of few rows, or many
 
     args = (
         q, k, v, valid, first_visible, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *first_strides, *out.stride(), *lse.stride(),
-        n_q, n_k, num_heads, num_heads // num_kv_heads, block, scale * LOG2_E, tuning_length,
+        n_q, n_k, num_heads, num_heads // num_kv_heads, block, scale * LOG2_E, tuning_length, tuning_rows,
     )
     meta = dict(HEAD_DIM=head_dim, BLOCK_CAUSAL=causal or block_size is not None, HAS_K_VALID=k_valid is not None)
 

@@ -125,17 +125,51 @@ def test_matches_reference(case):
     check_against_reference(q, k, v, tiles, **kwargs)
 
 
-@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"block_size": 32}, {"block_size": 4}])
-def test_matches_reference_with_gpu_tiles(mask):
-    """The H100 tiles (128 x 64) over several query and key tiles, queries a suffix of the keys and
-    the first row left-padded, so the unmasked and masked key loops both run at that size."""
+MASKS = [{}, {"causal": True}, {"block_size": 32}, {"block_size": 4}]
+
+
+def gpu_tile_case(head_dim=128):
+    """Several query and key tiles at the H100 tile sizes, queries a suffix of the keys and the first
+    row left-padded, so the unmasked and masked key loops both run at that size."""
     generator = torch.Generator().manual_seed(0)
     n_q, n_k = 200, 300
-    q = random_heads(2, 4, n_q, 128, torch.float16, "contiguous", generator)
-    k = random_heads(2, 2, n_k, 128, torch.float16, "seq_major", generator)
-    v = random_heads(2, 2, n_k, 128, torch.float16, "seq_major", generator)
-    k_valid = padded_keys([37, 0], ["left", "right"], n_k, sliced=False)
-    check_against_reference(q, k, v, (128, 64), k_valid=k_valid, **mask)
+    q = random_heads(2, 4, n_q, head_dim, torch.float16, "contiguous", generator)
+    k = random_heads(2, 2, n_k, head_dim, torch.float16, "seq_major", generator)
+    v = random_heads(2, 2, n_k, head_dim, torch.float16, "seq_major", generator)
+    return q, k, v, padded_keys([37, 0], ["left", "right"], n_k, sliced=False)
+
+
+@pytest.mark.parametrize("tiles", [(128, 64), (64, 64)])
+@pytest.mark.parametrize("mask", MASKS)
+def test_matches_reference_with_gpu_tiles(mask, tiles):
+    """The prefill tile (128 x 64) and the few-row one (64 x 64), in the interpreter on a CPU (on a
+    GPU the autotuner picks; the test below runs each of its tiles)."""
+    q, k, v, k_valid = gpu_tile_case()
+    check_against_reference(q, k, v, tiles, k_valid=k_valid, **mask)
+
+
+class FixedTiles:
+    """Stands in for the autotuned kernel: launches one config of its space."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            tiles = dict(meta, **self.config.kwargs)
+            fa._flash_attention_fwd[grid(tiles)](*args, **tiles, num_warps=self.config.num_warps,
+                                                 num_stages=self.config.num_stages)
+        return launch
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the autotuner's tiles compile for the GPU only")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", MASKS)
+def test_every_tile_of_the_tuning_space_matches_reference(mask, head_dim):
+    q, k, v, k_valid = gpu_tile_case(head_dim)
+    for config in fa._TUNING_SPACE[head_dim] + fa._FEW_ROW_TILES[head_dim]:
+        with mock.patch.object(fa, "_flash_attention_fwd_tuned", FixedTiles(config)):
+            check_against_reference(q, k, v, k_valid=k_valid, **mask)
 
 
 def test_key_tiles_before_the_first_visible_key_are_never_read():
