@@ -7,7 +7,8 @@ cosine (padded rows last, ties to the lower row) are listed in row order, and of
 ceil(v_b * fraction) lowest are ok, v_b the sequence's own count of real rows (so its set does not
 depend on what else is in the batch); with tau (DyLLM's salient_cap) a listed row is ok only if also
 cos < tau. Returns (mask [batch, rows] bool: the ok rows, rows [batch, width] int64, ok [batch, width]
-bool). The selection is top_k.py's one-program radix select (top_of_row) on -cos, run twice (width,
+bool, slots [batch, rows] int32: each ok row's place in the list, -1 for the others; DyLLM's
+approximate attention reads a salient row's exact context from that place). The selection is top_k.py's one-program radix select (top_of_row) on -cos, run twice (width,
 then the own count); the division and square root round as torch's do (div_rn, sqrt_rn), so the
 listed rows are torch's exactly (salient_rows_reference: the cosines, then a stable sort).
 
@@ -29,7 +30,7 @@ from kernels.top_k import WHOLE_ROW_MAX, ordered_keys, top_of_row, whole_row_war
 
 
 @triton.jit
-def salient_rows_kernel(stats_ptr, valid_ptr, mask_ptr, rows_ptr, ok_ptr, num_rows, width, tau,
+def salient_rows_kernel(stats_ptr, valid_ptr, mask_ptr, rows_ptr, ok_ptr, slot_map_ptr, num_rows, width, tau,
                         FRACTION_BITS: tl.constexpr, CAPPED: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     positions = tl.arange(0, BLOCK)
@@ -47,10 +48,11 @@ def salient_rows_kernel(stats_ptr, valid_ptr, mask_ptr, rows_ptr, ok_ptr, num_ro
     ok = top_of_row(keys, in_row, own)
     if CAPPED:
         ok = ok & (cos < tau)
-    slots = b * width + tl.cumsum(listed.to(tl.int32), 0) - 1
-    tl.store(rows_ptr + slots, positions.to(tl.int64), mask=listed)
-    tl.store(ok_ptr + slots, ok, mask=listed)
+    place = tl.cumsum(listed.to(tl.int32), 0) - 1  # a listed row's slot in the list
+    tl.store(rows_ptr + b * width + place, positions.to(tl.int64), mask=listed)
+    tl.store(ok_ptr + b * width + place, ok, mask=listed)
     tl.store(mask_ptr + b * num_rows + positions, listed & ok, mask=in_row)
+    tl.store(slot_map_ptr + b * num_rows + positions, tl.where(listed & ok, place, -1), mask=in_row)
 
 
 def list_width(num_rows: int, fraction: float) -> int:
@@ -78,13 +80,22 @@ def salient_rows(stats: torch.Tensor, valid: torch.Tensor, fraction: float, tau:
     mask = torch.empty(batch, num_rows, dtype=torch.bool, device=stats.device)
     rows = torch.empty(batch, width, dtype=torch.int64, device=stats.device)
     ok = torch.empty(batch, width, dtype=torch.bool, device=stats.device)
+    slots = torch.empty(batch, num_rows, dtype=torch.int32, device=stats.device)
     if batch and num_rows:
         block = triton.next_power_of_2(num_rows)
         salient_rows_kernel[(batch,)](
-            stats.contiguous(), valid.contiguous(), mask, rows, ok, num_rows, width, 0.0 if tau is None else tau,
+            stats.contiguous(), valid.contiguous(), mask, rows, ok, slots, num_rows, width, 0.0 if tau is None else tau,
             FRACTION_BITS=struct.unpack("<q", struct.pack("<d", float(fraction)))[0], CAPPED=tau is not None,
             BLOCK=block, num_warps=whole_row_warps(block))
-    return mask, rows, ok
+    return mask, rows, ok, slots
+
+
+def slot_map(rows: torch.Tensor, ok: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """rows [batch, s] (distinct per sequence), ok [batch, s] -> [batch, num_rows] int32: j at
+    rows[b, j] where ok[b, j], -1 elsewhere."""
+    places = torch.arange(rows.shape[1], device=rows.device, dtype=torch.int32).expand_as(rows)
+    slots = torch.full((rows.shape[0], num_rows), -1, dtype=torch.int32, device=rows.device)
+    return slots.scatter_(1, rows, torch.where(ok, places, -1))
 
 
 def salient_rows_reference(stats: torch.Tensor, valid: torch.Tensor, fraction: float, tau: float | None = None):
@@ -99,4 +110,4 @@ def salient_rows_reference(stats: torch.Tensor, valid: torch.Tensor, fraction: f
     ok = (torch.arange(width, device=stats.device) < own[:, None]).gather(1, order)
     if tau is not None:
         ok = ok & (cos.gather(1, rows) < tau)
-    return torch.zeros_like(valid).scatter_(1, rows, ok), rows, ok
+    return torch.zeros_like(valid).scatter_(1, rows, ok), rows, ok, slot_map(rows, ok, stats.shape[1])

@@ -78,13 +78,15 @@ class Rope:
         inv_freq = 1.0 / (base**exponent)
         freqs = positions.float()[..., None] * inv_freq  # [batch, t, d/2], fp32 as the references
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [batch, 1, t, d]
-        self.cos, self.sin = angles.cos(), angles.sin()
+        self.table = torch.empty(2, *angles.shape, dtype=angles.dtype, device=angles.device)  # cos, sin: one gather takes both
+        self.cos, self.sin = torch.cos(angles, out=self.table[0]), torch.sin(angles, out=self.table[1])
 
     def rows(self, rows: torch.Tensor) -> "Rope":
         """The tables at some positions only: rows [batch, s] indexes this Rope's t (no recompute)."""
-        index = rows[:, None, :, None].expand(-1, 1, -1, self.cos.shape[-1])
+        index = rows[None, :, None, :, None].expand(2, -1, 1, -1, self.cos.shape[-1])
         picked = Rope.__new__(Rope)
-        picked.cos, picked.sin = self.cos.gather(2, index), self.sin.gather(2, index)
+        picked.table = self.table.gather(3, index)
+        picked.cos, picked.sin = picked.table[0], picked.table[1]
         return picked
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:

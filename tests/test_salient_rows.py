@@ -1,5 +1,5 @@
 """kernels/salient_rows.py against its torch reference (the cosines, a stable sort): DyLLM's fixed-size
-salient sets, the same rows, ok flags and mask, ties to the lower row, padded rows last."""
+salient sets, the same rows, ok flags, mask and slot map, ties to the lower row, padded rows last."""
 
 import math
 
@@ -42,7 +42,7 @@ def test_salient_rows_match_the_reference(batch, rows, values, fraction, capped,
     tau = 0.9 if capped else None
     got = salient_rows(stats, valid, fraction, tau)
     want = salient_rows_reference(stats, valid, fraction, tau)
-    for name, g, w in zip(("mask", "rows", "ok"), got, want):
+    for name, g, w in zip(("mask", "rows", "ok", "slots"), got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g, w), name
 
@@ -51,12 +51,14 @@ def test_comparison_catches_a_wrong_selection():
     """The lowest cosines, not the highest; each sequence's own count; the cap's tau."""
     stats = draw_stats(2, 40, "distinct", 0)
     valid = draw_valid(2, 40, [0, 15])
-    mask, rows, ok = salient_rows(stats, valid, 0.25)
+    mask, rows, ok, slots = salient_rows(stats, valid, 0.25)
     assert torch.equal(rows, salient_rows_reference(stats, valid, 0.25)[1])
     flipped = stats * torch.tensor([-1.0, 1.0, 1.0], device=DEVICE)  # every cosine negated
     assert not torch.equal(rows, salient_rows_reference(flipped, valid, 0.25)[1])
     assert ok.sum(dim=1).tolist() == [10, 7]  # ceil(40 / 4), ceil(25 / 4): the padded sequence's own count
     assert torch.equal(mask.sum(dim=1), ok.sum(dim=1))
+    assert torch.equal(slots >= 0, mask)  # the slot map marks the ok rows, with their places in the list
+    assert torch.equal(slots.gather(1, rows), torch.where(ok, torch.arange(10, device=DEVICE).int(), -1))
     assert not torch.equal(salient_rows(stats, valid, 0.25, tau=-2.0)[2], ok)  # no cosine is below -2
 
 
@@ -67,7 +69,7 @@ def test_own_counts_round_as_float64(fraction):
     rows = 64
     stats = draw_stats(rows, rows, "distinct", 1)
     valid = draw_valid(rows, rows, list(range(rows)))  # sequence b has rows - b real rows
-    _, _, ok = salient_rows(stats, valid, fraction)
+    _, _, ok, _ = salient_rows(stats, valid, fraction)
     assert ok.sum(dim=1).tolist() == [math.ceil((rows - b) * fraction) for b in range(rows)]
 
 

@@ -70,16 +70,22 @@ def same_layout(cache: LayerCache, slots: int, key_mask: torch.Tensor | None) ->
     return key_mask is None or cache.key_mask.shape == key_mask.shape
 
 
-def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [batch, t, ...], rows [batch, n] -> x at those rows, [batch, n, ...]. Where x's batch and row
-    dims flatten into one (a contiguous x does), one index_select copies whole rows; a gather reads an
-    int64 index per element instead (five times the bytes of bf16 rows: DyLLM's three row gathers per
-    layer took ~180 us at batch 16, 25%, on an H100)."""
+def flat_rows(rows: torch.Tensor, t: int) -> torch.Tensor:
+    """rows [batch, n] of tensors with t rows per sequence -> [batch * n] indices into their flattened
+    [batch * t] rows (take_rows' index; a caller taking several tensors at the same rows computes it once)."""
+    batch = rows.shape[0]
+    return (rows if batch == 1 else rows + torch.arange(0, batch * t, t, device=rows.device)[:, None]).flatten()
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor, flat: torch.Tensor | None = None) -> torch.Tensor:
+    """x [batch, t, ...], rows [batch, n] -> x at those rows, [batch, n, ...]; flat: flat_rows(rows, t)
+    where the caller has it. Where x's batch and row dims flatten into one (a contiguous x does), one
+    index_select copies whole rows; a gather reads an int64 index per element instead (five times the
+    bytes of bf16 rows: DyLLM's three row gathers per layer took ~180 us at batch 16, 25%, on an H100)."""
     batch, t = x.shape[:2]
     if batch == 1 or x.stride(0) == t * x.stride(1):
-        # batch 1: no offsets to add, no extra launch
-        flat_rows = rows if batch == 1 else rows + torch.arange(0, batch * t, t, device=rows.device)[:, None]
-        return x.flatten(0, 1).index_select(0, flat_rows.flatten()).view(*rows.shape, *x.shape[2:])
+        flat = flat_rows(rows, t) if flat is None else flat
+        return x.flatten(0, 1).index_select(0, flat).view(*rows.shape, *x.shape[2:])
     index = rows.view(*rows.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
     return x.gather(1, index)
 
@@ -95,12 +101,12 @@ def heads_index(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return index.view(*index.shape, *([1] * (x.dim() - 3))).expand(-1, x.shape[1], -1, *x.shape[3:])
 
 
-def take_heads(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def take_heads(x: torch.Tensor, index: torch.Tensor, flat: torch.Tensor | None = None) -> torch.Tensor:
     """x [batch, heads, n, ...] at positions index [batch, 1 (shared) or heads, k] -> [batch, heads, k, ...].
-    A shared index takes rows of the [batch, n, heads, ...] view (take_rows): whole rows where x is
-    stored token-major, as projected queries are; the result is then a view in that layout."""
+    A shared index takes rows of the [batch, n, heads, ...] view (take_rows, flat as it takes it): whole
+    rows where x is stored token-major, as projected queries are; the result is then a view in that layout."""
     if index.shape[1] == 1:
-        return take_rows(x.transpose(1, 2), index[:, 0]).transpose(1, 2)
+        return take_rows(x.transpose(1, 2), index[:, 0], flat).transpose(1, 2)
     return x.gather(2, heads_index(x, index))
 
 

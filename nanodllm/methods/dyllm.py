@@ -48,7 +48,8 @@ real fed rows salient per layer and sparse step; salient_per_layer = the same pe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -57,7 +58,7 @@ from ..attention import attention_with_lse, use_kernels
 from ..graphs import StepGraphs
 from ..model import use_fused
 from .base import Method, StepContext, check_int
-from .dllm_cache import take_heads, take_rows
+from .dllm_cache import flat_rows, take_heads, take_rows
 
 LLADA_TAU, DREAM_TAU = 0.99, 0.995  # the paper's choices (section 4.2.3, threshold sweep)
 
@@ -73,6 +74,40 @@ class LayerState:
     context: torch.Tensor
     lse: torch.Tensor
     mlp_out: torch.Tensor
+
+
+class Salient(NamedTuple):
+    """A layer's salient rows: mask [batch, fed] bool; rows [batch, s] int64, listed (the salient ones
+    first in index_rows, in row order in kernels/salient_rows.py); ok [batch, s]: which listed rows are
+    salient; slots [batch, fed] int32: a salient row's place in the list, -1 for the others; flat
+    [batch * s]: the listed rows in the flattened [batch * fed] rows (take_rows' index)."""
+
+    mask: torch.Tensor
+    rows: torch.Tensor
+    ok: torch.Tensor
+    slots: torch.Tensor
+    flat: torch.Tensor
+
+
+@dataclass
+class Fed:
+    """What every layer of one sparse step shares about its fed rows: valid [batch, fed] (real rows),
+    offset (the first fed column of the canvas: 0, or the prompt's width in a response-only step),
+    k_valid (the keys' validity, None where all are real) and the approximate update's column counts,
+    one tensor per list width."""
+
+    valid: torch.Tensor
+    offset: int
+    k_valid: torch.Tensor | None
+    counts: dict = field(default_factory=dict)
+
+    def salient(self, mask, rows, ok, slots) -> Salient:
+        return Salient(mask, rows, ok, slots, flat_rows(rows, mask.shape[1]))
+
+    def column_counts(self, width: int) -> torch.Tensor:
+        if width not in self.counts:
+            self.counts[width] = torch.full((self.valid.shape[0],), width, dtype=torch.int32, device=self.valid.device)
+        return self.counts[width]
 
 
 def index_rows(mask: torch.Tensor, count: int | None = None):
@@ -95,10 +130,17 @@ def select_on_kernel(stats: torch.Tensor) -> bool:
     return attention_module.KERNELS_ENABLED and stats.is_cuda
 
 
-def approximate(q, keys, dv, columns, lse, context, merge):
+def listed(mask: torch.Tensor, count: int | None = None):
+    """index_rows' listing with its slot map: (mask, rows, ok, slots) as kernels/salient_rows.py gives them."""
+    from kernels.salient_rows import slot_map
+
+    rows, ok = index_rows(mask, count)
+    return mask, rows, ok, slot_map(rows, ok, mask.shape[1])
+
+
+def approximate(q, keys, dv, columns, counts, lse, context, merge):
     """Algorithm 4 with cached normalisers, the exact rows merged: context and lse updated in place;
     returns per-head [new.old, new.new, old.old]."""
-    counts = torch.full((q.shape[0],), columns.shape[1], dtype=torch.int32, device=q.device)
     if use_kernels(q) and lse.dtype == torch.float32:
         from kernels.approx_attention import approximate_attention
 
@@ -212,54 +254,48 @@ class DyLLM(Method):
         time, or as many as there are): (hidden states, the last layer's salient rows, the salient
         fraction of each layer)."""
         x, rope = model.embed(tokens), model.rope(positions)
-        k_valid = None if all_valid else valid_keys
-        selected = (salient, *index_rows(salient, first))
+        fed = Fed(valid, offset, None if all_valid else valid_keys)
+        selected = fed.salient(*listed(salient, first))
         masks, mlp_out = [], None
         for layer, state in zip(model.layers, self.layers):
-            x, mlp_out, selected = self.layer_step(layer, state, x, mlp_out, rope, selected, valid, offset, k_valid)
-            masks.append(selected[0])
+            x, mlp_out, selected = self.layer_step(layer, state, x, mlp_out, rope, selected, fed)
+            masks.append(selected.mask)
         fractions = torch.stack(masks).sum(dim=(1, 2)) / valid.sum()  # over the real fed rows
-        return x.add_(mlp_out), selected[0], fractions
+        return x.add_(mlp_out), selected.mask, fractions
 
-    def layer_step(self, layer, state, x, pending, rope, selected, valid, offset, k_valid):
+    def layer_step(self, layer, state, x, pending, rope, selected: Salient, fed: Fed):
         """One layer of a sparse step, given its input x + pending (the last layer's FFN output, None
-        at layer 1; added in the norm's pass) and the salient rows (mask [batch, fed], rows, ok as
-        index_rows lists them); returns (x, this layer's FFN output to add, the next salient rows)."""
+        at layer 1; added in the norm's pass) and its salient rows; returns (x, this layer's FFN output
+        to add, the next salient rows)."""
         h = layer.attn_norm(x, pending)
         q = layer.query(h, rope)
-        _, rows, ok = selected
-        columns = rows + offset
-        k_rows, v_rows = layer.kv(take_rows(h, rows), rope.rows(rows))
-        put_where(state.keys, columns, ok, k_rows)
-        dv = put_where(state.values, columns, ok, v_rows, delta=True)  # v_new - v_old, 0 where not ok
+        columns = selected.rows + fed.offset if fed.offset else selected.rows
+        k_rows, v_rows = layer.kv(take_rows(h, selected.rows, selected.flat), rope.rows(selected.rows))
+        put_where(state.keys, columns, selected.ok, k_rows)
+        dv = put_where(state.values, columns, selected.ok, v_rows, delta=True)  # v_new - v_old, 0 where not ok
 
-        shared = rows[:, None]  # the same rows for every head
-        exact, lse = attention_with_lse(take_heads(q, shared), state.keys, state.values, k_valid)
-        slots = torch.full_like(valid, -1, dtype=torch.int32)  # row -> its exact slot, -1: approximate
-        slot_ids = torch.arange(rows.shape[1], device=rows.device, dtype=torch.int32)
-        put_where(slots[:, None, :, None], rows, ok, slot_ids[None, None, :, None].expand(rows.shape[0], 1, -1, 1))
-        context = state.context[:, :, offset:]
-        stats = approximate(q, state.keys, dv, columns, state.lse[:, :, offset:], context,
-                            (exact, lse, slots))
-        selected = self.next_salient(stats.sum(dim=1), valid)
+        shared = selected.rows[:, None]  # the same rows for every head
+        exact, lse = attention_with_lse(take_heads(q, shared, selected.flat), state.keys, state.values, fed.k_valid)
+        context = state.context[:, :, fed.offset:]
+        stats = approximate(q, state.keys, dv, columns, fed.column_counts(columns.shape[1]),
+                            state.lse[:, :, fed.offset:], context, (exact, lse, selected.slots))
+        selected = fed.salient(*self.next_salient(stats.sum(dim=1), fed.valid))
 
         x = layer.add_out(x, context)
-        _, rows, ok = selected
-        cached = state.mlp_out[:, offset:]
-        fresh = layer.mlp(layer.mlp_norm(take_rows(x, rows)))
-        put_where(cached[:, None], rows, ok, fresh[:, None])
+        cached = state.mlp_out[:, fed.offset:]
+        fresh = layer.mlp(layer.mlp_norm(take_rows(x, selected.rows, selected.flat)))
+        put_where(cached[:, None], selected.rows, selected.ok, fresh[:, None])
         return x, cached, selected
 
     def next_salient(self, stats, valid):
         """Rows whose context moved: cos(C, C_old) < tau; or the lowest-cosine salient_fraction; or,
         with salient_cap, those below tau among the lowest-cosine cap's worth (fixed counts, listed
-        without a host sync). Returns (mask, rows, ok) as layer_step takes them."""
+        without a host sync). Returns (mask, rows, ok, slots) as Salient holds them."""
         from kernels.salient_rows import WHOLE_ROW_MAX, salient_rows, salient_rows_reference
 
         if self.salient_fraction is None and self.salient_cap is None:
             cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
-            mask = (cos < self.threshold) & valid
-            return (mask, *index_rows(mask))
+            return listed((cos < self.threshold) & valid)
         fraction = self.salient_cap if self.salient_fraction is None else self.salient_fraction
         tau = self.threshold if self.salient_fraction is None else None
         on_kernel = select_on_kernel(stats) and stats.shape[1] <= WHOLE_ROW_MAX
