@@ -72,15 +72,9 @@ _TUNING_SPACE = {
 # 64-row tiles (one warpgroup), keyed on a query-row bucket so prefill keeps its own choice.
 FEW_ROWS = 256
 _FEW_ROW_TILES = {
-    128: [
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2),
-    ],
-    64: [
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=3),
-    ],
+    head_dim: [triton.Config({"BLOCK_M": 64, "BLOCK_N": block_n}, num_warps=4, num_stages=stages)
+               for block_n, stages in settings]
+    for head_dim, settings in ((128, [(64, 3), (128, 3), (64, 2)]), (64, [(64, 3), (128, 3)]))
 }
 
 # Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), where timing means
