@@ -68,8 +68,8 @@ _TUNING_SPACE = {
 }
 
 # A few query rows against many keys (DyLLM's salient rows: 64-192 per sequence and head against the
-# whole canvas) leave most of a 128-row tile empty: up to FEW_ROWS query rows the autotuner also tries
-# 64-row tiles (one warpgroup), keyed on a query-row bucket so prefill keeps its own choice.
+# whole canvas) leave much of their last 128-row tile empty: up to FEW_ROWS query rows the autotuner
+# also tries 64-row tiles (one warpgroup), keyed on a query-row bucket so prefill keeps its own choice.
 FEW_ROWS = 256
 _FEW_ROW_TILES = {
     head_dim: [triton.Config({"BLOCK_M": 64, "BLOCK_N": block_n}, num_warps=4, num_stages=stages)

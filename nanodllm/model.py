@@ -78,7 +78,8 @@ class Rope:
         inv_freq = 1.0 / (base**exponent)
         freqs = positions.float()[..., None] * inv_freq  # [batch, t, d/2], fp32 as the references
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [batch, 1, t, d]
-        self.table = torch.empty(2, *angles.shape, dtype=angles.dtype, device=angles.device)  # cos, sin: one gather takes both
+        # cos and sin in one table, so that Rope.rows takes both with one gather
+        self.table = torch.empty(2, *angles.shape, dtype=angles.dtype, device=angles.device)
         self.cos, self.sin = torch.cos(angles, out=self.table[0]), torch.sin(angles, out=self.table[1])
 
     def rows(self, rows: torch.Tensor) -> "Rope":
