@@ -88,6 +88,11 @@ class Salient(NamedTuple):
     slots: torch.Tensor
     flat: torch.Tensor
 
+    @classmethod
+    def listed(cls, mask, rows, ok, slots) -> "Salient":
+        """The set as next_salient or list_rows gives it, with its flat index computed."""
+        return cls(mask, rows, ok, slots, flat_rows(rows, mask.shape[1]))
+
 
 @dataclass
 class Fed:
@@ -100,9 +105,6 @@ class Fed:
     offset: int
     k_valid: torch.Tensor | None
     counts: dict = field(default_factory=dict)
-
-    def salient(self, mask, rows, ok, slots) -> Salient:
-        return Salient(mask, rows, ok, slots, flat_rows(rows, mask.shape[1]))
 
     def column_counts(self, width: int) -> torch.Tensor:
         if width not in self.counts:
@@ -130,7 +132,7 @@ def select_on_kernel(stats: torch.Tensor) -> bool:
     return attention_module.KERNELS_ENABLED and stats.is_cuda
 
 
-def listed(mask: torch.Tensor, count: int | None = None):
+def list_rows(mask: torch.Tensor, count: int | None = None):
     """index_rows' listing with its slot map: (mask, rows, ok, slots) as kernels/salient_rows.py gives them."""
     from kernels.salient_rows import slot_map
 
@@ -255,7 +257,7 @@ class DyLLM(Method):
         fraction of each layer)."""
         x, rope = model.embed(tokens), model.rope(positions)
         fed = Fed(valid, offset, None if all_valid else valid_keys)
-        selected = fed.salient(*listed(salient, first))
+        selected = Salient.listed(*list_rows(salient, first))
         masks, mlp_out = [], None
         for layer, state in zip(model.layers, self.layers):
             x, mlp_out, selected = self.layer_step(layer, state, x, mlp_out, rope, selected, fed)
@@ -279,7 +281,7 @@ class DyLLM(Method):
         context = state.context[:, :, fed.offset:]
         stats = approximate(q, state.keys, dv, columns, fed.column_counts(columns.shape[1]),
                             state.lse[:, :, fed.offset:], context, (exact, lse, selected.slots))
-        selected = fed.salient(*self.next_salient(stats.sum(dim=1), fed.valid))
+        selected = Salient.listed(*self.next_salient(stats.sum(dim=1), fed.valid))
 
         x = layer.add_out(x, context)
         cached = state.mlp_out[:, fed.offset:]
@@ -295,7 +297,7 @@ class DyLLM(Method):
 
         if self.salient_fraction is None and self.salient_cap is None:
             cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
-            return listed((cos < self.threshold) & valid)
+            return list_rows((cos < self.threshold) & valid)
         fraction = self.salient_cap if self.salient_fraction is None else self.salient_fraction
         tau = self.threshold if self.salient_fraction is None else None
         on_kernel = select_on_kernel(stats) and stats.shape[1] <= WHOLE_ROW_MAX
