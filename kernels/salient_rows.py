@@ -111,4 +111,5 @@ def salient_rows_reference(stats: torch.Tensor, valid: torch.Tensor, fraction: f
     ok = (torch.arange(width, device=stats.device) < own[:, None]).gather(1, order)
     if tau is not None:
         ok = ok & (cos.gather(1, rows) < tau)
-    return torch.zeros_like(valid).scatter_(1, rows, ok), rows, ok, slot_map(rows, ok, stats.shape[1])
+    slots = slot_map(rows, ok, stats.shape[1])
+    return slots >= 0, rows, ok, slots  # the mask: the rows with a place
