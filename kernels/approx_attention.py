@@ -58,8 +58,9 @@ def approx_attention_kernel(
     stride_eb, stride_eh, stride_es, stride_ed,
     stride_fb, stride_fh, stride_fs,
     stride_pb, stride_pl,
-    num_heads, group, num_rows, qk_scale,
+    num_heads, group, num_rows, num_columns, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
 ):
     m_tile, batch_head = tl.program_id(0), tl.program_id(1)
     batch, head = batch_head // num_heads, batch_head % num_heads
@@ -82,7 +83,7 @@ def approx_attention_kernel(
         slot = tl.where(exact_row, slot, 0).to(tl.int64)
         exact = tl.load(exact_ptr + batch * stride_eb + head * stride_eh + slot[:, None] * stride_es
                         + dims[None, :] * stride_ed, mask=exact_row[:, None], other=0.0)
-    count = tl.load(counts_ptr + batch)
+    count = tl.load(counts_ptr + batch) if HAS_COUNTS else num_columns
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     # [BLOCK_N, 1]: a tile's salient tokens, loaded in the layout of the K tile's rows, one tile ahead
     columns_at = columns_ptr + batch * stride_cb + tl.arange(0, BLOCK_N)[:, None] * stride_cs
@@ -124,7 +125,7 @@ def check_inputs(q, k, dv, columns, counts, lse, context, merge):
         raise ValueError(f"dv must be [batch, kv_heads, S, D] = [{batch}, {k.shape[1]}, S, {head_dim}], got {tuple(dv.shape)}")
     if columns.shape != (batch, dv.shape[2]):
         raise ValueError(f"columns must be [batch, S] = [{batch}, {dv.shape[2]}], got {tuple(columns.shape)}")
-    if counts.shape != (batch,):
+    if counts is not None and counts.shape != (batch,):
         raise ValueError(f"counts must be [batch] = [{batch}], got {tuple(counts.shape)}")
     if lse.shape != q.shape[:3] or context.shape != q.shape:
         raise ValueError(f"lse must be {tuple(q.shape[:3])} and context {tuple(q.shape)}, "
@@ -147,7 +148,8 @@ def approximate_attention(q, k, dv, columns, counts, lse, context, merge=None, *
     q [batch, heads, rows, D]: the rows' queries (fresh); k [batch, kv_heads, N, D]: every key, the
     salient ones fresh; dv [batch, kv_heads, S, D]: v_new - v_old of the salient columns;
     columns [batch, S] int: their token indices into N (entries past counts[b] are ignored);
-    counts [batch] int; lse [batch, heads, rows] float32: each row's cached normaliser;
+    counts [batch] int, or None: every listed column (DyLLM lists fixed-size sets whose unused entries
+    carry a zero value delta); lse [batch, heads, rows] float32: each row's cached normaliser;
     context [batch, heads, rows, D]: each row's cached context (any strides);
     merge: None, or (exact [batch, heads, E, D], exact_lse [batch, heads, E], slots [batch, rows] int):
     a row with slots >= 0 takes exact[slots] and exact_lse[slots] instead of the update.
@@ -166,11 +168,11 @@ def approximate_attention(q, k, dv, columns, counts, lse, context, merge=None, *
         tiles = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     grid = (triton.cdiv(num_rows, tiles["BLOCK_M"]), batch * num_heads)
     approx_attention_kernel[grid](
-        q, k, dv, columns, counts, lse, context, stats, exact, exact_lse, slots,
+        q, k, dv, columns, columns if counts is None else counts, lse, context, stats, exact, exact_lse, slots,
         *q.stride(), *k.stride(), *dv.stride(), *columns.stride(), *lse.stride(), *context.stride(),
         *stats.stride()[:3], *exact.stride(), *exact_lse.stride(), *slots.stride(),
-        num_heads, num_heads // k.shape[1], num_rows, scale * LOG2_E,
-        HEAD_DIM=head_dim, MERGE=merge is not None, **tiles,
+        num_heads, num_heads // k.shape[1], num_rows, columns.shape[1], scale * LOG2_E,
+        HEAD_DIM=head_dim, MERGE=merge is not None, HAS_COUNTS=counts is not None, **tiles,
     )
     return stats
 
@@ -188,7 +190,8 @@ def approximate_attention_reference(q, k, dv, columns, counts, lse, context, mer
     scores = q.to(compute) @ keys.transpose(-1, -2) * scale
     weights = (scores - lse.to(compute)[..., None]).clamp(max=0).exp()
     slots = torch.arange(columns.shape[1], device=q.device)
-    weights = weights.masked_fill(~(slots[None, :] < counts[:, None])[:, None, None, :], 0.0)
+    if counts is not None:
+        weights = weights.masked_fill(~(slots[None, :] < counts[:, None])[:, None, None, :], 0.0)
     old = context.to(compute)
     new = old + weights @ deltas
     if merge is not None:

@@ -83,6 +83,20 @@ def test_kernel_matches_reference(batch, group, kv_heads, rows, keys, head_dim, 
 
 
 @pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_no_counts_takes_every_listed_column(path):
+    """counts=None (DyLLM's fixed-size lists) is counts equal to the list width, and differs from a
+    shorter count."""
+    update = approximate_attention if path == "kernel" else approximate_attention_reference
+    q, k, dv, columns, _, lse, context = random_inputs(2, 2, 1, 10, 24, 7, 16, torch.float32, 5)
+    full = torch.full((2,), 7, device=DEVICE)
+    every = updated(update, [q, k, dv, columns, None, lse, context])
+    for got, expected in zip(every, updated(update, [q, k, dv, columns, full, lse, context])):
+        torch.testing.assert_close(got, expected)
+    fewer = updated(update, [q, k, dv, columns, full - 3, lse, context])
+    assert not torch.allclose(every[0], fewer[0])
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
 def test_merged_rows_take_the_exact_values_and_the_others_the_update(path):
     update = approximate_attention if path == "kernel" else approximate_attention_reference
     inputs = random_inputs(2, 2, 2, 12, 20, 6, 16, torch.float32, 4)

@@ -48,7 +48,7 @@ real fed rows salient per layer and sparse step; salient_per_layer = the same pe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -98,18 +98,11 @@ class Salient(NamedTuple):
 class Fed:
     """What every layer of one sparse step shares about its fed rows: valid [batch, fed] (real rows),
     offset (the first fed column of the canvas: 0, or the prompt's width in a response-only step),
-    k_valid (the keys' validity, None where all are real) and the approximate update's column counts,
-    one tensor per list width."""
+    k_valid (the keys' validity, None where all are real)."""
 
     valid: torch.Tensor
     offset: int
     k_valid: torch.Tensor | None
-    counts: dict = field(default_factory=dict)
-
-    def column_counts(self, width: int) -> torch.Tensor:
-        if width not in self.counts:
-            self.counts[width] = torch.full((self.valid.shape[0],), width, dtype=torch.int32, device=self.valid.device)
-        return self.counts[width]
 
 
 def index_rows(mask: torch.Tensor, count: int | None = None):
@@ -140,16 +133,17 @@ def list_rows(mask: torch.Tensor, count: int | None = None):
     return mask, rows, ok, slot_map(rows, ok, mask.shape[1])
 
 
-def approximate(q, keys, dv, columns, counts, lse, context, merge):
+def approximate(q, keys, dv, columns, lse, context, merge):
     """Algorithm 4 with cached normalisers, the exact rows merged: context and lse updated in place;
-    returns per-head [new.old, new.new, old.old]."""
+    returns per-head [new.old, new.new, old.old]. Every listed column takes part: a listed row that is
+    not salient has a zero value delta (put_where)."""
     if use_kernels(q) and lse.dtype == torch.float32:
         from kernels.approx_attention import approximate_attention
 
-        return approximate_attention(q, keys, dv, columns, counts, lse, context, merge)
+        return approximate_attention(q, keys, dv, columns, None, lse, context, merge)
     from kernels.approx_attention import approximate_attention_reference
 
-    return approximate_attention_reference(q, keys, dv, columns, counts, lse, context, merge)
+    return approximate_attention_reference(q, keys, dv, columns, None, lse, context, merge)
 
 
 def put_where(dst, rows, ok, src, delta=False):
@@ -279,8 +273,8 @@ class DyLLM(Method):
         shared = selected.rows[:, None]  # the same rows for every head
         exact, lse = attention_with_lse(take_heads(q, shared, selected.flat), state.keys, state.values, fed.k_valid)
         context = state.context[:, :, fed.offset:]
-        stats = approximate(q, state.keys, dv, columns, fed.column_counts(columns.shape[1]),
-                            state.lse[:, :, fed.offset:], context, (exact, lse, selected.slots))
+        stats = approximate(q, state.keys, dv, columns, state.lse[:, :, fed.offset:], context,
+                            (exact, lse, selected.slots))
         selected = Salient.listed(*self.next_salient(stats.sum(dim=1), fed.valid))
 
         x = layer.add_out(x, context)
