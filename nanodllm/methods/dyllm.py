@@ -137,13 +137,11 @@ def approximate(q, keys, dv, columns, lse, context, merge):
     """Algorithm 4 with cached normalisers, the exact rows merged: context and lse updated in place;
     returns per-head [new.old, new.new, old.old]. Every listed column takes part: a listed row that is
     not salient has a zero value delta (put_where)."""
-    if use_kernels(q) and lse.dtype == torch.float32:
-        from kernels.approx_attention import approximate_attention
+    from kernels.approx_attention import approximate_attention, approximate_attention_reference
 
-        return approximate_attention(q, keys, dv, columns, None, lse, context, merge)
-    from kernels.approx_attention import approximate_attention_reference
-
-    return approximate_attention_reference(q, keys, dv, columns, None, lse, context, merge)
+    on_kernel = use_kernels(q) and lse.dtype == torch.float32
+    update = approximate_attention if on_kernel else approximate_attention_reference
+    return update(q, keys, dv, columns, counts=None, lse=lse, context=context, merge=merge)
 
 
 def put_where(dst, rows, ok, src, delta=False):
