@@ -9,9 +9,8 @@ attention is not recomputed updates its cached context C by the change the salie
 with lse_i the row's cached softmax normaliser (from the last exact attention of that row), so
 the full score matrix is never formed and only the salient columns' K rows are read. A stale
 normaliser can put a fresh score far above it, and exp() then weights a column by much more than
-any softmax can (on tiny-llada the contexts of a layer drifted to 4x their norm within 24 steps);
-clamping at 1, the bound of a true softmax weight, keeps the update an attention update
-(tiny-llada passkey 1K: 0.90 accuracy at tau 0.99, 0.55 without the clamp; dense 0.95).
+any softmax can, so the contexts drift away from their exact values; clamping at 1, the bound of a
+true softmax weight, keeps the update an attention update (docs/results/dyllm_tiny.md).
 
 The rows whose attention was recomputed exactly (DyLLM's salient rows) come in as `merge`: their
 exact context and log-sum-exp, and per row the slot holding them (-1: approximate). The kernel
@@ -39,8 +38,8 @@ import triton
 import triton.language as tl
 
 LOG2_E = math.log2(math.e)
-# H100, DyLLM's llada-8b sparse steps at batch 16 (bench_dyllm.md): 3 stages when the columns span
-# several tiles, 1 when they fit in one (a single pass has nothing to pipeline)
+# tuned on DyLLM's llada-8b sparse steps at batch 16 (docs/results/bench_dyllm.md): 3 stages when the
+# columns span several tiles, 1 when they fit in one (a single pass has nothing to pipeline)
 CUDA_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 

@@ -34,15 +34,15 @@ from .decode_inputs import check_lengths_tensor, check_query_and_cache
 
 LOG2E = tl.constexpr(math.log2(math.e))  # kernels use it as is, host code as LOG2E.value
 LN2 = tl.constexpr(math.log(2.0))
-DENSE_MAX_QUERIES = 256  # decode_attention's own limit: past it flash_attention wins (bench_routing.md)
+DENSE_MAX_QUERIES = 256  # decode_attention's own limit: past it flash_attention wins (docs/results/bench_routing.md)
 MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D) must stay small next to its K/V
 MAX_SPLITS = 128  # the merge holds all of a row's slices in registers
 MERGE_TILE = 2048  # elements of partial output per merge warp (merge_launch)
 INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERPRET=1)
-# 4 stages (160 KB of shared memory at D = 128) read 1-2% faster than 3 at 32K-128K keys (H100); the
-# sparse kernel's gathers are 1-5% slower with 4 and keep default_tiles' 3.
+# 4 stages (160 KB of shared memory at D = 128): the best in the tuning sweep at 32K-128K keys
+# (docs/results/bench_kernels.md); the sparse kernel's gathers do better with default_tiles' 3.
 DENSE_STAGES = 4
-SHARED_MEMORY_BUDGET = 200 * 1024  # of the H100's 227 KB per block: room for barriers and layout conversions
+SHARED_MEMORY_BUDGET = 200 * 1024  # of sm_90's 227 KB per block: room for barriers and layout conversions
 
 DEBUG_POISON = False  # True (tests): buffers a kernel must fill start as NaN, so an unwritten element fails
 
@@ -138,7 +138,7 @@ def decode_split_kernel(
     the prefix before the block's own num_queries keys, and the last slice's program then takes those
     keys into one more partial (the last), so the partials of all but the last merge to the prefix's
     LSE. Programs of their own for those keys would add a column past the one wave the slices fill
-    (MAGE's step-1 decode at 32K, batch 1, on an H100: 67 against 59 us; bench_mage.md)."""
+    (docs/results/bench_mage.md)."""
     m_tile, split, batch_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
     q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,
@@ -222,7 +222,7 @@ def default_tiles(num_rows: int, head_dim: int, element_size: int, num_stages: i
     BLOCK_M: one tile of up to 128 rows covers SDAR-8B's 4 heads x 32 queries, so K/V are read once
     (at least 16 rows: tl.dot needs it). BLOCK_N = 64 keys: a stage of K + V is 32 KB at D = 128
     (bf16), so two tiles in flight per SM cover HBM latency, and the [128, 64] fp32 scores fit in
-    registers next to the [128, 128] fp32 accumulator, which takes 8 warps (two Hopper warpgroups);
+    registers next to the [128, 128] fp32 accumulator, which takes 8 warps (two sm_90 warpgroups);
     smaller tiles take 4. Stages: 3 for the sparse kernel's gathered tiles, DENSE_STAGES for this
     file's contiguous ones, fewer where they and the query tile would not fit SHARED_MEMORY_BUDGET
     (float32 at D = 128: 64 KB stages, 2 of them)."""
@@ -288,7 +288,7 @@ def merge_launch(num_rows: int, block_s: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_R, num_warps) of the merge: rows per program so that its [BLOCK_R, BLOCK_S, D] tile holds
     MERGE_TILE elements (one row when a row alone is larger), and one warp per MERGE_TILE elements (64 per
     thread), up to 8. Each program is one load, so the merge is bound by how many programs are in
-    flight: many small ones beat fewer large ones (kernels_sparse_sweep.md, section 4)."""
+    flight: many small ones beat fewer large ones (docs/results/kernels_sparse_sweep.md, section 4)."""
     row = block_s * head_dim
     block_r = min(triton.next_power_of_2(num_rows), max(1, MERGE_TILE // row))
     return block_r, max(1, min(8, block_r * row // MERGE_TILE))

@@ -45,14 +45,14 @@ LOG2_E = math.log2(math.e)  # host side: folded into the scale
 LN_2 = tl.constexpr(math.log(2.0))  # kernel side: lse back from base 2 (kernels read only constexpr globals)
 
 # The autotune space per head dim. Prefill is compute-bound, so the tiles are the largest that keep
-# one CTA per SM fed: BLOCK_M = 128 query rows (two warpgroups of 64 rows for Hopper's wgmma at
+# one CTA per SM fed: BLOCK_M = 128 query rows (two warpgroups of 64 rows for sm_90's wgmma at
 # 8 warps) and BLOCK_N = 64 or 128 keys. Shared memory bounds the pipeline depth: at D = 128 (16-bit)
 # Q takes 32 KB and each stage of K + V 2 * BLOCK_N * 256 B, so BLOCK_N = 128 fits 3 stages (224 KB)
-# under the 227 KB limit, just: on an H100 adding that tile made 8K-32K prefills 2-7% faster, and
-# equal under key padding (docs/results/bench_kernels.md). At D = 64 everything halves, so 3 stages
-# fit either way and 4 warps can hold a 128-row tile in registers. Anything smaller only helps short
-# sequences, where attention is not the cost. (Float32 inputs, for tests, double the bytes: the
-# autotuner skips the tiles that do not fit.)
+# under sm_90's 227 KB limit, just; that tile wins at 8K-32K prefills and ties under key padding
+# (docs/results/bench_kernels.md). At D = 64 everything halves, so 3 stages fit either way and
+# 4 warps can hold a 128-row tile in registers. Anything smaller only helps short sequences, where
+# attention is not the cost. (Float32 inputs, for tests, double the bytes: the autotuner skips the
+# tiles that do not fit.)
 _TUNING_SPACE = {
     128: [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),

@@ -152,7 +152,7 @@ MAX_STAGES = 3
 def launch_params(num_rows: int, head_dim: int, element_size: int) -> dict:
     """Launch parameters {BLOCK_M, BLOCK_N, num_warps, num_stages} for num_rows = group * L query rows.
 
-    BLOCK_N = 128 keys are the MMA's M dimension (Hopper wgmma: 64 rows per warpgroup), so 8 warps
+    BLOCK_N = 128 keys are the MMA's M dimension (sm_90 wgmma: 64 rows per warpgroup), so 8 warps
     (two warpgroups) split the keys and each key's row of S^T stays within one warp. BLOCK_M =
     min(128, next power of 2 of group*L) query rows, at least 16 (tl.dot): the [128, 128] fp32 S^T
     is 64 registers per thread. num_stages: the pipeline holds, per stage, one K tile

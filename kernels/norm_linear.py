@@ -1,9 +1,9 @@
 """RMSNorm, then a linear layer, then (optionally) SwiGLU, in one launch for the few rows of a decode step.
 
 A block-decode step runs each layer on B = 32 rows per sequence. At that size a matmul streams its
-weights at memory speed and the small kernels around it cost as much as their launches: the norm
-before the q/k/v and gate/up projections and silu(gate) * up after gate/up each take ~2-3 us on an
-H100 for a few microseconds of bytes. Here they ride inside the matmul:
+weights at memory speed and the small kernels around it (the norm before the q/k/v and gate/up
+projections, silu(gate) * up after gate/up) cost their launches more than their bytes. Here they
+ride inside the matmul:
 
     out = (rmsnorm(x) * g) @ W^T                        (q/k/v)
     out = silu(h @ W_gate^T) * (h @ W_up^T), h = rmsnorm(x) * g   (gate/up with swiglu=True)
@@ -33,9 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.rmsnorm import rms_norm_reference
+from kernels.silu_mul import silu_mul_reference
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_ROWS = 32  # every row lives in each program; at 64 rows the sweep lost to cuBLAS (bench_kernels.md)
-SHARED_SLACK = 4096  # bytes Triton adds to the pipelined tiles (1.5 KB seen on an H100)
+MAX_ROWS = 32  # every row lives in each program; at 64 rows cuBLAS wins (docs/results/bench_kernels.md)
+SHARED_SLACK = 4096  # bytes of headroom for the shared memory Triton adds to the pipelined tiles
 
 
 @triton.jit
@@ -87,10 +90,10 @@ def norm_linear_kernel(
 
 
 def launch_shape(num_rows: int, dim: int, swiglu: bool, element_size: int, shared_limit: int | None) -> dict:
-    """Tiles, warps and stages: the best of a sweep on an H100 at 32 rows, K = 4096, sdar-8b's q/k/v
+    """Tiles, warps and stages: the best of the tuning sweep at 32 rows, K = 4096, sdar-8b's q/k/v
     (N = 6144) and gate/up (2 x 12288) weights in bfloat16 (docs/results/bench_kernels.md, "Few-row
-    norm_linear"); float32 tiles are halved. Where a GPU has less shared memory per block than the
-    H100's 227 KB (shared_limit, bytes; None: no limit, the interpreter), fewer stages, then shorter
+    norm_linear"); float32 tiles are halved. Where a GPU has less shared memory per block than
+    sm_90's 227 KB (shared_limit, bytes; None: no limit, the interpreter), fewer stages, then shorter
     K tiles, until the pipelined tiles fit."""
     shape = dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3) if swiglu else dict(
         BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
@@ -160,8 +163,5 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
 def norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                           bias: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """The model's unfused path: RMSNorm (kernels/rmsnorm.py's reference), F.linear, then silu(gate) * up."""
-    from kernels.rmsnorm import rms_norm_reference
-    from kernels.silu_mul import silu_mul_reference
-
     out = torch.nn.functional.linear(rms_norm_reference(x, norm_weight, eps), weight, bias)
     return silu_mul_reference(out) if swiglu else out

@@ -5,8 +5,8 @@ flash attention does (online softmax in base 2, fp32 running max / sum / accumul
 are the key blocks (BLOCK_N = beta keys), so while a tile is in registers the kernel also has its
 block score, MOMO's eq. 4: S(j) = logsumexp over the block of the row's scaled scores (-inf when the
 row sees none of the block), taken from the online softmax's own exponentials, m + log2 of their sum
-with m the running max (a second exp2 pass over the tile cost 20% more time at 64K-128K; a block whose
-scores all sit over 126, in base 2, below m counts as unseen: its weight is below 2^-126). Each row
+with m the running max (cheaper than a second exp2 pass over the tile; a block whose scores all sit
+over 126, in base 2, below m counts as unseen: its weight is below 2^-126). Each row
 keeps the k best blocks in a k-slot buffer held in registers (the paper's online exact top-k): a
 block replaces the buffer's minimum when its score is strictly higher, so among equal scores the
 lower block stays, and the buffer ends with the exact top-k. That update costs O(k) per block (a min
@@ -40,10 +40,9 @@ from .qsa_estimate import ORDER_ROWS, estimated_top_k, golden_strides, group_max
 
 LOG2_E = math.log2(math.e)
 # Sampled rows per program and launch settings on a GPU (the interpreter uses 16 rows). The top-k
-# buffer is BLOCK_M x K_SLOTS scores + indices in registers: 64 rows at 4 warps ran fastest on an H100
-# at 64K causal with k = 128 (19.3 ms vs 29.5 at 16 rows, 23.3 at 32; 8 warps slower at each:
-# docs/results/bench_momo_tune.md), but at k = 256 they spill (MOMO 121 ms at 64 rows in
-# docs/results/bench_momo.md, 87.5 at 16 in bench_momo_tune.md), so buffers (exact or estimated) over WIDE_BUFFER slots take 16 rows.
+# buffer is BLOCK_M x K_SLOTS scores + indices in registers: 64 rows at 4 warps won the tuning sweep
+# at 64K causal with k = 128 (docs/results/bench_momo_tune.md), but at k = 256 they spill
+# (docs/results/bench_momo.md), so buffers (exact or estimated) over WIDE_BUFFER slots take 16 rows.
 CUDA_TILES = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
 WIDE_BUFFER = 128
 LN_2 = tl.constexpr(math.log(2.0))
@@ -109,8 +108,8 @@ def qsa_kernel(
     ORDER_ROWS: tl.constexpr,
 ):
     # grid (batch * heads, row tiles), the longest rows first: a head group's programs for one row tile
-    # run side by side and walk the same K/V tiles (7-15% faster than (row tiles, batch * heads) at
-    # 64K-128K, k = 128; docs/results/bench_momo.md)
+    # run side by side and walk the same K/V tiles (faster than (row tiles, batch * heads) at
+    # 64K-128K, k = 128: docs/results/bench_momo.md)
     batch_head, m_tile = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
     batch, head = batch_head // num_heads, batch_head % num_heads
     kv_head = head // group

@@ -13,13 +13,13 @@ key list instead of a contiguous range. Position t of the list of (b, kv_head) i
     t >= count * S:   block key cache_lengths[b] + t - count * S
 so a head's list is count * S + L positions long; slices cut it into equal pieces, and each tile
 gathers its K/V rows by token number (a gather of whole D-element rows, coalesced per row).
-Three things keep the gather close to the dense kernel's stream (H100, k = 8192, batch 4):
+Three things keep the gather close to the dense kernel's stream:
 - the list entries of tile i+1 are loaded while tile i is attended: otherwise every tile waits for
-  two dependent memory round trips (entries, then K/V), 1.3x slower (docs/results/kernels_sparse_sweep.md);
-- they are loaded as a [BLOCK_N, 1] column, in the layout of the K/V tile's rows; a 1-D load compiled
-  to twice the global loads and a quarter more address arithmetic (70.7 -> 63.1 us);
+  two dependent memory round trips (entries, then K/V) (docs/results/kernels_sparse_sweep.md);
+- they are loaded as a [BLOCK_N, 1] column, in the layout of the K/V tile's rows: a 1-D load compiles
+  to more global loads and address arithmetic;
 - key blocks of a multiple of BLOCK_N tokens (WHOLE_TILES) take one entry per tile, and a tile's rows
-  are one run of tokens (89.3 -> 64.5 us for 64-token blocks).
+  are one run of tokens.
 docs/results/decode_kernel_resources.md has the instruction counts, bench_decode_costs.md the rates.
 """
 

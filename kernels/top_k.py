@@ -3,8 +3,7 @@
 For each row of scores (a KV head's key scores, say) only its first `length` entries count; the
 result is the positions of the k highest of them, sorted by position, as the sparse decode kernel
 takes its index lists. torch does this as topk (four radix passes of three launches each, then a
-gather) plus a sort of the chosen positions: ~90 us for 8 rows of 32K scores on an H100, three
-times the key-scores kernel that produces them.
+gather) plus a sort of the chosen positions.
 
 Here: a radix select on the scores' bits, then one compaction that emits positions in order, so no
 sort is needed. A float32 is mapped to a uint32 key with the same order (flip every bit of a negative
@@ -21,19 +20,15 @@ order, as many as needed), in order. Ties at T are thus broken towards lower pos
 
 Rows whose length is at most k keep all their positions. Entries of the output past a row's count
 are 0. Scores must not be NaN. Grid of every chunked launch: (rows, chunks of CHUNK entries).
-Seven launches in all (a zero fill, four histograms, count, write). On an H100 (bench_mage.md, 8 KV
-heads, k = 1024): 37 us for 8 rows of 32K scores (batch 1), 55-57 us for 8 rows of 128K or 32 rows
-of 32K, 90 us for 32 rows of 64K, against 88-112 us for torch's topk + sort (1.2-2.4x); below ~8K
-entries per row the launches dominate (~30 us). The histogram passes cost the most: tl.histogram's
-time grows with the entries per program, and CHUNK and the warps were swept for it (2048 entries,
-8 warps).
+Seven launches in all (a zero fill, four histograms, count, write). tl.histogram's time grows with
+the entries per program, so CHUNK and NUM_WARPS are tuned for the histogram passes.
 
 A row short enough for one program (n <= WHOLE_ROW_MAX entries) takes another route, one launch in
 all: its program holds the whole row in registers, runs the four histogram passes on it there (no
 atomics, no histograms in memory), and writes the positions with one prefix sum over the row. Below
 a few thousand entries the seven launches cost more than the work (Quest's page scores: 2K pages per
-KV head at 32K). On an H100, 8 or 32 rows: 7-12 us at 512-2048 entries and 18-19 us at 4096, against
-~31 us for the seven launches; at 8192 one program's passes lose (37-39 us; bench_mage.md).
+KV head at 32K). Past WHOLE_ROW_MAX the seven launches win (docs/results/bench_mage.md, "Top-k
+selection").
 """
 
 from __future__ import annotations
@@ -42,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-WHOLE_ROW_MAX = 4096  # rows up to this many entries take the one-program route (H100 sweep, bench_mage.md)
-CHUNK = 2048  # entries per program on a GPU (H100 sweep, 8 warps: 2048 best or within 8% at 2K-128K entries)
+WHOLE_ROW_MAX = 4096  # rows up to this many entries take the one-program route
+CHUNK = 2048  # entries per program on a GPU: the tuning sweep's pick at 8 warps over 2K-128K entries
 NUM_WARPS = 8
 INTERPRETER_CHUNK = 64
 
@@ -186,8 +181,8 @@ def topk_row_kernel(scores_ptr, lengths_ptr, indices_ptr, counts_ptr, stride_row
 
 
 def whole_row_warps(block: int) -> int:
-    """Warps for a one-program row of `block` entries: the best of 4 / 8 / 16 at each size in an H100
-    sweep (512-1024 entries 4, 2048 8, 4096 16)."""
+    """Warps for a one-program row of `block` entries (4 up to 1024, 8 at 2048, 16 beyond): the best
+    of 4 / 8 / 16 at each size in the tuning sweep (docs/results/bench_mage.md)."""
     return 4 if block <= 1024 else 8 if block <= 2048 else 16
 
 
