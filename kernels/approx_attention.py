@@ -10,7 +10,7 @@ with lse_i the row's cached softmax normaliser (from the last exact attention of
 the full score matrix is never formed and only the salient columns' K rows are read. A stale
 normaliser can put a fresh score far above it, and exp() then weights a column by much more than
 any softmax can, so the contexts drift away from their exact values; clamping at 1, the bound of a
-true softmax weight, keeps the update an attention update (docs/results/dyllm_tiny.md).
+true softmax weight, keeps the update an attention update (docs/results/masked_methods_accuracy.md).
 
 The rows whose attention was recomputed exactly (DyLLM's salient rows) come in as `merge`: their
 exact context and log-sum-exp, and per row the slot holding them (-1: approximate). The kernel

@@ -288,7 +288,7 @@ def merge_launch(num_rows: int, block_s: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_R, num_warps) of the merge: rows per program so that its [BLOCK_R, BLOCK_S, D] tile holds
     MERGE_TILE elements (one row when a row alone is larger), and one warp per MERGE_TILE elements (64 per
     thread), up to 8. Each program is one load, so the merge is bound by how many programs are in
-    flight: many small ones beat fewer large ones (docs/results/kernels_sparse_sweep.md, section 4)."""
+    flight: many small ones beat fewer large ones (docs/results/bench_kernels.md, What it means)."""
     row = block_s * head_dim
     block_r = min(triton.next_power_of_2(num_rows), max(1, MERGE_TILE // row))
     return block_r, max(1, min(8, block_r * row // MERGE_TILE))

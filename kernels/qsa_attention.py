@@ -41,7 +41,7 @@ from .qsa_estimate import ORDER_ROWS, estimated_top_k, golden_strides, group_max
 LOG2_E = math.log2(math.e)
 # Sampled rows per program and launch settings on a GPU (the interpreter uses 16 rows). The top-k
 # buffer is BLOCK_M x K_SLOTS scores + indices in registers: 64 rows at 4 warps won the tuning sweep
-# at 64K causal with k = 128 (docs/results/bench_momo_tune.md), but at k = 256 they spill
+# at 64K causal with k = 128 (docs/results/bench_momo.md, Launch settings), but at k = 256 they spill
 # (docs/results/bench_momo.md), so buffers (exact or estimated) over WIDE_BUFFER slots take 16 rows.
 CUDA_TILES = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
 WIDE_BUFFER = 128

@@ -15,12 +15,11 @@ so a head's list is count * S + L positions long; slices cut it into equal piece
 gathers its K/V rows by token number (a gather of whole D-element rows, coalesced per row).
 Three things keep the gather close to the dense kernel's stream:
 - the list entries of tile i+1 are loaded while tile i is attended: otherwise every tile waits for
-  two dependent memory round trips (entries, then K/V) (docs/results/kernels_sparse_sweep.md);
+  two dependent memory round trips (entries, then K/V) (docs/results/bench_kernels.md);
 - they are loaded as a [BLOCK_N, 1] column, in the layout of the K/V tile's rows: a 1-D load compiles
   to more global loads and address arithmetic;
 - key blocks of a multiple of BLOCK_N tokens (WHOLE_TILES) take one entry per tile, and a tile's rows
   are one run of tokens.
-docs/results/decode_kernel_resources.md has the instruction counts, bench_decode_costs.md the rates.
 """
 
 from __future__ import annotations
