@@ -26,6 +26,7 @@ from pathlib import Path
 from nanodllm import block, masked, tasks
 from nanodllm.config import GenerationConfig, ModelConfig, default_block_length
 from nanodllm.decoding import until_stop
+from nanodllm.eval import with_profile
 from nanodllm.loader import CheckpointError, load_model
 from nanodllm.methods import METHODS, get_method, knob_defaults, parse_knobs
 from nanodllm.tokenizer import Tokenizer
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     model_dir = args.model or ASSETS / ("tiny-llada" if METHODS[args.method].engines[0] == "masked" else "tiny-sdar")
+    knobs = with_profile(args.method, knobs, model_dir)  # MaskKV: the checkpoint's layer profile, if it has one
     try:
         cfg = ModelConfig.from_dir(model_dir)
         is_block = cfg.attention == "block_causal"

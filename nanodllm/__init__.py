@@ -3,6 +3,7 @@ training-free sparse attention and caching methods."""
 
 from .config import GenerationConfig, ModelConfig, preset
 from .loader import load_model
-from .model import Model, build_random
+from .fused import build_random
+from .model import Model
 
 __all__ = ["GenerationConfig", "ModelConfig", "Model", "build_random", "load_model", "preset"]

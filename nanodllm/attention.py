@@ -8,15 +8,19 @@ CanvasMask: the structured masks of the engines (key padding, block-causal), whi
 apply without materialising [q_len, k_len].
 
 Who computes it:
-    CUDA, float16 / bfloat16, head_dim 64 or 128:  the Triton kernels of kernels/: decode_attention
-        for the block engine's cache, and for at most SPLIT_MAX_QUERIES (256) queries against
-        SPLIT_MIN_KEYS (1024) or more unmasked keys (it splits the keys over the SMs, where
-        flash_attention would run one program per head and query tile; docs/results/bench_routing.md);
-        flash_attention for the rest, when the mask is a CanvasMask or hides keys without
-        depending on the query (a bool mask [batch, 1 or num_kv_heads, 1, k_len]);
+    use_kernels(q) and head_dim 64 or 128:  the Triton kernels of kernels/: decode_attention for the
+        block engine's cache, and for at most SPLIT_MAX_QUERIES queries against SPLIT_MIN_KEYS or
+        more unmasked keys (it splits the keys over the SMs, where flash_attention would run one
+        program per head and query tile: docs/results/bench_routing.md); flash_attention for the
+        rest, when the mask is a CanvasMask or hides keys without depending on the query (a bool
+        mask [batch, 1 or num_kv_heads, 1, k_len]);
     other CUDA tensors, or a bool mask that differs per query:  torch SDPA;
     CPU:  a plain-torch version with scores and softmax in fp32.
-NANODLLM_KERNELS=0 in the environment turns the kernels off (torch SDPA on CUDA), to compare.
+
+`use_kernels` is the one switch of the whole package between the Triton kernels and plain torch:
+every caller asks it, so NANODLLM_KERNELS=0 in the environment keeps everything on torch (SDPA on
+CUDA), to compare, and a test that adds "cpu" to KERNEL_DEVICES runs the kernels in Triton's CPU
+interpreter (TRITON_INTERPRET=1; float16, since its bfloat16 dot is wrong).
 """
 
 from __future__ import annotations
@@ -27,16 +31,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_attention import decode_attention
+from kernels.flash_attention import flash_attention
+
+KERNELS_ENABLED = os.environ.get("NANODLLM_KERNELS", "1") != "0"
+KERNEL_DEVICES = ("cuda",)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_HEAD_DIMS = (64, 128)
-KERNELS_ENABLED = os.environ.get("NANODLLM_KERNELS", "1") != "0"
 SPLIT_MIN_KEYS = 1024
 SPLIT_MAX_QUERIES = 256  # decode_attention's DENSE_MAX_QUERIES
 
 
-def use_kernels(q: torch.Tensor) -> bool:
-    """Whether q's attention runs on the Triton kernels (tests switch this on for the interpreter)."""
-    return KERNELS_ENABLED and q.is_cuda and q.dtype in KERNEL_DTYPES and q.shape[-1] in KERNEL_HEAD_DIMS
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether work on x runs on the Triton kernels: float16 / bfloat16 tensors on a GPU, outside
+    autograd (the kernels have no backward)."""
+    return (KERNELS_ENABLED and x.device.type in KERNEL_DEVICES and x.dtype in KERNEL_DTYPES
+            and not torch.is_grad_enabled())
+
+
+def attention_on_kernels(q: torch.Tensor) -> bool:
+    """Whether q's attention runs on the attention kernels (which take head_dim 64 and 128)."""
+    return use_kernels(q) and q.shape[-1] in KERNEL_HEAD_DIMS
 
 
 @dataclass
@@ -97,15 +112,11 @@ def key_padding_mask(k_valid: torch.Tensor, q_valid: torch.Tensor | None = None)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | CanvasMask | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) masked) v, with GQA. Returns [batch, num_heads, q_len, head_dim]."""
-    kernel_mask = as_kernel_mask(mask, q, k) if use_kernels(q) else None
+    kernel_mask = as_kernel_mask(mask, q, k) if attention_on_kernels(q) else None
     if kernel_mask is not None:
         block_size, k_valid = kernel_mask
         if block_size is None and k_valid is None and q.shape[2] <= SPLIT_MAX_QUERIES and k.shape[2] >= SPLIT_MIN_KEYS:
-            from kernels.decode_attention import decode_attention
-
             return decode_attention(q, k.transpose(1, 2), v.transpose(1, 2), k.shape[2], return_lse=False)
-        from kernels.flash_attention import flash_attention
-
         return flash_attention(q, k, v, block_size=block_size, k_valid=k_valid)
     if isinstance(mask, CanvasMask):
         mask = mask.dense(q.shape[2], k.shape[2], q.device)
@@ -142,9 +153,7 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     max(lengths), known on the host; ragged: whether rows differ in length (padding to hide);
     launch_length: a bound >= max_length that sizes the kernel's launch (KVCache.launch_length; default
     max_length). Returns [batch, num_heads, q_len, head_dim]."""
-    if use_kernels(q):
-        from kernels.decode_attention import decode_attention
-
+    if attention_on_kernels(q):
         return decode_attention(q, k_cache, v_cache, lengths, max_length=launch_length or max_length,
                                 return_lse=False)
     keys, values = k_cache[:, :max_length].transpose(1, 2), v_cache[:, :max_length].transpose(1, 2)
@@ -159,9 +168,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_vali
     """Bidirectional attention of q against every key (k_valid [batch, k_len]: False = hidden), with
     the log-sum-exp of each row's scaled scores: (out [batch, heads, q_len, d], lse [batch, heads,
     q_len] float32). Methods that reuse a row's softmax normaliser later (DyLLM) need it."""
-    if use_kernels(q):
-        from kernels.flash_attention import flash_attention
-
+    if attention_on_kernels(q):
         return flash_attention(q, k, v, k_valid=k_valid, return_lse=True)
     batch, num_heads, q_len, head_dim = q.shape
     group = num_heads // k.shape[1]

@@ -23,10 +23,12 @@ import math
 
 import torch
 
+from . import fast_dllm_v2
 from .cache import KVCache
 from .config import GenerationConfig
-from .decoding import (GenerationResult, check_prompts, refuse_shifted_logits, split_evenly, top_confident,
-                       without_token)
+from .decoding import (GenerationResult, check_prompts, prefill_complete_blocks, prompts_then_masks,
+                       refuse_shifted_logits, split_evenly, top_confident, without_token)
+from .graphs import Steps
 from .methods.base import Dense, Method, StepContext
 from .model import fp32_or_wider
 
@@ -61,27 +63,6 @@ def choose(confidence, masked, count, remasking: str, threshold: float | None,
     return transfer
 
 
-def prompts_then_masks(prompts: list[list[int]], capacity: int, mask_id: int, device) -> torch.Tensor:
-    """[batch, capacity]: each prompt from column 0, masks after it (blocks align to column 0)."""
-    x = torch.full((len(prompts), capacity), mask_id, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        x[row, : len(prompt)] = torch.tensor(prompt, device=device)
-    return x
-
-
-def prefill_complete_blocks(model, method: Method, x, lengths, cache: KVCache, size: int, mask_id: int):
-    """Each row's complete prompt blocks into the cache (method.prefill). Returns (starts [batch]: the
-    first column of each row's active block, the prefill's hidden states or None if no row has one)."""
-    starts = lengths // size * size
-    if int(starts.max()) == 0:
-        return starts, None
-    width = int(starts.max())
-    positions = torch.arange(width, device=x.device)[None, :].expand(x.shape[0], -1)
-    ctx = StepContext(x[:, :width], positions, positions < starts[:, None], lengths, cache=cache,
-                      counts=starts.clone(), block_length=size, mask_id=mask_id)
-    return starts, method.prefill(model, ctx)
-
-
 @torch.no_grad()
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None,
              mask_id: int | None = None, stop_ids=None) -> GenerationResult:
@@ -90,8 +71,6 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     stop_ids = cfg.eos_token_ids if stop_ids is None else tuple(stop_ids)
     if cfg.model_type == "Fast_dLLM_Qwen":  # its own loop: sub-blocks, AR first tokens (nanodllm/fast_dllm_v2.py)
-        from . import fast_dllm_v2
-
         return fast_dllm_v2.generate(model, prompts, gen, method, mask_id, stop_ids)
     refuse_shifted_logits(cfg)
     if cfg.attention != "block_causal":
@@ -112,6 +91,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     cache = KVCache.for_model(cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
     offsets = torch.arange(size, device=device)
 
+    steps = Steps(method)
     starts, _ = prefill_complete_blocks(model, method, x, lengths, cache, size, mask_id)
 
     schedule = split_evenly(torch.tensor([size], device=device), gen.steps)[0]
@@ -136,7 +116,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             if not (any(left) if counted else masked.any()):
                 break
             ctx.tokens, ctx.step = current, step
-            logits = method.step(model, ctx)
+            logits = steps.step(model, ctx)
             forwards += 1
             x0, x0_prob = sample(logits, gen.temperature, mask_id)
             confidence = torch.where(masked, x0_prob, float("-inf"))
@@ -149,8 +129,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 left = [n - c for n, c in zip(left, host_count)]
             max_steps = max(max_steps, step + 1)
         x[rows[active], columns[active]] = current[active]
-        ctx.tokens, ctx.counts = current, torch.where(active, size, 0)
-        method.commit(model, ctx)
+        ctx.tokens, ctx.counts, ctx.phase = current, torch.where(active, size, 0), "commit"
+        steps.commit(model, ctx)
+        cache.advance(ctx.counts)
         forwards += 1
         decoded_until = torch.where(active, starts + size, decoded_until)
         for row in torch.nonzero(active).flatten().tolist():
@@ -161,4 +142,4 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         active &= starts < ends
         block += 1
     tokens = [x[row, int(lengths[row]) : int(decoded_until[row])].tolist() for row in range(batch)]
-    return GenerationResult(tokens, forwards, max_steps, cache)
+    return GenerationResult(tokens, forwards, max_steps, cache, steps.replays)

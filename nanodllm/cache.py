@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import use_kernels
+from kernels.cache_write import cache_write, cache_write_reference
+
+from .attention import attention_on_kernels
 
 
 class KVCache:
@@ -65,9 +67,7 @@ class KVCache:
         if self.max_length + t > self.capacity:
             raise ValueError(f"KV cache overflow: capacity {self.capacity}, need {self.max_length + t}")
         if counts is None:
-            from kernels.cache_write import cache_write, cache_write_reference
-
-            write = cache_write if use_kernels(k) else cache_write_reference
+            write = cache_write if attention_on_kernels(k) else cache_write_reference
             write(self.keys[layer], self.values[layer], k, v, self.lengths)
             return
         # only the first counts[row] tokens of each row: a value-dependent shape (a device sync)

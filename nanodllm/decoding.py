@@ -1,10 +1,15 @@
-"""Pieces both engines share: prompt checks, the result type, transfer schedules and selection."""
+"""Pieces the engines share: prompt checks, the result type, canvases, the prefill, transfer
+schedules and selection."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from .attention import CanvasMask
+from .cache import KVCache
+from .methods.base import Method, StepContext
 
 
 @dataclass
@@ -13,6 +18,7 @@ class GenerationResult:
     forwards: int  # model forwards the engine asked for (cfg counts once)
     steps: int  # denoising steps taken (max over rows)
     cache: object = None  # block engine: the final KV cache (for inspection and tests)
+    replays: int = 0  # steps and commits replayed from CUDA graphs (nanodllm/graphs.py)
 
 
 def until_stop(tokens: list[int], stop_ids) -> list[int]:
@@ -85,6 +91,31 @@ def left_padded_canvas(prompts: list[list[int]], gen_length: int, mask_id: int, 
         tokens[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt, device=device)
     return Canvas(tokens, columns >= pads, (columns - pads).clamp(min=0), lengths, prompt_width,
                   bool((pads > 0).any()))
+
+
+def prompts_then_masks(prompts: list[list[int]], capacity: int, mask_id: int, device) -> torch.Tensor:
+    """[batch, capacity]: each prompt from column 0, masks after it (blocks align to column 0)."""
+    x = torch.full((len(prompts), capacity), mask_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        x[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    return x
+
+
+def prefill_complete_blocks(model, method: Method, x, lengths, cache: KVCache, size: int, mask_id: int):
+    """Each row's complete prompt blocks into the cache (method.prefill, block-causal). Returns (starts
+    [batch]: the first column of each row's active block, the prefill's hidden states or None if no
+    row has a complete block)."""
+    starts = lengths // size * size
+    if int(starts.max()) == 0:
+        return starts, None
+    width = int(starts.max())
+    positions = torch.arange(width, device=x.device)[None, :].expand(x.shape[0], -1)
+    valid = positions < starts[:, None]
+    ctx = StepContext(x[:, :width], positions, valid, lengths, cache=cache, counts=starts.clone(), block_length=size,
+                      mask_id=mask_id, attn_mask=CanvasMask(valid=valid, block_size=size), phase="prefill")
+    hidden = method.prefill(model, ctx)
+    cache.advance(ctx.counts)
+    return starts, hidden
 
 
 def split_evenly(total: torch.Tensor, steps: int) -> torch.Tensor:

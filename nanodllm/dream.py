@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from .attention import CanvasMask
 from .config import GenerationConfig
 from .decoding import GenerationResult, check_prompts, left_padded_canvas
+from .graphs import Steps
 from .methods.base import Dense, Method, StepContext
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -150,12 +151,13 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     attn_mask = CanvasMask(valid=valid if canvas.ragged else None)
     timesteps = torch.linspace(1, sampling.eps, gen.steps + 1, device=device)
     method.begin_block(StepContext(x, positions, valid, lengths, block=0, mask_id=mask_id))
+    steps = Steps(method)
     for step in range(gen.steps):
         ctx = StepContext(x, positions, valid, lengths, block=0, step=step, steps_per_block=gen.steps,
                           mask_id=mask_id, attn_mask=attn_mask, logits_start=prompt_width, logits_stop=width,
                           block_length=gen.gen_length)
-        logits = method.step(model, ctx)
+        logits = steps.step(model, ctx)
         t, s = timesteps[step], timesteps[step + 1]
         unmask(x, logits, prompt_width, float(1 - s / t), step == gen.steps - 1, gen.temperature, sampling, mask_id)
     tokens = [x[row, prompt_width:].tolist() for row in range(len(prompts))]
-    return GenerationResult(tokens, gen.steps, gen.steps)
+    return GenerationResult(tokens, gen.steps, gen.steps, replays=steps.replays)

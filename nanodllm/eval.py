@@ -7,7 +7,7 @@ many generated tokens the method shares with dense, tokens/s of each, and the fr
 the method kept (1.0 = everything, as dense). `--method all` compares every registered method;
 `--plot FILE.png` saves a length x depth accuracy heatmap per method (needs matplotlib);
 `--task longbench --data FILE.jsonl` scores a LongBench-format file instead; `--calibrate` writes
-MaskKV's layer profile next to the checkpoint (methods/maskkv.py).
+MaskKV's layer profile next to the checkpoint (methods/maskkv.py), which MaskKV then reads there.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from pathlib import Path
 
 import torch
 
-from . import block, masked, tasks
+from . import block, masked, recall, tasks
+from .attention import CanvasMask
 from .config import GenerationConfig, default_block_length
 from .decoding import until_stop
 from .loader import load_model
 from .methods import METHODS, get_method, parse_knobs
+from .methods.maskkv import PROFILE_NAME, layer_importance
 from .tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -40,6 +42,44 @@ def resolve_model(name: str) -> Path:
     path = ASSETS / name if name in TINY_MODELS else Path(name)
     if not path.is_dir():
         raise FileNotFoundError(f"model not found: {name} (a directory, or one of {', '.join(TINY_MODELS)})")
+    return path
+
+
+def with_profile(method_name: str, knobs: dict, model_dir) -> dict:
+    """knobs, plus the checkpoint's MaskKV profile (calibrate's) when it has one and knobs name none."""
+    profile = Path(model_dir) / PROFILE_NAME
+    if method_name == "maskkv" and "profile" not in knobs and profile.is_file():
+        return {**knobs, "profile": str(profile)}
+    return knobs
+
+
+def calibrate(model_dir, lengths=(1024, 2048), n: int = 4, gen_length: int = 32, seed: int = 99,
+              device="cpu", dtype=torch.float32) -> Path:
+    """Write MODEL_DIR/maskkv_profile.json: MaskKV's layer importance (eq. 8) averaged over n canvases
+    (prompt + gen_length masks) per task and length, drawn with a seed the evaluation does not use."""
+    model_dir = Path(model_dir)
+    model = load_model(model_dir, device, dtype, context=max(lengths) + 2 * gen_length)
+    cfg = model.cfg
+    tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
+    count = lambda text: len(tokenizer.encode(text))
+    profiles = []
+    for task in ("passkey", "multikey", "kv"):
+        for length in lengths:
+            for sample in tasks.make_samples(task, length, n, seed, count_tokens=count):
+                ids = tokenizer.chat([{"role": "user", "content": sample.prompt}]) + [cfg.mask_token_id] * gen_length
+                tokens = torch.tensor([ids], device=device)
+                positions = torch.arange(len(ids), device=device)[None]
+                valid = torch.ones_like(tokens, dtype=torch.bool)
+                mask = CanvasMask(block_size=cfg.block_size) if cfg.attention == "block_causal" else None
+                profiles.append(layer_importance(model, tokens, positions, valid, mask))
+    importance = torch.tensor(profiles).mean(dim=0).tolist()
+    record = {"layer_importance": importance, "calibration": {
+        "tasks": ["passkey", "multikey", "kv"], "lengths": list(lengths), "samples_per_cell": n,
+        "gen_length": gen_length, "seed": seed, "canvases": len(profiles)}}
+    path = model_dir / PROFILE_NAME
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    partial.replace(path)  # never a half-written profile
     return path
 
 
@@ -58,6 +98,7 @@ class Runner:
     """A loaded model, its tokenizer and engine, and the generation settings."""
 
     def __init__(self, model_dir: Path, device: str, dtype: torch.dtype, gen: GenerationConfig | None, context=None):
+        self.model_dir = model_dir
         self.model = load_model(model_dir, device, dtype, context=context)
         cfg = self.model.cfg
         self.tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
@@ -83,7 +124,8 @@ class Runner:
 
     def generate(self, samples: list[tasks.Sample], method_name: str, prepare=None) -> Outcome:
         """Decode samples with the method; prepare(method), if given, runs first (e.g. recall.attach)."""
-        method = get_method(method_name, **({} if method_name == "dense" else self.knobs))
+        method = get_method(method_name, **with_profile(method_name, {} if method_name == "dense" else self.knobs,
+                                                        self.model_dir))
         if prepare is not None:
             prepare(method)
         prompts = [self.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
@@ -237,8 +279,6 @@ def parse_args(argv):
 
 def print_recall(runner: Runner, samples: list[tasks.Sample], methods: list[str], args) -> int:
     """--recall: one table per method of estimation accuracy per step bucket and layer."""
-    from . import recall
-
     selecting = [m for m in methods if hasattr(get_method(m), "k")]
     if not runner.is_block or not selecting:
         raise ValueError("--recall needs the block engine (an SDAR-format model) and a selecting method "
@@ -256,8 +296,6 @@ def print_recall(runner: Runner, samples: list[tasks.Sample], methods: list[str]
 
 
 def print_calibration(model_dir, lengths, args) -> int:
-    from .methods.maskkv import calibrate
-
     path = calibrate(model_dir, tuple(lengths), args.n, gen_length=args.gen_length, device=args.device,
                      dtype=DTYPES[args.dtype])
     importance = json.loads(path.read_text())["layer_importance"]

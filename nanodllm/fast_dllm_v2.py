@@ -31,9 +31,9 @@ import torch
 
 from .cache import KVCache
 from .config import GenerationConfig
-from .decoding import GenerationResult, check_prompts, without_token
+from .decoding import GenerationResult, check_prompts, prefill_complete_blocks, prompts_then_masks, without_token
 from .dream import filtered
-from .block import prefill_complete_blocks, prompts_then_masks
+from .graphs import Steps
 from .methods.base import Dense, Method, StepContext
 
 
@@ -96,9 +96,10 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     cache = KVCache.for_model(cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
     rows, offsets = torch.arange(batch, device=device), torch.arange(size, device=device)
 
+    steps = Steps(method)
     starts, hidden = prefill_complete_blocks(model, method, x, lengths, cache, size, mask_id)
     on_boundary = lengths % size == 0  # the prompt fills its last block: the prefill gives the next token
-    forwards = steps = 0
+    forwards = taken = 0
     if hidden is not None:
         first = next_token(model, hidden, starts - 1)
         x[rows[on_boundary], starts[on_boundary]] = first[on_boundary]
@@ -125,8 +126,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 if not todo.any():
                     break
                 ctx.tokens, ctx.step = current, step
-                tokens, probs = sample_with_top_p(method.step(model, ctx), gen.temperature, top_p, mask_id)
-                forwards, steps, step = forwards + 1, steps + 1, step + 1
+                tokens, probs = sample_with_top_p(steps.step(model, ctx), gen.temperature, top_p, mask_id)
+                forwards, taken, step = forwards + 1, taken + 1, step + 1
                 confidence = torch.where(todo, probs, float("-inf"))
                 best = torch.zeros_like(todo).scatter_(1, confidence.argmax(dim=1, keepdim=True), True)
                 current = torch.where(((confidence > threshold) | best) & todo, tokens, current)
@@ -135,8 +136,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         committing = active & ~(current == mask_id).any(dim=1)
         if not committing.any():
             break
-        ctx.tokens, ctx.counts = current, torch.where(committing, size, 0)
-        following = next_token(model, method.commit(model, ctx), torch.full_like(starts, size - 1))
+        ctx.tokens, ctx.counts, ctx.phase = current, torch.where(committing, size, 0), "commit"
+        following = next_token(model, steps.commit(model, ctx), torch.full_like(starts, size - 1))
+        cache.advance(ctx.counts)
         forwards += 1
         x[rows[committing], starts[committing] + size] = following[committing]
         ends = torch.where(committing, starts + size + 1, ends)
@@ -148,4 +150,4 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         generated = x[row, int(lengths[row]) : int(ends[row])].tolist()
         stop_at = next((i for i, token in enumerate(generated) if token in stop_ids), None)
         tokens.append(generated if stop_at is None else generated[: stop_at + 1])
-    return GenerationResult(tokens, forwards, steps, cache)
+    return GenerationResult(tokens, forwards, taken, cache, steps.replays)

@@ -21,7 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
-from .model import Model, build_empty
+from .fused import build_empty
+from .model import Model
 
 # (checkpoint name, internal name) patterns, tried in order; {i} is a layer index, {name} any rest.
 RENAMES = {
@@ -174,5 +175,4 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = N
             for target, source in mapping.items():
                 if files[source] == file:
                     params[target].copy_(handle.get_tensor(source))
-    model.checkpoint_dir = path  # methods find side files here (MaskKV's layer profile)
     return model

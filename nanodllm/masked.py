@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from . import dream
 from .attention import CanvasMask
 from .config import GenerationConfig
 from .decoding import (GenerationResult, check_prompts, left_padded_canvas, refuse_shifted_logits, split_evenly,
                        threshold_transfer, top_confident, without_token)
+from .graphs import Steps
 from .methods.base import Dense, Method, StepContext
 
 
@@ -46,8 +48,6 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     pad_id = cfg.eos_token_ids[0] if pad_id is None else pad_id
     if cfg.model_type == "Dream":  # its own loop: the whole response at once (nanodllm/dream.py)
-        from . import dream
-
         return dream.generate(model, prompts, gen, method, mask_id, pad_id)
     refuse_shifted_logits(cfg)
     if gen.gen_length % gen.block_length:
@@ -71,6 +71,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     attn_mask = CanvasMask(valid=valid if ragged else None, block_size=cfg.block_size if block_causal else None,
                            positions=positions if block_causal and ragged else None)
 
+    steps = Steps(method)
     forwards = total_steps = 0
     for block in range(num_blocks):
         start = prompt_width + block * gen.block_length
@@ -88,7 +89,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             ctx = StepContext(x, positions, valid, lengths, block=block, step=step, steps_per_block=steps_per_block,
                               mask_id=mask_id, attn_mask=attn_mask, logits_start=start, logits_stop=stop,
                               block_length=gen.block_length)
-            logits = _logits(model, method, ctx, gen.cfg_scale, in_prompt)
+            logits = _logits(model, steps, ctx, gen.cfg_scale, in_prompt)
             forwards += 1
             x0 = without_token(gumbel_max_scores(logits, gen.temperature), mask_id).argmax(dim=-1)
             if gen.remasking == "low_confidence":
@@ -105,18 +106,18 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             step += 1
         total_steps += step
     tokens = [x[row, prompt_width:].tolist() for row in range(len(prompts))]
-    return GenerationResult(tokens, forwards, total_steps)
+    return GenerationResult(tokens, forwards, total_steps, replays=steps.replays)
 
 
-def _logits(model, method: Method, ctx: StepContext, cfg_scale: float, in_prompt) -> torch.Tensor:
+def _logits(model, steps: Steps, ctx: StepContext, cfg_scale: float, in_prompt) -> torch.Tensor:
     """The method's logits for the block; with classifier-free guidance, mixed with the logits of the
     canvas whose prompt is masked: un + (scale + 1) * (cond - un)."""
     if cfg_scale <= 0:
-        return method.step(model, ctx)
+        return steps.step(model, ctx)
     unconditional = torch.where(in_prompt, ctx.mask_id, ctx.tokens)
     both = StepContext(**{**vars(ctx), "tokens": torch.cat([ctx.tokens, unconditional])})
     for name in ("positions", "valid", "prompt_lengths"):
         setattr(both, name, torch.cat([getattr(ctx, name)] * 2))
     both.attn_mask = ctx.attn_mask.repeat(2)
-    cond, uncond = method.step(model, both).chunk(2)
+    cond, uncond = steps.step(model, both).chunk(2)
     return uncond + (cfg_scale + 1) * (cond - uncond)

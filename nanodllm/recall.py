@@ -1,7 +1,8 @@
 """Recall diagnostics of per-block key selection (the MAGE paper's eq. 1, Fig. 1a and Fig. 3).
 
 At every denoising step and layer where a selecting method (mage, quest, sparsed) attends to a
-selected key set (the method's attended_selection), compare that set with the ORACLE per-block top-k
+selected key set (what its attended_selection(layer, ctx) gives: (indices, counts, index_block) as
+kernels/sparse_decode_attention takes them, or None where it attended exactly), compare that set with the ORACLE per-block top-k
 of the same step: the k prefix keys with the highest probability averaged over the block's queries
 and the group's heads, from this step's exact scores (eq. 2, normalised as methods/mage.py says).
 Estimation accuracy (eq. 1) = |selected and oracle| / |oracle|, per row and KV head, kept per KV
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .methods.mage import block_probabilities, block_scores, listed_tokens, select_top_k
+from .attention import use_kernels
+from .methods.block_selection import block_probabilities, block_scores
+from .methods.common import listed_tokens, select_top_k
 
 
 @dataclass
@@ -63,18 +66,20 @@ def attach(method) -> list[Record]:
     """Wrap method.attend so that every selecting attention call is compared with the oracle."""
     records: list[Record] = []
     original = method.attend
+    selection = getattr(method, "attended_selection", lambda layer, ctx: None)  # dense: every key
 
     def attend(layer, q, k, v, ctx):
         out = original(layer, q, k, v, ctx)
         cache = ctx.cache
-        chosen = method.attended_selection(layer, ctx)
+        chosen = selection(layer, ctx)
         if cache is None or chosen is None or cache.max_length == 0:
             return out  # an exact call (an exact layer, SparseD's steps before its capture step)
         *chosen_lists, index_block = chosen
         if q.is_cuda:
             torch.cuda.synchronize(q.device)  # a side-stream selection is complete
         prefix = cache.max_length
-        oracle = select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths, method.k)
+        oracle = select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths, method.k,
+                              on_kernels=use_kernels(q))
         oracle_mask = token_mask(*oracle, cache.lengths, prefix, 1)
         chosen_mask = token_mask(*chosen_lists, cache.lengths, prefix, index_block)
         hits = (oracle_mask & chosen_mask).sum(-1).float()  # [batch, kv_heads]

@@ -7,7 +7,6 @@
     python scripts/bench.py dyllm [--quick] [--fractions F ...] [--out docs/results]
     python scripts/bench.py momo [--quick] [--lengths N ...] [--out docs/results]
     python scripts/bench.py routing [--quick] [--out docs/results]
-    python scripts/bench.py decode_costs [--quick] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
@@ -21,8 +20,6 @@ momo: MOMO's prefill attention at 32K-128K, causal and block-causal, each top-k 
 our dense kernel, with the FLOP floors and latency vs k (scripts/bench_momo.py).
 routing: the timings behind nanodllm/attention.py's choice between flash_attention, the split-KV
 decode kernel and SDPA (scripts/bench_routing.py).
-decode_costs: the decode kernels' time as fixed cost + bytes / rate, next to torch and cuBLAS streaming
-the same bytes (scripts/bench_decode_costs.py).
 
 kernels: the attention kernels next to their floors and to what a user has (torch SDPA), in one run:
   1. ceilings: copy bandwidth (1 GiB device-to-device, bytes read + written, best of several) and
@@ -102,10 +99,10 @@ class Timer:
     256 MiB buffer that evicts L2; the graph of the reads alone is timed too, and the difference
     divided by `repeats` is fn's time, median of several replays. The flush reads (a max over the
     buffer) rather than writes: a write would leave the L2 full of dirty lines, which the timed
-    call would then pay to write back (up to 50 MB on an H100; bench_kernels.md's "L2 flush" table
-    times both), while a real step finds the L2 holding clean weights and cache lines. flush="write"
-    is the old method, kept for that table. A graph replays kernels back to
-    back, so the host's launch overhead (Python, argument packing) is not in the number;
+    call would then pay to write back (the "L2 flush" table times both), while a real step finds
+    the L2 holding clean weights and cache lines; flush="write" is kept for that table. A graph
+    replays kernels back to back, so the host's launch overhead (Python, argument packing) is not
+    in the number;
     `eager(fn)` gives the other view, do_bench's wall-clock per call, host overhead included.
     CPU (--quick): a plain wall-clock median; the numbers mean nothing there."""
 
@@ -231,7 +228,7 @@ def sdpa_on_cache(q, k_cache, v_cache, n_keys):
 
 
 def bench_flush_check(report, timer, shapes, device, dtype, bandwidth, caches):
-    """The same calls timed after the read flush (Timer's method) and after a write flush (the old one)."""
+    """The same calls timed after the read flush (Timer's method) and after a write flush."""
     write_timer = Timer(device, shapes is QUICK, flush="write")
     batch, hidden = shapes.batches[0], shapes.heads * shapes.head_dim
     k_cache, v_cache = caches[batch]
@@ -254,10 +251,9 @@ def bench_flush_check(report, timer, shapes, device, dtype, bandwidth, caches):
                      "after a write flush us": write_us, "difference us": write_us - read_us})
     del write_timer
     report.table("L2 flush: read (used here) vs write", rows,
-                 "Every time in this file follows a read of a 256 MiB buffer, which leaves the L2 clean. Before "
-                 "2026-11-24 the flush was a write, which left up to the L2's size in dirty lines that the timed call "
-                 "paid to write back: the difference column is that cost, one capture each (captures of the same call "
-                 "differ by 1-2 us).")
+                 "Every time in this file follows a read of a 256 MiB buffer, which leaves the L2 clean. A write "
+                 "flush leaves up to the L2's size in dirty lines that the timed call pays to write back: the "
+                 "difference column is that cost, one capture each (repeated captures of one call differ a little).")
 
 
 def bench_decode(report, timer, shapes, device, dtype, bandwidth, caches):
@@ -482,8 +478,7 @@ def bench_kernels(args):
 
 
 def bench_methods(args):
-    """`mage`, `maskkv`, `sparse_dllm`, `dyllm`, `momo`, `routing`, `decode_costs`: timings on 8B shapes."""
-    from bench_decode_costs import bench_decode_costs
+    """`mage`, `maskkv`, `sparse_dllm`, `dyllm`, `momo`, `routing`: timings on 8B shapes."""
     from bench_mage import bench_mage  # scripts/ is on sys.path when this file runs
     from bench_maskkv import bench_maskkv
     from bench_momo import bench_momo
@@ -517,10 +512,6 @@ def bench_methods(args):
         report.say(f"# Which attention kernel nanodllm/attention.py picks: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
         bench_routing(args, timer, report, meta)
-    elif args.command == "decode_costs":
-        report.say(f"# Where the block-decode kernels' time goes: {meta['device']}, torch {meta['torch']}, "
-                   f"triton {meta['triton']}, {meta['dtype']}\n")
-        bench_decode_costs(args, timer, report, rates()[0], meta)
     elif args.command == "momo":
         report.say(f"# MOMO's prefill attention vs SDPA and our dense kernel: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
@@ -562,8 +553,9 @@ def main():
     momo.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 32768 65536 131072)")
     momo.add_argument("--tune", action="store_true", help="also sweep the kernels' launch settings (GPU)")
     add_command(commands, "routing", "flash vs split-KV decode vs SDPA on the shapes attention() routes", SHAPES_SMOKE)
-    add_command(commands, "decode_costs", "decode kernels: fixed cost + bytes / rate vs torch and cuBLAS", SHAPES_SMOKE)
     args = parser.parse_args()
+    if not (args.quick or torch.cuda.is_available()):
+        sys.exit(f"bench.py {args.command}: the full run times 8B shapes on a GPU; on a CPU run it with --quick")
     if args.command == "kernels":
         bench_kernels(args)
     else:

@@ -7,9 +7,10 @@ per layer (the `salient_fraction` knob: the lowest-cosine rows of each layer) at
 blocks of 32 (LLaDA's setting, one token per step): vanilla runs 256 full steps; DyLLM 4 full steps,
 then sparse steps that feed the whole canvas when t % 4 == 0 and only the response otherwise;
 fast_dllm dual per block one building full step and 31 cached steps. Each kind of step is timed with
-CUDA events, host overhead included, and the generation assembled. Fast-dLLM's cached step and
-DyLLM's fixed-fraction sparse steps (fixed shapes, no host syncs) replay CUDA graphs
-(nanodllm/graphs.py); each is also timed with graphs off ("eager" rows), in the same run.
+CUDA events, host overhead included, and the generation assembled. Steps run as the engine runs
+them, through one nanodllm/graphs.py Steps per method: Fast-dLLM's cached step and DyLLM's
+fixed-fraction sparse steps (fixed shapes, no host syncs) replay CUDA graphs; each is also timed with
+graphs off ("eager" rows), in the same run.
 Floor per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate), FLOPs counted per row as
 DyLLM computes them: Q and o_proj for every fed row, K/V and the FFN for the salient rows, exact
 attention for the salient rows over all keys.
@@ -22,9 +23,10 @@ import torch
 import nanodllm.graphs as graphs_module
 from bench_maskkv import canvas_context, eager_us
 from nanodllm.config import ModelConfig, preset
+from nanodllm.fused import build_random
+from nanodllm.graphs import Steps
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
-from nanodllm.model import build_random
 
 FULL = dict(prompt=512, gen_length=256, block_length=32, batches=(1, 16), fractions=(0.1, 0.25, 0.5))
 QUICK = dict(prompt=48, gen_length=16, block_length=4, batches=(1, 2), fractions=(0.25,))
@@ -87,13 +89,13 @@ def bench_dyllm(args, timer, report, measure_rates, meta):
     step_rows, rows = [], []
     for batch in shapes["batches"]:
         ctx = canvas_context(cfg, shapes["prompt"], shapes["gen_length"], shapes["block_length"], device, batch=batch)
-        dense = Dense()
+        dense = Steps(Dense())
         full_us = eager_us(lambda: dense.step(model, ctx), device)
         full_floor = floor_us(batch, width, width, width)
-        dual = get_method("fast_dllm", mode="dual")
-        dual.begin_block(ctx)
+        dual = Steps(get_method("fast_dllm", mode="dual"))
+        dual.method.begin_block(ctx)
         ctx.step = 0
-        build_us = eager_us(lambda: (dual.begin_block(ctx), dual.step(model, ctx)), device)
+        build_us = eager_us(lambda: (dual.method.begin_block(ctx), dual.step(model, ctx)), device)
         times, floors = {"vanilla": steps * full_us}, {"vanilla": steps * full_floor}
         step_rows += [{"batch": batch, "method": "vanilla", "step": "full", "us": full_us, "floor us": full_floor},
                       {"batch": batch, "method": "fast_dllm dual", "step": "build",
@@ -108,15 +110,16 @@ def bench_dyllm(args, timer, report, measure_rates, meta):
         ctx.step = 0
         for fraction in fractions:
             method = get_method("dyllm", salient_fraction=fraction)
+            dyllm_steps = Steps(method)
             method.begin_block(ctx)
-            for _ in range(4):  # the full steps
-                method.step(model, ctx)
+            for _ in range(4):  # the full steps (end_step advances t)
+                dyllm_steps.step(model, ctx)
             for name, enabled in graphs_on_and_off(f"dyllm {fraction:.0%}"):
                 kinds = {}
                 floors[name] = 4 * full_floor
                 for label, t in (("whole canvas", 8), ("response only", 5)):
                     fed = width if label == "whole canvas" else response
-                    kinds[label] = timed_twice_warm(lambda t=t: (setattr(method, "t", t), method.step(model, ctx)),
+                    kinds[label] = timed_twice_warm(lambda t=t: (setattr(method, "t", t), dyllm_steps.step(model, ctx)),
                                                     device)
                     salient = int(fraction * fed + 0.999)
                     floor = floor_us(batch, fed, salient, salient)

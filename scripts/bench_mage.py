@@ -2,8 +2,8 @@
 (random bf16 weights) at long contexts, exact vs MAGE and its baselines.
 
 Each kind of denoising step is timed on its own as a CUDA graph (scripts/bench.py Timer: L2
-evicted, host launch overhead excluded; the engines are host-bound in eager mode, see
-docs/results/kernels_cuda.md), then a block of T steps + the commit forward is assembled:
+evicted, host launch overhead excluded; eager steps are host-bound, see docs/results/bench_mage.md
+"A real generation"), then a block of T steps + the commit forward is assembled:
 
     SDPA exact  T x step(torch SDPA)                    + commit
     exact       T x step(our kernels)                   + commit
@@ -13,16 +13,17 @@ docs/results/kernels_cuda.md), then a block of T steps + the commit forward is a
     SparseD     (c-1) x exact + capture step + (T-c) x sparse step       + commit, c = round(0.2 T)
 
 The commit forward is an exact step over the same shapes (timed as one); MAGE's with sparse_commit
-reads the block's selection, so it is timed as one sparse step. The step tables time each
-step as the Timer's own graph, so the methods' graphs (nanodllm/graphs.py) are off for them. Then, as a
-user runs it, `block.generate` itself at the first context, batch 1: milliseconds per block (CUDA
-events as each block begins, the median of the blocks after the first, which records the graphs;
-the prefill is not in them), with the engine's host loop and sampling and every forward replaying a
-graph, next to the assembled figure; with graphs off for exact and MAGE. On a GPU the selection's
-top-k is also timed alone, torch (topk + sort) against kernels/top_k.py. On a GPU each kind of step is
-also profiled once, eagerly, and its kernel time split into attention, selection and the rest. Floors: weight bytes read
-(embedding rows aside) plus the KV bytes each step reads (exact: the whole prefix in every layer;
-sparse: the exact layers' prefix plus k keys per KV head elsewhere), over the measured copy bandwidth.
+reads the block's selection, so it is timed as one sparse step. A step is run as the engine runs
+it, through nanodllm/graphs.py Steps (one per method), with the engine's graphs off: the Timer
+records the step as its own graph. Then, as a user runs it, `block.generate` itself at the first
+context, batch 1: milliseconds per block (CUDA events as each block begins, the median of the blocks
+after the first, where the engine records its graphs; the prefill is not in them), with the engine's
+host loop and sampling and every forward replaying a graph, next to the assembled figure; with
+graphs off for exact and MAGE. On a GPU the selection's top-k is also timed alone, torch (topk +
+sort) against kernels/top_k.py, and each kind of step is profiled once, eagerly, its kernel time
+split into attention, selection and the rest. Floors: weight bytes read (embedding rows aside) plus
+the KV bytes each step reads (exact: the whole prefix in every layer; sparse: the exact layers'
+prefix plus k keys per KV head elsewhere), over the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from kernels.top_k import top_k_positions
 from nanodllm import block as block_engine
 from nanodllm.cache import KVCache
 from nanodllm.config import GenerationConfig, ModelConfig, preset
+from nanodllm.fused import build_random
+from nanodllm.graphs import Steps
 from nanodllm.methods import Dense, Mage, Quest, get_method
 from nanodllm.methods.base import StepContext
-from nanodllm.model import build_random
 
 FULL = dict(contexts=(32768, 65536, 131072), batches=(1, 4), block=32, steps=32, k=1024)
 QUICK = dict(contexts=(96, 200), batches=(1, 2), block=8, steps=4, k=32)
@@ -69,7 +71,7 @@ def block_context(cfg, cache, batch, context, block, steps, device) -> StepConte
 
 def step_times(model, ctx, timer, knobs) -> dict:
     """Microseconds of each kind of step, one CUDA graph each (eager on a CPU)."""
-    exact = Dense()
+    exact = Steps(Dense())
     times = {}
     with torch.no_grad():
         for enabled, name in ((False, "sdpa"), (True, "exact")):
@@ -77,18 +79,18 @@ def step_times(model, ctx, timer, knobs) -> dict:
             times[name] = timer(lambda: exact.step(model, ctx))
         attention_module.KERNELS_ENABLED = True
 
-        serial = Mage(**knobs, side_stream=False)
+        serial = Steps(Mage(**knobs, side_stream=False))
         ctx.step = 0
         times["select one stream"] = timer(lambda: serial.step(model, ctx))
-        mage = Mage(**knobs)
-        mage.begin_block(ctx)
+        mage = Steps(Mage(**knobs))
+        mage.method.begin_block(ctx)
         times["select"] = timer(lambda: mage.step(model, ctx))  # exact attention, top-k on the side stream
         ctx.step = 1
         times["sparse"] = timer(lambda: mage.step(model, ctx))  # attends to the step-0 selection
 
-        quest = Quest(**knobs)
+        quest = Steps(Quest(**knobs))
         ctx.step, ctx.block = 0, 0
-        quest.begin_block(ctx)
+        quest.method.begin_block(ctx)
         times["quest"] = timer(lambda: quest.step(model, ctx))  # page bounds updated in the warm-up call
     return times
 
@@ -132,17 +134,17 @@ def step_breakdowns(model, ctx, knobs) -> dict:
     """breakdown() of an exact step, MAGE's step 1 and step 2..T, and a Quest step, as step_times runs them."""
     device = ctx.tokens.device
     with torch.no_grad():
-        exact = Dense()
+        exact = Steps(Dense())
         parts = {"exact": breakdown(lambda: exact.step(model, ctx), device)}
-        mage = Mage(**knobs)
+        mage = Steps(Mage(**knobs))
         ctx.step = 0
-        mage.begin_block(ctx)
+        mage.method.begin_block(ctx)
         parts["MAGE step 1"] = breakdown(lambda: mage.step(model, ctx), device)
         ctx.step = 1
         parts["MAGE step 2..T"] = breakdown(lambda: mage.step(model, ctx), device)
-        quest = Quest(**knobs)
+        quest = Steps(Quest(**knobs))
         ctx.step, ctx.block = 0, 0
-        quest.begin_block(ctx)
+        quest.method.begin_block(ctx)
         parts["Quest"] = breakdown(lambda: quest.step(model, ctx), device)
     return parts
 
@@ -196,8 +198,8 @@ def block_clock(method, events: list):
 def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> list[dict]:
     """Milliseconds per block of block.generate at batch 1 (random prompt, temperature 0, no stop
     token), timed inside one generation of GENERATION_BLOCKS blocks: a CUDA event as each block
-    begins and one after the last, so the prefill and the first block (where the method's graphs
-    are recorded) stay out of the timed blocks; their median and range. Graphed: every method;
+    begins and one after the last, so the prefill and the first block (where the engine records
+    its graphs) stay out of the timed blocks; their median and range. Graphed: every method;
     eager: exact and MAGE. A warm-up generation first compiles and autotunes."""
     prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     size, steps = shapes["block"], shapes["steps"]

@@ -9,7 +9,7 @@ canvas every step. dllm_cache and MaskKV run one of four kinds of step, fixed by
 assembled as sum over kinds of count x time; the engine's own per-step work (softmax and top-k over
 8 x vocab logits) is left out. One real end-to-end generation at the shortest context checks the
 assembly (as the engine runs it: host launch overhead included, drift steps and response refreshes
-replayed from the method's CUDA graphs).
+replayed from CUDA graphs, nanodllm/graphs.py).
 
 Floors per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate), FLOPs = 2 x non-embedding
 parameters x rows forwarded + 4 x layers x hidden x (query rows x keys attended); a generation's
@@ -29,15 +29,15 @@ import torch
 import nanodllm.graphs as graphs_module
 from nanodllm import masked
 from nanodllm.config import GenerationConfig, ModelConfig, preset
+from nanodllm.fused import build_random
+from nanodllm.graphs import Steps
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense, StepContext
-from nanodllm.model import build_random
 
 FULL = dict(contexts=(8192, 16384, 32768), gen_length=256, block_length=8, budget=256)
 QUICK = dict(contexts=(96, 200), gen_length=16, block_length=4, budget=16)
 QUICK_MODEL = dict(model_type="llada", d_model=128, n_layers=3, n_heads=4, n_kv_heads=4, mlp_hidden_size=256,
                    vocab_size=256, mask_token_id=255, eos_token_id=254, max_sequence_length=1024)
-LONG_STEP_US = 20_000  # steps longer than this are timed eagerly (a graph of 20 would take too long)
 
 
 def step_kind(t: int, method) -> str:
@@ -93,10 +93,11 @@ def peak_gib(fn, device) -> float:
 
 def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, float]:
     """For every kind of step the schedule uses: GPU microseconds (short kinds as CUDA graphs, host
-    overhead excluded) and engine microseconds (host overhead included, as the engine runs them: drift
-    steps and response refreshes replay the method's own CUDA graphs), and
-    the peak memory of the first step."""
-    pinned = lambda t: (setattr(method, "t", t), method.step(model, ctx))
+    overhead excluded) and engine microseconds (host overhead included, as the engine runs them,
+    through one Steps: drift steps and response refreshes replay CUDA graphs), and the peak memory of
+    the first step. The step index t is pinned before each call (end_step advances it)."""
+    engine = Steps(method)
+    pinned = lambda t: (setattr(method, "t", t), engine.step(model, ctx))
     first_peak = peak_gib(lambda: pinned(0), device)  # t = 0 starts the caches afresh
     gpu = {"first": eager_us(lambda: pinned(0), device, tries=1)}
     eager = dict(gpu)
@@ -110,6 +111,7 @@ def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, fl
             gpu[kind] = timer(lambda t=t: pinned(t))
             graphs_module.GRAPHS_ENABLED = True
     return gpu, eager, first_peak
+
 
 def step_flops(cfg, rows, keys_attended, linear_params) -> float:
     return 2 * linear_params * rows + 4 * cfg.num_layers * cfg.hidden_size * keys_attended
@@ -144,11 +146,12 @@ def bench_maskkv(args, timer, report, measure_rates, meta):
     for context in shapes["contexts"]:
         ctx = canvas_context(cfg, context, shapes["gen_length"], shapes["block_length"], device)
         width, budget = context + gen, min(shapes["budget"], context)
-        vanilla = Dense()
+        dense = Dense()
+        vanilla = Steps(dense)
         vanilla_us = eager_us(lambda: vanilla.step(model, ctx), device)
         vanilla_peak = peak_gib(lambda: vanilla.step(model, ctx), device)
         reference_peak = peak_gib(lambda: model.head(model.hidden(ctx.tokens, ctx.positions,
-                                                                  lambda i, q, k, v: vanilla.attend(i, q, k, v, ctx))
+                                                                  lambda i, q, k, v: dense.attend(i, q, k, v, ctx))
                                                      ).softmax(dim=-1), device)
         floors = {"vanilla": floor_us(width, width * width),
                   "first": floor_us(width, width * width),
@@ -197,7 +200,8 @@ def bench_maskkv(args, timer, report, measure_rates, meta):
     report.table("Steps", step_rows, "Microseconds per step of the whole model, by kind; 'count' = steps of that "
                  "kind in one generation; 'us' = GPU time (drift and response refresh: CUDA graph replay, L2 "
                  "evicted; the long kinds eagerly with events), 'eager us' = one eager call, host launch overhead "
-                 "included (drift steps and response refreshes: the method's CUDA graphs replayed, as the engine runs them). Floors: max(weight bytes / copy bandwidth, FLOPs / matmul rate).")
+                 "included (drift steps and response refreshes: CUDA graphs replayed, as the engine runs them). "
+                 "Floors: max(weight bytes / copy bandwidth, FLOPs / matmul rate).")
     report.table("Per generation", gen_rows, "Assembled from the step times (sum of count x us; 'eager' columns from "
                  "the eager step times, as the engine runs today); peak = max allocated (weights included) during "
                  "vanilla's step or the method's first step, the highest of its steps. KV GiB = the method's cached "
@@ -228,9 +232,9 @@ def end_to_end(model, cfg, context, shapes, device, totals) -> list[dict]:
 
 def generation_seconds(model, prompt, gen, method, device) -> float:
     """Wall time of the second of two generations by one method object. The first pays for compiling
-    and autotuning kernels and, for MaskKV without a profile file, its online layer profile (one dense
-    forward, which a checkpoint's maskkv_profile.json replaces); the method's CUDA graphs are recorded
-    again in the timed one (a new generation resets them)."""
+    and autotuning kernels and, for MaskKV without a profile, its online layer profile (one dense
+    forward, which its `profile` knob replaces); the engine records its CUDA graphs again in the timed
+    one (each generation records its own)."""
     masked.generate(model, [prompt], gen, method)
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -1,10 +1,11 @@
 """`python scripts/bench_norm_rope.py` (GPU): the fused RMSNorm and RoPE kernels against the model's torch
 form at 8B shapes (llada-8b, batch 16 x 768 rows, bf16): microseconds, GB/s of the bytes that must move
 (input, output, weight or tables once), and how many output elements are bit-equal. Prints a
-Markdown table (docs/results/norm_rope_cuda.md)."""
+Markdown table (docs/results/bench_kernels.md, "Fused RMSNorm and RoPE")."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -61,4 +62,7 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_norm_rope.py times CUDA kernels: it needs a GPU")
     main()

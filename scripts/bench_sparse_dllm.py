@@ -6,12 +6,13 @@ A sequence of N tokens is a prompt of N - G tokens and G = 256 generated ones, 8
 steps per block. Per block, vanilla runs 32 full steps; fast_dllm one full step that builds its cache
 and 31 cached steps; sparse_dllm (delay 1) a full step, a full step that builds the pruned cache and
 30 cached steps. Each kind of step is timed on its own, eagerly with CUDA events as the engine runs it
-(the cached steps replay the CUDA graph the method captures of them: nanodllm/graphs.py; the
-first call captures it, outside the timing), and a generation is assembled from them; the prefix cache's cached steps feed the block and the suffix,
-so they are timed in every block. Peak memory = max allocated (weights included) over a method's
-building and cached steps, vanilla's over a full step. One real generation per method at the
-shortest length checks the assembly (eager: host overhead included; the second of two by one
-method object, so compiling and autotuning kernels is left out; graphs are recorded in both).
+(through one nanodllm/graphs.py Steps per method: the cached steps replay a CUDA graph, recorded by
+the first call, outside the timing), and a generation is assembled from them; the prefix cache's
+cached steps feed the block and the suffix, so they are timed in every block. Peak memory = max
+allocated (weights included) over a method's building and cached steps, vanilla's over a full step.
+One real generation per method at the shortest length checks the assembly (host overhead included;
+the second of two by one method object, so compiling and autotuning kernels is left out; each
+generation records its own graphs).
 Floors per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate) as in bench_maskkv.py.
 """
 
@@ -23,9 +24,10 @@ import torch
 
 from bench_maskkv import canvas_context, eager_us, generation_seconds, peak_gib, step_flops
 from nanodllm.config import GenerationConfig, ModelConfig, preset
+from nanodllm.fused import build_random
+from nanodllm.graphs import Steps
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense, StepContext
-from nanodllm.model import build_random
 
 FULL = dict(lengths=(1024, 4096, 8192, 16384, 32768), gen_length=256, block_length=32)
 QUICK = dict(lengths=(96, 160), gen_length=16, block_length=4)
@@ -40,15 +42,16 @@ def block_context(cfg, length, block, shapes, device) -> StepContext:
                           block=block)
 
 
-def method_block(model, ctx, method, device):
-    """(us of the building step, us of a cached step, peak GiB) for one block."""
+def method_block(model, ctx, steps, device):
+    """(us of the building step, us of a cached step, peak GiB) for one block; steps: the method's Steps."""
+    method = steps.method
     ctx.step = method.delay
     method.begin_block(ctx)
-    build = lambda: (method.begin_block(ctx), method.step(model, ctx))
+    build = lambda: (method.begin_block(ctx), steps.step(model, ctx))
     peak = peak_gib(build, device)
     build_us = eager_us(build, device, tries=1)
     ctx.step = method.delay + 1
-    cached = lambda: method.step(model, ctx)
+    cached = lambda: steps.step(model, ctx)
     peak = max(peak, peak_gib(cached, device))
     cached_us = eager_us(cached, device)
     return build_us, cached_us, peak
@@ -76,7 +79,7 @@ def bench_sparse_dllm(args, timer, report, measure_rates, meta):
     rows, step_rows = [], []
     for length in shapes["lengths"]:
         middle = block_context(cfg, length, blocks // 2, shapes, device)
-        vanilla = Dense()
+        vanilla = Steps(Dense())
         full_us = eager_us(lambda: vanilla.step(model, middle), device)
         vanilla_peak = peak_gib(lambda: vanilla.step(model, middle), device)
         totals = {"vanilla": (gen * full_us, gen * floor_us(length, length * length), vanilla_peak)}
@@ -84,12 +87,13 @@ def bench_sparse_dllm(args, timer, report, measure_rates, meta):
                           "floor us": floor_us(length, length * length)})
         for label, (name, knobs) in METHODS.items():
             method = get_method(name, **knobs)
+            steps = Steps(method)
             timed = [0] if label != "fast_dllm prefix" else range(blocks)  # dual caches cost the same in every block
             total = floor = 0.0
             peaks = []
             for b in timed:
                 ctx = middle if label != "fast_dllm prefix" else block_context(cfg, length, b, shapes, device)
-                build_us, cached_us, block_peak = method_block(model, ctx, method, device)
+                build_us, cached_us, block_peak = method_block(model, ctx, steps, device)
                 fed = block if method.mode == "dual" else length - ctx.logits_start
                 if name == "sparse_dllm":
                     kept = int(method.ratio * (length - block))
@@ -107,7 +111,7 @@ def bench_sparse_dllm(args, timer, report, measure_rates, meta):
                 step_rows.append({"length": length, "method": label, "step": f"block {ctx.block}: cached",
                                   "us": cached_us, "floor us": cached_floor})
             totals[label] = (total, floor, max(peaks))  # nan on a CPU
-            del method
+            del method, steps
         for label, (total, floor, peak) in totals.items():
             rows.append({"length": length, "method": label, "tokens/s": gen / (total / 1e6),
                          "speedup vs vanilla": totals["vanilla"][0] / total, "x floor": total / floor,
@@ -118,7 +122,7 @@ def bench_sparse_dllm(args, timer, report, measure_rates, meta):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     report.table("Steps", step_rows, "Microseconds per step of the whole model, eager (the cached steps "
-                 "replay the method's CUDA graph); the prefix cache is timed in every block, the others in the "
+                 "replay a CUDA graph, as the engine runs them); the prefix cache is timed in every block, the others in the "
                  "middle one. Floors: max(weight bytes / copy bandwidth, FLOPs / matmul rate).")
     report.table("Per generation", rows, "Assembled from the step times (see scripts/bench_sparse_dllm.py); "
                  "'a real generation' rows time masked.generate end to end, eagerly (a second generation of one "

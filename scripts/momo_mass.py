@@ -35,10 +35,10 @@ coordinate of q [1, heads, n, d] and k [1, kv_heads, n, d], plus, per KV head (i
     drawn log-uniformly in [64, n / 4], so the scores gain --slash-logit * sum_o c(i - j - o) with
     c(D) = the mean over the pairs' frequencies of cos(frequency D): 1 on the line, falling about like
     1 - ln|D| / ln 10000 near it (a halo), ripples of std 0.1 far from it (|D| > 10^4).
-At the defaults (10, 8, 1) the last query blocks at 128K put 10-45% of their mass (by head) on the
-anchors, the rest on the lines and spread out (halos, ripples, noise); their best 128 of 2048 key blocks
-hold 0.80-0.96 of it, the best 8 0.43-0.62 (at 32K: 70-75% on the anchors, 128 blocks 0.98-1.0). The
-table's "oracle mass" is over all rows (early rows see fewer than k blocks: all of their mass).
+At the defaults (10, 8, 1) a row's mass lies partly on the anchors and the rest on the lines and
+spread out (halos, ripples, noise), so the best k key blocks hold most of it but not all, less so at
+longer lengths. The table's "oracle mass" is over all rows (early rows see fewer than k blocks: all
+of their mass).
 """
 
 from __future__ import annotations

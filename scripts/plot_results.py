@@ -14,7 +14,7 @@ JSON files `scripts/bench.py` wrote (and the tables of a sweep's Markdown), so i
                            needle depth (tiny_models.json, the eval tables of tiny_models.md).
 - mage_baselines_2k_8k_tiny.png  MAGE's Fig. 4 analogue: dense, MAGE, Quest and SparseD at k = 64
                            per task, context length and needle depth on tiny-sdar (the depth grids
-                           scripts/sweep.py printed into mage_baselines_2k_8k_tiny.md).
+                           scripts/sweep.py printed, at the end of mage_accuracy.md).
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
+try:
+    import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:  # the parsing below still imports; main() says what is missing
+    plt = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanodllm.eval import plot  # noqa: E402
@@ -113,7 +116,7 @@ def mage_baselines_heatmaps(markdown: str, out: Path):
     grids = {f"{task}: {variant.split(' exact_layers')[0]}": {cell: round(accuracy * 8) / 8
                                                               for cell, accuracy in by_variant[variant].items()}
              for task, by_variant in read_depth_grids(markdown).items() for variant in variants}
-    plot(grids, out, "tiny-sdar, k = 64 keys per KV head (one exact layer of four), 8 prompts per cell, H100 bf16",
+    plot(grids, out, "tiny-sdar, k = 64 keys per KV head (one exact layer of four), 8 prompts per cell, bf16",
          columns=len(variants))
 
 
@@ -121,13 +124,15 @@ FIGURES = {"momo_latency_vs_k.png": ("bench_momo.json", momo_latency_vs_k),
            "sparse_dllm_scaling.png": ("bench_sparse_dllm.json", sparse_dllm_scaling),
            "dyllm_salient.png": ("dyllm_salient.json", dyllm_salient),
            "tiny_models_heatmap.png": ("tiny_models.json", tiny_models_heatmap),
-           "mage_baselines_2k_8k_tiny.png": ("mage_baselines_2k_8k_tiny.md", mage_baselines_heatmaps)}
+           "mage_baselines_2k_8k_tiny.png": ("mage_accuracy.md", mage_baselines_heatmaps)}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results")
     args = parser.parse_args()
+    if plt is None:
+        sys.exit("plot_results.py needs matplotlib, an optional dependency: pip install matplotlib")
     for name, (source, draw) in FIGURES.items():
         text = (args.results / source).read_text()
         draw(json.loads(text) if source.endswith(".json") else text, args.results / name)

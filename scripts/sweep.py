@@ -1,7 +1,7 @@
 """Accuracy of methods over a knob sweep on the same samples, next to dense, as Markdown tables.
 
     python scripts/sweep.py --model tiny-llada --methods dllm_cache,maskkv,snapkv --knob budget=16,32,64,128,256 \
-        --lengths 2048,4096,8192 --n 40 --device cuda --dtype bfloat16 --out docs/results/maskkv_tiny.md
+        --lengths 2048,4096,8192 --n 40 --device cuda --dtype bfloat16 --out maskkv_sweep.md
 
 Every method in --methods that takes the swept knob runs once per value; a method without it runs
 once with its defaults. Prints (and writes with --out) one table of accuracy per context length,
@@ -103,7 +103,7 @@ def depth_grid(name, cells, lengths) -> str:
 
 def read_depth_grids(markdown: str) -> dict[str, dict[str, dict[tuple, float]]]:
     """depth_grid read back: {task: {variant: {(length, depth): accuracy}}} from a file of --out
-    sections, each under a '## Task <task>' heading (mage_baselines_2k_8k_tiny.md), for plots."""
+    sections, each under a '## Task <task>' heading (docs/results/mage_accuracy.md), for plots."""
     grids, task, name, grid, lengths = {}, None, None, None, []
     for line in markdown.splitlines():
         if not line.startswith("|"):

@@ -4,6 +4,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -19,3 +20,13 @@ settings.register_profile("ci", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """The one switch (nanodllm.attention.use_kernels) on for float16 and float32 tensors on the CPU
+    too: the Triton kernels run in Triton's interpreter (its bfloat16 dots are wrong)."""
+    import nanodllm.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(attention_module, "KERNEL_DTYPES", (torch.float16, torch.bfloat16, torch.float32))

@@ -7,7 +7,8 @@ import torch
 
 from nanodllm.attention import attention
 from nanodllm.config import PRESETS, ModelConfig, preset
-from nanodllm.model import Model, Rope, build_empty, stacked
+from nanodllm.fused import build_empty
+from nanodllm.model import Model, Rope
 from tiny_models import tiny_config, tiny_model
 
 # Totals with a separate LM head (Qwen3-4B and -1.7B tie it and publish 4.0B and 1.7B).
@@ -166,74 +167,22 @@ def test_unsupported_qwen2_options_are_named(field, value, message):
         ModelConfig.from_dict({**QWEN2_RAW, "model_type": "Dream", field: value})
 
 
-@pytest.mark.parametrize("model_type, raw", [("sdar", None), ("Dream", QWEN2_RAW)])  # Dream: q/k/v biases
-def test_stacked_projections_run_as_one_matmul_and_equal_the_separate_ones(model_type, raw):
-    """build_empty stores q/k/v (and their biases) and gate/up back to back: stacked() spans them as one
-    view, and the model's output equals a copy whose projections are separate tensors."""
-    if raw is None:
-        model = tiny_model(model_type)
-    else:
-        model = build_empty(ModelConfig.from_dict(dict(raw, model_type=model_type)), dtype=torch.float64)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(torch.randn(param.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(
-                    param.numel())) * 0.3)
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    with torch.no_grad():
-        weight, bias = stacked(attn.projections())
-        assert torch.equal(weight, torch.cat([p.weight for p in attn.projections()]))
-        assert (bias is None) == (model_type == "sdar")
-        if bias is not None:
-            assert torch.equal(bias, torch.cat([p.bias for p in attn.projections()]))
-        assert stacked([mlp.gate_proj, mlp.up_proj])[0].data_ptr() == mlp.gate_proj.weight.data_ptr()
-    assert stacked(attn.projections()) is None  # under autograd the separate Parameters are used
-
-    separate = Model(model.cfg).to(torch.float64)
-    separate.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        assert stacked(separate.layers[0].self_attn.projections()) is None
-        ids = torch.arange(8)[None] % model.cfg.vocab_size
-        dense = lambda layer, q, k, v: attention(q, k, v)
-        torch.testing.assert_close(model(ids, ids, dense), separate(ids, ids, dense))
-        x = torch.randn(1, 8, model.cfg.hidden_size, dtype=torch.float64)
-        before = x.clone()
-        out = model.layers[0](x, model.rope(ids), lambda q, k, v: attention(q, k, v))
-        assert torch.equal(x, before)  # Layer.forward is out of place; Model.hidden updates its own stream
-        torch.testing.assert_close(out, separate.layers[0](x, separate.rope(ids), lambda q, k, v: attention(q, k, v)))
-        model.float()  # a cast gives each Parameter its own tensor, then the model stacks them again
-        assert stacked(model.layers[0].self_attn.projections()) is not None
-        torch.testing.assert_close(model(ids, ids, dense), separate.float()(ids, ids, dense))
-        model.layers[0].self_attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.float().clone())
-        assert stacked(model.layers[0].self_attn.projections()) is None  # replaced: the separate path runs
-        torch.testing.assert_close(model(ids, ids, dense), separate(ids, ids, dense))
-
-
 @pytest.mark.parametrize("model_type", ["llada", "sdar", "Dream"])  # no q/k norm, per-head q/k norm, biases
-@pytest.mark.parametrize("stack", [True, False])
-def test_qk_and_kv_equal_their_share_of_qkv(model_type, stack):
-    """Layer.qk projects q and k alone and Layer.kv k and v alone (the stacked weights without the
-    other's rows, or the separate projections), and give what qkv gives for them (up to the matmul's
-    rounding: a narrower output may be blocked differently)."""
+def test_qk_and_kv_equal_their_share_of_qkv(model_type):
+    """Layer.qk projects q and k alone and Layer.kv k and v alone, and give what qkv gives for them."""
     if model_type == "Dream":
-        model = build_empty(ModelConfig.from_dict(dict(QWEN2_RAW, model_type=model_type)), dtype=torch.float64)
+        model = Model(ModelConfig.from_dict(dict(QWEN2_RAW, model_type=model_type))).to(torch.float64)
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(torch.randn(param.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(
                     param.numel())) * 0.3)
     else:
         model = tiny_model(model_type)
-    if not stack:
-        separate = Model(model.cfg).to(torch.float64)
-        separate.load_state_dict(model.state_dict())
-        model = separate
     layer, ids = model.layers[0], torch.arange(6)[None]
     with torch.no_grad():
-        assert (stacked(layer.self_attn.projections()) is not None) == stack
         h = torch.randn(1, 6, model.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         q, k = layer.qk(h, model.rope(ids))
         q_all, k_all, v_all = layer.qkv(h, model.rope(ids))
         k_alone, v_alone = layer.kv(h, model.rope(ids))
-    torch.testing.assert_close(q, q_all, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(k, k_all, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(k_alone, k_all, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(v_alone, v_all, rtol=1e-12, atol=1e-12)
+    for alone, shared in ((q, q_all), (k, k_all), (k_alone, k_all), (v_alone, v_all)):
+        assert torch.equal(alone, shared)

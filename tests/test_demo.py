@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanodllm.config import ModelConfig
-from nanodllm.model import build_random
+from nanodllm.fused import build_random
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
-from nanodllm.methods.dllm_cache import drifted_rows, heads_index, take_heads, take_rows
-from nanodllm.methods.maskkv import (attention_mass, attention_mass_kernels, attention_mass_reference, head_budgets,
-                                     keep_top, layer_budgets)
+from nanodllm.methods.canvas_cache import drifted_rows, keep_top
+from nanodllm.methods.common import (attention_mass, attention_mass_kernels, attention_mass_reference, heads_index,
+                                     take_heads, take_rows)
+from nanodllm.methods.maskkv import head_budgets, layer_budgets
 from tests.device import DEVICE, FP32_OUT_TOLERANCE
 from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
                                refuses_block_causal, tiny_model)
@@ -77,7 +78,8 @@ def test_tiny_budget_differs_and_keeps_little(name):
     kept, prompt = method.stats["kv_per_head"]
     assert kept <= 1 and prompt == pytest.approx(16.5)
     kv_heads = MODEL.cfg.num_kv_heads
-    layer_budget = layer_budgets(1, method.importance, beta=0.4, boundary_layers=1)  # 1 per layer: all boundary
+    importance = method.importance if name == "maskkv" else [1.0] * MODEL.cfg.num_layers  # SnapKV: uniform
+    layer_budget = layer_budgets(1, importance, beta=0.4, boundary_layers=1)  # 1 per layer: all boundary
     for (indices, keep), cache, budget in zip(method.indices, method.layers, layer_budget, strict=True):
         per_head = keep[:, :, 0].sum(dim=-1)  # [rows, kv_heads]
         assert bool((per_head.sum(dim=1) <= budget * kv_heads).all())  # Algorithm 3 splits B_l * H_kv
@@ -161,19 +163,19 @@ def test_attention_mass_kernels_match_the_torch_version(batch, group, q_len, pro
     torch.testing.assert_close(got, expected, atol=FP32_OUT_TOLERANCE, rtol=FP32_OUT_TOLERANCE)
 
 
-def test_attention_mass_takes_the_kernels_where_they_apply(monkeypatch):
-    """On a GPU, a key mask flash_attention takes (none, padding, per KV head) goes to the kernels as
-    its k_valid; a mask that differs per query stays on torch."""
-    import nanodllm.methods.maskkv as maskkv_module
+def test_attention_mass_takes_the_kernels_where_they_apply(kernels_on, monkeypatch):
+    """On the kernels, a key mask flash_attention takes (none, padding, per KV head) goes to them as its
+    k_valid; a mask that differs per query stays on torch."""
+    import nanodllm.methods.common as common_module
 
     calls = []
-    monkeypatch.setattr(maskkv_module, "use_kernels", lambda q: True)
-    monkeypatch.setattr(maskkv_module, "attention_mass_kernels", lambda q, keys, k_valid, weight, width: calls.append(
+    monkeypatch.setattr(common_module, "attention_mass_kernels", lambda q, keys, k_valid, weight, width: calls.append(
         None if k_valid is None else tuple(k_valid.shape)) or attention_mass_reference(q, keys, None, weight, width))
-    q, keys, weight = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 10, 8), torch.ones(2, 3, dtype=torch.bool)
+    q, keys, weight = torch.randn(2, 4, 3, 64), torch.randn(2, 2, 10, 64), torch.ones(2, 3, dtype=torch.bool)
     for mask in (None, torch.ones(2, 1, 1, 10, dtype=torch.bool), torch.ones(2, 2, 1, 10, dtype=torch.bool),
                  torch.ones(2, 1, 3, 10, dtype=torch.bool)):
-        attention_mass(q, keys, mask, weight, 6)
+        with torch.no_grad():  # the kernels have no backward: under autograd everything stays on torch
+            attention_mass(q, keys, mask, weight, 6)
     assert calls == [None, (2, 10), (2, 2, 10)]
 
 
@@ -198,27 +200,31 @@ def test_keep_top_respects_counts_padding_and_order():
     assert indices[1, 0][keep[1, 0, 0]].tolist() == [2, 3, 4]  # row 1: 2 pad columns, count clamped to 3
 
 
-def test_profile_is_read_next_to_the_checkpoint_and_checked(tmp_path):
+def test_the_profile_knob_is_read_and_checked(tmp_path):
     model = tiny_model("llada")
-    model.checkpoint_dir = tmp_path
-    (tmp_path / "maskkv_profile.json").write_text(json.dumps({"layer_importance": [0.9, 0.1]}))
-    method = get_method("maskkv", budget=4)
+    profile = tmp_path / "maskkv_profile.json"
+    profile.write_text(json.dumps({"layer_importance": [0.9, 0.1]}))
+    method = get_method("maskkv", budget=4, profile=str(profile))
     generate(method, model=model)
-    assert method.stats["profile"] == str(tmp_path / "maskkv_profile.json")
-    (tmp_path / "maskkv_profile.json").write_text(json.dumps({"layer_importance": [0.9, 0.1, 0.3]}))
+    assert method.stats["profile"] == str(profile)
+    online = get_method("maskkv", budget=4)
+    generate(online, model=model)
+    assert online.stats["profile"].startswith("online")
+    assert online.importance != [0.9, 0.1]
+    profile.write_text(json.dumps({"layer_importance": [0.9, 0.1, 0.3]}))
     with pytest.raises(ValueError, match="3 layer importances for a 2-layer model"):
-        generate(get_method("maskkv", budget=4), model=model)
+        generate(get_method("maskkv", budget=4, profile=str(profile)), model=model)
     with pytest.raises(FileNotFoundError, match="profile not found"):
         generate(get_method("maskkv", budget=4, profile=str(tmp_path / "none.json")))
 
 
 def test_calibrate_writes_the_profile_that_maskkv_then_reads(tmp_path, capsys):
     """`python -m nanodllm.eval --model DIR --calibrate` (eq. 8 over task canvases) writes
-    DIR/maskkv_profile.json in one piece, and a model loaded from DIR has MaskKV use it."""
+    DIR/maskkv_profile.json in one piece, and the eval side hands it to MaskKV for DIR's model."""
     import shutil
 
     from nanodllm.eval import main as eval_main
-    from nanodllm.eval import resolve_model
+    from nanodllm.eval import resolve_model, with_profile
     from nanodllm.loader import load_model
 
     model_dir = tmp_path / "tiny-llada"
@@ -236,9 +242,10 @@ def test_calibrate_writes_the_profile_that_maskkv_then_reads(tmp_path, capsys):
     assert all(0.0 <= value <= 2.0 for value in importance) and len(set(importance)) > 1  # 1 - cos, per layer
     assert record["calibration"] == {"tasks": ["passkey", "multikey", "kv"], "lengths": [200], "samples_per_cell": 1,
                                      "gen_length": 8, "seed": 99, "canvases": 3}
-    method = get_method("maskkv", budget=4)
+    method = get_method("maskkv", **with_profile("maskkv", {"budget": 4}, model_dir))
     generate(method, model=model)
-    assert method.stats["profile"] == str(profile)
+    assert method.stats["profile"] == str(profile) and method.importance == importance
+    assert with_profile("snapkv", {"budget": 4}, model_dir) == {"budget": 4}
 
 
 def test_only_prompt_kv_is_kept_and_only_the_active_block_is_projected(monkeypatch):

@@ -128,12 +128,12 @@ def test_a_cached_step_on_an_unchanged_canvas_gives_the_full_forwards_logits(nam
                       logits_stop=width, block_length=8)
     method = get_method(name, **knobs)
     method.begin_block(ctx)
-    full = method.step(MODEL, ctx)
+    full = method.logits(MODEL, method.step(MODEL, ctx), ctx)
     ctx.step = 1
-    torch.testing.assert_close(method.step(MODEL, ctx), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(method.logits(MODEL, method.step(MODEL, ctx), ctx), full, rtol=1e-5, atol=1e-5)
     ctx.tokens = tokens.clone()
     ctx.tokens[0, len(prompt) - 1] = (prompt[-1] + 1) % 200  # the fed column: the cached step sees the change
-    assert not torch.allclose(method.step(MODEL, ctx)[:, 0], full[:, 0])
+    assert not torch.allclose(method.logits(MODEL, method.step(MODEL, ctx), ctx)[:, 0], full[:, 0])
 
 
 def test_filters_keep_what_they_promise():

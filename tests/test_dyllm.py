@@ -210,12 +210,13 @@ def test_row_scatter_bad_inputs_are_named():
 def test_sparse_steps_write_the_same_caches_with_the_row_scatter_kernel(monkeypatch):
     """DyLLM with its caches written by the kernel (float32; interpreted on a CPU, compiled on a GPU)
     decodes what the torch path decodes, with a cap so that some listed rows must keep their cached
-    values. The torch path is float32's own on a GPU too (use_fused takes float16 / bfloat16)."""
+    values. The torch path is float32's own on a GPU too (the kernels switch takes float16 / bfloat16)."""
     model = tiny_model("llada", dtype=torch.float32).to(DEVICE)
     method = lambda: get_method("dyllm", tau=0.9, salient_cap=0.25)
     expected = generate(method(), model=model)
     calls = []
-    monkeypatch.setattr(dyllm_module, "use_fused", lambda x: calls.append(1) or True)
+    monkeypatch.setattr(dyllm_module, "put_where", lambda dst, rows, ok, src, delta=False: calls.append(1) or
+                        put_rows_where(dst, rows, ok, src, delta))
     assert generate(method(), model=model) == expected
     assert calls
 
@@ -313,7 +314,7 @@ def test_the_kernel_path_decodes_what_the_torch_path_decodes(monkeypatch):
     model = tiny_model("llada", dtype=torch.float32, d_model=64).to(DEVICE)  # head_dim 16
     run = lambda: generate(get_method("dyllm", tau=0.95), model=model)
     torch_path = run()  # float32: the torch path on a GPU too (use_kernels takes float16 / bfloat16)
-    monkeypatch.setattr(dyllm, "use_kernels", lambda q: True)  # the Triton kernel (interpreted on a CPU)
+    monkeypatch.setattr(dyllm, "attention_on_kernels", lambda q: True)  # the Triton kernel (interpreted on a CPU)
     assert run() == torch_path
 
 
@@ -324,11 +325,11 @@ def test_fixed_size_sets_from_the_kernel_decode_what_torch_decodes(monkeypatch, 
     import nanodllm.methods.dyllm as dyllm
 
     model = tiny_model("llada", dtype=torch.float32).to(DEVICE)
-    monkeypatch.setattr(dyllm, "select_on_kernel", lambda stats: False)
     method = get_method("dyllm", **knobs)
-    torch_path = generate(method, model=model)
+    torch_path = generate(method, model=model)  # float32: the torch reference on a GPU too
     calls = []
-    monkeypatch.setattr(dyllm, "select_on_kernel", lambda stats: calls.append(1) or True)
+    # float32 takes the reference: its name now runs the kernel
+    monkeypatch.setattr(dyllm, "salient_rows_reference", lambda *args: calls.append(1) or dyllm.salient_rows(*args))
     kernel_method = get_method("dyllm", **knobs)
     assert generate(kernel_method, model=model) == torch_path
     assert kernel_method.stats == method.stats
@@ -402,14 +403,18 @@ class ReferenceDyLLM(Method):
         self.salient, self.tokens, self.t = salient, ctx.tokens.clone(), self.t + 1
         if offset == 0:
             self.prompt_tail = x[:, prompt_width - 1 : prompt_width]
-        return model.head(x, ctx.logits_start - offset, ctx.logits_stop - offset,
+        return x
+
+    def logits(self, model, hidden, ctx):
+        offset = ctx.tokens.shape[1] - hidden.shape[1]
+        return model.head(hidden, ctx.logits_start - offset, ctx.logits_stop - offset,
                           before=self.prompt_tail if offset else None)
 
 
 def logits_per_step(method, **decode):
     """The tokens the masked engine decodes with `method` and the logits of each of its steps."""
-    logits, step = [], method.step
-    method.step = lambda model, ctx: logits.append(step(model, ctx)) or logits[-1]
+    logits, head = [], method.logits
+    method.logits = lambda model, hidden, ctx: logits.append(head(model, hidden, ctx)) or logits[-1]
     return generate(method, **decode), logits
 
 

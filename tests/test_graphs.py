@@ -1,48 +1,54 @@
-"""The block engine's denoising steps replayed from CUDA graphs (Method.graph_key / graphed):
-which steps share a recording, and, on a GPU, that graphed generation equals eager generation."""
+"""Steps replayed from CUDA graphs (nanodllm/graphs.py): which steps share a recording (a method's
+step_kind and the engine's shapes), and, on a GPU, that graphed generation equals eager generation."""
 
 import pytest
 import torch
 
 import nanodllm.graphs as graphs_module
-import nanodllm.methods.base as base_module
 from nanodllm import block
 from nanodllm.cache import KVCache
+from nanodllm.graphs import recordable, step_key
 from nanodllm.methods import get_method
 from nanodllm.methods.base import StepContext
 
 
-def block_context(cache, block_index, step, steps=8, size=4):
+def block_context(cache, block_index, step, steps=8, size=4, phase="step"):
     tokens = torch.zeros(1, size, dtype=torch.long)
     positions = torch.arange(size)[None] + cache.max_length
     return StepContext(tokens, positions, torch.ones_like(tokens, dtype=torch.bool), torch.tensor([3]),
-                       block=block_index, step=step, steps_per_block=steps, cache=cache, block_length=size)
+                       block=block_index, step=step, steps_per_block=steps, cache=cache, block_length=size,
+                       phase=phase)
 
 
-def test_graph_keys_say_which_steps_share_a_recording(monkeypatch):
-    monkeypatch.setattr(base_module, "use_kernels", lambda tensor: True)  # as on a GPU with bf16 weights
+def key(method, ctx):
+    """The recording ctx's step would replay (None: it runs eagerly), the device checks aside."""
+    ctx.kind = method.step_kind(ctx)
+    return None if ctx.kind is None else step_key(ctx)
+
+
+def test_step_kinds_say_which_steps_share_a_recording():
     cache = KVCache(2, 1, 256, 2, 8, "cpu", torch.float32)
     cache.advance(torch.tensor([101]))
     dense, mage, sparsed = get_method("dense"), get_method("mage", k=4), get_method("sparsed", k=4)
-    keys = [dense.graph_key(block_context(cache, 1, step)) for step in range(8)]
-    assert len(set(keys)) == 1  # every step of a block: one recording
-    assert dense.commit_key(block_context(cache, 1, 7)) not in keys  # the commit has its own
-    select = mage.graph_key(block_context(cache, 1, 0))  # the selecting step: a recording of its own
+    keys = [key(dense, block_context(cache, 1, step)) for step in range(8)]
+    assert len(set(keys)) == 1 and keys[0] is not None  # every step of a block: one recording
+    assert key(dense, block_context(cache, 1, 7, phase="commit")) not in keys  # the commit has its own
+    select = key(mage, block_context(cache, 1, 0))  # the selecting step: a recording of its own
     mage.selected = True
-    assert len({mage.graph_key(block_context(cache, 1, step)) for step in range(1, 8)} | {select}) == 2
+    assert len({key(mage, block_context(cache, 1, step)) for step in range(1, 8)} | {select}) == 2
     capture = sparsed.capture_step(block_context(cache, 1, 0))
     assert capture == 1  # 20% of 8 steps: steps 0 and 1 exact, selection at 1
-    exact, selecting = sparsed.graph_key(block_context(cache, 1, 0)), sparsed.graph_key(block_context(cache, 1, 1))
-    assert len({exact, selecting, sparsed.graph_key(block_context(cache, 1, 2))}) == 3
+    exact, selecting = key(sparsed, block_context(cache, 1, 0)), key(sparsed, block_context(cache, 1, 1))
+    assert len({exact, selecting, key(sparsed, block_context(cache, 1, 2))}) == 3
     # the next blocks replay the same recordings while the launch bound (101 + 4 -> 112) holds ...
     launch = cache.launch_length(4)
     assert launch == 112
     cache.advance(torch.tensor([4]))
-    assert cache.launch_length(4) == launch and dense.graph_key(block_context(cache, 2, 0)) == keys[0]
-    assert sparsed.graph_key(block_context(cache, 2, 0)) == exact
+    assert cache.launch_length(4) == launch and key(dense, block_context(cache, 2, 0)) == keys[0]
+    assert key(sparsed, block_context(cache, 2, 0)) == exact
     # ... and record new ones when it moves
     cache.advance(torch.tensor([8]))
-    assert cache.launch_length(4) == 120 and dense.graph_key(block_context(cache, 4, 0)) != keys[0]
+    assert cache.launch_length(4) == 120 and key(dense, block_context(cache, 4, 0)) != keys[0]
 
 
 def test_launch_length_is_a_close_upper_bound_that_moves_rarely():
@@ -59,22 +65,23 @@ def test_launch_length_is_a_close_upper_bound_that_moves_rarely():
     assert cache.launch_length(32) == 1000  # capped at the capacity
 
 
-def test_no_graphs_on_the_cpu_or_without_the_kernels():
+def test_no_graphs_on_the_cpu_nor_for_the_dense_canvas():
     cache = KVCache(2, 1, 32, 2, 8, "cpu", torch.bfloat16)
-    assert get_method("dense").graph_key(block_context(cache, 0, 0)) is None
+    assert not recordable(block_context(cache, 0, 0))
     masked_engine = block_context(cache, 0, 0)
     masked_engine.cache = None
-    assert get_method("dense").graph_key(masked_engine) is None
+    assert get_method("dense").step_kind(masked_engine) is None
 
 
 def assert_graphed_equals_eager(monkeypatch, name, knobs, generate):
-    """generate(method) -> tokens, run with a fresh method eagerly and then with graphs: the same tokens,
-    the same stats, and the graphed run replayed recordings (replays of its last generation)."""
+    """generate(method) -> GenerationResults, run with a fresh method eagerly and then with graphs: the
+    same tokens, the same stats, and the graphed run replayed recordings."""
     runs = {}
     for graphed in (False, True):
         monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
         method = get_method(name, **knobs)
-        runs[graphed] = (generate(method), dict(method.stats), method.step_graphs.replays)
+        results = generate(method)
+        runs[graphed] = ([r.tokens for r in results], dict(method.stats), sum(r.replays for r in results))
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == pytest.approx(runs[False][1])
     assert runs[False][2] == 0 and runs[True][2] > 0
@@ -92,8 +99,8 @@ def test_graphed_generation_equals_eager(monkeypatch, name, knobs):
     samples = tasks.make_samples("passkey", 1024, 2, seed=3, count_tokens=runner.count_tokens)
     prompts = [runner.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
     prompts[1] = prompts[1][:-37]  # a ragged batch: rows at different cache lengths
-    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: block.generate(
-        runner.model, prompts, runner.gen, method=method, stop_ids=()).tokens)
+    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [block.generate(
+        runner.model, prompts, runner.gen, method=method, stop_ids=())])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
@@ -102,7 +109,7 @@ def test_graphed_generation_equals_eager(monkeypatch, name, knobs):
 def test_graphed_fast_dllm_v2_equals_eager(monkeypatch, name, knobs):
     """Fast-dLLM v2's loop (sub-blocks, threshold decoding) calls the same step: graphed equals eager."""
     from nanodllm.config import GenerationConfig, ModelConfig
-    from nanodllm.model import build_random
+    from nanodllm.fused import build_random
     from tests.tiny_models import random_prompt
 
     cfg = ModelConfig.from_dict(dict(model_type="Fast_dLLM_Qwen", hidden_size=256, num_hidden_layers=2,
@@ -112,8 +119,8 @@ def test_graphed_fast_dllm_v2_equals_eager(monkeypatch, name, knobs):
     model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=3)
     prompts = [random_prompt(70, seed=1), random_prompt(45, seed=2)]
     gen = GenerationConfig(gen_length=32, block_length=8, steps=8, threshold=0.9)
-    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: block.generate(
-        model, prompts, gen, method=method, stop_ids=()).tokens)
+    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [block.generate(
+        model, prompts, gen, method=method, stop_ids=())])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
@@ -124,7 +131,7 @@ def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, k
     """A prompt shorter than one block (the first block's cache is empty for that row, and, alone, for
     the whole batch), and one method object running two generations: graphed equals eager."""
     from nanodllm.config import GenerationConfig, ModelConfig
-    from nanodllm.model import build_random
+    from nanodllm.fused import build_random
     from tests.tiny_models import random_prompt
 
     cfg = ModelConfig.from_dict(dict(model_type="sdar", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -134,4 +141,34 @@ def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, k
     batches = [[random_prompt(5, seed=1)], [random_prompt(5, seed=2), random_prompt(45, seed=3)]]
     gen = GenerationConfig(gen_length=32, block_length=8, steps=8)
     assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [
-        block.generate(model, prompts, gen, method=method, stop_ids=()).tokens for prompts in batches])
+        block.generate(model, prompts, gen, method=method, stop_ids=()) for prompts in batches])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
+@pytest.mark.parametrize("name, knobs", [("dllm_cache", {"prompt_interval": 5, "response_interval": 3}),
+                                         ("maskkv", {"budget": 16, "prompt_interval": 5, "response_interval": 3}),
+                                         ("snapkv", {"budget": 16, "prompt_interval": 5, "response_interval": 3}),
+                                         ("fast_dllm", {}), ("fast_dllm", {"mode": "prefix"}), ("sparse_dllm", {}),
+                                         ("dyllm", {"salient_cap": 0.5, "full_steps": 2}),
+                                         ("dyllm", {"salient_fraction": 0.25, "full_steps": 2, "full_period": 3})])
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_graphed_masked_engine_methods_equal_eager(monkeypatch, name, knobs, model_type):
+    """The masked engine's cached methods (LLaDA's loop, and Dream's, whose shifted logits read a row
+    kept from an earlier step), a ragged batch and a reused method object: graphed equals eager."""
+    from nanodllm import masked
+    from nanodllm.config import GenerationConfig, ModelConfig
+    from nanodllm.fused import build_random
+    from tests.tiny_models import random_prompt
+
+    shape = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512, vocab_size=256, mask_token_id=250, eos_token_id=251,
+                 max_position_embeddings=4096)
+    if model_type == "llada":
+        shape = dict(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_size=512, vocab_size=256,
+                     mask_token_id=250, eos_token_id=251, max_sequence_length=4096)
+    model = build_random(ModelConfig.from_dict(dict(shape, model_type=model_type)), device="cuda",
+                         dtype=torch.bfloat16, seed=7)
+    batches = [[random_prompt(70, seed=1), random_prompt(45, seed=2)], [random_prompt(60, seed=3)]]
+    gen = GenerationConfig(gen_length=32, block_length=32 if model_type == "Dream" else 8, steps=32)
+    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [
+        masked.generate(model, prompts, gen, method=method) for prompts in batches])

@@ -1,7 +1,9 @@
 """The engines' attention routed through the Triton kernels (as on a GPU in float16 / bfloat16) gives
-what the torch path gives. On the CPU the kernels run in Triton's interpreter: `use_kernels` is
-switched on for float16 tensors, whose dots the interpreter computes correctly. On a GPU the same
-tests run on CUDA tensors, the torch side with the kernels switched off."""
+what the torch path gives. On the CPU the kernels run in Triton's interpreter: nanodllm.attention's
+`use_kernels`, which every attention kernel's caller asks through attention_on_kernels, is switched
+on for float16 tensors, whose dots the interpreter computes correctly (the model's fused norms stay
+on torch: tests/test_fused.py has them). On a GPU the same tests run on CUDA tensors, the torch side
+with the kernels switched off."""
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ CALLS = []
 
 
 @pytest.fixture
-def kernels_on(monkeypatch):
+def attention_kernels_on(monkeypatch):
     """use_kernels(q) is True for float16 tensors; records each routed call's query shape."""
 
     def use_kernels(q):
@@ -37,7 +39,7 @@ def qkv(batch, heads, kv_heads, n_q, n_k, seed):
 
 @pytest.mark.parametrize("block_size", [None, 4])
 @pytest.mark.parametrize("padded", [False, True])
-def test_canvas_mask_kernel_equals_dense_mask(kernels_on, block_size, padded):
+def test_canvas_mask_kernel_equals_dense_mask(attention_kernels_on, block_size, padded):
     q, k, v = qkv(2, 4, 2, 13, 13, seed=1)
     valid = torch.ones(2, 13, dtype=torch.bool, device=DEVICE)
     if padded:
@@ -50,15 +52,18 @@ def test_canvas_mask_kernel_equals_dense_mask(kernels_on, block_size, padded):
 
 
 def spy_on_kernels(monkeypatch, *names):
-    """Wrap kernels/<name>.py's function <name> for each name; returns the list their calls append
-    their names to."""
+    """Wrap kernels/<name>.py's function <name> for each name, in every module that holds it; returns
+    the list their calls append their names to."""
     import importlib
+    import sys
 
     called = []
     for name in names:
-        module = importlib.import_module(f"kernels.{name}")
-        kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw: called.append(name) or kernel(*a, **kw))
+        kernel = getattr(importlib.import_module(f"kernels.{name}"), name)
+        spy = lambda *a, kernel=kernel, name=name, **kw: called.append(name) or kernel(*a, **kw)
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith(("nanodllm", "kernels")) and getattr(module, name, None) is kernel:
+                monkeypatch.setattr(module, name, spy)
     return called
 
 
@@ -71,7 +76,7 @@ def spy_on_kernels(monkeypatch, *names):
     ("key mask shared by the heads", "flash_attention"),
     ("mask per query", None),  # torch
 ])
-def test_attention_routes_and_equals_reference(kernels_on, monkeypatch, case, expected_kernel):
+def test_attention_routes_and_equals_reference(attention_kernels_on, monkeypatch, case, expected_kernel):
     """attention() picks the kernel by shape and mask (SPLIT_MIN_KEYS and SPLIT_MAX_QUERIES lowered
     to 24 keys and 8 queries so the interpreter stays fast) and gives the reference's output, with
     GQA and ragged key masks."""
@@ -97,10 +102,10 @@ def test_routing_limits_stay_within_the_kernels():
     past a limit a call would raise instead of routing."""
     from kernels import decode_attention as decode_module
     from kernels import decode_inputs
-    from nanodllm.methods import maskkv
+    from nanodllm.methods import common
 
     assert attention_module.SPLIT_MAX_QUERIES <= decode_module.DENSE_MAX_QUERIES
-    assert maskkv.MASK_VOTE_QUERIES <= decode_inputs.MAX_QUERIES
+    assert common.MASK_VOTE_QUERIES <= decode_inputs.MAX_QUERIES
 
 
 def test_only_4d_bool_masks_reach_flash_attention():
@@ -112,7 +117,7 @@ def test_only_4d_bool_masks_reach_flash_attention():
         assert attention_module.as_kernel_mask(mask, q, k) is None
 
 
-def test_cache_attention_kernel_equals_masked_torch(kernels_on):
+def test_cache_attention_kernel_equals_masked_torch(attention_kernels_on):
     q, _, _ = qkv(2, 4, 2, 5, 5, seed=2)
     generator = torch.Generator().manual_seed(3)
     k_cache, v_cache = (torch.randn(2, 40, 2, 64, generator=generator).half().to(DEVICE) for _ in range(2))
@@ -167,8 +172,7 @@ def test_cached_masked_methods_decode_the_same_tokens_on_kernels(monkeypatch, na
     """dLLM-Cache and MaskKV through every kernel they reach (interpreted on a CPU): attention routed
     by shape, MaskKV's vote, the drift kernels; the same tokens as on torch. SPLIT_MIN_KEYS and
     SPLIT_MAX_QUERIES are lowered so these short canvases reach both attention kernels."""
-    import nanodllm.methods.dllm_cache as dllm_cache_module
-    import nanodllm.methods.maskkv as maskkv_module
+    import nanodllm.methods.canvas_cache as canvas_cache_module
     from nanodllm.methods import get_method
 
     model = tiny_model("llada", dtype=torch.float16, d_model=128, n_heads=2, n_kv_heads=2).to(DEVICE)  # head_dim 64
@@ -176,9 +180,8 @@ def test_cached_masked_methods_decode_the_same_tokens_on_kernels(monkeypatch, na
     gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
     monkeypatch.setattr(attention_module, "SPLIT_MIN_KEYS", 16)
     monkeypatch.setattr(attention_module, "SPLIT_MAX_QUERIES", 8)  # the 12 prompt rows stay on flash_attention
-    follow = lambda x: attention_module.use_kernels(x)  # the vote and the drift test switch with attention
-    monkeypatch.setattr(maskkv_module, "use_kernels", follow)
-    monkeypatch.setattr(dllm_cache_module, "use_fused", follow)
+    # the vote switches with attention (attention_on_kernels); so does the drift test here
+    monkeypatch.setattr(canvas_cache_module, "use_kernels", lambda x: attention_module.use_kernels(x))
     called = spy_on_kernels(monkeypatch, "decode_attention", "flash_attention", "key_scores", "value_drift")
     torch_tokens, kernel_tokens = generate_both_ways(masked, model, prompts, gen, monkeypatch,
                                                      make_method=lambda: get_method(name, **knobs))

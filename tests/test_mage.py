@@ -6,7 +6,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import nanodllm.attention as attention_module
 from kernels.decode_attention import decode_attention_reference, decode_partials
 from kernels.key_scores import key_scores, key_scores_reference
 from kernels.sparse_decode_attention import sparse_decode_attention
@@ -14,7 +13,8 @@ from nanodllm import block
 from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
 from nanodllm.eval import agreement
-from nanodllm.methods.mage import block_probabilities, select_top_k, sparse_cache_attention
+from nanodllm.methods.block_selection import block_probabilities
+from nanodllm.methods.common import select_top_k, sparse_cache_attention
 from tests.tiny_models import random_prompt, tiny_model
 from tests.device import DEVICE
 
@@ -44,10 +44,10 @@ def test_block_probabilities_match_the_kernel_reference(batch, group, block, pre
 
 def test_select_top_k_keeps_the_best_keys_in_order():
     scores = torch.tensor([[[0.1, 0.5, 0.2, 0.9, 0.3]], [[0.8, 0.1, 0.7, 0.0, 0.0]]])
-    indices, counts = select_top_k(scores, torch.tensor([5, 3]), k=2)
+    indices, counts = select_top_k(scores, torch.tensor([5, 3]), k=2, on_kernels=False)
     assert indices.tolist() == [[[1, 3]], [[0, 2]]]
     assert counts.tolist() == [[2], [2]]
-    indices, counts = select_top_k(scores, torch.tensor([5, 3]), k=4)
+    indices, counts = select_top_k(scores, torch.tensor([5, 3]), k=4, on_kernels=False)
     assert counts.tolist() == [[4], [3]]
     assert indices[0, 0].tolist() == [1, 2, 3, 4]
     assert indices[1, 0, :3].tolist() == [0, 1, 2]  # row 1 keeps its whole 3-token prefix
@@ -132,7 +132,7 @@ def test_kernel_selection_and_sparse_attention_match_torch(prefixes, k):
     kernel_scores = key_scores(q, k_cache, prefix_lengths, part_lse=partials[1], max_length=prefix)
     torch_scores = block_probabilities(q, k_cache, prefix_lengths)
     torch.testing.assert_close(kernel_scores, torch_scores, atol=1e-6, rtol=1e-3)
-    indices, counts = select_top_k(torch_scores.cpu(), prefix_lengths.cpu(), k)  # the torch top-k
+    indices, counts = select_top_k(torch_scores.cpu(), prefix_lengths.cpu(), k, on_kernels=False)
     indices, counts = indices.to(DEVICE), counts.to(DEVICE)
     assert counts.tolist() == [[min(k, n)] * kv_heads for n in prefixes]
 
@@ -144,19 +144,19 @@ def test_kernel_selection_and_sparse_attention_match_torch(prefixes, k):
 def test_engine_routes_mage_through_the_kernels(monkeypatch):
     """On the kernel path the block engine runs MAGE end to end (float16 in the interpreter); tokens
     may differ from the torch path only where float16 rounding flips a near tie."""
+    import nanodllm.attention as attention_module
+    import nanodllm.methods.common as common_module
+
     model = tiny_model("sdar", dtype=torch.float16, head_dim=64).to(DEVICE)
     prompts = [random_prompt(21, seed=6), random_prompt(34, seed=7)]
     monkeypatch.setattr(attention_module, "KERNELS_ENABLED", False)  # the torch path, on a GPU too
     torch_tokens = generate(model, prompts, get_method("mage", k=6, exact_layers=1)).tokens
     monkeypatch.setattr(attention_module, "KERNELS_ENABLED", True)
+    monkeypatch.setattr(attention_module, "KERNEL_DEVICES", ("cuda", "cpu"))  # float16: the interpreter's own
     sparse_calls = []
-    import kernels.sparse_decode_attention as sparse_module
-
-    original = sparse_module.sparse_decode_attention
-    monkeypatch.setattr(sparse_module, "sparse_decode_attention",
+    original = common_module.sparse_decode_attention
+    monkeypatch.setattr(common_module, "sparse_decode_attention",
                         lambda *args, **kwargs: sparse_calls.append(1) or original(*args, **kwargs))
-    monkeypatch.setattr(attention_module, "use_kernels", lambda q: q.dtype == torch.float16)
-    monkeypatch.setattr("nanodllm.methods.mage.use_kernels", attention_module.use_kernels)
     kernel_tokens = generate(model, prompts, get_method("mage", k=6, exact_layers=1)).tokens
     assert sparse_calls
     assert agreement(kernel_tokens, torch_tokens) >= 0.8

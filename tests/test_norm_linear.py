@@ -1,5 +1,5 @@
 """kernels/norm_linear.py (RMSNorm -> matmul [-> SwiGLU] for a decode step's few rows) against the
-model's unfused torch path, and Layer.step's few-row path against its unfused one.
+model's unfused torch path (the fused layer's few-row step: tests/test_fused.py).
 
 The kernel rounds at other points than the unfused path (x * norm weight, not x * rstd then the
 weight), so neither is the other's bit for bit: both are held against the float64 result, and the
@@ -8,7 +8,6 @@ units in the last place). Off the GPU the kernel runs in Triton's interpreter (f
 whose dots it computes correctly). Outputs are allocated NaN-filled: an element never written fails.
 """
 
-import dataclasses
 import os
 
 import torch
@@ -23,11 +22,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import kernels.norm_linear as norm_linear_module  # noqa: E402
-import nanodllm.model as model_module  # noqa: E402
 from kernels.norm_linear import MAX_ROWS, norm_linear, norm_linear_reference  # noqa: E402
-from nanodllm.model import build_random  # noqa: E402
 from tests.device import DEVICE  # noqa: E402
-from tests.tiny_models import tiny_config  # noqa: E402
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 EXAMPLES = settings(deadline=None, max_examples=20)
@@ -134,61 +130,3 @@ def test_launch_shape_fits_the_shared_memory(limit, swiglu, element_size):
 def test_shared_memory_limit_is_the_devices():
     limit = norm_linear_module.shared_memory_limit(torch.device(DEVICE))
     assert 48 * 1024 <= limit <= 256 * 1024
-
-
-def fused_layer(model_type, dtype, **overrides):
-    """A tiny model with every weight random, norms included (so a dropped norm weight shows)."""
-    cfg = dataclasses.replace(tiny_config(model_type), **overrides)
-    model = build_random(cfg, dtype=dtype, seed=1).to(DEVICE)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3 + (1.0 if param.dim() == 1 else 0.0))
-    return model
-
-
-@pytest.mark.parametrize("model_type, overrides", [("sdar", {}), ("llada", {}), ("sdar", {"qkv_bias": True}),
-                                                   ("llada", {"qk_norm": "projection"})])
-@pytest.mark.parametrize("rows", [(1, 8), (2, 16), (3, 11)])
-def test_layer_step_few_row_path_equals_the_unfused_step(monkeypatch, model_type, overrides, rows):
-    """Layer.step with the fused kernels on: over at most MAX_ROWS rows it runs norm_linear (norms and
-    SwiGLU in the matmuls, the MLP added in place, nothing pending), over more the unfused kernels;
-    both give what the torch step gives. float32 in the interpreter: close to 1e-5."""
-    model = fused_layer(model_type, torch.float32, **overrides)
-    layer = model.layers[0]
-    batch, t = rows
-    generator = torch.Generator().manual_seed(batch * 100 + t)
-    x = torch.randn(batch, t, model.cfg.hidden_size, generator=generator).to(DEVICE)
-    pending = torch.randn(batch, t, model.cfg.hidden_size, generator=generator).to(DEVICE)
-    rope = model.rope(torch.arange(t, device=DEVICE).expand(batch, t))
-    attend = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1))
-
-    def run():
-        out = x.clone()
-        returned = layer.step(out, pending.clone(), rope, attend)
-        return out if returned is None else out + returned
-
-    with torch.no_grad():
-        expected = run()
-        calls = []
-        monkeypatch.setattr(model_module, "use_fused", lambda tensor: True)
-        counted = lambda *args, **kwargs: calls.append(args[0].shape) or norm_linear(*args, **kwargs)
-        monkeypatch.setattr(norm_linear_module, "norm_linear", counted)
-        got = run()
-    few = batch * t <= MAX_ROWS
-    assert len(calls) == (2 if few else 0)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-
-
-def test_layer_step_falls_back_beyond_max_rows(monkeypatch):
-    """More rows than the kernel holds (or unstacked weights) take the unfused path."""
-    model = fused_layer("sdar", torch.float32)
-    layer = model.layers[0]
-    monkeypatch.setattr(model_module, "use_fused", lambda tensor: True)
-    with torch.no_grad():
-        assert layer._few_row_weights(torch.zeros(1, MAX_ROWS, 32, device=DEVICE)) is not None
-        assert layer._few_row_weights(torch.zeros(1, MAX_ROWS + 1, 32, device=DEVICE)) is None
-        assert layer._few_row_weights(torch.zeros(1, 4, 32, device=DEVICE, dtype=torch.float16)) is None  # dtype
-        layer.mlp.up_proj.weight = torch.nn.Parameter(layer.mlp.up_proj.weight.clone())  # no longer stacked
-        assert layer._few_row_weights(torch.zeros(1, 4, 32, device=DEVICE)) is None

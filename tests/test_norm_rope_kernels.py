@@ -6,7 +6,6 @@ The interpreter rounds bf16 differently from torch, so CPU runs draw float16 and
 Outputs are allocated NaN-filled: an element a kernel never writes fails the comparison.
 """
 
-import dataclasses
 import os
 
 import torch
@@ -21,19 +20,11 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import kernels.norm_linear as norm_linear_module  # noqa: E402
-import kernels.rmsnorm as rmsnorm_module  # noqa: E402
 import kernels.rope as rope_module  # noqa: E402
-import kernels.silu_mul as silu_mul_module  # noqa: E402
-import nanodllm.model as model_module  # noqa: E402
-from kernels.norm_linear import norm_linear  # noqa: E402
 from kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
 from kernels.rope import apply_rope, apply_rope_reference, rope_qk  # noqa: E402
 from kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
-from nanodllm import block, masked  # noqa: E402
-from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.model import Rope  # noqa: E402
-from tests.tiny_models import random_prompt, tiny_model  # noqa: E402
 from tests.device import DEVICE
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -318,67 +309,3 @@ def test_silu_mul_refuses_bad_inputs():
         silu_mul(torch.randn(3, 4, dtype=torch.float64).to(DEVICE))
     with pytest.raises(ValueError, match="contiguous"):
         silu_mul(torch.randn(3, 8).half().to(DEVICE)[:, ::2])
-
-
-@pytest.mark.parametrize("model_type, overrides, kernels", [
-    # per-head q/k norm fused into rope_qk; every forward has at most 32 rows: norms and SwiGLU in norm_linear
-    ("sdar", {}, {"rms_norm", "rope_qk", "norm_linear"}),
-    ("llada", {}, {"rms_norm", "rope_qk", "silu_mul"}),  # no q/k norm
-    ("llada", {"attention_layer_norm": True}, {"rms_norm", "apply_rope", "silu_mul"}),  # norm over the projection
-])
-def test_model_decodes_the_same_tokens_on_the_fused_kernels(monkeypatch, model_type, overrides, kernels):
-    """Tiny models (q/k norm on transposed views, block cache with gathered positions), float32 so that
-    the interpreter's results are exact but for the RMS sums' order and exp's last bit."""
-    model = tiny_model(model_type, dtype=torch.float32, block_size=4, **overrides).to(DEVICE)
-    prompts = [random_prompt(9, seed=4), random_prompt(14, seed=5)]
-    gen = GenerationConfig(gen_length=8, block_length=4, steps=4, remasking="low_confidence_static")
-    decode = (lambda: block.generate(model, prompts, gen, stop_ids=()).tokens) if model_type == "sdar" else (
-        lambda: masked.generate(model, prompts, dataclasses.replace(gen, remasking="low_confidence")).tokens)
-    torch_tokens = decode()
-    calls = []
-    counted = lambda fn: lambda *args, **kwargs: calls.append(fn.__name__) or fn(*args, **kwargs)
-    monkeypatch.setattr(model_module, "use_fused", lambda x: True)
-    for module, fn in ((rmsnorm_module, rms_norm), (rope_module, apply_rope), (rope_module, rope_qk),
-                       (silu_mul_module, silu_mul), (norm_linear_module, norm_linear)):
-        monkeypatch.setattr(module, fn.__name__, counted(fn))
-    kernel_tokens = decode()
-    assert set(calls) == kernels
-    assert kernel_tokens == torch_tokens
-
-
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("contiguous", [True, False])
-@pytest.mark.parametrize("cache_slice", [False, True])
-def test_add_out_adds_o_proj_in_place(bias, contiguous, cache_slice):
-    """Layer.add_out: x += o_proj(o), through the matmul's epilogue (no bias, contiguous x; a batched
-    matmul where o is a slice of a token-major cache, as DyLLM's response-only steps pass it) or a plain
-    add; all give x + out(o) and return x itself."""
-    model = tiny_model("llada", dtype=torch.float64)
-    layer = model.layers[0]
-    generator = torch.Generator().manual_seed(0)
-    if bias:
-        layer.self_attn.o_proj.bias = torch.nn.Parameter(torch.randn(model.cfg.hidden_size, generator=generator,
-                                                                      dtype=torch.float64))
-    o = torch.randn(2, model.cfg.num_heads, 5, model.cfg.head_dim, generator=generator, dtype=torch.float64)
-    if cache_slice:  # the last 5 of 9 rows of a [batch, rows, heads, d] cache, seen as [batch, heads, rows, d]
-        cache = torch.randn(2, 9, model.cfg.num_heads, model.cfg.head_dim, generator=generator, dtype=torch.float64)
-        o = cache.transpose(1, 2)[:, :, 4:]
-        rows = o.transpose(1, 2).reshape(2, 5, -1)
-        assert model_module.rows_contiguous(rows) and not model_module.flat(rows)
-    x = torch.randn(2, 5, model.cfg.hidden_size, generator=generator, dtype=torch.float64)
-    if not contiguous:
-        x = torch.randn(2, 10, model.cfg.hidden_size, generator=generator, dtype=torch.float64)[:, ::2]
-    expected = x + layer.out(o)
-    assert layer.add_out(x, o) is x
-    torch.testing.assert_close(x, expected)
-
-
-def test_rms_norm_module_adds_on_the_torch_path_too():
-    """RMSNorm(x, add) off the kernels: x becomes x + add and the norm is of the sum."""
-    norm = model_module.RMSNorm(16, 1e-6).double()
-    generator = torch.Generator().manual_seed(1)
-    x, add = (torch.randn(3, 16, generator=generator, dtype=torch.float64) for _ in range(2))
-    summed = x + add
-    out = norm(x, add)
-    assert torch.equal(x, summed)
-    torch.testing.assert_close(out, norm(summed.clone()))

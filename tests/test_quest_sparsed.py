@@ -139,11 +139,11 @@ def test_bad_knobs_are_named():
         get_method("sparsed", exact_fraction=1.5)
 
 
-def test_page_lists_on_the_kernel_match_torch(monkeypatch):
+def test_page_lists_on_the_kernel_match_torch(kernels_on, monkeypatch):
     """Quest's key-block lists (the last page partial) through kernels/sparse_decode_attention (float16;
     interpreted on a CPU, compiled on a GPU) against the torch gather."""
     import nanodllm.attention as attention_module
-    import nanodllm.methods.mage as mage_module
+    from nanodllm.methods.common import sparse_cache_attention
 
     generator = torch.Generator().manual_seed(11)
     batch, kv_heads, group, block_len, head_dim, page = 2, 2, 2, 4, 64, 4
@@ -157,8 +157,9 @@ def test_page_lists_on_the_kernel_match_torch(monkeypatch):
     indices = torch.tensor([[[0, 3, 0], [1, 2, 3]], [[2, 5, 7], [0, 6, 0]]], dtype=torch.int32, device=DEVICE)
     counts = torch.tensor([[2, 3], [3, 2]], dtype=torch.int32, device=DEVICE)
     args = (q, k_block, v_block, k_cache, v_cache, prefix_lengths, indices, counts, page)
-    monkeypatch.setattr(attention_module, "KERNELS_ENABLED", False)  # the torch gather, on a GPU too
-    expected = mage_module.sparse_cache_attention(*args)
-    monkeypatch.setattr(mage_module, "use_kernels", lambda q: True)
-    got = mage_module.sparse_cache_attention(*args)
+    with torch.no_grad():
+        monkeypatch.setattr(attention_module, "KERNELS_ENABLED", False)  # the torch gather, on a GPU too
+        expected = sparse_cache_attention(*args)
+        monkeypatch.setattr(attention_module, "KERNELS_ENABLED", True)
+        got = sparse_cache_attention(*args)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)

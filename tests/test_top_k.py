@@ -16,7 +16,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kernels.top_k import top_k_positions, top_k_positions_reference  # noqa: E402
-from nanodllm.methods.mage import select_top_k  # noqa: E402
+from nanodllm.methods.common import select_top_k  # noqa: E402
 from tests.device import DEVICE
 
 
@@ -60,17 +60,12 @@ def test_comparison_catches_a_wrong_selection(whole_row):
     assert not torch.equal(indices, top_k_positions_reference(scores, cut, 20)[0])
 
 
-def test_select_top_k_on_the_kernel_equals_torch(monkeypatch):
-    """MAGE's select_top_k takes the kernel where kernels are on; same sets as its torch form."""
-    import nanodllm.attention as attention_module
-    import nanodllm.methods.mage as mage
-
+def test_select_top_k_on_the_kernel_equals_torch():
+    """The methods' select_top_k takes the kernel where asked; same sets as its torch form."""
     scores = draw_scores(2, 4, 500, "distinct", 3, torch.float32).abs()
     lengths = torch.tensor([500, 321], device=DEVICE)
-    monkeypatch.setattr(attention_module, "KERNELS_ENABLED", False)  # the torch form, on a GPU too
-    torch_result = select_top_k(scores, lengths, 100)
-    monkeypatch.setattr(mage, "select_on_kernel", lambda scores: True)
-    kernel_result = select_top_k(scores, lengths, 100)
+    torch_result = select_top_k(scores, lengths, 100, on_kernels=False)
+    kernel_result = select_top_k(scores, lengths, 100, on_kernels=True)
     for got, want in zip(kernel_result, torch_result):
         assert torch.equal(got, want)
 

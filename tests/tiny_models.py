@@ -5,7 +5,7 @@ import torch
 
 from nanodllm import masked
 from nanodllm.config import GenerationConfig, ModelConfig
-from nanodllm.model import build_random
+from nanodllm.fused import build_random
 
 VOCAB = 64
 MASK_ID = 63

@@ -1,48 +1,33 @@
 """DyLLM: recompute only the salient rows, update the others approximately (masked engine).
 
-Paper: "DyLLM", ../shared/papers/003_c932456616d17bf8.txt (appendix C, Algorithms 1-4).
+Paper: "DyLLM: Efficient Diffusion LLM Inference via Saliency-based Token Selection and Partial
+Attention", https://arxiv.org/abs/2603.08026 (appendix C, Algorithms 1-4).
 
 Idea. From one denoising step to the next most rows' attention context barely moves. After
 `full_steps` dense steps that cache, per layer, K, V, every row's attention context C (per head,
-before o_proj) with its softmax log-sum-exp, and every row's FFN output, each step is sparse. It
-feeds the whole canvas every `full_period`-th step (t % full_period == 0) and only the response
-otherwise, and per layer, given the salient rows S coming in:
+before o_proj) with its softmax log-sum-exp, and every row's FFN output, each step is sparse: it feeds
+the whole canvas every `full_period`-th step and only the response otherwise, and per layer, given
+the salient rows S coming in:
     Q for every fed row; fresh K, V for S only, dV = V_new[S] - V_old[S];
-    rows in S: exact attention over all keys (and a fresh log-sum-exp), merged into the cache by
-        the same pass that updates the other rows;
-    every other row: C = C_old + sum over j in S of min(exp(scale q k_j - lse_old), 1) dV_j, with
-        the row's cached normaliser, so no score matrix is formed (kernels/approx_attention.py on
-        CUDA); the clamp at 1, a softmax weight's bound, keeps a stale normaliser from blowing a
-        column up (the paper normalises over the fresh scores instead);
+    rows in S: exact attention over all keys (and a fresh log-sum-exp);
+    every other row: C = C_old + sum over j in S of min(exp(scale q k_j - lse_old), 1) dV_j, with the
+        row's cached normaliser, so no score matrix is formed (kernels/approx_attention.py); the clamp
+        at 1, a softmax weight's bound, keeps a stale normaliser from blowing a column up;
     the next S: the fed rows whose C has cosine similarity to C_old below tau (all heads together);
     every fed row adds o_proj(C); only the next S run the FFN, the others add their cached output.
-So a layer's S is the one the layer before it chose in this step: Algorithm 3's order (its line 13
-sets the set that line 7 of the next layer reads); section 3.3's "A_{t-1,l} from the previous
-iteration" reads as each layer's own set from the last step instead, which the appendix's algorithm
-does not do. S entering layer 1 is the last layer's S of the previous step plus the tokens unmasked
-since (their inputs changed: an assumption, Algorithm 1 does not say). After a full step every row
-counts as salient, so a first sparse step recomputes layer 1 in full (Algorithm 1 starts from the
-response rows; with every row, tau > 1 is exactly dense).
+A layer's S is the one the layer before it chose in this step (Algorithm 3's order); S entering
+layer 1 is the last layer's S of the previous step plus the tokens unmasked since (an assumption:
+Algorithm 1 does not say). After a full step every row counts as salient.
+With tau alone each layer's S is sized from its values (a host sync per layer). salient_cap bounds S
+(at most that fraction of the real fed rows: the paper's S whenever fewer cross tau) and
+salient_fraction fixes it; either lists every S at a fixed size, so sparse steps are kinds.
 
-With tau alone each layer's salient set is sized from its values (a host sync per layer), so sparse
-steps run eagerly. `salient_cap` bounds the set instead: each layer lists the cap's worth of
-lowest-cosine rows and keeps those of them below tau, which is the paper's set whenever at most the
-cap's worth of rows cross tau. With a cap or salient_fraction every set after layer 1's input is
-listed at a fixed size (each sequence's own count of it ok: kernels/salient_rows.py, one launch per
-layer on CUDA, its torch reference elsewhere) and layer 1's input in
-capacities of 64 rows, so on a GPU the sparse steps replay CUDA graphs, one per kind of step and
-capacity (nanodllm/graphs.py).
-
-Hooks: begin_block (block 0 starts a new generation), step (from the layer primitives).
-On a shifted-logit model (Dream) a response-only step's first logits read the prompt's last row as
-the last step that fed it left it.
+Hooks: begin_block (a new generation), step (from the layer primitives), end_step, step_kind.
 Equals dense: tau > 1 (every row salient) with full_period = 1 (every step feeds the whole canvas).
-Knobs (paper defaults): tau = 0.99 for LLaDA and 0.995 for Dream (None, the default, picks by the
-model's type at a generation's first step), full_steps T_full = 4, full_period = 4,
-salient_fraction = None (benchmarks: the next S is that fraction of each sequence's real fed rows,
-those with the lowest cosine, instead of a threshold), salient_cap = None (not in the paper: at most
-that fraction of them is salient, so the steps can be graphed). stats: salient = mean fraction of the
-real fed rows salient per layer and sparse step; salient_per_layer = the same per layer.
+Knobs (paper defaults): tau = 0.99 for LLaDA and 0.995 for Dream (None: by the model's type),
+full_steps T_full = 4, full_period = 4; salient_fraction = None (benchmarks: S is that fraction of
+each sequence's real fed rows, the lowest cosines), salient_cap = None (not in the paper).
+stats: salient = mean salient fraction of the real fed rows per sparse step (salient_per_layer: per layer).
 """
 
 from __future__ import annotations
@@ -53,12 +38,13 @@ from typing import NamedTuple
 
 import torch
 
-from .. import attention as attention_module
-from ..attention import attention_with_lse, use_kernels
-from ..graphs import StepGraphs
-from ..model import use_fused
-from .base import Method, StepContext, check_int
-from .dllm_cache import flat_rows, take_heads, take_rows
+from kernels.approx_attention import approximate_attention, approximate_attention_reference
+from kernels.row_scatter import put_rows_where, put_rows_where_reference
+from kernels.salient_rows import WHOLE_ROW_MAX, salient_rows, salient_rows_reference, slot_map
+
+from ..attention import attention_on_kernels, attention_with_lse, use_kernels
+from .base import Method, StepContext
+from .common import check_int, flat_rows, overwrite, take_heads, take_rows
 
 LLADA_TAU, DREAM_TAU = 0.99, 0.995  # the paper's choices (section 4.2.3, threshold sweep)
 
@@ -90,7 +76,6 @@ class Salient(NamedTuple):
 
     @classmethod
     def listed(cls, mask, rows, ok, slots) -> "Salient":
-        """The set as next_salient or list_rows gives it, with its flat index computed."""
         return cls(mask, rows, ok, slots, flat_rows(rows, mask.shape[1]))
 
 
@@ -115,20 +100,12 @@ def index_rows(mask: torch.Tensor, count: int | None = None):
 
 
 def capacity(count: int, width: int, granule: int = 64) -> int:
-    """count rounded up to a multiple of granule, at most width: few distinct sizes, few graphs."""
+    """count rounded up to a multiple of granule, at most width: few distinct sizes, few kinds."""
     return min(-(-max(count, 1) // granule) * granule, width)
-
-
-def select_on_kernel(stats: torch.Tensor) -> bool:
-    """Whether next_salient's fixed-size sets come from kernels/salient_rows.py (tests switch this on
-    for the interpreter)."""
-    return attention_module.KERNELS_ENABLED and stats.is_cuda
 
 
 def list_rows(mask: torch.Tensor, count: int | None = None):
     """index_rows' listing with its slot map: (mask, rows, ok, slots) as kernels/salient_rows.py gives them."""
-    from kernels.salient_rows import slot_map
-
     rows, ok = index_rows(mask, count)
     return mask, rows, ok, slot_map(rows, ok, mask.shape[1])
 
@@ -137,23 +114,15 @@ def approximate(q, keys, dv, columns, lse, context, merge):
     """Algorithm 4 with cached normalisers, the exact rows merged: context and lse updated in place;
     returns per-head [new.old, new.new, old.old]. Every listed column takes part: a listed row that is
     not salient has a zero value delta (put_where)."""
-    from kernels.approx_attention import approximate_attention, approximate_attention_reference
-
-    on_kernel = use_kernels(q) and lse.dtype == torch.float32
-    update = approximate_attention if on_kernel else approximate_attention_reference
+    on_kernels = attention_on_kernels(q) and lse.dtype == torch.float32
+    update = approximate_attention if on_kernels else approximate_attention_reference
     return update(q, keys, dv, columns, counts=None, lse=lse, context=context, merge=merge)
 
 
 def put_where(dst, rows, ok, src, delta=False):
-    """dst[b, h, rows[b, j]] = src[b, h, j] where ok[b, j] (and src - old, 0 where not ok, if delta):
-    one pass on a GPU (kernels/row_scatter.py), the torch reference elsewhere."""
-    if use_fused(dst):
-        from kernels.row_scatter import put_rows_where
-
-        return put_rows_where(dst, rows, ok, src, delta)
-    from kernels.row_scatter import put_rows_where_reference
-
-    return put_rows_where_reference(dst, rows, ok, src, delta)
+    """dst[b, h, rows[b, j]] = src[b, h, j] where ok[b, j] (and src - old, 0 where not ok, if delta)."""
+    scatter = put_rows_where if use_kernels(dst) else put_rows_where_reference
+    return scatter(dst, rows, ok, src, delta)
 
 
 class DyLLM(Method):
@@ -175,16 +144,32 @@ class DyLLM(Method):
         self.threshold = tau  # the tau in use: the knob, or the model type's paper default (step)
         self.salient_fraction, self.salient_cap = salient_fraction, salient_cap
         self.layers: list[LayerState] = []
-        self.t = 0
-        self.salient = self.previous_tokens = self.prompt_tail = None
+        self.t = self.full_done = 0
+        self.salient = self.previous_tokens = self.prompt_tail = self.fractions = None
         self.salient_sum: list[float] = []
         self.salient_history: list[tuple[int, list[float]]] = []
         self.sparse_steps = 0
-        self.graphs = StepGraphs(size=4)  # fixed-size salient sets: the sparse steps, per kind and capacity
 
     def begin_block(self, ctx: StepContext):
         if ctx.block == 0:
             self.layers, self.t, self.salient = [], 0, None
+
+    def plan(self, ctx: StepContext):
+        """(offset: the first fed column, the first layer's listing width or None (sized from its
+        values), whether every column is real) of a sparse step; host syncs."""
+        prompt_width = ctx.logits_start - ctx.block * ctx.block_length
+        offset = 0 if self.t % self.full_period == 0 else prompt_width
+        all_valid = bool(ctx.valid.all())
+        if self.salient_fraction is None and self.salient_cap is None:
+            return offset, None, all_valid
+        salient = (self.salient | (ctx.tokens != self.previous_tokens))[:, offset:] & ctx.valid[:, offset:]
+        return offset, capacity(int(salient.sum(dim=1).max()), ctx.tokens.shape[1] - offset), all_valid
+
+    def step_kind(self, ctx: StepContext):
+        """Sparse steps with fixed-size salient sets, per plan and per the caches of the last full step."""
+        if self.t < self.full_steps or not self.layers or (self.salient_fraction is None and self.salient_cap is None):
+            return None
+        return (self.full_done, *self.plan(ctx))
 
     def step(self, model, ctx: StepContext) -> torch.Tensor:
         if ctx.attn_mask is not None and ctx.attn_mask.block_size is not None:
@@ -193,19 +178,22 @@ class DyLLM(Method):
         if self.t == 0 and self.tau is None:
             self.threshold = DREAM_TAU if model.cfg.model_type == "Dream" else LLADA_TAU
         if self.t < self.full_steps or not self.layers:
-            logits = self.full_step(model, ctx)
+            hidden = self.full_step(model, ctx)
         else:
-            logits = self.sparse_step(model, ctx)
-        self.previous_tokens = ctx.tokens.clone()
+            hidden = self.sparse_step(model, ctx, *(ctx.kind[1:] if ctx.kind else self.plan(ctx)))
+        self.previous_tokens = overwrite(self.previous_tokens, ctx.tokens.clone())
+        return hidden
+
+    def end_step(self, ctx: StepContext):
+        if self.t >= self.full_steps:
+            self.count_salient(self.fractions.tolist())
         self.t += 1
-        return logits
 
     def full_step(self, model, ctx) -> torch.Tensor:
         """Algorithm 2: the dense forward, caching K, V, C, lse and the FFN output of every row."""
         x, rope = model.embed(ctx.tokens), model.rope(ctx.positions)
         k_valid = None if bool(ctx.valid.all()) else ctx.valid
         self.layers = []
-        self.graphs.reset()  # the recorded sparse steps read the caches this step replaces
         for layer in model.layers:
             q, k, v = layer.qkv(layer.attn_norm(x), rope)
             v = v.transpose(1, 2).contiguous().transpose(1, 2)  # own storage: a view would keep all of q/k/v cached
@@ -215,33 +203,30 @@ class DyLLM(Method):
             mlp_out = layer.mlp(layer.mlp_norm(x))
             x = x + mlp_out
             self.layers.append(LayerState(k, v, context, lse, mlp_out))
+        self.full_done += 1
         self.salient = ctx.valid.clone()  # every row was just computed
         prompt_width = ctx.logits_start - ctx.block * ctx.block_length
-        self.prompt_tail = x[:, prompt_width - 1 : prompt_width]
-        return model.head(x, ctx.logits_start, ctx.logits_stop)
+        self.prompt_tail = overwrite(self.prompt_tail, x[:, prompt_width - 1 : prompt_width].clone())
+        return x
 
-    def sparse_step(self, model, ctx) -> torch.Tensor:
-        """Algorithm 3 over the fed rows (the whole canvas, or the response only)."""
+    def sparse_step(self, model, ctx, offset: int, first: int | None, all_valid: bool) -> torch.Tensor:
+        """Algorithm 3 over the fed rows (the whole canvas, or the response only): their hidden states."""
         prompt_width = ctx.logits_start - ctx.block * ctx.block_length
-        offset = 0 if self.t % self.full_period == 0 else prompt_width
         tokens, positions, valid = ctx.tokens[:, offset:], ctx.positions[:, offset:], ctx.valid[:, offset:]
-        changed = ctx.tokens != self.previous_tokens
-        salient = (self.salient | changed)[:, offset:] & valid
-        all_valid = bool(ctx.valid.all())
-        if self.salient_fraction is None and self.salient_cap is None:  # sets sized from their values
-            x, salient, counts = self.forward_layers(model, tokens, positions, salient, valid, ctx.valid, offset,
-                                                     all_valid, None)
-        else:  # fixed sizes after the first layer's input, no host syncs: a CUDA graph on a GPU
-            first = capacity(int(salient.sum(dim=1).max()), tokens.shape[1])
-            forward = lambda *inputs: self.forward_layers(model, *inputs, offset, all_valid, first)
-            key = (offset, first, all_valid, tuple(tokens.shape))
-            x, salient, counts = self.graphs(key, forward, tokens, positions, salient, valid, ctx.valid)
-        self.salient = torch.zeros_like(ctx.valid)
+        salient = (self.salient | (ctx.tokens != self.previous_tokens))[:, offset:] & valid
+        x, salient, fractions = self.forward_layers(model, tokens, positions, salient, valid, ctx.valid, offset,
+                                                    all_valid, first)
+        self.salient[:, :offset] = False
         self.salient[:, offset:] = salient
-        self.count_salient(counts.tolist())  # one host sync per step for the stats
+        self.fractions = overwrite(self.fractions, fractions)
         if offset == 0:  # a response-only step's first logits read the prompt's last row as last seen
-            self.prompt_tail = x[:, prompt_width - 1 : prompt_width]
-        return model.head(x, ctx.logits_start - offset, ctx.logits_stop - offset, before=self.prompt_tail)
+            self.prompt_tail = overwrite(self.prompt_tail, x[:, prompt_width - 1 : prompt_width].clone())
+        return x
+
+    def logits(self, model, hidden, ctx: StepContext) -> torch.Tensor:
+        """From the fed rows' hidden states: the canvas's last hidden.shape[1] columns."""
+        offset = ctx.tokens.shape[1] - hidden.shape[1]
+        return model.head(hidden, ctx.logits_start - offset, ctx.logits_stop - offset, before=self.prompt_tail)
 
     def forward_layers(self, model, tokens, positions, salient, valid, valid_keys, offset, all_valid, first):
         """Every layer over the fed rows, given the salient rows entering layer 1 (listed `first` at a
@@ -273,7 +258,7 @@ class DyLLM(Method):
         context = state.context[:, :, fed.offset:]
         stats = approximate(q, state.keys, dv, columns, state.lse[:, :, fed.offset:], context,
                             (exact, lse, selected.slots))
-        selected = Salient.listed(*self.next_salient(stats.sum(dim=1), fed.valid))
+        selected = Salient.listed(*self.next_salient(stats.sum(dim=1), fed.valid, use_kernels(q)))
 
         x = layer.add_out(x, context)
         cached = state.mlp_out[:, fed.offset:]
@@ -281,19 +266,17 @@ class DyLLM(Method):
         put_where(cached[:, None], selected.rows, selected.ok, fresh[:, None])
         return x, cached, selected
 
-    def next_salient(self, stats, valid):
+    def next_salient(self, stats, valid, on_kernels: bool):
         """Rows whose context moved: cos(C, C_old) < tau; or the lowest-cosine salient_fraction; or,
         with salient_cap, those below tau among the lowest-cosine cap's worth (fixed counts, listed
         without a host sync). Returns (mask, rows, ok, slots) as Salient holds them."""
-        from kernels.salient_rows import WHOLE_ROW_MAX, salient_rows, salient_rows_reference
-
         if self.salient_fraction is None and self.salient_cap is None:
             cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
             return list_rows((cos < self.threshold) & valid)
         fraction = self.salient_cap if self.salient_fraction is None else self.salient_fraction
         tau = self.threshold if self.salient_fraction is None else None
-        on_kernel = select_on_kernel(stats) and stats.shape[1] <= WHOLE_ROW_MAX
-        return (salient_rows if on_kernel else salient_rows_reference)(stats, valid, fraction, tau)
+        select = salient_rows if on_kernels and stats.shape[1] <= WHOLE_ROW_MAX else salient_rows_reference
+        return select(stats, valid, fraction, tau)
 
     def count_salient(self, fractions: list[float]):
         self.salient_history.append((self.t, fractions))  # (step, per-layer fraction) for plots

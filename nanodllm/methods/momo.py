@@ -1,6 +1,7 @@
 """MOMO (Measure Once, Mask Once): delta-corrected block-sparse attention for long prefills.
 
-Paper: ../shared/papers/002_325610b97a7d67f4.txt (Algorithms 1-2, eq. 2-7, appendix A).
+Paper: "Measure Once, Mask Once: Delta Refined Block Sparse Attention" (anonymous submission;
+Algorithms 1-2, eq. 2-7, appendix A).
 
 Idea. Every gamma-th query attends densely (query-sparse attention, QSA); while it scans the keys
 it also scores every key block j of beta keys, S(j) = logsumexp of its scaled scores over the block
@@ -12,22 +13,16 @@ O_i = O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) * gamma] (eq. 2-3).
 
 Trim (`trim`, not in the paper): "mass" ranks the union by each block's share of the attention of
 the rows that chose it, exp(S(j) - logsumexp of the row), summed over those rows: the oracle's
-criterion measured on the sampled rows. Algorithm 2's mean of raw eq. 4 scores lets a row with
-larger logits outvote the others, and a block one row ranks high outrank one every row ranks well;
-on the tiny models' diffuse attention "mass" keeps more of the mass (docs/results/momo_tiny.md), the
-more so with a per-row k above k_trim, which the mean ranking does not reward.
-
+criterion measured on the sampled rows, where Algorithm 2's mean of raw eq. 4 scores lets a row with
+larger logits outvote the others (docs/results/momo_mass.md).
 Top-k variants (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) both
-return the exact top-k (ties to the lower block index), "estimated" (the k_exact best exactly, the other
-k - k_exact slots filled greedily by blocks whose score beats a Gaussian threshold from Welford
-running statistics: eq. 6-7; each row's blocks visited in golden-ratio strides so that the statistics
-see the whole row early, kernels/qsa_estimate.py). In torch the pipeline forms the sampled rows'
-scores and the sparse mask densely (the reference); on CUDA it runs on
-kernels/qsa_attention.py (step 1 with either top-k fused) and kernels/block_sparse_attention.py
-(step 3), union and trim in torch (kept_lists).
+return the exact top-k (ties to the lower block index), "estimated" (the k_exact best exactly, the
+rest filled greedily by blocks whose score beats a Gaussian threshold from Welford running statistics:
+eq. 6-7; kernels/qsa_estimate.py). In torch the pipeline forms the sampled rows' scores and the sparse
+mask densely (the reference); on the kernels it runs kernels/qsa_attention.py (step 1, either top-k
+fused) and kernels/block_sparse_attention.py (step 3), union and trim in torch (kept_lists).
 
-Hooks: prefill_attention (block engine: the prompt's attention), attend (masked engine, canvas=True:
-every full canvas step).
+Hooks: attend (the block engine's prefill; canvas=True: every masked-engine step), step_kind.
 Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant and trim).
 Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
 top_k = "exact" | "tree" | "estimated", trim = "mean" (Algorithm 2) | "mass", canvas = False.
@@ -40,10 +35,13 @@ import math
 import torch
 
 from kernels.block_sparse_attention import CUDA_TILES as SPARSE_TILES
+from kernels.block_sparse_attention import block_sparse_attention
+from kernels.qsa_attention import qsa_attention
 from kernels.qsa_estimate import estimated_top_k
 
-from ..attention import CanvasMask, use_kernels
-from .base import Method, check_int
+from ..attention import CanvasMask, attention_on_kernels
+from .base import Method
+from .common import check_int
 
 
 def dense_mask(mask, n, device):
@@ -162,8 +160,8 @@ def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim, summed=False)
     longest. A query block's union has at most chi / gamma x k candidates; where the key blocks are
     more (long prompts), only the candidates are sorted, grouped by block (mean score per group),
     trimmed to the k_trim best (ties to the lower block, as exact_top_k) and merged with the
-    diagonal blocks, so no [.., key blocks] array is formed (H100, k = 128: 25.9 against 49.8 ms at
-    256K, 13.1 against 13.6 at 128K; at 32K-64K slower, 3.6 / 6.5 against 2.0 / 4.5 ms).
+    diagonal blocks, so no [.., key blocks] array is formed (the faster way from about 128K keys:
+    docs/results/bench_momo.md).
     Else the dense mask's lists."""
     batch, heads, rows, k = chosen.shape
     blocks, rows_per_block = math.ceil(n / beta), chi // gamma
@@ -212,7 +210,7 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
         raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
     n = q.shape[2]
     structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
-    if use_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % SPARSE_TILES["BLOCK_M"] == 0:
+    if attention_on_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % SPARSE_TILES["BLOCK_M"] == 0:
         k_exact = k_exact if top_k == "estimated" else k_blocks
         return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks,
                                top_k == "tree", trim)
@@ -254,8 +252,6 @@ def delta_corrected(o_sparse, o_gamma, gamma):
 def measure_on_kernels(q, k, v, gamma, beta, k_blocks, k_exact, tree, trim, **masking):
     """Step 1 on kernels/qsa_attention.py: (O_gamma, each sampled row's chosen key blocks, what the
     trim ranks them by, whether it sums them: trim_values)."""
-    from kernels.qsa_attention import qsa_attention
-
     o_gamma, lse, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks,
                                                         k_exact=k_exact, tree=tree, **masking)
     return (o_gamma, chosen, *trim_values(chosen, chosen_scores, lse, trim))
@@ -263,8 +259,6 @@ def measure_on_kernels(q, k, v, gamma, beta, k_blocks, k_exact, tree, trim, **ma
 
 def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, tree, trim="mean"):
     """The same pipeline without an [n, n] tensor: QSA kernel -> union and trim -> block-sparse kernel."""
-    from kernels.block_sparse_attention import block_sparse_attention
-
     masking = {}
     if mask is not None:
         masking = {"block_size": mask.block_size, "k_valid": None if mask.valid is None else mask.valid[:, -q.shape[2]:]}
@@ -296,10 +290,11 @@ class Momo(Method):
                           trim=trim)
         self.canvas = canvas
 
-    def prefill_attention(self, q, k, v, mask):
-        return momo_attention(q, k, v, mask, **self.knobs)
-
     def attend(self, layer, q, k, v, ctx):
-        if ctx.cache is None and self.canvas:
-            return self.prefill_attention(q, k, v, ctx.attn_mask)
+        if ctx.phase == "prefill" or (ctx.cache is None and self.canvas):
+            return momo_attention(q, k, v, ctx.attn_mask, **self.knobs)
         return super().attend(layer, q, k, v, ctx)
+
+    def step_kind(self, ctx):
+        """Block-engine steps are dense decode steps, each of one kind; canvas steps run eagerly."""
+        return () if ctx.cache is not None else None

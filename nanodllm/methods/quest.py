@@ -1,8 +1,8 @@
 """Quest adapted to block diffusion: every denoising step estimates the block's important pages of
 the prefix from per-page key bounds and attends to the best pages only.
 
-Paper: Quest (Tang et al., ICML 2024), as the MAGE paper adapts it for its per-block baseline
-(../shared/papers/000_5b6af9b8bc57afd0.txt, §2 and §5: p = 16, re-estimated at every step).
+Paper: Quest (Tang et al., ICML 2024, https://arxiv.org/abs/2406.10774), as MAGE's paper adapts it for
+its per-block baseline (its §2 and §5: p = 16, re-estimated at every step).
 Idea: split each row's cached prefix into pages of p keys and keep, per KV head, the channel-wise
 min and max of each page's keys. For a query q the largest score any key of the page can reach is
 bounded by  sum_d max(q_d * min_d, q_d * max_d). Per block (the B queries must share one key set per
@@ -12,12 +12,12 @@ negative parts, the average is  mean(q+) . max + mean(q-) . min  (q+ = max(q, 0)
 The top k / p pages are attended (with the block's own keys), at every step.
 
 Page bounds are kept per layer and updated only from the first page a new block touched, at the
-start of each block (outside the steps, which replay CUDA graphs), so a step reads the bounds (2/p of
-the K bytes) plus the selected pages, never the whole cache.
+start of each block (outside the steps, which are all of one kind), so a step reads the bounds (2/p
+of the K bytes) plus the selected pages, never the whole cache.
 
 Hooks: begin_block (new bounds for a new generation, else brought up to date), attend (estimate +
-sparse attention per step), attend_commit (exact by default; with sparse_commit the commit forward
-selects from its own queries).
+sparse attention per step; the commit exact by default, with sparse_commit selecting from its own
+queries), end_step (kv_kept), step_kind (every step of one kind).
 On CUDA (bf16/fp16) the pages go to kernels/sparse_decode_attention as key blocks of p tokens.
 Equals dense: k >= every row's prefix rounded up to whole pages (test).
 Knobs: k = 1024 keys per KV head (k / p pages), page_size p = 16, exact_layers = 2, sparse_commit False.
@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import use_kernels
 from ..cache import KVCache
-from .base import Method, StepContext, attend_with_cache, check_int
-from .mage import select_top_k, sparse_cache_attention
+from .base import Method, StepContext, attend_with_cache
+from .common import KeysRead, check_int, select_top_k, sparse_cache_attention
 
 
 def page_bounds(keys: torch.Tensor, lengths: torch.Tensor, page_size: int):
@@ -53,11 +54,9 @@ def page_bounds(keys: torch.Tensor, lengths: torch.Tensor, page_size: int):
 def page_scores(q: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """[batch, kv_heads, pages]: the bound of each page's best score, averaged over the block's
     queries and the group's heads. q: [batch, num_heads, L, D]; low/high: [batch, kv_heads, pages, D]
-    in the cache's dtype (the products accumulate in fp32; the per-page result rounds to that dtype, so
-    pages whose bounds agree to its precision tie, and the top-k's tie rule, the lower page, picks among
-    them: in bf16 that is often, measured 70-94% top-64 overlap with fp32 scores on random keys. Scoring in
-    fp32 instead converts the bounds every step, 1.16-1.33x the Quest step at 32K-64K batch 4 on an H100,
-    so the cache's dtype stays)."""
+    in the cache's dtype. The products accumulate in fp32 and each page's bound rounds to that dtype,
+    so pages whose bounds agree to its precision tie and the top-k's tie rule (the lower page) picks
+    among them; scoring in fp32 would convert the bounds at every step."""
     batch, num_heads, block, head_dim = q.shape
     num_kv_heads = low.shape[1]
     rows = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)
@@ -105,6 +104,7 @@ class Quest(Method):
         self.k, self.page_size, self.exact_layers, self.sparse_commit = k, page_size, exact_layers, sparse_commit
         self.bounds: dict[int, PageBounds] = {}  # layer -> bounds over the current generation's cache
         self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this step's pages
+        self.reads = KeysRead()
         self.stats = {"kv_kept": 1.0}
 
     def begin_block(self, ctx: StepContext):
@@ -113,26 +113,30 @@ class Quest(Method):
         for layer, bounds in self.bounds.items():
             bounds.update(ctx.cache.keys[layer], ctx.cache)
 
-    def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
-        if ctx.cache is None:
-            raise ValueError("quest runs on the block engine (it needs the KV cache of the prefix)")
-        return self.attend_pages(layer, q, k, v, ctx.cache, count=True)
+    def step_kind(self, ctx: StepContext):
+        return ()
+
+    def end_step(self, ctx: StepContext):
+        """kv_kept: the exact layers read every key, the others k / page_size pages (an upper bound: a
+        kept last page may be partial)."""
+        cache, layers = ctx.cache, len(ctx.cache.keys)
+        exact = layers if cache.max_length == 0 else min(self.exact_layers, layers)
+        self.reads.count(self.stats, cache.host_lengths, exact)
+        self.reads.count(self.stats, cache.host_lengths, layers - exact, cap=self.k // self.page_size * self.page_size)
 
     def attended_selection(self, layer: int, ctx: StepContext):
         """The pages this step chose at the layer (None at the exact layers, which choose none)."""
         chosen = self.selection.get(layer)
         return None if chosen is None else (*chosen, self.page_size)
 
-    def attend_commit(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
-        if self.sparse_commit:
-            return self.attend_pages(layer, q, k, v, ctx.cache, count=False)
-        return attend_with_cache(layer, q, k, v, ctx.cache)
-
-    def attend_pages(self, layer: int, q, k, v, cache: KVCache, count: bool) -> torch.Tensor:
-        lengths = cache.host_lengths
-        if layer < self.exact_layers or cache.max_length == 0:
-            if count:
-                self.count_reads(lengths)
+    def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        cache = ctx.cache
+        if cache is None:
+            raise ValueError("quest runs on the block engine (it needs the KV cache of the prefix)")
+        if ctx.phase == "prefill":
+            return super().attend(layer, q, k, v, ctx)
+        exact = layer < self.exact_layers or cache.max_length == 0
+        if exact or (ctx.phase == "commit" and not self.sparse_commit):
             return attend_with_cache(layer, q, k, v, cache)
         if layer not in self.bounds:
             self.bounds[layer] = PageBounds(cache, self.page_size)
@@ -142,10 +146,8 @@ class Quest(Method):
         # every page up to the launch bound (a shape that lasts many blocks); pages past a row's are not chosen
         width = -(-cache.launch_length(k.shape[2]) // self.page_size)
         scores = page_scores(q, bounds.low[:, :, :width], bounds.high[:, :, :width])
-        indices, counts = select_top_k(scores, num_pages, self.k // self.page_size)
+        indices, counts = select_top_k(scores, num_pages, self.k // self.page_size, on_kernels=use_kernels(q))
         self.selection[layer] = (indices, counts)
-        if count:  # an upper bound: a kept last page may be partial
-            self.count_reads(lengths, cap=self.k // self.page_size * self.page_size)
         cache.write(layer, k, v)
         return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices, counts,
                                       index_block=self.page_size)

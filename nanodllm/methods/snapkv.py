@@ -1,8 +1,10 @@
 """SnapKV-style baseline for MaskKV: the last prompt tokens vote, every head keeps the same budget.
 
-Paper: Li et al. 2024, "SnapKV: LLM knows what you are looking for before generation", as MaskKV
-(../shared/papers/001_11756cf7236fadd5.txt, Tables 2 and 13) runs it on diffusion LMs: inside the same
-dLLM-Cache framework, only the token scores and the budgets differ. Here for what mask voting adds.
+Paper: Li et al. 2024, "SnapKV: LLM knows what you are looking for before generation",
+https://arxiv.org/abs/2404.14469, as MaskKV (https://arxiv.org/abs/2510.09309, Tables 2 and 13) runs
+it on diffusion LMs: inside the same dLLM-Cache framework with the same eviction
+(methods/canvas_cache.py, PromptEviction), only the token scores and the budgets differ. Here for
+what mask voting adds.
 
 Idea. At step 0 (exact), per layer, each row's last min(window, its prompt length) prompt tokens (the
 observation window) vote: score[h, j] = sum over window queries of their softmax probability on
@@ -10,9 +12,9 @@ prompt key j (softmax over the whole canvas, as the step attends), averaged over
 query group, then smoothed by an average pool of width `pool` (over the row's own prompt tokens, never
 its left padding) so neighbours of a hit are kept too. The window itself always stays (its tokens
 rank first, the latest first). Every layer and head keeps `budget` prompt tokens; later steps attend
-to them plus the response, as in maskkv.py.
+to them plus the response, as MaskKV's do.
 
-Hooks: MaskKV's; token_scores and head_counts overridden.
+Hooks: PromptEviction's; token_scores and head_counts are SnapKV's.
 Equals dllm_cache on every row whose prompt is at most the budget long.
 Knobs (SnapKV defaults): budget = 256, window = 32, pool = 5 (1 = no pooling); prompt_interval,
 response_interval, rho as dllm_cache.
@@ -23,23 +25,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import check_int
-from .maskkv import MaskKV, attention_mass
+from .canvas_cache import PromptEviction
+from .common import attention_mass, check_int
 
 
-class SnapKV(MaskKV):
+class SnapKV(PromptEviction):
     name = "snapkv"
 
     def __init__(self, budget: int = 256, window: int = 32, pool: int = 5, prompt_interval: int = 50,
                  response_interval: int = 5, rho: float = 0.25):
-        super().__init__(budget=budget, prompt_interval=prompt_interval, response_interval=response_interval, rho=rho)
+        super().__init__(budget, prompt_interval, response_interval, rho)
         check_int(1, window=window)
         check_int(1, odd=True, pool=pool)
         self.window, self.pool = window, pool
-
-    def step(self, model, ctx):
-        self.importance = [1.0] * model.cfg.num_layers  # uniform budgets: no profile needed
-        return super().step(model, ctx)
 
     def token_scores(self, i, q_p, q_r, cache, ctx):
         """[batch, kv_heads, P]: the votes of each row's own window, pooled over its real prompt

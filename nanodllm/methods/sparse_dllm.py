@@ -1,7 +1,7 @@
 """Sparse-dLLM: Fast-dLLM's dual cache, pruned per layer to the keys the block attends to (masked engine).
 
 Paper: "Sparse-dLLM: accelerating diffusion LLMs with dynamic cache eviction",
-../shared/papers/004_1b321dc639f7ffd1.txt (section 3, Algorithms 1-5).
+https://arxiv.org/abs/2508.02558 (section 3, Algorithms 1-5).
 
 Idea. Which tokens a block attends to is stable across its steps, and the attention is sparse. Per
 block: steps before `delay` run the full canvas without a cache (the K/V are not settled yet, Fig.
@@ -13,7 +13,7 @@ kept K/V plus the block's own. The paper keeps one index set for all heads (scor
 heads; `per_head` keeps one per KV head); `prefix_sparse` (Algorithm 5) prunes only the tokens
 before the block and keeps the whole suffix.
 
-Hooks: fast_dllm's; keep is overridden.
+Hooks: those of Fast-dLLM's cache (methods/outside_cache.py) in dual mode; keep is Sparse-dLLM's.
 Equals fast_dllm mode=dual with the same delay when ratio = 1; a small ratio differs (tests).
 Knobs (paper defaults): ratio r = 0.5, kernel = 3, delay = 1, per_head = False, prefix_sparse = False.
 """
@@ -23,9 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import check_int, top_positions
-from .dllm_cache import take_heads
-from .fast_dllm import FastDllm, KeptKV, outside_block
+from .common import check_int, take_heads, top_positions
+from .outside_cache import KeptKV, OutsideCache, outside_block
 
 
 def pivotal_tokens(q_mean, candidates, valid, ratio: float, kernel: int, per_head: bool):
@@ -55,12 +54,12 @@ def pivotal_tokens(q_mean, candidates, valid, ratio: float, kernel: int, per_hea
     return indices, keep[:, :, None, :]
 
 
-class SparseDllm(FastDllm):
+class SparseDllm(OutsideCache):
     name = "sparse_dllm"
 
     def __init__(self, ratio: float = 0.5, kernel: int = 3, delay: int = 1, per_head: bool = False,
                  prefix_sparse: bool = False):
-        super().__init__(mode="dual", delay=delay)
+        super().__init__("dual", delay, refresh=0)
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         check_int(1, odd=True, kernel=kernel)

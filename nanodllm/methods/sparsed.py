@@ -1,35 +1,35 @@
-"""SparseD adapted to block diffusion: exact attention for the first 20% of each block's steps,
-the top-k prefix keys captured at the last exact step, reused for the rest of the block.
+"""SparseD adapted to block diffusion: exact attention for the first 20% of each block's steps, the
+top-k prefix keys captured at the last exact step, reused for the rest of the block.
 
-Paper: SparseD (Wang et al., ICLR 2026), as the MAGE paper adapts it for its baseline
-(../shared/papers/000_5b6af9b8bc57afd0.txt, §2 and §5). SparseD was built for fully bidirectional
-dLLMs: exact attention for the first 20% of the denoising steps, then each token's top-k pattern
-from the final exact step, reused. On block diffusion the block's queries must share one key set
-per KV head, so the capture uses MAGE's block-averaged probability (eq. 3) at the boundary step;
-the only difference from MAGE is WHEN the set is captured: after 20% of the block's steps instead
-of at its first, all-[MASK] step. That costs 20% of the steps at exact speed, and the set comes
-from partly unmasked queries. Assumption: the phases are per block (the MAGE paper describes a
-capture "across the trajectory"; per block is what can serve a prefix that grows every block).
-The 20% is of the block's nominal steps (steps_per_block): a block that threshold decoding finishes
-before its capture step (at T = 32, within 6 steps) runs exact throughout.
+Paper: SparseD (Wang et al., ICLR 2026, https://arxiv.org/abs/2509.24014), as MAGE's paper adapts it
+for its baseline. SparseD was built for fully bidirectional dLLMs: exact attention for the first 20%
+of the denoising steps, then each token's top-k pattern from the final exact step, reused. On block
+diffusion the block's queries must share one key set per KV head, so the capture uses MAGE's
+block-averaged probability (eq. 3) at the boundary step (methods/block_selection.py); the only
+difference from MAGE is WHEN the set is captured: after 20% of the block's steps instead of at its
+first, all-[MASK] step. That costs 20% of the steps at exact speed, and the set comes from partly
+unmasked queries. Assumption: the phases are per block (MAGE's paper describes a capture "across the
+trajectory"; per block is what can serve a prefix that grows every block). The 20% is of the block's
+nominal steps (steps_per_block): a block that threshold decoding finishes before its capture step
+runs exact throughout.
 
-Hooks: those of Mage (methods/mage.py); only capture_step differs.
-Equals dense: k >= every row's prefix (test), or exact_fraction = 1 with sparse_commit off.
-Knobs: k (1024), exact_fraction (0.2 of the block's steps, at least one exact step), exact_layers
-(2), sparse_commit (False).
+Hooks: those of methods/block_selection.py; capture_step is SparseD's.
+Equals dense: k >= every row's prefix, or exact_fraction = 1 with sparse_commit off.
+Knobs: k (1024), exact_fraction (0.2 of the block's steps, at least one exact step), exact_layers (2),
+sparse_commit (False).
 """
 
 from __future__ import annotations
 
 from .base import StepContext
-from .mage import Mage
+from .block_selection import BlockSelection
 
 
-class SparseD(Mage):
+class SparseD(BlockSelection):
     name = "sparsed"
 
     def __init__(self, k: int = 1024, exact_fraction: float = 0.2, exact_layers: int = 2, sparse_commit: bool = False):
-        super().__init__(k=k, exact_layers=exact_layers, sparse_commit=sparse_commit)
+        super().__init__(k, exact_layers, sparse_commit)
         if not 0.0 <= exact_fraction <= 1.0:
             raise ValueError(f"exact_fraction must lie in [0, 1], got {exact_fraction!r}")
         self.exact_fraction = exact_fraction

@@ -1,0 +1,202 @@
+"""nanodllm/fused.py against nanodllm/model.py: the fused model gives the reference's results.
+
+Off the kernels every fused primitive is the reference's own code (bit for bit). On the kernels (here:
+Triton's interpreter, float32, whose dots it computes exactly) the stacked matmuls, the fused norms,
+RoPE and SwiGLU, the few-row step and the carried residual give the reference's values up to the
+order of the RMS sums and exp's last bit, and the engines decode the same tokens.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import kernels.norm_linear as norm_linear_module
+import kernels.rmsnorm as rmsnorm_module
+import kernels.rope as rope_module
+import kernels.silu_mul as silu_mul_module
+import nanodllm.fused as fused_module
+from kernels.norm_linear import MAX_ROWS, norm_linear
+from kernels.rmsnorm import rms_norm
+from kernels.rope import apply_rope, rope_qk
+from kernels.silu_mul import silu_mul
+from nanodllm import block, masked
+from nanodllm.attention import attention
+from nanodllm.config import GenerationConfig, ModelConfig
+from nanodllm.fused import FusedModel, build_empty, build_random, stacked
+from nanodllm.model import Model, RMSNorm
+from tests.device import DEVICE
+from tests.tiny_models import random_prompt, tiny_config, tiny_model
+
+QWEN2_RAW = dict(model_type="Dream", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=96, vocab_size=300)
+dense = lambda layer, q, k, v: attention(q, k, v)
+
+
+def random_weights(model, seed=0, scale=0.3):
+    """Every weight random, norms around 1 (so a dropped norm weight shows)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * scale + (1.0 if param.dim() == 1 else 0.0))
+    return model
+
+
+def fused_and_reference(cfg: ModelConfig, dtype=torch.float64, seed=0):
+    """A FusedModel (built as the loader builds it) and a Model with the same weights."""
+    model = random_weights(build_empty(cfg, dtype=dtype), seed).to(DEVICE)
+    reference = Model(cfg).to(dtype).to(DEVICE)
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+@pytest.mark.parametrize("cfg", [tiny_config("sdar"), ModelConfig.from_dict(QWEN2_RAW)], ids=["sdar", "Dream"])
+def test_projections_are_stored_back_to_back_and_spanned_as_one(cfg):
+    """q/k/v (and their biases) and gate/up lie back to back: stacked() spans them as one view; a cast
+    stacks them again, and a replaced Parameter ends the span (its layer then runs the reference)."""
+    model, reference = fused_and_reference(cfg)
+    assert isinstance(model, FusedModel) and type(reference) is Model
+    layer = model.layers[0]
+    weight, bias = stacked(layer.projections())
+    assert torch.equal(weight, torch.cat([p.weight for p in layer.projections()]))
+    assert (bias is None) == (not cfg.qkv_bias)
+    if bias is not None:
+        assert torch.equal(bias, torch.cat([p.bias for p in layer.projections()]))
+    assert stacked([layer.mlp.gate_proj, layer.mlp.up_proj])[0].data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
+    with torch.no_grad():
+        model.float()
+        assert stacked(model.layers[0].projections()) is not None
+        k_proj = model.layers[0].self_attn.k_proj
+        k_proj.weight = torch.nn.Parameter(k_proj.weight.clone())
+        assert stacked(model.layers[0].projections()) is None
+        assert stacked(model.layers[0].projections()[:1]) is not None  # q alone still spans itself
+
+
+@pytest.mark.parametrize("model_type, overrides", [("sdar", {}), ("llada", {}), ("llada", {"attention_layer_norm": True})])
+def test_off_the_kernels_the_fused_model_is_the_reference(model_type, overrides):
+    """float64 on the CPU: every fused primitive falls back to the reference, bit for bit."""
+    model, reference = fused_and_reference(tiny_config(model_type, **overrides))
+    ids = torch.arange(9)[None].to(DEVICE) % model.cfg.vocab_size
+    with torch.no_grad():
+        assert torch.equal(model(ids, ids, dense), reference(ids, ids, dense))
+        h = torch.randn(2, 9, model.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        h = h.to(DEVICE)
+        rope, rope_ref = model.rope(ids.expand(2, -1)), reference.rope(ids.expand(2, -1))
+        for primitive in ("qkv", "qk", "kv"):
+            got, expected = getattr(model.layers[0], primitive)(h, rope), getattr(reference.layers[0], primitive)(h, rope_ref)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("model_type, overrides", [("sdar", {}), ("llada", {}), ("sdar", {"qkv_bias": True}),
+                                                   ("llada", {"qk_norm": "projection"})])
+@pytest.mark.parametrize("rows", [(1, 8), (2, 16), (3, 11), (1, MAX_ROWS + 5)])
+def test_on_the_kernels_the_fused_primitives_give_the_reference_values(kernels_on, monkeypatch, model_type, overrides,
+                                                                       rows):
+    """float32 in the interpreter: a layer's forward (over at most MAX_ROWS rows the few-row step, with
+    norm_linear; over more the stacked matmuls and one-pass kernels), the whole model's hidden states
+    (each MLP output carried into the next norm), qkv / qk / kv, and add_out, against the reference."""
+    cfg = dataclasses.replace(tiny_config(model_type), **overrides)
+    model, reference = fused_and_reference(cfg, torch.float32, seed=1)
+    batch, t = rows
+    generator = torch.Generator().manual_seed(batch * 100 + t)
+    x = torch.randn(batch, t, cfg.hidden_size, generator=generator).to(DEVICE)
+    o = torch.randn(batch, cfg.num_heads, t, cfg.head_dim, generator=generator).to(DEVICE)
+    ids = torch.randint(0, cfg.vocab_size, (batch, t), generator=generator).to(DEVICE)
+    positions = torch.arange(t, device=DEVICE).expand(batch, t)
+    attend = lambda q, k, v: attention(q, k, v)
+    calls = []
+    counted = lambda *args, **kwargs: calls.append(args[0].shape) or norm_linear(*args, **kwargs)
+    monkeypatch.setattr(fused_module, "norm_linear", counted)
+    close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        layer, layer_ref = model.layers[0], reference.layers[0]
+        rope, rope_ref = model.rope(positions), reference.rope(positions)
+        close(layer(x, rope, attend), layer_ref(x, rope_ref, attend))
+        assert len(calls) == (2 if batch * t <= MAX_ROWS else 0)
+        close(model.hidden(ids, positions, dense), reference.hidden(ids, positions, dense))
+        for primitive in ("qkv", "qk", "kv"):
+            for a, b in zip(getattr(layer, primitive)(x, rope), getattr(layer_ref, primitive)(x, rope_ref)):
+                close(a, b)
+        expected = x + layer_ref.out(o)
+        added = x.clone()
+        assert layer.add_out(added, o) is added
+        close(added, expected)
+        pending = torch.randn_like(x)
+        summed = x.clone()
+        close(layer.attn_norm(summed, pending), layer_ref.attn_norm(x + pending))
+        close(summed, x + pending)  # the add is written into the stream
+
+
+def test_the_few_row_step_needs_stacked_weights_of_the_stream_dtype(kernels_on):
+    model = random_weights(build_random(tiny_config("sdar"), dtype=torch.float32)).to(DEVICE)
+    layer = model.layers[0]
+    with torch.no_grad():
+        assert layer.few_row_weights(torch.zeros(1, MAX_ROWS, 32, device=DEVICE)) is not None
+        assert layer.few_row_weights(torch.zeros(1, MAX_ROWS + 1, 32, device=DEVICE)) is None
+        assert layer.few_row_weights(torch.zeros(1, 4, 32, device=DEVICE, dtype=torch.float16)) is None
+        layer.mlp.up_proj.weight = torch.nn.Parameter(layer.mlp.up_proj.weight.clone())  # no longer stacked
+        assert layer.few_row_weights(torch.zeros(1, 4, 32, device=DEVICE)) is None
+
+
+@pytest.mark.parametrize("model_type, overrides, kernels", [
+    # per-head q/k norm fused into rope_qk; every forward has at most 32 rows: norms and SwiGLU in norm_linear
+    ("sdar", {}, {"rms_norm", "rope_qk", "norm_linear"}),
+    ("llada", {}, {"rms_norm", "rope_qk", "silu_mul"}),  # no q/k norm
+    ("llada", {"attention_layer_norm": True}, {"rms_norm", "apply_rope", "silu_mul"}),  # norm over the projection
+])
+def test_engines_decode_the_same_tokens_on_the_fused_kernels(kernels_on, monkeypatch, model_type, overrides, kernels):
+    """Tiny models (q/k norm on transposed views, block cache with gathered positions), float32 so that
+    the interpreter's results are exact but for the RMS sums' order and exp's last bit."""
+    model = tiny_model(model_type, dtype=torch.float32, block_size=4, **overrides).to(DEVICE)
+    prompts = [random_prompt(9, seed=4), random_prompt(14, seed=5)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4, remasking="low_confidence_static")
+    decode = (lambda: block.generate(model, prompts, gen, stop_ids=()).tokens) if model_type == "sdar" else (
+        lambda: masked.generate(model, prompts, dataclasses.replace(gen, remasking="low_confidence")).tokens)
+    calls = []
+    counted = lambda fn: lambda *args, **kwargs: calls.append(fn.__name__) or fn(*args, **kwargs)
+    for module, fn in ((rmsnorm_module, rms_norm), (rope_module, apply_rope), (rope_module, rope_qk),
+                       (silu_mul_module, silu_mul), (norm_linear_module, norm_linear)):
+        monkeypatch.setattr(fused_module, fn.__name__, counted(fn))
+    monkeypatch.setattr("nanodllm.attention.KERNELS_ENABLED", False)
+    torch_tokens = decode()
+    assert not calls
+    monkeypatch.setattr("nanodllm.attention.KERNELS_ENABLED", True)
+    kernel_tokens = decode()
+    assert set(calls) == kernels
+    assert kernel_tokens == torch_tokens
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("cache_slice", [False, True])
+def test_add_out_adds_o_proj_in_place(kernels_on, bias, contiguous, cache_slice):
+    """FusedLayer.add_out: x += o_proj(o), through the matmul's epilogue (no bias, contiguous x; a
+    batched matmul where o is a slice of a token-major cache, as DyLLM's response-only steps pass it)
+    or a plain add; all give x + out(o) and return x itself."""
+    model = tiny_model("llada", dtype=torch.float32)
+    layer = model.layers[0]
+    generator = torch.Generator().manual_seed(0)
+    if bias:
+        layer.self_attn.o_proj.bias = torch.nn.Parameter(torch.randn(model.cfg.hidden_size, generator=generator))
+    o = torch.randn(2, model.cfg.num_heads, 5, model.cfg.head_dim, generator=generator)
+    if cache_slice:  # the last 5 of 9 rows of a [batch, rows, heads, d] cache, seen as [batch, heads, rows, d]
+        cache = torch.randn(2, 9, model.cfg.num_heads, model.cfg.head_dim, generator=generator)
+        o = cache.transpose(1, 2)[:, :, 4:]
+    x = torch.randn(2, 5, model.cfg.hidden_size, generator=generator)
+    if not contiguous:
+        x = torch.randn(2, 10, model.cfg.hidden_size, generator=generator)[:, ::2]
+    with torch.no_grad():
+        expected = x + layer.out(o)
+        assert layer.add_out(x, o) is x
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_adds_on_the_reference_path_too():
+    """RMSNorm(x, add): x becomes x + add and the norm is of the sum."""
+    norm = RMSNorm(16, 1e-6).double()
+    generator = torch.Generator().manual_seed(1)
+    x, add = (torch.randn(3, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    summed = x + add
+    out = norm(x, add)
+    assert torch.equal(x, summed)
+    torch.testing.assert_close(out, norm(summed.clone()))
