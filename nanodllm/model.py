@@ -18,7 +18,6 @@ and exposes those pieces, the primitives a method recombines:
 Attention is always somebody else's callback: `Model.forward(ids, positions, attend)` calls
 `attend(layer_idx, q, k, v)`. Numerics follow the references: RMSNorm in fp32, cast, then the weight;
 RoPE tables and rotation in fp32 (LLaDA's rope_full_precision), cast back to the activation dtype.
-nanodllm/fused.py is the same model on the GPU kernels, tested against this one.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ EDGE_CASES = [
 @example(case=Case(prefixes=[40, 0], num_kv_heads=2, group=2, num_queries=100, head_dim=64, dtype=torch.float16),
          num_splits=None, tiles=None, same_length=False)  # GQA past 64 queries: 200 rows, ragged
 @example(case=Case(prefixes=[0], group=4, num_queries=9, head_dim=128, dtype=torch.float32), num_splits=None,
-         tiles=None, same_length=False)  # float32 at D = 128: 4 stages of K + V would overflow an H100's shared memory
+         tiles=None, same_length=False)  # float32 at D = 128: 4 stages of K + V would overflow sm_90's shared memory
 def test_decode_attention_matches_reference(case, num_splits, tiles, same_length):
     q, k, v, prefixes = case.tensors()
     lengths = prefixes + case.num_queries

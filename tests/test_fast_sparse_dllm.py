@@ -108,8 +108,8 @@ def test_small_ratio_differs_and_keeps_its_share():
     assert 0.05 < method.stats["kv_kept"] < 0.15
 
 
-@pytest.mark.parametrize("name,knobs", [("fast_dllm", {"mode": "dual"}), ("sparse_dllm", {}),
-                                        ("sparse_dllm", {"ratio": 0.25}), ("sparse_dllm", {"per_head": True}),
+@pytest.mark.parametrize("name,knobs", [("sparse_dllm", {}), ("sparse_dllm", {"ratio": 0.25}),
+                                        ("sparse_dllm", {"per_head": True}),
                                         ("sparse_dllm", {"ratio": 0.25, "prefix_sparse": True})])
 def test_a_row_decodes_the_same_alone_and_in_a_ragged_batch(name, knobs):
     """DESIGN.md: a row's result must not depend on the batch. The short prompt, left-padded next to a

@@ -129,7 +129,7 @@ MASKS = [{}, {"causal": True}, {"block_size": 32}, {"block_size": 4}]
 
 
 def gpu_tile_case(head_dim=128):
-    """Several query and key tiles at the H100 tile sizes, queries a suffix of the keys and the first
+    """Several query and key tiles at the CUDA tile sizes, queries a suffix of the keys and the first
     row left-padded, so the unmasked and masked key loops both run at that size."""
     generator = torch.Generator().manual_seed(0)
     n_q, n_k = 200, 300

@@ -13,14 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.qsa_estimate import golden_strides
-from nanodllm import block
 from nanodllm.attention import CanvasMask, attention_reference
-from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
 from nanodllm.methods.momo import (block_lists, block_scores, delta_corrected, dense_mask, diagonal_blocks,
                                    estimated_top_k, exact_top_k, expand_blocks, kept_blocks, kept_lists, momo_attention,
                                    scaled_scores, trim_values, union_and_trim)
-from tests.tiny_models import masked_tokens, random_prompt, tiny_model
 from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
 MASKS = ["bidirectional", "padding", "block-causal", "causal"]
@@ -197,18 +194,6 @@ def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypat
     real = valid[:, None, :, None].expand_as(got) if kind != "bidirectional" else torch.ones_like(got, dtype=torch.bool)
     torch.testing.assert_close(got[real], expected[real], atol=FP32_OUT_TOLERANCE, rtol=FP32_OUT_TOLERANCE)
     assert (expected - momo_attention(q, k, v, make_mask(kind, valid), **{**knobs, "k_blocks": 13})).abs().max() > 1e-3
-
-
-def test_engines_decode_dense_tokens_with_a_full_budget():
-    full = dict(gamma=2, chi=4, beta=4, k=64, k_exact=4)
-    assert masked_tokens(get_method("momo", canvas=True, **full)) == masked_tokens(get_method("dense"))
-    assert masked_tokens(get_method("momo", canvas=True, gamma=2, chi=4, beta=4, k=1, k_exact=1)) != \
-        masked_tokens(get_method("dense"))
-    sdar = tiny_model("sdar", block_size=4)
-    prompts = [random_prompt(30, seed=3), random_prompt(21, seed=4)]
-    gen = GenerationConfig(gen_length=8, block_length=4, steps=4)
-    run = lambda method: block.generate(sdar, prompts, gen, method=method, stop_ids=()).tokens
-    assert run(get_method("momo", **full)) == run(get_method("dense"))
 
 
 def test_bad_knobs_are_named():

@@ -286,7 +286,7 @@ def test_silu_mul_matches_reference(shape, width, dtype, strided, seed):
     exp and the division may differ from torch's in the last fp32 bits; rounded twice (silu, then the
     product) that is up to 2 units in the last place of a half type. Float32 keeps the whole error: the
     GPU's exp scales its argument by log2(e) before a base-2 exp, an error that grows with |gate|
-    (7 units at |gate| ~ 16 on an H100), so float32 allows 16."""
+    (7 units at |gate| ~ 16 compiled on a GPU), so float32 allows 16."""
     generator = torch.Generator().manual_seed(seed)
     source = torch.randn(*shape, 2 * width + (5 if strided else 0), generator=generator).mul(4)
     gate_up = source.to(dtype=dtype, device=DEVICE)[..., : 2 * width]
