@@ -29,9 +29,9 @@ def check_int(minimum: int, odd: bool = False, **knobs):
 
 def overwrite(buffer: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     """value written into buffer when it has value's shape (the same tensor stays: what a step of a
-    kind reads), else value itself."""
+    kind reads), else a copy of value (a buffer of its own, whatever value is a view of)."""
     if buffer is None or buffer.shape != value.shape:
-        return value
+        return value.clone()
     return buffer.copy_(value)
 
 

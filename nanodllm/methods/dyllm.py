@@ -181,7 +181,7 @@ class DyLLM(Method):
             hidden = self.full_step(model, ctx)
         else:
             hidden = self.sparse_step(model, ctx, *(ctx.kind[1:] if ctx.kind else self.plan(ctx)))
-        self.previous_tokens = overwrite(self.previous_tokens, ctx.tokens.clone())
+        self.previous_tokens = overwrite(self.previous_tokens, ctx.tokens)
         return hidden
 
     def end_step(self, ctx: StepContext):
@@ -206,7 +206,7 @@ class DyLLM(Method):
         self.full_done += 1
         self.salient = ctx.valid.clone()  # every row was just computed
         prompt_width = ctx.logits_start - ctx.block * ctx.block_length
-        self.prompt_tail = overwrite(self.prompt_tail, x[:, prompt_width - 1 : prompt_width].clone())
+        self.prompt_tail = overwrite(self.prompt_tail, x[:, prompt_width - 1 : prompt_width])
         return x
 
     def sparse_step(self, model, ctx, offset: int, first: int | None, all_valid: bool) -> torch.Tensor:
@@ -220,7 +220,7 @@ class DyLLM(Method):
         self.salient[:, offset:] = salient
         self.fractions = overwrite(self.fractions, fractions)
         if offset == 0:  # a response-only step's first logits read the prompt's last row as last seen
-            self.prompt_tail = overwrite(self.prompt_tail, x[:, prompt_width - 1 : prompt_width].clone())
+            self.prompt_tail = overwrite(self.prompt_tail, x[:, prompt_width - 1 : prompt_width])
         return x
 
     def logits(self, model, hidden, ctx: StepContext) -> torch.Tensor:
