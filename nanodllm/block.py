@@ -110,9 +110,11 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         ctx = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
                           steps_per_block=gen.steps, mask_id=mask_id, cache=cache, block_length=size)
         method.begin_block(ctx)
-        left = ((current == mask_id) & active[:, None]).sum(dim=-1).tolist() if counted else None
+        # The positions still to decode, tracked as such: a prompt token equal to the mask id (LLaDA2's
+        # mask id is also a chat-template token) is never taken for a mask.
+        masked = (columns >= lengths[:, None]) & active[:, None]
+        left = masked.sum(dim=-1).tolist() if counted else None
         for step in range(gen.steps + 1):
-            masked = (current == mask_id) & active[:, None]
             if not (any(left) if counted else masked.any()):
                 break
             ctx.tokens, ctx.step = current, step
@@ -125,6 +127,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             host_count = [min(host_schedule[scheduled], n) for n in left] if counted else None
             transfer = choose(confidence, masked, count, gen.remasking, gen.threshold, host_count) & masked
             current = torch.where(transfer, x0, current)
+            masked &= ~transfer
             if counted:
                 left = [n - c for n, c in zip(left, host_count)]
             max_steps = max(max_steps, step + 1)

@@ -35,9 +35,10 @@ def cache_free_generate(model, prompt, gen, stop_ids=()):
     x[0, : len(prompt)] = torch.tensor(prompt)
     schedule = [size // gen.steps + (i < size % gen.steps) for i in range(gen.steps)]
     end = len(prompt)
+    undecided = torch.arange(total) >= len(prompt)  # tracked, so a prompt token equal to [MASK] stays
     for start in range(len(prompt) // size * size, total, size):
         for step in range(gen.steps + 1):
-            masked = x[0, start : start + size] == MASK_ID
+            masked = undecided[start : start + size]
             if not masked.any():
                 break
             logits = block_causal_forward(model, x[:, : start + size], size)[0, start:]
@@ -53,6 +54,7 @@ def cache_free_generate(model, prompt, gen, stop_ids=()):
             else:
                 transfer[torch.topk(conf, k).indices] = True
             x[0, start : start + size] = torch.where(transfer, x0, x[0, start : start + size])
+            undecided[start : start + size] &= ~transfer
         end = start + size
         if any(int(t) in stop_ids for t in x[0, len(prompt) : end]):
             break
