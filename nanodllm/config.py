@@ -11,6 +11,12 @@
   (position i is predicted from hidden state i-1), mask 151666 by default.
 - `Fast_dLLM_Qwen`: Fast-dLLM v2 7B. The same Qwen2 layout, block-causal with `bd_size` (default
   32), logits shifted, mask 151665 by default.
+- `llada2_moe`: LLaDA2.0/2.1-mini and -flash. Mixture of experts (sigmoid router with an expert bias
+  and group-limited choice, a shared expert, the first `first_k_dense_replace` layers dense), per-head
+  q/k norm, RoPE on the first `partial_rotary_factor` of each head's dims, block-causal with blocks of
+  32, mask 156895 and eos 156892 by default.
+- `sdar_moe`: SDAR-30B-A3B. Qwen3-MoE field names (softmax router, no shared expert, dense layers
+  where `mlp_only_layers` / `decoder_sparse_step` say so) with SDAR's block-causal attention.
 
 Everything inside nanodllm uses the one internal vocabulary of this dataclass; the loader maps tensor
 names the same way. `preset(name)` gives the real 8B-class shapes so benchmarks can build a model
@@ -25,7 +31,44 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen")
+SUPPORTED_MODEL_TYPES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe", "sdar_moe")
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (nanodllm/mlp.py): which layers have one and how tokens are routed."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_size: int  # each routed expert's intermediate width
+    score: str  # "softmax" over the experts (Qwen3-MoE) or a "sigmoid" per expert (LLaDA2)
+    normalize: bool  # the chosen experts' scores divided by their sum
+    scale: float = 1.0  # routed_scaling_factor, applied after normalising
+    groups: int = 1  # n_group: the experts in `groups` equal groups, of which the choice may use
+    groups_kept: int = 1  # topk_group, ranked by the sum of each group's two best scores
+    expert_bias: bool = False  # a learned bias added to the scores for the choice only
+    shared_size: int = 0  # the shared expert's intermediate width (0: none)
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense (of the model's intermediate_size)
+
+    def __post_init__(self):
+        if self.score not in ROUTER_SCORES:
+            raise ValueError(f"router score function {self.score!r} is not implemented; "
+                             f"supported: {', '.join(ROUTER_SCORES)}")
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts per token must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.experts_per_token}")
+        if self.groups < 1 or self.num_experts % self.groups:
+            raise ValueError(f"n_group={self.groups} must divide num_experts={self.num_experts}")
+        per_group = self.num_experts // self.groups
+        if self.groups > 1 and per_group < 2:
+            raise ValueError(f"group-limited routing ranks groups by their two best experts; "
+                             f"n_group={self.groups} leaves {per_group} per group")
+        if not 0 < self.groups_kept <= self.groups:
+            raise ValueError(f"topk_group={self.groups_kept} must be in [1, n_group={self.groups}]")
+        if self.experts_per_token > self.groups_kept * per_group:
+            raise ValueError(f"{self.experts_per_token} experts per token do not fit in topk_group="
+                             f"{self.groups_kept} groups of {per_group}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +94,8 @@ class ModelConfig:
     logit_shift: bool = False
     tie_word_embeddings: bool = False
     rope_ntk_factor: float = 1.0  # > 1 stretches RoPE (NTK-aware) beyond the trained context
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim = factor * head_dim dims
+    moe: MoEConfig | None = None  # a mixture-of-experts MLP in every layer but moe.dense_layers
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -63,15 +108,21 @@ class ModelConfig:
             raise ValueError("block_causal attention needs a positive block_size")
         if self.qk_norm not in (None, "head", "projection"):
             raise ValueError(f"qk_norm must be None, 'head' or 'projection', got {self.qk_norm!r}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotate-half RoPE, got {self.head_dim}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"RoPE's width (head_dim {self.head_dim} x partial_rotary_factor "
+                             f"{self.partial_rotary_factor}) must be even and in [2, head_dim]")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def rope_base(self) -> float:
-        """RoPE base after NTK-aware scaling: base * factor^(d / (d - 2))."""
+        """RoPE base after NTK-aware scaling: base * factor^(d / (d - 2)), d the rotated width."""
         if self.rope_ntk_factor == 1.0:
             return self.rope_theta
-        d = self.head_dim
+        d = self.rotary_dim
         return self.rope_theta * self.rope_ntk_factor ** (d / (d - 2))
 
     @property
@@ -108,6 +159,10 @@ class ModelConfig:
             return _from_qwen3_fields(raw, source)
         if model_type in ("Dream", "Fast_dLLM_Qwen"):
             return _from_qwen2_fields(raw, source)
+        if model_type == "llada2_moe":
+            return _from_llada2_fields(raw, source)
+        if model_type == "sdar_moe":
+            return _from_qwen3_moe_fields(raw, source)
         raise ValueError(
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
@@ -177,6 +232,66 @@ def _from_qwen3_fields(raw: dict, source: str) -> ModelConfig:
     )
 
 
+def _from_qwen3_moe_fields(raw: dict, source: str) -> ModelConfig:
+    """SDAR-MoE: SDAR's fields plus Qwen3-MoE's. A layer is dense if listed in mlp_only_layers or if
+    (layer + 1) is not a multiple of decoder_sparse_step, as Qwen3-MoE decides."""
+    sdar = _from_qwen3_fields(raw, source)
+    if raw.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{source}: shared_expert_intermediate_size is not part of the Qwen3-MoE layout")
+    layers, step = sdar.num_layers, raw.get("decoder_sparse_step") or 1
+    only_mlp = set(raw.get("mlp_only_layers") or ())
+    moe = MoEConfig(
+        num_experts=_require(raw, "num_experts", source),
+        experts_per_token=_require(raw, "num_experts_per_tok", source),
+        expert_size=_require(raw, "moe_intermediate_size", source),
+        score="softmax",
+        normalize=bool(raw.get("norm_topk_prob", False)),
+        dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step),
+    )
+    return dataclasses.replace(sdar, model_type="sdar_moe", moe=moe)
+
+
+def _from_llada2_fields(raw: dict, source: str) -> ModelConfig:
+    """LLaDA2 (BailingMoeV2 field names). The router scores with a sigmoid, chooses on the scores plus
+    expert_bias within the topk_group best of n_group groups, and weighs the chosen by their unbiased
+    scores normalised to sum 1 (when more than one is chosen), times routed_scaling_factor."""
+    for flag in ("use_qkv_bias", "use_bias", "norm_head"):
+        if raw.get(flag):
+            raise ValueError(f"{source}: {flag}=true is not supported (the released LLaDA2 checkpoints set it false)")
+    if raw.get("score_function", "sigmoid") != "sigmoid":
+        raise ValueError(f"{source}: score_function {raw['score_function']!r} is not implemented for "
+                         "llada2_moe; only 'sigmoid'")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported; only 'silu'")
+    shape = _qwen_shape(raw, source)
+    experts_per_token = _require(raw, "num_experts_per_tok", source)
+    dense = min(raw.get("first_k_dense_replace") or 0, shape["num_layers"])
+    moe = MoEConfig(
+        num_experts=_require(raw, "num_experts", source),
+        experts_per_token=experts_per_token,
+        expert_size=_require(raw, "moe_intermediate_size", source),
+        score="sigmoid",
+        normalize=experts_per_token > 1,
+        scale=float(raw.get("routed_scaling_factor", 1.0)),
+        groups=_require(raw, "n_group", source),
+        groups_kept=_require(raw, "topk_group", source),
+        expert_bias=bool(raw.get("moe_router_enable_expert_bias", True)),
+        shared_size=(raw.get("num_shared_experts") or 0) * raw["moe_intermediate_size"],
+        dense_layers=tuple(range(dense)),
+    )
+    return ModelConfig(
+        model_type="llada2_moe",
+        **shape,
+        attention="block_causal",
+        block_size=32 if raw.get("block_size") is None else raw["block_size"],
+        mask_token_id=156895 if raw.get("mask_token_id") is None else raw["mask_token_id"],
+        eos_token_ids=_stop_ids(raw, default=(156892,)),
+        qk_norm="head" if raw.get("use_qk_norm") else None,
+        partial_rotary_factor=float(raw.get("partial_rotary_factor", 1.0)),
+        moe=moe,
+    )
+
+
 def _qwen_shape(raw: dict, source: str) -> dict:
     """The ModelConfig fields Qwen2 and Qwen3 configs name alike."""
     if raw.get("rope_scaling"):
@@ -235,6 +350,14 @@ _PRESETS = {
     "fast-dllm-v2-7b": dict(model_type="Fast_dLLM_Qwen", hidden_size=3584, num_hidden_layers=28,
                             num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
                             vocab_size=152064, bd_size=32),
+    "llada2-mini": dict(model_type="llada2_moe", hidden_size=2048, num_hidden_layers=20, num_attention_heads=16,
+                        num_key_value_heads=4, head_dim=128, intermediate_size=5120, moe_intermediate_size=512,
+                        num_experts=256, num_experts_per_tok=8, num_shared_experts=1, n_group=8, topk_group=4,
+                        routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
+                        partial_rotary_factor=0.5, rope_theta=600000.0, vocab_size=157184),
+    "sdar-30b-a3b": dict(model_type="sdar_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936),
 }
 PRESETS = tuple(_PRESETS)
 
@@ -257,6 +380,12 @@ def default_block_length(cfg: ModelConfig, gen_length: int) -> int:
     if cfg.attention == "block_causal":
         return cfg.block_size
     return gen_length if cfg.model_type == "Dream" else min(32, gen_length)
+
+
+def default_threshold(cfg: ModelConfig) -> float | None:
+    """The confidence threshold a model's reference loop decodes with: LLaDA2's generate() unmasks every
+    position above 0.95 when at least the scheduled count clear it; the others use none by default."""
+    return 0.95 if cfg.model_type == "llada2_moe" else None
 
 
 @dataclass

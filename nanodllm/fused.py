@@ -10,7 +10,9 @@ elsewhere (every fused primitive falls back to its reference):
 - o_proj adds into the residual stream in the matmul (add_out), which rounds x + o W^T once;
 - the forward carries each layer's MLP output into the next layer's norm, which adds it there;
 - over a decode step's few rows (kernels/norm_linear.py MAX_ROWS) the norms and SwiGLU ride inside the
-  q/k/v and gate/up matmuls, and o_proj and down_proj add into the residual in their epilogues.
+  q/k/v and gate/up matmuls, and o_proj and down_proj add into the residual in their epilogues;
+- a mixture of experts stores every expert's gate/up and down back to back, groups the tokens' rows by
+  expert and runs one grouped matmul per projection (torch's grouped_mm), with no host sync.
 FusedModel is a Model with these modules; the builders (build_empty, build_random, the loader)
 make every model one.
 """
@@ -31,7 +33,10 @@ from kernels.silu_mul import silu_mul
 
 from .attention import use_kernels
 from .config import ModelConfig
-from .model import MLP, Attend, Layer, Model, RMSNorm, Rope
+from .mlp import MLP, MoE
+from .model import Attend, Layer, Model, RMSNorm, Rope
+
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def stack_in_place(linears: list[nn.Linear]):
@@ -98,7 +103,8 @@ class FusedRMSNorm(RMSNorm):
 
 class FusedRope(Rope):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_rope(x, self.cos, self.sin) if use_kernels(x) else super().apply(x)
+        whole_head = self.cos.shape[-1] == x.shape[-1]  # the kernel rotates every dim
+        return apply_rope(x, self.cos, self.sin) if use_kernels(x) and whole_head else super().apply(x)
 
 
 class FusedMLP(MLP):
@@ -107,6 +113,41 @@ class FusedMLP(MLP):
         if gate_up is None:
             return super().forward(x)
         return self.down_proj(silu_mul(F.linear(x, *gate_up)))
+
+
+class FusedMoE(MoE):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.stacked_experts() if use_kernels(x) and GROUPED_MM is not None else None
+        if weights is None:
+            return super().forward(x)
+        gate_up, down = weights
+        flat = x.reshape(-1, x.shape[-1])
+        chosen, routing = self.gate(flat)
+        order = chosen.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)  # bincount would sync
+        group_ends = counts.index_add_(0, chosen.flatten(), torch.ones_like(chosen.flatten(), dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+        rows = flat[order // chosen.shape[1]]
+        hidden = silu_mul(GROUPED_MM(rows, gate_up.transpose(1, 2), offs=group_ends))
+        grouped = GROUPED_MM(hidden, down.transpose(1, 2), offs=group_ends)
+        outputs = torch.empty_like(grouped).index_copy_(0, order, grouped).view(*chosen.shape, -1)
+        y = self.combine(outputs, routing, x.dtype)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(flat)
+        return y.view_as(x)
+
+    def projections(self) -> list[list[nn.Linear]]:
+        """Every expert's gate and up (one after the other, expert by expert), and every down."""
+        gate_up = [linear for expert in self.experts for linear in (expert.gate_proj, expert.up_proj)]
+        return [gate_up, [expert.down_proj for expert in self.experts]]
+
+    def stacked_experts(self):
+        """(gate/up [experts, 2 * size, hidden], down [experts, hidden, size]) over the stacked
+        weights, or None if they were replaced since stack_in_place."""
+        spans = [stacked(linears) for linears in self.projections()]
+        if any(weights is None for weights in spans):
+            return None
+        experts = len(self.experts)
+        return tuple(weight.view(experts, -1, weight.shape[-1]) for weight, _ in spans)
 
 
 class FusedLayer(Layer):
@@ -139,7 +180,7 @@ class FusedLayer(Layer):
         widths = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
         outputs = projected.split(widths[:count], dim=-1)
         values = tuple(self.heads(v) for v in outputs[2:])
-        if cfg.qk_norm != "projection" and projected.dim() == 3:
+        if cfg.qk_norm != "projection" and projected.dim() == 3 and cfg.rotary_dim == cfg.head_dim:
             norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
             eps = attn.q_norm.eps if cfg.qk_norm else 0.0
             return (*rope_qk(projected, cfg.num_heads, cfg.num_kv_heads, rope.cos, rope.sin, *norms, eps), *values)
@@ -173,6 +214,8 @@ class FusedLayer(Layer):
         """(q/k/v weight, bias, gate/up weight) for few_row_step, or None where it does not apply."""
         if x.dim() != 3 or not x.is_contiguous() or x.shape[0] * x.shape[1] > MAX_ROWS:
             return None
+        if not isinstance(self.mlp, MLP):  # a mixture of experts runs as itself
+            return None
         qkv, gate_up = stacked(self.projections()), stacked([self.mlp.gate_proj, self.mlp.up_proj])
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         if qkv is None or gate_up is None or any(w.dtype != x.dtype for w in (*norms, qkv[0])):
@@ -203,7 +246,7 @@ class FusedModel(Model):
         self.stack_projections()
 
     def rope(self, positions: torch.Tensor) -> Rope:
-        return FusedRope(positions, self.cfg.head_dim, self.cfg.rope_base)
+        return FusedRope(positions, self.cfg.rotary_dim, self.cfg.rope_base)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         if not use_kernels(self.embed_tokens.weight):
@@ -217,9 +260,14 @@ class FusedModel(Model):
     def stack_projections(self):
         """Each layer's q/k/v and gate/up weights back to back (stack_in_place). Moving or casting the
         model afterwards (.to, .cuda, .half) stacks them again."""
-        for layer in self.layers:
-            stack_in_place(layer.projections())
-            stack_in_place([layer.mlp.gate_proj, layer.mlp.up_proj])
+        for module in reversed(list(self.modules())):  # each expert's gate/up pair, then all experts
+            if isinstance(module, FusedLayer):
+                stack_in_place(module.projections())
+            elif isinstance(module, FusedMLP):
+                stack_in_place([module.gate_proj, module.up_proj])
+            elif isinstance(module, FusedMoE):
+                for linears in module.projections():
+                    stack_in_place(linears)
         self.projections_stacked = True
 
     def _apply(self, fn, *args, **kwargs):
@@ -229,7 +277,7 @@ class FusedModel(Model):
         return self
 
 
-FUSED = {Layer: FusedLayer, MLP: FusedMLP, RMSNorm: FusedRMSNorm}
+FUSED = {Layer: FusedLayer, MLP: FusedMLP, MoE: FusedMoE, RMSNorm: FusedRMSNorm}
 
 
 def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16) -> FusedModel:

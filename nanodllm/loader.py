@@ -4,8 +4,10 @@ A checkpoint is config.json plus either model.safetensors or shards listed in
 model.safetensors.index.json. Tensors are streamed one at a time (safe_open) straight into the
 parameters of a model allocated on the target device, so loading needs little more host memory than
 the largest tensor. Each family's tensor names are mapped onto the internal (Qwen3) names by one
-rename table. Before anything is read, every name and shape is checked: a missing, unexpected or
-misshapen tensor is an error that names all of them, and no model is returned half-loaded.
+rename table; a fused tensor (LLaDA2's query_key_value) renames to several parameters, which take its
+rows in order. Before anything is read, every name and shape is checked: a missing, unexpected or
+misshapen tensor is an error that names all of them, and no model is returned half-loaded. Experts
+load one tensor per expert, as released; a checkpoint that stores them fused is refused by name.
 Tied embeddings: when the checkpoint has no LM head and the config ties (or does not say), the head
 is the embedding matrix.
 """
@@ -47,8 +49,21 @@ RENAMES = {
         ("model.{name}", "{name}"),
     ],
 }
-RENAMES["Dream"] = RENAMES["Fast_dLLM_Qwen"] = RENAMES["sdar"]  # Qwen2 names (+ q/k/v biases) are Qwen3's
-QWEN_FAMILIES = ("sdar", "Dream", "Fast_dLLM_Qwen")
+RENAMES["llada2_moe"] = [
+    ("model.word_embeddings.weight", "embed_tokens.weight"),
+    ("model.layers.{i}.attention.query_key_value.weight", ("layers.{i}.self_attn.q_proj.weight",
+                                                           "layers.{i}.self_attn.k_proj.weight",
+                                                           "layers.{i}.self_attn.v_proj.weight")),
+    ("model.layers.{i}.attention.query_layernorm.weight", "layers.{i}.self_attn.q_norm.weight"),
+    ("model.layers.{i}.attention.key_layernorm.weight", "layers.{i}.self_attn.k_norm.weight"),
+    ("model.layers.{i}.attention.dense.weight", "layers.{i}.self_attn.o_proj.weight"),
+    ("model.layers.{i}.mlp.shared_experts.{name}", "layers.{i}.mlp.shared_expert.{name}"),
+    *RENAMES["sdar"],
+]
+# Qwen2 names (+ q/k/v biases) and Qwen3-MoE's (mlp.gate, mlp.experts.{e}.*_proj) are Qwen3's
+RENAMES["Dream"] = RENAMES["Fast_dLLM_Qwen"] = RENAMES["sdar_moe"] = RENAMES["sdar"]
+QWEN_FAMILIES = ("sdar", "Dream", "Fast_dLLM_Qwen", "sdar_moe")
+FUSED_EXPERTS = re.compile(r".*\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj|w1|w2|w3|w13)(\.weight)?")
 
 
 def _rename(name: str, source: str, target: str) -> str | None:
@@ -57,21 +72,26 @@ def _rename(name: str, source: str, target: str) -> str | None:
     return target.format(**match.groupdict()) if match else None
 
 
-def internal_name(model_type: str, checkpoint_name: str) -> str | None:
-    """The model parameter a checkpoint tensor loads into (None if the family has no such tensor)."""
+def _targets(target: str | tuple[str, ...]) -> tuple[str, ...]:
+    return target if isinstance(target, tuple) else (target,)
+
+
+def internal_names(model_type: str, checkpoint_name: str) -> tuple[str, ...]:
+    """The model parameters a checkpoint tensor loads into, in row order (empty if none)."""
     for source, target in RENAMES[model_type]:
-        renamed = _rename(checkpoint_name, source, target)
-        if renamed is not None:
+        renamed = tuple(_rename(checkpoint_name, source, t) for t in _targets(target))
+        if None not in renamed:
             return renamed
-    return None
+    return ()
 
 
 def checkpoint_name(model_type: str, parameter: str) -> str:
     """The tensor name a model parameter is stored under in the family's checkpoints."""
     for source, target in RENAMES[model_type]:
-        renamed = _rename(parameter, target, source)
-        if renamed is not None:
-            return renamed
+        for one in _targets(target):
+            renamed = _rename(parameter, one, source)
+            if renamed is not None:
+                return renamed
     return parameter
 
 
@@ -118,27 +138,33 @@ def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def plan(model: Model, files: dict[str, Path]) -> dict[str, str]:
-    """internal parameter name -> checkpoint name, after checking names and shapes.
-
-    Raises CheckpointError listing every missing, unexpected and misshapen tensor."""
+def plan(model: Model, files: dict[str, Path]) -> dict[str, tuple[str, ...]]:
+    """checkpoint name -> the internal parameters it loads (in row order), after checking names and
+    shapes. Raises CheckpointError listing every missing, unexpected and misshapen tensor."""
     cfg = model.cfg
     params = dict(model.named_parameters())
     shapes = _shapes(files)
-    mapping, unexpected, duplicated = {}, [], []
+    fused = sorted(name for name in shapes if FUSED_EXPERTS.fullmatch(name))
+    if fused:
+        raise CheckpointError(f"{fused[0]} holds every expert in one tensor; nanodllm loads the released "
+                              "layout, one tensor per expert (mlp.experts.{e}.gate_proj.weight, ...)")
+    mapping, loaded_by, unexpected, duplicated = {}, {}, [], []
     for name in sorted(shapes):
-        target = internal_name(cfg.model_type, name)
-        if target not in params:
+        targets = internal_names(cfg.model_type, name)
+        if not targets or any(t not in params for t in targets):
             unexpected.append(name)
-        elif target in mapping:
-            duplicated.append(f"{mapping[target]} and {name} both load {target}")
-        else:
-            mapping[target] = name
-    missing = sorted(checkpoint_name(cfg.model_type, n) for n in set(params) - set(mapping))
+            continue
+        for target in targets:
+            if target in loaded_by:
+                duplicated.append(f"{loaded_by[target]} and {name} both load {target}")
+            loaded_by[target] = name
+        mapping[name] = targets
+    missing = sorted({checkpoint_name(cfg.model_type, n) for n in set(params) - set(loaded_by)})
+    expected = {name: _rows_of(params, targets) for name, targets in mapping.items()}
     misshapen = [
-        f"{mapping[n]} has shape {list(shapes[mapping[n]])}, expected {list(params[n].shape)}"
-        for n in sorted(mapping)
-        if shapes[mapping[n]] != tuple(params[n].shape)
+        f"{name} has shape {list(shapes[name])}, expected {list(expected[name])}"
+        for name in sorted(mapping)
+        if shapes[name] != expected[name]
     ]
     problems = []
     if missing:
@@ -154,12 +180,18 @@ def plan(model: Model, files: dict[str, Path]) -> dict[str, str]:
     return mapping
 
 
+def _rows_of(params: dict, targets: tuple[str, ...]) -> tuple[int, ...]:
+    """The shape of the targets' parameters stacked along their first dim."""
+    first = tuple(params[targets[0]].shape)
+    return (sum(params[t].shape[0] for t in targets), *first[1:])
+
+
 def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = None) -> Model:
     """Load a checkpoint directory. `context` stretches RoPE (NTK) to that many tokens if needed."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = checkpoint_files(path)
-    has_head = any(internal_name(cfg.model_type, name) == "lm_head.weight" for name in files)
+    has_head = any(internal_names(cfg.model_type, name) == ("lm_head.weight",) for name in files)
     if has_head and cfg.tie_word_embeddings:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head is used as stored
     if not has_head and cfg.model_type in QWEN_FAMILIES:
@@ -172,7 +204,9 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = N
     with torch.no_grad():
         for file in sorted(set(files.values())):
             handle = _open(file)
-            for target, source in mapping.items():
+            for source, targets in mapping.items():
                 if files[source] == file:
-                    params[target].copy_(handle.get_tensor(source))
+                    rows = [params[t].shape[0] for t in targets]
+                    for target, part in zip(targets, handle.get_tensor(source).split(rows)):
+                        params[target].copy_(part)
     return model

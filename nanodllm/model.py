@@ -16,8 +16,9 @@ and exposes those pieces, the primitives a method recombines:
     x = x + layer.mlp(layer.mlp_norm(x))
 
 Attention is always somebody else's callback: `Model.forward(ids, positions, attend)` calls
-`attend(layer_idx, q, k, v)`. Numerics follow the references: RMSNorm in fp32, cast, then the weight;
-RoPE tables and rotation in fp32 (LLaDA's rope_full_precision), cast back to the activation dtype.
+`attend(layer_idx, q, k, v)`. The MLP is a SwiGLU or a mixture of experts (nanodllm/mlp.py). Numerics
+follow the references: RMSNorm in fp32, cast, then the weight; RoPE tables and rotation in fp32
+(LLaDA's rope_full_precision), cast back to the activation dtype.
 """
 
 from __future__ import annotations
@@ -27,16 +28,11 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .config import ModelConfig
+from .mlp import MLP, MoE, fp32_or_wider
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def fp32_or_wider(x: torch.Tensor) -> torch.Tensor:
-    """x in float32, or float64 if it already is (tests run whole models in float64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class RMSNorm(nn.Module):
@@ -56,10 +52,11 @@ class RMSNorm(nn.Module):
 
 
 class Rope:
-    """Rotate-half RoPE at given positions [batch, t]: fp32 cos and sin tables [batch, 1, t, d]."""
+    """Rotate-half RoPE at given positions [batch, t]: fp32 cos and sin tables [batch, 1, t, r] for the
+    first r = rotary_dim dims of each head (the frequencies over those r); the others pass through."""
 
-    def __init__(self, positions: torch.Tensor, head_dim: int, base: float):
-        exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    def __init__(self, positions: torch.Tensor, rotary_dim: int, base: float):
+        exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32) / rotary_dim
         inv_freq = 1.0 / base**exponent
         freqs = positions.float()[..., None] * inv_freq  # [batch, t, d/2]
         angles = torch.cat([freqs, freqs], dim=-1)[:, None]
@@ -75,11 +72,13 @@ class Rope:
         return picked
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, heads, t, d] rotated: x cos + rotate_half(x) sin."""
-        x32 = fp32_or_wider(x)
-        half = x32.shape[-1] // 2
+        """x [b, heads, t, d] rotated: x cos + rotate_half(x) sin over its first r dims."""
+        width = self.cos.shape[-1]
+        x32 = fp32_or_wider(x[..., :width])
+        half = width // 2
         rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-        return (x32 * self.cos + rotated * self.sin).to(x.dtype)
+        out = (x32 * self.cos + rotated * self.sin).to(x.dtype)
+        return out if width == x.shape[-1] else torch.cat([out, x[..., width:]], dim=-1)
 
 
 class SelfAttention(nn.Module):
@@ -97,27 +96,15 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.num_kv_heads * hd if whole else hd, cfg.rms_norm_eps)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        dense = cfg.moe is None or index in cfg.moe.dense_layers
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if dense else MoE(cfg)
 
     def forward(self, x: torch.Tensor, rope: Rope, attend: Callable) -> torch.Tensor:
         h = x + self.out(attend(*self.qkv(self.attn_norm(x), rope)))
@@ -171,7 +158,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -185,7 +172,7 @@ class Model(nn.Module):
         return self.embed_tokens(ids)
 
     def rope(self, positions: torch.Tensor) -> Rope:
-        return Rope(positions, self.cfg.head_dim, self.cfg.rope_base)
+        return Rope(positions, self.cfg.rotary_dim, self.cfg.rope_base)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Every layer over ids; the last hidden state, before the final norm."""

@@ -197,6 +197,87 @@ FAST_DLLM_V2_CONFIG = {
     "model_type": "Fast_dLLM_Qwen",
 }
 
+# The mixture-of-experts families. LLaDA2's config.json as released (BailingMoeV2 field names) plus
+# block_size and mask_token_id, which the tiny vocabulary and the 13-token input need (the released
+# model decodes blocks of 32 with mask 156895). Its router: 16 experts in 4 groups, 2 groups kept.
+LLADA2_CONFIG = {
+    "architectures": ["LLaDA2MoeModelLM"],
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+        "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+        "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
+    },
+    "block_size": BLOCK,
+    "embedding_dropout": 0.0,
+    "eos_token_id": 251,
+    "first_k_dense_replace": 1,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "initializer_range": 0.02,
+    "intermediate_size": 64,
+    "mask_token_id": 250,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 3,
+    "model_type": "llada2_moe",
+    "moe_intermediate_size": 16,
+    "moe_router_enable_expert_bias": True,
+    "n_group": 4,
+    "norm_head": False,
+    "norm_softmax": False,
+    "norm_topk_prob": True,
+    "num_attention_heads": 4,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 2,
+    "num_shared_experts": 1,
+    "output_dropout": 0.0,
+    "output_router_logits": False,
+    "pad_token_id": 251,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 600000,
+    "routed_scaling_factor": 2.5,
+    "router_dtype": "fp32",
+    "score_function": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 2,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.52.3",
+    "use_bias": False,
+    "use_cache": True,
+    "use_qk_norm": True,
+    "use_qkv_bias": False,
+    "use_rmsnorm": True,
+    "vocab_size": VOCAB,
+}
+
+# SDAR-30B-A3B: SDAR's fields plus Qwen3-MoE's. Layer 1 is dense (mlp_only_layers) to exercise the rule.
+SDAR_MOE_CONFIG = {
+    **SDAR_CONFIG,
+    "architectures": ["SDARMoeForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
+        "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+        "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
+    },
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "model_type": "sdar_moe",
+    "moe_intermediate_size": 16,
+    "norm_topk_prob": True,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 3,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
+
 # ----------------------------------------------------------------------------------------------
 # random weights
 
@@ -262,6 +343,64 @@ def qwen_weights(gen, c: dict, qk_norm: bool, qkv_bias: bool) -> dict[str, torch
         w[p + "mlp.down_proj.weight"] = _linear(gen, d, f)
     w["model.norm.weight"] = _norm(gen, d)
     w["lm_head.weight"] = _linear(gen, v, d)
+    return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
+
+
+def expert_weights(gen, prefix: str, c: dict, count: int) -> dict[str, torch.Tensor]:
+    """One gate/up/down tensor per expert, as the released MoE checkpoints store them."""
+    d, f = c["hidden_size"], c["moe_intermediate_size"]
+    w = {}
+    for e in range(count):
+        w[f"{prefix}experts.{e}.gate_proj.weight"] = _linear(gen, f, d)
+        w[f"{prefix}experts.{e}.up_proj.weight"] = _linear(gen, f, d)
+        w[f"{prefix}experts.{e}.down_proj.weight"] = _linear(gen, d, f)
+    return w
+
+
+def llada2_weights(gen) -> dict[str, torch.Tensor]:
+    """LLaDA2 tensors: fused query_key_value, q/k layernorms, layer 0 dense, then MoE layers whose
+    router weights are sharp and whose expert bias is large enough to change the choice."""
+    c = LLADA2_CONFIG
+    d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    w = {"model.word_embeddings.weight": torch.randn(v, d, generator=gen)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = _norm(gen, d)
+        w[p + "attention.query_key_value.weight"] = _linear(gen, q + 2 * kv, d)
+        w[p + "attention.query_layernorm.weight"] = 2 * _norm(gen, hd)
+        w[p + "attention.key_layernorm.weight"] = 2 * _norm(gen, hd)
+        w[p + "attention.dense.weight"] = _linear(gen, d, q)
+        w[p + "post_attention_layernorm.weight"] = _norm(gen, d)
+        if i < c["first_k_dense_replace"]:
+            w[p + "mlp.gate_proj.weight"] = _linear(gen, f, d)
+            w[p + "mlp.up_proj.weight"] = _linear(gen, f, d)
+            w[p + "mlp.down_proj.weight"] = _linear(gen, d, f)
+            continue
+        w[p + "mlp.gate.weight"] = _linear(gen, c["num_experts"], d, gain=3.0)
+        w[p + "mlp.gate.expert_bias"] = 0.3 * torch.randn(c["num_experts"], generator=gen)
+        w.update(expert_weights(gen, p + "mlp.", c, c["num_experts"]))
+        shared = c["moe_intermediate_size"] * c["num_shared_experts"]
+        w[p + "mlp.shared_experts.gate_proj.weight"] = _linear(gen, shared, d)
+        w[p + "mlp.shared_experts.up_proj.weight"] = _linear(gen, shared, d)
+        w[p + "mlp.shared_experts.down_proj.weight"] = _linear(gen, d, shared)
+    w["model.norm.weight"] = _norm(gen, d)
+    w["lm_head.weight"] = _linear(gen, v, d)
+    return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
+
+
+def sdar_moe_weights(gen) -> dict[str, torch.Tensor]:
+    """Qwen3-MoE tensors: SDAR's, with each sparse layer's MLP replaced by a router and its experts."""
+    c = SDAR_MOE_CONFIG
+    w = {k: t.float() for k, t in qwen_weights(gen, c, qk_norm=True, qkv_bias=False).items()}
+    for i in range(c["num_hidden_layers"]):
+        if i in c["mlp_only_layers"]:
+            continue
+        p = f"model.layers.{i}.mlp."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del w[p + name + ".weight"]
+        w[p + "gate.weight"] = _linear(gen, c["num_experts"], c["hidden_size"], gain=3.0)
+        w.update(expert_weights(gen, p, c, c["num_experts"]))
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
 
 
@@ -400,6 +539,123 @@ def hf_qwen(weights: dict[str, torch.Tensor], c: dict, qwen3: bool):
     return model
 
 
+def fused_experts(weights: dict[str, torch.Tensor], prefix: str, count: int) -> dict[str, torch.Tensor]:
+    """transformers' expert layout: gate_up_proj [experts, 2 * size, hidden] (gate rows, then up) and
+    down_proj [experts, hidden, size]."""
+    def get(e, name):
+        return weights[f"{prefix}experts.{e}.{name}.weight"].float()
+
+    return {"gate_up_proj": torch.stack([torch.cat([get(e, "gate_proj"), get(e, "up_proj")]) for e in range(count)]),
+            "down_proj": torch.stack([get(e, "down_proj") for e in range(count)])}
+
+
+def hf_qwen3_moe(weights: dict[str, torch.Tensor]):
+    """transformers' Qwen3MoeForCausalLM holding the SDAR-MoE weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    c = SDAR_MOE_CONFIG
+    config = Qwen3MoeConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"], hidden_act="silu",
+        max_position_embeddings=c["max_position_embeddings"], rms_norm_eps=c["rms_norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": float(c["rope_theta"])},
+        decoder_sparse_step=c["decoder_sparse_step"], moe_intermediate_size=c["moe_intermediate_size"],
+        num_experts_per_tok=c["num_experts_per_tok"], num_experts=c["num_experts"],
+        norm_topk_prob=c["norm_topk_prob"], mlp_only_layers=c["mlp_only_layers"],
+        tie_word_embeddings=False, use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    model = Qwen3MoeForCausalLM(config).float().eval()
+    state = {k: t.float() for k, t in weights.items() if ".experts." not in k}
+    for i in range(c["num_hidden_layers"]):
+        if i not in c["mlp_only_layers"]:
+            prefix = f"model.layers.{i}.mlp."
+            fused = fused_experts(weights, prefix, c["num_experts"])
+            state.update({prefix + "experts." + name: t for name, t in fused.items()})
+    model.load_state_dict(state, strict=True)
+    _check_rope(model, float(c["rope_theta"]), c["head_dim"])
+    return model
+
+
+def hf_deepseek_v3_moe(weights: dict[str, torch.Tensor], layer: int, group_limit: bool = True, bias: bool = True):
+    """transformers' DeepseekV3MoE (the same router: group-limited sigmoid choice with a bias, unbiased
+    weights normalised and scaled; plus a shared expert) holding one LLaDA2 MoE layer, in float32.
+    group_limit=False and bias=False give the router without either, to show both matter."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    c = LLADA2_CONFIG
+    config = DeepseekV3Config(
+        hidden_size=c["hidden_size"], moe_intermediate_size=c["moe_intermediate_size"],
+        n_routed_experts=c["num_experts"], n_shared_experts=c["num_shared_experts"],
+        num_experts_per_tok=c["num_experts_per_tok"], routed_scaling_factor=c["routed_scaling_factor"],
+        n_group=c["n_group"] if group_limit else 1, topk_group=c["topk_group"] if group_limit else 1,
+        norm_topk_prob=True, hidden_act="silu",
+    )
+    config._experts_implementation = "eager"
+    moe = DeepseekV3MoE(config).float().eval()
+    p = f"model.layers.{layer}.mlp."
+    state = {"gate.weight": weights[p + "gate.weight"].float(),
+             "gate.e_score_correction_bias": weights[p + "gate.expert_bias"].float() * bias,
+             **{"experts." + name: t for name, t in fused_experts(weights, p, c["num_experts"]).items()},
+             **{f"shared_experts.{n}.weight": weights[p + f"shared_experts.{n}.weight"].float()
+                for n in ("gate_proj", "up_proj", "down_proj")}}
+    moe.load_state_dict(state, strict=True)
+    return moe
+
+
+@torch.no_grad()
+def llada2_logits(weights: dict[str, torch.Tensor], ids: torch.Tensor, allowed: torch.Tensor, **router) -> torch.Tensor:
+    """LLaDA2's forward transcribed from its modeling file, in float32: fused q/k/v rows, per-head q/k
+    RMSNorm, rotate-half RoPE on the first partial_rotary_factor * head_dim dims (frequencies over that
+    width), eager attention with an additive mask; layer 0 a SwiGLU MLP, the others DeepseekV3MoE."""
+    c = LLADA2_CONFIG
+    w = {k: t.float() for k, t in weights.items()}
+    heads, kv_heads, hd, eps = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"]
+    rotary = int(hd * c["partial_rotary_factor"])
+    b, t = ids.shape
+    inv_freq = 1.0 / (c["rope_theta"] ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary))
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x):
+        rot, rest = x[..., :rotary], x[..., rotary:]
+        half = torch.cat([-rot[..., rotary // 2:], rot[..., : rotary // 2]], -1)
+        return torch.cat([rot * cos + half * sin, rest], -1)
+
+    x = w["model.word_embeddings.weight"][ids]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        qkv = (rms(x, w[p + "input_layernorm.weight"]) @ w[p + "attention.query_key_value.weight"].T)
+        qkv = qkv.view(b, t, heads + 2 * kv_heads, hd).transpose(1, 2)
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+        q = rope(rms(q, w[p + "attention.query_layernorm.weight"]))
+        k = rope(rms(k, w[p + "attention.key_layernorm.weight"]))
+        k, v = (z.repeat_interleave(heads // kv_heads, dim=1) for z in (k, v))
+        scores = q @ k.transpose(-1, -2) * hd**-0.5 + additive(allowed)
+        o = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * hd)
+        x = x + o @ w[p + "attention.dense.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        if i < c["first_k_dense_replace"]:
+            gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        else:
+            x = x + hf_deepseek_v3_moe(weights, i, **router)(h)
+    return rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+
+def verify_llada2_router(weights, ids, allowed, logits) -> None:
+    """The fixture must make both the group limit and the expert bias change the logits."""
+    for ablation in ({"group_limit": False}, {"bias": False}):
+        moved = (llada2_logits(weights, ids, allowed, **ablation) - logits).abs().max()
+        assert moved > 1e-2, f"the router without {ablation} gives the same logits ({moved:.2e})"
+
+
 def shifted(logits: torch.Tensor) -> torch.Tensor:
     """Dream / Fast-dLLM v2 decoding: position i takes the logits of position i - 1 (0 keeps its own)."""
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
@@ -473,6 +729,7 @@ def write_golden(out: Path, ids: torch.Tensor, logits: torch.Tensor) -> None:
 SPECIAL_TOKENS = {
     "llada": ["<|startoftext|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
     "sdar": ["<|im_start|>", "<|im_end|>"],
+    "llada2_moe": ["<|startoftext|>", "<role>", "</role>", "<|role_end|>"],
 }
 WORDS = ("user assistant system what is the capital of france paris a an and or not to in on at for with "
          "this that it be are was were one two three four five six seven eight nine ten hello world "
@@ -548,11 +805,48 @@ def write_models() -> int:
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
         write_golden(out, ids, shifted(logits))
 
-    for name in ("llada_tiny", "sdar_tiny", "dream_tiny", "fast_dllm_v2_tiny"):
+    return report_sizes(("llada_tiny", "sdar_tiny", "dream_tiny", "fast_dllm_v2_tiny"))
+
+
+def report_sizes(names) -> int:
+    for name in names:
         size = dir_size(FIXTURES / name)
         print(f"{name}: {size} bytes ({', '.join(sorted(p.name for p in (FIXTURES / name).iterdir()))})")
         assert size < MAX_FIXTURE_BYTES, f"{name} is {size} bytes, over {MAX_FIXTURE_BYTES}"
     return 0
+
+
+def write_moe_models() -> int:
+    """llada2_tiny (sharded, against the transcribed float32 forward with DeepseekV3MoE layers) and
+    sdar_moe_tiny (one file, against Qwen3MoeForCausalLM), both block-causal with blocks of 4."""
+    torch.manual_seed(0)
+    torch.set_grad_enabled(False)
+
+    gen = torch.Generator().manual_seed(2468)
+    weights = llada2_weights(gen)
+    ids = input_ids(gen)
+    allowed = block_causal_allowed(*ids.shape, BLOCK)
+    logits = llada2_logits(weights, ids, allowed)
+    verify_llada2_router(weights, ids, allowed, logits)
+    assert (llada2_logits(weights, ids, bidirectional_allowed(*ids.shape)) - logits).abs().max() > 1e-2
+    out = fresh_dir("llada2_tiny")
+    write_config(out, LLADA2_CONFIG)
+    write_sharded(out, weights)
+    write_tokenizer(out, "llada2_moe", LLADA2_CONFIG["mask_token_id"], LLADA2_CONFIG["eos_token_id"])
+    write_golden(out, ids, logits)
+
+    gen = torch.Generator().manual_seed(1357)
+    weights = sdar_moe_weights(gen)
+    ids = input_ids(gen)
+    model = hf_qwen3_moe(weights)
+    logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, BLOCK))
+    verify_block_causal(model, ids, logits)
+    out = fresh_dir("sdar_moe_tiny")
+    write_config(out, SDAR_MOE_CONFIG)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer(out, "sdar", SDAR_MOE_CONFIG["mask_token_id"], SDAR_MOE_CONFIG["eos_token_id"])
+    write_golden(out, ids, logits)
+    return report_sizes(("llada2_tiny", "sdar_moe_tiny"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -673,10 +967,11 @@ def golden_case(slow, ids: list[int], **fields) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", nargs="?", choices=("models", "qwen2_bpe"), default="models",
-                        help="models: the four tiny checkpoints (transformers 5.x); qwen2_bpe: the tokenizer "
-                             "goldens (transformers 4.x)")
-    return write_models() if parser.parse_args().step == "models" else write_qwen2_bpe()
+    parser.add_argument("step", nargs="?", choices=("models", "moe", "qwen2_bpe"), default="models",
+                        help="models: the four dense tiny checkpoints; moe: llada2_tiny and sdar_moe_tiny "
+                             "(both transformers 5.x); qwen2_bpe: the tokenizer goldens (transformers 4.x)")
+    step = parser.parse_args().step
+    return {"models": write_models, "moe": write_moe_models, "qwen2_bpe": write_qwen2_bpe}[step]()
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ from nanodllm.model import Model, Rope
 from tiny_models import tiny_config, tiny_model
 
 # Totals with a separate LM head (Qwen3-4B and -1.7B tie it and publish 4.0B and 1.7B).
-# Dream-7B and Fast-dLLM v2 7B are Qwen2.5-7B's shape (7.62B, untied head).
+# Dream-7B and Fast-dLLM v2 7B are Qwen2.5-7B's shape (7.62B, untied head). LLaDA2.0-mini is
+# Ling-mini-2.0's shape (16.26B total); SDAR-30B-A3B is Qwen3-30B-A3B's (30.5B).
 EXPECTED_PARAMS = {"llada-8b": 8.02e9, "sdar-8b": 8.19e9, "sdar-4b": 4.41e9, "sdar-1.7b": 2.03e9,
-                   "dream-7b": 7.62e9, "fast-dllm-v2-7b": 7.62e9}
+                   "dream-7b": 7.62e9, "fast-dllm-v2-7b": 7.62e9, "llada2-mini": 16.26e9, "sdar-30b-a3b": 30.5e9}
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -24,7 +25,7 @@ def test_presets_have_the_released_shapes(name):
     params = sum(p.numel() for p in model.parameters())
     assert abs(params - EXPECTED_PARAMS[name]) / EXPECTED_PARAMS[name] < 0.01, params
     assert cfg.head_dim == 128
-    assert cfg.attention == ("bidirectional" if name.startswith(("llada", "dream")) else "block_causal")
+    assert cfg.attention == ("bidirectional" if name in ("llada-8b", "dream-7b") else "block_causal")
 
 
 def test_ntk_scaling_stretches_the_rope_base():

@@ -81,9 +81,10 @@ def test_kernels_import_only_torch_triton_and_each_other():
             assert not {m for m in imports(path) if m.startswith("nanodllm")}, name
 
 
-def test_the_reference_model_knows_nothing_of_kernels_graphs_or_fusion():
-    text = (ROOT / "nanodllm/model.py").read_text()
-    assert not GRAPH["nanodllm.model"] - {"nanodllm.config"}
+@pytest.mark.parametrize("name", ["model", "mlp"])
+def test_the_reference_model_knows_nothing_of_kernels_graphs_or_fusion(name):
+    text = (ROOT / f"nanodllm/{name}.py").read_text()
+    assert not GRAPH[f"nanodllm.{name}"] - {"nanodllm.config", "nanodllm.mlp"}
     assert not re.search(r"kernel|graph|stacked|stack_in_place|triton|pending", text.split('"""', 2)[2], re.IGNORECASE)
 
 

@@ -86,11 +86,13 @@ def test_every_tensor_read_once_into_its_parameter(path, monkeypatch):
     assert dict(counts) == {name: 1 for name in tensors}, "each checkpoint tensor must be read exactly once"
 
     params = dict(model.named_parameters())
-    targets = {loader.internal_name(model.cfg.model_type, name): name for name in tensors}
-    assert set(targets) == set(params), "checkpoint names must map one-to-one onto the parameters"
-    for target, source in targets.items():
-        assert params[target].dtype == torch.float32
-        assert torch.equal(params[target], tensors[source].float()), f"{target} != {source}"
+    targets = {name: loader.internal_names(model.cfg.model_type, name) for name in tensors}
+    loaded = [t for names in targets.values() for t in names]
+    assert sorted(loaded) == sorted(params), "checkpoint names must map one-to-one onto the parameters"
+    for source, names in targets.items():
+        assert all(params[t].dtype == torch.float32 for t in names)
+        stacked = torch.cat([params[t] for t in names])
+        assert torch.equal(stacked, tensors[source].float()), f"{names} != {source}"
     norms = [p for n, p in params.items() if n.endswith("norm.weight")]
     assert norms and all((p != 1).any() for p in norms), "fixture norms should not be all ones"
 

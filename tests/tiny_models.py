@@ -17,6 +17,14 @@ def tiny_config(model_type: str, block_size: int = 4, **overrides) -> ModelConfi
         raw = dict(model_type="llada", d_model=32, n_layers=2, n_heads=4, n_kv_heads=4,
                    mlp_hidden_size=64, vocab_size=VOCAB, mask_token_id=MASK_ID, eos_token_id=EOS_ID,
                    max_sequence_length=256)
+    elif model_type in ("llada2_moe", "sdar_moe"):  # layer 0 dense, layer 1 eight experts, two per token
+        raw = dict(model_type=model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+                   num_experts=8, num_experts_per_tok=2, vocab_size=VOCAB, mask_token_id=MASK_ID,
+                   block_size=block_size, max_position_embeddings=256, eos_token_id=EOS_ID)
+        raw.update(dict(num_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        first_k_dense_replace=1, use_qk_norm=True, partial_rotary_factor=0.5)
+                   if model_type == "llada2_moe" else dict(mlp_only_layers=[0], norm_topk_prob=True))
     else:
         raw = dict(model_type="sdar", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=VOCAB,
