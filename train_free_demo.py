@@ -24,7 +24,7 @@ import torch
 from pathlib import Path
 
 from nanodllm import block, masked, tasks
-from nanodllm.config import GenerationConfig, ModelConfig, default_block_length
+from nanodllm.config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from nanodllm.decoding import until_stop
 from nanodllm.eval import with_profile
 from nanodllm.loader import CheckpointError, load_model
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             block_length=block_length,
             steps=args.steps or (block_length if is_block else args.gen_length),
             temperature=args.temperature,
-            threshold=args.threshold,
+            threshold=default_threshold(cfg) if args.threshold is None else args.threshold,
         )
         engine_name = "block" if is_block else "masked"
         if engine_name not in METHODS[args.method].engines:

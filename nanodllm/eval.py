@@ -25,7 +25,7 @@ import torch
 
 from . import block, masked, recall, tasks
 from .attention import CanvasMask
-from .config import GenerationConfig, default_block_length
+from .config import GenerationConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .loader import load_model
 from .methods import METHODS, get_method, parse_knobs
@@ -330,7 +330,8 @@ def main(argv=None) -> int:
         steps = args.steps or (runner.gen.block_length if runner.is_block else args.gen_length)
         runner.gen = GenerationConfig(gen_length=args.gen_length,
                                       block_length=default_block_length(runner.model.cfg, args.gen_length),
-                                      steps=steps, threshold=args.threshold)
+                                      steps=steps, threshold=default_threshold(runner.model.cfg) if args.threshold is None
+                                      else args.threshold)
         if args.task == "longbench":
             samples = tasks.load_longbench(args.data)[: args.n]
         else:

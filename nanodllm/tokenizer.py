@@ -1,7 +1,8 @@
 """Tokenizer: a checkpoint's tokenizer files, its special ids, and its chat template.
 
 `Tokenizer.from_dir(path, family)` builds a `tokenizers` tokenizer (no transformers needed). `family`
-is the config's model_type: "llada", "sdar", "Dream" or "Fast_dLLM_Qwen".
+is the config's model_type: "llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe" or "sdar_moe"
+(which is SDAR's vocabulary and chat template).
 
 Loading: `<path>/tokenizer.json` when present. Otherwise, for the Qwen2-vocabulary families (sdar,
 Dream, Fast_dLLM_Qwen), `vocab.json` + `merges.txt` built the way transformers' Qwen2 tokenizer
@@ -19,7 +20,9 @@ Special ids (mask_id, eos_id, pad_id, bos_id) are resolved field by field, first
      <|startoftext|>; SDAR: <|MASK|>, <|im_end|>, <|endoftext|>, no BOS; Dream: <|mask|>,
      <|endoftext|>, <|endoftext|>, <|beginoftext|>; Fast-dLLM v2: no mask string, <|im_end|>,
      <|endoftext|>, no BOS)
-  5. documented defaults     LLaDA mask 126336, eos/pad 126081, bos 126080;
+  5. documented defaults     LLaDA2 mask 156895 (never looked up by name: which token holds that id
+                             is not settled), eos/pad 156892 <|endoftext|>, bos 156891;
+                             LLaDA mask 126336, eos/pad 126081, bos 126080;
                              SDAR mask 151669, eos 151645, pad 151643, bos None;
                              Dream mask 151666, eos/pad 151643, bos 151665;
                              Fast-dLLM v2 mask 151665, eos 151645, pad 151643, bos None
@@ -40,6 +43,11 @@ are supported; anything else is a ValueError.
     message's "<think>...</think>" part is dropped unless the message comes after the last user
     query, and the final such message always gets a (possibly empty) <think> block. Qwen3's
     enable_thinking switch is not offered: the default (thinking enabled) adds nothing.
+  - LLaDA2: <role>SYSTEM</role>{system}detailed thinking off<|role_end|>, then per message
+    <role>HUMAN</role> or <role>ASSISTANT</role>{content}<|role_end|>, generation prompt
+    <role>ASSISTANT</role> (ported from the Ling-2.0 family's template as FORMATS of the project
+    records it; the released tokenizer_config.json was not available to check against). Its stop
+    token is <|endoftext|> alone.
   - Dream and Fast-dLLM v2 (Qwen2.5 ChatML): the same turns, no <think> handling, and a system turn
     first: the leading system message, else <|im_start|>system\\n{default_system_prompt}<|im_end|>\\n.
     The default is read from the checkpoint's chat template (tokenizer_config.json's chat_template,
@@ -55,8 +63,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
-SUPPORTED_FAMILIES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen")
-QWEN2_VOCAB_FAMILIES = ("sdar", "Dream", "Fast_dLLM_Qwen")
+SUPPORTED_FAMILIES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe", "sdar_moe")
+QWEN2_VOCAB_FAMILIES = ("sdar", "Dream", "Fast_dLLM_Qwen", "sdar_moe")
 QWEN25_CHAT_FAMILIES = ("Dream", "Fast_dLLM_Qwen")
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -93,13 +101,22 @@ SPECIAL_TOKENS = {
         "pad_token_id": ("<|endoftext|>", 151643),
         "bos_token_id": (None, None),
     },
+    "llada2_moe": {
+        "mask_token_id": (None, 156895),
+        "eos_token_id": ("<|endoftext|>", 156892),
+        "pad_token_id": ("<|endoftext|>", 156892),
+        "bos_token_id": ("<|startoftext|>", 156891),
+    },
 }
+SPECIAL_TOKENS["sdar_moe"] = SPECIAL_TOKENS["sdar"]
 QWEN_STOP_TOKENS = (("<|im_end|>", 151645), ("<|endoftext|>", 151643))
 STOP_TOKENS = {
     "llada": (("<|endoftext|>", 126081), ("<|eot_id|>", 126348)),
     "sdar": QWEN_STOP_TOKENS,
     "Dream": QWEN_STOP_TOKENS,
     "Fast_dLLM_Qwen": QWEN_STOP_TOKENS,
+    "sdar_moe": QWEN_STOP_TOKENS,
+    "llada2_moe": (("<|endoftext|>", 156892),),
 }
 # special-id field -> the tokenizer_config.json entry naming its token
 TOKENIZER_CONFIG_NAMES = {
@@ -167,8 +184,10 @@ class Tokenizer:
         _check_messages(messages)
         if self.family == "llada":
             return _llada_chat_text(messages, add_generation_prompt)
-        if self.family == "sdar":
+        if self.family in ("sdar", "sdar_moe"):
             return _qwen3_chat_text(messages, add_generation_prompt)
+        if self.family == "llada2_moe":
+            return _llada2_chat_text(messages, add_generation_prompt)
         return _qwen25_chat_text(messages, add_generation_prompt, self.default_system_prompt)
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -282,6 +301,17 @@ def _llada_chat_text(messages, add_generation_prompt):
     turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in messages]
     prompt = "<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else ""
     return "<|startoftext|>" + "".join(turns) + prompt
+
+
+LLADA2_ROLES = {"system": "SYSTEM", "user": "HUMAN", "assistant": "ASSISTANT"}
+
+
+def _llada2_chat_text(messages, add_generation_prompt):
+    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
+    turns = messages[1:] if messages[0]["role"] == "system" else messages
+    text = f"<role>SYSTEM</role>{system}detailed thinking off<|role_end|>"
+    text += "".join(f"<role>{LLADA2_ROLES[m['role']]}</role>{m['content']}<|role_end|>" for m in turns)
+    return text + ("<role>ASSISTANT</role>" if add_generation_prompt else "")
 
 
 def _is_user_query(message):

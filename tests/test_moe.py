@@ -1,0 +1,231 @@
+"""Mixture-of-experts models: LLaDA2 (llada2_moe) and SDAR-MoE (sdar_moe).
+
+- parity: tests/fixtures/llada2_tiny (sharded, LLaDA2's tensor names, against a float32 transcription
+  of its forward whose MoE layers are transformers' DeepseekV3MoE) and sdar_moe_tiny (Qwen3-MoE names,
+  against transformers' Qwen3MoeForCausalLM), both block-causal with blocks of 4, written by
+  `python scripts/make_fixtures.py moe`;
+- the router: the group limit and the expert bias each change the logits; its choice obeys both;
+- the grouped fast path equals the per-expert reference;
+- the block engine: LLaDA2's threshold loop, recomputing the prefix every step, equals the cached
+  engine; a prompt token equal to the mask id is never decoded; the block methods keep their
+  contract (tests/test_contract.py) on an MoE model;
+- bad checkpoints and configs are named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nanodllm import block, fused
+from nanodllm.config import GenerationConfig, ModelConfig
+from nanodllm.fused import build_random
+from nanodllm.loader import CheckpointError, load_model
+from nanodllm.mlp import MoE, Router, within_best_groups
+from tests.test_block_engine import cache_free_generate
+from tests.test_contract import CONTRACT, GENS, PROMPTS, decode, differing
+from tests.device import DEVICE
+from tests.test_parity import golden, mask_for, run
+from tests.tiny_models import MASK_ID, random_prompt, tiny_config, tiny_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+LLADA2 = FIXTURES / "llada2_tiny"
+SDAR_MOE = FIXTURES / "sdar_moe_tiny"
+TOLERANCE = 1e-4
+torch_grouped_mm = fused.GROUPED_MM
+
+
+@pytest.mark.parametrize("path, family", [(LLADA2, "llada2_moe"), (SDAR_MOE, "sdar_moe")], ids=["llada2", "sdar_moe"])
+def test_logits_match_the_references(path, family):
+    model = load_model(path, dtype=torch.float32)
+    cfg = model.cfg
+    assert (cfg.model_type, cfg.attention, cfg.block_size) == (family, "block_causal", 4)
+    ids, positions, expected = golden(path)
+    logits = run(model, ids, positions, mask_for(model, positions))
+    diff = (logits - expected).abs().max().item()
+    print(f"\n{family}: max |logits - reference| = {diff:.3e} (logit scale {expected.abs().max():.2f})")
+    assert diff < TOLERANCE
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_the_fixtures_hold_the_released_layouts():
+    llada2 = load_model(LLADA2, dtype=torch.float32)
+    assert llada2.cfg.rotary_dim == llada2.cfg.head_dim // 2 and llada2.cfg.qk_norm == "head"
+    assert llada2.cfg.moe.dense_layers == (0,) and llada2.cfg.moe.shared_size > 0
+    sdar = load_model(SDAR_MOE, dtype=torch.float32)
+    assert sdar.cfg.moe.dense_layers == (1,) and sdar.cfg.moe.score == "softmax"
+    assert [type(layer.mlp).__name__ for layer in sdar.layers] == ["FusedMoE", "FusedMLP", "FusedMoE"]
+
+
+@pytest.mark.parametrize("ablation", ["group_limit", "expert_bias", "rotary_width"])
+def test_each_part_of_llada2_matters(ablation):
+    """Without the group limit, the expert bias or the partial rotary width the golden logits are missed."""
+    model = load_model(LLADA2, dtype=torch.float32)
+    ids, positions, expected = golden(LLADA2)
+    with torch.no_grad():
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoE) and ablation == "group_limit":
+                layer.mlp.gate.moe = dataclasses.replace(layer.mlp.gate.moe, groups=1, groups_kept=1)
+            elif isinstance(layer.mlp, MoE) and ablation == "expert_bias":
+                layer.mlp.gate.expert_bias.zero_()
+    if ablation == "rotary_width":
+        model.cfg = dataclasses.replace(model.cfg, partial_rotary_factor=1.0)
+    assert (run(model, ids, positions, mask_for(model, positions)) - expected).abs().max() > 1e-2
+
+
+def test_the_router_chooses_within_the_best_groups_and_weighs_by_unbiased_scores():
+    cfg = tiny_config("llada2_moe")
+    router = Router(cfg.hidden_size, cfg.moe).double()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=generator, dtype=torch.float64))
+        router.expert_bias.copy_(torch.randn(8, generator=generator, dtype=torch.float64))
+    x = torch.randn(50, cfg.hidden_size, generator=generator, dtype=torch.float64)
+    chosen, weights = router(x)
+    scores = (x @ router.weight.T).sigmoid()
+    biased = (scores + router.expert_bias).view(50, 4, 2)
+    best_groups = biased.sum(-1).topk(2, dim=-1).indices  # two experts per group: the top-2 sum is the sum
+    assert all(set((chosen[n] // 2).tolist()) <= set(best_groups[n].tolist()) for n in range(50))
+    picked = scores.gather(1, chosen)
+    assert torch.allclose(weights, picked / picked.sum(-1, keepdim=True) * 2.5)
+    allowed = within_best_groups(scores + router.expert_bias, 4, 2)
+    assert torch.equal(chosen, allowed.topk(2, dim=-1).indices)
+
+
+@pytest.mark.parametrize("family", ["llada2_moe", "sdar_moe"])
+def test_grouped_experts_equal_the_per_expert_loop(family, kernels_on, monkeypatch):
+    """On the CPU in float32 (torch's grouped_mm, the SwiGLU kernel in Triton's interpreter), on a GPU in
+    bfloat16 (its grouped GEMM takes nothing else), to the dtype's rounding."""
+    calls = []
+    monkeypatch.setattr(fused, "GROUPED_MM",
+                        lambda *args, **kwargs: calls.append(kwargs["offs"].dtype) or torch_grouped_mm(*args, **kwargs))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    model = build_random(tiny_config(family), device=DEVICE, dtype=dtype, seed=3)
+    moe = model.layers[1].mlp
+    x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    with torch.no_grad():
+        grouped = moe(x)
+        reference = MoE.forward(moe, x)
+    assert calls == [torch.int32] * 2, "one grouped matmul for gate/up, one for down; CUDA takes int32 offsets only"
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (grouped.float() - reference.float()).abs().max() <= tolerance * reference.float().abs().max()
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5, 0.95])
+@pytest.mark.parametrize("prompt_length", [3, 9])
+def test_llada2_threshold_loop_equals_the_cached_engine(threshold, prompt_length):
+    """LLaDA2's generate(): every masked position above the threshold if at least the scheduled count
+    clear it, else the top scheduled count; its loop re-forwards the prefix at every step."""
+    model = tiny_model("llada2_moe")
+    remasking = "low_confidence_dynamic" if threshold else "low_confidence"
+    gen = GenerationConfig(gen_length=12, block_length=4, steps=4, threshold=threshold, remasking=remasking)
+    prompt = random_prompt(prompt_length, seed=prompt_length)
+    assert block.generate(model, [prompt], gen, stop_ids=()).tokens[0] == cache_free_generate(model, prompt, gen)
+
+
+def test_a_prompt_token_equal_to_the_mask_id_is_never_decoded():
+    model = tiny_model("llada2_moe")
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4)
+    prompt = random_prompt(5, seed=4)[:-1] + [MASK_ID]  # its tail (columns 4..) shares the first block
+    result = block.generate(model, [prompt], gen, stop_ids=())
+    assert result.tokens[0] == cache_free_generate(model, prompt, gen)
+    assert result.forwards == 3 + 1 + 2 * (4 + 1), "3 steps for the 3 masks of block 1, then 2 full blocks"
+
+
+BLOCK_METHODS = sorted(name for name, engine in CONTRACT if engine == "block" and name != "dense")
+MOE_MODEL = tiny_model("llada2_moe")
+
+
+@pytest.mark.parametrize("name", BLOCK_METHODS)
+def test_block_methods_keep_their_contract_on_an_moe_model(name):
+    entry = CONTRACT[name, "block"]
+    dense = decode("block", *entry.reference, model=MOE_MODEL)
+    assert differing(decode("block", name, entry.full, model=MOE_MODEL), dense) == 0
+    assert differing(decode("block", name, entry.tiny, model=MOE_MODEL), dense) > 0
+
+
+@pytest.mark.parametrize("name", ["dense", "mage", "quest", "sparsed"])
+def test_a_ragged_moe_batch_equals_its_rows_alone(name):
+    knobs = CONTRACT[name, "block"].tiny
+    batched = decode("block", name, knobs, model=MOE_MODEL)
+    assert batched == [decode("block", name, knobs, [prompt], model=MOE_MODEL)[0] for prompt in PROMPTS]
+    assert GENS["block"].block_length == 4
+
+
+def copy_fixture(tmp_path: Path, edit) -> Path:
+    """sdar_moe_tiny with its tensors passed through edit(dict)."""
+    out = tmp_path / "model"
+    shutil.copytree(SDAR_MOE, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_fused_experts_are_refused_by_name(tmp_path):
+    def fuse(tensors):
+        prefix = "model.layers.0.mlp.experts."
+        gate_up = [torch.cat([tensors.pop(f"{prefix}{e}.gate_proj.weight"), tensors.pop(f"{prefix}{e}.up_proj.weight")])
+                   for e in range(16)]
+        tensors[prefix + "gate_up_proj"] = torch.stack(gate_up)
+
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj holds every expert"):
+        load_model(copy_fixture(tmp_path, fuse))
+
+
+def test_a_missing_or_misshapen_expert_is_named(tmp_path):
+    def break_experts(tensors):
+        del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+        tensors["model.layers.0.mlp.experts.3.down_proj.weight"] = torch.zeros(32, 8, dtype=torch.bfloat16)
+
+    with pytest.raises(CheckpointError) as error:
+        load_model(copy_fixture(tmp_path, break_experts))
+    assert "missing: model.layers.2.mlp.experts.5.up_proj.weight" in str(error.value)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight has shape [32, 8], expected [32, 16]" in str(error.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(score_function="softmax"), "score_function 'softmax' is not implemented"),
+    (dict(n_group=None), "required field 'n_group' is missing"),
+    (dict(topk_group=None), "required field 'topk_group' is missing"),
+    (dict(n_group=3), "n_group=3 must divide num_experts=16"),
+    (dict(num_experts_per_tok=12), "12 experts per token do not fit in topk_group=2 groups of 4"),
+    (dict(use_qkv_bias=True), "use_qkv_bias=true is not supported"),
+])
+def test_a_router_config_we_do_not_implement_is_named(edit, message):
+    raw = json.loads((LLADA2 / "config.json").read_text())
+    raw.update(edit)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped fast path runs on CUDA")
+def test_grouped_experts_on_the_gpu_match_the_loop_and_replay_in_a_graph():
+    model = build_random(tiny_config("llada2_moe"), device="cuda", dtype=torch.bfloat16, seed=3)
+    moe = model.layers[1].mlp
+    x = torch.randn(2, 40, 32, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        grouped, reference = moe(x), MoE.forward(moe, x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # no host sync inside: it records
+            replayed = moe(x)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, grouped)
+    assert (grouped.float() - reference.float()).abs().max() <= 1e-2 * reference.float().abs().max()
+
+
+def test_llada2_chat_template_and_stop_ids():
+    from nanodllm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(LLADA2, "llada2_moe")
+    text = tokenizer.chat_text([{"role": "user", "content": "hello"}])
+    assert text == ("<role>SYSTEM</role>detailed thinking off<|role_end|><role>HUMAN</role>hello<|role_end|>"
+                    "<role>ASSISTANT</role>")
+    assert (tokenizer.mask_id, tokenizer.eos_id, tokenizer.stop_ids) == (250, 251, (251,))
