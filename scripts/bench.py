@@ -7,6 +7,7 @@
     python scripts/bench.py dyllm [--quick] [--fractions F ...] [--out docs/results]
     python scripts/bench.py momo [--quick] [--lengths N ...] [--out docs/results]
     python scripts/bench.py routing [--quick] [--out docs/results]
+    python scripts/bench.py moe [--quick] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
@@ -18,6 +19,8 @@ dyllm: DyLLM's sparse steps at fixed salient fractions, 512 + 256 tokens, batch 
 and the dual cache (scripts/bench_dyllm.py).
 momo: MOMO's prefill attention at 32K-128K, causal and block-causal, each top-k variant, vs SDPA and
 our dense kernel, with the FLOP floors and latency vs k (scripts/bench_momo.py).
+moe: one layer's MoE MLP on the llada2-mini and sdar-30b-a3b presets, grouped vs the per-expert loop vs
+the floor, and block.generate on llada2-mini at 32K, exact vs MAGE (scripts/bench_moe.py).
 routing: the timings behind nanodllm/attention.py's choice between flash_attention, the split-KV
 decode kernel and SDPA (scripts/bench_routing.py).
 
@@ -485,6 +488,7 @@ def bench_methods(args):
     from bench_dyllm import bench_dyllm
     from bench_sparse_dllm import bench_sparse_dllm
     from bench_routing import bench_routing
+    from bench_moe import bench_moe
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = QUICK if args.quick else FULL
@@ -512,6 +516,10 @@ def bench_methods(args):
         report.say(f"# Which attention kernel nanodllm/attention.py picks: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
         bench_routing(args, timer, report, meta)
+    elif args.command == "moe":
+        report.say(f"# Mixture-of-experts MLP and generations on the MoE presets: {meta['device']}, torch "
+                   f"{meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
+        bench_moe(args, timer, report, rates, meta)
     elif args.command == "momo":
         report.say(f"# MOMO's prefill attention vs SDPA and our dense kernel: {meta['device']}, torch {meta['torch']}, "
                    f"triton {meta['triton']}, {meta['dtype']}\n")
@@ -552,6 +560,7 @@ def main():
                        SHAPES_SMOKE)
     momo.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 32768 65536 131072)")
     momo.add_argument("--tune", action="store_true", help="also sweep the kernels' launch settings (GPU)")
+    add_command(commands, "moe", "MoE MLP grouped vs per-expert loop vs floor; llada2-mini generations", MODEL_SMOKE)
     add_command(commands, "routing", "flash vs split-KV decode vs SDPA on the shapes attention() routes", SHAPES_SMOKE)
     args = parser.parse_args()
     if not (args.quick or torch.cuda.is_available()):
