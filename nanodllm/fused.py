@@ -123,9 +123,10 @@ class FusedMoE(MoE):
         gate_up, down = weights
         flat = x.reshape(-1, x.shape[-1])
         chosen, routing = self.gate(flat)
-        order = chosen.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
+        experts = chosen.flatten()
+        order = experts.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)  # bincount would sync
-        group_ends = counts.index_add_(0, chosen.flatten(), torch.ones_like(chosen.flatten(), dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+        group_ends = counts.index_add_(0, experts, torch.ones_like(experts, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
         rows = flat[order // chosen.shape[1]]
         hidden = silu_mul(GROUPED_MM(rows, gate_up.transpose(1, 2), offs=group_ends))
         grouped = GROUPED_MM(hidden, down.transpose(1, 2), offs=group_ends)
@@ -141,13 +142,31 @@ class FusedMoE(MoE):
         return [gate_up, [expert.down_proj for expert in self.experts]]
 
     def stacked_experts(self):
-        """(gate/up [experts, 2 * size, hidden], down [experts, hidden, size]) over the stacked
-        weights, or None if they were replaced since stack_in_place."""
-        spans = [stacked(linears) for linears in self.projections()]
-        if any(weights is None for weights in spans):
+        """(gate/up [experts, 2 * size, hidden], down [experts, hidden, size]) over the stacked weights,
+        or None if they were replaced since stack_in_place (loaded with assign, moved, cast). Checks
+        the first and last expert only, so a forward costs O(1) host work, not O(experts): an expert
+        in between replaced by hand is not noticed."""
+        first, last = self.experts[0], self.experts[-1]
+        blocks = [span_between(first.gate_proj.weight, last.up_proj.weight),
+                  span_between(first.down_proj.weight, last.down_proj.weight)]
+        if any(block is None for block in blocks):
             return None
-        experts = len(self.experts)
-        return tuple(weight.view(experts, -1, weight.shape[-1]) for weight, _ in spans)
+        return tuple(block.view(len(self.experts), -1, block.shape[-1]) for block in blocks)
+
+
+def span_between(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor | None:
+    """One [rows, cols] view from first's first row to last's last row, where both are contiguous
+    [*, cols] views of one storage with last at or after first, else None."""
+    size = first.element_size()
+    same = first.dtype == last.dtype and first.shape[1:] == last.shape[1:] and first.is_contiguous() and last.is_contiguous()
+    if not same or first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():
+        return None
+    end = last.data_ptr() + last.numel() * size
+    row_bytes = first.shape[1] * size
+    if end <= first.data_ptr() or (end - first.data_ptr()) % row_bytes:
+        return None
+    rows = (end - first.data_ptr()) // row_bytes
+    return first.detach().as_strided((rows, first.shape[1]), first.stride(), first.storage_offset())
 
 
 class FusedLayer(Layer):

@@ -205,6 +205,18 @@ def test_a_router_config_we_do_not_implement_is_named(edit, message):
         ModelConfig.from_dict(raw)
 
 
+def test_replaced_expert_weights_fall_back_to_the_loop(kernels_on):
+    model = build_random(tiny_config("llada2_moe"), dtype=torch.float32, seed=3)
+    moe = model.layers[1].mlp
+    assert moe.stacked_experts() is not None
+    last = moe.experts[-1].down_proj
+    last.weight = torch.nn.Parameter(last.weight.detach().clone())  # no longer in the stacked block
+    assert moe.stacked_experts() is None
+    model.float()  # moving or casting stacks them again
+    gate_up, down = moe.stacked_experts()
+    assert down[-1].data_ptr() == moe.experts[-1].down_proj.weight.data_ptr()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped fast path runs on CUDA")
 def test_grouped_experts_on_the_gpu_match_the_loop_and_replay_in_a_graph():
     model = build_random(tiny_config("llada2_moe"), device="cuda", dtype=torch.bfloat16, seed=3)
