@@ -116,25 +116,29 @@ class FusedMLP(MLP):
 
 
 class FusedMoE(MoE):
+    CHUNK_TOKENS = 16384  # a prefill goes through in chunks: each token's k outputs are held in float32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = self.stacked_experts() if use_kernels(x) and GROUPED_MM is not None else None
         if weights is None:
             return super().forward(x)
-        gate_up, down = weights
         flat = x.reshape(-1, x.shape[-1])
+        chunks = [self.grouped(chunk, *weights) for chunk in flat.split(self.CHUNK_TOKENS)]
+        return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)).view_as(x)
+
+    def grouped(self, flat: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """MoE.forward over tokens [n, hidden], the rows grouped by expert for two grouped matmuls."""
         chosen, routing = self.gate(flat)
         experts = chosen.flatten()
         order = experts.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)  # bincount would sync
+        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=flat.device)  # bincount would sync
         group_ends = counts.index_add_(0, experts, torch.ones_like(experts, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
         rows = flat[order // chosen.shape[1]]
         hidden = silu_mul(GROUPED_MM(rows, gate_up.transpose(1, 2), offs=group_ends))
         grouped = GROUPED_MM(hidden, down.transpose(1, 2), offs=group_ends)
         outputs = torch.empty_like(grouped).index_copy_(0, order, grouped).view(*chosen.shape, -1)
-        y = self.combine(outputs, routing, x.dtype)
-        if self.shared_expert is not None:
-            y = y + self.shared_expert(flat)
-        return y.view_as(x)
+        y = self.combine(outputs, routing, flat.dtype)
+        return y if self.shared_expert is None else y + self.shared_expert(flat)
 
     def projections(self) -> list[list[nn.Linear]]:
         """Every expert's gate and up (one after the other, expert by expert), and every down."""
