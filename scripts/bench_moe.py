@@ -7,9 +7,10 @@
    per-expert loop (nanodllm/mlp.py MoE, the reference, which asks the host which experts were chosen:
    timed eagerly). Floor: the larger of the bytes the rows must read (the experts they touch, the
    shared expert, the router) over the copy bandwidth and the FLOPs over the matmul rate.
-2. A real generation: block.generate on llada2-mini, batch 1, CUDA graphs on, prompts of 32K and 128K tokens (RoPE stretched past the trained 32K):
-   milliseconds per block (CUDA events as each block begins; median of the blocks after the first,
-   where the graphs are recorded), exact and MAGE at k = 1024 and 512.
+2. A real generation: block.generate on llada2-mini, batch 1 and 4, CUDA graphs on, prompts of 32K,
+   64K and 128K tokens (RoPE stretched past the trained 32K): milliseconds per block (CUDA events as
+   each block begins; median of the blocks after the first, where the graphs are recorded), exact,
+   MAGE at k = 1024 and 512, Quest and SparseD at k = 1024.
 --quick runs a tiny MoE model on the CPU: a smoke test, its numbers mean nothing.
 """
 
@@ -29,8 +30,10 @@ from nanodllm.methods import get_method
 from nanodllm.mlp import MoE
 
 FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128), prefill_rows=32768,
-            contexts=(32768, 131072), ks=(1024, 512), block=32, steps=32)
-QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64, contexts=(96,), ks=(16,), block=8, steps=4)
+            contexts=(32768, 65536, 131072), batches=(1, 4), max_prefill_tokens=262144, ks=(1024, 512),
+            block=32, steps=32)
+QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64, contexts=(96,), batches=(1, 2),
+             max_prefill_tokens=1024, ks=(16,), block=8, steps=4)
 QUICK_MODEL = dict(model_type="llada2_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
                    num_experts=16, num_experts_per_tok=4, num_shared_experts=1, n_group=4, topk_group=2,
@@ -69,18 +72,21 @@ def mlp_rows(cfg, moe_layer, rows, device, dtype, timer, bandwidth, matmul_rate)
             "grouped / floor": grouped_us / floor_us, "floor bound": "bytes" if read / bandwidth / 1e3 >= flops / matmul_rate / 1e6 else "FLOPs"}
 
 
-def generation_rows(name, context, shapes, device, dtype) -> list[dict]:
-    cfg = moe_config(name, context + (GENERATION_BLOCKS + 2) * shapes["block"], shapes["block"])
-    model = build_random(cfg, device=device, dtype=dtype)
-    prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+def generation_rows(model, name, context, batch, shapes) -> list[dict]:
+    """ms per block of block.generate for each method, one prompt of `context` tokens per row."""
+    cfg = model.cfg
+    prompts = [torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(row)).tolist()
+               for row in range(batch)]
     size, steps = shapes["block"], shapes["steps"]
+    k = shapes["ks"][0]
     runs = [("exact", "dense", {})] + [(f"MAGE k={k}", "mage", dict(k=k, exact_layers=2)) for k in shapes["ks"]]
+    runs += [(f"Quest k={k}", "quest", dict(k=k, exact_layers=2)), (f"SparseD k={k}", "sparsed", dict(k=k, exact_layers=2))]
     rows = []
     for label, method_name, knobs in runs:
         def generate(blocks, events):
             gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=steps, threshold=None)
             method = block_clock(get_method(method_name, **knobs), events)
-            block_engine.generate(model, [prompt], gen, method=method, stop_ids=())
+            block_engine.generate(model, prompts, gen, method=method, stop_ids=())
             mark(events)
             torch.cuda.synchronize()
 
@@ -90,13 +96,12 @@ def generation_rows(name, context, shapes, device, dtype) -> list[dict]:
         generate(GENERATION_BLOCKS, events)
         wall = time.perf_counter() - start
         block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[1:-1], events[2:]))
-        rows.append({"model": name, "context": context, "method": label, "ms/block": statistics.median(block_ms),
-                     "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}",
+        rows.append({"model": name, "context": context, "batch": batch, "method": label,
+                     "ms/block": statistics.median(block_ms), "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}",
                      "generation s (prefill + blocks)": wall})
     exact = rows[0]["ms/block"]
     for row in rows:
         row["vs exact"] = exact / row["ms/block"]
-    del model
     torch.cuda.empty_cache()
     return rows
 
@@ -123,9 +128,19 @@ def bench_moe(args, timer, report, rates, meta):
                  "Floor: max(bytes of touched experts + shared expert + router / copy bandwidth, FLOPs / matmul rate).")
     if device.type != "cuda":
         return
-    generation = []
+    name = "llada2-mini"
+    cfg = moe_config(name, max(shapes["contexts"]) + (GENERATION_BLOCKS + 2) * shapes["block"], shapes["block"])
+    model = build_random(cfg, device=device, dtype=dtype)
     for context in shapes["contexts"]:
-        generation += generation_rows("llada2-mini", context, shapes, device, dtype)
-    report.table("A real generation on llada2-mini", generation,
-                 f"block.generate, batch 1, blocks of {shapes['block']}, {shapes['steps']} steps per block, CUDA graphs "
-                 f"on: the median of blocks 2-{GENERATION_BLOCKS} of one generation; MAGE with 2 exact layers.")
+        rows = []
+        for batch in shapes["batches"]:
+            if batch * context > shapes["max_prefill_tokens"]:
+                report.say(f"- {context} tokens x batch {batch}: skipped, its prefill (one forward over every row) "
+                           f"holds more than {shapes['max_prefill_tokens'] // 1024}K tokens' activations")
+                continue
+            rows += generation_rows(model, name, context, batch, shapes)
+        report.table(f"A real generation on {name}, {context // 1024}K", rows,
+                     f"block.generate, blocks of {shapes['block']}, {shapes['steps']} steps per block, CUDA graphs on: "
+                     f"the median of blocks 2-{GENERATION_BLOCKS} of one generation; every sparse method with 2 exact "
+                     "layers. One model for every context (RoPE stretched for the longest; the base does not change "
+                     "the time).")
