@@ -37,6 +37,7 @@ from .mlp import MLP, MoE
 from .model import Attend, Layer, Model, RMSNorm, Rope
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+CHUNK_TOKENS = 8192  # a long prefill's MLPs run on this many tokens at a time: their wide activations stay small
 
 
 def stack_in_place(linears: list[nn.Linear]):
@@ -112,19 +113,26 @@ class FusedMLP(MLP):
         gate_up = stacked([self.gate_proj, self.up_proj]) if use_kernels(x) else None
         if gate_up is None:
             return super().forward(x)
-        return self.down_proj(silu_mul(F.linear(x, *gate_up)))
+        return by_chunks(lambda rows: self.down_proj(silu_mul(F.linear(rows, *gate_up))), x)
+
+
+def by_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn, a row-wise map from [n, hidden] to [n, hidden], over x [..., hidden] CHUNK_TOKENS rows at a time."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] <= CHUNK_TOKENS:
+        return fn(flat).view_as(x)
+    out = torch.empty_like(flat)
+    for start in range(0, flat.shape[0], CHUNK_TOKENS):
+        out[start : start + CHUNK_TOKENS] = fn(flat[start : start + CHUNK_TOKENS])
+    return out.view_as(x)
 
 
 class FusedMoE(MoE):
-    CHUNK_TOKENS = 16384  # a prefill goes through in chunks: each token's k outputs are held in float32
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = self.stacked_experts() if use_kernels(x) and GROUPED_MM is not None else None
         if weights is None:
             return super().forward(x)
-        flat = x.reshape(-1, x.shape[-1])
-        chunks = [self.grouped(chunk, *weights) for chunk in flat.split(self.CHUNK_TOKENS)]
-        return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)).view_as(x)
+        return by_chunks(lambda rows: self.grouped(rows, *weights), x)
 
     def grouped(self, flat: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """MoE.forward over tokens [n, hidden], the rows grouped by expert for two grouped matmuls."""

@@ -127,6 +127,22 @@ def test_on_the_kernels_the_fused_primitives_give_the_reference_values(kernels_o
         close(summed, x + pending)  # the add is written into the stream
 
 
+@pytest.mark.parametrize("tokens", [10, 15])
+def test_a_long_input_goes_through_the_mlp_in_chunks(kernels_on, monkeypatch, tokens):
+    """A prefill's MLP runs CHUNK_TOKENS rows at a time (the last chunk may be short): the same values
+    as one pass, and one SwiGLU kernel call per chunk."""
+    model, reference = fused_and_reference(tiny_config("sdar"), torch.float32, seed=2)
+    x = torch.randn(1, tokens, model.cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    calls = []
+    monkeypatch.setattr(fused_module, "silu_mul", lambda *args: calls.append(args[0].shape[0]) or silu_mul(*args))
+    monkeypatch.setattr(fused_module, "CHUNK_TOKENS", 5)
+    with torch.no_grad():
+        chunked = model.layers[0].mlp(x)
+        expected = reference.layers[0].mlp(x)
+    assert calls == [5] * (tokens // 5) + ([tokens % 5] if tokens % 5 else [])
+    torch.testing.assert_close(chunked, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_the_few_row_step_needs_stacked_weights_of_the_stream_dtype(kernels_on):
     model = random_weights(build_random(tiny_config("sdar"), dtype=torch.float32)).to(DEVICE)
     layer = model.layers[0]

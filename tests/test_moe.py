@@ -112,7 +112,7 @@ def test_grouped_experts_equal_the_per_expert_loop(family, kernels_on, monkeypat
     with torch.no_grad():
         grouped = moe(x)
         reference = MoE.forward(moe, x)
-        monkeypatch.setattr(moe, "CHUNK_TOKENS", 5)  # a prefill's tokens go through in chunks
+        monkeypatch.setattr(fused, "CHUNK_TOKENS", 5)  # a prefill's tokens go through in chunks
         chunked = moe(x)
     assert calls == [torch.int32] * 2 * (1 + 5), "one grouped matmul for gate/up, one for down; CUDA takes int32 offsets only"
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
