@@ -7,7 +7,7 @@
     python scripts/bench.py dyllm [--quick] [--fractions F ...] [--out docs/results]
     python scripts/bench.py momo [--quick] [--lengths N ...] [--out docs/results]
     python scripts/bench.py routing [--quick] [--out docs/results]
-    python scripts/bench.py moe [--quick] [--out docs/results]
+    python scripts/bench.py moe [--quick] [--generate llada2-mini | sdar-30b-a3b] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
@@ -20,7 +20,8 @@ and the dual cache (scripts/bench_dyllm.py).
 momo: MOMO's prefill attention at 32K-128K, causal and block-causal, each top-k variant, vs SDPA and
 our dense kernel, with the FLOP floors and latency vs k (scripts/bench_momo.py).
 moe: one layer's MoE MLP on the llada2-mini and sdar-30b-a3b presets, grouped vs the per-expert loop vs
-the floor, and block.generate on llada2-mini at 32K, exact vs MAGE (scripts/bench_moe.py).
+the floor; with --generate, block.generate on that preset at 32K-128K, batch 1 and 4: exact (ours and
+on torch SDPA), MAGE, Quest and SparseD, each next to its floor (scripts/bench_moe.py).
 routing: the timings behind nanodllm/attention.py's choice between flash_attention, the split-KV
 decode kernel and SDPA (scripts/bench_routing.py).
 
@@ -517,8 +518,8 @@ def bench_methods(args):
                    f"triton {meta['triton']}, {meta['dtype']}\n")
         bench_routing(args, timer, report, meta)
     elif args.command == "moe":
-        report.say(f"# Mixture-of-experts MLP and generations on the MoE presets: {meta['device']}, torch "
-                   f"{meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
+        what = f"Real generations on {args.generate}" if args.generate else "The mixture-of-experts MLP"
+        report.say(f"# {what}: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
         bench_moe(args, timer, report, rates, meta)
     elif args.command == "momo":
         report.say(f"# MOMO's prefill attention vs SDPA and our dense kernel: {meta['device']}, torch {meta['torch']}, "
@@ -528,7 +529,8 @@ def bench_methods(args):
         report.say(f"# DyLLM's sparse steps vs vanilla and Fast-dLLM's dual cache: {meta['device']}, "
                    f"torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}\n")
         bench_dyllm(args, timer, report, rates, meta)
-    report.write(args.out, f"bench_{args.command}_quick" if args.quick else f"bench_{args.command}", meta)
+    stem = f"bench_{args.command}" + (f"_{args.generate}" if getattr(args, "generate", None) else "")
+    report.write(args.out, f"{stem}_quick" if args.quick else stem, meta)
 
 
 SHAPES_SMOKE = "tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)"
@@ -560,7 +562,9 @@ def main():
                        SHAPES_SMOKE)
     momo.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 32768 65536 131072)")
     momo.add_argument("--tune", action="store_true", help="also sweep the kernels' launch settings (GPU)")
-    add_command(commands, "moe", "MoE MLP grouped vs per-expert loop vs floor; llada2-mini generations", MODEL_SMOKE)
+    moe = add_command(commands, "moe", "MoE MLP grouped vs per-expert loop vs floor", MODEL_SMOKE)
+    moe.add_argument("--generate", choices=("llada2-mini", "sdar-30b-a3b"),
+                     help="time real generations on this preset instead (GPU), written to bench_moe_MODEL")
     add_command(commands, "routing", "flash vs split-KV decode vs SDPA on the shapes attention() routes", SHAPES_SMOKE)
     args = parser.parse_args()
     if not (args.quick or torch.cuda.is_available()):

@@ -7,10 +7,11 @@
    per-expert loop (nanodllm/mlp.py MoE, the reference, which asks the host which experts were chosen:
    timed eagerly). Floor: the larger of the bytes the rows must read (the experts they touch, the
    shared expert, the router) over the copy bandwidth and the FLOPs over the matmul rate.
-2. A real generation: block.generate on llada2-mini, batch 1 and 4, CUDA graphs on, prompts of 32K,
-   64K and 128K tokens (RoPE stretched past the trained 32K): milliseconds per block (CUDA events as
-   each block begins; median of the blocks after the first, where the graphs are recorded), exact,
-   MAGE at k = 1024 and 512, Quest and SparseD at k = 1024.
+2. `--generate MODEL`: real generations instead, block.generate on llada2-mini (32K, 64K, 128K) or
+   sdar-30b-a3b (32K, 64K), batch 1 and 4, CUDA graphs on, RoPE stretched past the trained 32K:
+   milliseconds per block (CUDA events as each block begins; median of the blocks after the first,
+   where the graphs are recorded) of the exact engine, the exact engine on torch SDPA, MAGE at k =
+   1024 and 512, Quest and SparseD at k = 1024, each next to its floor (block_floor_ms).
 --quick runs a tiny MoE model on the CPU: a smoke test, its numbers mean nothing.
 """
 
@@ -18,22 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
+from functools import partial
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
-from bench_mage import GENERATION_BLOCKS, block_clock, mark
+from bench_mage import GENERATION_BLOCKS, HEADROOM_BYTES, block_clock, mark
+import nanodllm.graphs as graphs_module
 from nanodllm import block as block_engine
 from nanodllm.config import GenerationConfig, ModelConfig, preset
 from nanodllm.fused import build_random
-from nanodllm.methods import get_method
+from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
 
-FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128), prefill_rows=32768,
-            contexts=(32768, 65536, 131072), batches=(1, 4), max_prefill_tokens=262144, ks=(1024, 512),
-            block=32, steps=32)
-QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64, contexts=(96,), batches=(1, 2),
-             max_prefill_tokens=1024, ks=(16,), block=8, steps=4)
+FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128), prefill_rows=32768)
+QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64)
+GENERATE = {"llada2-mini": dict(contexts=(32768, 65536, 131072), batches=(1, 4), ks=(1024, 512), block=32, steps=32),
+            "sdar-30b-a3b": dict(contexts=(32768, 65536), batches=(1, 4), ks=(1024, 512), block=32, steps=32)}
 QUICK_MODEL = dict(model_type="llada2_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
                    num_experts=16, num_experts_per_tok=4, num_shared_experts=1, n_group=4, topk_group=2,
@@ -72,41 +75,162 @@ def mlp_rows(cfg, moe_layer, rows, device, dtype, timer, bandwidth, matmul_rate)
             "grouped / floor": grouped_us / floor_us, "floor bound": "bytes" if read / bandwidth / 1e3 >= flops / matmul_rate / 1e6 else "FLOPs"}
 
 
-def generation_rows(model, name, context, batch, shapes) -> list[dict]:
-    """ms per block of block.generate for each method, one prompt of `context` tokens per row."""
+class TorchSdpa(Dense):
+    """The exact engine with its cached steps on torch's scaled_dot_product_attention instead of our
+    split-KV kernel: the cache read in place up to its launch bound, each row's keys past its length
+    hidden by a mask (so the step can be recorded as a graph). The prefill stays on our kernel."""
+
+    def attend(self, layer, q, k, v, ctx):
+        if ctx.phase == "prefill":
+            return super().attend(layer, q, k, v, ctx)
+        cache, block = ctx.cache, k.shape[2]
+        cache.write(layer, k, v)
+        n = cache.launch_length(block)
+        visible = torch.arange(n, device=q.device)[None, :] < (cache.lengths + block)[:, None]
+        keys, values = cache.keys[layer][:, :n].transpose(1, 2), cache.values[layer][:, :n].transpose(1, 2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None, None, :], enable_gqa=True)
+
+
+def methods_to_run(ks) -> list[tuple[str, Callable]]:
+    runs = [("exact", Dense), ("exact, torch SDPA", TorchSdpa)]
+    runs += [(f"MAGE k={k}", partial(get_method, "mage", k=k, exact_layers=2)) for k in ks]
+    runs += [(f"Quest k={ks[0]}", partial(get_method, "quest", k=ks[0], exact_layers=2)),
+             (f"SparseD k={ks[0]}", partial(get_method, "sparsed", k=ks[0], exact_layers=2))]
+    return runs
+
+
+def count_touched_experts(model, rows: int) -> tuple[list[int], Callable]:
+    """Hooks on every router that record, for each eager forward over `rows` tokens (a block step or a
+    commit, not the prefill; recorded graph replays run no Python), how many distinct experts its
+    tokens chose. Returns (the counts, a function removing the hooks)."""
+    counts = []
+
+    def record(router, inputs, output):
+        if inputs[0].shape[0] == rows and not torch.cuda.is_current_stream_capturing():
+            counts.append(int(output[0].unique().numel()))
+
+    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in model.layers if isinstance(layer.mlp, MoE)]
+    return counts, lambda: [hook.remove() for hook in hooks]
+
+
+def block_floor_ms(model, context, batch, shapes, touched: float, kv_fraction: float, bandwidth) -> float:
+    """Milliseconds a block cannot beat: its steps + 1 commit forward each read every weight except the
+    routed experts (the embedding's rows aside) plus `touched` experts per MoE layer and the KV
+    cache's kv_fraction (1 at the exact commit); the steps also read the LM head. Over copy bandwidth."""
+    cfg, steps = model.cfg, shapes["steps"]
+    element = next(model.parameters()).element_size()
+    fixed = sum(p.numel() * element for name, p in model.named_parameters()
+                if ".experts." not in name and not name.startswith(("embed_tokens.", "lm_head.")))
+    moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.layers)
+    experts = moe_layers * touched * 3 * cfg.hidden_size * cfg.moe.expert_size * element
+    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
+    head = model.lm_head.weight.numel() * element
+    total = (steps + 1) * (fixed + experts) + steps * head + (steps * kv_fraction + 1) * kv
+    return total / bandwidth / 1e6
+
+
+def kv_fraction_read(label: str, method, cfg) -> float:
+    """The KV share a step reads: the method's kv_kept (1 for exact), plus Quest's page bounds (a min
+    and a max of K per page_size keys in each sparse layer = (K + V) / page_size)."""
+    fraction = method.stats.get("kv_kept", 1.0)
+    if label.startswith("Quest"):
+        fraction += (cfg.num_layers - method.exact_layers) / cfg.num_layers / method.page_size
+    return fraction
+
+
+def generation_rows(model, name, context, batch, shapes, bandwidth, profile: list | None) -> list[dict]:
+    """block.generate for each method, one random prompt of `context` tokens per row, no stop token:
+    a CUDA event before the call and as each block begins. ms/block: the median of the blocks after
+    the first (where the engine records its graphs); prefill: the call's start to the first block. A
+    warm-up generation of the exact engine, eager, first compiles and tunes every shape the prefill
+    and the exact steps use and counts the experts each step touches; with `profile` (a list), the
+    kernels of its blocks are appended to it as (name, calls, GPU ms) per block."""
     cfg = model.cfg
     prompts = [torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(row)).tolist()
                for row in range(batch)]
-    size, steps = shapes["block"], shapes["steps"]
-    k = shapes["ks"][0]
-    runs = [("exact", "dense", {})] + [(f"MAGE k={k}", "mage", dict(k=k, exact_layers=2)) for k in shapes["ks"]]
-    runs += [(f"Quest k={k}", "quest", dict(k=k, exact_layers=2)), (f"SparseD k={k}", "sparsed", dict(k=k, exact_layers=2))]
-    rows = []
-    for label, method_name, knobs in runs:
-        def generate(blocks, events):
-            gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=steps, threshold=None)
-            method = block_clock(get_method(method_name, **knobs), events)
-            block_engine.generate(model, prompts, gen, method=method, stop_ids=())
-            mark(events)
-            torch.cuda.synchronize()
+    size, warm_blocks = shapes["block"], 2
 
-        generate(2, [])  # compiles, autotunes
-        events = []
-        start = time.perf_counter()
-        generate(GENERATION_BLOCKS, events)
-        wall = time.perf_counter() - start
-        block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[1:-1], events[2:]))
-        rows.append({"model": name, "context": context, "batch": batch, "method": label,
-                     "ms/block": statistics.median(block_ms), "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}",
-                     "generation s (prefill + blocks)": wall})
-    exact = rows[0]["ms/block"]
+    def generate(method, blocks, events):
+        gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=shapes["steps"], threshold=None)
+        mark(events)
+        block_engine.generate(model, prompts, gen, method=block_clock(method, events), stop_ids=())
+        mark(events)
+        torch.cuda.synchronize()
+
+    touched, remove_hooks = count_touched_experts(model, batch * size)
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile is not None else None
+    graphs_module.GRAPHS_ENABLED = False
+    generate(profiled_blocks(Dense(), profiler), warm_blocks, [])
+    graphs_module.GRAPHS_ENABLED = True
+    remove_hooks()
+    if profiler is not None:
+        profiler.stop()
+        profile += kernels_per_block(profiler, warm_blocks)
+    touched_mean = statistics.mean(touched)
+    rows = []
+    for label, make in methods_to_run(shapes["ks"]):
+        events, method = [], make()
+        torch.cuda.reset_peak_memory_stats()
+        generate(method, GENERATION_BLOCKS, events)
+        block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[2:-1], events[3:]))
+        ms = statistics.median(block_ms)
+        floor = block_floor_ms(model, context, batch, shapes, touched_mean, kv_fraction_read(label, method, cfg), bandwidth)
+        rows.append({"model": name, "context": context, "batch": batch, "method": label, "ms/block": ms,
+                     "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}", "floor ms/block": floor,
+                     "ms / floor": ms / floor, "prefill s": events[0].elapsed_time(events[1]) / 1e3,
+                     "peak GiB": torch.cuda.max_memory_allocated() / 2**30})
     for row in rows:
-        row["vs exact"] = exact / row["ms/block"]
+        row["vs exact"] = rows[0]["ms/block"] / row["ms/block"]
+        row["vs torch SDPA"] = rows[1]["ms/block"] / row["ms/block"]
+        row["experts touched per layer"] = f"{touched_mean:.0f}/{cfg.moe.num_experts}"
     torch.cuda.empty_cache()
     return rows
 
 
-def bench_moe(args, timer, report, rates, meta):
+def profiled_blocks(method, profiler):
+    """Start `profiler` (if any) as the first block begins: the prefill stays out of it."""
+    begin = method.begin_block
+
+    def begin_profiled(ctx):
+        if profiler is not None and ctx.block == 0:
+            profiler.start()
+        begin(ctx)
+
+    method.begin_block = begin_profiled
+    return method
+
+
+def kernels_per_block(profiler, blocks: int, top: int = 12) -> list[dict]:
+    """The `top` GPU kernels by time in the profiled blocks, per block, and the rest as one row."""
+    calls, ms = {}, {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            calls[event.name] = calls.get(event.name, 0) + 1
+            ms[event.name] = ms.get(event.name, 0.0) + event.device_time / 1e3
+    total = sum(ms.values())
+    ranked = sorted(ms, key=ms.get, reverse=True)
+    rows = [{"kernel": name[:90], "calls per block": calls[name] / blocks, "GPU ms per block": ms[name] / blocks,
+             "share": ms[name] / total} for name in ranked[:top]]
+    rest = sum(ms[name] for name in ranked[top:])
+    rows.append({"kernel": f"the other {len(ranked) - top} kernels", "calls per block": sum(calls[n] for n in ranked[top:]) / blocks,
+                 "GPU ms per block": rest / blocks, "share": rest / total})
+    return rows
+
+
+def fits(model, context, batch, shapes) -> tuple[bool, str]:
+    """Whether the weights, a KV cache for the generation and HEADROOM_BYTES fit the device."""
+    cfg = model.cfg
+    element = next(model.parameters()).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * element
+    tokens = batch * (context + (GENERATION_BLOCKS + 1) * shapes["block"])
+    kv = tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
+    total = torch.cuda.get_device_properties(0).total_memory
+    need = weights + kv + HEADROOM_BYTES
+    return need <= total, (f"weights {weights / 2**30:.1f} GiB + KV cache {kv / 2**30:.1f} GiB + "
+                           f"{HEADROOM_BYTES >> 30} GiB headroom exceed the device's {total / 2**30:.1f} GiB")
+
+
+def bench_moe_mlp(args, timer, report, rates, meta):
     device = timer.device
     shapes = QUICK if args.quick else FULL
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -126,21 +250,47 @@ def bench_moe(args, timer, report, rates, meta):
                  "Microseconds per call for `rows` tokens (a block step is 32 x batch; the last row is a prefill). "
                  "Grouped: CUDA graph, L2 flushed. Loop: the reference, eager (it syncs the host per call). "
                  "Floor: max(bytes of touched experts + shared expert + router / copy bandwidth, FLOPs / matmul rate).")
-    if device.type != "cuda":
-        return
-    name = "llada2-mini"
+
+
+def bench_moe_generation(args, timer, report, rates, meta):
+    name = args.generate
+    shapes = GENERATE[name]
+    bandwidth, _ = rates()
+    meta.update(copy_GBps=bandwidth, shapes=shapes)
+    report.say(f"Copy bandwidth {bandwidth:.0f} GB/s (measured now).\n")
     cfg = moe_config(name, max(shapes["contexts"]) + (GENERATION_BLOCKS + 2) * shapes["block"], shapes["block"])
-    model = build_random(cfg, device=device, dtype=dtype)
+    model = build_random(cfg, device=timer.device, dtype=torch.bfloat16)
+    kernels = []
     for context in shapes["contexts"]:
         rows = []
         for batch in shapes["batches"]:
-            if batch * context > shapes["max_prefill_tokens"]:
-                report.say(f"- {context} tokens x batch {batch}: skipped, its prefill (one forward over every row) "
-                           f"holds more than {shapes['max_prefill_tokens'] // 1024}K tokens' activations")
+            ok, why = fits(model, context, batch, shapes)
+            if not ok:
+                report.say(f"- {context} tokens x batch {batch}: skipped, {why}\n")
                 continue
-            rows += generation_rows(model, name, context, batch, shapes)
+            first = context == shapes["contexts"][0] and batch == 1
+            try:
+                rows += generation_rows(model, name, context, batch, shapes, bandwidth, kernels if first else None)
+            except torch.OutOfMemoryError as error:
+                graphs_module.GRAPHS_ENABLED = True
+                torch.cuda.empty_cache()
+                report.say(f"- {context} tokens x batch {batch}: out of memory ({str(error).splitlines()[0]})\n")
         report.table(f"A real generation on {name}, {context // 1024}K", rows,
-                     f"block.generate, blocks of {shapes['block']}, {shapes['steps']} steps per block, CUDA graphs on: "
-                     f"the median of blocks 2-{GENERATION_BLOCKS} of one generation; every sparse method with 2 exact "
-                     "layers. One model for every context (RoPE stretched for the longest; the base does not change "
-                     "the time).")
+                     f"block.generate, blocks of {shapes['block']}, {shapes['steps']} steps per block, CUDA graphs "
+                     f"on: the median of blocks 2-{GENERATION_BLOCKS} of one generation; every sparse method with 2 "
+                     "exact layers. One model for every context (RoPE stretched for the longest; the base does not "
+                     "change the time). Floor: the weights a forward reads with the experts its tokens touch "
+                     "(counted in the exact warm-up), the LM head at each step and the KV share the method "
+                     "reads, over copy bandwidth.")
+    report.table(f"Where an exact block's GPU time goes: {name}, {shapes['contexts'][0] // 1024}K, batch 1", kernels,
+                 "The warm-up generation's blocks (eager, kernel time only: no launch gaps), torch.profiler, "
+                 "per block of 32 steps + the commit.")
+
+
+def bench_moe(args, timer, report, rates, meta):
+    if args.generate is None:
+        bench_moe_mlp(args, timer, report, rates, meta)
+    elif timer.device.type != "cuda":
+        report.say("The generations run on a GPU only (CUDA events, CUDA graphs).")
+    else:
+        bench_moe_generation(args, timer, report, rates, meta)
