@@ -41,50 +41,44 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import Tuner
+
 LOG2_E = math.log2(math.e)  # host side: folded into the scale
 LN_2 = tl.constexpr(math.log(2.0))  # kernel side: lse back from base 2 (kernels read only constexpr globals)
 
-# The autotune space per head dim. Prefill is compute-bound, so the tiles are the largest that keep
+# The tuning space per head dim (kernels/tuning.py measures it once per machine; kernels/tuned.json
+# ships the choices for some GPUs); it holds the tiles that won some key in `python scripts/tune.py`,
+# plus one that fits float32 inputs. Prefill is compute-bound, so the tiles are the largest that keep
 # one CTA per SM fed: BLOCK_M = 128 query rows (two warpgroups of 64 rows for sm_90's wgmma at
 # 8 warps) and BLOCK_N = 64 or 128 keys. Shared memory bounds the pipeline depth: at D = 128 (16-bit)
 # Q takes 32 KB and each stage of K + V 2 * BLOCK_N * 256 B, so BLOCK_N = 128 fits 3 stages (224 KB)
 # under sm_90's 227 KB limit, just; that tile wins at 8K-32K prefills and ties under key padding
-# (docs/results/bench_kernels.md). At D = 64 everything halves, so 3 stages fit either way and
-# 4 warps can hold a 128-row tile in registers. Anything smaller only helps short sequences, where
-# attention is not the cost. (Float32 inputs, for tests, double the bytes: the autotuner skips the
-# tiles that do not fit.)
+# (docs/results/bench_kernels.md). At D = 64 everything halves, and 128 x 64 tiles win. Float32
+# inputs (tests) double the bytes: of the D = 128 tiles only 128 x 64 with 2 stages fits them, and
+# the tuner skips those that do not.
+def _tiles(block_m, block_n, warps, stages) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+
+
 _TUNING_SPACE = {
-    128: [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
-    ],
-    64: [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-    ],
+    128: [_tiles(128, 64, 8, 2), _tiles(128, 128, 8, 2), _tiles(128, 128, 8, 3)],
+    64: [_tiles(128, 64, 4, 3), _tiles(128, 64, 8, 3)],
 }
 
 # A few query rows against many keys (DyLLM's salient rows: 64-192 per sequence and head against the
-# whole canvas) leave much of their last 128-row tile empty: up to FEW_ROWS query rows the autotuner
+# whole canvas) leave much of their last 128-row tile empty: up to FEW_ROWS query rows the tuner
 # also tries 64-row tiles (one warpgroup), keyed on a query-row bucket so prefill keeps its own choice.
 FEW_ROWS = 256
-_FEW_ROW_TILES = {
-    head_dim: [triton.Config({"BLOCK_M": 64, "BLOCK_N": block_n}, num_warps=4, num_stages=stages)
-               for block_n, stages in settings]
-    for head_dim, settings in ((128, [(64, 3), (128, 3), (64, 2)]), (64, [(64, 3), (128, 3)]))
-}
+_FEW_ROW_TILES = {head_dim: [_tiles(64, 64, 4, 3), _tiles(64, 128, 4, 3)] for head_dim in (128, 64)}
+TUNER = Tuner("flash_attention")
 
 # Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), where timing means
 # nothing: fixed small tiles, so that small test shapes cross many tile edges. Tests may change them.
 INTERPRETER_TILES = {"BLOCK_M": 32, "BLOCK_N": 16}
 
 
-def _configs_for_head_dim(configs, named_args, **kwargs):
-    few_rows = named_args["tuning_rows"] <= FEW_ROWS
-    return _TUNING_SPACE[kwargs["HEAD_DIM"]] + (_FEW_ROW_TILES[kwargs["HEAD_DIM"]] if few_rows else [])
+def candidate_tiles(head_dim: int, tuning_rows: int) -> list[dict]:
+    return _TUNING_SPACE[head_dim] + (_FEW_ROW_TILES[head_dim] if tuning_rows <= FEW_ROWS else [])
 
 
 @triton.jit
@@ -155,7 +149,7 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "stride_valid_b", "stride_valid_h", "stride_first_b", "tuning_length"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "stride_valid_b", "stride_valid_h", "stride_first_b"])
 def _flash_attention_fwd(
     Q, K, V, K_VALID, FIRST_VISIBLE, OUT, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -165,7 +159,6 @@ def _flash_attention_fwd(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     n_q, n_k, num_heads, group, block_size, qk_scale,
-    tuning_length, tuning_rows,  # read only by the autotuner's key (buckets of n_k and n_q)
     HEAD_DIM: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -250,13 +243,6 @@ def _flash_attention_fwd(
     tl.store(lse_base + rows.to(tl.int64) * stride_lm, lse, mask=row_ok)
 
 
-_flash_attention_fwd_tuned = triton.autotune(
-    configs=[config for space in (_TUNING_SPACE, _FEW_ROW_TILES) for configs in space.values() for config in configs],
-    key=["HEAD_DIM", "BLOCK_CAUSAL", "HAS_K_VALID", "tuning_length", "tuning_rows"],
-    prune_configs_by={"early_config_prune": _configs_for_head_dim},
-)(_flash_attention_fwd)
-
-
 def _output(shape, dtype, device) -> torch.Tensor:
     """torch.empty; the tests swap in a NaN fill to prove the kernel writes every element."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -293,15 +279,15 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
 
     # Causal is block-causal with B = 1; bidirectional never reads block_size.
     block = block_size if block_size is not None else 1
-    # The autotuner keys on a power-of-two bucket of N_k from 1K to 32K, so a short warm-up call does
-    # not choose the tiles of a long prefill, and lengths in one bucket share their tuning.
+    # The tuner keys on a power-of-two bucket of N_k from 1K to 32K, so a short warm-up call does not
+    # choose the tiles of a long prefill, and lengths in one bucket share their tuning.
     tuning_length = min(max(triton.next_power_of_2(n_k), 1024), 32768)
     tuning_rows = 64 if n_q <= 64 else FEW_ROWS if n_q <= FEW_ROWS else 1024  # two buckets of few rows, or many
 
     args = (
         q, k, v, valid, first_visible, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *first_strides, *out.stride(), *lse.stride(),
-        n_q, n_k, num_heads, num_heads // num_kv_heads, block, scale * LOG2_E, tuning_length, tuning_rows,
+        n_q, n_k, num_heads, num_heads // num_kv_heads, block, scale * LOG2_E,
     )
     meta = dict(HEAD_DIM=head_dim, BLOCK_CAUSAL=causal or block_size is not None, HAS_K_VALID=k_valid is not None)
 
@@ -309,9 +295,12 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
         return (triton.cdiv(n_q, tiles["BLOCK_M"]), batch * num_heads)
 
     if q.is_cuda:
-        _flash_attention_fwd_tuned[grid](*args, **meta)
+        launch = lambda tiles: _flash_attention_fwd[grid(tiles)](*args, **meta, **tiles)
+        key = (head_dim, int(meta["BLOCK_CAUSAL"]), int(meta["HAS_K_VALID"]), tuning_length, tuning_rows,
+               str(q.dtype).removeprefix("torch."))
+        launch(TUNER.choose(key, candidate_tiles(head_dim, tuning_rows), launch, q.device))
     else:
-        _flash_attention_fwd[grid](*args, **meta, **INTERPRETER_TILES)
+        _flash_attention_fwd[grid(INTERPRETER_TILES)](*args, **meta, **INTERPRETER_TILES)
     return (out, lse) if return_lse else out
 
 

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Kernel launch settings measured by the tests stay out of the user's cache (kernels/tuning.py).
+os.environ.setdefault("NANODLLM_CACHE_DIR", tempfile.mkdtemp(prefix="nanodllm-tests-"))
 
 settings.register_profile("dev", max_examples=10, deadline=None)
 settings.register_profile("ci", max_examples=30, deadline=None)

@@ -143,32 +143,18 @@ def gpu_tile_case(head_dim=128):
 @pytest.mark.parametrize("mask", MASKS)
 def test_matches_reference_with_gpu_tiles(mask, tiles):
     """The prefill tile (128 x 64) and the few-row one (64 x 64), in the interpreter on a CPU (on a
-    GPU the autotuner picks; the test below runs each of its tiles)."""
+    GPU the tuner picks; the test below runs each of its tiles)."""
     q, k, v, k_valid = gpu_tile_case()
     check_against_reference(q, k, v, tiles, k_valid=k_valid, **mask)
 
 
-class FixedTiles:
-    """Stands in for the autotuned kernel: launches one config of its space."""
-
-    def __init__(self, config):
-        self.config = config
-
-    def __getitem__(self, grid):
-        def launch(*args, **meta):
-            tiles = dict(meta, **self.config.kwargs)
-            fa._flash_attention_fwd[grid(tiles)](*args, **tiles, num_warps=self.config.num_warps,
-                                                 num_stages=self.config.num_stages)
-        return launch
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the autotuner's tiles compile for the GPU only")
+@pytest.mark.skipif(DEVICE != "cuda", reason="the tuner's tiles compile for the GPU only")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mask", MASKS)
 def test_every_tile_of_the_tuning_space_matches_reference(mask, head_dim):
     q, k, v, k_valid = gpu_tile_case(head_dim)
-    for config in fa._TUNING_SPACE[head_dim] + fa._FEW_ROW_TILES[head_dim]:
-        with mock.patch.object(fa, "_flash_attention_fwd_tuned", FixedTiles(config)):
+    for tiles in fa._TUNING_SPACE[head_dim] + fa._FEW_ROW_TILES[head_dim]:
+        with mock.patch.object(fa.TUNER, "choose", lambda *args, tiles=tiles: tiles):
             check_against_reference(q, k, v, k_valid=k_valid, **mask)
 
 

@@ -1,0 +1,123 @@
+"""Kernel launch settings measured once per machine, not once per process.
+
+A Triton kernel's best tiles depend on the GPU and on the shape. Finding them means running and
+timing every candidate, seconds that triton.autotune pays again in every process. A `Tuner` looks
+the setting for a key up, in this order:
+1. the choices this process has made;
+2. the user's cache, `tuning.json` in $NANODLLM_CACHE_DIR (default $XDG_CACHE_HOME/nanodllm, else
+   ~/.cache/nanodllm), rewritten after each measurement (a temporary file renamed over the old one,
+   so a reader never sees half a file);
+3. the settings shipped in kernels/tuned.json (measured by `python scripts/tune.py`);
+4. a measurement of every candidate (triton.testing.do_bench), said once per process on stderr,
+   then kept in 1 and 2.
+The other cost every process pays before its first kernel runs is Triton's key for its disk cache of
+compiled kernels: a hash of Triton's own compiler, hundreds of megabytes. `start_hashing_triton`
+begins it on a side thread while the model's weights load.
+
+Both files map GPU name -> kernel name -> key -> setting, where the key is the caller's shape bucket
+written as "a,b,c" and a setting is a dict of the kernel's tile sizes plus num_warps and
+num_stages. A setting that is not among the caller's current candidates is ignored (the kernel
+changed since it was measured): every candidate is correct, only speed depends on the choice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+SHIPPED = Path(__file__).with_name("tuned.json")
+TOO_BIG = tuple(error for error in (OutOfResources, getattr(triton.runtime.errors, "PTXASError", None)) if error)
+
+
+def start_hashing_triton():
+    """Compute Triton's compiler hash (functools-cached, where this Triton has it: triton.runtime.cache
+    .triton_key) on a daemon thread. hashlib releases the GIL, so the weights load meanwhile; if the first
+    kernel comes first, Triton computes it again, the same."""
+    triton_key = getattr(triton.runtime.cache, "triton_key", None)
+    if triton_key is not None and os.environ.get("TRITON_INTERPRET") != "1":
+        threading.Thread(target=triton_key, name="triton-key", daemon=True).start()
+
+
+def cache_path() -> Path:
+    root = os.environ.get("NANODLLM_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanodllm"
+    return Path(root) / "tuning.json"
+
+
+def read_settings(path: Path) -> dict:
+    """{gpu: {kernel: {key: setting}}} from path; {} if it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_settings(path: Path, settings: dict):
+    """Replace path's content at once: write a temporary file beside it, then rename it over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(handle, "w") as file:
+        json.dump(settings, file, indent=1, sort_keys=True)
+    os.replace(temporary, path)
+
+
+class Tuner:
+    """One kernel's settings per key (see the module docstring for where they come from)."""
+
+    announced = False  # the once-per-process line, shared by every tuner
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+        self.chosen: dict[str, dict] = {}
+        self.known: dict[str, dict] | None = None  # the cache over the shipped table, read on first use
+        self.measured = 0  # keys this process measured (the tests read it)
+
+    def choose(self, key: tuple, candidates: list[dict], launch: Callable[[dict], object], device) -> dict:
+        """The setting for key among candidates; launch(setting) runs the kernel once with it (only
+        called if the setting has to be measured here)."""
+        name = ",".join(str(part) for part in key)
+        if name in self.chosen:
+            return self.chosen[name]
+        if self.known is None:
+            gpu = torch.cuda.get_device_name(device)
+            shipped = read_settings(SHIPPED).get(gpu, {}).get(self.kernel, {})
+            self.known = {**shipped, **read_settings(cache_path()).get(gpu, {}).get(self.kernel, {})}
+        setting = self.known.get(name)
+        if setting not in candidates:
+            setting = self.measure(name, candidates, launch, device)
+        self.chosen[name] = setting
+        return setting
+
+    def measure(self, name: str, candidates: list[dict], launch, device) -> dict:
+        path, gpu = cache_path(), torch.cuda.get_device_name(device)
+        if not Tuner.announced:
+            print(f"nanodllm: measuring kernel launch settings for the {gpu} (once per machine, kept in {path})",
+                  file=sys.stderr, flush=True)
+            Tuner.announced = True
+        times = {}
+        for index, setting in enumerate(candidates):
+            try:
+                times[index] = triton.testing.do_bench(lambda: launch(setting), warmup=5, rep=20)
+            except TOO_BIG:  # more shared memory or registers than the GPU has (float32 inputs)
+                continue
+        if not times:
+            raise RuntimeError(f"{self.kernel}: no launch setting fits this GPU for key {name}")
+        best = candidates[min(times, key=times.get)]
+        self.measured += 1
+        try:
+            settings = read_settings(path)  # another process may have added keys meanwhile
+            settings.setdefault(gpu, {}).setdefault(self.kernel, {})[name] = best
+            write_settings(path, settings)
+        except OSError as error:
+            print(f"nanodllm: cannot write {path} ({error}); the settings last this process only", file=sys.stderr)
+        return best
