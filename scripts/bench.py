@@ -8,6 +8,7 @@
     python scripts/bench.py momo [--quick] [--lengths N ...] [--out docs/results]
     python scripts/bench.py routing [--quick] [--out docs/results]
     python scripts/bench.py moe [--quick] [--generate llada2-mini | sdar-30b-a3b] [--out docs/results]
+    python scripts/bench.py e2e [--quick] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
@@ -22,6 +23,8 @@ our dense kernel, with the FLOP floors and latency vs k (scripts/bench_momo.py).
 moe: one layer's MoE MLP on the llada2-mini and sdar-30b-a3b presets, grouped vs the per-expert loop vs
 the floor; with --generate, block.generate on that preset at 32K-128K, batch 1 and 4: exact (ours and
 on torch SDPA), MAGE, Quest and SparseD, each next to its floor (scripts/bench_moe.py).
+e2e: real generate() calls in new processes, every method: the first generation of a process,
+a later process's and a warm one (scripts/bench_e2e.py).
 routing: the timings behind nanodllm/attention.py's choice between flash_attention, the split-KV
 decode kernel and SDPA (scripts/bench_routing.py).
 
@@ -481,6 +484,27 @@ def bench_kernels(args):
     report.write(args.out, "bench_kernels_quick" if args.quick else "bench_kernels", meta)
 
 
+def run_metadata(dtype, quick: bool) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "dtype": str(dtype).removeprefix("torch."), "quick": quick, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def bench_generations(args):
+    """`e2e`: one new process per configuration and pass (scripts/bench_e2e.py)."""
+    from bench_e2e import bench_e2e
+
+    meta, report = run_metadata(torch.bfloat16 if torch.cuda.is_available() else torch.float32, args.quick), Report()
+    report.say(f"# Generations as a user runs them: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+               f"{meta['dtype']}\n")
+    bench_e2e(args, report, meta)
+    stem = f"bench_e2e_{'quick' if args.quick else args.settings}"
+    report.write(args.out, stem, meta)
+
+
 def bench_methods(args):
     """`mage`, `maskkv`, `sparse_dllm`, `dyllm`, `momo`, `routing`: timings on 8B shapes."""
     from bench_mage import bench_mage  # scripts/ is on sys.path when this file runs
@@ -495,11 +519,7 @@ def bench_methods(args):
     shapes = QUICK if args.quick else FULL
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timer, report = Timer(device, args.quick), Report()
-    meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "dtype": str(dtype).removeprefix("torch."), "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    meta = run_metadata(dtype, args.quick)
     rates = lambda: measure_ceilings(timer, shapes, device, dtype)
     if args.command == "mage":
         report.say(f"# MAGE and its baselines on the block engine: {meta['device']}, torch {meta['torch']}, "
@@ -566,11 +586,16 @@ def main():
     moe.add_argument("--generate", choices=("llada2-mini", "sdar-30b-a3b"),
                      help="time real generations on this preset instead (GPU), written to bench_moe_MODEL")
     add_command(commands, "routing", "flash vs split-KV decode vs SDPA on the shapes attention() routes", SHAPES_SMOKE)
+    e2e = add_command(commands, "e2e", "generate() in new processes: first, later-process and warm times, every "
+                      "method", MODEL_SMOKE)
+    e2e.add_argument("--settings", choices=("warm_start",), default="warm_start", help="which configurations")
     args = parser.parse_args()
     if not (args.quick or torch.cuda.is_available()):
         sys.exit(f"bench.py {args.command}: the full run times 8B shapes on a GPU; on a CPU run it with --quick")
     if args.command == "kernels":
         bench_kernels(args)
+    elif args.command == "e2e":
+        bench_generations(args)
     else:
         bench_methods(args)
 
