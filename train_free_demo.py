@@ -74,6 +74,18 @@ def run(engine, model, prompt_ids, gen, method, stop_ids, device):
     return result.tokens[0], time.perf_counter() - start, peak, memory_kind, kv_summary(method.stats)
 
 
+def warm_up_gpu(engine, model, prompt_ids, gen, settings: dict, stop_ids, device) -> float | None:
+    """On a GPU, each method's first generation in a process also loads (or, on a new machine,
+    compiles) its Triton kernels: run each once untimed and return the seconds that took. None on a
+    CPU, where nothing is compiled."""
+    if device.type != "cuda":
+        return None
+    start = time.perf_counter()
+    for name, knobs in settings.items():
+        run(engine, model, prompt_ids, gen, get_method(name, **knobs), stop_ids, device)
+    return time.perf_counter() - start
+
+
 def kv_summary(stats: dict) -> str:
     """What the method kept of the KV: 'KV kept 12%' or, for evicting methods, per head as well."""
     text = f"KV kept {stats.get('kv_kept', 1.0):.0%}"
@@ -118,9 +130,11 @@ def main(argv=None) -> int:
         device = torch.device(args.device)
         model = load_model(model_dir, device, DTYPES[args.dtype], context=len(prompt_ids) + 2 * args.gen_length)
         engine = block if is_block else masked
+        to_run = {name: knobs if name == args.method else {} for name in ("dense", args.method)}
+        warm_up = warm_up_gpu(engine, model, prompt_ids, gen, to_run, tokenizer.stop_ids, device)
         runs = {}
-        for name in dict.fromkeys(["dense", args.method]):
-            method = get_method(name, **(knobs if name == args.method else {}))
+        for name, method_knobs in to_run.items():
+            method = get_method(name, **method_knobs)
             runs[name] = run(engine, model, prompt_ids, gen, method, tokenizer.stop_ids, device)
     except (FileNotFoundError, ValueError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -128,6 +142,8 @@ def main(argv=None) -> int:
 
     print(f"model: {model_dir} ({cfg.model_type}, {engine_name} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
+    if warm_up is not None:
+        print(f"warm-up, not timed below (kernels compiled or loaded, launch settings looked up): {warm_up:.1f}s")
     defaults = knob_defaults(args.method)
     if defaults:
         settings = (f"{knob}={knobs.get(knob, default)}" for knob, default in defaults.items())
