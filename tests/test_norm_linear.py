@@ -4,8 +4,8 @@ model's unfused torch path (the fused layer's few-row step: tests/test_fused.py)
 The kernel rounds at other points than the unfused path (x * norm weight, not x * rstd then the
 weight), so neither is the other's bit for bit: both are held against the float64 result, and the
 kernel must come as close as the unfused path does in the same dtype (twice its error, plus a few
-units in the last place). Off the GPU the kernel runs in Triton's interpreter (float16 and float32,
-whose dots it computes correctly). Outputs are allocated NaN-filled: an element never written fails.
+units in the last place, more for longer dots). Off the GPU the kernel runs in Triton's interpreter
+(float16 and float32, whose dots it computes correctly). Outputs are allocated NaN-filled: an element never written fails.
 """
 
 import os
@@ -47,9 +47,12 @@ def error(out, x, norm_weight, weight, bias, swiglu, eps):
     return (out.double() - exact).abs().max().item(), (unfused.double() - exact).abs().max().item(), exact
 
 
-def within(out_error, unfused_error, exact, dtype) -> bool:
+def within(out_error, unfused_error, exact, dtype, dim: int) -> bool:
+    """Twice the unfused path's error plus 4 + sqrt(dim) units in the last place: the two paths sum the
+    dim products of each dot in different orders, and a sum's rounding error grows as the square
+    root of its length (the unfused path's own error is small by luck as often as not)."""
     ulp = torch.finfo(dtype).eps * exact.abs().max().item()
-    return out_error <= 2 * unfused_error + 4 * ulp
+    return out_error <= 2 * unfused_error + (4 + dim**0.5) * ulp
 
 
 def nan_empty():
@@ -68,7 +71,7 @@ def test_norm_linear_comes_as_close_as_the_unfused_path(rows, dim, width, dtype,
         out = norm_linear(x, norm_weight, 1e-5, weight, b, swiglu)
     assert out.shape == (rows, width) and out.dtype == dtype
     out_error, unfused_error, exact = error(out, x, norm_weight, weight, b, swiglu, 1e-5)
-    assert within(out_error, unfused_error, exact, dtype), (out_error, unfused_error)
+    assert within(out_error, unfused_error, exact, dtype, dim), (out_error, unfused_error)
 
 
 def test_norm_linear_keeps_leading_dims_and_reads_strided_rows():
@@ -93,7 +96,7 @@ def test_the_comparison_catches_a_wrong_formula(mistake):
     else:
         out = norm_linear(x, norm_weight, 1e-5, torch.cat(weight.chunk(2)[::-1]), swiglu=True)
     out_error, unfused_error, exact = error(out, x, norm_weight, weight, None, True, 1e-5)
-    assert not within(out_error, unfused_error, exact, torch.float16)
+    assert not within(out_error, unfused_error, exact, torch.float16, 64)
 
 
 def test_bad_inputs_are_refused():
