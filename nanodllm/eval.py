@@ -169,6 +169,12 @@ def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], ba
     """{method: {cell: Outcome}} where a cell is (length, depth) or (dataset, nan)."""
     results = {m: defaultdict(Outcome) for m in methods}
     chunks = [samples[i : i + batch] for i in range(0, len(samples), batch)]
+    if runner.device.type == "cuda" and chunks:  # load or compile each method's kernels outside the timings
+        start = time.perf_counter()
+        for name in methods:
+            runner.generate(chunks[0], name)
+        print(f"warm-up, not timed (kernels compiled or loaded, launch settings looked up): "
+              f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
     for done, chunk in enumerate(chunks, 1):
         for name in methods:
             outcome = runner.generate(chunk, name)

@@ -137,3 +137,24 @@ def test_sweep_depth_grids_read_back():
     grids = sweep.read_depth_grids("\n".join(sections))
     expected = {name: {cell: float(records[0][0]) for cell, records in grid.items()} for name, grid in cells.items()}
     assert grids == {"kv": expected, "passkey": expected}
+
+
+def test_on_a_gpu_eval_warms_each_method_up_before_timing(capsys):
+    """The first batch runs once per method untimed (the kernels load or compile then), said apart."""
+    import torch
+
+    from nanodllm import tasks
+
+    class Runner:
+        device = torch.device("cuda")
+        calls = []
+
+        def generate(self, chunk, name):
+            self.calls.append((len(chunk), name))
+            return evaluation.Outcome(seconds=1.0, scores=[1.0] * len(chunk), tokens=[[1]] * len(chunk),
+                                      kv_kept=[1.0] * len(chunk))
+
+    samples = tasks.make_samples("passkey", 64, 3, 0, count_tokens=len)
+    evaluation.evaluate(Runner(), samples, ["dense", "mage"], batch=2)
+    assert Runner.calls == [(2, "dense"), (2, "mage"), (2, "dense"), (2, "mage"), (1, "dense"), (1, "mage")]
+    assert "warm-up, not timed" in capsys.readouterr().err
