@@ -1,6 +1,6 @@
 """Accuracy of dense decoding and of a method on long-context tasks, side by side.
 
-    python -m nanodllm.eval --model tiny-llada --method dense --task passkey --lengths 1024,2048 --n 50
+    python -m nanodllm eval --model tiny-llada --method mage --task passkey --lengths 1024,2048 --n 50
 
 For every (context length, needle depth) cell it prints the accuracy of dense and of the method, how
 many generated tokens the method shares with dense, tokens/s of each, and the fraction of KV entries
@@ -257,8 +257,8 @@ def plot(grids: dict[str, dict[tuple, float]], path, title: str, columns: int = 
     plt.close(fig)
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv, prog=None):
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llada", help=f"a checkpoint directory or {' / '.join(TINY_MODELS)}")
     parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}, or all")
     parser.add_argument("--knobs", help="the method's knobs, e.g. k=64,exact_layers=2 (see its file's docstring)")
@@ -309,8 +309,8 @@ def print_calibration(model_dir, lengths, args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog=None) -> int:
+    args = parse_args(argv, prog)
     methods = sorted(METHODS, key=lambda m: m != "dense") if args.method == "all" else ["dense", args.method]
     methods = list(dict.fromkeys(methods))
     try:

@@ -121,3 +121,30 @@ def test_demo_runs_on_dream_and_fast_dllm_v2_checkpoints(tmp_path, model_type, f
     assert done.returncode == 0, done.stderr
     assert f"({model_type}, {engine} engine)" in done.stdout
     assert "token agreement dense vs dense" in done.stdout
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "nanodllm", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_package_command_line_lists_its_commands_and_refuses_others():
+    listed = cli("--help")
+    assert listed.returncode == 0 and "python -m nanodllm demo --method maskkv" in listed.stdout
+    assert cli().returncode == 2
+    unknown = cli("bench")
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown command 'bench'; choose from demo, eval")
+
+
+@pytest.mark.parametrize("command, example", [("demo", "--method maskkv"), ("eval", "--task passkey")])
+def test_each_command_has_help_with_an_example(command, example):
+    done = cli(command, "--help")
+    assert done.returncode == 0 and done.stdout.startswith(f"usage: python -m nanodllm {command}")
+    assert example in done.stdout
+
+
+def test_the_demo_runs_through_the_package_command_line():
+    done = cli("demo", "--model", str(FIXTURES / "sdar_tiny"), "--method", "mage", "--prompt", "hello",
+               "--gen-length", "8", "--block-length", "4", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert "\n[mage] " in done.stdout and "token agreement mage vs dense" in done.stdout

@@ -1,0 +1,164 @@
+"""Run dense decoding and one training-free method side by side on the same prompt.
+
+    python train_free_demo.py --method maskkv      (or: python -m nanodllm demo --method maskkv)
+    python train_free_demo.py --method maskkv --knobs budget=64
+    python train_free_demo.py --model DIR --method dense --prompt "..."
+
+Prints both outputs, how many generated tokens agree, tokens/s and peak memory of each run.
+LLaDA checkpoints decode with the masked engine, SDAR checkpoints with the block engine. Without
+--model the demo uses the tiny trained model shipped in nanodllm/assets for the method's first
+engine (tiny-llada for masked diffusion, tiny-sdar for block diffusion; MOMO, which serves both, is
+shown on the block engine's prefill) and, without --prompt, a built-in long-context passkey prompt
+whose answer it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import block, masked, tasks
+from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
+from .decoding import until_stop
+from .eval import with_profile
+from .loader import CheckpointError, load_model
+from .methods import METHODS, get_method, knob_defaults, parse_knobs
+from .tokenizer import Tokenizer
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv, prog=None):
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
+                        "default: tiny-llada or tiny-sdar, by the method's engine")
+    parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}")
+    parser.add_argument("--knobs", help="the method's knobs, e.g. budget=64 or k=64,exact_layers=2 (default: the "
+                        "paper's; the docstring of nanodllm/methods/<method>.py says what each does)")
+    parser.add_argument("--prompt", help="default: a built-in passkey retrieval prompt")
+    parser.add_argument("--context", type=int, default=2048, help="length of the built-in prompt in tokens")
+    parser.add_argument("--no-chat", action="store_true", help="encode the prompt as raw text, no chat template")
+    parser.add_argument("--gen-length", type=int, default=32)
+    parser.add_argument("--block-length", type=int,
+                        help="default: min(32, gen-length) (LLaDA) or the config's block_size (SDAR)")
+    parser.add_argument("--steps", type=int, help="default: gen-length (LLaDA) or block-length (SDAR, per block)")
+    parser.add_argument("--threshold", type=float, help="confidence-threshold parallel decoding")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    return parser.parse_args(argv)
+
+
+def run(engine, model, prompt_ids, gen, method, stop_ids, device):
+    """Generate once; returns (tokens, seconds, peak memory in MiB, what that memory counts, what
+    the method kept of the KV, as text)."""
+    kwargs = {"stop_ids": stop_ids} if engine is block else {}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    result = engine.generate(model, [prompt_ids], gen, method, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS
+    memory_kind = "GPU allocated" if device.type == "cuda" else "process peak RSS so far"
+    return result.tokens[0], time.perf_counter() - start, peak, memory_kind, kv_summary(method.stats)
+
+
+def warm_up_gpu(engine, model, prompt_ids, gen, settings: dict, stop_ids, device) -> float | None:
+    """On a GPU, each method's first generation in a process also loads (or, on a new machine,
+    compiles) its Triton kernels: run each once untimed and return the seconds that took. None on a
+    CPU, where nothing is compiled."""
+    if device.type != "cuda":
+        return None
+    start = time.perf_counter()
+    for name, knobs in settings.items():
+        run(engine, model, prompt_ids, gen, get_method(name, **knobs), stop_ids, device)
+    return time.perf_counter() - start
+
+
+def kv_summary(stats: dict) -> str:
+    """What the method kept of the KV: 'KV kept 12%' or, for evicting methods, per head as well."""
+    text = f"KV kept {stats.get('kv_kept', 1.0):.0%}"
+    if "kv_per_head" in stats:
+        kept, prompt = stats["kv_per_head"]
+        text += f" ({kept:.0f} of {prompt:.0f} prompt tokens per head on average)"
+    return text
+
+
+def main(argv=None, prog=None) -> int:
+    args = parse_args(argv, prog)
+    try:  # an unknown method or a bad knob fails here, before any checkpoint is read
+        knobs = parse_knobs(args.knobs)
+        get_method(args.method, **knobs)
+    except (ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    model_dir = args.model or ASSETS / ("tiny-llada" if METHODS[args.method].engines[0] == "masked" else "tiny-sdar")
+    knobs = with_profile(args.method, knobs, model_dir)  # MaskKV: the checkpoint's layer profile, if it has one
+    try:
+        cfg = ModelConfig.from_dir(model_dir)
+        is_block = cfg.attention == "block_causal"
+        block_length = args.block_length or default_block_length(cfg, args.gen_length)
+        gen = GenerationConfig(
+            gen_length=args.gen_length,
+            block_length=block_length,
+            steps=args.steps or (block_length if is_block else args.gen_length),
+            temperature=args.temperature,
+            threshold=default_threshold(cfg) if args.threshold is None else args.threshold,
+        )
+        engine_name = "block" if is_block else "masked"
+        if engine_name not in METHODS[args.method].engines:
+            raise ValueError(f"method {args.method!r} runs on the {' and '.join(METHODS[args.method].engines)} "
+                             f"engine, and {model_dir} is a {cfg.model_type} ({engine_name} engine) checkpoint")
+        tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
+        prompt, answer = args.prompt, None
+        if prompt is None:
+            sample = tasks.make_sample("passkey", args.context, 0.5, seed=7,
+                                       count_tokens=lambda text: len(tokenizer.encode(text)))
+            prompt, answer = sample.prompt, sample.answer
+        prompt_ids = tokenizer.encode_prompt(prompt, chat=not args.no_chat)
+        device = torch.device(args.device)
+        model = load_model(model_dir, device, DTYPES[args.dtype], context=len(prompt_ids) + 2 * args.gen_length)
+        engine = block if is_block else masked
+        to_run = {name: knobs if name == args.method else {} for name in ("dense", args.method)}
+        warm_up = warm_up_gpu(engine, model, prompt_ids, gen, to_run, tokenizer.stop_ids, device)
+        runs = {}
+        for name, method_knobs in to_run.items():
+            method = get_method(name, **method_knobs)
+            runs[name] = run(engine, model, prompt_ids, gen, method, tokenizer.stop_ids, device)
+    except (FileNotFoundError, ValueError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    print(f"model: {model_dir} ({cfg.model_type}, {engine_name} engine), "
+          f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
+    if warm_up is not None:
+        print(f"warm-up, not timed below (kernels compiled or loaded, launch settings looked up): {warm_up:.1f}s")
+    defaults = knob_defaults(args.method)
+    if defaults:
+        settings = (f"{knob}={knobs.get(knob, default)}" for knob, default in defaults.items())
+        print(f"{args.method} knobs: " + ", ".join(settings))
+    if answer is not None:
+        print(f"built-in prompt: find the pass key hidden halfway through {args.context} tokens; the answer is {answer}")
+    for name, (tokens, seconds, peak, memory_kind, kv_kept) in runs.items():
+        text = tokenizer.decode(until_stop(tokens, tokenizer.stop_ids))
+        print(f"\n[{name}] {len(tokens)} tokens in {seconds:.2f}s = {len(tokens) / seconds:.1f} tokens/s, "
+              f"peak memory {peak:.0f} MiB ({memory_kind}), {kv_kept}")
+        print(text)
+    dense, other = runs["dense"][0], runs[args.method][0]
+    same = sum(a == b for a, b in zip(dense, other))
+    print(f"\ntoken agreement {args.method} vs dense: {same}/{max(len(dense), len(other))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
