@@ -51,6 +51,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -561,8 +562,8 @@ def add_command(commands, name: str, help: str, smoke: str):
     """A subcommand with --quick (`smoke` says what it runs instead) and --out."""
     command = commands.add_parser(name, help=help)
     command.add_argument("--quick", action="store_true", help=smoke)
-    command.add_argument("--out", type=Path, default=REPO / "docs" / "results",
-                         help="directory for the JSON + Markdown")
+    command.add_argument("--out", type=Path, help="directory for the JSON + Markdown (default: docs/results, or a "
+                         "new temporary directory with --quick)")
     return command
 
 
@@ -590,6 +591,8 @@ def main():
                       "method", MODEL_SMOKE)
     e2e.add_argument("--settings", choices=("warm_start",), default="warm_start", help="which configurations")
     args = parser.parse_args()
+    if args.out is None:  # a smoke test never overwrites the committed results
+        args.out = Path(tempfile.mkdtemp(prefix="nanodllm-bench-")) if args.quick else REPO / "docs" / "results"
     if not (args.quick or torch.cuda.is_available()):
         sys.exit(f"bench.py {args.command}: the full run times 8B shapes on a GPU; on a CPU run it with --quick")
     if args.command == "kernels":
