@@ -15,7 +15,6 @@ whose answer it prints.
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import block, masked, tasks
+from .cli import check_steps, device, positive_int
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .eval import with_profile
@@ -32,6 +32,7 @@ from .tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULT_LENGTH = 1024
 
 
 def parse_args(argv, prog=None):
@@ -41,36 +42,37 @@ def parse_args(argv, prog=None):
     parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}")
     parser.add_argument("--knobs", help="the method's knobs, e.g. budget=64 or k=64,exact_layers=2 (default: the "
                         "paper's; the docstring of nanodllm/methods/<method>.py says what each does)")
-    parser.add_argument("--prompt", help="default: a built-in passkey retrieval prompt")
-    parser.add_argument("--context", type=int, default=2048, help="length of the built-in prompt in tokens")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="default: a built-in passkey retrieval prompt")
+    prompt.add_argument("--prompt-file", type=Path, help="read the prompt from this text file (a long context)")
+    parser.add_argument("--length", "--context", dest="length", type=positive_int, default=DEFAULT_LENGTH,
+                        help=f"length of the built-in prompt in tokens (default {DEFAULT_LENGTH}; 2048 for the "
+                        "long version)")
     parser.add_argument("--no-chat", action="store_true", help="encode the prompt as raw text, no chat template")
-    parser.add_argument("--gen-length", type=int, default=32)
-    parser.add_argument("--block-length", type=int,
+    parser.add_argument("--gen-length", type=positive_int, default=32)
+    parser.add_argument("--block-length", type=positive_int,
                         help="default: min(32, gen-length) (LLaDA) or the config's block_size (SDAR)")
-    parser.add_argument("--steps", type=int, help="default: gen-length (LLaDA) or block-length (SDAR, per block)")
+    parser.add_argument("--steps", type=positive_int, help="default: gen-length (LLaDA) or block-length (SDAR, per block)")
     parser.add_argument("--threshold", type=float, help="confidence-threshold parallel decoding")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     return parser.parse_args(argv)
 
 
 def run(engine, model, prompt_ids, gen, method, stop_ids, device):
-    """Generate once; returns (tokens, seconds, peak memory in MiB, what that memory counts, what
-    the method kept of the KV, as text)."""
+    """Generate once; returns (tokens, seconds, what the run used: GPU memory and the share of KV kept)."""
     kwargs = {"stop_ids": stop_ids} if engine is block else {}
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     result = engine.generate(model, [prompt_ids], gen, method, **kwargs)
-    if device.type == "cuda":
+    used = kv_summary(method.stats)
+    if device.type == "cuda":  # on a CPU only the process's peak is known, which one run cannot be told by
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS
-    memory_kind = "GPU allocated" if device.type == "cuda" else "process peak RSS so far"
-    return result.tokens[0], time.perf_counter() - start, peak, memory_kind, kv_summary(method.stats)
+        used = f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB, {used}"
+    return result.tokens[0], time.perf_counter() - start, used
 
 
 def warm_up_gpu(engine, model, prompt_ids, gen, settings: dict, stop_ids, device) -> float | None:
@@ -115,18 +117,21 @@ def main(argv=None, prog=None) -> int:
             temperature=args.temperature,
             threshold=default_threshold(cfg) if args.threshold is None else args.threshold,
         )
+        check_steps(gen, is_block)
         engine_name = "block" if is_block else "masked"
         if engine_name not in METHODS[args.method].engines:
             raise ValueError(f"method {args.method!r} runs on the {' and '.join(METHODS[args.method].engines)} "
                              f"engine, and {model_dir} is a {cfg.model_type} ({engine_name} engine) checkpoint")
         tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
         prompt, answer = args.prompt, None
+        if args.prompt_file is not None:
+            prompt = read_prompt(args.prompt_file)
         if prompt is None:
-            sample = tasks.make_sample("passkey", args.context, 0.5, seed=7,
+            sample = tasks.make_sample("passkey", args.length, 0.5, seed=7,
                                        count_tokens=lambda text: len(tokenizer.encode(text)))
             prompt, answer = sample.prompt, sample.answer
         prompt_ids = tokenizer.encode_prompt(prompt, chat=not args.no_chat)
-        device = torch.device(args.device)
+        device = args.device
         model = load_model(model_dir, device, DTYPES[args.dtype], context=len(prompt_ids) + 2 * args.gen_length)
         engine = block if is_block else masked
         to_run = {name: knobs if name == args.method else {} for name in ("dense", args.method)}
@@ -141,6 +146,8 @@ def main(argv=None, prog=None) -> int:
 
     print(f"model: {model_dir} ({cfg.model_type}, {engine_name} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
+    print(f"decoding: {gen.gen_length} tokens, blocks of {gen.block_length}, {gen.steps} steps"
+          f"{' per block' if is_block else ''}, temperature {gen.temperature}, threshold {gen.threshold}")
     if warm_up is not None:
         print(f"warm-up, not timed below (kernels compiled or loaded, launch settings looked up): {warm_up:.1f}s")
     defaults = knob_defaults(args.method)
@@ -148,16 +155,29 @@ def main(argv=None, prog=None) -> int:
         settings = (f"{knob}={knobs.get(knob, default)}" for knob, default in defaults.items())
         print(f"{args.method} knobs: " + ", ".join(settings))
     if answer is not None:
-        print(f"built-in prompt: find the pass key hidden halfway through {args.context} tokens; the answer is {answer}")
-    for name, (tokens, seconds, peak, memory_kind, kv_kept) in runs.items():
-        text = tokenizer.decode(until_stop(tokens, tokenizer.stop_ids))
-        print(f"\n[{name}] {len(tokens)} tokens in {seconds:.2f}s = {len(tokens) / seconds:.1f} tokens/s, "
-              f"peak memory {peak:.0f} MiB ({memory_kind}), {kv_kept}")
-        print(text)
-    dense, other = runs["dense"][0], runs[args.method][0]
-    same = sum(a == b for a, b in zip(dense, other))
-    print(f"\ntoken agreement {args.method} vs dense: {same}/{max(len(dense), len(other))}")
+        print(f"built-in prompt: find the pass key hidden halfway through {args.length} tokens; the answer is {answer}")
+    answers = {}
+    for name, (tokens, seconds, used) in runs.items():
+        answers[name] = tokenizer.decode(until_stop(tokens, tokenizer.stop_ids))
+        print(f"\n[{name}] {len(tokens)} tokens in {seconds:.2f}s = {len(tokens) / seconds:.1f} tokens/s, {used}")
+        print(answers[name])
+    if args.method != "dense":
+        dense, other = runs["dense"][0], runs[args.method][0]
+        same = sum(a == b for a, b in zip(dense, other))
+        verdict = "the same answer as dense" if answers[args.method] == answers["dense"] else "an answer that differs from dense"
+        print(f"\n{args.method} gave {verdict}: {same} of {max(len(dense), len(other))} tokens agree, "
+              f"{runs['dense'][1] / runs[args.method][1]:.1f}x dense's speed")
     return 0
+
+
+def read_prompt(path: Path) -> str:
+    """The text of a prompt file (UTF-8), refused if missing or empty."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompt-file {path}: no such file")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"--prompt-file {path}: the file is empty")
+    return text
 
 
 if __name__ == "__main__":

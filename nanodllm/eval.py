@@ -25,7 +25,8 @@ import torch
 
 from . import block, masked, recall, tasks
 from .attention import CanvasMask
-from .config import GenerationConfig, default_block_length, default_threshold
+from .cli import check_steps, device, positive_int, positive_ints
+from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .loader import load_model
 from .methods import METHODS, get_method, parse_knobs
@@ -58,6 +59,10 @@ def calibrate(model_dir, lengths=(1024, 2048), n: int = 4, gen_length: int = 32,
     """Write MODEL_DIR/maskkv_profile.json: MaskKV's layer importance (eq. 8) averaged over n canvases
     (prompt + gen_length masks) per task and length, drawn with a seed the evaluation does not use."""
     model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    if cfg.attention == "block_causal":
+        raise ValueError(f"--calibrate writes MaskKV's profile, and MaskKV runs on the masked engine; {model_dir} is a "
+                         f"{cfg.model_type} model (block engine)")
     model = load_model(model_dir, device, dtype, context=max(lengths) + 2 * gen_length)
     cfg = model.cfg
     tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
@@ -269,16 +274,16 @@ def parse_args(argv, prog=None):
                         help="write MaskKV's offline layer profile (maskkv_profile.json) into the --model directory "
                              "from --n canvases per task and length of --lengths, then exit")
     parser.add_argument("--task", default="passkey", choices=[*tasks.TASKS, "longbench"])
-    parser.add_argument("--lengths", default="1024", help="comma-separated context lengths in tokens")
-    parser.add_argument("--n", type=int, default=50, help="samples per length (spread over the depths)")
+    parser.add_argument("--lengths", type=positive_ints, default=[1024], help="comma-separated context lengths in tokens")
+    parser.add_argument("--n", type=positive_int, default=50, help="samples per length (spread over the depths)")
     parser.add_argument("--data", help="LongBench-format JSONL (with --task longbench)")
     parser.add_argument("--plot", help="save a length x depth accuracy heatmap to this PNG")
-    parser.add_argument("--batch", type=int, default=8, help="prompts decoded together")
+    parser.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
     parser.add_argument("--seed", type=int, default=1234, help="task seed (training used other seeds)")
-    parser.add_argument("--gen-length", type=int, default=32)
-    parser.add_argument("--steps", type=int, help="default: gen-length (masked) or block length (block engine)")
+    parser.add_argument("--gen-length", type=positive_int, default=32)
+    parser.add_argument("--steps", type=positive_int, help="default: gen-length (masked) or block length (block engine)")
     parser.add_argument("--threshold", type=float)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     return parser.parse_args(argv)
 
@@ -323,7 +328,7 @@ def main(argv=None, prog=None) -> int:
             require_matplotlib()
         if args.task == "longbench" and not args.data:
             raise ValueError("--task longbench needs --data FILE.jsonl")
-        lengths = [int(x) for x in args.lengths.split(",")]
+        lengths = args.lengths
         model_dir = resolve_model(args.model)
         if args.calibrate:
             return print_calibration(model_dir, lengths, args)
@@ -338,6 +343,7 @@ def main(argv=None, prog=None) -> int:
                                       block_length=default_block_length(runner.model.cfg, args.gen_length),
                                       steps=steps, threshold=default_threshold(runner.model.cfg) if args.threshold is None
                                       else args.threshold)
+        check_steps(runner.gen, runner.is_block)
         if args.task == "longbench":
             samples = tasks.load_longbench(args.data)[: args.n]
         else:

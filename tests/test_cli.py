@@ -4,6 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -18,3 +21,40 @@ def test_a_quick_benchmark_writes_to_a_temporary_folder_unless_told():
     written = Path(done.stdout.strip().splitlines()[-1].removeprefix("wrote ").removesuffix(".json and .md"))
     assert written.with_suffix(".md").is_file() and REPO not in written.parents
     assert sorted((REPO / "docs" / "results").iterdir()) == before
+
+
+def entry(command: str, *args):
+    return script("-m", "nanodllm", command, *args, timeout=120)
+
+
+@pytest.mark.parametrize("command, args, first_line", [
+    ("eval", ["--n", "0"], "argument --n: must be a positive integer, got '0'"),
+    ("eval", ["--batch", "0"], "argument --batch: must be a positive integer, got '0'"),
+    ("eval", ["--lengths", "abc"], "argument --lengths: must be comma-separated positive integers, e.g. 1024,2048; got 'abc'"),
+    ("eval", ["--steps", "0"], "argument --steps: must be a positive integer, got '0'"),
+    ("demo", ["--block-length", "0"], "argument --block-length: must be a positive integer, got '0'"),
+    ("demo", ["--steps", "-3"], "argument --steps: must be a positive integer, got '-3'"),
+    ("demo", ["--device", "tpu9"], "argument --device: 'tpu9' is not a device"),
+])
+def test_a_bad_flag_is_named_before_anything_loads(command, args, first_line):
+    done = entry(command, *args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert first_line in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_cuda_without_a_gpu_is_refused():
+    done = entry("demo", "--device", "cuda")
+    assert done.returncode == 2 and "torch sees no CUDA GPU here" in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("command, args, message", [
+    ("demo", ["--steps", "100"], "error: --steps 100 exceeds --gen-length 32: at most 32 steps unmask anything"),
+    ("demo", ["--method", "mage", "--steps", "9", "--block-length", "8"],
+     "error: --steps 9 exceeds --block-length 8 (steps are per block): at most 8 steps unmask anything"),
+    ("eval", ["--model", "tiny-sdar", "--calibrate"], "error: --calibrate writes MaskKV's profile, and MaskKV runs on the "
+     "masked engine;"),
+])
+def test_settings_that_would_do_nothing_or_harm_are_refused(command, args, message):
+    done = entry(command, *args)
+    assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
