@@ -8,53 +8,127 @@ once with its defaults. Prints (and writes with --out) one table of accuracy per
 with agreement with dense and KV kept alongside, and per variant a depth x length accuracy grid
 (the NIAH heatmap, as a table: no plotting library needed; --plot FILE.png also draws them, with the
 optional matplotlib).
+
+Progress goes to stderr after every batch (samples done, accuracy so far, time left). Each finished
+(variant, batch) run is appended to a journal, one JSON line, as it finishes (--journal, default
+runs/sweep-<hash of the flags>.jsonl): the same command run again after an interruption reads it
+back and runs only what is missing. Every flag is checked before the model loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from nanodllm import tasks  # noqa: E402
+from nanodllm.cli import device, positive_int, positive_ints  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.eval import DTYPES, Runner, agreement, plot, require_matplotlib, resolve_model  # noqa: E402
-from nanodllm.methods import knob_defaults, parse_knobs, parse_value  # noqa: E402
+from nanodllm.methods import get_method, knob_defaults, parse_knobs, parse_value  # noqa: E402
 
 
 def variants(methods: list[str], knob: str, values: list, fixed: dict) -> list[tuple[str, dict]]:
     """dense, then each method once per value of the swept knob (once if it has no such knob), with
-    the fixed knobs it accepts."""
+    the fixed knobs it accepts. Every variant is built once here, so a bad value fails before any
+    model loads; a knob no method takes is an error listing theirs."""
+    accepted = {name: knob_defaults(name) for name in methods}  # an unknown name is an error listing the valid ones
+    if not any(knob in knobs for knobs in accepted.values()):
+        listed = "; ".join(f"{name}: {', '.join(knobs) or 'none'}" for name, knobs in accepted.items())
+        raise ValueError(f"--knob {knob}: no method in --methods takes it ({listed})")
     out = [("dense", {})]
     for name in methods:
-        accepted = knob_defaults(name)  # an unknown name is an error listing the valid ones
-        base = {k: v for k, v in fixed.items() if k in accepted}
-        out += [(name, {**base, knob: v}) for v in values] if knob in accepted else [(name, base)]
+        base = {k: v for k, v in fixed.items() if k in accepted[name]}
+        out += [(name, {**base, knob: v}) for v in values] if knob in accepted[name] else [(name, base)]
+    for name, knobs in out:
+        try:
+            get_method(name, **knobs)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"--knob / --knobs give {label(name, knobs)}: {error}")
     return out
+
+
+def parse_sweep(text: str) -> tuple[str, list]:
+    """--knob 'name=v1,v2' -> (name, [v1, v2])."""
+    knob, equals, values = text.partition("=")
+    if not equals or not knob or not values or "" in values.split(","):
+        raise ValueError(f"--knob must be name=v1,v2,... (e.g. budget=16,64), got {text!r}")
+    return knob, [parse_value(v) for v in values.split(",")]
+
+
+class Journal:
+    """The finished (variant, batch) runs of one sweep, a JSON line each, appended as each finishes.
+    The first line holds the sweep's settings; a journal of other settings is refused, and a last
+    line cut short by an interruption is dropped."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path, self.done = path, {}
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and json.loads(lines[0]) != {"settings": settings}:
+            raise ValueError(f"{path} holds a sweep with other flags; remove it or pass another --journal")
+        for line in lines[1:]:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            self.done[record["key"]] = record
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [json.dumps({"settings": settings})] + [json.dumps(record) for record in self.done.values()]
+        path.write_text("\n".join(kept) + "\n")
+
+    def add(self, record: dict):
+        with self.path.open("a") as file:
+            file.write(json.dumps(record, default=str) + "\n")
 
 
 def label(name: str, knobs: dict) -> str:
     return name + "".join(f" {k}={v}" for k, v in knobs.items())
 
 
-def run(runner: Runner, samples, plan, batch: int):
+def run(runner: Runner, samples, plan, batch: int, journal: Journal):
     """({label: {(length, depth): [(score, tokens, kv_kept)]}}, {label: {length: [method stats per
-    batch]}}), every variant on the same chunks (a batch's stats are filed under its first sample's length)."""
+    batch]}}), every variant on the same chunks (a batch's stats are filed under its first sample's
+    length). Runs in the journal are read back, not run again."""
     results = {label(*v): defaultdict(list) for v in plan}
     stats = {label(*v): defaultdict(list) for v in plan}
-    for start in range(0, len(samples), batch):
+    starts = range(0, len(samples), batch)
+    if journal.done:
+        print(f"resuming from {journal.path}: {len(journal.done)} of {len(starts) * len(plan)} runs done",
+              file=sys.stderr)
+    clock, computed = time.perf_counter(), 0
+    for start in starts:
         chunk = samples[start : start + batch]
         for name, knobs in plan:
-            runner.knobs = knobs
-            outcome = runner.generate(chunk, name)
-            for sample, score, tokens, kept in zip(chunk, outcome.scores, outcome.tokens, outcome.kv_kept):
+            key = f"{label(name, knobs)} @ {start}"
+            record = journal.done.get(key)
+            if record is None:
+                runner.knobs = knobs
+                outcome = runner.generate(chunk, name)
+                record = {"key": key, "scores": outcome.scores, "tokens": outcome.tokens, "kv_kept": outcome.kv_kept,
+                          "stats": outcome.stats}
+                journal.add(record)
+                computed += 1
+            for sample, score, tokens, kept in zip(chunk, record["scores"], record["tokens"], record["kv_kept"]):
                 results[label(name, knobs)][(sample.length, sample.depth)].append((score, tokens, kept))
-            stats[label(name, knobs)][chunk[0].length].append(outcome.stats)
-        print(f"  {start + len(chunk)}/{len(samples)} samples", file=sys.stderr, flush=True)
+            stats[label(name, knobs)][chunk[0].length].append(record["stats"])
+        done = start + len(chunk)
+        runs_left = (len(samples) - done + batch - 1) // batch * len(plan)
+        left = f", about {(time.perf_counter() - clock) / computed * runs_left / 60:.1f} min left" if computed else ""
+        accuracy = ", ".join(f"{name} {mean_score(cells):.2f}" for name, cells in results.items())
+        print(f"  {done}/{len(samples)} samples, accuracy so far: {accuracy}{left}", file=sys.stderr, flush=True)
     return results, stats
+
+
+def mean_score(cells) -> float:
+    scores = [record[0] for records in cells.values() for record in records]
+    return sum(scores) / len(scores)
 
 
 def per_layer_table(stats, key: str) -> str:
@@ -125,39 +199,47 @@ def read_depth_grids(markdown: str) -> dict[str, dict[str, dict[tuple, float]]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llada")
     parser.add_argument("--methods", required=True, help="comma-separated")
     parser.add_argument("--knob", required=True, help="name=v1,v2,... (numbers or words, as --knobs parses them)")
     parser.add_argument("--knobs", help="fixed knobs for every method that takes them, e.g. k_exact=1,chi=64")
     parser.add_argument("--task", default="passkey", choices=tasks.TASKS)
-    parser.add_argument("--lengths", default="2048,4096")
-    parser.add_argument("--n", type=int, default=40, help="samples per length (spread over the depths)")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lengths", type=positive_ints, default=[2048, 4096], help="comma-separated context lengths")
+    parser.add_argument("--n", type=positive_int, default=40, help="samples per length (spread over the depths)")
+    parser.add_argument("--batch", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--out", type=Path, help="also write the tables to this Markdown file")
     parser.add_argument("--plot", type=Path, help="also draw the depth x length heatmaps into this PNG")
+    parser.add_argument("--journal", type=Path, help="finished runs, for resuming (default: runs/sweep-<hash>.jsonl)")
     args = parser.parse_args(argv)
-    knob, _, values = args.knob.partition("=")
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
+    settings = {name: str(value) for name, value in vars(args).items() if name not in ("out", "plot", "journal")}
     try:
-        plan = variants(args.methods.split(","), knob, [parse_value(v) for v in values.split(",")],
-                        parse_knobs(args.knobs))
+        knob, values = parse_sweep(args.knob)
+        plan = variants(args.methods.split(","), knob, values, parse_knobs(args.knobs))
+        for path, flag in ((args.out, "--out"), (args.plot, "--plot")):
+            if path is not None and not path.parent.is_dir():
+                raise ValueError(f"{flag} {path}: the folder {path.parent} does not exist")
         if args.plot:
             require_matplotlib()
-        runner = Runner(resolve_model(args.model), args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
+        model_dir = resolve_model(args.model)
+        digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+        journal = Journal(args.journal or REPO / "runs" / f"sweep-{digest}.jsonl", settings)
+        runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
         for name, _ in plan:
             runner.check_engine(name)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    print(f"finished runs are kept in {journal.path}: the same command resumes there", file=sys.stderr)
     if not runner.is_block:
         runner.gen = GenerationConfig(gen_length=32, block_length=32, steps=32)
     samples = [s for length in lengths
                for s in tasks.make_samples(args.task, length, args.n, args.seed + length, count_tokens=runner.count_tokens)]
-    results, stats = run(runner, samples, plan, args.batch)
+    results, stats = run(runner, samples, plan, args.batch, journal)
     text = [f"{args.model}, task {args.task}, {runner.gen}, {args.n} samples per length, {args.device} {args.dtype}\n",
             length_table(results, lengths), ""]
     for key in ("salient_per_layer",):

@@ -58,3 +58,33 @@ def test_cuda_without_a_gpu_is_refused():
 def test_settings_that_would_do_nothing_or_harm_are_refused(command, args, message):
     done = entry(command, *args)
     assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--knob", "kk=16,64"], "error: --knob kk: no method in --methods takes it (maskkv: budget, alpha,"),
+    (["--knob", "k"], "error: --knob must be name=v1,v2,... (e.g. budget=16,64), got 'k'"),
+    (["--knob", "budget=16,-1"], "error: --knob / --knobs give maskkv budget=-1: budget must be an integer >= 1, got -1"),
+    (["--knob", "budget=16", "--out", "no-such-folder/sweep.md"], "error: --out no-such-folder/sweep.md: the folder "
+     "no-such-folder does not exist"),
+])
+def test_sweep_checks_its_flags_before_loading_a_model(args, message):
+    done = script("scripts/sweep.py", "--methods", "maskkv", "--model", "/no/model/here", *args)
+    assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+
+
+def test_an_interrupted_sweep_resumes_from_its_journal(tmp_path):
+    journal = tmp_path / "sweep.jsonl"
+    flags = ["scripts/sweep.py", "--methods", "snapkv", "--knob", "budget=16,64", "--lengths", "256", "--n", "4",
+             "--batch", "2", "--journal", str(journal)]
+    first = script(*flags)
+    assert first.returncode == 0, first.stderr
+    assert "4/4 samples, accuracy so far: dense " in first.stderr and "min left" in first.stderr
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 1 + 2 * 3  # the settings, then 2 batches x (dense + 2 budgets)
+    journal.write_text("\n".join(lines[:-2]) + "\n" + lines[-2][:20] + "\n")  # the last run lost, one cut short
+    again = script(*flags)
+    assert again.returncode == 0, again.stderr
+    assert "resuming from" in again.stderr and ": 4 of 6 runs done" in again.stderr
+    assert again.stdout == first.stdout and len(journal.read_text().splitlines()) == 7
+    other = script(*[flag if flag != "256" else "512" for flag in flags])
+    assert other.returncode == 2 and "holds a sweep with other flags" in other.stderr
