@@ -166,18 +166,18 @@ def plan(model: Model, files: dict[str, Path]) -> dict[str, tuple[str, ...]]:
         for name in sorted(mapping)
         if shapes[name] != expected[name]
     ]
-    problems = []
-    if missing:
-        problems.append("missing: " + ", ".join(missing))
-    if unexpected:
-        problems.append("unexpected: " + ", ".join(sorted(unexpected)))
-    if misshapen:
-        problems.append("misshapen: " + "; ".join(misshapen))
-    if duplicated:
-        problems.append("duplicated: " + "; ".join(duplicated))
+    problems = [first_few(kind, items) for kind, items in
+                (("missing", missing), ("unexpected", sorted(unexpected)), ("misshapen", misshapen),
+                 ("duplicated", duplicated)) if items]
     if problems:
-        raise CheckpointError(f"checkpoint does not match a {cfg.model_type} model of its config: " + " | ".join(problems))
+        raise CheckpointError(f"checkpoint does not match a {cfg.model_type} model of its config:\n  " + "\n  ".join(problems))
     return mapping
+
+
+def first_few(kind: str, items: list[str], shown: int = 3) -> str:
+    """'misshapen (12 tensors): a; b; c; and 9 more': a long list named by its count and first items."""
+    more = f"; and {len(items) - shown} more" if len(items) > shown else ""
+    return f"{kind} ({len(items)} tensor{'s' * (len(items) != 1)}): " + "; ".join(items[:shown]) + more
 
 
 def _rows_of(params: dict, targets: tuple[str, ...]) -> tuple[int, ...]:

@@ -252,7 +252,7 @@ def test_missing_tensor_sdar(tmp_path):
     with pytest.raises(CheckpointError) as excinfo:
         load_model(path)
     text = message(excinfo)
-    assert "missing: model.layers.1.mlp.up_proj.weight" in text
+    assert "missing (1 tensor): model.layers.1.mlp.up_proj.weight" in text
     assert "unexpected" not in text and "misshapen" not in text
 
 
@@ -269,7 +269,7 @@ def test_missing_tensor_llada_shard(tmp_path):
     with pytest.raises(CheckpointError) as excinfo:
         load_model(path)
     text = message(excinfo)
-    assert "missing: model.transformer.blocks.1.up_proj.weight" in text  # the checkpoint's own name
+    assert "missing (1 tensor): model.transformer.blocks.1.up_proj.weight" in text  # the checkpoint's own name
 
 
 def single_file_llada(tmp_path, edit) -> Path:
@@ -288,7 +288,7 @@ def test_llada_without_head_is_an_error(tmp_path):
     path = single_file_llada(tmp_path, lambda t: t.pop("model.transformer.ff_out.weight"))
     with pytest.raises(CheckpointError) as excinfo:
         load_model(path)
-    assert "missing: model.transformer.ff_out.weight" in message(excinfo)
+    assert "missing (1 tensor): model.transformer.ff_out.weight" in message(excinfo)
 
 
 def test_llada_attention_layer_norm_tensors_load_and_are_required(tmp_path):
@@ -303,10 +303,10 @@ def test_llada_attention_layer_norm_tensors_load_and_are_required(tmp_path):
     assert torch.equal(model.layers[1].self_attn.k_norm.weight, norms["model.transformer.blocks.1.k_norm.weight"].float())
     assert torch.equal(model.layers[0].self_attn.q_norm.weight, norms["model.transformer.blocks.0.q_norm.weight"].float())
     edit_single(path, lambda t: t.pop("model.transformer.blocks.1.q_norm.weight"))
-    with pytest.raises(CheckpointError, match="missing: model.transformer.blocks.1.q_norm.weight"):
+    with pytest.raises(CheckpointError, match=r"missing \(\d+ tensors?\): model.transformer.blocks.1.q_norm.weight"):
         load_model(path)
     edit_config(path, attention_layer_norm=False)  # norms stored but the config has none: unexpected
-    with pytest.raises(CheckpointError, match="unexpected: model.transformer.blocks.0.k_norm.weight"):
+    with pytest.raises(CheckpointError, match=r"unexpected \(\d+ tensors?\): model.transformer.blocks.0.k_norm.weight"):
         load_model(path)
 
 
@@ -336,6 +336,20 @@ def test_misshapen_tensor(tmp_path):
         load_model(path)
     text = message(excinfo)
     assert "misshapen" in text and name in text and "[161, 64]" in text and "[160, 64]" in text
+
+
+def test_a_checkpoint_of_another_size_is_named_by_count_and_first_tensors(tmp_path):
+    """Every tensor misshapen (a config of another model size): the error names how many and the first
+    three, one line per kind of problem, not thousands of characters."""
+    path = copy(SDAR, tmp_path)
+    edit_single(path, lambda t: t.update({name: torch.zeros(t[name].shape[0] + 1, *t[name].shape[1:])
+                                          for name in list(t) if name.endswith("proj.weight")}))
+    with pytest.raises(CheckpointError) as excinfo:
+        load_model(path)
+    lines = message(excinfo).splitlines()
+    count = sum(name.endswith("proj.weight") for name in checkpoint_tensors(path))
+    assert lines[1].strip().startswith(f"misshapen ({count} tensors): model.layers.0.mlp.down_proj.weight has shape")
+    assert lines[1].endswith(f"; and {count - 3} more") and all(len(line) < 400 for line in lines)
 
 
 def test_all_problems_reported_together(tmp_path):

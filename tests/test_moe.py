@@ -189,7 +189,7 @@ def test_a_missing_or_misshapen_expert_is_named(tmp_path):
 
     with pytest.raises(CheckpointError) as error:
         load_model(copy_fixture(tmp_path, break_experts))
-    assert "missing: model.layers.2.mlp.experts.5.up_proj.weight" in str(error.value)
+    assert "missing (1 tensor): model.layers.2.mlp.experts.5.up_proj.weight" in str(error.value)
     assert "model.layers.0.mlp.experts.3.down_proj.weight has shape [32, 8], expected [32, 16]" in str(error.value)
 
 
