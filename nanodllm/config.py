@@ -98,6 +98,10 @@ class ModelConfig:
     moe: MoEConfig | None = None  # a mixture-of-experts MLP in every layer but moe.dense_layers
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -152,6 +156,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
+        for name in NUMBER_FIELDS:
+            value = raw.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{source}: {name} must be a number, got {value!r}")
         model_type = raw.get("model_type")
         if model_type == "llada":
             return _from_olmo_fields(raw, source)
@@ -166,6 +174,15 @@ class ModelConfig:
         raise ValueError(
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+
+
+NUMBER_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size", "mlp_ratio", "embedding_size",
+                 "max_sequence_length", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings", "vocab_size",
+                 "mask_token_id", "block_size", "bd_size", "rope_theta", "rms_norm_eps", "partial_rotary_factor",
+                 "moe_intermediate_size", "num_experts", "num_experts_per_tok", "num_shared_experts", "n_group",
+                 "topk_group", "routed_scaling_factor", "first_k_dense_replace", "decoder_sparse_step",
+                 "shared_expert_intermediate_size")  # config.json fields read as numbers, by every family
 
 
 def _require(raw: dict, name: str, source: str):

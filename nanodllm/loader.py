@@ -190,6 +190,9 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = N
     """Load a checkpoint directory. `context` stretches RoPE (NTK) to that many tokens if needed."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
+    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        raise CheckpointError(f"{path / 'config.json'}: mask_token_id {cfg.mask_token_id} is outside the vocabulary "
+                              f"(vocab_size {cfg.vocab_size})")
     files = checkpoint_files(path)
     has_head = any(internal_names(cfg.model_type, name) == ("lm_head.weight",) for name in files)
     if has_head and cfg.tie_word_embeddings:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import nanodllm.loader as loader
 from nanodllm.attention import attention, block_causal_mask
+from nanodllm.config import ModelConfig
 from nanodllm.loader import CheckpointError, load_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -385,7 +386,7 @@ def test_gqa_shape_mismatch_named(tmp_path):
 def test_sdar_defaults_when_config_lacks_fields(tmp_path):
     path = copy(SDAR, tmp_path)
     edit_config(path, mask_token_id=None, block_size=None)
-    cfg = load_model(path, dtype=torch.float32).cfg
+    cfg = ModelConfig.from_dir(path)  # (a model of this 256-token vocabulary cannot load with that mask id)
     assert cfg.mask_token_id == 151669 and cfg.block_size == 4 and cfg.attention == "block_causal"
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
     assert cfg.rope_theta == 1e6 and isinstance(cfg.rope_theta, float)
@@ -428,3 +429,16 @@ def test_sdar_config_tying_but_head_stored_loads_the_stored_head(tmp_path):
     assert not model.cfg.tie_word_embeddings
     assert torch.equal(model.lm_head.weight, stored["lm_head.weight"].float())
     assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"hidden_size": "64"}, "hidden_size must be a number, got '64'"),
+    ({"rope_theta": [1e6]}, "rope_theta must be a number, got [1000000.0]"),
+    ({"mask_token_id": 10**6}, "mask_token_id 1000000 is outside the vocabulary (vocab_size"),
+])
+def test_a_config_field_of_the_wrong_kind_is_named_before_any_weight_is_read(tmp_path, fields, expected):
+    path = copy(SDAR, tmp_path)
+    edit_config(path, **fields)
+    with pytest.raises(ValueError) as excinfo:
+        load_model(path)
+    assert expected in message(excinfo) and "config.json" in message(excinfo)
