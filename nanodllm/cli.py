@@ -1,13 +1,17 @@
 """What the command lines (demo, eval, scripts/sweep.py) share: flag types that refuse a bad value
-with the flag's name before anything loads, and the checks of a device and a step count."""
+with the flag's name before anything loads, and the checks of a device, a step count and whether a
+run fits the device's memory."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
-from .config import GenerationConfig
+from .attention import KERNEL_DTYPES, KERNEL_HEAD_DIMS
+from .config import GenerationConfig, ModelConfig
+from .model import Model
 
 
 def positive_int(text: str) -> int:
@@ -47,3 +51,38 @@ def check_steps(gen: GenerationConfig, is_block: bool):
     if gen.steps > most:
         what = f"--block-length {gen.block_length} (steps are per block)" if is_block else f"--gen-length {gen.gen_length}"
         raise ValueError(f"--steps {gen.steps} exceeds {what}: at most {most} steps unmask anything")
+
+
+def check_fits(cfg: ModelConfig, tokens: int, batch: int, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Before a model loads: refuse a run whose memory estimate exceeds what `device` has free (an
+    error naming both), and return a note when `tokens` stretches RoPE past the trained context
+    (None otherwise). The estimate: the weights, K and V of every layer for every token (twice: the
+    caching methods keep a copy), and where attention runs in plain torch (a CPU, float32) three
+    fp32 score tensors of one layer, batch x heads x tokens x tokens, which the GPU kernels never
+    make."""
+    with torch.device("meta"):
+        weights = sum(p.numel() for p in Model(cfg).parameters()) * dtype.itemsize
+    kv = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * batch * dtype.itemsize
+    on_kernels = device.type == "cuda" and dtype in KERNEL_DTYPES and cfg.head_dim in KERNEL_HEAD_DIMS
+    scores = 0 if on_kernels else 3 * batch * cfg.num_heads * tokens * tokens * 4
+    need = weights + kv + scores
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram()
+    if need > free:
+        parts = f"weights {weights / 2**30:.1f}, K/V {kv / 2**30:.1f}" + (f", attention scores {scores / 2**30:.1f} "
+                                                                           "(plain torch on this device)" if scores else "")
+        raise ValueError(f"{tokens} tokens x batch {batch} need about {need / 2**30:.1f} GiB ({parts}); {device} has "
+                         f"{free / 2**30:.1f} GiB free. Use a shorter prompt{' or a GPU' if scores else ''}.")
+    if tokens > cfg.max_position_embeddings:
+        return (f"note: {tokens} tokens are past the model's trained {cfg.max_position_embeddings}: RoPE is stretched "
+                f"(NTK) {tokens / cfg.max_position_embeddings:.1f}x, and quality past the trained length is not assured")
+    return None
+
+
+def available_ram() -> int:
+    """Bytes of memory the OS can give this process now (Linux: MemAvailable; else the free pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

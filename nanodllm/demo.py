@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import block, masked, tasks
-from .cli import check_steps, device, positive_int
+from .cli import check_fits, check_steps, device, positive_int
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .eval import with_profile
@@ -131,8 +131,11 @@ def main(argv=None, prog=None) -> int:
                                        count_tokens=lambda text: len(tokenizer.encode(text)))
             prompt, answer = sample.prompt, sample.answer
         prompt_ids = tokenizer.encode_prompt(prompt, chat=not args.no_chat)
-        device = args.device
-        model = load_model(model_dir, device, DTYPES[args.dtype], context=len(prompt_ids) + 2 * args.gen_length)
+        device, context = args.device, len(prompt_ids) + 2 * args.gen_length
+        note = check_fits(cfg, context, 1, device, DTYPES[args.dtype])
+        if note:
+            print(note, file=sys.stderr)
+        model = load_model(model_dir, device, DTYPES[args.dtype], context=context)
         engine = block if is_block else masked
         to_run = {name: knobs if name == args.method else {} for name in ("dense", args.method)}
         warm_up = warm_up_gpu(engine, model, prompt_ids, gen, to_run, tokenizer.stop_ids, device)

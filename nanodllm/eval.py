@@ -25,7 +25,7 @@ import torch
 
 from . import block, masked, recall, tasks
 from .attention import CanvasMask
-from .cli import check_steps, device, positive_int, positive_ints
+from .cli import check_fits, check_steps, device, positive_int, positive_ints
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .loader import load_model
@@ -332,6 +332,9 @@ def main(argv=None, prog=None) -> int:
         model_dir = resolve_model(args.model)
         if args.calibrate:
             return print_calibration(model_dir, lengths, args)
+        note = check_fits(ModelConfig.from_dir(model_dir), max(lengths) + 256, args.batch, args.device, DTYPES[args.dtype])
+        if note:
+            print(note, file=sys.stderr)
         runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
         runner.knobs = knobs
         if args.method == "all":

@@ -1,5 +1,7 @@
 """The scripts' command lines as a user meets them: run in a subprocess, exit code and message checked."""
 
+import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +90,21 @@ def test_an_interrupted_sweep_resumes_from_its_journal(tmp_path):
     assert again.stdout == first.stdout and len(journal.read_text().splitlines()) == 7
     other = script(*[flag if flag != "256" else "512" for flag in flags])
     assert other.returncode == 2 and "holds a sweep with other flags" in other.stderr
+
+
+def test_a_prompt_too_long_for_the_memory_is_refused_before_loading():
+    done = entry("demo", "--length", "60000", "--device", "cpu")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert re.search(r"^error: \d+ tokens x batch 1 need about [\d.]+ GiB \(weights [\d.]+, K/V [\d.]+, attention scores "
+                     r"[\d.]+ \(plain torch on this device\)\); cpu has [\d.]+ GiB free", done.stderr.splitlines()[-1])
+
+
+def test_a_prompt_past_the_trained_context_is_said_to_stretch_rope():
+    from nanodllm.cli import check_fits
+    from nanodllm.config import ModelConfig
+
+    cfg = dataclasses.replace(ModelConfig.from_dir(REPO / "nanodllm" / "assets" / "tiny-sdar"), max_position_embeddings=512)
+    assert check_fits(cfg, cfg.max_position_embeddings, 1, torch.device("cpu"), torch.float32) is None
+    note = check_fits(cfg, 2 * cfg.max_position_embeddings, 1, torch.device("cpu"), torch.float32)
+    assert note.startswith(f"note: {2 * cfg.max_position_embeddings} tokens are past the model's trained "
+                           f"{cfg.max_position_embeddings}: RoPE is stretched (NTK) 2.0x")
