@@ -13,6 +13,7 @@ MaskKV's layer profile next to the checkpoint (methods/maskkv.py), which MaskKV 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import sys
@@ -151,6 +152,46 @@ class Runner:
         return outcome
 
 
+class Journal:
+    """The finished (variant, batch) runs of an interrupted eval or sweep, a JSON line each, appended as
+    each finishes and deleted when the whole run completes. The first line holds the run's settings;
+    a journal of other settings is refused, and a last line cut short by an interruption is dropped."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path, self.done = path, {}
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and json.loads(lines[0]) != {"settings": settings}:
+            raise ValueError(f"{path} holds a sweep with other flags; remove it or pass another --journal")
+        for line in lines[1:]:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            self.done[record["key"]] = record
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [json.dumps({"settings": settings})] + [json.dumps(record) for record in self.done.values()]
+        path.write_text("\n".join(kept) + "\n")
+
+    def add(self, record: dict):
+        with self.path.open("a") as file:
+            file.write(json.dumps(record, default=str) + "\n")
+
+    def finish(self):
+        """The run completed and its results are out: a rerun starts afresh (the code may have changed)."""
+        self.path.unlink(missing_ok=True)
+
+
+def label(name: str, knobs: dict) -> str:
+    return name + "".join(f" {k}={v}" for k, v in knobs.items())
+
+
+def journal_path(kind: str, settings: dict) -> Path:
+    """runs/<kind>-<hash of the settings>.jsonl in the working directory: a rerun of the same command
+    after an interruption finds it."""
+    digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+    return Path("runs") / f"{kind}-{digest}.jsonl"
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Fraction of generated positions where two runs chose the same token."""
     same = total = 0
@@ -160,37 +201,51 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
-def progress(done: int, total: int, label: str):
-    """A one-line progress bar on stderr (nothing for a single batch)."""
-    if total > 1:
-        filled = int(30 * done / total)
-        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], batch: int):
-    """{method: {cell: Outcome}} where a cell is (length, depth) or (dataset, nan)."""
+def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], batch: int,
+             journal: Journal | None = None):
+    """{method: {cell: Outcome}} where a cell is (length, depth) or (dataset, nan). Each (method,
+    batch) run is added to the journal as it finishes, and read back from it instead of run again.
+    Progress (samples, accuracy so far, time left) goes to stderr after every batch."""
     results = {m: defaultdict(Outcome) for m in methods}
     chunks = [samples[i : i + batch] for i in range(0, len(samples), batch)]
-    if runner.device.type == "cuda" and chunks:  # load or compile each method's kernels outside the timings
-        start = time.perf_counter()
+    done_before = journal.done if journal is not None else {}
+    if runner.device.type == "cuda" and len(done_before) < len(chunks) * len(methods):
+        start = time.perf_counter()  # load or compile each method's kernels outside the timings
         for name in methods:
             runner.generate(chunks[0], name)
         print(f"warm-up, not timed (kernels compiled or loaded, launch settings looked up): "
               f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
-    for done, chunk in enumerate(chunks, 1):
+    if done_before:
+        print(f"resuming from {journal.path}: {len(done_before)} of {len(chunks) * len(methods)} runs done", file=sys.stderr)
+    clock, computed = time.perf_counter(), 0
+    for index, chunk in enumerate(chunks):
         for name in methods:
-            outcome = runner.generate(chunk, name)
+            key = f"{name} @ {index * batch}"
+            record = done_before.get(key)
+            if record is None:
+                outcome = runner.generate(chunk, name)
+                record = {"key": key, "scores": outcome.scores, "tokens": outcome.tokens, "kv_kept": outcome.kv_kept,
+                          "seconds": outcome.seconds}
+                computed += 1
+                if journal is not None:
+                    journal.add(record)
             for i, sample in enumerate(chunk):
                 cell = results[name][(sample.length if sample.task in tasks.TASKS else sample.task, sample.depth)]
-                cell.scores.append(outcome.scores[i])
-                cell.tokens.append(outcome.tokens[i])
-                cell.kv_kept.append(outcome.kv_kept[i])
-                cell.seconds += outcome.seconds / len(chunk)
-        progress(done, len(chunks), "eval")
+                cell.scores.append(record["scores"][i])
+                cell.tokens.append(record["tokens"][i])
+                cell.kv_kept.append(record["kv_kept"][i])
+                cell.seconds += record["seconds"] / len(chunk)
+        left = (len(chunks) - index - 1) * len(methods)
+        eta = f", about {(time.perf_counter() - clock) / computed * left / 60:.1f} min left" if computed and left else ""
+        accuracy = ", ".join(f"{name} {accuracy_so_far(cells):.2f}" for name, cells in results.items())
+        print(f"eval: {min((index + 1) * batch, len(samples))}/{len(samples)} samples, accuracy so far: {accuracy}{eta}",
+              file=sys.stderr, flush=True)
     return results
+
+
+def accuracy_so_far(cells: dict) -> float:
+    scores = [score for outcome in cells.values() for score in outcome.scores]
+    return sum(scores) / len(scores)
 
 
 def table(results, methods: list[str]) -> str:
@@ -285,6 +340,7 @@ def parse_args(argv, prog=None):
     parser.add_argument("--threshold", type=float)
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--journal", type=Path, help="finished runs, for resuming (default: runs/eval-<hash>.jsonl)")
     return parser.parse_args(argv)
 
 
@@ -301,7 +357,8 @@ def print_recall(runner: Runner, samples: list[tasks.Sample], methods: list[str]
             attached = []  # the records list of this chunk's method, filled while it decodes
             runner.generate(samples[start : start + args.batch], name, prepare=lambda m: attached.append(recall.attach(m)))
             records.extend(attached[0])
-            progress(start // args.batch + 1, -(-len(samples) // args.batch), f"recall {name}")
+            print(f"recall {name}: {min(start + args.batch, len(samples))}/{len(samples)} samples", file=sys.stderr,
+                  flush=True)
         print(f"## {name}\n\n{recall.summarise(records)}\n")
     return 0
 
@@ -355,12 +412,16 @@ def main(argv=None, prog=None) -> int:
                                                    count_tokens=runner.count_tokens)]
         if args.recall:
             return print_recall(runner, samples, [m for m in methods if m != "dense"], args)
-        results = evaluate(runner, samples, methods, args.batch)
+        settings = {name: str(value) for name, value in vars(args).items() if name not in ("plot", "journal")}
+        journal = Journal(args.journal or journal_path("eval", settings), settings)
+        print(f"finished runs are kept in {journal.path}: the same command resumes there", file=sys.stderr)
+        results = evaluate(runner, samples, methods, args.batch, journal)
     except (FileNotFoundError, ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"\n{args.model}: task {args.task}, {runner.gen}, device {args.device}, {args.dtype}\n")
     print(table(results, methods))
+    journal.finish()
     for m, by_length in summary(results, methods).items():
         print(f"{m}: " + ", ".join(f"{length}: {acc:.3f}" for length, acc in sorted(by_length.items(), key=str)))
     if args.plot:

@@ -11,15 +11,14 @@ optional matplotlib).
 
 Progress goes to stderr after every batch (samples done, accuracy so far, time left). Each finished
 (variant, batch) run is appended to a journal, one JSON line, as it finishes (--journal, default
-runs/sweep-<hash of the flags>.jsonl): the same command run again after an interruption reads it
-back and runs only what is missing. Every flag is checked before the model loads.
+runs/sweep-<hash of the flags>.jsonl, deleted once the sweep completes): the same command run again
+after an interruption reads it back and runs only what is missing. Every flag is checked before
+the model loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import sys
 import time
 from collections import defaultdict
@@ -31,7 +30,8 @@ sys.path.insert(0, str(REPO))
 from nanodllm import tasks  # noqa: E402
 from nanodllm.cli import device, positive_int, positive_ints  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
-from nanodllm.eval import DTYPES, Runner, agreement, plot, require_matplotlib, resolve_model  # noqa: E402
+from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, plot, require_matplotlib,  # noqa: E402
+                           resolve_model)
 from nanodllm.methods import get_method, knob_defaults, parse_knobs, parse_value  # noqa: E402
 
 
@@ -61,31 +61,6 @@ def parse_sweep(text: str) -> tuple[str, list]:
     if not equals or not knob or not values or "" in values.split(","):
         raise ValueError(f"--knob must be name=v1,v2,... (e.g. budget=16,64), got {text!r}")
     return knob, [parse_value(v) for v in values.split(",")]
-
-
-class Journal:
-    """The finished (variant, batch) runs of one sweep, a JSON line each, appended as each finishes.
-    The first line holds the sweep's settings; a journal of other settings is refused, and a last
-    line cut short by an interruption is dropped."""
-
-    def __init__(self, path: Path, settings: dict):
-        self.path, self.done = path, {}
-        lines = path.read_text().splitlines() if path.exists() else []
-        if lines and json.loads(lines[0]) != {"settings": settings}:
-            raise ValueError(f"{path} holds a sweep with other flags; remove it or pass another --journal")
-        for line in lines[1:]:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                break
-            self.done[record["key"]] = record
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [json.dumps({"settings": settings})] + [json.dumps(record) for record in self.done.values()]
-        path.write_text("\n".join(kept) + "\n")
-
-    def add(self, record: dict):
-        with self.path.open("a") as file:
-            file.write(json.dumps(record, default=str) + "\n")
 
 
 def label(name: str, knobs: dict) -> str:
@@ -226,8 +201,7 @@ def main(argv=None) -> int:
         if args.plot:
             require_matplotlib()
         model_dir = resolve_model(args.model)
-        digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-        journal = Journal(args.journal or REPO / "runs" / f"sweep-{digest}.jsonl", settings)
+        journal = Journal(args.journal or journal_path("sweep", settings), settings)
         runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
         for name, _ in plan:
             runner.check_engine(name)
@@ -250,6 +224,7 @@ def main(argv=None) -> int:
     print("\n".join(text))
     if args.out:
         args.out.write_text("\n".join(text) + "\n")
+    journal.finish()
     if args.plot:
         grids = {name: {cell: sum(r[0] for r in records) / len(records) for cell, records in cells.items()}
                  for name, cells in results.items()}

@@ -1,6 +1,7 @@
 """The scripts' command lines as a user meets them: run in a subprocess, exit code and message checked."""
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -74,37 +75,68 @@ def test_sweep_checks_its_flags_before_loading_a_model(args, message):
     assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
 
 
-def test_an_interrupted_sweep_resumes_from_its_journal(tmp_path):
+def test_an_interrupted_sweep_resumes_from_its_journal(tmp_path, monkeypatch, capsys):
+    """Interrupted after 4 of its 6 (variant, batch) runs, the same sweep runs only the other 2 and prints
+    what an uninterrupted one prints; a completed sweep leaves no journal behind."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import sweep
+    from nanodllm.eval import Runner
+
     journal = tmp_path / "sweep.jsonl"
-    flags = ["scripts/sweep.py", "--methods", "snapkv", "--knob", "budget=16,64", "--lengths", "256", "--n", "4",
-             "--batch", "2", "--journal", str(journal)]
-    first = script(*flags)
-    assert first.returncode == 0, first.stderr
-    assert "4/4 samples, accuracy so far: dense " in first.stderr and "min left" in first.stderr
-    lines = journal.read_text().splitlines()
-    assert len(lines) == 1 + 2 * 3  # the settings, then 2 batches x (dense + 2 budgets)
-    journal.write_text("\n".join(lines[:-2]) + "\n" + lines[-2][:20] + "\n")  # the last run lost, one cut short
-    again = script(*flags)
-    assert again.returncode == 0, again.stderr
-    assert "resuming from" in again.stderr and ": 4 of 6 runs done" in again.stderr
-    assert again.stdout == first.stdout and len(journal.read_text().splitlines()) == 7
-    other = script(*[flag if flag != "256" else "512" for flag in flags])
-    assert other.returncode == 2 and "holds a sweep with other flags" in other.stderr
+    flags = ["--methods", "snapkv", "--knob", "budget=16,64", "--lengths", "256", "--n", "4", "--batch", "2",
+             "--journal", str(journal)]
+    assert sweep.main(flags) == 0
+    whole = capsys.readouterr()
+    assert "4/4 samples, accuracy so far: dense " in whole.err and not journal.exists()
+    generate, calls = Runner.generate, []
+
+    def interrupted_after_four(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) > 4:
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "generate", interrupted_after_four)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.main(flags)
+    assert len(journal.read_text().splitlines()) == 1 + 4  # the settings, then each finished run
+    with journal.open("a") as file:
+        file.write('{"key": "snapkv bud')  # a line cut short
+    capsys.readouterr()
+    calls.clear()
+    monkeypatch.setattr(Runner, "generate", generate)
+    assert sweep.main(flags) == 0
+    resumed = capsys.readouterr()
+    assert "resuming from" in resumed.err and ": 4 of 6 runs done" in resumed.err
+    assert resumed.out == whole.out and not journal.exists()
+    with journal.open("w") as file:
+        file.write(json.dumps({"settings": {"other": "flags"}}) + "\n")
+    assert sweep.main(flags) == 2 and "holds a sweep with other flags" in capsys.readouterr().err
 
 
-def test_a_prompt_too_long_for_the_memory_is_refused_before_loading():
-    done = entry("demo", "--length", "60000", "--device", "cpu")
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert re.search(r"^error: \d+ tokens x batch 1 need about [\d.]+ GiB \(weights [\d.]+, K/V [\d.]+, attention scores "
-                     r"[\d.]+ \(plain torch on this device\)\); cpu has [\d.]+ GiB free", done.stderr.splitlines()[-1])
+def test_an_interrupted_eval_resumes_from_its_journal(tmp_path, monkeypatch, capsys):
+    from nanodllm import eval as evaluation
 
+    journal = tmp_path / "eval.jsonl"
+    flags = ["--method", "snapkv", "--lengths", "256", "--n", "4", "--batch", "2", "--journal", str(journal)]
+    assert evaluation.main(flags) == 0
+    whole = capsys.readouterr()
+    assert "eval: 4/4 samples, accuracy so far: dense " in whole.err and not journal.exists()
+    generate = evaluation.Runner.generate
 
-def test_a_prompt_past_the_trained_context_is_said_to_stretch_rope():
-    from nanodllm.cli import check_fits
-    from nanodllm.config import ModelConfig
+    def interrupted_after_three(self, *args, _calls=[], **kwargs):
+        _calls.append(1)
+        if len(_calls) > 3:
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
 
-    cfg = dataclasses.replace(ModelConfig.from_dir(REPO / "nanodllm" / "assets" / "tiny-sdar"), max_position_embeddings=512)
-    assert check_fits(cfg, cfg.max_position_embeddings, 1, torch.device("cpu"), torch.float32) is None
-    note = check_fits(cfg, 2 * cfg.max_position_embeddings, 1, torch.device("cpu"), torch.float32)
-    assert note.startswith(f"note: {2 * cfg.max_position_embeddings} tokens are past the model's trained "
-                           f"{cfg.max_position_embeddings}: RoPE is stretched (NTK) 2.0x")
+    monkeypatch.setattr(evaluation.Runner, "generate", interrupted_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        evaluation.main(flags)
+    monkeypatch.setattr(evaluation.Runner, "generate", generate)
+    capsys.readouterr()
+    assert evaluation.main(flags) == 0
+    resumed = capsys.readouterr()
+    assert ": 3 of 4 runs done" in resumed.err and not journal.exists()
+    scores = lambda out: [line.split("|")[4:6] for line in out.splitlines() if line.startswith("| 256")]
+    assert scores(resumed.out) == scores(whole.out)  # accuracies (tokens/s are timings, read back or not)
