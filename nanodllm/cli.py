@@ -33,7 +33,7 @@ def positive_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, e.g. 1024,2048; got {text!r}")
 
 
-def device(name: str) -> torch.device:
+def available_device(name: str) -> torch.device:
     """argparse type: a torch device this machine has."""
     try:
         chosen = torch.device(name)

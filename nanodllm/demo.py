@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import block, masked, tasks
-from .cli import check_fits, check_steps, device, positive_int
+from .cli import available_device, check_fits, check_steps, positive_int
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .eval import with_profile
@@ -55,7 +55,7 @@ def parse_args(argv, prog=None):
     parser.add_argument("--steps", type=positive_int, help="default: gen-length (LLaDA) or block-length (SDAR, per block)")
     parser.add_argument("--threshold", type=float, help="confidence-threshold parallel decoding")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     return parser.parse_args(argv)
 

@@ -26,7 +26,7 @@ import torch
 
 from . import block, masked, recall, tasks
 from .attention import CanvasMask
-from .cli import check_fits, check_steps, device, positive_int, positive_ints
+from .cli import available_device, check_fits, check_steps, positive_int, positive_ints
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .loader import load_model
@@ -338,7 +338,7 @@ def parse_args(argv, prog=None):
     parser.add_argument("--gen-length", type=positive_int, default=32)
     parser.add_argument("--steps", type=positive_int, help="default: gen-length (masked) or block length (block engine)")
     parser.add_argument("--threshold", type=float)
-    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--journal", type=Path, help="finished runs, for resuming (default: runs/eval-<hash>.jsonl)")
     return parser.parse_args(argv)

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanodllm import tasks  # noqa: E402
-from nanodllm.cli import device, positive_int, positive_ints  # noqa: E402
+from nanodllm.cli import available_device, positive_int, positive_ints  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, plot, require_matplotlib,  # noqa: E402
                            resolve_model)
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=positive_int, default=40, help="samples per length (spread over the depths)")
     parser.add_argument("--batch", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--device", type=device, default="cpu")
+    parser.add_argument("--device", type=available_device, default="cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--out", type=Path, help="also write the tables to this Markdown file")
     parser.add_argument("--plot", type=Path, help="also draw the depth x length heatmaps into this PNG")
