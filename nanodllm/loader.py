@@ -212,4 +212,8 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = N
                     rows = [params[t].shape[0] for t in targets]
                     for target, part in zip(targets, handle.get_tensor(source).split(rows)):
                         params[target].copy_(part)
+        finite = torch.stack([p.isfinite().all() for p in params.values()]).tolist()  # one device sync
+        broken = sorted({checkpoint_name(cfg.model_type, name) for name, ok in zip(params, finite) if not ok})
+    if broken:  # a NaN weight would decode to nothing, or to garbage, without a word
+        raise CheckpointError(f"{path}: " + first_few("NaN or infinite values", broken))
     return model

@@ -442,3 +442,11 @@ def test_a_config_field_of_the_wrong_kind_is_named_before_any_weight_is_read(tmp
     with pytest.raises(ValueError) as excinfo:
         load_model(path)
     assert expected in message(excinfo) and "config.json" in message(excinfo)
+
+
+def test_nan_weights_are_refused_by_name(tmp_path):
+    path = copy(SDAR, tmp_path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    edit_single(path, lambda t: t[name].view(-1)[7:9].fill_(float("nan")))
+    with pytest.raises(CheckpointError, match=r"NaN or infinite values \(1 tensor\): " + name):
+        load_model(path)
