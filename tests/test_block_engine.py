@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 from nanodllm import block
 from nanodllm.attention import attention, block_causal_mask
 from nanodllm.config import GenerationConfig
-from tiny_models import EOS_ID, MASK_ID, random_prompt, tiny_model
+from tiny_models import EOS_ID, MASK_ID, VOCAB, random_prompt, tiny_model
 
 MODEL = tiny_model("sdar")
 
@@ -105,6 +105,21 @@ def test_stops_after_the_block_with_a_stop_token():
     first_block_end = next(i for i in range(len(free)) if (len(prompt) + i + 1) % 4 == 0 and stop in free[: i + 1])
     assert stopped == free[: first_block_end + 1]
     assert stopped == cache_free_generate(MODEL, prompt, gen, stop_ids=(stop,))
+
+
+@pytest.mark.parametrize("prompt_length", [5, 6, 7])
+def test_a_stop_token_in_the_prompts_last_block_is_not_a_stop(prompt_length):
+    """The prompt's tail shares the first decoded block (a chat template's end-of-turn token sits there):
+    only generated tokens stop a generation. The stop id is one the generation never produces, so
+    the whole length comes out; scanning the block from its start would stop after the first block."""
+    gen = GenerationConfig(gen_length=12, block_length=4, steps=4)
+    for stop in range(VOCAB - 2):
+        prompt = random_prompt(prompt_length, seed=3)[:-1] + [stop]
+        free = cache_free_generate(MODEL, prompt, gen)
+        if stop not in free:
+            break
+    stopped = block.generate(MODEL, [prompt], gen, stop_ids=(stop,)).tokens[0]
+    assert stopped == free and len(free) > 4
 
 
 @given(lengths=st.lists(st.integers(1, 11), min_size=2, max_size=4),
