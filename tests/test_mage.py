@@ -196,3 +196,66 @@ def test_side_stream_selection_is_identical():
         assert with_side.keys() == without.keys()
         for layer, (indices, counts) in without.items():
             assert torch.equal(with_side[layer][0], indices) and torch.equal(with_side[layer][1], counts)
+
+
+def eq3_top_k(q, k_cache, prefix_lengths, k: int) -> list[list[set[int]]]:
+    """MAGE's selection as the paper states it, every score formed in float64: per row and KV head,
+    the k prefix keys of highest attention probability averaged over the block's queries and the
+    group's heads (softmax over the row's prefix alone)."""
+    batch, num_heads, _, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    chosen = []
+    for row in range(batch):
+        n = int(prefix_lengths[row])
+        keys = k_cache[row, :n].double()  # [n, kv_heads, d]
+        heads = []
+        for h in range(kv_heads):
+            queries = q[row, h * group : (h + 1) * group].double()  # [group, L, d]
+            probs = (queries @ keys[:, h].T * head_dim**-0.5).softmax(-1)  # [group, L, n]
+            heads.append(set(probs.mean((0, 1)).topk(min(k, n)).indices.tolist()))
+        chosen.append(heads)
+    return chosen
+
+
+@pytest.mark.parametrize("k, exact_layers", [(1, 0), (3, 1), (5, 0)])
+def test_each_layer_selects_its_own_top_k_and_attends_to_it(k, exact_layers):
+    """At every layer and block: the step-1 selection equals eq. 3's top-k computed from that layer's
+    queries and cached keys, and each later step's output equals plain attention over exactly that
+    layer's selection plus the block's own keys, on a ragged batch across several blocks."""
+    model = tiny_model("sdar", num_hidden_layers=3)
+    prompts = [random_prompt(n, seed=n) for n in (9, 14, 6)]
+    mage = get_method("mage", k=k, exact_layers=exact_layers, side_stream=False)
+    expected, checked = {}, {"select": 0, "sparse": 0}
+    attend_and_select, attend_selected = mage.attend_and_select, mage.attend_selected
+
+    def select(layer, q, k_, v, ctx):
+        out = attend_and_select(layer, q, k_, v, ctx)
+        lengths = ctx.cache.lengths
+        expected[layer] = eq3_top_k(q, ctx.cache.keys[layer], lengths, k)
+        indices, counts = mage.selection[layer]
+        for row in range(q.shape[0]):
+            for h in range(indices.shape[1]):
+                assert set(indices[row, h, : int(counts[row, h])].tolist()) == expected[layer][row][h]
+        checked["select"] += 1
+        return out
+
+    def selected(layer, q, k_, v, ctx):
+        out = attend_selected(layer, q, k_, v, ctx)
+        cache, block_len = ctx.cache, q.shape[2]
+        group = q.shape[1] // cache.keys[layer].shape[2]
+        for row in range(q.shape[0]):
+            n = int(cache.lengths[row])
+            for head in range(q.shape[1]):
+                h = head // group
+                slots = sorted(expected[layer][row][h]) + list(range(n, n + block_len))
+                keys, values = cache.keys[layer][row, slots, h].double(), cache.values[layer][row, slots, h].double()
+                probs = (q[row, head].double() @ keys.T * q.shape[-1] ** -0.5).softmax(-1)
+                torch.testing.assert_close(out[row, head].double(), probs @ values, atol=1e-10, rtol=0)
+        checked["sparse"] += 1
+        return out
+
+    mage.attend_and_select, mage.attend_selected = select, selected
+    generate(model, prompts, mage)
+    sparse_layers = model.cfg.num_layers - exact_layers
+    assert checked["select"] >= 3 * sparse_layers and checked["sparse"] >= 3 * 3 * sparse_layers
