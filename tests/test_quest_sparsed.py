@@ -163,3 +163,58 @@ def test_page_lists_on_the_kernel_match_torch(kernels_on, monkeypatch):
         monkeypatch.setattr(attention_module, "KERNELS_ENABLED", True)
         got = sparse_cache_attention(*args)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+
+
+def quest_pages(q, keys, n: int, page_size: int, pages: int) -> list[set[int]]:
+    """Quest's choice for one row as its paper states it, in float64: per KV head, the pages of highest
+    bound sum_d max(q_d min_d, q_d max_d), averaged over the block's queries and the group's heads,
+    where min and max run over the page's keys (the last page clipped to the prefix)."""
+    num_heads, kv_heads = q.shape[0], keys.shape[1]
+    group, chosen = num_heads // kv_heads, []
+    for h in range(kv_heads):
+        queries = q[h * group : (h + 1) * group].double().reshape(-1, q.shape[-1])  # [group * L, d]
+        bounds = []
+        for start in range(0, n, page_size):
+            page = keys[start : min(start + page_size, n), h].double()
+            low, high = page.min(0).values, page.max(0).values
+            bounds.append(torch.maximum(queries * low, queries * high).sum(-1).mean())
+        chosen.append(set(torch.stack(bounds).topk(min(pages, len(bounds))).indices.tolist()))
+    return chosen
+
+
+@pytest.mark.parametrize("k, page_size, exact_layers", [(2, 2, 0), (4, 2, 1), (6, 3, 0)])
+def test_quest_pages_each_layer_from_its_own_bounds_and_attends_to_them(k, page_size, exact_layers):
+    """Every sparse layer, step and block: the chosen pages equal Quest's bound computed from that
+    layer's queries and its own cached keys, and the output equals plain attention over exactly those
+    pages' keys plus the block's own, on a ragged batch."""
+    model = tiny_model("sdar", num_hidden_layers=3)
+    prompts = [random_prompt(n, seed=n) for n in (9, 14, 6)]
+    quest = get_method("quest", k=k, page_size=page_size, exact_layers=exact_layers)
+    attend, checked = quest.attend, []
+
+    def checked_attend(layer, q, k_, v, ctx):
+        out = attend(layer, q, k_, v, ctx)
+        cache = ctx.cache
+        if ctx.phase != "step" or layer < exact_layers or cache.max_length == 0:
+            return out
+        indices, counts = quest.selection[layer]
+        group = q.shape[1] // cache.keys[layer].shape[2]
+        for row in range(q.shape[0]):
+            n = int(cache.lengths[row])
+            pages = quest_pages(q[row], cache.keys[layer][row], n, page_size, k // page_size)
+            for h, expected in enumerate(pages):
+                assert set(indices[row, h, : int(counts[row, h])].tolist()) == expected
+            for head in range(q.shape[1]):
+                pages_of_head = sorted(pages[head // group])
+                slots = [s for page in pages_of_head for s in range(page * page_size, min((page + 1) * page_size, n))]
+                slots += list(range(n, n + q.shape[2]))
+                keys = cache.keys[layer][row, slots, head // group].double()
+                values = cache.values[layer][row, slots, head // group].double()
+                probs = (q[row, head].double() @ keys.T * q.shape[-1] ** -0.5).softmax(-1)
+                torch.testing.assert_close(out[row, head].double(), probs @ values, atol=1e-10, rtol=0)
+        checked.append(layer)
+        return out
+
+    quest.attend = checked_attend
+    generate(model, prompts, quest)
+    assert set(checked) == set(range(exact_layers, model.cfg.num_layers)) and len(checked) >= 3 * 4 * 2
