@@ -40,7 +40,8 @@ def available_device(name: str) -> torch.device:
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"{name!r} is not a device (cpu, cuda, cuda:1, ...)")
     if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{name!r}: torch sees no CUDA GPU here (its CPU build, or no driver); use cpu")
+        raise argparse.ArgumentTypeError(f"{name!r}: torch sees no CUDA GPU here (its CPU build, or no driver); "
+                                         "use cpu")
     return chosen
 
 
@@ -49,7 +50,8 @@ def check_steps(gen: GenerationConfig, is_block: bool):
     block engine) would run forwards that change nothing, so they are refused."""
     most = gen.block_length if is_block else gen.gen_length
     if gen.steps > most:
-        what = f"--block-length {gen.block_length} (steps are per block)" if is_block else f"--gen-length {gen.gen_length}"
+        what = (f"--block-length {gen.block_length} (steps are per block)" if is_block
+                else f"--gen-length {gen.gen_length}")
         raise ValueError(f"--steps {gen.steps} exceeds {what}: at most {most} steps unmask anything")
 
 
@@ -68,13 +70,15 @@ def check_fits(cfg: ModelConfig, tokens: int, batch: int, device: torch.device, 
     need = weights + kv + scores
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram()
     if need > free:
-        parts = f"weights {weights / 2**30:.1f}, K/V {kv / 2**30:.1f}" + (f", attention scores {scores / 2**30:.1f} "
-                                                                           "(plain torch on this device)" if scores else "")
+        parts = f"weights {weights / 2**30:.1f}, K/V {kv / 2**30:.1f}"
+        if scores:
+            parts += f", attention scores {scores / 2**30:.1f} (plain torch on this device)"
         raise ValueError(f"{tokens} tokens x batch {batch} need about {need / 2**30:.1f} GiB ({parts}); {device} has "
                          f"{free / 2**30:.1f} GiB free. Use a shorter prompt{' or a GPU' if scores else ''}.")
     if tokens > cfg.max_position_embeddings:
-        return (f"note: {tokens} tokens are past the model's trained {cfg.max_position_embeddings}: RoPE is stretched "
-                f"(NTK) {tokens / cfg.max_position_embeddings:.1f}x, and quality past the trained length is not assured")
+        return (f"note: {tokens} tokens are past the model's trained {cfg.max_position_embeddings}: RoPE is "
+                f"stretched (NTK) {tokens / cfg.max_position_embeddings:.1f}x, and quality past the trained length "
+                "is not assured")
     return None
 
 
