@@ -172,3 +172,42 @@ def test_bad_knobs_and_block_causal_models_are_named():
     with pytest.raises(ValueError, match="kernel"):
         get_method("sparse_dllm", kernel=2)
     assert "block-causal" in refuses_block_causal(get_method("fast_dllm"))
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+def test_the_dual_cache_equals_its_plain_reference_in_every_block(delay):
+    """Fast-dLLM's dual cache as its paper states it, recomputed here with nothing kept by the method:
+    at a block's step `delay` the full forward (whose K/V outside the block are recorded), and at every
+    later step of that block the block's tokens attending to those recorded K/V plus their own. Each
+    step's hidden states equal the reference's, block after block, on a ragged batch."""
+    from nanodllm.attention import attention
+
+    method = get_method("fast_dllm", mode="dual", delay=delay)
+    step, recorded, checked = method.step, {}, []
+
+    def checked_step(model, ctx):
+        hidden = step(model, ctx)
+        low, high = ctx.logits_start, ctx.logits_stop
+        if ctx.step <= delay:
+            keys = []
+            expected = model.hidden(ctx.tokens, ctx.positions,
+                                    lambda layer, q, k, v: keys.append((k, v)) or attention(q, k, v, ctx.attn_mask))
+            if ctx.step == delay:
+                outside = torch.cat([ctx.valid[:, :low], ctx.valid[:, high:]], dim=1)
+                recorded.update(keys=keys, outside=outside)
+        else:
+            def attend(layer, q, k, v):
+                kept_k, kept_v = recorded["keys"][layer]
+                keys = torch.cat([kept_k[:, :, :low], kept_k[:, :, high:], k], dim=2)
+                values = torch.cat([kept_v[:, :, :low], kept_v[:, :, high:], v], dim=2)
+                visible = torch.cat([recorded["outside"], torch.ones_like(ctx.valid[:, low:high])], dim=1)
+                return attention(q, keys, values, visible[:, None, None, :])
+
+            expected = model.hidden(ctx.tokens[:, low:high], ctx.positions[:, low:high], attend)
+        torch.testing.assert_close(hidden, expected, atol=1e-10, rtol=0)
+        checked.append(ctx.step)
+        return hidden
+
+    method.step = checked_step
+    generate(method)
+    assert checked.count(delay + 1) == MASKED_GEN.gen_length // MASKED_GEN.block_length  # every block was checked
