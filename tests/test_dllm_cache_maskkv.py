@@ -120,6 +120,21 @@ def test_eviction_keeps_each_heads_budget_of_the_real_prompt():
         assert bool((indices[..., 1:] >= indices[..., :-1]).all())  # prompt order
 
 
+@pytest.mark.parametrize("budget, window", [(6, 3), (4, 4), (9, 2)])
+def test_snapkv_always_keeps_its_observation_window(budget, window):
+    """Every layer, row and KV head keeps the row's last `window` prompt tokens, whatever the votes,
+    and fills the rest of its budget with other prompt tokens (prompts of 20 and 13, right-aligned in
+    20 prompt columns)."""
+    method = get_method("snapkv", budget=budget, window=window, pool=3)
+    generate(method)
+    assert len(method.indices) == MASKED_MODEL.cfg.num_layers
+    for indices, keep in method.indices:
+        for row in range(2):
+            for head in range(indices.shape[1]):
+                kept = set(indices[row, head][keep[row, head, 0]].tolist())  # keep: [batch, heads, 1, slots]
+                assert set(range(20 - window, 20)) <= kept and len(kept) == budget
+
+
 @settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 2), group=st.sampled_from([1, 2]), q_len=st.integers(1, 5), prompt=st.integers(1, 9),
        extra=st.integers(0, 4), per_head_mask=st.booleans(), seed=st.integers(0, 2**16))
