@@ -120,6 +120,32 @@ def test_eviction_keeps_each_heads_budget_of_the_real_prompt():
         assert bool((indices[..., 1:] >= indices[..., :-1]).all())  # prompt order
 
 
+@pytest.mark.parametrize("prompt_interval, response_interval", [(4, 3), (3, 2), (5, 5)])
+def test_dllm_cache_refreshes_on_its_schedule_and_a_full_refresh_is_exact(prompt_interval, response_interval):
+    """Step t forwards the prompt again when t % T_p == 0 and the whole response when t % T_r == 0;
+    between those, only the rho share of drifted rows; a step that refreshes both gives the dense
+    forward's response hidden states."""
+    from nanodllm.attention import attention
+
+    method = get_method("dllm_cache", prompt_interval=prompt_interval, response_interval=response_interval)
+    step, seen = method.step, []
+
+    def checked_step(model, ctx):
+        prompt_width, prompt, recomputed, _ = method.plan(ctx)
+        seen.append((prompt, recomputed))
+        hidden = step(model, ctx)
+        if prompt and recomputed == "all":
+            dense = model.hidden(ctx.tokens, ctx.positions, lambda layer, q, k, v: attention(q, k, v, ctx.attn_mask))
+            torch.testing.assert_close(hidden, dense[:, prompt_width:], atol=1e-10, rtol=0)
+        return hidden
+
+    method.step = checked_step
+    generate(method)
+    expected = [(t % prompt_interval == 0, "all" if t % response_interval == 0 else "none" if t % prompt_interval == 0
+                 else "drifted") for t in range(MASKED_GEN.steps)]
+    assert seen == expected
+
+
 @pytest.mark.parametrize("budget, window", [(6, 3), (4, 4), (9, 2)])
 def test_snapkv_always_keeps_its_observation_window(budget, window):
     """Every layer, row and KV head keeps the row's last `window` prompt tokens, whatever the votes,
