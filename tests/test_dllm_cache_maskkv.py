@@ -104,10 +104,15 @@ def test_a_row_decodes_the_same_alone_and_next_to_another_prompt(name, knobs):
     assert batched == alone
 
 
+@pytest.mark.parametrize("budget", [13, 15])  # 13: the row's prompt is exactly the budget
 @pytest.mark.parametrize("intervals", [{}, dict(prompt_interval=3, response_interval=2)])
-def test_a_row_whose_prompt_fits_the_budget_equals_dllm_cache_in_any_batch(intervals):
-    short_row = generate(get_method("maskkv", budget=15, **intervals))[1]  # 13 tokens, next to 20
+def test_a_row_whose_prompt_fits_the_budget_equals_dllm_cache_in_any_batch(intervals, budget):
+    method = get_method("maskkv", budget=budget, **intervals)
+    short_row = generate(method)[1]  # 13 tokens, next to 20
     assert short_row == generate(get_method("dllm_cache", **intervals))[1]
+    for indices, keep in method.indices:  # it kept its whole prompt (columns 7..19) in every layer and head
+        for head in range(indices.shape[1]):
+            assert set(indices[1, head][keep[1, head, 0]].tolist()) == set(range(20 - 13, 20))
 
 
 def test_eviction_keeps_each_heads_budget_of_the_real_prompt():
