@@ -35,6 +35,7 @@ engines never read such rows.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -77,7 +78,9 @@ TUNER = Tuner("flash_attention")
 INTERPRETER_TILES = {"BLOCK_M": 32, "BLOCK_N": 16}
 
 
+@functools.lru_cache(maxsize=None)
 def candidate_tiles(head_dim: int, tuning_rows: int) -> list[dict]:
+    """The tiles tried for a key (one list per head dim and row bucket, built once)."""
     return _TUNING_SPACE[head_dim] + (_FEW_ROW_TILES[head_dim] if tuning_rows <= FEW_ROWS else [])
 
 

@@ -71,6 +71,11 @@ def write_settings(path: Path, settings: dict):
     os.replace(temporary, path)
 
 
+def key_name(key: tuple) -> str:
+    """A key as the files write it: (128, 1, 4096) -> "128,1,4096"."""
+    return ",".join(str(part) for part in key)
+
+
 class Tuner:
     """One kernel's settings per key (see the module docstring for where they come from)."""
 
@@ -78,16 +83,16 @@ class Tuner:
 
     def __init__(self, kernel: str):
         self.kernel = kernel
-        self.chosen: dict[str, dict] = {}
+        self.chosen: dict[tuple, dict] = {}  # by key: a call finds its setting without building a name
         self.known: dict[str, dict] | None = None  # the cache over the shipped table, read on first use
         self.measured = 0  # keys this process measured (the tests read it)
 
     def choose(self, key: tuple, candidates: list[dict], launch: Callable[[dict], object], device) -> dict:
         """The setting for key among candidates; launch(setting) runs the kernel once with it (only
         called if the setting has to be measured here)."""
-        name = ",".join(str(part) for part in key)
-        if name in self.chosen:
-            return self.chosen[name]
+        if key in self.chosen:
+            return self.chosen[key]
+        name = key_name(key)
         if self.known is None:
             gpu = torch.cuda.get_device_name(device)
             shipped = read_settings(SHIPPED).get(gpu, {}).get(self.kernel, {})
@@ -95,7 +100,7 @@ class Tuner:
         setting = self.known.get(name)
         if setting not in candidates:
             setting = self.measure(name, candidates, launch, device)
-        self.chosen[name] = setting
+        self.chosen[key] = setting
         return setting
 
     def measure(self, name: str, candidates: list[dict], launch, device) -> dict:

@@ -236,11 +236,19 @@ def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], ba
                 cell.kv_kept.append(record["kv_kept"][i])
                 cell.seconds += record["seconds"] / len(chunk)
         left = (len(chunks) - index - 1) * len(methods)
-        eta = f", about {(time.perf_counter() - clock) / computed * left / 60:.1f} min left" if computed and left else ""
+        eta = time_left(clock, computed, left)
         accuracy = ", ".join(f"{name} {accuracy_so_far(cells):.2f}" for name, cells in results.items())
         print(f"eval: {min((index + 1) * batch, len(samples))}/{len(samples)} samples, accuracy so far: {accuracy}{eta}",
               file=sys.stderr, flush=True)
     return results
+
+
+def time_left(started: float, computed: int, remaining: int) -> str:
+    """', about 3.5 min left': the runs computed since `started` (perf_counter) timed the remaining
+    ones ('' before the first, or when none remain)."""
+    if not computed or not remaining:
+        return ""
+    return f", about {(time.perf_counter() - started) / computed * remaining / 60:.1f} min left"
 
 
 def accuracy_so_far(cells: dict) -> float:

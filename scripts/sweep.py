@@ -31,7 +31,7 @@ from nanodllm import tasks  # noqa: E402
 from nanodllm.cli import available_device, positive_int, positive_ints  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, plot, require_matplotlib,  # noqa: E402
-                           resolve_model)
+                           resolve_model, time_left)
 from nanodllm.methods import get_method, knob_defaults, parse_knobs, parse_value  # noqa: E402
 
 
@@ -95,7 +95,7 @@ def run(runner: Runner, samples, plan, batch: int, journal: Journal):
             stats[label(name, knobs)][chunk[0].length].append(record["stats"])
         done = start + len(chunk)
         runs_left = (len(samples) - done + batch - 1) // batch * len(plan)
-        left = f", about {(time.perf_counter() - clock) / computed * runs_left / 60:.1f} min left" if computed else ""
+        left = time_left(clock, computed, runs_left)
         accuracy = ", ".join(f"{name} {mean_score(cells):.2f}" for name, cells in results.items())
         print(f"  {done}/{len(samples)} samples, accuracy so far: {accuracy}{left}", file=sys.stderr, flush=True)
     return results, stats

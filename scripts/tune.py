@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 os.environ["NANODLLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="nanodllm-tune-")  # measure afresh, cache nothing
 
 import kernels.flash_attention as fa  # noqa: E402
-from kernels.tuning import read_settings, write_settings  # noqa: E402
+from kernels.tuning import key_name, read_settings, write_settings  # noqa: E402
 
 HEAD_DIMS, LENGTHS, ROW_BUCKETS = (64, 128), (1024, 2048, 4096, 8192, 16384, 32768), (64, fa.FEW_ROWS, 1024)
 
@@ -57,9 +57,10 @@ def main():
     fa.TUNER.known = {}  # ignore the shipped table: measure every key
     flash_attention_keys(device)
     settings = read_settings(args.out)
-    settings.setdefault(gpu, {})["flash_attention"] = dict(sorted(fa.TUNER.chosen.items()))
+    chosen = {key_name(key): setting for key, setting in fa.TUNER.chosen.items()}
+    settings.setdefault(gpu, {})["flash_attention"] = dict(sorted(chosen.items()))
     write_settings(args.out, settings)
-    wins = Counter((key.split(",")[0], json.dumps(setting, sort_keys=True)) for key, setting in fa.TUNER.chosen.items())
+    wins = Counter((str(key[0]), json.dumps(setting, sort_keys=True)) for key, setting in fa.TUNER.chosen.items())
     print(f"\n{len(fa.TUNER.chosen)} keys measured on the {gpu}, written to {args.out}. Wins per candidate:")
     for head_dim in HEAD_DIMS:
         for setting in fa._TUNING_SPACE[head_dim] + fa._FEW_ROW_TILES[head_dim]:
