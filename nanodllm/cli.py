@@ -14,6 +14,14 @@ from .config import GenerationConfig, ModelConfig
 from .model import Model
 
 
+def help_text(doc: str) -> str:
+    """What `--help` shows of a script's docstring: its first paragraph and its first block of example
+    commands (argparse.RawDescriptionHelpFormatter keeps the layout)."""
+    paragraphs = doc.strip("\n").split("\n\n")
+    examples = next((p for p in paragraphs[1:] if p.lstrip(" ").startswith("python")), None)
+    return paragraphs[0] + (f"\n\n{examples}" if examples else "")
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

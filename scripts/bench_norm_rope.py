@@ -1,7 +1,10 @@
 """`python scripts/bench_norm_rope.py` (GPU): the fused RMSNorm and RoPE kernels against the model's torch
 form at 8B shapes (llada-8b, batch 16 x 768 rows, bf16): microseconds, GB/s of the bytes that must move
 (input, output, weight or tables once), and how many output elements are bit-equal. Prints a
-Markdown table (docs/results/bench_kernels.md, "Fused RMSNorm and RoPE")."""
+Markdown table (docs/results/bench_kernels.md, "Fused RMSNorm and RoPE").
+
+    python scripts/bench_norm_rope.py
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
 from kernels.rope import apply_rope, apply_rope_reference  # noqa: E402
+from nanodllm.cli import help_text  # noqa: E402
 from nanodllm.model import Rope  # noqa: E402
 
 
@@ -62,7 +66,7 @@ def main():
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_norm_rope.py times CUDA kernels: it needs a GPU")
     main()

@@ -20,12 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nanodllm.cli import help_text  # noqa: E402
 from nanodllm import tasks  # noqa: E402
 from nanodllm.eval import Runner, resolve_model  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--tau", type=float, default=0.99)

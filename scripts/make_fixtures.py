@@ -1,6 +1,9 @@
 """Write the tiny parity fixtures under tests/fixtures/ (llada_tiny/, sdar_tiny/, dream_tiny/,
 fast_dllm_v2_tiny/; tokenizers/qwen2_bpe/ with the qwen2_bpe step).
 
+    python scripts/make_fixtures.py             # the four dense tiny checkpoints (needs transformers)
+    python scripts/make_fixtures.py moe         # llada2_tiny and sdar_moe_tiny (transformers 5.x)
+
 Each fixture is a small random checkpoint in the EXACT on-disk format of the real family
 (the names nanodllm/loader.py maps) plus `golden.safetensors` holding fixed input ids and
 the float32 logits that Hugging Face transformers (an independent implementation) computes for them:
@@ -55,6 +58,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nanodllm.cli import help_text  # noqa: E402
+
 FIXTURES = ROOT / "tests" / "fixtures"
 
 BATCH, LENGTH = 2, 13
@@ -966,7 +973,7 @@ def golden_case(slow, ids: list[int], **fields) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", nargs="?", choices=("models", "moe", "qwen2_bpe"), default="models",
                         help="models: the four dense tiny checkpoints; moe: llada2_tiny and sdar_moe_tiny "
                              "(both transformers 5.x); qwen2_bpe: the tokenizer goldens (transformers 4.x)")

@@ -53,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nanodllm.cli import help_text  # noqa: E402
 from nanodllm.attention import CanvasMask  # noqa: E402
 from nanodllm.methods.momo import (block_scores, dense_mask, diagonal_blocks, kept_blocks,  # noqa: E402
                                    measure_and_mask, measure_on_kernels, scaled_scores)
@@ -283,7 +284,7 @@ def synthetic_table(args):
 @torch.no_grad()
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synthetic", action="store_true", help="structured synthetic q/k instead of a model's")
     parser.add_argument("--model", default="tiny-sdar")
     parser.add_argument("--lengths", default=None, help="default 2048; synthetic 32768,65536,131072")

@@ -33,6 +33,7 @@ except ImportError:  # the parsing below still imports; main() says what is miss
     plt = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanodllm.cli import help_text  # noqa: E402
 from nanodllm.eval import plot  # noqa: E402
 from sweep import read_depth_grids  # noqa: E402
 
@@ -128,7 +129,7 @@ FIGURES = {"momo_latency_vs_k.png": ("bench_momo.json", momo_latency_vs_k),
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results")
     args = parser.parse_args()
     if plt is None:

@@ -30,6 +30,39 @@ def entry(command: str, *args):
     return script("-m", "nanodllm", command, *args, timeout=120)
 
 
+HELP_PROBE = """
+import contextlib, io, json, runpy, sys
+sys.path.insert(0, "scripts")  # as `python scripts/X.py` would have it
+shown = {}
+for entry in sys.argv[1:]:
+    sys.argv = [entry, "--help"] if entry.endswith(".py") else ["nanodllm", entry, "--help"]
+    out, code = io.StringIO(), None
+    with contextlib.redirect_stdout(out):
+        try:
+            if entry.endswith(".py"):
+                runpy.run_path(entry, run_name="__main__")
+            else:
+                runpy.run_module("nanodllm", run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code
+    shown[entry] = [code, out.getvalue()]
+print(json.dumps(shown))
+"""
+INTERNAL = {"scripts/bench_e2e.py"}  # bench.py e2e's worker process, not run by hand
+
+
+def test_every_entry_point_shows_an_example_in_its_help():
+    """--help of every script and `python -m nanodllm` command exits 0 and shows a command line to copy."""
+    scripts = sorted(f"scripts/{p.name}" for p in (REPO / "scripts").glob("*.py") if "__main__" in p.read_text())
+    entries = [s for s in scripts if s not in INTERNAL] + ["demo", "eval"]
+    done = script("-c", HELP_PROBE, *entries)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {entry: code for entry, (code, _) in shown.items()} == {entry: 0 for entry in entries}
+    without = [entry for entry, (_, text) in shown.items() if not re.search(r"^\s+(python|nanodllm) ", text, re.M)]
+    assert without == []
+
+
 @pytest.mark.parametrize("command, args, first_line", [
     ("eval", ["--n", "0"], "argument --n: must be a positive integer, got '0'"),
     ("eval", ["--batch", "0"], "argument --batch: must be a positive integer, got '0'"),
