@@ -192,10 +192,13 @@ def _require(raw: dict, name: str, source: str):
 
 
 def _stop_ids(raw: dict, default: tuple[int, ...]) -> tuple[int, ...]:
-    """The config's eos id(s) followed by the family's documented stop tokens, without repeats."""
+    """The config's eos id(s) followed by the family's documented stop tokens that fit its vocabulary
+    (a smaller model of the family lists its own in eos_token_id), without repeats."""
     value = raw.get("eos_token_id")
     from_config = tuple(value) if isinstance(value, (list, tuple)) else (() if value is None else (value,))
-    return tuple(dict.fromkeys(int(i) for i in from_config + default))
+    vocab = raw.get("embedding_size") or raw.get("vocab_size")
+    fitting = tuple(i for i in default if not isinstance(vocab, int) or i < vocab)
+    return tuple(dict.fromkeys(int(i) for i in from_config + fitting))
 
 
 def _from_olmo_fields(raw: dict, source: str) -> ModelConfig:

@@ -66,6 +66,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nanodllm.cli import help_text  # noqa: E402
 from nanodllm import tasks  # noqa: E402
 from nanodllm.attention import attention, block_causal_mask, key_padding_mask  # noqa: E402
 from nanodllm.config import ModelConfig  # noqa: E402
@@ -121,13 +122,15 @@ def family_config(family: str, vocab: dict, vocab_size: int, qk_norm: bool = Fal
                     attention_layer_norm=qk_norm, attention_layer_norm_with_affine=True, layer_norm_type="rms",
                     weight_tying=False, block_type="llama", rope=True,
                     rope_full_precision=True, max_sequence_length=2 * MAX_LENGTH,
-                    mask_token_id=vocab["<|mdm_mask|>"], eos_token_id=vocab["<|endoftext|>"],
+                    mask_token_id=vocab["<|mdm_mask|>"],
+                    eos_token_id=[vocab["<|endoftext|>"], vocab["<|eot_id|>"]],
                     pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|startoftext|>"])
     return dict(model_type="sdar", architectures=["SDARForCausalLM"], hidden_size=256, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=704,
                 vocab_size=vocab_size, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                 attention_bias=False, hidden_act="silu", max_position_embeddings=2 * MAX_LENGTH,
-                block_size=BLOCK, mask_token_id=vocab["<|MASK|>"], eos_token_id=vocab["<|im_end|>"],
+                block_size=BLOCK, mask_token_id=vocab["<|MASK|>"],
+                eos_token_id=[vocab["<|im_end|>"], vocab["<|endoftext|>"]],
                 pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|endoftext|>"])
 
 
@@ -525,7 +528,7 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["tokenizer", "llada", "sdar"])
     parser.add_argument("--minutes", type=float, default=4.0)
     parser.add_argument("--max-steps", type=int, default=4000)

@@ -522,3 +522,15 @@ def test_llada_needs_tokenizer_json(tmp_path):
         shutil.copy(QWEN2_BPE / name, tmp_path / name)
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "tokenizer.json"))):
         Tokenizer.from_dir(tmp_path, "llada")
+
+
+@pytest.mark.parametrize("name, family", [("tiny-llada", "llada"), ("tiny-sdar", "sdar")])
+def test_a_shipped_models_config_stops_where_its_tokenizer_does(name, family):
+    """generate() called without stop_ids stops on the config's ids: for the tiny models they are the
+    tokenizer's (its end of turn and end of text), not the 8B vocabulary's ids beyond the tiny one."""
+    from nanodllm.config import ModelConfig
+
+    folder = Path(__file__).resolve().parents[1] / "nanodllm" / "assets" / name
+    cfg = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()), source=name)
+    assert cfg.eos_token_ids == Tokenizer.from_dir(folder, family).stop_ids
+    assert all(i < cfg.vocab_size for i in cfg.eos_token_ids)
