@@ -435,3 +435,11 @@ def test_sparse_steps_match_the_plain_torch_reference(model, knobs):
     assert len(logits) == len(expected_logits)
     for got, expected in zip(logits, expected_logits):
         torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
+
+
+def test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does():
+    """The step counter, caches and salient rows start over with every generation: after decoding one
+    prompt, DyLLM runs its full_steps dense steps again and decodes the ragged batch as a new one does."""
+    reused = get_method("dyllm", tau=0.9)
+    generate(reused, [random_prompt(9, seed=5)])
+    assert generate(reused) == generate(get_method("dyllm", tau=0.9))

@@ -6,6 +6,7 @@ and a row decodes alike alone and in a ragged batch."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -211,3 +212,30 @@ def test_the_dual_cache_equals_its_plain_reference_in_every_block(delay):
     method.step = checked_step
     generate(method)
     assert checked.count(delay + 1) == MASKED_GEN.gen_length // MASKED_GEN.block_length  # every block was checked
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_each_layer_keeps_the_keys_the_blocks_mean_query_scores_highest(per_head):
+    """Algorithm 1 as its paper states it, on an unpadded row: each layer scores every key outside the
+    block by its dot product with the mean of the block's queries (averaged over the heads too unless
+    per_head), max-pools the scores over 3 neighbours and keeps the floor(ratio * candidates) best
+    (ties to the lower position); the cache built at step `delay` holds exactly those keys."""
+    method = get_method("sparse_dllm", ratio=0.25, delay=0, per_head=per_head)
+    ctx = canvas_context([PROMPTS[0]], step=0)
+    keep, seen = method.keep, []
+    method.keep = lambda layer, q, k, v, ctx: seen.append((q, k)) or keep(layer, q, k, v, ctx)
+    method.begin_block(ctx)
+    method.step(MODEL, ctx)
+    low, high = ctx.logits_start, ctx.logits_stop
+    assert len(seen) == len(method.kept) == MODEL.cfg.num_layers
+    for (q, k), kept in zip(seen, method.kept):
+        candidates = torch.cat([k[0, :, :low], k[0, :, high:]], dim=1)  # [kv_heads, n, d]
+        group = q.shape[1] // k.shape[1]
+        q_mean = q[0, :, low:high].mean(dim=1).view(k.shape[1], group, -1).mean(dim=1)  # [kv_heads, d]
+        scores = torch.einsum("hd,hnd->hn", q_mean, candidates)
+        scores = scores if per_head else scores.mean(dim=0, keepdim=True).expand(k.shape[1], -1)
+        pooled = F.max_pool1d(scores[:, None], 3, stride=1, padding=1)[:, 0]
+        count = int(0.25 * candidates.shape[1])
+        best = pooled.sort(dim=-1, descending=True, stable=True).indices[:, :count].sort(dim=-1).values
+        expected = candidates.gather(1, best[..., None].expand(-1, -1, candidates.shape[2]))
+        torch.testing.assert_close(kept.keys[0, :, :count], expected, atol=0, rtol=0)

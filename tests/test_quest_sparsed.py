@@ -218,3 +218,15 @@ def test_quest_pages_each_layer_from_its_own_bounds_and_attends_to_them(k, page_
     quest.attend = checked_attend
     generate(model, prompts, quest)
     assert set(checked) == set(range(exact_layers, model.cfg.num_layers)) and len(checked) >= 3 * 4 * 2
+
+
+@pytest.mark.parametrize("name,knobs", [("quest", dict(k=4, page_size=2)), ("mage", dict(k=4)), ("sparsed", dict(k=4))])
+def test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does(name, knobs):
+    """Nothing of one generation (Quest's page bounds, the block selections) leaks into the next: after
+    decoding two prompts, the method decodes two others of the same lengths as a new one does."""
+    model = tiny_model("sdar")
+    reused = get_method(name, exact_layers=0, **knobs)
+    generate(model, [random_prompt(30, seed=10), random_prompt(17, seed=11)], reused)
+    prompts = [random_prompt(30, seed=12), random_prompt(17, seed=13)]
+    fresh = generate(model, prompts, get_method(name, exact_layers=0, **knobs))
+    assert generate(model, prompts, reused).tokens == fresh.tokens

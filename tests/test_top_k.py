@@ -81,3 +81,18 @@ def test_bad_inputs_are_named():
         top_k_positions(scores[0], lengths, 3)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         top_k_positions(scores.double(), lengths, 3)
+
+
+@pytest.mark.parametrize("whole_row", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_k_best_of_negative_scores_are_those_nearest_zero(whole_row, dtype):
+    """Two positive scores and -1 .. -198, shuffled: the 10 best are 2, 0.5 and -1 .. -8, so the
+    selection's threshold falls among the negative scores, whose bits order the other way round."""
+    generator = torch.Generator().manual_seed(7)
+    values = torch.cat([torch.tensor([2.0, 0.5]), -torch.arange(1.0, 199.0)])
+    order = torch.randperm(200, generator=generator)
+    scores = values[order].to(dtype=dtype, device=DEVICE).view(1, 1, 200)
+    indices, counts = top_k_positions(scores, torch.tensor([200], device=DEVICE), 10, whole_row=whole_row)
+    assert counts.tolist() == [[10]]
+    assert sorted(values[order][indices[0, 0].long().cpu()].tolist()) == [-8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0,
+                                                                          -1.0, 0.5, 2.0]
