@@ -1,6 +1,7 @@
 """The block (SDAR) engine: exact cache, equality with a cache-free recompute, batches, errors."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,9 @@ from hypothesis import given, strategies as st
 from nanodllm import block
 from nanodllm.attention import attention, block_causal_mask
 from nanodllm.config import GenerationConfig
+from nanodllm.decoding import until_stop
+from nanodllm.loader import load_model
+from nanodllm.tokenizer import Tokenizer
 from tiny_models import EOS_ID, MASK_ID, VOCAB, random_prompt, tiny_model
 
 MODEL = tiny_model("sdar")
@@ -155,3 +159,87 @@ def test_bad_inputs_are_named():
         block.generate(MODEL, [random_prompt(250, seed=0)], gen)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         block.generate(MODEL, [[]], gen)
+
+
+TINY_SDAR = Path(block.__file__).resolve().parent / "assets" / "tiny-sdar"
+PASSKEY_INTRO = "There is a pass key hidden in this text. Find it and remember it. "
+PASSKEY_QUESTION = "The pass key is {key}. Remember it. {key} is the pass key. What is the pass key?"
+
+
+@pytest.fixture(scope="module")
+def tiny_sdar():
+    """The shipped tiny-sdar (blocks of 32) in float64, so cached and cache-free forwards agree to
+    ~1e-15, and its tokenizer."""
+    return load_model(TINY_SDAR, dtype=torch.float64), Tokenizer.from_dir(TINY_SDAR, "sdar")
+
+
+def first_stop(tokens, stop_ids) -> int:
+    return next(i for i, token in enumerate(tokens) if token in stop_ids)
+
+
+def test_a_qwen3_chat_prompt_decodes_like_the_reference_past_its_own_end_of_turn(tiny_sdar, monkeypatch):
+    """tiny-sdar's own chat template gives a 61-token prompt ending <|im_end|>\\n<|im_start|>assistant\\n:
+    its end-of-turn token (a stop id) sits in the prompt's last partial block [32, 64), which leaves 3
+    positions to generate. The model writes the 5-digit key, so its <|im_end|> comes 2 tokens into the
+    next block: 3 + 32 tokens come back (the whole stopping block, as the reference returns it), equal
+    to the cache-free reference token for token. Taking the prompt's <|im_end|> for a stop would end
+    after 3 tokens, "528"."""
+    model, tokenizer = tiny_sdar
+    monkeypatch.setitem(globals(), "MASK_ID", tokenizer.mask_id)  # the reference's canvas filler
+    prompt = tokenizer.chat([{"role": "user", "content": PASSKEY_INTRO + PASSKEY_QUESTION.format(key=52817)}])
+    end_of_turn = tokenizer.hf.token_to_id("<|im_end|>")
+    assert end_of_turn in tokenizer.stop_ids and len(prompt) == 61 and prompt[-10] == end_of_turn
+    gen = GenerationConfig(gen_length=32, block_length=32, steps=8)
+    tokens = block.generate(model, [prompt], gen, stop_ids=tokenizer.stop_ids).tokens[0]
+    assert tokens == cache_free_generate(model, prompt, gen, stop_ids=tokenizer.stop_ids)
+    assert len(tokens) == 35 and first_stop(tokens, tokenizer.stop_ids) == 5
+    assert tokenizer.decode(until_stop(tokens, tokenizer.stop_ids)) == "52817"
+
+
+def test_a_ragged_chat_batch_stops_each_row_after_its_own_stopping_block(tiny_sdar, monkeypatch):
+    """Chat prompts of 45 and 61 tokens, both with their <|im_end|> in the last partial block [32, 64).
+    The 45-token row writes its key and <|im_end|> in that block, mid-block (column 50 of 32..63), and
+    stops with the block's 19 generated tokens, the ones after the stop included (the reference's
+    rule: stop after the block). The 61-token row has 3 positions there and stops 2 tokens into the
+    next block, with 35 tokens, while the finished row stays as it was. Each row equals the cache-free
+    reference. (Judging the second row by the first row's prompt length would see its prompt's
+    <|im_end|> at column 51 and stop it after 3 tokens.)"""
+    model, tokenizer = tiny_sdar
+    monkeypatch.setitem(globals(), "MASK_ID", tokenizer.mask_id)
+    prompts = [tokenizer.chat([{"role": "user", "content": PASSKEY_QUESTION.format(key=90210)}]),
+               tokenizer.chat([{"role": "user", "content": PASSKEY_INTRO + PASSKEY_QUESTION.format(key=52817)}])]
+    assert [len(prompt) for prompt in prompts] == [45, 61]
+    gen = GenerationConfig(gen_length=32, block_length=32, steps=8)
+    tokens = block.generate(model, prompts, gen, stop_ids=tokenizer.stop_ids).tokens
+    assert tokens == [cache_free_generate(model, prompt, gen, stop_ids=tokenizer.stop_ids) for prompt in prompts]
+    assert [len(row) for row in tokens] == [19, 35]
+    assert [first_stop(row, tokenizer.stop_ids) for row in tokens] == [5, 5]
+    assert [tokenizer.decode(until_stop(row, tokenizer.stop_ids)) for row in tokens] == ["90210", "52817"]
+
+
+@pytest.mark.parametrize("case", [dict(gen_length=8, block_length=4, steps=4),
+                                  dict(gen_length=10, block_length=8, steps=3),
+                                  dict(gen_length=8, block_length=4, steps=4, threshold=0.5)])
+@pytest.mark.parametrize("prompt_length", [1, 8, 16])
+def test_one_token_and_whole_block_prompts_equal_cache_free_recompute(case, prompt_length):
+    """A 1-token prompt has no complete block to prefill: its first block starts at column 0 with that
+    token. A prompt of exactly k blocks (8 or 16 tokens: 2 or 4 blocks of 4, 1 or 2 blocks of 8) is
+    prefilled whole and decoding starts on a block of masks only. Either way the tokens equal the
+    cache-free reference's, and they fill the canvas after the prompt up to whole blocks."""
+    gen = GenerationConfig(**case)
+    prompt = random_prompt(prompt_length, seed=30 + prompt_length)
+    result = block.generate(MODEL, [prompt], gen, stop_ids=())
+    assert result.tokens[0] == cache_free_generate(MODEL, prompt, gen)
+    size = gen.block_length
+    assert len(result.tokens[0]) == math.ceil((prompt_length + gen.gen_length) / size) * size - prompt_length
+    assert int(result.cache.lengths[0]) == prompt_length + len(result.tokens[0])
+
+
+def test_a_batch_of_one_token_and_whole_block_prompts_equals_each_row_alone():
+    """Rows of 1, 4 (one block), 8 (two blocks) and 6 tokens prefill 0, 1, 2 and 1 blocks and start
+    decoding at columns 0, 4, 8 and 4: each row decodes what it decodes alone, to its own canvas end."""
+    prompts = [random_prompt(n, seed=40 + n) for n in (1, 4, 8, 6)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4)
+    together = block.generate(MODEL, prompts, gen, stop_ids=()).tokens
+    assert together == [block.generate(MODEL, [prompt], gen, stop_ids=()).tokens[0] for prompt in prompts]
+    assert [len(row) for row in together] == [11, 8, 8, 10]

@@ -1,6 +1,9 @@
 """The masked (LLaDA) engine against a direct transcription of LLaDA's generate() and of Fast-dLLM's
 threshold rule: whole-canvas logits every step, batch of one, no shortcuts."""
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +12,9 @@ from hypothesis import given, strategies as st
 from nanodllm import masked
 from nanodllm.attention import attention
 from nanodllm.config import GenerationConfig
+from nanodllm.decoding import until_stop
+from nanodllm.loader import load_model
+from nanodllm.tokenizer import Tokenizer
 from tiny_models import MASK_ID, random_prompt, tiny_model
 
 MODEL = tiny_model("llada")
@@ -144,3 +150,71 @@ def test_bad_inputs_are_named():
         masked.generate(MODEL, [[1, 2, 999]], GenerationConfig(gen_length=8, block_length=4, steps=4))
     with pytest.raises(ValueError, match="gen_length must be a positive integer"):
         GenerationConfig(gen_length=0)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_gumbel_noise_samples_the_softmax_at_the_temperature(temperature):
+    """The argmax of gumbel_max_scores over logits (0, log 3) is token 1 with probability
+    softmax(logits / T)[1] = 3^(1/T) / (1 + 3^(1/T)): 0.9, 0.75 and 0.634 at T = 0.5, 1 and 2."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(200_000, 1)
+    drawn = masked.gumbel_max_scores(logits, temperature).argmax(dim=-1).double().mean()
+    expected = 3 ** (1 / temperature) / (1 + 3 ** (1 / temperature))
+    assert abs(float(drawn) - expected) < 0.01  # 200K draws: a standard error near 0.001
+
+
+def test_a_block_causal_ragged_batch_equals_its_rows_alone():
+    """On a block-causal model the canvas's positions decide the blocks: each row's count from its own
+    first prompt token, so the 9-token row, left-padded by 5 columns (not a multiple of the block of 4)
+    next to a 14-token one, decodes what it decodes alone."""
+    model = tiny_model("sdar", block_size=4)
+    prompts = [random_prompt(14, seed=1), random_prompt(9, seed=2)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
+    together = masked.generate(model, prompts, gen).tokens
+    assert together == [masked.generate(model, [prompt], gen).tokens[0] for prompt in prompts]
+
+
+TINY_LLADA = Path(masked.__file__).resolve().parent / "assets" / "tiny-llada"
+PASSKEY_INTRO = "There is a pass key hidden in this text. Find it and remember it. "
+PASSKEY_QUESTION = "The pass key is {key}. Remember it. {key} is the pass key. What is the pass key?"
+
+
+def test_llada_chat_prompts_on_tiny_llada_equal_the_reference(monkeypatch):
+    """Prompts built with tiny-llada's own chat template (<|startoftext|>, header tokens, an <|eot_id|>
+    ending every turn, a system turn in the second), 65 and 74 tokens, in one left-padded batch: each
+    row equals the reference loop run on it alone, token for token; all 8 positions are decoded (the
+    masked engine never stops early, stop ids in the prompt or not), and each row answers its own key
+    followed by <|eot_id|>."""
+    model, tokenizer = load_model(TINY_LLADA, dtype=torch.float64), Tokenizer.from_dir(TINY_LLADA, "llada")
+    monkeypatch.setitem(globals(), "MASK_ID", tokenizer.mask_id)  # the reference's canvas filler
+    end_of_turn = tokenizer.hf.token_to_id("<|eot_id|>")
+    prompts = [tokenizer.chat([{"role": "user", "content": PASSKEY_INTRO + PASSKEY_QUESTION.format(key=52817)}]),
+               tokenizer.chat([{"role": "system", "content": "You are a helpful assistant."},
+                               {"role": "user", "content": PASSKEY_QUESTION.format(key=90210)}])]
+    assert [len(prompt) for prompt in prompts] == [65, 74] and all(end_of_turn in prompt for prompt in prompts)
+    tokens = masked.generate(model, prompts, GenerationConfig(gen_length=8, block_length=4, steps=4)).tokens
+    assert tokens == [reference_generate(model, prompt, 4, 8, 4) for prompt in prompts]
+    assert [len(row) for row in tokens] == [8, 8] and [row[5] for row in tokens] == [end_of_turn] * 2
+    assert [tokenizer.decode(until_stop(row, tokenizer.stop_ids)) for row in tokens] == ["52817", "90210"]
+
+
+@pytest.mark.parametrize("gen_length,block_length,steps", [(8, 8, 8), (16, 4, 8)])
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_a_one_token_prompt_equals_the_reference(gen_length, block_length, steps, threshold):
+    """A 1-token prompt: the canvas is that token and gen_length masks, the first block starts at
+    column 1, and the tokens equal the reference's."""
+    prompt = random_prompt(1, seed=50)
+    gen = GenerationConfig(gen_length=gen_length, block_length=block_length, steps=steps, threshold=threshold)
+    expected = reference_generate(MODEL, prompt, steps, gen_length, block_length, threshold=threshold)
+    assert masked.generate(MODEL, [prompt], gen).tokens[0] == expected
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_a_batch_mixing_one_token_and_longer_prompts_equals_each_row_alone(threshold):
+    """Rows of 1, 4, 8 and 13 tokens: every row decodes what it decodes alone, and the 1-token row,
+    left-padded by 12 columns, what the reference decodes for it."""
+    prompts = [random_prompt(n, seed=60 + n) for n in (1, 4, 8, 13)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4, threshold=threshold)
+    together = masked.generate(MODEL, prompts, gen).tokens
+    assert together == [masked.generate(MODEL, [prompt], gen).tokens[0] for prompt in prompts]
+    assert together[0] == reference_generate(MODEL, prompts[0], 4, 8, 4, threshold=threshold)
