@@ -5,7 +5,11 @@
 2. a tiny budget differs: with knobs that keep little it decodes other tokens than (1)'s reference;
 3. a ragged batch equals its rows run alone: at the tiny knobs, [prompt_a, prompt_b] (lengths 30 and
    21, neither a multiple of the block, so one row is padded) decodes row by row what each prompt
-   decodes alone, with a fresh method object each time; "dense" included.
+   decodes alone, with a fresh method object each time; "dense" included; and so does BETWEEN, a batch
+   of three whose longest row is neither first nor last;
+4. nothing leaks from one generate() to the next: a method object that first decoded other prompts (of
+   the same shapes, or of other lengths and batch size) decodes PROMPTS as a fresh one does, the same
+   tokens and every step's logits, over at least three blocks (so per-block state is exercised too).
 
 A newly registered method (or engine) without an entry in CONTRACT fails here, by name. The tiny
 knobs differ from the full ones only in the budget (k, budget, ratio, tau, intervals, refresh), so
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import pytest
+import torch
 
 from nanodllm import block, masked
 from nanodllm.config import GenerationConfig
@@ -28,6 +33,14 @@ GENS = {"masked": GenerationConfig(gen_length=16, block_length=4, steps=16),  # 
 # block (4), so the block engine's first block holds each prompt's tail and the masked engine's
 # canvas left-pads row 1 by 9 columns.
 PROMPTS = [random_prompt(30, seed=1), random_prompt(21, seed=2)]
+# (3)'s second batch: the 21-token row first, then the longest, then a 27-token one: left pads 9, 0 and 3
+# on the masked canvas, tails of 1, 2 and 3 tokens in the block engine's first block.
+BETWEEN = [PROMPTS[1], PROMPTS[0], random_prompt(27, seed=3)]
+# (4): what a reused method decodes first. "same_shapes": other tokens in PROMPTS' shapes, so state
+# left over fits and would be read silently; "other_shapes": three rows, one longer than any of PROMPTS,
+# so state sized by the last generation would not fit them.
+EARLIER = {"same_shapes": [random_prompt(30, seed=5), random_prompt(21, seed=6)],
+           "other_shapes": [random_prompt(9, seed=7), random_prompt(37, seed=8), random_prompt(26, seed=9)]}
 
 
 @dataclass(frozen=True)
@@ -112,16 +125,48 @@ def contract(name: str, engine: str) -> Contract:
 
 def decode(engine: str, name: str, knobs, prompts=PROMPTS, model=None) -> list[list[int]]:
     """Tokens `name` (a fresh object) decodes with `knobs` on the engine's tiny float64 model."""
-    method = get_method(name, **dict(knobs))
+    return run(engine, get_method(name, **dict(knobs)), prompts, model)
+
+
+def run(engine: str, method, prompts=PROMPTS, model=None) -> list[list[int]]:
+    """Tokens `method` decodes on the engine's tiny float64 model (or `model`)."""
     model = MODELS[engine] if model is None else model
     if engine == "masked":
         return masked.generate(model, prompts, GENS[engine], method).tokens
     return block.generate(model, prompts, GENS[engine], method, stop_ids=()).tokens
 
 
+def run_recording(engine: str, method, prompts=PROMPTS):
+    """run's tokens, the logits of each of its steps and the blocks those steps were in."""
+    logits, blocks, head = [], set(), method.logits
+
+    def recorded(model, hidden, ctx):
+        blocks.add(ctx.block)
+        logits.append(head(model, hidden, ctx))
+        return logits[-1]
+
+    method.logits = recorded
+    try:
+        return run(engine, method, prompts), logits, blocks
+    finally:
+        del method.logits
+
+
 @cache
 def reference_tokens(engine: str, name: str, knob_items: tuple) -> list[list[int]]:
     return decode(engine, name, knob_items)
+
+
+@cache
+def alone_tokens(engine: str, name: str, prompt: tuple) -> list[int]:
+    """What a fresh `name` at its tiny knobs decodes for `prompt` as a batch of one."""
+    return decode(engine, name, contract(name, engine).tiny, [list(prompt)])[0]
+
+
+@cache
+def fresh_recording(engine: str, name: str):
+    """run_recording of PROMPTS by a fresh `name` at its tiny knobs."""
+    return run_recording(engine, get_method(name, **contract(name, engine).tiny))
 
 
 def differing(a, b) -> int:
@@ -160,9 +205,35 @@ def test_tiny_budget_differs(name, engine):
 def test_a_ragged_batch_equals_its_rows_run_alone(name, engine):
     entry = contract(name, engine)
     batched = decode(engine, name, entry.tiny)
-    alone = [decode(engine, name, entry.tiny, [prompt])[0] for prompt in PROMPTS]
+    alone = [alone_tokens(engine, name, tuple(prompt)) for prompt in PROMPTS]
     for row, (got, expected) in enumerate(zip(batched, alone, strict=True)):
         assert got == expected, f"row {row} (prompt of {len(PROMPTS[row])} tokens) in the batch: {got}, alone: {expected}"
+
+
+@pytest.mark.parametrize("name,engine", RAGGED_PAIRS)
+def test_a_row_between_a_longer_and_a_shorter_one_decodes_as_alone(name, engine):
+    """Every row of BETWEEN (the shortest first, so row 0 is not the longest, and a row padded by 3,
+    less than a block) decodes what it decodes alone at the tiny knobs."""
+    batched = decode(engine, name, contract(name, engine).tiny, BETWEEN)
+    for row, (prompt, got) in enumerate(zip(BETWEEN, batched, strict=True)):
+        expected = alone_tokens(engine, name, tuple(prompt))
+        assert got == expected, f"row {row} (prompt of {len(prompt)} tokens) in the batch: {got}, alone: {expected}"
+
+
+@pytest.mark.parametrize("earlier", sorted(EARLIER))
+@pytest.mark.parametrize("name,engine", PAIRS, ids=[f"{name}-{engine}" for name, engine in PAIRS])
+def test_a_method_reused_after_other_prompts_decodes_what_a_fresh_one_does(name, engine, earlier):
+    """After decoding EARLIER[earlier], the same method object decodes PROMPTS at its tiny knobs as a
+    new one does: the same tokens and, step by step, the same logits, over every block."""
+    reused = get_method(name, **contract(name, engine).tiny)
+    run(engine, reused, EARLIER[earlier])
+    tokens, logits, blocks = run_recording(engine, reused)
+    expected_tokens, expected_logits, expected_blocks = fresh_recording(engine, name)
+    assert len(expected_blocks) >= 3, f"the generation spans blocks {sorted(expected_blocks)}: too few to carry state"
+    assert blocks == expected_blocks and len(logits) == len(expected_logits)
+    assert tokens == expected_tokens, f"reused after {earlier}: {tokens}, fresh: {expected_tokens}"
+    for step, (got, expected) in enumerate(zip(logits, expected_logits)):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=0, msg=lambda text: f"step {step}: {text}")
 
 
 @pytest.mark.parametrize("name,knobs,exact", [
