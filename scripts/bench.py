@@ -8,7 +8,7 @@
     python scripts/bench.py momo [--quick] [--lengths N ...] [--out docs/results]
     python scripts/bench.py routing [--quick] [--out docs/results]
     python scripts/bench.py moe [--quick] [--generate llada2-mini | sdar-30b-a3b] [--out docs/results]
-    python scripts/bench.py e2e [--quick] [--out docs/results]
+    python scripts/bench.py e2e [--quick] [--settings paper | warm_start] [--out docs/results]
 
 mage: time per output block of the block engine on the sdar-8b preset, exact vs MAGE, Quest and
 SparseD (scripts/bench_mage.py has the details).
@@ -23,8 +23,9 @@ our dense kernel, with the FLOP floors and latency vs k (scripts/bench_momo.py).
 moe: one layer's MoE MLP on the llada2-mini and sdar-30b-a3b presets, grouped vs the per-expert loop vs
 the floor; with --generate, block.generate on that preset at 32K-128K, batch 1 and 4: exact (ours and
 on torch SDPA), MAGE, Quest and SparseD, each next to its floor (scripts/bench_moe.py).
-e2e: real generate() calls in new processes, every method: the first generation of a process,
-a later process's and a warm one (scripts/bench_e2e.py).
+e2e: real generate() calls in new processes, every method at its paper's setting beside the dense
+engine and transformers' reference loop, or (--settings warm_start) what a later process pays over a
+warm one (scripts/bench_e2e.py).
 routing: the timings behind nanodllm/attention.py's choice between flash_attention, the split-KV
 decode kernel and SDPA (scripts/bench_routing.py).
 
@@ -498,11 +499,12 @@ def bench_generations(args):
     """`e2e`: one new process per configuration and pass (scripts/bench_e2e.py)."""
     from bench_e2e import bench_e2e
 
-    meta, report = run_metadata(torch.bfloat16 if torch.cuda.is_available() else torch.float32, args.quick), Report()
-    report.say(f"# Generations as a user runs them: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
-               f"{meta['dtype']}\n")
-    bench_e2e(args, report, meta)
-    stem = f"bench_e2e_{'quick' if args.quick else args.settings}"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    meta, report = run_metadata(dtype, args.quick), Report()
+    shapes = QUICK if args.quick else FULL
+    bench_e2e(args, report, meta, lambda: measure_ceilings(Timer(device, args.quick), shapes, device, dtype))
+    stem = f"bench_e2e_{args.settings}" + ("_quick" if args.quick else "")
     report.write(args.out, stem, meta)
 
 
@@ -587,13 +589,20 @@ def main():
     moe.add_argument("--generate", choices=("llada2-mini", "sdar-30b-a3b"),
                      help="time real generations on this preset instead (GPU), written to bench_moe_MODEL")
     add_command(commands, "routing", "flash vs split-KV decode vs SDPA on the shapes attention() routes", SHAPES_SMOKE)
-    e2e = add_command(commands, "e2e", "generate() in new processes: first, later-process and warm times, every "
+    e2e = add_command(commands, "e2e", "generate() in new processes, every method, beside dense and transformers; "
                       "method", MODEL_SMOKE)
-    e2e.add_argument("--settings", choices=("warm_start",), default="warm_start", help="which configurations")
+    e2e.add_argument("--settings", choices=("paper", "warm_start"), default="paper",
+                     help="paper: every method at its paper's setting, beside transformers (default); warm_start: "
+                     "short settings, a first and a later process each")
+    e2e.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration's process may take "
+                     "before its row is given up (default 900)")
+    e2e.add_argument("--journal", type=Path, help="the journal of finished rows (default: runs/e2e-<hash>.jsonl)")
+    e2e.add_argument("--report-only", action="store_true", help="write the tables from the journal of an earlier "
+                     "--settings paper run (rows it lacks are listed as not run); runs nothing, needs no GPU")
     args = parser.parse_args()
     if args.out is None:  # a smoke test never overwrites the committed results
         args.out = Path(tempfile.mkdtemp(prefix="nanodllm-bench-")) if args.quick else REPO / "docs" / "results"
-    if not (args.quick or torch.cuda.is_available()):
+    if not (args.quick or torch.cuda.is_available() or getattr(args, "report_only", False)):
         sys.exit(f"bench.py {args.command}: the full run times 8B shapes on a GPU; on a CPU run it with --quick")
     if args.command == "kernels":
         bench_kernels(args)

@@ -1,19 +1,32 @@
 """`python scripts/bench.py e2e`: what a user sees, real generate() calls in new processes.
 
-Each configuration (an engine, a preset of random bf16 weights, a method, a batch of random prompts
-one token off a multiple of the block, a generation length and step count) runs in two new processes,
-one after the other:
-1. the first generates once: what a new process pays where nothing of this configuration ran before
-   (Triton compiles; launch settings missing from kernels/tuned.json are measured and cached). Other
-   configurations may have compiled shared kernels already, so this is not quite a new machine;
-2. the second generates three times: its first generation is what every later process pays (the bar
-   of the warm start: at most 1 s over a warm one), the faster of the other two is the warm time.
+Every configuration (an engine, a preset of random bf16 weights, a method, a batch of random prompts
+one token off a multiple of the block, a generation length and step count) runs in new processes.
 Timing is wall clock around generate() with torch.cuda.synchronize(); the model is built before.
-Tokens/s counts the generated tokens of the batch over the warm time.
 
---settings warm_start (the default for now) runs every method once at short settings: LLaDA-8B's
-masked engine with a 4K prompt, 64 tokens in 64 steps, and SDAR-8B's block engine with an 8K prompt
-and two blocks of 32 tokens, 32 steps each. --quick runs tiny models on the CPU: a smoke test.
+--settings paper: every method at its paper's setting, one process per configuration timing its first
+generation and a warm one (the second):
+- LLaDA-8B, masked engine, 256 tokens in 256 steps (blocks of 32) after 8K and 32K prompts: dense,
+  Fast-dLLM, dLLM-Cache, MaskKV, SnapKV; Sparse-dLLM at 4K; DyLLM's batch 16 at 512 + 256;
+- SDAR-8B, block engine, 128 tokens (blocks of 32, 32 steps each) after 32K prompts at batch 1 and 4
+  and after a 128K prompt: exact, MAGE, Quest, SparseD, MOMO;
+- the MoE presets, LLaDA2.0-mini and SDAR-30B-A3B, in the block engine after 32K: exact, MAGE, Quest,
+  SparseD;
+- beside each dense group, "transformers": the reference loop on transformers' model of the same
+  architecture with SDPA, holding the same weights (scripts/e2e_peer.py), when transformers is there.
+The masked engine's dense loop and its transformers peer forward the whole canvas at every step, each
+step the same work: they run one step per block and the times are scaled to the row's step count
+(the row says "projected"). Each row: the time to the first finished block, ms per later block, tokens
+per second, peak memory, the ratios to dense and to transformers, and how far from the floor: the work
+no method avoids, one pass over the prompt (2 x parameters x tokens + attention FLOPs over the matmul
+rate) plus one read of the weights per step (or the step's matmuls, if more) over the copy bandwidth.
+Rows are journaled as they finish (runs/e2e-*.jsonl): a rerun of the same command resumes.
+
+--settings warm_start: every method once at short settings, each configuration in two processes one
+after the other, the first generating once (what a new process pays where nothing of this
+configuration ran before), the second three times: its first generation is what every later process
+pays (the bar of the warm start: at most 1 s over a warm one), the faster of the other two is the warm
+time. --quick runs tiny models on the CPU: a smoke test.
 """
 
 from __future__ import annotations
@@ -32,31 +45,73 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanodllm import block, masked  # noqa: E402
+from nanodllm.attention import CanvasMask, attention  # noqa: E402
 from nanodllm.config import GenerationConfig, ModelConfig, preset  # noqa: E402
-from nanodllm.fused import build_random  # noqa: E402
+from nanodllm.eval import Journal, journal_path, time_left  # noqa: E402
+from nanodllm.fused import build_empty, build_random  # noqa: E402
 from nanodllm.methods import get_method  # noqa: E402
+
+PEER = "transformers"
 
 
 @dataclass
 class Run:
     engine: str  # "masked" or "block"
-    model: str  # a preset, or "quick" (QUICK_MODEL)
-    method: str
+    model: str  # a preset, or "quick" (QUICK_MODELS)
+    method: str  # a registered method, or PEER
     prompt: int
     gen: int
-    steps: int
+    steps: int  # the masked engine: in all; the block engine: per block
     block: int = 32
     batch: int = 1
     knobs: dict = field(default_factory=dict)
+    projected: bool = False  # run one step per block, scale the times to `steps`
+
+    @property
+    def timed_steps(self) -> int:
+        return self.gen // self.block if self.projected else self.steps
+
+    @property
+    def setting(self) -> tuple:
+        return self.engine, self.model, self.batch, self.prompt, self.gen, self.steps
+
+    def label(self) -> str:
+        return f"{self.engine} {self.model} {self.method} b{self.batch} {self.prompt}+{self.gen}/{self.steps}"
 
 
 MASKED = ("dense", "fast_dllm", "dllm_cache", "maskkv", "snapkv", "sparse_dllm", "dyllm")
 BLOCK = ("dense", "mage", "quest", "sparsed", "momo")
+
+
+def masked_group(model, prompt, gen, steps, methods, batch=1, block=32):
+    """A setting of the masked engine: its whole-canvas loops (dense, the peer) projected."""
+    return [Run("masked", model, m, prompt, gen, steps, block, batch, projected=m in ("dense", PEER))
+            for m in methods]
+
+
+def block_group(model, prompt, gen, steps, methods, batch=1, block=32):
+    return [Run("block", model, m, prompt, gen, steps, block, batch) for m in methods]
+
+
+PAPER_MASKED = ("dense", PEER, "fast_dllm", "dllm_cache", "maskkv", "snapkv")
+PAPER_BLOCK = ("dense", PEER, "mage", "quest", "sparsed", "momo")
 SETTINGS = {
     "warm_start": [Run("masked", "llada-8b", m, 4095, 64, 64) for m in MASKED]
                   + [Run("block", "sdar-8b", m, 8191, 64, 32) for m in BLOCK],
+    "paper": masked_group("llada-8b", 8191, 256, 256, PAPER_MASKED)
+             + masked_group("llada-8b", 32767, 256, 256, PAPER_MASKED)
+             + masked_group("llada-8b", 4095, 256, 256, ("dense", PEER, "fast_dllm", "sparse_dllm"))
+             + masked_group("llada-8b", 511, 256, 256, ("dense", PEER, "fast_dllm", "dllm_cache", "dyllm"), batch=16)
+             + block_group("sdar-8b", 32767, 128, 32, PAPER_BLOCK)
+             + block_group("sdar-8b", 32767, 128, 32, PAPER_BLOCK[:-1], batch=4)
+             + block_group("sdar-8b", 131071, 128, 32, ("dense", PEER, "mage", "sparsed", "momo"))
+             + block_group("llada2-mini", 32767, 128, 32, ("dense", "mage", "quest", "sparsed"))
+             + block_group("sdar-30b-a3b", 32767, 128, 32, ("dense", "mage", "quest", "sparsed")),
     "quick": [Run("masked", "quick", m, 47, 16, 8, block=8) for m in MASKED]
              + [Run("block", "quick", m, 47, 16, 4, block=8) for m in BLOCK],
+    "paper_quick": masked_group("quick", 47, 16, 8, ("dense", PEER, "fast_dllm", "maskkv"), block=8)
+                   + masked_group("quick", 23, 16, 8, ("dense", PEER, "dyllm"), batch=4, block=8)
+                   + block_group("quick", 47, 16, 4, ("dense", PEER, "mage", "momo"), block=8),
 }
 QUICK_MODELS = {  # a tiny LLaDA (OLMo fields) and a tiny SDAR (Qwen3 fields)
     "masked": dict(model_type="llada", d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=128,
@@ -68,49 +123,252 @@ QUICK_MODELS = {  # a tiny LLaDA (OLMo fields) and a tiny SDAR (Qwen3 fields)
 
 
 def build(run: Run, device):
+    """The run's model with random weights; on the meta device, its shapes only."""
     if run.model == "quick":
         cfg = ModelConfig.from_dict(QUICK_MODELS[run.engine], source="e2e --quick")
     else:
         cfg = preset(run.model, context=run.prompt + run.gen + run.block, block_size=run.block)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return build_random(cfg, device=device, dtype=dtype)
+    return build_empty(cfg, device, dtype) if device.type == "meta" else build_random(cfg, device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def check_peer_agrees(model, peer, e2e_peer, length: int = 256):
+    """Refuse to time a peer whose logits over a random canvas differ from our model's: the same weights
+    under the same mask (bidirectional, or block-causal) give the same logits up to rounding."""
+    cfg, device = model.cfg, model.embed_tokens.weight.device
+    ids = torch.randint(0, cfg.mask_token_id, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(length, device=device)[None]
+    if cfg.attention == "block_causal":
+        mask = CanvasMask(block_size=cfg.block_size)
+        theirs = peer(input_ids=ids, attention_mask=e2e_peer.block_causal(length, cfg.block_size, device)).logits
+    else:
+        mask, theirs = CanvasMask(), peer(input_ids=ids).logits
+    ours = model(ids, positions, lambda layer, q, k, v: attention(q, k, v, mask)).float()
+    error = ((ours - theirs.float()).norm() / ours.norm()).item()
+    tolerance = 1e-3 if model.embed_tokens.weight.dtype == torch.float32 else 0.15  # bf16: rounding in every layer
+    if not error < tolerance:
+        raise RuntimeError(f"transformers' logits differ from ours by {error:.3f} (relative): not the same model")
+    return error
+
+
+def generator(run: Run, model, sync, logits_error: list):
+    """A function that runs one generation and returns when its first block was final (perf_counter)."""
+    cfg = model.cfg
+    prompts = torch.stack([torch.randint(0, cfg.mask_token_id, (run.prompt,), generator=torch.Generator().manual_seed(row))
+                           for row in range(run.batch)])
+    first_block = []
+
+    def note_first_block():
+        sync()
+        first_block.append(time.perf_counter())
+
+    if run.method == PEER:
+        import e2e_peer
+
+        peer, ids = e2e_peer.hf_model(model), prompts.to(model.embed_tokens.weight.device)
+        logits_error.append(check_peer_agrees(model, peer, e2e_peer))
+        if run.engine == "masked":
+            loop = lambda: e2e_peer.llada_generate(peer, ids, run.gen, run.block, run.timed_steps, cfg.mask_token_id,
+                                                   note_first_block)
+        else:
+            loop = lambda: e2e_peer.sdar_generate(peer, ids, run.gen, run.block, run.timed_steps, cfg.mask_token_id,
+                                                  first_block_done=note_first_block)
+    else:
+        gen = GenerationConfig(gen_length=run.gen, block_length=run.block, steps=run.timed_steps)
+        engine, extra = (masked, {}) if run.engine == "masked" else (block, {"stop_ids": ()})
+
+        def loop():
+            method = get_method(run.method, **run.knobs)
+            begin_block, blocks_begun = method.begin_block, []
+
+            def noted(ctx):  # the second block begins: the first one's tokens are final
+                blocks_begun.append(ctx)
+                if len(blocks_begun) == 2:
+                    note_first_block()
+                return begin_block(ctx)
+
+            method.begin_block = noted
+            engine.generate(model, prompts.tolist(), gen, method=method, **extra)
+            if len(blocks_begun) < 2:
+                note_first_block()
+
+    def once():
+        first_block.clear()
+        loop()
+        sync()
+        return first_block[0] if first_block else time.perf_counter()
+
+    return once
 
 
 def one_process(run: Run, generations: int) -> dict:
     """In this process: build the model, then time `generations` generate() calls."""
+    if run.method == PEER:
+        import e2e_peer
+
+        if why := e2e_peer.missing():
+            return {"skipped": why}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build(run, device)
-    cfg = model.cfg
-    prompts = [torch.randint(0, cfg.mask_token_id, (run.prompt,), generator=torch.Generator().manual_seed(row)).tolist()
-               for row in range(run.batch)]
-    gen = GenerationConfig(gen_length=run.gen, block_length=run.block, steps=run.steps)
-    engine = masked if run.engine == "masked" else block
-    extra = {"stop_ids": ()} if run.engine == "block" else {}
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    seconds = []
-    for _ in range(generations):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        sync()
-        start = time.perf_counter()
-        engine.generate(model, prompts, gen, method=get_method(run.method, **run.knobs), **extra)
-        sync()
-        seconds.append(time.perf_counter() - start)
+    logits_error = []
+    once = generator(run, model, sync, logits_error)
+    seconds, first_block = [], []
+    try:
+        for _ in range(generations):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            start = time.perf_counter()
+            first_done = once()
+            seconds.append(time.perf_counter() - start)
+            first_block.append(first_done - start)
+    except torch.OutOfMemoryError as error:
+        return {"skipped": f"out of memory ({str(error).splitlines()[0][:120]})"}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return {"seconds": seconds, "peak GiB": peak}
+    return {"seconds": seconds, "first block": first_block, "peak GiB": peak, "logits error": logits_error}
 
 
-def in_new_process(run: Run, generations: int) -> dict:
+def in_new_process(run: Run, generations: int, timeout: float | None = None) -> dict:
     command = [sys.executable, __file__, "--one", json.dumps(asdict(run)), "--generations", str(generations)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"took over {timeout:.0f} s"}
     if done.returncode != 0:
-        raise RuntimeError(f"{run.method} on {run.model} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{run.label()} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def bench_e2e(args, report, meta):
-    runs = SETTINGS["quick" if args.quick else args.settings]
-    meta.update(settings="quick" if args.quick else args.settings)
+def weights_and_flops(run: Run) -> tuple[int, int, float]:
+    """(bytes the weights a forward reads, matmul parameters per token, attention FLOPs of the prompt
+    per row): the embedding table is looked up, not read; of a mixture of experts, a forward reads at
+    least the experts one token is routed to."""
+    shapes = build(run, torch.device("meta"))
+    params = sum(p.numel() for name, p in shapes.named_parameters() if not name.startswith("embed_tokens"))
+    cfg = shapes.cfg
+    if cfg.moe:
+        moe_layers = cfg.num_layers - len(cfg.moe.dense_layers)
+        unread = cfg.moe.num_experts - cfg.moe.experts_per_token
+        params -= moe_layers * unread * 3 * cfg.hidden_size * cfg.moe.expert_size
+    attention = 4 * run.prompt**2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return 2 * params, params, attention / (2 if run.engine == "block" else 1)
+
+
+def floor_seconds(run: Run, bandwidth: float, matmul_rate: float) -> float:
+    """One pass over the prompt plus, at every step, the larger of one read of the weights and the step's
+    matmuls over its block of tokens (GB/s, TFLOP/s)."""
+    weight_bytes, params, attention = weights_and_flops(run)
+    prefill = run.batch * (2 * params * run.prompt + attention) / (matmul_rate * 1e12)
+    blocks = run.gen // run.block
+    steps = run.steps if run.engine == "masked" else run.steps * blocks
+    step = max(weight_bytes / (bandwidth * 1e9), 2 * params * run.batch * run.block / (matmul_rate * 1e12))
+    return prefill + steps * step
+
+
+def paper_row(run: Run, result: dict, bandwidth: float, matmul_rate: float) -> dict:
+    scale = run.steps / run.timed_steps
+    warm = result["seconds"][-1] * scale
+    first = warm + result["seconds"][0] - result["seconds"][-1]  # what the first pays over a warm one, once
+    first_block = result["first block"][-1] * scale
+    blocks = run.gen // run.block
+    return {"engine": run.engine, "model": run.model, "batch": run.batch, "prompt": run.prompt,
+            "tokens / steps": f"{run.gen} / {run.steps}" + (" per block" if run.engine == "block" else ""),
+            "method": run.method + (" (projected)" if run.projected else ""),
+            "first generation s": first, "warm s": warm, "first block s": first_block,
+            "ms per later block": (warm - first_block) / (blocks - 1) * 1e3 if blocks > 1 else float("nan"),
+            "tokens/s": run.batch * run.gen / warm, "peak GiB": result["peak GiB"],
+            "x floor": warm / floor_seconds(run, bandwidth, matmul_rate)}
+
+
+def add_ratios(rows: list[dict], runs: list[Run]):
+    """Each row's speed-up over the dense engine and over transformers at its setting."""
+    warm = {(run.setting, run.method): row["warm s"] for run, row in zip(runs, rows)}
+    for run, row in zip(runs, rows):
+        for name, method in (("vs dense", "dense"), ("vs transformers", PEER)):
+            other = warm.get((run.setting, method))
+            row[name] = other / row["warm s"] if other else float("nan")
+
+
+def header(meta: dict) -> str:
+    return (f"# Generations as a user runs them: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+            f"{meta['dtype']}\n")
+
+
+def machine_record(journal: Journal, meta: dict, rates) -> dict:
+    """The machine, versions and rates of the run the journal holds: measured by its first call, so that
+    rows resumed in a later call (or a report rebuilt from the journal) stay with the first numbers."""
+    if "machine" not in journal.done:
+        bandwidth, matmul_rate = rates()
+        try:
+            import transformers
+            peer = transformers.__version__
+        except ImportError:
+            peer = None
+        record = {"key": "machine", **meta, "transformers": peer, "copy_GBps": bandwidth, "matmul_TFLOPs": matmul_rate}
+        journal.add(record)
+        journal.done["machine"] = record
+    return {k: v for k, v in journal.done["machine"].items() if k not in ("key", "date")}
+
+
+def run_rows(runs: list[Run], journal: Journal, timeout: float) -> bool:
+    """Run every configuration the journal lacks; returns whether all of them ran."""
+    started, computed, failed = time.perf_counter(), 0, False
+    for i, run in enumerate(runs):
+        if run.label() in journal.done:
+            continue
+        try:
+            result = in_new_process(run, 2, timeout=timeout)
+        except RuntimeError as error:  # not journaled: a rerun tries it again
+            result, failed = {"skipped": f"failed: {str(error).strip().splitlines()[-1][:200]}"}, True
+            print(error, file=sys.stderr, flush=True)
+        else:
+            journal.add({"key": run.label(), "result": result})
+        journal.done[run.label()] = {"result": result}
+        computed += 1
+        print(f"[{i + 1}/{len(runs)}] {run.label()}: {result}{time_left(started, computed, len(runs) - i - 1)}",
+              flush=True)
+    return not failed
+
+
+def bench_paper(args, report, meta, rates):
+    settings = "paper_quick" if args.quick else "paper"
+    runs = SETTINGS[settings]
+    path = args.journal or journal_path("e2e", {"settings": settings, "meta": meta["device"]})
+    journal = Journal(path, {"settings": settings}) if path.exists() or not args.report_only else None
+    if args.report_only and (journal is None or "machine" not in journal.done):
+        sys.exit(f"bench.py e2e --report-only: no journal of a run at {path}")
+    meta.update(machine_record(journal, meta, rates), settings=settings)
+    complete = True if args.report_only else run_rows(runs, journal, args.timeout)
+    done = [(run, journal.done.get(run.label(), {"result": {"skipped": "no measurement in the journal"}})["result"])
+            for run in runs]
+    bandwidth, matmul_rate = meta["copy_GBps"], meta["matmul_TFLOPs"]
+    ran = [(run, paper_row(run, result, bandwidth, matmul_rate)) for run, result in done if "skipped" not in result]
+    add_ratios([row for _, row in ran], [run for run, _ in ran])
+    report.say(header(meta))
+    report.say(f"    python scripts/bench.py e2e --settings {settings.removesuffix('_quick')}"
+               + (" --quick" if args.quick else "") + "\n")
+    report.say(f"transformers {meta['transformers']}. Copy bandwidth {bandwidth:.0f} GB/s, matmul {matmul_rate:.0f} "
+               "TFLOP/s, measured by the run.\n")
+    report.table("Generations at the papers' settings", [row for _, row in ran],
+                 "One new process per row: its first generation, then a warm one. First block: the time until "
+                 "the first block's tokens are final (the prefill included). Random bf16 weights, every method "
+                 "at its defaults.")
+    errors = [f"{run.label()}: {max(result['logits error']):.3f}" for run, result in done if result.get("logits error")]
+    if errors:
+        report.say("The peer's logits against ours over a 256-token canvas (relative error): " + "; ".join(errors) + "\n")
+    skipped = [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]
+    if skipped:
+        report.say("Not run: " + "; ".join(skipped) + "\n")
+    if complete and not args.report_only and len(ran) + len(skipped) == len(runs):
+        journal.finish()
+
+
+def bench_warm_start(args, report, meta):
+    runs = SETTINGS["quick" if args.quick else "warm_start"]
+    meta.update(settings="quick" if args.quick else "warm_start")
+    report.say(header(meta))
     rows = []
     for run in runs:
         first = in_new_process(run, 1)
@@ -128,6 +386,15 @@ def bench_e2e(args, report, meta):
     report.table("Generations in new processes", rows,
                  "First process: its one generation. Later process: its first generation, after the first process "
                  "ran. Warm: the faster of that process's next two. Every method at its defaults.")
+
+
+def bench_e2e(args, report, meta, rates):
+    if args.report_only and args.settings != "paper":
+        sys.exit("bench.py e2e --report-only: only --settings paper keeps a journal")
+    if args.settings == "paper":
+        bench_paper(args, report, meta, rates)
+    else:
+        bench_warm_start(args, report, meta)
 
 
 def main():

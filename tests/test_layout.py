@@ -3,6 +3,7 @@
 and the size and docstring budgets of the files a reader opens first."""
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -113,3 +114,25 @@ def test_code_cites_no_path_outside_the_repository_and_logs_no_runs():
         text = path.read_text()
         assert OUTSIDE not in text, path
         assert not re.search(r"\bH100\b|\bH200\b|\bsession\b", text), path
+
+
+def test_the_readme_quotes_the_generation_table():
+    """Every time and memory the README's methods table gives for a real generation is a cell of the
+    committed table it cites (docs/results/bench_e2e_paper.md)."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| method | paper | engine | a generation"):]
+    column = [line.split("|")[4] for line in table[:table.index("\n\n")].splitlines()[2:]]
+    quoted = [n for cell in column for n in re.findall(r"(\d+(?:\.\d+)?) (?:s|ms|GiB)\b", cell)]
+    results = (ROOT / "docs" / "results" / "bench_e2e_paper.md").read_text().splitlines()
+    cells = {c.strip() for line in results if line.startswith(("| masked", "| block")) for c in line.split("|")}
+    assert len(quoted) >= 20 and len(column) == 10
+    assert [n for n in quoted if n not in cells] == []
+
+
+def test_the_mutation_list_fits_the_code(monkeypatch):
+    """scripts/mutate.py's every snippet occurs once in its file and every test it names exists, so the
+    mutation check never silently tests nothing after the code moves."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    mutate = importlib.import_module("mutate")
+    assert len(mutate.MUTATIONS) > 60
+    assert mutate.problems(mutate.MUTATIONS, ROOT) == []
