@@ -1,17 +1,31 @@
 """What the command lines (demo, eval, scripts/sweep.py) share: flag types that refuse a bad value
-with the flag's name before anything loads, and the checks of a device, a step count and whether a
-run fits the device's memory."""
+with the flag's name before anything loads, the checks of a device, a step count and whether a run
+fits the device's memory, and writing an output file whole or not at all."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 
 from .attention import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from .config import GenerationConfig, ModelConfig
 from .model import Model
+
+
+def write_whole(path, write) -> None:
+    """Call write(temporary path) beside `path`, then rename the result over it: an interrupted or failed
+    write leaves the earlier file (or none), never half of one. The temporary name keeps the suffix, so
+    writers that pick a format by it (matplotlib's savefig) still do."""
+    path = Path(path)
+    partial = path.with_name(f".{path.stem}.partial{path.suffix}")
+    try:
+        write(partial)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def help_text(doc: str) -> str:

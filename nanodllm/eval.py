@@ -26,7 +26,7 @@ import torch
 
 from . import block, masked, recall, tasks
 from .attention import CanvasMask
-from .cli import available_device, check_fits, check_steps, positive_int, positive_ints
+from .cli import available_device, check_fits, check_steps, positive_int, positive_ints, write_whole
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .loader import load_model
@@ -83,9 +83,7 @@ def calibrate(model_dir, lengths=(1024, 2048), n: int = 4, gen_length: int = 32,
         "tasks": ["passkey", "multikey", "kv"], "lengths": list(lengths), "samples_per_cell": n,
         "gen_length": gen_length, "seed": seed, "canvases": len(profiles)}}
     path = model_dir / PROFILE_NAME
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(record, indent=1) + "\n")
-    partial.replace(path)  # never a half-written profile
+    write_whole(path, lambda partial: partial.write_text(json.dumps(record, indent=1) + "\n"))
     return path
 
 
@@ -321,7 +319,7 @@ def plot(grids: dict[str, dict[tuple, float]], path, title: str, columns: int = 
         ax.set_title(name, fontsize=9)
     fig.colorbar(image, ax=axes.ravel().tolist(), label="accuracy")
     fig.suptitle(title, fontsize=9)
-    fig.savefig(path, dpi=120)
+    write_whole(path, lambda partial: fig.savefig(partial, dpi=120))
     plt.close(fig)
 
 

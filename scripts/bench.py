@@ -72,6 +72,7 @@ sys.path.insert(0, str(REPO))
 from kernels.decode_attention import DENSE_STAGES, INTERPRETER_SMS, decode_attention, default_tiles, sm_count  # noqa: E402
 from kernels.key_scores import key_scores  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
+from nanodllm.cli import write_whole  # noqa: E402
 
 GB = 1e9
 
@@ -198,8 +199,9 @@ class Report:
 
     def write(self, out_dir: Path, stem: str, meta: dict):
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "sections": self.sections}, indent=2))
-        (out_dir / f"{stem}.md").write_text("\n".join(self.lines) + "\n")
+        record = json.dumps({"meta": meta, "sections": self.sections}, indent=2)
+        write_whole(out_dir / f"{stem}.json", lambda partial: partial.write_text(record))
+        write_whole(out_dir / f"{stem}.md", lambda partial: partial.write_text("\n".join(self.lines) + "\n"))
         print(f"wrote {out_dir / stem}.json and .md")
 
 

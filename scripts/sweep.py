@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanodllm import tasks  # noqa: E402
-from nanodllm.cli import available_device, positive_int, positive_ints  # noqa: E402
+from nanodllm.cli import available_device, positive_int, positive_ints, write_whole  # noqa: E402
 from nanodllm.config import GenerationConfig  # noqa: E402
 from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, plot, require_matplotlib,  # noqa: E402
                            resolve_model, time_left)
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     text += [depth_grid(name, cells, lengths) + "\n" for name, cells in results.items()]
     print("\n".join(text))
     if args.out:
-        args.out.write_text("\n".join(text) + "\n")
+        write_whole(args.out, lambda partial: partial.write_text("\n".join(text) + "\n"))
     journal.finish()
     if args.plot:
         grids = {name: {cell: sum(r[0] for r in records) / len(records) for cell, records in cells.items()}

@@ -173,3 +173,22 @@ def test_an_interrupted_eval_resumes_from_its_journal(tmp_path, monkeypatch, cap
     assert ": 3 of 4 runs done" in resumed.err and not journal.exists()
     scores = lambda out: [line.split("|")[4:6] for line in out.splitlines() if line.startswith("| 256")]
     assert scores(resumed.out) == scores(whole.out)  # accuracies (tokens/s are timings, read back or not)
+
+
+def test_an_output_is_written_whole_or_not_at_all(tmp_path):
+    """A writer that fails halfway leaves the earlier file as it was and no partial file beside it; one
+    that finishes replaces it."""
+    from nanodllm.cli import write_whole
+
+    out = tmp_path / "table.md"
+    out.write_text("earlier\n")
+
+    def fails_halfway(partial):
+        partial.write_text("half of the new")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_whole(out, fails_halfway)
+    assert out.read_text() == "earlier\n" and sorted(p.name for p in tmp_path.iterdir()) == ["table.md"]
+    write_whole(out, lambda partial: partial.write_text("new\n"))
+    assert out.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["table.md"]
