@@ -77,7 +77,7 @@ def calibrate(model_dir, lengths=(1024, 2048), n: int = 4, gen_length: int = 32,
                 positions = torch.arange(len(ids), device=device)[None]
                 valid = torch.ones_like(tokens, dtype=torch.bool)
                 mask = CanvasMask(block_size=cfg.block_size) if cfg.attention == "block_causal" else None
-                profiles.append(layer_importance(model, tokens, positions, valid, mask))
+                profiles.append(layer_importance(model, tokens, positions, valid, mask)[0])
     importance = torch.tensor(profiles).mean(dim=0).tolist()
     record = {"layer_importance": importance, "calibration": {
         "tasks": ["passkey", "multikey", "kv"], "lengths": list(lengths), "samples_per_cell": n,

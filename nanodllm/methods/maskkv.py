@@ -17,8 +17,8 @@ softmax over the whole canvas (eq. 6-7), averaged over each KV head's query grou
 Each head keeps its top-k_h prompt tokens; later steps attend to them plus the response.
 Profile: a JSON {"layer_importance": [...]} given as `profile` (`python -m nanodllm.eval --model DIR
 --calibrate` writes DIR/maskkv_profile.json, which the demo and eval pass for DIR's model); without
-one the importance is measured by one dense forward of the first canvas (the paper's online variant,
-Table 12) and kept for later generations.
+one each generation measures it, per row on the row's own tokens, by one dense forward of its first
+canvas (the paper's online variant, Table 12).
 
 Hooks: those of methods/canvas_cache.py's PromptEviction; token_scores (mask voting) and head_counts
 (Algorithms 2-3), and step (the importance, before the first step evicts).
@@ -60,26 +60,29 @@ def layer_budgets(budget: int, importance, beta: float, boundary_layers: int) ->
     return [base + share[l in boundary] for l in range(num_layers)]
 
 
-def head_budgets(mass, layer_budget: int, alpha: float):
-    """Algorithm 3: [batch, kv_heads] = floor(alpha B_l) + floor(pool * prompt preference)."""
+def head_budgets(mass, layer_budget, alpha: float):
+    """Algorithm 3: [batch, kv_heads] = floor(alpha B_l) + floor(pool * prompt preference); B_l one for
+    every row or [batch], each row's."""
     kv_heads = mass.shape[1]
     per_head = mass.sum(dim=-1)
     preference = per_head / per_head.sum(dim=1, keepdim=True).clamp(min=1e-30)
-    base = int(alpha * layer_budget)
-    return base + (preference * (layer_budget - base) * kv_heads).floor().long()
+    budget = torch.as_tensor(layer_budget, device=mass.device).reshape(-1, 1)
+    base = (alpha * budget.double()).floor().long()
+    return base + (preference * (budget - base) * kv_heads).floor().long()
 
 
 @torch.no_grad()
-def layer_importance(model, tokens, positions, valid, attn_mask=None) -> list[float]:
-    """Eq. 8 on one canvas: per layer, 1 - mean over real tokens of cos(layer input, layer output)."""
+def layer_importance(model, tokens, positions, valid, attn_mask=None) -> list[list[float]]:
+    """Eq. 8 on one canvas, per row: for each layer, 1 - mean over the row's real tokens of cos(layer
+    input, layer output). [rows][layers]."""
     x, rope = model.embed(tokens), model.rope(positions)
     importance = []
     for layer in model.layers:
         out = layer(x, rope, lambda q, k, v: attention(q, k, v, attn_mask))
         cos = torch.nn.functional.cosine_similarity(x.float(), out.float(), dim=-1)
-        importance.append(float(1 - cos[valid].mean()))
+        importance.append([float(1 - cos[row][valid[row]].mean()) for row in range(tokens.shape[0])])
         x = out
-    return importance
+    return [list(row) for row in zip(*importance)]
 
 
 class MaskKV(PromptEviction):
@@ -94,15 +97,15 @@ class MaskKV(PromptEviction):
         if boundary_layers is not None:
             check_int(1, boundary_layers=boundary_layers)
         self.alpha, self.beta, self.boundary_layers, self.profile = alpha, beta, boundary_layers, profile
-        self.importance: list[float] | None = None
+        self.importance: list[list[float]] | None = None  # [rows][layers], this generation's
 
     def step(self, model, ctx):
-        if self.t == 0 and self.importance is None and self.budget < int(ctx.prompt_lengths.max()):
+        if self.t == 0 and self.budget < int(ctx.prompt_lengths.max()):
             self.importance = self.load_importance(model, ctx)
         return super().step(model, ctx)
 
-    def load_importance(self, model, ctx) -> list[float]:
-        """The profile's layer importance, or (no profile) one measured on this canvas."""
+    def load_importance(self, model, ctx) -> list[list[float]]:
+        """Each row's layer importance: the profile's, or (no profile) measured on the row's tokens."""
         if self.profile:
             path = Path(self.profile)
             if not path.is_file():
@@ -111,8 +114,8 @@ class MaskKV(PromptEviction):
             if len(importance) != model.cfg.num_layers:
                 raise ValueError(f"{path}: {len(importance)} layer importances for a {model.cfg.num_layers}-layer model")
             self.stats["profile"] = str(path)
-            return importance
-        self.stats["profile"] = "online (measured on the first canvas)"
+            return [importance] * ctx.tokens.shape[0]
+        self.stats["profile"] = "online (measured on each row's first canvas)"
         mask = ctx.attn_mask if isinstance(ctx.attn_mask, CanvasMask) else None
         return layer_importance(model, ctx.tokens, ctx.positions, ctx.valid, mask)
 
@@ -123,7 +126,7 @@ class MaskKV(PromptEviction):
 
     def head_counts(self, i, scores, ctx):
         """Algorithms 2-3: [batch, kv_heads] prompt tokens each head keeps in layer i."""
-        num_layers = len(self.importance)
-        boundary = self.boundary_layers or max(1, num_layers // 8)
-        budget = layer_budgets(self.budget, self.importance, self.beta, min(boundary, num_layers))[i]
-        return head_budgets(scores, budget, self.alpha)
+        num_layers = len(self.importance[0])
+        boundary = min(self.boundary_layers or max(1, num_layers // 8), num_layers)
+        budgets = [layer_budgets(self.budget, row, self.beta, boundary)[i] for row in self.importance]
+        return head_budgets(scores, budgets, self.alpha)
