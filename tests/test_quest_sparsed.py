@@ -230,3 +230,19 @@ def test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does(name, k
     prompts = [random_prompt(30, seed=12), random_prompt(17, seed=13)]
     fresh = generate(model, prompts, get_method(name, exact_layers=0, **knobs))
     assert generate(model, prompts, reused).tokens == fresh.tokens
+
+
+def test_quest_reports_no_pages_before_a_reused_instance_chooses_any():
+    """The first block of a new generation attends exactly (its cache is empty): a Quest reused after
+    another prompt reports no chosen pages there, not the last generation's."""
+    model = tiny_model("sdar")
+    quest = get_method("quest", k=4, page_size=2, exact_layers=0)
+    generate(model, [random_prompt(20, seed=1)], quest)
+    seen = []
+    attended_selection = quest.attended_selection
+    quest.attended_selection = lambda layer, ctx: seen.append(
+        (ctx.cache.max_length, attended_selection(layer, ctx))) or seen[-1][1]
+    quest_attend = quest.attend
+    quest.attend = lambda layer, q, k, v, ctx: (quest.attended_selection(layer, ctx), quest_attend(layer, q, k, v, ctx))[1]
+    generate(model, [random_prompt(3, seed=2)], quest)
+    assert seen and all(chosen is None for cached, chosen in seen if cached == 0)

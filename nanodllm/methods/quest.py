@@ -108,8 +108,8 @@ class Quest(Method):
         self.stats = {"kv_kept": 1.0}
 
     def begin_block(self, ctx: StepContext):
-        if ctx.block == 0:  # a new generation: a new cache
-            self.bounds = {}
+        if ctx.block == 0:  # a new generation: a new cache, no pages chosen yet
+            self.bounds, self.selection = {}, {}
         for layer, bounds in self.bounds.items():
             bounds.update(ctx.cache.keys[layer], ctx.cache)
 
