@@ -178,7 +178,8 @@ METHODS = [
              "return (low @ positive[..., None] + high @ negative[..., None]).squeeze(-1).float()",
              "test_quest_sparsed.py::test_page_score_is_quests_bound_on_the_block_mean_of_each_query_best_key"),
     mutation("quest-bounds-kept-across-generations", "nanodllm/methods/quest.py",
-             "        if ctx.block == 0:  # a new generation: a new cache\n            self.bounds = {}\n", "",
+             "        if ctx.block == 0:  # a new generation: a new cache, no pages chosen yet\n"
+             "            self.bounds, self.selection = {}, {}\n", "",
              "test_quest_sparsed.py::test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does"),
     mutation("fast-dllm-dual-cache-kept-from-the-previous-block", "nanodllm/methods/outside_cache.py",
              "    def begin_block(self, ctx: StepContext):\n        self.kept = []",

@@ -153,7 +153,9 @@ def test_qwen2_families_get_their_documented_defaults(model_type, attention, blo
     cfg = ModelConfig.from_dict({**QWEN2_RAW, "model_type": model_type})
     assert (cfg.attention, cfg.block_size, cfg.mask_token_id) == (attention, block_size, mask_id)
     assert cfg.qkv_bias and cfg.logit_shift and not cfg.qk_norm
-    assert cfg.eos_token_ids == (151645, 151643) and cfg.head_dim == 16
+    assert cfg.eos_token_ids == () and cfg.head_dim == 16  # the family's stop ids lie past a 300-token vocabulary
+    assert ModelConfig.from_dict({**QWEN2_RAW, "model_type": model_type, "vocab_size": 152064}).eos_token_ids == (
+        151645, 151643)
     assert ModelConfig.from_dict({**QWEN2_RAW, "model_type": model_type, "mask_token_id": 7}).mask_token_id == 7
     assert ModelConfig.from_dict({**QWEN2_RAW, "model_type": "Fast_dLLM_Qwen", "bd_size": 8}).block_size == 8
 
