@@ -505,9 +505,12 @@ def bench_generations(args):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     meta, report = run_metadata(dtype, args.quick), Report()
     shapes = QUICK if args.quick else FULL
-    bench_e2e(args, report, meta, lambda: measure_ceilings(Timer(device, args.quick), shapes, device, dtype))
+    failed = bench_e2e(args, report, meta, lambda: measure_ceilings(Timer(device, args.quick), shapes, device, dtype))
     stem = f"bench_e2e_{args.settings}" + ("_quick" if args.quick else "")
     report.write(args.out, stem, meta)
+    if failed:
+        sys.exit(f"bench.py e2e: {len(failed)} row(s) failed, their errors above: {'; '.join(failed)}. The same "
+                 "command runs them again and keeps the rows that finished.")
 
 
 def bench_methods(args):

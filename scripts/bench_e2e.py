@@ -312,16 +312,17 @@ def machine_record(journal: Journal, meta: dict, rates) -> dict:
     return {k: v for k, v in journal.done["machine"].items() if k not in ("key", "date")}
 
 
-def run_rows(runs: list[Run], journal: Journal, timeout: float) -> bool:
-    """Run every configuration the journal lacks; returns whether all of them ran."""
-    started, computed, failed = time.perf_counter(), 0, False
+def run_rows(runs: list[Run], journal: Journal, timeout: float) -> list[str]:
+    """Run every configuration the journal lacks; returns the labels of those that failed."""
+    started, computed, failed = time.perf_counter(), 0, []
     for i, run in enumerate(runs):
         if run.label() in journal.done:
             continue
         try:
             result = in_new_process(run, 2, timeout=timeout)
         except RuntimeError as error:  # not journaled: a rerun tries it again
-            result, failed = {"skipped": f"failed: {str(error).strip().splitlines()[-1][:200]}"}, True
+            result = {"skipped": f"failed: {str(error).strip().splitlines()[-1][:200]}"}
+            failed.append(run.label())
             print(error, file=sys.stderr, flush=True)
         else:
             journal.add({"key": run.label(), "result": result})
@@ -329,10 +330,11 @@ def run_rows(runs: list[Run], journal: Journal, timeout: float) -> bool:
         computed += 1
         print(f"[{i + 1}/{len(runs)}] {run.label()}: {result}{time_left(started, computed, len(runs) - i - 1)}",
               flush=True)
-    return not failed
+    return failed
 
 
-def bench_paper(args, report, meta, rates):
+def bench_paper(args, report, meta, rates) -> list[str]:
+    """The paper settings' table; returns the rows that failed (they are retried by a rerun)."""
     settings = "paper_quick" if args.quick else "paper"
     runs = SETTINGS[settings]
     path = args.journal or journal_path("e2e", {"settings": settings, "meta": meta["device"]})
@@ -340,7 +342,7 @@ def bench_paper(args, report, meta, rates):
     if args.report_only and (journal is None or "machine" not in journal.done):
         sys.exit(f"bench.py e2e --report-only: no journal of a run at {path}")
     meta.update(machine_record(journal, meta, rates), settings=settings)
-    complete = True if args.report_only else run_rows(runs, journal, args.timeout)
+    failed = [] if args.report_only else run_rows(runs, journal, args.timeout)
     done = [(run, journal.done.get(run.label(), {"result": {"skipped": "no measurement in the journal"}})["result"])
             for run in runs]
     bandwidth, matmul_rate = meta["copy_GBps"], meta["matmul_TFLOPs"]
@@ -361,8 +363,9 @@ def bench_paper(args, report, meta, rates):
     skipped = [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]
     if skipped:
         report.say("Not run: " + "; ".join(skipped) + "\n")
-    if complete and not args.report_only and len(ran) + len(skipped) == len(runs):
+    if not failed and not args.report_only and len(ran) + len(skipped) == len(runs):
         journal.finish()
+    return failed
 
 
 def bench_warm_start(args, report, meta):
@@ -388,13 +391,14 @@ def bench_warm_start(args, report, meta):
                  "ran. Warm: the faster of that process's next two. Every method at its defaults.")
 
 
-def bench_e2e(args, report, meta, rates):
+def bench_e2e(args, report, meta, rates) -> list[str]:
+    """The tables of --settings; returns the rows that failed (warm_start stops at the first)."""
     if args.report_only and args.settings != "paper":
         sys.exit("bench.py e2e --report-only: only --settings paper keeps a journal")
     if args.settings == "paper":
-        bench_paper(args, report, meta, rates)
-    else:
-        bench_warm_start(args, report, meta)
+        return bench_paper(args, report, meta, rates)
+    bench_warm_start(args, report, meta)
+    return []
 
 
 def main():

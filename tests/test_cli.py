@@ -192,3 +192,24 @@ def test_an_output_is_written_whole_or_not_at_all(tmp_path):
     assert out.read_text() == "earlier\n" and sorted(p.name for p in tmp_path.iterdir()) == ["table.md"]
     write_whole(out, lambda partial: partial.write_text("new\n"))
     assert out.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["table.md"]
+
+
+def test_a_failed_benchmark_row_is_named_and_retried_by_a_rerun(tmp_path, monkeypatch):
+    """bench.py e2e --settings paper: a row whose process fails is reported (bench.py then exits
+    non-zero) and left out of the journal, which keeps the rows that finished for the rerun."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench
+    import bench_e2e
+
+    good = bench_e2e.Run("masked", "quick", "dense", 23, 8, 4, block=4)
+    bad = dataclasses.replace(good, method="no_such_method")
+    monkeypatch.setitem(bench_e2e.SETTINGS, "paper_quick", [good, bad])
+    journal = tmp_path / "e2e.jsonl"
+    args = argparse.Namespace(quick=True, report_only=False, journal=journal, timeout=300.0, settings="paper")
+    meta = bench.run_metadata(torch.float32, True)
+    failed = bench_e2e.bench_paper(args, bench.Report(), meta, lambda: (1.0, 1.0))
+    assert failed == [bad.label()]
+    kept = [json.loads(line).get("key") for line in journal.read_text().splitlines()[1:]]
+    assert kept == ["machine", good.label()]
