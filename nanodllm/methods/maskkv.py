@@ -98,10 +98,15 @@ class MaskKV(PromptEviction):
             check_int(1, boundary_layers=boundary_layers)
         self.alpha, self.beta, self.boundary_layers, self.profile = alpha, beta, boundary_layers, profile
         self.importance: list[list[float]] | None = None  # [rows][layers], this generation's
+        self.budgets: torch.Tensor | None = None  # [layers, rows]: Algorithm 2 on each row's importance
 
     def step(self, model, ctx):
         if self.t == 0 and self.budget < int(ctx.prompt_lengths.max()):
             self.importance = self.load_importance(model, ctx)
+            num_layers = len(self.importance[0])
+            boundary = min(self.boundary_layers or max(1, num_layers // 8), num_layers)
+            per_row = [layer_budgets(self.budget, row, self.beta, boundary) for row in self.importance]
+            self.budgets = torch.tensor(per_row, device=ctx.tokens.device).T
         return super().step(model, ctx)
 
     def load_importance(self, model, ctx) -> list[list[float]]:
@@ -126,7 +131,4 @@ class MaskKV(PromptEviction):
 
     def head_counts(self, i, scores, ctx):
         """Algorithms 2-3: [batch, kv_heads] prompt tokens each head keeps in layer i."""
-        num_layers = len(self.importance[0])
-        boundary = min(self.boundary_layers or max(1, num_layers // 8), num_layers)
-        budgets = [layer_budgets(self.budget, row, self.beta, boundary)[i] for row in self.importance]
-        return head_budgets(scores, budgets, self.alpha)
+        return head_budgets(scores, self.budgets[i], self.alpha)
