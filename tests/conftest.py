@@ -26,6 +26,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For a module of tiny float64 models: a second thread only waits for the first (and, on a busy
+    machine, for a core), which costs more than the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def kernels_on(monkeypatch):
     """The one switch (nanodllm.attention.use_kernels) on for float16 and float32 tensors on the CPU

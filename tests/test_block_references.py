@@ -26,14 +26,7 @@ from nanodllm.methods import Method, get_method
 from tests.tiny_models import random_prompt, tiny_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tensors here are tiny: a second thread only waits for the first (and, on a busy machine, for
-    a core), which costs more than the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def masked_attention(q, k, v, visible):

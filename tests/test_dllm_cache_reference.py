@@ -41,13 +41,7 @@ GEN = GenerationConfig(gen_length=12, block_length=4, steps=12)  # 3 blocks of 4
 EPS = 1e-8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tensors here are tiny: a second thread only waits for the first."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def attend(q, keys, values):

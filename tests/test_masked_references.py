@@ -39,14 +39,7 @@ GEN = GenerationConfig(gen_length=8, block_length=4, steps=8)
 TIE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tensors here are tiny: a second thread only waits for the first (and, on a busy machine, for
-    a core), which costs more than the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @lru_cache(maxsize=None)
