@@ -7,7 +7,8 @@ Timing is wall clock around generate() with torch.cuda.synchronize(); the model 
 --settings paper: every method at its paper's setting, one process per configuration timing its first
 generation and a warm one (the second):
 - LLaDA-8B, masked engine, 256 tokens in 256 steps (blocks of 32) after 8K and 32K prompts: dense,
-  Fast-dLLM, dLLM-Cache, MaskKV, SnapKV; Sparse-dLLM at 4K; DyLLM's batch 16 at 512 + 256;
+  Fast-dLLM, dLLM-Cache, MaskKV, SnapKV; Sparse-dLLM at 4K; DyLLM's batch 16 at 512 + 256, decoding
+  1, 2 and 4 tokens per step (256, 128 and 64 steps);
 - SDAR-8B, block engine, 128 tokens (blocks of 32, 32 steps each) after 32K prompts at batch 1 and 4
   and after a 128K prompt: exact, MAGE, Quest, SparseD, MOMO;
 - the MoE presets, LLaDA2.0-mini and SDAR-30B-A3B, in the block engine after 32K: exact, MAGE, Quest,
@@ -102,6 +103,8 @@ SETTINGS = {
              + masked_group("llada-8b", 32767, 256, 256, PAPER_MASKED)
              + masked_group("llada-8b", 4095, 256, 256, ("dense", PEER, "fast_dllm", "sparse_dllm"))
              + masked_group("llada-8b", 511, 256, 256, ("dense", PEER, "fast_dllm", "dllm_cache", "dyllm"), batch=16)
+             + masked_group("llada-8b", 511, 256, 128, ("dense", "fast_dllm", "dllm_cache", "dyllm"), batch=16)
+             + masked_group("llada-8b", 511, 256, 64, ("dense", "fast_dllm", "dllm_cache", "dyllm"), batch=16)
              + block_group("sdar-8b", 32767, 128, 32, PAPER_BLOCK)
              + block_group("sdar-8b", 32767, 128, 32, PAPER_BLOCK[:-1], batch=4)
              + block_group("sdar-8b", 131071, 128, 32, ("dense", PEER, "mage", "sparsed", "momo"))
@@ -372,6 +375,7 @@ def bench_warm_start(args, report, meta):
     runs = SETTINGS["quick" if args.quick else "warm_start"]
     meta.update(settings="quick" if args.quick else "warm_start")
     report.say(header(meta))
+    report.say("    python scripts/bench.py e2e --settings warm_start" + (" --quick" if args.quick else "") + "\n")
     rows = []
     for run in runs:
         first = in_new_process(run, 1)
