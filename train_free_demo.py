@@ -5,7 +5,8 @@ The demo itself is nanodllm/demo.py (also `python -m nanodllm demo`); --help lis
 
 import sys
 
+from nanodllm.cli import run_main
 from nanodllm.demo import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

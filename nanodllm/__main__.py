@@ -12,19 +12,25 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .cli import run_main
+
 COMMANDS = {"demo": "nanodllm.demo", "eval": "nanodllm.eval"}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        return 0 if argv else 2
+        return 0
+    if not argv:
+        print(f"error: no command given; choose from {', '.join(COMMANDS)} (python -m nanodllm --help lists them)",
+              file=sys.stderr)
+        return 2
     command, *flags = argv
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    return importlib.import_module(COMMANDS[command]).main(flags, prog=f"python -m nanodllm {command}")
+    return run_main(importlib.import_module(COMMANDS[command]).main, flags, prog=f"python -m nanodllm {command}")
 
 
 if __name__ == "__main__":

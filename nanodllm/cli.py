@@ -1,11 +1,14 @@
-"""What the command lines (demo, eval, scripts/sweep.py) share: flag types that refuse a bad value
-with the flag's name before anything loads, the checks of a device, a step count and whether a run
-fits the device's memory, and writing an output file whole or not at all."""
+"""What the command lines (demo, eval, the scripts) share: flag types that refuse a bad value with
+the flag's name before anything loads, the checks of a device, a step count and whether a run fits
+the device's memory, writing an output file whole or not at all, and run_main, which turns what a
+user can meet mid-run (Ctrl-C, out of memory, a file that cannot be written) into an exit status and
+one line on stderr."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -26,6 +29,33 @@ def write_whole(path, write) -> None:
         partial.replace(path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def run_main(main, *args, **kwargs) -> int:
+    """main(*args, **kwargs)'s exit status, for `sys.exit(run_main(main))`: Ctrl-C exits 130 (what a
+    shell reports for SIGINT) and running out of memory or an operating-system error (a file that
+    cannot be read or written, a full disk) exit 1, each said in one line on stderr instead of a
+    traceback. Outputs are written with write_whole, so none of these leaves half a file."""
+    try:
+        return main(*args, **kwargs)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): nothing more was run or written", file=sys.stderr)
+        return 130
+    except (RuntimeError, MemoryError) as error:
+        if not out_of_memory(error):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"error: out of memory ({first}); a shorter context or a smaller batch needs less", file=sys.stderr)
+        return 1
+    except OSError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """An allocation failed: a GPU's (torch.OutOfMemoryError), Python's, or torch's CPU allocator's."""
+    return (isinstance(error, (torch.OutOfMemoryError, MemoryError))
+            or "DefaultCPUAllocator: can't allocate memory" in str(error))
 
 
 def help_text(doc: str) -> str:
@@ -53,6 +83,36 @@ def positive_ints(text: str) -> list[int]:
         return [positive_int(part) for part in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, e.g. 1024,2048; got {text!r}")
+
+
+def unit_fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}")
+    return value
+
+
+def output_file(text: str) -> Path:
+    """argparse type: a file to write at the end of a run, refused before any work when its folder is
+    missing or the path is a folder."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {path.parent} of {text} does not exist")
+    return path
+
+
+def output_folder(text: str) -> Path:
+    """argparse type: a folder to write into (made if missing), refused when the path is a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    return path
 
 
 def available_device(name: str) -> torch.device:

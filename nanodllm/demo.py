@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import block, masked, tasks
-from .cli import available_device, check_fits, check_steps, positive_int
+from .cli import available_device, check_fits, check_steps, positive_int, run_main
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .eval import with_profile
@@ -184,4 +184,4 @@ def read_prompt(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

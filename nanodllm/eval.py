@@ -26,7 +26,8 @@ import torch
 
 from . import block, masked, recall, tasks
 from .attention import CanvasMask
-from .cli import available_device, check_fits, check_steps, positive_int, positive_ints, write_whole
+from .cli import (available_device, check_fits, check_steps, output_file, positive_int, positive_ints, run_main,
+                  write_whole)
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import until_stop
 from .loader import load_model
@@ -338,7 +339,7 @@ def parse_args(argv, prog=None):
     parser.add_argument("--lengths", type=positive_ints, default=[1024], help="comma-separated context lengths in tokens")
     parser.add_argument("--n", type=positive_int, default=50, help="samples per length (spread over the depths)")
     parser.add_argument("--data", help="LongBench-format JSONL (with --task longbench)")
-    parser.add_argument("--plot", help="save a length x depth accuracy heatmap to this PNG")
+    parser.add_argument("--plot", type=output_file, help="save a length x depth accuracy heatmap to this PNG")
     parser.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
     parser.add_argument("--seed", type=int, default=1234, help="task seed (training used other seeds)")
     parser.add_argument("--gen-length", type=positive_int, default=32)
@@ -412,6 +413,8 @@ def main(argv=None, prog=None) -> int:
         check_steps(runner.gen, runner.is_block)
         if args.task == "longbench":
             samples = tasks.load_longbench(args.data)[: args.n]
+            if not samples:
+                raise ValueError(f"--data {args.data}: the file holds no samples")
         else:
             samples = [s for length in lengths
                        for s in tasks.make_samples(args.task, length, args.n, args.seed + length,
@@ -427,15 +430,15 @@ def main(argv=None, prog=None) -> int:
         return 2
     print(f"\n{args.model}: task {args.task}, {runner.gen}, device {args.device}, {args.dtype}\n")
     print(table(results, methods))
-    journal.finish()
     for m, by_length in summary(results, methods).items():
         print(f"{m}: " + ", ".join(f"{length}: {acc:.3f}" for length, acc in sorted(by_length.items(), key=str)))
     if args.plot:
         grids = {m: {cell: sum(o.scores) / len(o.scores) for cell, o in results[m].items()} for m in methods}
         plot(grids, args.plot, f"{args.model}, {args.task}, {args.device} {args.dtype}")
         print(f"heatmap written to {args.plot}")
+    journal.finish()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -72,7 +72,7 @@ sys.path.insert(0, str(REPO))
 from kernels.decode_attention import DENSE_STAGES, INTERPRETER_SMS, decode_attention, default_tiles, sm_count  # noqa: E402
 from kernels.key_scores import key_scores  # noqa: E402
 from kernels.sparse_decode_attention import sparse_decode_attention  # noqa: E402
-from nanodllm.cli import write_whole  # noqa: E402
+from nanodllm.cli import output_folder, positive_int, run_main, unit_fraction, write_whole  # noqa: E402
 
 GB = 1e9
 
@@ -175,10 +175,17 @@ class Timer:
 
 
 class Report:
-    """Markdown tables printed as they complete and kept for the JSON / Markdown files."""
+    """Markdown tables printed as they complete and kept for the JSON / Markdown files, and the parts
+    that failed (bench.py writes the rest, then exits non-zero naming them)."""
 
     def __init__(self):
-        self.sections, self.lines = [], []
+        self.sections, self.lines, self.failed = [], [], []
+
+    def failure(self, what: str, error: BaseException):
+        """A part that did not run: noted in the tables and kept for the exit message."""
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self.failed.append(f"{what}: {type(error).__name__}{': ' + first if first else ''}")
+        self.say(f"- failed: {self.failed[-1]}\n")
 
     def say(self, text=""):
         print(text, flush=True)
@@ -419,11 +426,8 @@ def visible_fraction(n, block_size):
 
 
 def bench_prefill(report, timer, shapes, device, dtype, matmul_rate):
-    try:
-        from kernels.flash_attention import flash_attention
-    except ImportError as error:
-        report.table("Dense prefill", [], f"skipped: kernels.flash_attention does not import ({error})")
-        return
+    from kernels.flash_attention import flash_attention
+
     rows = []
     b = shapes.prefill_block_size
     for n in shapes.prefill_lengths:
@@ -484,8 +488,9 @@ def bench_kernels(args):
     try:  # another file's kernel: a failure there must not lose the tables above
         bench_prefill(report, timer, shapes, device, dtype, matmul_rate)
     except Exception as error:  # noqa: BLE001
-        report.table("Dense prefill (flash_attention)", [], f"failed: {type(error).__name__}: {error}")
+        report.failure("Dense prefill (flash_attention)", error)
     report.write(args.out, "bench_kernels_quick" if args.quick else "bench_kernels", meta)
+    return report
 
 
 def run_metadata(dtype, quick: bool) -> dict:
@@ -511,6 +516,7 @@ def bench_generations(args):
     if failed:
         sys.exit(f"bench.py e2e: {len(failed)} row(s) failed, their errors above: {'; '.join(failed)}. The same "
                  "command runs them again and keeps the rows that finished.")
+    return report
 
 
 def bench_methods(args):
@@ -559,6 +565,7 @@ def bench_methods(args):
         bench_dyllm(args, timer, report, rates, meta)
     stem = f"bench_{args.command}" + (f"_{args.generate}" if getattr(args, "generate", None) else "")
     report.write(args.out, f"{stem}_quick" if args.quick else stem, meta)
+    return report
 
 
 SHAPES_SMOKE = "tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)"
@@ -569,8 +576,8 @@ def add_command(commands, name: str, help: str, smoke: str):
     """A subcommand with --quick (`smoke` says what it runs instead) and --out."""
     command = commands.add_parser(name, help=help)
     command.add_argument("--quick", action="store_true", help=smoke)
-    command.add_argument("--out", type=Path, help="directory for the JSON + Markdown (default: docs/results, or a "
-                         "new temporary directory with --quick)")
+    command.add_argument("--out", type=output_folder, help="directory for the JSON + Markdown (default: docs/results, "
+                         "or a new temporary directory with --quick)")
     return command
 
 
@@ -585,10 +592,10 @@ def main():
                 "sparse_dllm (llada-8b preset)", MODEL_SMOKE)
     dyllm = add_command(commands, "dyllm", "DyLLM sparse steps at fixed salient fractions vs vanilla and fast_dllm "
                         "dual (llada-8b preset, 512 + 256 tokens, batch 1 and 16)", MODEL_SMOKE)
-    dyllm.add_argument("--fractions", type=float, nargs="+", help="salient fractions (default 0.1 0.25 0.5)")
+    dyllm.add_argument("--fractions", type=unit_fraction, nargs="+", help="salient fractions (default 0.1 0.25 0.5)")
     momo = add_command(commands, "momo", "MOMO prefill attention vs SDPA and the dense kernel at 32K-128K",
                        SHAPES_SMOKE)
-    momo.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 32768 65536 131072)")
+    momo.add_argument("--lengths", type=positive_int, nargs="+", help="sequence lengths (default 32768 65536 131072)")
     momo.add_argument("--tune", action="store_true", help="also sweep the kernels' launch settings (GPU)")
     moe = add_command(commands, "moe", "MoE MLP grouped vs per-expert loop vs floor", MODEL_SMOKE)
     moe.add_argument("--generate", choices=("llada2-mini", "sdar-30b-a3b"),
@@ -607,15 +614,21 @@ def main():
     args = parser.parse_args()
     if args.out is None:  # a smoke test never overwrites the committed results
         args.out = Path(tempfile.mkdtemp(prefix="nanodllm-bench-")) if args.quick else REPO / "docs" / "results"
+    gpu_only = {"--generate": getattr(args, "generate", None), "--tune": getattr(args, "tune", False)}
+    for flag in (flag for flag, given in gpu_only.items() if given and not torch.cuda.is_available()):
+        parser.error(f"{args.command} {flag} runs on a GPU only (CUDA events and graphs), and torch sees none here")
     if not (args.quick or torch.cuda.is_available() or getattr(args, "report_only", False)):
         sys.exit(f"bench.py {args.command}: the full run times 8B shapes on a GPU; on a CPU run it with --quick")
     if args.command == "kernels":
-        bench_kernels(args)
+        report = bench_kernels(args)
     elif args.command == "e2e":
-        bench_generations(args)
+        report = bench_generations(args)
     else:
-        bench_methods(args)
+        report = bench_methods(args)
+    if report.failed:
+        sys.exit(f"bench.py {args.command}: {len(report.failed)} part(s) failed: {'; '.join(report.failed)}. The "
+                 f"tables that finished are written to {args.out}.")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

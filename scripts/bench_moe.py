@@ -274,7 +274,7 @@ def bench_moe_generation(args, timer, report, rates, meta):
             except torch.OutOfMemoryError as error:
                 graphs_module.GRAPHS_ENABLED = True
                 torch.cuda.empty_cache()
-                report.say(f"- {context} tokens x batch {batch}: out of memory ({str(error).splitlines()[0]})\n")
+                report.failure(f"{context} tokens x batch {batch}", error)
         report.table(f"A real generation on {name}, {context // 1024}K", rows,
                      f"block.generate, blocks of {shapes['block']}, {shapes['steps']} steps per block, CUDA graphs "
                      f"on: the median of blocks 2-{GENERATION_BLOCKS} of one generation; every sparse method with 2 "
@@ -290,7 +290,5 @@ def bench_moe_generation(args, timer, report, rates, meta):
 def bench_moe(args, timer, report, rates, meta):
     if args.generate is None:
         bench_moe_mlp(args, timer, report, rates, meta)
-    elif timer.device.type != "cuda":
-        report.say("The generations run on a GPU only (CUDA events, CUDA graphs).")
-    else:
+    else:  # on a GPU: bench.py refuses --generate on a CPU
         bench_moe_generation(args, timer, report, rates, meta)

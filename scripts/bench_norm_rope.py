@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
 from kernels.rope import apply_rope, apply_rope_reference  # noqa: E402
-from nanodllm.cli import help_text  # noqa: E402
+from nanodllm.cli import help_text, run_main  # noqa: E402
 from nanodllm.model import Rope  # noqa: E402
 
 
@@ -69,4 +69,4 @@ if __name__ == "__main__":
     argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_norm_rope.py times CUDA kernels: it needs a GPU")
-    main()
+    sys.exit(run_main(main))

@@ -20,18 +20,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanodllm.cli import help_text  # noqa: E402
+from nanodllm.cli import help_text, output_file, positive_int, run_main, write_whole  # noqa: E402
 from nanodllm import tasks  # noqa: E402
 from nanodllm.eval import Runner, resolve_model  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--length", type=positive_int, default=1024)
+    parser.add_argument("--n", type=positive_int, default=8)
     parser.add_argument("--tau", type=float, default=0.99)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results"
+    parser.add_argument("--out", type=output_file, default=Path(__file__).resolve().parents[1] / "docs" / "results"
                         / "dyllm_salient.json")
     args = parser.parse_args(argv)
     runner = Runner(resolve_model("tiny-llada"), "cpu", torch.float32, None)
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     result = {"model": "tiny-llada", "length": args.length, "n": args.n, "tau": args.tau, "accuracy": accuracy,
               "full_period": methods[0].full_period, "steps": [t for t, _ in history],
               "per_layer": [fractions for _, fractions in history]}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_whole(args.out, lambda partial: partial.write_text(json.dumps(result, indent=1) + "\n"))
     layers = len(result["per_layer"][0])
     print(f"tiny-llada, passkey {args.length}, n {args.n}, tau {args.tau}: accuracy {accuracy:.3f}\n")
     print("| step | fed | " + " | ".join(f"layer {i}" for i in range(layers)) + " |")
@@ -57,4 +57,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -53,7 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanodllm.cli import help_text  # noqa: E402
+from nanodllm.cli import (available_device, help_text, output_file, positive_int, positive_ints, run_main,  # noqa: E402
+                          write_whole)
 from nanodllm.attention import CanvasMask  # noqa: E402
 from nanodllm.methods.momo import (block_scores, dense_mask, diagonal_blocks, kept_blocks,  # noqa: E402
                                    measure_and_mask, measure_on_kernels, scaled_scores)
@@ -287,45 +288,48 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synthetic", action="store_true", help="structured synthetic q/k instead of a model's")
     parser.add_argument("--model", default="tiny-sdar")
-    parser.add_argument("--lengths", default=None, help="default 2048; synthetic 32768,65536,131072")
-    parser.add_argument("--n", type=int, default=4, help="prompts per length")
-    parser.add_argument("--gamma", type=int, default=16)
-    parser.add_argument("--chi", type=int, default=128)
-    parser.add_argument("--beta", type=int, default=64)
-    parser.add_argument("--k", type=int, default=None, help="top-k key blocks per sampled query (and k_trim "
+    parser.add_argument("--lengths", type=positive_ints, default=None, help="default 2048; synthetic 32768,65536,131072")
+    parser.add_argument("--n", type=positive_int, default=4, help="prompts per length")
+    parser.add_argument("--gamma", type=positive_int, default=16)
+    parser.add_argument("--chi", type=positive_int, default=128)
+    parser.add_argument("--beta", type=positive_int, default=64)
+    parser.add_argument("--k", type=positive_int, default=None, help="top-k key blocks per sampled query (and k_trim "
                         "unless --k-trim); default 4 (tiny models), synthetic 128 (the paper's)")
-    parser.add_argument("--k-trim", type=int, default=None, help="blocks kept per query block (default --k)")
+    parser.add_argument("--k-trim", type=positive_int, default=None, help="blocks kept per query block (default --k)")
     parser.add_argument("--top-k", default="exact", choices=["exact", "tree", "estimated"])
     parser.add_argument("--trim", default="mean", choices=["mean", "mass"], help="MOMO's trim: mean = Algorithm 2")
     parser.add_argument("--k-exact", type=int, default=8, help="exact slots of the estimated top-k")
     parser.add_argument("--seed", type=int, default=4321)
     synthetic = parser.add_argument_group("synthetic mode")
-    synthetic.add_argument("--heads", type=int, default=4)
-    synthetic.add_argument("--kv-heads", type=int, default=None, help="default: --heads (each head its own pattern)")
-    synthetic.add_argument("--head-dim", type=int, default=128)
+    synthetic.add_argument("--heads", type=positive_int, default=4)
+    synthetic.add_argument("--kv-heads", type=positive_int, default=None,
+                           help="default: --heads (each head its own pattern)")
+    synthetic.add_argument("--head-dim", type=positive_int, default=128)
     synthetic.add_argument("--mask", default="causal", help="comma list of causal, block (block-causal), none")
-    synthetic.add_argument("--block-size", type=int, default=4)
+    synthetic.add_argument("--block-size", type=positive_int, default=4)
     synthetic.add_argument("--sink-logit", type=float, default=10.0)
     synthetic.add_argument("--slash-logit", type=float, default=8.0)
     synthetic.add_argument("--noise", type=float, default=1.0)
-    synthetic.add_argument("--device", default="cuda" if cuda else "cpu")
-    synthetic.add_argument("--dtype", default="bfloat16" if cuda else "float32")
-    parser.add_argument("--out", default=None, help="also write the table to this Markdown file")
+    synthetic.add_argument("--device", type=available_device, default="cuda" if cuda else "cpu")
+    synthetic.add_argument("--dtype", default="bfloat16" if cuda else "float32",
+                           choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--out", type=output_file, default=None, help="also write the table to this Markdown file")
     args = parser.parse_args(argv)
-    args.lengths = [int(x) for x in (args.lengths or ("32768,65536,131072" if args.synthetic else "2048")).split(",")]
+    unknown = set(args.mask.split(",")) - set(MASKS)
+    if unknown:
+        parser.error(f"argument --mask: {', '.join(sorted(unknown))} is not a mask; choose from {', '.join(MASKS)}")
+    args.lengths = args.lengths or ([32768, 65536, 131072] if args.synthetic else [2048])
     args.k = (128 if args.synthetic else 4) if args.k is None else args.k
     args.k_trim = args.k if args.k_trim is None else args.k_trim
-    if min(args.k, args.k_trim) < 1:
-        parser.error(f"--k and --k-trim must be >= 1, got {args.k} and {args.k_trim}")
     args.kv_heads = args.kv_heads or args.heads
     lines = []
     for line in synthetic_table(args) if args.synthetic else model_table(args):
         print(line, flush=True)
         lines.append(line)
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        write_whole(args.out, lambda partial: partial.write_text("\n".join(lines) + "\n"))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -33,7 +33,7 @@ except ImportError:  # the parsing below still imports; main() says what is miss
     plt = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanodllm.cli import help_text  # noqa: E402
+from nanodllm.cli import help_text, run_main, write_whole  # noqa: E402
 from nanodllm.eval import plot  # noqa: E402
 from sweep import read_depth_grids  # noqa: E402
 
@@ -59,7 +59,7 @@ def momo_latency_vs_k(results: dict, out: Path):
     ax.set_title(f"MOMO at 64K causal, 32 heads, d 128 ({results['meta']['device']})", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    write_whole(out, lambda partial: fig.savefig(partial, dpi=120))
     plt.close(fig)
 
 
@@ -80,7 +80,7 @@ def sparse_dllm_scaling(results: dict, out: Path):
     speed.legend(fontsize=8)
     fig.suptitle(f"llada-8b shapes, 256 generated tokens ({results['meta']['device']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    write_whole(out, lambda partial: fig.savefig(partial, dpi=120))
     plt.close(fig)
 
 
@@ -99,7 +99,7 @@ def dyllm_salient(results: dict, out: Path):
                  f"(accuracy {results['accuracy']:.2f})", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    write_whole(out, lambda partial: fig.savefig(partial, dpi=120))
     plt.close(fig)
 
 
@@ -132,13 +132,20 @@ def main():
     parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results")
     args = parser.parse_args()
+    missing = [source for source, _ in FIGURES.values() if not (args.results / source).is_file()]
+    if missing:
+        sys.exit(f"plot_results.py: {args.results} lacks {', '.join(missing)} (--results names the folder "
+                 "scripts/bench.py wrote)")
     if plt is None:
         sys.exit("plot_results.py needs matplotlib, an optional dependency: pip install matplotlib")
     for name, (source, draw) in FIGURES.items():
         text = (args.results / source).read_text()
-        draw(json.loads(text) if source.endswith(".json") else text, args.results / name)
+        try:
+            draw(json.loads(text) if source.endswith(".json") else text, args.results / name)
+        except (ValueError, KeyError, IndexError) as error:
+            sys.exit(f"plot_results.py: {name} not drawn: {source} is not in the format bench.py writes ({error!r})")
         print(f"wrote {args.results / name} from {source}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -28,8 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanodllm import tasks  # noqa: E402
-from nanodllm.cli import available_device, positive_int, positive_ints, write_whole  # noqa: E402
-from nanodllm.config import GenerationConfig  # noqa: E402
+from nanodllm.cli import (available_device, check_fits, output_file, positive_int, positive_ints,  # noqa: E402
+                          run_main, write_whole)
+from nanodllm.config import GenerationConfig, ModelConfig  # noqa: E402
 from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, plot, require_matplotlib,  # noqa: E402
                            resolve_model, time_left)
 from nanodllm.methods import get_method, knob_defaults, parse_knobs, parse_value  # noqa: E402
@@ -186,8 +187,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", type=available_device, default="cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--out", type=Path, help="also write the tables to this Markdown file")
-    parser.add_argument("--plot", type=Path, help="also draw the depth x length heatmaps into this PNG")
+    parser.add_argument("--out", type=output_file, help="also write the tables to this Markdown file")
+    parser.add_argument("--plot", type=output_file, help="also draw the depth x length heatmaps into this PNG")
     parser.add_argument("--journal", type=Path, help="finished runs, for resuming (default: runs/sweep-<hash>.jsonl)")
     args = parser.parse_args(argv)
     lengths = args.lengths
@@ -195,12 +196,13 @@ def main(argv=None) -> int:
     try:
         knob, values = parse_sweep(args.knob)
         plan = variants(args.methods.split(","), knob, values, parse_knobs(args.knobs))
-        for path, flag in ((args.out, "--out"), (args.plot, "--plot")):
-            if path is not None and not path.parent.is_dir():
-                raise ValueError(f"{flag} {path}: the folder {path.parent} does not exist")
         if args.plot:
             require_matplotlib()
         model_dir = resolve_model(args.model)
+        note = check_fits(ModelConfig.from_dir(model_dir), max(lengths) + 256, args.batch, args.device,
+                          DTYPES[args.dtype])
+        if note:
+            print(note, file=sys.stderr)
         journal = Journal(args.journal or journal_path("sweep", settings), settings)
         runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
         for name, _ in plan:
@@ -224,13 +226,13 @@ def main(argv=None) -> int:
     print("\n".join(text))
     if args.out:
         write_whole(args.out, lambda partial: partial.write_text("\n".join(text) + "\n"))
-    journal.finish()
     if args.plot:
         grids = {name: {cell: sum(r[0] for r in records) / len(records) for cell, records in cells.items()}
                  for name, cells in results.items()}
         plot(grids, args.plot, f"{args.model}, {args.task}, {args.n} samples per length, {args.device} {args.dtype}")
+    journal.finish()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

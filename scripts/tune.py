@@ -28,6 +28,7 @@ os.environ["NANODLLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="nanodllm-tune-")  # 
 
 import kernels.flash_attention as fa  # noqa: E402
 from kernels.tuning import key_name, read_settings, write_settings  # noqa: E402
+from nanodllm.cli import output_file, run_main  # noqa: E402
 
 HEAD_DIMS, LENGTHS, ROW_BUCKETS = (64, 128), (1024, 2048, 4096, 8192, 16384, 32768), (64, fa.FEW_ROWS, 1024)
 
@@ -48,7 +49,7 @@ def flash_attention_keys(device):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=REPO / "kernels" / "tuned.json")
+    parser.add_argument("--out", type=output_file, default=REPO / "kernels" / "tuned.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune.py measures launch settings on a GPU; there is none here")
@@ -66,5 +67,6 @@ def main():
         for setting in fa._TUNING_SPACE[head_dim] + fa._FEW_ROW_TILES[head_dim]:
             print(f"  d={head_dim} {wins[str(head_dim), json.dumps(setting, sort_keys=True)]:4d}  {setting}")
 
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

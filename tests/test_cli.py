@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -100,8 +101,8 @@ def test_settings_that_would_do_nothing_or_harm_are_refused(command, args, messa
     (["--knob", "kk=16,64"], "error: --knob kk: no method in --methods takes it (maskkv: budget, alpha,"),
     (["--knob", "k"], "error: --knob must be name=v1,v2,... (e.g. budget=16,64), got 'k'"),
     (["--knob", "budget=16,-1"], "error: --knob / --knobs give maskkv budget=-1: budget must be an integer >= 1, got -1"),
-    (["--knob", "budget=16", "--out", "no-such-folder/sweep.md"], "error: --out no-such-folder/sweep.md: the folder "
-     "no-such-folder does not exist"),
+    (["--knob", "budget=16", "--lengths", "10000000", "--model", "tiny-llada"],
+     "error: 10000256 tokens x batch 8 need about"),
 ])
 def test_sweep_checks_its_flags_before_loading_a_model(args, message):
     done = script("scripts/sweep.py", "--methods", "maskkv", "--model", "/no/model/here", *args)
@@ -213,3 +214,136 @@ def test_a_failed_benchmark_row_is_named_and_retried_by_a_rerun(tmp_path, monkey
     assert failed == [bad.label()]
     kept = [json.loads(line).get("key") for line in journal.read_text().splitlines()[1:]]
     assert kept == ["machine", good.label()]
+
+
+def test_no_command_is_named_on_stderr():
+    done = script("-m", "nanodllm", timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("error: no command given; choose from demo, eval "
+                                  "(python -m nanodllm --help lists them)")
+
+
+@pytest.mark.parametrize("args, last_line", [
+    (["scripts/sweep.py", "--methods", "maskkv", "--knob", "budget=16", "--out", "no-such-folder/sweep.md"],
+     "argument --out: the folder no-such-folder of no-such-folder/sweep.md does not exist"),
+    (["scripts/sweep.py", "--methods", "maskkv", "--knob", "budget=16", "--plot", "docs"],
+     "argument --plot: docs is a folder; give a file name"),
+    (["-m", "nanodllm", "eval", "--plot", "no-such-folder/heatmap.png"],
+     "argument --plot: the folder no-such-folder of no-such-folder/heatmap.png does not exist"),
+    (["scripts/tune.py", "--out", "docs"], "argument --out: docs is a folder; give a file name"),
+    (["scripts/bench.py", "routing", "--quick", "--out", "README.md"],
+     "argument --out: README.md is a file, not a folder"),
+    (["scripts/bench.py", "momo", "--quick", "--lengths", "0"],
+     "argument --lengths: must be a positive integer, got '0'"),
+    (["scripts/bench.py", "dyllm", "--quick", "--fractions", "2"],
+     "argument --fractions: must be a number from 0 to 1, got '2'"),
+    (["scripts/momo_mass.py", "--chi", "0"], "argument --chi: must be a positive integer, got '0'"),
+    (["scripts/momo_mass.py", "--synthetic", "--mask", "causal,diag"],
+     "argument --mask: diag is not a mask; choose from causal, block, none"),
+    (["scripts/dyllm_salient.py", "--n", "0"], "argument --n: must be a positive integer, got '0'"),
+    (["scripts/dyllm_salient.py", "--out", "no-such-folder/salient.json"],
+     "argument --out: the folder no-such-folder of no-such-folder/salient.json does not exist"),
+])
+def test_an_output_path_or_value_that_would_fail_late_is_refused_first(args, last_line):
+    """Checked as the flags are read, not when the run ends and writes (or a benchmark reaches the value)."""
+    done = script(*args, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1].endswith(last_line), done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+@pytest.mark.parametrize("args, last_line", [
+    (["moe", "--quick", "--generate", "llada2-mini"], "moe --generate runs on a GPU only"),
+    (["momo", "--quick", "--tune"], "momo --tune runs on a GPU only"),
+])
+def test_a_gpu_only_benchmark_flag_is_refused_on_a_cpu(args, last_line, tmp_path):
+    """Before, the run went on without the part the flag asks for, wrote its files and exited 0."""
+    done = script("scripts/bench.py", *args, "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 2 and f"bench.py: error: {last_line}" in done.stderr.splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_eval_of_a_file_without_samples_is_refused(tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("\n")
+    done = entry("eval", "--task", "longbench", "--data", str(data), "--journal", str(tmp_path / "eval.jsonl"))
+    assert done.returncode == 2 and done.stderr.startswith(f"error: --data {data}: the file holds no samples")
+
+
+def test_plot_results_names_the_tables_it_lacks_before_drawing(tmp_path):
+    (tmp_path / "bench_momo.json").write_text("{}")
+    done = script("scripts/plot_results.py", "--results", str(tmp_path), timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"plot_results.py: {tmp_path} lacks bench_sparse_dllm.json, dyllm_salient.json, "
+                                  "tiny_models.json, mage_accuracy.md")
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_momo.json"]
+
+
+@pytest.mark.parametrize("command", [
+    ["-m", "nanodllm", "eval", "--method", "snapkv", "--lengths", "256"],
+    ["scripts/sweep.py", "--methods", "snapkv", "--knob", "budget=16", "--lengths", "256"],
+])
+def test_ctrl_c_exits_130_with_a_line_and_keeps_the_journal(command, tmp_path):
+    """SIGINT mid-run, as Ctrl-C sends it: exit status 130 and one line instead of a traceback; the journal of
+    finished runs stays for the rerun."""
+    journal = tmp_path / "runs.jsonl"
+    running = subprocess.Popen([sys.executable, *command, "--n", "40", "--batch", "1", "--journal", str(journal)],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        said = []
+        while not any(line.startswith("finished runs are kept in") for line in said):
+            said.append(running.stderr.readline())
+            assert said[-1], "".join(said)
+        running.send_signal(signal.SIGINT)
+        said.append(running.communicate(timeout=60)[1])
+    finally:
+        running.kill()
+    assert running.returncode == 130 and "Traceback" not in "".join(said)
+    assert "".join(said).rstrip().endswith("interrupted (Ctrl-C): nothing more was run or written")
+    assert journal.exists()
+
+
+RUN_MAIN = """
+import sys, torch
+from nanodllm.cli import run_main
+def main():
+    if sys.argv[1] == "cpu":
+        torch.empty(1 << 50, dtype=torch.uint8)
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\\nmore detail")
+sys.exit(run_main(main))
+"""
+
+
+@pytest.mark.parametrize("where, allocation", [("cpu", "DefaultCPUAllocator: can't allocate memory"),
+                                               ("gpu", "CUDA out of memory. Tried to allocate 20.00 GiB.)")])
+def test_running_out_of_memory_is_one_line_and_exit_1(where, allocation):
+    """What every entry point's run_main does when an allocation fails mid-run: a real one on the CPU, and
+    the error torch raises for a GPU's."""
+    done = script("-c", RUN_MAIN, where, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("error: out of memory (") and allocation in first
+    assert first.endswith("a shorter context or a smaller batch needs less")
+
+
+FAILING_PREFILL = """
+import runpy, sys
+bench = runpy.run_path("scripts/bench.py")
+import kernels.flash_attention
+def fails(*args, **kwargs):
+    raise RuntimeError("no kernel for this GPU")
+kernels.flash_attention.flash_attention = fails
+sys.argv = ["scripts/bench.py", "kernels", "--quick", "--out", sys.argv[1]]
+sys.exit(bench["run_main"](bench["main"]))
+"""
+
+
+def test_a_benchmark_part_that_fails_is_written_as_failed_and_exits_1(tmp_path):
+    """bench.py kernels keeps the tables before a failing section (another file's kernel), and says so."""
+    done = script("-c", FAILING_PREFILL, str(tmp_path), timeout=300)
+    assert done.returncode == 1 and done.stderr.splitlines()[0] == (
+        "bench.py kernels: 1 part(s) failed: Dense prefill (flash_attention): RuntimeError: no kernel for this GPU. "
+        f"The tables that finished are written to {tmp_path}.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_kernels_quick.json", "bench_kernels_quick.md"]
+    assert "- failed: Dense prefill (flash_attention)" in (tmp_path / "bench_kernels_quick.md").read_text()
