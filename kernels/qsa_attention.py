@@ -20,7 +20,8 @@ any k; the paper's third variant).
 
 Masks as in flash_attention.py: bidirectional, causal, or block-causal with block_size B (query at
 position p sees key j iff j // B <= p // B), and optional key padding k_valid [batch, N]. Sampled
-query i sits at position i * gamma. GQA: query head h reads KV head h // group.
+query i sits at position i * gamma; with q_valid [batch, N] those at False columns (padding) choose no
+blocks and leave the estimate's scan order alone. GQA: query head h reads KV head h // group.
 Outputs: o [batch, heads, S, D] (S = ceil(N / gamma)), lse [batch, heads, S] float32, and the top-k
 blocks per sampled row: indices [batch, heads, S, k] int32 (-1 = empty slot: the row sees fewer
 blocks) with their scores [batch, heads, S, k] float32 (natural log), in buffer order (unsorted;
@@ -208,7 +209,7 @@ def qsa_kernel(
         tl.store(top_score_ptr + greedy_offsets, greedy_score, mask=keep)
 
 
-def check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid):
+def check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid, q_valid=None):
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError("q must be [batch, heads, N, D] and k, v [batch, kv_heads, N, D]")
     batch, heads, n, head_dim = q.shape
@@ -222,8 +223,9 @@ def check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid):
         raise ValueError(f"gamma and top_k must be >= 1, got {gamma} and {top_k}")
     if causal and block_size is not None:
         raise ValueError("causal and block_size are exclusive (causal is block_size = 1)")
-    if k_valid is not None and (k_valid.shape != (batch, n) or k_valid.dtype != torch.bool):
-        raise ValueError(f"k_valid must be a bool tensor of shape ({batch}, {n})")
+    for name, valid in (("k_valid", k_valid), ("q_valid", q_valid)):
+        if valid is not None and (valid.shape != (batch, n) or valid.dtype != torch.bool):
+            raise ValueError(f"{name} must be a bool tensor of shape ({batch}, {n})")
 
 
 def new_tree(rows_shape, leaves, top_k, device):
@@ -248,12 +250,12 @@ def new_tree(rows_shape, leaves, top_k, device):
 
 
 def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | None = None, tree=False,
-                  causal=False, block_size=None, k_valid=None, scale=None):
+                  causal=False, block_size=None, k_valid=None, q_valid=None, scale=None):
     """See the module docstring. k_exact: None (or top_k) for the exact top-k; smaller for the
     estimated one (k_exact exact slots, the rest by threshold: `estimated_top_k`). tree: the exact
     top-k in a tournament tree in HBM instead of the register buffer.
     Returns (o, lse, top_indices, top_scores)."""
-    check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid)
+    check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid, q_valid)
     k_exact = top_k if k_exact is None else k_exact
     if not 0 <= k_exact <= top_k:
         raise ValueError(f"k_exact must be in [0, top_k], got {k_exact}")
@@ -280,7 +282,7 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
     if estimated and q.is_cuda:  # with its greedy slots and Welford state, 2 K/V stages beat 3 (bench_momo.md)
         tiles["num_stages"] = 2
     assert ORDER_ROWS % tiles["BLOCK_M"] == 0, "a program's rows must lie in one scan-order group"
-    last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device) if estimated else lse
+    last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device, q_valid) if estimated else lse
     scans = group_maxima(last) if estimated else lse  # int32, as last_blocks gives it
     strides = golden_strides(triton.cdiv(n, beta), q.device) if estimated else lse
     grid = (batch * heads, triton.cdiv(sampled, tiles["BLOCK_M"]))
@@ -298,11 +300,19 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
     if tree:
         top_index = tree_index[..., leaves : leaves + top_k].contiguous()
         top_score = tree_score[..., leaves : leaves + top_k].contiguous()
-    return out, lse, top_index, top_score
+    return (out, lse, *unchosen_padding(top_index, top_score, q_valid, gamma))
+
+
+def unchosen_padding(top_index, top_score, q_valid, gamma):
+    """The top-k with the sampled rows at padded columns (q_valid False) emptied: -1 and -inf."""
+    if q_valid is None:
+        return top_index, top_score
+    real = q_valid[:, None, ::gamma, None]
+    return torch.where(real, top_index, -1), torch.where(real, top_score, float("-inf"))
 
 
 def qsa_attention_reference(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | None = None,
-                            causal=False, block_size=None, k_valid=None, scale=None):
+                            causal=False, block_size=None, k_valid=None, q_valid=None, scale=None):
     """Plain torch (dense scores of the sampled rows, fp32 or wider): the same outputs; the exact
     top-k sorted by score (ties to the lower block), or estimated_top_k's choice (k_exact < top_k)."""
     batch, heads, n, head_dim = q.shape
@@ -325,6 +335,8 @@ def qsa_attention_reference(q, k, v, *, gamma: int, beta: int, top_k: int, k_exa
     blocks = triton.cdiv(n, beta)
     padded = torch.nn.functional.pad(scores, (0, blocks * beta - n), value=float("-inf"))
     block_scores = padded.view(batch, heads, len(positions), blocks, beta).logsumexp(dim=-1)
+    if q_valid is not None:  # padded sampled rows see no block, so they choose none and scan nothing
+        block_scores = block_scores.masked_fill(~q_valid[:, None, ::gamma, None], float("-inf"))
     if k_exact is not None and k_exact < top_k:
         chosen = estimated_top_k(block_scores, top_k, k_exact)
         picked = block_scores.gather(-1, chosen.clamp(min=0)).float()

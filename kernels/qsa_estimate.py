@@ -37,11 +37,11 @@ def golden_strides(blocks, device):
     return torch.tensor(strides, dtype=torch.int32, device=device)
 
 
-def last_blocks(n, gamma, beta, causal=False, block_size=None, k_valid=None, batch=1, device="cpu"):
-    """[batch, sampled rows] int32: 1 + the last key block each sampled row sees a key of (0: none).
-    The estimate counts a row's blocks left to scan against it; each group of ORDER_ROWS rows scans
-    up to its largest (group_maxima), so that a row's order does not depend on how many rows a
-    program holds."""
+def last_blocks(n, gamma, beta, causal=False, block_size=None, k_valid=None, batch=1, device="cpu", q_valid=None):
+    """[batch, sampled rows] int32: 1 + the last key block each sampled row sees a key of (0: none,
+    and for a row at a padded column, q_valid False). The estimate counts a row's blocks left to scan
+    against it; each group of ORDER_ROWS rows scans up to its largest (group_maxima), so that a row's
+    order does not depend on how many rows a program holds, nor on padded rows."""
     positions = torch.arange(0, n, gamma, device=device)
     limit = torch.full_like(positions, n - 1)
     if causal or block_size is not None:
@@ -51,6 +51,8 @@ def last_blocks(n, gamma, beta, causal=False, block_size=None, k_valid=None, bat
     if k_valid is not None:
         upto = torch.where(k_valid, torch.arange(n, device=device), -1).cummax(dim=1).values  # last valid key <= i
         last = upto.gather(1, last)
+    if q_valid is not None:
+        last = torch.where(q_valid[:, ::gamma], last, -1)
     return torch.where(last >= 0, last // beta + 1, 0).to(torch.int32)
 
 
@@ -65,11 +67,12 @@ def estimated_top_k(scores, k, k_exact):
     """The estimated online top-k (MOMO eq. 6-7 with an exact part), in torch, visiting each row's
     blocks in the kernel's order: scores [..., sampled rows, blocks] (-inf = not visible); a row's scan
     covers T blocks (its group's last_blocks), block (i g) mod T at step i (g = golden_strides[T]). Each
-    visible block updates Welford's mean m and variance sigma^2 and is offered to a k_exact-slot exact
-    buffer; what the buffer rejects or displaces takes one of the k - k_exact other slots when it
-    beats the threshold: erf((s - m) / (sigma sqrt 2)) > 2p - 1 (s > m while sigma = 0),
-    p = 1 - free slots / the row's blocks left (its last_blocks less the visible blocks seen before),
-    taken outright when p <= 0.
+    visible block first updates Welford's running mean m and sample variance sigma^2 (M2 / (count - 1),
+    0 after one block), then is offered to a k_exact-slot exact buffer (it replaces the buffer's lowest
+    slot, the first of equals, when strictly higher); what the buffer rejects or displaces (an empty
+    slot: nothing) takes one of the k - k_exact other slots when it beats the threshold:
+    erf((s - m) / (sigma sqrt 2)) > 2p - 1 (s > m while sigma = 0), p = 1 - free slots / the row's
+    blocks left (its last_blocks less the visible blocks seen before), taken outright when p <= 0.
     Returns [..., k] block indices (-1 = empty): the exact part, then the others in the order they
     were taken."""
     rows_shape, blocks = scores.shape[:-1], scores.shape[-1]

@@ -53,15 +53,10 @@ class Contract:
 
 DUAL_DELAY_1 = ("fast_dllm", (("mode", "dual"), ("delay", 1)))
 # MOMO: key blocks of 4 tokens (a 28-token prefill spans 7), every 2nd row sampled, query blocks of 8
-# rows: wider than the engine's block, so a padded row's last query block holds real and pad rows.
-# (3) does not hold for MOMO on either engine (a strict xfail: it fails loudly once fixed): the
-# gamma/chi/beta grid starts at column 0 of the padded canvas, so a left pad that is not a multiple of
-# it (masked engine, 9 here) regroups the short row's tokens; and padded sampled rows vote in the
-# union of a query block they share with real rows (block engine prefill: rows 20-23 of the 20-token
-# prefix next to a 28-token one), which do not exist when the row runs alone.
+# rows: wider than the engine's block, so a padded row's last query block holds real and pad rows
+# (block engine prefill: rows 20-23 of the 20-token prefix next to a 28-token one), and the masked
+# engine's left pad of 9 is not a multiple of the grid.
 MOMO_GRID = dict(gamma=2, chi=8, beta=4, k_exact=1)
-MOMO_RAGGED = pytest.mark.xfail(strict=True, reason="MOMO's grid starts at the padded canvas's column 0 and "
-                                "padded sampled rows vote: a row's result depends on its batch")
 
 CONTRACT: dict[tuple[str, str], Contract] = {
     ("dense", "masked"): Contract(None, {}),
@@ -110,8 +105,7 @@ CONTRACT: dict[tuple[str, str], Contract] = {
 }
 
 PAIRS = [(name, engine) for name, cls in METHODS.items() for engine in cls.engines]
-RAGGED_PAIRS = [pytest.param(name, engine, id=f"{name}-{engine}", marks=MOMO_RAGGED if name == "momo" else ())
-                for name, engine in PAIRS]
+PAIR_IDS = [f"{name}-{engine}" for name, engine in PAIRS]
 METHOD_PAIRS = [pair for pair in PAIRS if pair[0] != "dense"]  # dense is (1)'s and (2)'s reference
 METHOD_IDS = [f"{name}-{engine}" for name, engine in METHOD_PAIRS]
 
@@ -201,7 +195,7 @@ def test_tiny_budget_differs(name, engine):
         f"{name} {entry.tiny} decodes exactly what {entry.reference[0]} does: the budget changed nothing"
 
 
-@pytest.mark.parametrize("name,engine", RAGGED_PAIRS)
+@pytest.mark.parametrize("name,engine", PAIRS, ids=PAIR_IDS)
 def test_a_ragged_batch_equals_its_rows_run_alone(name, engine):
     entry = contract(name, engine)
     batched = decode(engine, name, entry.tiny)
@@ -210,7 +204,7 @@ def test_a_ragged_batch_equals_its_rows_run_alone(name, engine):
         assert got == expected, f"row {row} (prompt of {len(PROMPTS[row])} tokens) in the batch: {got}, alone: {expected}"
 
 
-@pytest.mark.parametrize("name,engine", RAGGED_PAIRS)
+@pytest.mark.parametrize("name,engine", PAIRS, ids=PAIR_IDS)
 def test_a_row_between_a_longer_and_a_shorter_one_decodes_as_alone(name, engine):
     """Every row of BETWEEN (the shortest first, so row 0 is not the longest, and a row padded by 3,
     less than a block) decodes what it decodes alone at the tiny knobs."""
@@ -221,7 +215,7 @@ def test_a_row_between_a_longer_and_a_shorter_one_decodes_as_alone(name, engine)
 
 
 @pytest.mark.parametrize("earlier", sorted(EARLIER))
-@pytest.mark.parametrize("name,engine", PAIRS, ids=[f"{name}-{engine}" for name, engine in PAIRS])
+@pytest.mark.parametrize("name,engine", PAIRS, ids=PAIR_IDS)
 def test_a_method_reused_after_other_prompts_decodes_what_a_fresh_one_does(name, engine, earlier):
     """After decoding EARLIER[earlier], the same method object decodes PROMPTS at its tiny knobs as a
     new one does: the same tokens and, step by step, the same logits, over every block."""

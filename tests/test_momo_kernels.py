@@ -76,17 +76,23 @@ def test_qsa_matches_the_reference(n, gamma, beta, top_k, head_dim, group, mask,
 
 @settings(max_examples=15, deadline=None)
 @given(n=st.integers(16, 300), gamma=st.sampled_from([2, 4]), top_k=st.integers(2, 10), group=st.sampled_from([1, 2]),
-       mask=st.sampled_from(["none", "causal", "padding"]), seed=st.integers(0, 999), data=st.data())
+       mask=st.sampled_from(["none", "causal", "padding", "padded rows"]), seed=st.integers(0, 999), data=st.data())
 def test_estimated_top_k_in_the_kernel_matches_its_torch_form(n, gamma, top_k, group, mask, seed, data):
+    """With "padded rows" (q_valid) the sampled rows at padded columns choose nothing, in both."""
     k_exact = data.draw(st.integers(0, top_k - 1))
     generator = torch.Generator().manual_seed(seed)
     q = randn(2, 2 * group, n, 16, generator=generator)
     k, v = (randn(2, 2, n, 16, generator=generator) for _ in range(2))
     valid = torch.ones(2, n, dtype=torch.bool, device=DEVICE)
     valid[1, (2 * n) // 3 :] = False
-    masks = {"none": {}, "causal": {"causal": True}, "padding": {"k_valid": valid, "block_size": 8}}[mask]
+    masks = {"none": {}, "causal": {"causal": True}, "padding": {"k_valid": valid, "block_size": 8},
+             "padded rows": {"k_valid": valid, "q_valid": valid, "block_size": 8}}[mask]
     _, _, got, got_scores = qsa_attention(q, k, v, gamma=gamma, beta=16, top_k=top_k, k_exact=k_exact, **masks)
     _, _, expected, _ = qsa_attention_reference(q, k, v, gamma=gamma, beta=16, top_k=top_k, k_exact=k_exact, **masks)
+    if mask == "padded rows":
+        padded = ~valid[:, ::gamma]
+        assert bool((got[padded[:, None].expand(got.shape[:3])] == -1).all())
+        assert bool((expected[padded[:, None].expand(expected.shape[:3])] == -1).all())
     same_set = (got.long().sort(-1).values == expected.long().sort(-1).values).all(-1)
     assert float(same_set.float().mean()) >= 0.95  # fp32 vs float64 may flip a decision at the threshold
     exact_got, exact_expected = got[..., :k_exact].long(), expected[..., :k_exact].long()

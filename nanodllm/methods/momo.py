@@ -12,15 +12,16 @@ O_*), and the error that sparsity makes is corrected with the sampled rows' exac
 O_i = O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) * gamma] (eq. 2-3).
 
 Trim (`trim`, not in the paper): "mass" ranks the union by each block's share of the attention of
-the rows that chose it, exp(S(j) - logsumexp of the row), summed over those rows: the oracle's
-criterion measured on the sampled rows, where Algorithm 2's mean of raw eq. 4 scores lets a row with
-larger logits outvote the others (docs/results/momo_mass.md).
-Top-k variants (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) both
-return the exact top-k (ties to the lower block index), "estimated" (the k_exact best exactly, the
-rest filled greedily by blocks whose score beats a Gaussian threshold from Welford running statistics:
-eq. 6-7; kernels/qsa_estimate.py). In torch the pipeline forms the sampled rows' scores and the sparse
-mask densely (the reference); on the kernels it runs kernels/qsa_attention.py (step 1, either top-k
-fused) and kernels/block_sparse_attention.py (step 3), union and trim in torch (kept_lists).
+the rows that chose it, exp(S(j) - logsumexp of the row), summed over those rows (Algorithm 2's mean
+of raw eq. 4 scores lets a row with larger logits outvote the others: docs/results/momo_mass.md).
+Top-k (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) give the exact
+top-k (ties to the lower block), "estimated" the k_exact best exactly and the rest greedily by a
+Gaussian threshold from Welford running statistics (eq. 6-7; kernels/qsa_estimate.py). In torch the
+scores and the sparse mask are formed densely; on the kernels, kernels/qsa_attention.py (step 1, top-k
+fused) and kernels/block_sparse_attention.py (step 3) run, union and trim in torch (kept_lists).
+Ragged batches: each row's grid (sampled rows, query and key blocks) starts at its first real token,
+as when it runs alone (`aligned`), and padded rows choose no blocks: a row's result does not depend on
+its batch.
 
 Hooks: attend (the block engine's prefill; canvas=True: every masked-engine step), step_kind.
 Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant and trim).
@@ -46,8 +47,7 @@ from .common import check_int
 
 def dense_mask(mask, n, device):
     """The [batch, 1, n, n] bool mask (or None) of a CanvasMask, a bool tensor or None. Padded keys
-    are hidden from every query, padded ones included (as the kernels do), so that a padded sampled
-    query votes for real blocks like any other."""
+    are hidden from every query, padded ones included (as the kernels do)."""
     if not isinstance(mask, CanvasMask):
         return mask
     dense = mask.dense(n, n, device)
@@ -96,12 +96,6 @@ def exact_top_k(scores, k):
     return torch.where(values > float("-inf"), indices, -1)
 
 
-def mark(indices, size):
-    """[..., k] indices (-1 = none) -> [..., size] bool, True at the listed ones."""
-    out = torch.zeros(*indices.shape[:-1], size + 1, dtype=torch.bool, device=indices.device)
-    return out.scatter_(-1, torch.where(indices >= 0, indices, size), True)[..., :size]
-
-
 def trim_values(chosen, chosen_scores, lse, trim):
     """(what the trim ranks each chosen block by, whether it sums them over the choosing rows): "mean"
     (Algorithm 2) the eq. 4 scores, averaged; "mass" the block's share of its row's attention,
@@ -117,16 +111,22 @@ def union_and_trim(chosen, chosen_scores, blocks, rows_per_block, k_trim, summed
     their mean score over the rows that chose them (with summed, by the sum); the k_trim best. chosen
     [batch, heads, rows, k] (-1 = none) with their scores; returns keep [batch, heads, query blocks,
     blocks] bool."""
-    batch, heads, rows, k = chosen.shape
-    query_blocks = math.ceil(rows / rows_per_block)
-    pad = query_blocks * rows_per_block - rows
-    chosen = torch.nn.functional.pad(chosen, (0, 0, 0, pad), value=-1)
-    entries = chosen.view(batch, heads, query_blocks, rows_per_block * k)
-    values = torch.nn.functional.pad(chosen_scores.double(), (0, 0, 0, pad)).view(entries.shape)
-    slots = torch.where(entries >= 0, entries.long(), blocks)  # a sentinel column for the empty slots
-    total = values.new_zeros(batch, heads, query_blocks, blocks + 1).scatter_add_(3, slots, torch.where(entries >= 0, values, 0.0))
+    entries, values = per_query_block(chosen, chosen_scores, rows_per_block)
+    slots = torch.where(entries >= 0, entries, blocks)  # a sentinel column for the empty slots
+    total = values.new_zeros(*entries.shape[:3], blocks + 1).scatter_add_(3, slots, torch.where(entries >= 0, values, 0.0))
     times = total.new_zeros(total.shape).scatter_add_(3, slots, (entries >= 0).double())
-    return mark(exact_top_k(union_rank(total, times, summed)[..., :blocks], k_trim), blocks)
+    best = exact_top_k(union_rank(total, times, summed)[..., :blocks], k_trim)
+    keep = torch.zeros_like(times, dtype=torch.bool)  # the sentinel column takes the empty picks
+    return keep.scatter_(-1, torch.where(best >= 0, best, blocks), True)[..., :blocks]
+
+
+def per_query_block(chosen, chosen_scores, rows_per_block):
+    """(entries, values) [batch, heads, query blocks, rows_per_block x k]: each query block's sampled
+    rows' chosen blocks (int64, -1 = none, also for the rows past the last) and their values (float64)."""
+    batch, heads, rows, k = chosen.shape
+    pad = -rows % rows_per_block
+    entries = torch.nn.functional.pad(chosen, (0, 0, 0, pad), value=-1).view(batch, heads, -1, rows_per_block * k)
+    return entries.long(), torch.nn.functional.pad(chosen_scores.double(), (0, 0, 0, pad)).view(entries.shape)
 
 
 def union_rank(total, times, summed):
@@ -157,20 +157,14 @@ def diagonal_blocks(n, chi, beta, device):
 
 def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim, summed=False):
     """block_lists(kept_blocks(...)): [batch, heads, query blocks, L] int32 (-1 padded), L = the
-    longest. A query block's union has at most chi / gamma x k candidates; where the key blocks are
-    more (long prompts), only the candidates are sorted, grouped by block (mean score per group),
-    trimmed to the k_trim best (ties to the lower block, as exact_top_k) and merged with the
-    diagonal blocks, so no [.., key blocks] array is formed (the faster way from about 128K keys:
-    docs/results/bench_momo.md).
-    Else the dense mask's lists."""
-    batch, heads, rows, k = chosen.shape
+    longest. Where the key blocks outnumber a query block's chi / gamma x k candidates (long prompts),
+    only the candidates are sorted, grouped by block (mean score per group), trimmed to the k_trim
+    best (ties to the lower block, as exact_top_k) and merged with the diagonal blocks: no [.., key
+    blocks] array (the faster way from about 128K keys: docs/results/bench_momo.md)."""
     blocks, rows_per_block = math.ceil(n / beta), chi // gamma
-    if rows_per_block * k >= blocks:
+    if rows_per_block * chosen.shape[-1] >= blocks:
         return block_lists(kept_blocks(chosen, chosen_scores, n, gamma, chi, beta, k_trim, summed))
-    query_blocks = math.ceil(rows / rows_per_block)
-    pad = query_blocks * rows_per_block - rows
-    entries = torch.nn.functional.pad(chosen, (0, 0, 0, pad), value=-1).view(batch, heads, query_blocks, -1).long()
-    values = torch.nn.functional.pad(chosen_scores.double(), (0, 0, 0, pad)).view(entries.shape)
+    entries, values = per_query_block(chosen, chosen_scores, rows_per_block)
     entries, order = torch.where(entries >= 0, entries, blocks).sort(dim=-1)  # empty slots (block `blocks`) last
     values = values.gather(-1, order)
     new_block = torch.ones_like(entries, dtype=torch.bool)
@@ -184,7 +178,7 @@ def kept_lists(chosen, chosen_scores, n, gamma, chi, beta, k_trim, summed=False)
     trimmed = torch.where(best > float("-inf"), group_block.gather(-1, slots), blocks)
     first, last = diagonal_range(n, chi, beta, chosen.device)
     diagonal = first[:, None] + torch.arange(chi // beta + 2, device=chosen.device)  # enough for any alignment
-    diagonal = torch.where(diagonal <= last[:, None], diagonal, blocks).expand(batch, heads, -1, -1)
+    diagonal = torch.where(diagonal <= last[:, None], diagonal, blocks).expand(*entries.shape[:2], -1, -1)
     merged = torch.cat([trimmed, diagonal], dim=-1).sort(dim=-1).values
     merged[..., 1:] = torch.where(merged[..., 1:] == merged[..., :-1], blocks, merged[..., 1:])  # duplicates out
     merged = merged.sort(dim=-1).values
@@ -208,27 +202,58 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
     mask is structured; else in torch, forming the scores densely."""
     if chi % gamma:
         raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
-    n = q.shape[2]
+    n, k_trim = q.shape[2], k_trim or k_blocks
+    q, k, v, mask, index = aligned(q, k, v, mask)
     structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
     if attention_on_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % SPARSE_TILES["BLOCK_M"] == 0:
-        k_exact = k_exact if top_k == "estimated" else k_blocks
-        return momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks,
-                               top_k == "tree", trim)
-    full = dense_mask(mask, n, q.device)
-    o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim or k_blocks, top_k,
-                                     trim)
-    o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full)), v)
-    return delta_corrected(o_sparse, o_gamma, gamma).to(q.dtype)
+        out = momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact if top_k == "estimated" else k_blocks,
+                              k_trim, top_k == "tree", trim)
+    else:
+        full = dense_mask(mask, n, q.device)
+        real = mask.valid[:, -n:] if isinstance(mask, CanvasMask) and mask.valid is not None else None
+        o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k, trim, real)
+        o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full)), v)
+        out = delta_corrected(o_sparse, o_gamma, gamma).to(q.dtype)
+    return rolled(out, None if index is None else index.argsort(dim=1))  # argsort: the roll back
 
 
-def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k, trim="mean"):
+def aligned(q, k, v, mask):
+    """(q, k, v, mask, index): each row's columns rolled left past its leading padding (row b's column
+    c is column index[b, c]), so that the grid starts at its first real token, as when the row runs
+    alone (index None: no row is left-padded). A block-causal mask keeps its blocks: its positions
+    (CanvasMask.positions, else the columns) roll along, dropped where they then equal the columns
+    (a left-padded canvas's positions count from its first real token)."""
+    if not isinstance(mask, CanvasMask) or mask.valid is None:
+        return q, k, v, mask, None
+    n = q.shape[2]
+    shift = mask.valid[:, -n:].int().argmax(dim=1, keepdim=True)  # the first real column (0: none)
+    if not bool(shift.any()):
+        return q, k, v, mask, None
+    columns = torch.arange(n, device=q.device).expand(q.shape[0], -1)
+    index = (columns + shift) % n
+    valid, positions = mask.valid[:, -n:].gather(1, index), None
+    if mask.block_size is not None:
+        positions = (columns if mask.positions is None else mask.positions[:, -n:]).gather(1, index)
+        positions = None if bool(((positions == columns) | ~valid).all()) else positions
+    return (*(rolled(x, index) for x in (q, k, v)), CanvasMask(valid, mask.block_size, positions), index)
+
+
+def rolled(x, index):
+    """x [batch, heads, n, d] with row b's column c read from column index[b, c] (None: x itself)."""
+    return x if index is None else x.gather(2, index[:, None, :, None].expand(*x.shape[:2], -1, x.shape[3]))
+
+
+def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k, trim="mean", real=None):
     """Steps 1-2 in torch: (O_gamma [batch, heads, sampled rows, d], keep [batch, heads, query
-    blocks, key blocks] bool, the trimmed union with the diagonal blocks). full: dense_mask's."""
+    blocks, key blocks] bool, the trimmed union with the diagonal blocks). full: dense_mask's; real
+    [batch, n] bool (or None): the padded sampled rows (False) choose no blocks."""
     n = q.shape[2]
     sampled = torch.arange(0, n, gamma, device=q.device)
     sampled_scores = scaled_scores(q[:, :, sampled], k, None if full is None else full[:, :, sampled])
     o_gamma = softmax_out(sampled_scores, v)
     scores = block_scores(sampled_scores, beta)
+    if real is not None:
+        scores = scores.masked_fill(~real[:, None, sampled, None], float("-inf"))
     chosen = estimated_top_k(scores, k_blocks, k_exact) if top_k == "estimated" else exact_top_k(scores, k_blocks)
     chosen_scores = torch.where(chosen >= 0, scores.gather(-1, chosen.clamp(min=0)), float("-inf"))
     values, summed = trim_values(chosen, chosen_scores, sampled_scores.logsumexp(dim=-1), trim)
@@ -251,7 +276,7 @@ def delta_corrected(o_sparse, o_gamma, gamma):
 
 def measure_on_kernels(q, k, v, gamma, beta, k_blocks, k_exact, tree, trim, **masking):
     """Step 1 on kernels/qsa_attention.py: (O_gamma, each sampled row's chosen key blocks, what the
-    trim ranks them by, whether it sums them: trim_values)."""
+    trim ranks them by, whether it sums them: trim_values). masking: qsa_attention's mask arguments."""
     o_gamma, lse, chosen, chosen_scores = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=k_blocks,
                                                         k_exact=k_exact, tree=tree, **masking)
     return (o_gamma, chosen, *trim_values(chosen, chosen_scores, lse, trim))
@@ -262,7 +287,8 @@ def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, 
     masking = {}
     if mask is not None:
         masking = {"block_size": mask.block_size, "k_valid": None if mask.valid is None else mask.valid[:, -q.shape[2]:]}
-    o_gamma, chosen, values, summed = measure_on_kernels(q, k, v, gamma, beta, k_blocks, k_exact, tree, trim, **masking)
+    o_gamma, chosen, values, summed = measure_on_kernels(q, k, v, gamma, beta, k_blocks, k_exact, tree, trim,
+                                                         q_valid=masking.get("k_valid"), **masking)
     lists = kept_lists(chosen, values, q.shape[2], gamma, chi, beta, k_trim, summed)
     o_sparse, _ = block_sparse_attention(q, k, v, lists, chi=chi, beta=beta, **masking)
     return delta_corrected(o_sparse.float(), o_gamma.float(), gamma).to(q.dtype)
@@ -275,9 +301,7 @@ class Momo(Method):
     def __init__(self, gamma: int = 16, chi: int = 128, beta: int = 64, k: int = 128, k_exact: int = 8,
                  k_trim: int | None = None, top_k: str = "exact", trim: str = "mean", canvas: bool = False):
         super().__init__()
-        check_int(1, gamma=gamma, chi=chi, beta=beta, k=k)
-        if k_trim is not None:
-            check_int(1, k_trim=k_trim)
+        check_int(1, gamma=gamma, chi=chi, beta=beta, k=k, **({} if k_trim is None else {"k_trim": k_trim}))
         if chi % gamma:
             raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
         if top_k not in ("exact", "tree", "estimated"):
