@@ -20,7 +20,7 @@ Gaussian threshold from Welford running statistics (eq. 6-7; kernels/qsa_estimat
 scores and the sparse mask are formed densely; on the kernels, kernels/qsa_attention.py (step 1, top-k
 fused) and kernels/block_sparse_attention.py (step 3) run, union and trim in torch (kept_lists).
 Ragged batches: each row's grid (sampled rows, query and key blocks) starts at its first real token,
-as when it runs alone (`aligned`), and padded rows choose no blocks: a row's result does not depend on
+as when it runs alone (`row_alignment`), and padded rows choose no blocks: a row's result does not depend on
 its batch.
 
 Hooks: attend (the block engine's prefill; canvas=True: every masked-engine step), step_kind.
@@ -195,15 +195,17 @@ def block_lists(keep):
 
 
 def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128, k_exact=8, k_trim=None,
-                   top_k="exact", trim="mean"):
+                   top_k="exact", trim="mean", alignment=None):
     """Algorithm 1: q [batch, heads, n, d], k/v [batch, kv_heads, n, d], mask a CanvasMask, a bool
     [batch, 1, n, n] or None (bidirectional). Returns [batch, heads, n, d] in q's dtype. On the
     Triton kernels (kernels/qsa_attention.py, block_sparse_attention.py) when use_kernels(q) and the
-    mask is structured; else in torch, forming the scores densely."""
+    mask is structured; else in torch, forming the scores densely. alignment: row_alignment(mask, n),
+    where the caller computed it once for all layers."""
     if chi % gamma:
         raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
     n, k_trim = q.shape[2], k_trim or k_blocks
-    q, k, v, mask, index = aligned(q, k, v, mask)
+    mask, index, back = alignment or row_alignment(mask, n)
+    q, k, v = (rolled(x, index) for x in (q, k, v))
     structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
     if attention_on_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % SPARSE_TILES["BLOCK_M"] == 0:
         out = momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact if top_k == "estimated" else k_blocks,
@@ -214,28 +216,28 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
         o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k, trim, real)
         o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full)), v)
         out = delta_corrected(o_sparse, o_gamma, gamma).to(q.dtype)
-    return rolled(out, None if index is None else index.argsort(dim=1))  # argsort: the roll back
+    return rolled(out, back)
 
 
-def aligned(q, k, v, mask):
-    """(q, k, v, mask, index): each row's columns rolled left past its leading padding (row b's column
-    c is column index[b, c]), so that the grid starts at its first real token, as when the row runs
-    alone (index None: no row is left-padded). A block-causal mask keeps its blocks: its positions
-    (CanvasMask.positions, else the columns) roll along, dropped where they then equal the columns
-    (a left-padded canvas's positions count from its first real token)."""
+def row_alignment(mask, n):
+    """(mask, index, back): each row's n columns rolled left past its leading padding (row b's column
+    c is column index[b, c]; back[b, c] undoes it), so that the grid starts at its first real token,
+    as when the row runs alone, and the mask of the rolled rows (index and back None: no row is
+    left-padded). A block-causal mask keeps its blocks: its positions (CanvasMask.positions, else the
+    columns) roll along, dropped where they then equal the columns (a left-padded canvas's positions
+    count from its first real token)."""
     if not isinstance(mask, CanvasMask) or mask.valid is None:
-        return q, k, v, mask, None
-    n = q.shape[2]
+        return mask, None, None
     shift = mask.valid[:, -n:].int().argmax(dim=1, keepdim=True)  # the first real column (0: none)
     if not bool(shift.any()):
-        return q, k, v, mask, None
-    columns = torch.arange(n, device=q.device).expand(q.shape[0], -1)
+        return mask, None, None
+    columns = torch.arange(n, device=shift.device).expand(shift.shape[0], -1)
     index = (columns + shift) % n
     valid, positions = mask.valid[:, -n:].gather(1, index), None
     if mask.block_size is not None:
         positions = (columns if mask.positions is None else mask.positions[:, -n:]).gather(1, index)
         positions = None if bool(((positions == columns) | ~valid).all()) else positions
-    return (*(rolled(x, index) for x in (q, k, v)), CanvasMask(valid, mask.block_size, positions), index)
+    return CanvasMask(valid, mask.block_size, positions), index, (columns - shift) % n
 
 
 def rolled(x, index):
@@ -313,10 +315,13 @@ class Momo(Method):
         self.knobs = dict(gamma=gamma, chi=chi, beta=beta, k_blocks=k, k_exact=k_exact, k_trim=k_trim, top_k=top_k,
                           trim=trim)
         self.canvas = canvas
+        self.aligned = (None, None)  # (a mask, its row_alignment): the same for every layer of a forward
 
     def attend(self, layer, q, k, v, ctx):
         if ctx.phase == "prefill" or (ctx.cache is None and self.canvas):
-            return momo_attention(q, k, v, ctx.attn_mask, **self.knobs)
+            if self.aligned[0] is not ctx.attn_mask:
+                self.aligned = (ctx.attn_mask, row_alignment(ctx.attn_mask, q.shape[2]))
+            return momo_attention(q, k, v, ctx.attn_mask, alignment=self.aligned[1], **self.knobs)
         return super().attend(layer, q, k, v, ctx)
 
     def step_kind(self, ctx):
