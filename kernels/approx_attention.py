@@ -43,7 +43,7 @@ LOG2_E = math.log2(math.e)
 CUDA_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_cb", "stride_fb", "stride_fh", "num_columns"])
 def approx_attention_kernel(
     q_ptr, k_ptr, dv_ptr, columns_ptr, counts_ptr, lse_ptr, context_ptr, stats_ptr,
     exact_ptr, exact_lse_ptr, slots_ptr,

@@ -32,7 +32,7 @@ import triton.language as tl
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len", "num_rows"])
 def rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr,
     stride_xb, stride_xh, stride_xt,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_rb", "stride_ob", "num_slots"])
 def row_scatter_kernel(
     dst_ptr, src_ptr, rows_ptr, ok_ptr, delta_ptr,
     stride_db, stride_dh, stride_dn, stride_dw,
