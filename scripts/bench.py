@@ -606,6 +606,8 @@ def main():
     e2e.add_argument("--settings", choices=("paper", "warm_start"), default="paper",
                      help="paper: every method at its paper's setting, beside transformers (default); warm_start: "
                      "short settings, a first and a later process each")
+    e2e.add_argument("--repeats", type=positive_int, default=3, help="warm_start: later processes per configuration "
+                     "(default 3)")
     e2e.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration's process may take "
                      "before its row is given up (default 900)")
     e2e.add_argument("--journal", type=Path, help="the journal of finished rows (default: runs/e2e-<hash>.jsonl)")

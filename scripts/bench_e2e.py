@@ -23,11 +23,12 @@ no method avoids, one pass over the prompt (2 x parameters x tokens + attention 
 rate) plus one read of the weights per step (or the step's matmuls, if more) over the copy bandwidth.
 Rows are journaled as they finish (runs/e2e-*.jsonl): a rerun of the same command resumes.
 
---settings warm_start: every method once at short settings, each configuration in two processes one
-after the other, the first generating once (what a new process pays where nothing of this
-configuration ran before), the second three times: its first generation is what every later process
-pays (the bar of the warm start: at most 1 s over a warm one), the faster of the other two is the warm
-time. --quick runs tiny models on the CPU: a smoke test.
+--settings warm_start: every method once at short settings, each configuration in new processes one
+after the other: the first generates once (what a new process pays where nothing of this
+configuration ran before), then --repeats later ones three times each: a later process's first
+generation is what every later process pays (the bar of the warm start: at most 1 s over a warm one),
+the faster of its other two is its warm time; medians over the later processes. Journaled like the
+paper rows. --quick runs tiny models on the CPU: a smoke test.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import json
 import subprocess
 import sys
 import time
+from statistics import median
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -371,34 +373,59 @@ def bench_paper(args, report, meta, rates) -> list[str]:
     return failed
 
 
+def warm_start_processes(run: Run, repeats: int) -> dict:
+    """One configuration's first process (one generation) and `repeats` later ones (three each)."""
+    first = in_new_process(run, 1)
+    later = [in_new_process(run, 3) for _ in range(repeats)]
+    return {"first": first["seconds"][0], "later": [p["seconds"] for p in later],
+            "peak GiB": max(p["peak GiB"] for p in later)}
+
+
+def warm_start_row(run: Run, result: dict) -> dict:
+    """Per later process: its first generation, its warm time (the faster of its next two) and the
+    difference; the row gives their medians over the processes, and the range of the difference."""
+    warm = [min(seconds[1:]) for seconds in result["later"]]
+    extra = [seconds[0] - w for seconds, w in zip(result["later"], warm)]
+    return {"engine": run.engine, "model": run.model, "method": run.method, "batch": run.batch,
+            "prompt": run.prompt, "tokens / steps": f"{run.gen} / {run.steps}",
+            "first process s": result["first"], "later process s": median([s[0] for s in result["later"]]),
+            "warm s": median(warm), "later - warm s": median(extra), "range s": f"{min(extra):.2f} - {max(extra):.2f}",
+            "tokens/s": run.batch * run.gen / median(warm), "peak GiB": result["peak GiB"]}
+
+
 def bench_warm_start(args, report, meta):
-    runs = SETTINGS["quick" if args.quick else "warm_start"]
-    meta.update(settings="quick" if args.quick else "warm_start")
-    report.say(header(meta))
-    report.say("    python scripts/bench.py e2e --settings warm_start" + (" --quick" if args.quick else "") + "\n")
-    rows = []
-    for run in runs:
-        first = in_new_process(run, 1)
-        later = in_new_process(run, 3)
-        new_process, warm = later["seconds"][0], min(later["seconds"][1:])
-        rows.append({"engine": run.engine, "model": run.model, "method": run.method, "batch": run.batch,
-                     "prompt": run.prompt, "tokens / steps": f"{run.gen} / {run.steps}",
-                     "first process s": first["seconds"][0], "later process s": new_process, "warm s": warm,
-                     "later - warm s": new_process - warm, "tokens/s": run.batch * run.gen / warm,
-                     "peak GiB": later["peak GiB"]})
-        print(rows[-1], flush=True)
+    settings = "quick" if args.quick else "warm_start"
+    runs = SETTINGS[settings]
+    path = args.journal or journal_path("e2e", {"settings": settings, "repeats": args.repeats, "meta": meta["device"]})
+    journal = Journal(path, {"settings": settings, "repeats": args.repeats})
+    meta.update(settings=settings)
+    started = time.perf_counter()
+    for i, run in enumerate(runs):
+        if run.label() not in journal.done:
+            record = {"key": run.label(), "result": warm_start_processes(run, args.repeats)}
+            journal.add(record)
+            journal.done[run.label()] = record
+        print(f"[{i + 1}/{len(runs)}] {run.label()}: {journal.done[run.label()]['result']}"
+              f"{time_left(started, i + 1, len(runs) - i - 1)}", flush=True)
+    rows = [warm_start_row(run, journal.done[run.label()]["result"]) for run in runs]
     for row in rows:
         dense = next(r for r in rows if r["engine"] == row["engine"] and r["method"] == "dense")
         row["vs dense"] = dense["warm s"] / row["warm s"]
+    report.say(header(meta))
+    report.say("    python scripts/bench.py e2e --settings warm_start" + (" --quick" if args.quick else "")
+               + (f" --repeats {args.repeats}" if args.repeats != 3 else "") + "\n")
     report.table("Generations in new processes", rows,
-                 "First process: its one generation. Later process: its first generation, after the first process "
-                 "ran. Warm: the faster of that process's next two. Every method at its defaults.")
+                 f"First process: its one generation. Then {args.repeats} later processes, one after another, each "
+                 "generating three times: its first generation (what every later process pays; the bar: at most 1 s "
+                 "over a warm one) and its warm time (the faster of the other two). The row gives medians over the "
+                 "later processes, and the range of their first-minus-warm differences. Every method at its defaults.")
+    journal.finish()
 
 
 def bench_e2e(args, report, meta, rates) -> list[str]:
     """The tables of --settings; returns the rows that failed (warm_start stops at the first)."""
     if args.report_only and args.settings != "paper":
-        sys.exit("bench.py e2e --report-only: only --settings paper keeps a journal")
+        sys.exit("bench.py e2e --report-only rebuilds the --settings paper table only")
     if args.settings == "paper":
         return bench_paper(args, report, meta, rates)
     bench_warm_start(args, report, meta)

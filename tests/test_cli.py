@@ -216,6 +216,41 @@ def test_a_failed_benchmark_row_is_named_and_retried_by_a_rerun(tmp_path, monkey
     assert kept == ["machine", good.label()]
 
 
+def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch):
+    """bench.py e2e --settings warm_start: configurations already journaled are not run again, and a row
+    holds the medians over its later processes of the first generation, the warm one (the faster of the
+    other two) and their difference, with the difference's range."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench
+    import bench_e2e
+
+    done, todo = (bench_e2e.Run("masked", "quick", m, 23, 8, 4, block=4) for m in ("dense", "fast_dllm"))
+    monkeypatch.setitem(bench_e2e.SETTINGS, "quick", [done, todo])
+    later = [[5.0, 2.0, 3.0], [9.0, 4.0, 4.5], [4.0, 3.5, 1.0]]  # differences 3, 5, 3; warm 2, 4, 1
+    journal = tmp_path / "warm.jsonl"
+    journal.write_text(json.dumps({"settings": {"settings": "quick", "repeats": 3}}) + "\n"
+                       + json.dumps({"key": done.label(), "result": {"first": 7.0, "later": later, "peak GiB": 1.0}})
+                       + "\n")
+    ran = []
+
+    def fake_process(run, generations, timeout=None):
+        ran.append((run.method, generations))
+        return {"seconds": [1.5, 1.0, 1.25][:generations], "peak GiB": 2.0}
+
+    monkeypatch.setattr(bench_e2e, "in_new_process", fake_process)
+    args = argparse.Namespace(quick=True, journal=journal, repeats=3)
+    report = bench.Report()
+    bench_e2e.bench_warm_start(args, report, bench.run_metadata(torch.float32, True))
+    assert ran == [("fast_dllm", 1)] + [("fast_dllm", 3)] * 3
+    dense, fast = report.sections[0]["rows"]
+    assert (dense["first process s"], dense["later process s"], dense["warm s"]) == (7.0, 5.0, 2.0)
+    assert (dense["later - warm s"], dense["range s"]) == (3.0, "3.00 - 5.00")
+    assert (fast["later - warm s"], fast["vs dense"]) == (0.5, 2.0)
+    assert not journal.exists()  # the run completed: a rerun starts afresh
+
+
 def test_no_command_is_named_on_stderr():
     done = script("-m", "nanodllm", timeout=120)
     assert done.returncode == 2 and done.stdout == ""
