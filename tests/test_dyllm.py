@@ -221,14 +221,16 @@ def test_sparse_steps_write_the_same_caches_with_the_row_scatter_kernel(monkeypa
     assert calls
 
 
+@pytest.mark.parametrize("graph_rows", [0, 256])  # eager steps; every step listing all its rows
 @settings(max_examples=5, deadline=None)
 @given(lengths=st.lists(st.integers(3, 24), min_size=1, max_size=3), full_steps=st.integers(1, 3),
        seed=st.integers(0, 1000))
-def test_every_row_salient_equals_dense(lengths, full_steps, seed):
+def test_every_row_salient_equals_dense(graph_rows, lengths, full_steps, seed):
     prompts = [random_prompt(n, seed=seed + i) for i, n in enumerate(lengths)]
     gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
     expected = generate(get_method("dense"), prompts, gen)
-    assert generate(get_method("dyllm", tau=1.5, full_period=1, full_steps=full_steps), prompts, gen) == expected
+    method = get_method("dyllm", tau=1.5, full_period=1, full_steps=full_steps, graph_rows=graph_rows)
+    assert generate(method, prompts, gen) == expected
 
 
 def test_low_threshold_shrinks_the_salient_set_and_differs():
@@ -257,9 +259,34 @@ def test_salient_fraction_fixes_the_count():
 
 def test_a_cap_covering_every_row_is_the_threshold_rule():
     """salient_cap = 1 lists every row and keeps those below tau: the uncapped (paper's) tokens."""
-    free, capped = get_method("dyllm", tau=0.99), get_method("dyllm", tau=0.99, salient_cap=1.0)
+    free, capped = get_method("dyllm", tau=0.99, graph_rows=0), get_method("dyllm", tau=0.99, salient_cap=1.0)
     assert generate(capped) == generate(free)
     assert capped.stats["salient_per_layer"] == free.stats["salient_per_layer"]
+
+
+def kinds_of(method) -> list:
+    """method, its step_kind recording what it answers."""
+    kinds, step_kind = [], method.step_kind
+    method.step_kind = lambda ctx: kinds.append(step_kind(ctx)) or kinds[-1]
+    return kinds
+
+
+@pytest.mark.parametrize("knobs", [{"tau": 0.99}, {"tau": 0.9, "full_period": 2}])
+def test_small_steps_list_every_row_and_decode_what_eager_steps_decode(knobs):
+    """A sparse step feeding at most graph_rows rows lists them all, the salient ones marked: the same
+    sets, hence the same tokens and salient fractions as sized (eager) steps, at fixed shapes (a kind).
+    Rows count over the batch: the ragged pair's response-only steps feed 2 x 16, its whole-canvas
+    ones 2 x 36."""
+    eager = get_method("dyllm", graph_rows=0, **knobs)
+    assert generate(eager) == generate(listed := get_method("dyllm", **knobs))
+    assert listed.stats["salient_per_layer"] == eager.stats["salient_per_layer"]
+    below, at = get_method("dyllm", graph_rows=31, **knobs), get_method("dyllm", graph_rows=32, **knobs)
+    kinds_below, kinds_at = kinds_of(below), kinds_of(at)
+    assert generate(below) == generate(at) == generate(eager)
+    assert kinds_below == [None] * GEN.steps
+    response_only = [kind for t, kind in enumerate(kinds_at) if t >= at.full_steps and t % at.full_period]
+    assert response_only and all(kind is not None and kind[-1] == 1.0 for kind in response_only)
+    assert all(kind is None for t, kind in enumerate(kinds_at) if t % at.full_period == 0)
 
 
 def test_a_small_cap_bounds_the_salient_set_and_differs():
@@ -269,8 +296,8 @@ def test_a_small_cap_bounds_the_salient_set_and_differs():
     assert max(capped.stats["salient_per_layer"]) <= -(-0.05 * rows // 1) / rows < free.stats["salient"]
 
 
-@pytest.mark.parametrize("knobs", [{"tau": 0.9}, {"tau": 0.9, "salient_fraction": 0.25},
-                                   {"tau": 0.99, "salient_cap": 0.25}])
+@pytest.mark.parametrize("knobs", [{"tau": 0.9}, {"tau": 0.9, "graph_rows": 0},
+                                   {"tau": 0.9, "salient_fraction": 0.25}, {"tau": 0.99, "salient_cap": 0.25}])
 def test_a_row_decodes_the_same_alone_and_in_a_ragged_batch(knobs):
     """DESIGN.md: a row's result must not depend on the batch. The short prompt, left-padded next to a
     longer one, sizes its salient sets from its own fed rows, as it does alone (tau alone: control)."""
@@ -425,11 +452,12 @@ DREAM = dict(model=load_model(Path(__file__).parent / "fixtures" / "dream_tiny",
 
 @pytest.mark.parametrize("model", ["llada", "dream"])
 @pytest.mark.parametrize("knobs", [dict(tau=0.99), dict(tau=0.5), dict(tau=0.9, full_steps=2, full_period=3)])
-def test_sparse_steps_match_the_plain_torch_reference(model, knobs):
+@pytest.mark.parametrize("graph_rows", [0, 256])
+def test_sparse_steps_match_the_plain_torch_reference(model, knobs, graph_rows):
     """Whole-canvas and response-only steps (Dream's shifted logits included) against ReferenceDyLLM,
-    logits step by step, on float64 models."""
+    logits step by step, on float64 models; eager steps, and steps listing every fed row."""
     decode = DREAM if model == "dream" else {}
-    tokens, logits = logits_per_step(get_method("dyllm", **knobs), **decode)
+    tokens, logits = logits_per_step(get_method("dyllm", graph_rows=graph_rows, **knobs), **decode)
     expected_tokens, expected_logits = logits_per_step(ReferenceDyLLM(**knobs), **decode)
     assert tokens == expected_tokens
     assert len(logits) == len(expected_logits)

@@ -3,30 +3,30 @@
 Paper: "DyLLM: Efficient Diffusion LLM Inference via Saliency-based Token Selection and Partial
 Attention", https://arxiv.org/abs/2603.08026 (appendix C, Algorithms 1-4).
 
-Idea. From one denoising step to the next most rows' attention context barely moves. After
-`full_steps` dense steps that cache, per layer, K, V, every row's attention context C (per head,
-before o_proj) with its softmax log-sum-exp, and every row's FFN output, each step is sparse: it feeds
-the whole canvas every `full_period`-th step and only the response otherwise, and per layer, given
-the salient rows S coming in:
+Idea. Between denoising steps most rows' attention context barely moves. After `full_steps` dense
+steps caching, per layer, K, V, each row's attention context C (per head, before o_proj) with its
+log-sum-exp, and each row's FFN output, steps are sparse: they feed the whole canvas every
+`full_period`-th step and only the response otherwise, and per layer, given the salient rows S:
     Q for every fed row; fresh K, V for S only, dV = V_new[S] - V_old[S];
     rows in S: exact attention over all keys (and a fresh log-sum-exp);
-    every other row: C = C_old + sum over j in S of min(exp(scale q k_j - lse_old), 1) dV_j, with the
-        row's cached normaliser, so no score matrix is formed (kernels/approx_attention.py); the clamp
-        at 1, a softmax weight's bound, keeps a stale normaliser from blowing a column up;
+    every other row: C = C_old + sum over j in S of min(exp(scale q k_j - lse_old), 1) dV_j, with its
+        cached normaliser, no score matrix formed (kernels/approx_attention.py); the clamp at 1, a
+        softmax weight's bound, keeps a stale normaliser from blowing a column up;
     the next S: the fed rows whose C has cosine similarity to C_old below tau (all heads together);
     every fed row adds o_proj(C); only the next S run the FFN, the others add their cached output.
-A layer's S is the one the layer before it chose in this step (Algorithm 3's order); S entering
-layer 1 is the last layer's S of the previous step plus the tokens unmasked since (an assumption:
-Algorithm 1 does not say). After a full step every row counts as salient.
-With tau alone each layer's S is sized from its values (a host sync per layer). salient_cap bounds S
-(at most that fraction of the real fed rows: the paper's S whenever fewer cross tau) and
-salient_fraction fixes it; either lists every S at a fixed size, so sparse steps are kinds.
-
+A layer's S is the one the layer before chose (Algorithm 3); S entering layer 1 is the last layer's S
+of the previous step plus the tokens unmasked since (assumed: Algorithm 1 does not say); after a full
+step every row is salient. With tau alone each layer's S is sized from its values (a host sync per
+layer: eager steps), except in steps feeding at most graph_rows rows in all: their layers list every
+fed row, the salient ones marked (the same S, fixed shapes: the step replays a CUDA graph; at so few
+rows the matmuls read the weights either way). salient_cap bounds S (at most that fraction of the real
+fed rows: the paper's S whenever fewer cross tau), salient_fraction fixes it: every step recorded.
 Hooks: begin_block (a new generation), step (from the layer primitives), end_step, step_kind.
 Equals dense: tau > 1 (every row salient) with full_period = 1 (every step feeds the whole canvas).
 Knobs (paper defaults): tau = 0.99 for LLaDA and 0.995 for Dream (None: by the model's type),
 full_steps T_full = 4, full_period = 4; salient_fraction = None (benchmarks: S is that fraction of
-each sequence's real fed rows, the lowest cosines), salient_cap = None (not in the paper).
+each sequence's real fed rows, the lowest cosines), salient_cap = None, graph_rows = 256 (neither in
+the paper; graph_rows changes no output, 0 runs every tau-only step eagerly).
 stats: salient = mean salient fraction of the real fed rows per sparse step (salient_per_layer: per layer).
 """
 
@@ -83,11 +83,13 @@ class Salient(NamedTuple):
 class Fed:
     """What every layer of one sparse step shares about its fed rows: valid [batch, fed] (real rows),
     offset (the first fed column of the canvas: 0, or the prompt's width in a response-only step),
-    k_valid (the keys' validity, None where all are real)."""
+    k_valid (the keys' validity, None where all are real), list_fraction (the fraction of the real fed
+    rows each layer lists its S at, or None: as many as there are)."""
 
     valid: torch.Tensor
     offset: int
     k_valid: torch.Tensor | None
+    list_fraction: float | None
 
 
 def index_rows(mask: torch.Tensor, count: int | None = None):
@@ -130,9 +132,10 @@ class DyLLM(Method):
     engines = ("masked",)
 
     def __init__(self, tau: float | None = None, full_steps: int = 4, full_period: int = 4,
-                 salient_fraction: float | None = None, salient_cap: float | None = None):
+                 salient_fraction: float | None = None, salient_cap: float | None = None, graph_rows: int = 256):
         super().__init__()
         check_int(1, full_steps=full_steps, full_period=full_period)
+        check_int(0, graph_rows=graph_rows)
         if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau)):
             raise ValueError(f"tau must be a number (a cosine threshold; above 1 every row is salient), got {tau!r}")
         for name, value in (("salient_fraction", salient_fraction), ("salient_cap", salient_cap)):
@@ -142,7 +145,7 @@ class DyLLM(Method):
             raise ValueError("salient_fraction fixes the salient set's size; salient_cap only bounds tau's: give one")
         self.tau, self.full_steps, self.full_period = tau, full_steps, full_period
         self.threshold = tau  # the tau in use: the knob, or the model type's paper default (step)
-        self.salient_fraction, self.salient_cap = salient_fraction, salient_cap
+        self.salient_fraction, self.salient_cap, self.graph_rows = salient_fraction, salient_cap, graph_rows
         self.layers: list[LayerState] = []
         self.t = self.full_done = 0
         self.salient = self.previous_tokens = self.prompt_tail = self.fractions = None
@@ -154,20 +157,29 @@ class DyLLM(Method):
         if ctx.block == 0:
             self.layers, self.t, self.salient = [], 0, None
 
+    def offset(self, ctx: StepContext) -> int:
+        """The first fed column of a sparse step: 0 every full_period-th step, else the prompt's width."""
+        return 0 if self.t % self.full_period == 0 else ctx.logits_start - ctx.block * ctx.block_length
+
+    def list_fraction(self, ctx: StepContext, offset: int) -> float | None:
+        """The fraction of the real fed rows each layer of a sparse step lists its S at (Fed.list_fraction)."""
+        if self.salient_fraction is not None or self.salient_cap is not None:
+            return self.salient_cap if self.salient_fraction is None else self.salient_fraction
+        return 1.0 if ctx.tokens.shape[0] * (ctx.tokens.shape[1] - offset) <= self.graph_rows else None
+
     def plan(self, ctx: StepContext):
-        """(offset: the first fed column, the first layer's listing width or None (sized from its
-        values), whether every column is real) of a sparse step; host syncs."""
-        prompt_width = ctx.logits_start - ctx.block * ctx.block_length
-        offset = 0 if self.t % self.full_period == 0 else prompt_width
-        all_valid = bool(ctx.valid.all())
-        if self.salient_fraction is None and self.salient_cap is None:
-            return offset, None, all_valid
+        """(offset, the first layer's listing width or None (sized from its values), whether every
+        column is real, Fed.list_fraction) of a sparse step; host syncs."""
+        offset = self.offset(ctx)
+        fraction, all_valid = self.list_fraction(ctx, offset), bool(ctx.valid.all())
+        if fraction is None:
+            return offset, None, all_valid, None
         salient = (self.salient | (ctx.tokens != self.previous_tokens))[:, offset:] & ctx.valid[:, offset:]
-        return offset, capacity(int(salient.sum(dim=1).max()), ctx.tokens.shape[1] - offset), all_valid
+        return offset, capacity(int(salient.sum(dim=1).max()), ctx.tokens.shape[1] - offset), all_valid, fraction
 
     def step_kind(self, ctx: StepContext):
         """Sparse steps with fixed-size salient sets, per plan and per the caches of the last full step."""
-        if self.t < self.full_steps or not self.layers or (self.salient_fraction is None and self.salient_cap is None):
+        if self.t < self.full_steps or not self.layers or self.list_fraction(ctx, self.offset(ctx)) is None:
             return None
         return (self.full_done, *self.plan(ctx))
 
@@ -209,13 +221,14 @@ class DyLLM(Method):
         self.prompt_tail = overwrite(self.prompt_tail, x[:, prompt_width - 1 : prompt_width])
         return x
 
-    def sparse_step(self, model, ctx, offset: int, first: int | None, all_valid: bool) -> torch.Tensor:
+    def sparse_step(self, model, ctx, offset: int, first: int | None, all_valid: bool,
+                    list_fraction: float | None) -> torch.Tensor:
         """Algorithm 3 over the fed rows (the whole canvas, or the response only): their hidden states."""
         prompt_width = ctx.logits_start - ctx.block * ctx.block_length
         tokens, positions, valid = ctx.tokens[:, offset:], ctx.positions[:, offset:], ctx.valid[:, offset:]
         salient = (self.salient | (ctx.tokens != self.previous_tokens))[:, offset:] & valid
-        x, salient, fractions = self.forward_layers(model, tokens, positions, salient, valid, ctx.valid, offset,
-                                                    all_valid, first)
+        fed = Fed(valid, offset, None if all_valid else ctx.valid, list_fraction)
+        x, salient, fractions = self.forward_layers(model, tokens, positions, salient, fed, first)
         self.salient[:, :offset] = False
         self.salient[:, offset:] = salient
         self.fractions = overwrite(self.fractions, fractions)
@@ -228,18 +241,17 @@ class DyLLM(Method):
         offset = ctx.tokens.shape[1] - hidden.shape[1]
         return model.head(hidden, ctx.logits_start - offset, ctx.logits_stop - offset, before=self.prompt_tail)
 
-    def forward_layers(self, model, tokens, positions, salient, valid, valid_keys, offset, all_valid, first):
+    def forward_layers(self, model, tokens, positions, salient, fed: Fed, first: int | None):
         """Every layer over the fed rows, given the salient rows entering layer 1 (listed `first` at a
         time, or as many as there are): (hidden states, the last layer's salient rows, the salient
         fraction of each layer)."""
         x, rope = model.embed(tokens), model.rope(positions)
-        fed = Fed(valid, offset, None if all_valid else valid_keys)
         selected = Salient.listed(*list_rows(salient, first))
         masks, mlp_out = [], None
         for layer, state in zip(model.layers, self.layers):
             x, mlp_out, selected = self.layer_step(layer, state, x, mlp_out, rope, selected, fed)
             masks.append(selected.mask)
-        fractions = torch.stack(masks).sum(dim=(1, 2)) / valid.sum()  # over the real fed rows
+        fractions = torch.stack(masks).sum(dim=(1, 2)) / fed.valid.sum()  # over the real fed rows
         return x.add_(mlp_out), selected.mask, fractions
 
     def layer_step(self, layer, state, x, pending, rope, selected: Salient, fed: Fed):
@@ -258,7 +270,7 @@ class DyLLM(Method):
         context = state.context[:, :, fed.offset:]
         stats = approximate(q, state.keys, dv, columns, state.lse[:, :, fed.offset:], context,
                             (exact, lse, selected.slots))
-        selected = Salient.listed(*self.next_salient(stats.sum(dim=1), fed.valid, use_kernels(q)))
+        selected = Salient.listed(*self.next_salient(stats.sum(dim=1), fed, use_kernels(q)))
 
         x = layer.add_out(x, context)
         cached = state.mlp_out[:, fed.offset:]
@@ -266,17 +278,17 @@ class DyLLM(Method):
         put_where(cached[:, None], selected.rows, selected.ok, fresh[:, None])
         return x, cached, selected
 
-    def next_salient(self, stats, valid, on_kernels: bool):
+    def next_salient(self, stats, fed: Fed, on_kernels: bool):
         """Rows whose context moved: cos(C, C_old) < tau; or the lowest-cosine salient_fraction; or,
-        with salient_cap, those below tau among the lowest-cosine cap's worth (fixed counts, listed
-        without a host sync). Returns (mask, rows, ok, slots) as Salient holds them."""
-        if self.salient_fraction is None and self.salient_cap is None:
+        listed at a fixed fraction (salient_cap, or every fed row), those below tau among the
+        lowest-cosine fraction's worth (listed without a host sync). Returns (mask, rows, ok, slots)
+        as Salient holds them."""
+        if fed.list_fraction is None:
             cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
-            return list_rows((cos < self.threshold) & valid)
-        fraction = self.salient_cap if self.salient_fraction is None else self.salient_fraction
+            return list_rows((cos < self.threshold) & fed.valid)
         tau = self.threshold if self.salient_fraction is None else None
         select = salient_rows if on_kernels and stats.shape[1] <= WHOLE_ROW_MAX else salient_rows_reference
-        return select(stats, valid, fraction, tau)
+        return select(stats, fed.valid, fed.list_fraction, tau)
 
     def count_salient(self, fractions: list[float]):
         self.salient_history.append((self.t, fractions))  # (step, per-layer fraction) for plots
