@@ -511,7 +511,8 @@ def bench_generations(args):
     meta, report = run_metadata(dtype, args.quick), Report()
     shapes = QUICK if args.quick else FULL
     failed = bench_e2e(args, report, meta, lambda: measure_ceilings(Timer(device, args.quick), shapes, device, dtype))
-    stem = f"bench_e2e_{args.settings}" + ("_quick" if args.quick else "")
+    methods = getattr(args, "methods", None)
+    stem = f"bench_e2e_{args.settings}" + ("_" + "_".join(methods) if methods else "") + ("_quick" if args.quick else "")
     report.write(args.out, stem, meta)
     if failed:
         sys.exit(f"bench.py e2e: {len(failed)} row(s) failed, their errors above: {'; '.join(failed)}. The same "
@@ -608,6 +609,8 @@ def main():
                      "short settings, a first and a later process each")
     e2e.add_argument("--repeats", type=positive_int, default=3, help="warm_start: later processes per configuration "
                      "(default 3)")
+    e2e.add_argument("--methods", nargs="+", help="warm_start: only these methods' rows, written to "
+                     "bench_e2e_warm_start_METHODS")
     e2e.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration's process may take "
                      "before its row is given up (default 900)")
     e2e.add_argument("--journal", type=Path, help="the journal of finished rows (default: runs/e2e-<hash>.jsonl)")
@@ -616,6 +619,8 @@ def main():
     args = parser.parse_args()
     if args.out is None:  # a smoke test never overwrites the committed results
         args.out = Path(tempfile.mkdtemp(prefix="nanodllm-bench-")) if args.quick else REPO / "docs" / "results"
+    if getattr(args, "methods", None) and args.settings != "warm_start":
+        parser.error("e2e --methods picks rows of --settings warm_start only")
     gpu_only = {"--generate": getattr(args, "generate", None), "--tune": getattr(args, "tune", False)}
     for flag in (flag for flag, given in gpu_only.items() if given and not torch.cuda.is_available()):
         parser.error(f"{args.command} {flag} runs on a GPU only (CUDA events and graphs), and torch sees none here")

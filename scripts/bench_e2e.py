@@ -395,9 +395,14 @@ def warm_start_row(run: Run, result: dict) -> dict:
 
 def bench_warm_start(args, report, meta):
     settings = "quick" if args.quick else "warm_start"
-    runs = SETTINGS[settings]
-    path = args.journal or journal_path("e2e", {"settings": settings, "repeats": args.repeats, "meta": meta["device"]})
-    journal = Journal(path, {"settings": settings, "repeats": args.repeats})
+    unknown = sorted(set(args.methods or ()) - {run.method for run in SETTINGS[settings]})
+    if unknown:
+        sys.exit(f"bench.py e2e --methods: {', '.join(unknown)} not among the warm_start rows' methods "
+                 f"({', '.join(dict.fromkeys(run.method for run in SETTINGS[settings]))})")
+    runs = [run for run in SETTINGS[settings] if not args.methods or run.method in args.methods]
+    key = {"settings": settings, "repeats": args.repeats, "methods": args.methods}
+    path = args.journal or journal_path("e2e", {**key, "meta": meta["device"]})
+    journal = Journal(path, key)
     meta.update(settings=settings)
     started = time.perf_counter()
     for i, run in enumerate(runs):
@@ -409,11 +414,12 @@ def bench_warm_start(args, report, meta):
               f"{time_left(started, i + 1, len(runs) - i - 1)}", flush=True)
     rows = [warm_start_row(run, journal.done[run.label()]["result"]) for run in runs]
     for row in rows:
-        dense = next(r for r in rows if r["engine"] == row["engine"] and r["method"] == "dense")
-        row["vs dense"] = dense["warm s"] / row["warm s"]
+        dense = [r for r in rows if r["engine"] == row["engine"] and r["method"] == "dense"]
+        row["vs dense"] = dense[0]["warm s"] / row["warm s"] if dense else float("nan")
     report.say(header(meta))
     report.say("    python scripts/bench.py e2e --settings warm_start" + (" --quick" if args.quick else "")
-               + (f" --repeats {args.repeats}" if args.repeats != 3 else "") + "\n")
+               + (f" --repeats {args.repeats}" if args.repeats != 3 else "")
+               + (f" --methods {' '.join(args.methods)}" if args.methods else "") + "\n")
     report.table("Generations in new processes", rows,
                  f"First process: its one generation. Then {args.repeats} later processes, one after another, each "
                  "generating three times: its first generation (what every later process pays; the bar: at most 1 s "

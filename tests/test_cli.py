@@ -230,7 +230,7 @@ def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch)
     monkeypatch.setitem(bench_e2e.SETTINGS, "quick", [done, todo])
     later = [[5.0, 2.0, 3.0], [9.0, 4.0, 4.5], [4.0, 3.5, 1.0]]  # differences 3, 5, 3; warm 2, 4, 1
     journal = tmp_path / "warm.jsonl"
-    journal.write_text(json.dumps({"settings": {"settings": "quick", "repeats": 3}}) + "\n"
+    journal.write_text(json.dumps({"settings": {"settings": "quick", "repeats": 3, "methods": None}}) + "\n"
                        + json.dumps({"key": done.label(), "result": {"first": 7.0, "later": later, "peak GiB": 1.0}})
                        + "\n")
     ran = []
@@ -240,7 +240,7 @@ def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch)
         return {"seconds": [1.5, 1.0, 1.25][:generations], "peak GiB": 2.0}
 
     monkeypatch.setattr(bench_e2e, "in_new_process", fake_process)
-    args = argparse.Namespace(quick=True, journal=journal, repeats=3)
+    args = argparse.Namespace(quick=True, journal=journal, repeats=3, methods=None)
     report = bench.Report()
     bench_e2e.bench_warm_start(args, report, bench.run_metadata(torch.float32, True))
     assert ran == [("fast_dllm", 1)] + [("fast_dllm", 3)] * 3
