@@ -60,7 +60,7 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nanodllm.cli import help_text  # noqa: E402
+from nanodllm.cli import help_text, run_main  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 
@@ -982,4 +982,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

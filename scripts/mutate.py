@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nanodllm.cli import help_text  # noqa: E402
+from nanodllm.cli import help_text, run_main  # noqa: E402
 
 NOT_COPIED = (".git", ".venv", "venv", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info", "build", "runs",
               ".whl", "*.whl", "_orig", "_golden")
@@ -517,4 +517,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nanodllm.cli import help_text  # noqa: E402
+from nanodllm.cli import help_text, run_main  # noqa: E402
 from nanodllm import tasks  # noqa: E402
 from nanodllm.attention import attention, block_causal_mask, key_padding_mask  # noqa: E402
 from nanodllm.config import ModelConfig  # noqa: E402
@@ -571,4 +571,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))
