@@ -38,9 +38,9 @@ import json
 import subprocess
 import sys
 import time
-from statistics import median
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median
 
 import torch
 

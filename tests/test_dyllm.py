@@ -265,7 +265,7 @@ def test_a_cap_covering_every_row_is_the_threshold_rule():
 
 
 def kinds_of(method) -> list:
-    """method, its step_kind recording what it answers."""
+    """The list method.step_kind's answers go to, one per step (step_kind is wrapped)."""
     kinds, step_kind = [], method.step_kind
     method.step_kind = lambda ctx: kinds.append(step_kind(ctx)) or kinds[-1]
     return kinds
