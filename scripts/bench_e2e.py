@@ -317,14 +317,14 @@ def machine_record(journal: Journal, meta: dict, rates) -> dict:
     return {k: v for k, v in journal.done["machine"].items() if k not in ("key", "date")}
 
 
-def run_rows(runs: list[Run], journal: Journal, timeout: float) -> list[str]:
-    """Run every configuration the journal lacks; returns the labels of those that failed."""
+def run_rows(runs: list[Run], journal: Journal, measure) -> list[str]:
+    """measure(run) for every configuration the journal lacks; returns the labels of those that failed."""
     started, computed, failed = time.perf_counter(), 0, []
     for i, run in enumerate(runs):
         if run.label() in journal.done:
             continue
         try:
-            result = in_new_process(run, 2, timeout=timeout)
+            result = measure(run)
         except RuntimeError as error:  # not journaled: a rerun tries it again
             result = {"skipped": f"failed: {str(error).strip().splitlines()[-1][:200]}"}
             failed.append(run.label())
@@ -347,7 +347,7 @@ def bench_paper(args, report, meta, rates) -> list[str]:
     if args.report_only and (journal is None or "machine" not in journal.done):
         sys.exit(f"bench.py e2e --report-only: no journal of a run at {path}")
     meta.update(machine_record(journal, meta, rates), settings=settings)
-    failed = [] if args.report_only else run_rows(runs, journal, args.timeout)
+    failed = [] if args.report_only else run_rows(runs, journal, lambda run: in_new_process(run, 2, args.timeout))
     done = [(run, journal.done.get(run.label(), {"result": {"skipped": "no measurement in the journal"}})["result"])
             for run in runs]
     bandwidth, matmul_rate = meta["copy_GBps"], meta["matmul_TFLOPs"]
@@ -393,7 +393,8 @@ def warm_start_row(run: Run, result: dict) -> dict:
             "tokens/s": run.batch * run.gen / median(warm), "peak GiB": result["peak GiB"]}
 
 
-def bench_warm_start(args, report, meta):
+def bench_warm_start(args, report, meta) -> list[str]:
+    """The warm-start table; returns the rows that failed (they are retried by a rerun)."""
     settings = "quick" if args.quick else "warm_start"
     unknown = sorted(set(args.methods or ()) - {run.method for run in SETTINGS[settings]})
     if unknown:
@@ -404,15 +405,9 @@ def bench_warm_start(args, report, meta):
     path = args.journal or journal_path("e2e", {**key, "meta": meta["device"]})
     journal = Journal(path, key)
     meta.update(settings=settings)
-    started = time.perf_counter()
-    for i, run in enumerate(runs):
-        if run.label() not in journal.done:
-            record = {"key": run.label(), "result": warm_start_processes(run, args.repeats)}
-            journal.add(record)
-            journal.done[run.label()] = record
-        print(f"[{i + 1}/{len(runs)}] {run.label()}: {journal.done[run.label()]['result']}"
-              f"{time_left(started, i + 1, len(runs) - i - 1)}", flush=True)
-    rows = [warm_start_row(run, journal.done[run.label()]["result"]) for run in runs]
+    failed = run_rows(runs, journal, lambda run: warm_start_processes(run, args.repeats))
+    done = [(run, journal.done[run.label()]["result"]) for run in runs]
+    rows = [warm_start_row(run, result) for run, result in done if "skipped" not in result]
     for row in rows:
         dense = [r for r in rows if r["engine"] == row["engine"] and r["method"] == "dense"]
         row["vs dense"] = dense[0]["warm s"] / row["warm s"] if dense else float("nan")
@@ -425,17 +420,21 @@ def bench_warm_start(args, report, meta):
                  "generating three times: its first generation (what every later process pays; the bar: at most 1 s "
                  "over a warm one) and its warm time (the faster of the other two). The row gives medians over the "
                  "later processes, and the range of their first-minus-warm differences. Every method at its defaults.")
-    journal.finish()
+    skipped = [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]
+    if skipped:
+        report.say("Not run: " + "; ".join(skipped) + "\n")
+    if not failed:
+        journal.finish()
+    return failed
 
 
 def bench_e2e(args, report, meta, rates) -> list[str]:
-    """The tables of --settings; returns the rows that failed (warm_start stops at the first)."""
+    """The tables of --settings; returns the rows that failed (a rerun runs them again)."""
     if args.report_only and args.settings != "paper":
         sys.exit("bench.py e2e --report-only rebuilds the --settings paper table only")
     if args.settings == "paper":
         return bench_paper(args, report, meta, rates)
-    bench_warm_start(args, report, meta)
-    return []
+    return bench_warm_start(args, report, meta)
 
 
 def main():

@@ -251,6 +251,30 @@ def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch)
     assert not journal.exists()  # the run completed: a rerun starts afresh
 
 
+def test_a_failed_warm_start_row_is_named_and_its_journal_kept(tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench
+    import bench_e2e
+
+    good, bad = (bench_e2e.Run("masked", "quick", m, 23, 8, 4, block=4) for m in ("dense", "fast_dllm"))
+    monkeypatch.setitem(bench_e2e.SETTINGS, "quick", [good, bad])
+
+    def fake_process(run, generations, timeout=None):
+        if run is bad:
+            raise RuntimeError("the worker died")
+        return {"seconds": [1.5, 1.0, 1.25][:generations], "peak GiB": 2.0}
+
+    monkeypatch.setattr(bench_e2e, "in_new_process", fake_process)
+    journal, report = tmp_path / "warm.jsonl", bench.Report()
+    args = argparse.Namespace(quick=True, journal=journal, repeats=2, methods=None)
+    assert bench_e2e.bench_warm_start(args, report, bench.run_metadata(torch.float32, True)) == [bad.label()]
+    assert [row["method"] for row in report.sections[0]["rows"]] == ["dense"]
+    kept = [json.loads(line).get("key") for line in journal.read_text().splitlines()[1:]]
+    assert kept == [good.label()]
+
+
 def test_no_command_is_named_on_stderr():
     done = script("-m", "nanodllm", timeout=120)
     assert done.returncode == 2 and done.stdout == ""
