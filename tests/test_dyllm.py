@@ -4,6 +4,7 @@ dense, a low threshold shrinks the salient set and changes the output, a row dec
 and in a ragged batch, and the sparse steps equal a plain-torch reading of the method's docstring
 (ReferenceDyLLM) logit for logit, response-only steps and Dream's shifted logits included."""
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from nanodllm.attention import attention_with_lse
 from nanodllm.config import GenerationConfig
 from nanodllm.loader import load_model
 from nanodllm.methods import Method, get_method
-from nanodllm.methods.dyllm import index_rows
+from nanodllm.methods.dyllm import index_rows, list_rows
 from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
                                refuses_block_causal, tiny_model)
 from tests.tiny_models import masked_tokens as generate
@@ -320,6 +321,16 @@ def test_index_rows_lists_true_entries_first():
     assert rows.shape == (1, 1) and not bool(ok.any())
 
 
+def test_list_rows_rounds_the_listing_up_and_marks_the_true_entries():
+    mask = torch.zeros(2, 200, dtype=torch.bool)
+    mask[0, [5, 70]] = mask[1, 199] = True
+    _, rows, ok, slots = list_rows(mask)
+    assert rows.shape == (2, 64) and ok.sum(dim=1).tolist() == [2, 1]
+    assert rows[0, :2].tolist() == [5, 70] and rows[1, 0] == 199
+    assert slots[0, 70] == 1 and slots[1, 199] == 0 and int((slots >= 0).sum()) == 3
+    assert list_rows(mask[:, :40])[1].shape == (2, 40)  # never wider than the canvas
+
+
 def test_bad_knobs_and_block_causal_models_are_named():
     with pytest.raises(ValueError, match="full_period"):
         get_method("dyllm", full_period=0)
@@ -452,10 +463,13 @@ DREAM = dict(model=load_model(Path(__file__).parent / "fixtures" / "dream_tiny",
 
 @pytest.mark.parametrize("model", ["llada", "dream"])
 @pytest.mark.parametrize("knobs", [dict(tau=0.99), dict(tau=0.5), dict(tau=0.9, full_steps=2, full_period=3)])
-@pytest.mark.parametrize("graph_rows", [0, 256])
-def test_sparse_steps_match_the_plain_torch_reference(model, knobs, graph_rows):
+@pytest.mark.parametrize("graph_rows, granule", [(0, 64), (0, 3), (256, 64)])
+def test_sparse_steps_match_the_plain_torch_reference(model, knobs, graph_rows, granule, monkeypatch):
     """Whole-canvas and response-only steps (Dream's shifted logits included) against ReferenceDyLLM,
-    logits step by step, on float64 models; eager steps, and steps listing every fed row."""
+    logits step by step, on float64 models; eager steps (their listings rounded up to the whole canvas
+    at the default granule, to a multiple of 3 rows with padding inside the canvas), and steps listing
+    every fed row."""
+    monkeypatch.setattr(dyllm_module, "capacity", functools.partial(dyllm_module.capacity, granule=granule))
     decode = DREAM if model == "dream" else {}
     tokens, logits = logits_per_step(get_method("dyllm", graph_rows=graph_rows, **knobs), **decode)
     expected_tokens, expected_logits = logits_per_step(ReferenceDyLLM(**knobs), **decode)

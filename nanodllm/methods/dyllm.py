@@ -17,7 +17,7 @@ log-sum-exp, and each row's FFN output, steps are sparse: they feed the whole ca
 A layer's S is the one the layer before chose (Algorithm 3); S entering layer 1 is the last layer's S
 of the previous step plus the tokens unmasked since (assumed: Algorithm 1 does not say); after a full
 step every row is salient. With tau alone each layer's S is sized from its values (a host sync per
-layer: eager steps), except in steps feeding at most graph_rows rows in all: their layers list every
+layer: eager steps; the listing rounded up to 64 rows, few matmul shapes), except in steps feeding at most graph_rows rows in all: their layers list every
 fed row, the salient ones marked (the same S, fixed shapes: the step replays a CUDA graph; at so few
 rows the matmuls read the weights either way). salient_cap bounds S (at most that fraction of the real
 fed rows: the paper's S whenever fewer cross tau), salient_fraction fixes it: every step recorded.
@@ -84,7 +84,7 @@ class Fed:
     """What every layer of one sparse step shares about its fed rows: valid [batch, fed] (real rows),
     offset (the first fed column of the canvas: 0, or the prompt's width in a response-only step),
     k_valid (the keys' validity, None where all are real), list_fraction (the fraction of the real fed
-    rows each layer lists its S at, or None: as many as there are)."""
+    rows each layer lists its S at, or None: as many as there are, rounded up by capacity)."""
 
     valid: torch.Tensor
     offset: int
@@ -107,7 +107,10 @@ def capacity(count: int, width: int, granule: int = 64) -> int:
 
 
 def list_rows(mask: torch.Tensor, count: int | None = None):
-    """index_rows' listing with its slot map: (mask, rows, ok, slots) as kernels/salient_rows.py gives them."""
+    """index_rows' listing with its slot map: (mask, rows, ok, slots) as kernels/salient_rows.py gives them;
+    without a count, as many as the largest count of True entries, rounded up by capacity (a host sync)."""
+    if count is None:
+        count = capacity(int(mask.sum(dim=1).max()), mask.shape[1])
     rows, ok = index_rows(mask, count)
     return mask, rows, ok, slot_map(rows, ok, mask.shape[1])
 
@@ -243,8 +246,8 @@ class DyLLM(Method):
 
     def forward_layers(self, model, tokens, positions, salient, fed: Fed, first: int | None):
         """Every layer over the fed rows, given the salient rows entering layer 1 (listed `first` at a
-        time, or as many as there are): (hidden states, the last layer's salient rows, the salient
-        fraction of each layer)."""
+        time, or as many as there are, rounded up by capacity): (hidden states, the last layer's
+        salient rows, the salient fraction of each layer)."""
         x, rope = model.embed(tokens), model.rope(positions)
         selected = Salient.listed(*list_rows(salient, first))
         masks, mlp_out = [], None
