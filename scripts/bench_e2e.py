@@ -194,7 +194,10 @@ def generator(run: Run, model, sync, logits_error: list):
                 return begin_block(ctx)
 
             method.begin_block = noted
-            engine.generate(model, prompts.tolist(), gen, method=method, **extra)
+            try:
+                engine.generate(model, prompts.tolist(), gen, method=method, **extra)
+            finally:
+                del method.begin_block  # no cycle through noted: the method's tensors go with the generation
             if len(blocks_begun) < 2:
                 note_first_block()
 
