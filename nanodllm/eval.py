@@ -159,8 +159,11 @@ class Journal:
     def __init__(self, path: Path, settings: dict):
         self.path, self.done = path, {}
         lines = path.read_text().splitlines() if path.exists() else []
-        if lines and json.loads(lines[0]) != {"settings": settings}:
-            raise ValueError(f"{path} holds a sweep with other flags; remove it or pass another --journal")
+        held = json.loads(lines[0]).get("settings", {}) if lines else settings
+        if held != settings:
+            differing = sorted(k for k in held.keys() | settings.keys() if held.get(k) != settings.get(k))
+            raise ValueError(f"{path} holds a run with other settings ({', '.join(differing)}); remove it or pass "
+                             "another --journal")
         for line in lines[1:]:
             try:
                 record = json.loads(line)

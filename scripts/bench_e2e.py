@@ -320,6 +320,15 @@ def machine_record(journal: Journal, meta: dict, rates) -> dict:
     return {k: v for k, v in journal.done["machine"].items() if k not in ("key", "date")}
 
 
+def open_journal(path: Path, key: dict) -> Journal:
+    """The journal at path of a run with these settings; one of other settings (another GPU's included)
+    ends the run with a line naming them."""
+    try:
+        return Journal(path, key)
+    except ValueError as error:
+        sys.exit(f"bench.py e2e: {error}")
+
+
 def run_rows(runs: list[Run], journal: Journal, measure) -> list[str]:
     """measure(run) for every configuration the journal lacks; returns the labels of those that failed."""
     started, computed, failed = time.perf_counter(), 0, []
@@ -346,7 +355,8 @@ def bench_paper(args, report, meta, rates) -> list[str]:
     settings = "paper_quick" if args.quick else "paper"
     runs = SETTINGS[settings]
     path = args.journal or journal_path("e2e", {"settings": settings, "meta": meta["device"]})
-    journal = Journal(path, {"settings": settings}) if path.exists() or not args.report_only else None
+    key = {"settings": settings, "device": meta["device"]}  # rows of another GPU are never mixed in
+    journal = open_journal(path, key) if path.exists() or not args.report_only else None
     if args.report_only and (journal is None or "machine" not in journal.done):
         sys.exit(f"bench.py e2e --report-only: no journal of a run at {path}")
     meta.update(machine_record(journal, meta, rates), settings=settings)
@@ -404,9 +414,9 @@ def bench_warm_start(args, report, meta) -> list[str]:
         sys.exit(f"bench.py e2e --methods: {', '.join(unknown)} not among the warm_start rows' methods "
                  f"({', '.join(dict.fromkeys(run.method for run in SETTINGS[settings]))})")
     runs = [run for run in SETTINGS[settings] if not args.methods or run.method in args.methods]
-    key = {"settings": settings, "repeats": args.repeats, "methods": args.methods}
-    path = args.journal or journal_path("e2e", {**key, "meta": meta["device"]})
-    journal = Journal(path, key)
+    key = {"settings": settings, "repeats": args.repeats, "methods": args.methods, "device": meta["device"]}
+    path = args.journal or journal_path("e2e", key)
+    journal = open_journal(path, key)
     meta.update(settings=settings)
     failed = run_rows(runs, journal, lambda run: warm_start_processes(run, args.repeats))
     done = [(run, journal.done[run.label()]["result"]) for run in runs]

@@ -145,7 +145,7 @@ def test_an_interrupted_sweep_resumes_from_its_journal(tmp_path, monkeypatch, ca
     assert resumed.out == whole.out and not journal.exists()
     with journal.open("w") as file:
         file.write(json.dumps({"settings": {"other": "flags"}}) + "\n")
-    assert sweep.main(flags) == 2 and "holds a sweep with other flags" in capsys.readouterr().err
+    assert sweep.main(flags) == 2 and "holds a run with other settings (" in capsys.readouterr().err
 
 
 def test_an_interrupted_eval_resumes_from_its_journal(tmp_path, monkeypatch, capsys):
@@ -219,7 +219,7 @@ def test_a_failed_benchmark_row_is_named_and_retried_by_a_rerun(tmp_path, monkey
 def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch):
     """bench.py e2e --settings warm_start: configurations already journaled are not run again, and a row
     holds the medians over its later processes of the first generation, the warm one (the faster of the
-    other two) and their difference, with the difference's range."""
+    other two) and their difference, with the difference's range. A journal of another GPU is refused."""
     import argparse
 
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
@@ -229,10 +229,14 @@ def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch)
     done, todo = (bench_e2e.Run("masked", "quick", m, 23, 8, 4, block=4) for m in ("dense", "fast_dllm"))
     monkeypatch.setitem(bench_e2e.SETTINGS, "quick", [done, todo])
     later = [[5.0, 2.0, 3.0], [9.0, 4.0, 4.5], [4.0, 3.5, 1.0]]  # differences 3, 5, 3; warm 2, 4, 1
-    journal = tmp_path / "warm.jsonl"
-    journal.write_text(json.dumps({"settings": {"settings": "quick", "repeats": 3, "methods": None}}) + "\n"
-                       + json.dumps({"key": done.label(), "result": {"first": 7.0, "later": later, "peak GiB": 1.0}})
-                       + "\n")
+    journal, meta = tmp_path / "warm.jsonl", bench.run_metadata(torch.float32, True)
+    args = argparse.Namespace(quick=True, journal=journal, repeats=3, methods=None)
+    settings = {"settings": "quick", "repeats": 3, "methods": None, "device": "another GPU"}
+    row = json.dumps({"key": done.label(), "result": {"first": 7.0, "later": later, "peak GiB": 1.0}})
+    journal.write_text(json.dumps({"settings": settings}) + "\n" + row + "\n")
+    with pytest.raises(SystemExit, match=r"other settings \(device\)"):  # never mixed with another GPU's rows
+        bench_e2e.bench_warm_start(args, bench.Report(), dict(meta))
+    journal.write_text(json.dumps({"settings": {**settings, "device": meta["device"]}}) + "\n" + row + "\n")
     ran = []
 
     def fake_process(run, generations, timeout=None):
@@ -240,9 +244,8 @@ def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch)
         return {"seconds": [1.5, 1.0, 1.25][:generations], "peak GiB": 2.0}
 
     monkeypatch.setattr(bench_e2e, "in_new_process", fake_process)
-    args = argparse.Namespace(quick=True, journal=journal, repeats=3, methods=None)
     report = bench.Report()
-    bench_e2e.bench_warm_start(args, report, bench.run_metadata(torch.float32, True))
+    bench_e2e.bench_warm_start(args, report, meta)
     assert ran == [("fast_dllm", 1)] + [("fast_dllm", 3)] * 3
     dense, fast = report.sections[0]["rows"]
     assert (dense["first process s"], dense["later process s"], dense["warm s"]) == (7.0, 5.0, 2.0)
