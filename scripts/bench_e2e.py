@@ -29,12 +29,18 @@ configuration ran before), then --repeats later ones three times each: a later p
 generation is what every later process pays (the bar of the warm start: at most 1 s over a warm one),
 the faster of its other two is its warm time; medians over the later processes. Journaled like the
 paper rows. --quick runs tiny models on the CPU: a smoke test.
+
+Where a later process's first generation spends its extra time: `python scripts/bench_e2e.py --one
+'<a Run as JSON>' --generations 3 --profile DIR` profiles each generation of one process and prints,
+by function, what the first spent beyond the last.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import subprocess
 import sys
 import time
@@ -210,8 +216,9 @@ def generator(run: Run, model, sync, logits_error: list):
     return once
 
 
-def one_process(run: Run, generations: int) -> dict:
-    """In this process: build the model, then time `generations` generate() calls."""
+def one_process(run: Run, generations: int, profile: Path | None = None) -> dict:
+    """In this process: build the model, then time `generations` generate() calls (each profiled into
+    profile/generation<i>.pstats, where given)."""
     if run.method == PEER:
         import e2e_peer
 
@@ -229,13 +236,33 @@ def one_process(run: Run, generations: int) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             start = time.perf_counter()
-            first_done = once()
+            first_done = once() if profile is None else profiled(once, profile / f"generation{len(seconds)}.pstats")
             seconds.append(time.perf_counter() - start)
             first_block.append(first_done - start)
     except torch.OutOfMemoryError as error:
         return {"skipped": f"out of memory ({str(error).splitlines()[0][:120]})"}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {"seconds": seconds, "first block": first_block, "peak GiB": peak, "logits error": logits_error}
+
+
+def profiled(fn, path: Path):
+    """fn() under cProfile, its statistics written to path."""
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(fn)
+    finally:
+        profile.dump_stats(path)
+
+
+def first_use_costs(first: Path, warm: Path, count: int = 15) -> list[tuple[float, str]]:
+    """What a process's first generation spends beyond a warm one, by function (time in the function
+    itself, callees apart): the `count` largest (extra seconds, function), from two profiles."""
+    def own_time(path):
+        return {func: stat[2] for func, stat in pstats.Stats(str(path)).stats.items()}
+
+    before, after = own_time(first), own_time(warm)
+    extra = [(seconds - after.get(func, 0.0), pstats.func_std_string(func)) for func, seconds in before.items()]
+    return sorted(extra, reverse=True)[:count]
 
 
 def in_new_process(run: Run, generations: int, timeout: float | None = None) -> dict:
@@ -454,8 +481,19 @@ def main():
     parser = argparse.ArgumentParser(description="one configuration of bench.py e2e, in this process")
     parser.add_argument("--one", required=True, help="a Run as JSON")
     parser.add_argument("--generations", type=int, default=1)
+    parser.add_argument("--profile", type=Path, help="a folder: profile each generation there and print, on "
+                        "stderr, where the first spent more than the last")
     args = parser.parse_args()
-    print(json.dumps(one_process(Run(**json.loads(args.one)), args.generations)))
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    result = one_process(Run(**json.loads(args.one)), args.generations, args.profile)
+    if args.profile and len(result.get("seconds", ())) > 1:
+        last = args.profile / f"generation{len(result['seconds']) - 1}.pstats"
+        print(f"first generation {result['seconds'][0]:.3f} s, last {result['seconds'][-1]:.3f} s; the first's "
+              "extra time by function (its own time):", file=sys.stderr)
+        for seconds, func in first_use_costs(args.profile / "generation0.pstats", last):
+            print(f"  {seconds:7.3f} s  {func}", file=sys.stderr)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -254,6 +254,18 @@ def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch)
     assert not journal.exists()  # the run completed: a rerun starts afresh
 
 
+def test_one_process_profiles_its_generations_and_names_the_first_ones_extra_time(tmp_path):
+    run = {"engine": "masked", "model": "quick", "method": "maskkv", "prompt": 23, "gen": 8, "steps": 4, "block": 4}
+    done = script("scripts/bench_e2e.py", "--one", json.dumps(run), "--generations", "2", "--profile",
+                  str(tmp_path / "profile"), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout.splitlines()[-1])["seconds"]) == 2
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["generation0.pstats", "generation1.pstats"]
+    lines = done.stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("first generation "))
+    assert len(lines[start + 1 :]) == 15 and all(" s  " in line for line in lines[start + 1 :])
+
+
 def test_a_failed_warm_start_row_is_named_and_its_journal_kept(tmp_path, monkeypatch):
     import argparse
 
