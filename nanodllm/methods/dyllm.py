@@ -16,11 +16,11 @@ log-sum-exp, and each row's FFN output, steps are sparse: they feed the whole ca
     every fed row adds o_proj(C); only the next S run the FFN, the others add their cached output.
 A layer's S is the one the layer before chose (Algorithm 3); S entering layer 1 is the last layer's S
 of the previous step plus the tokens unmasked since (assumed: Algorithm 1 does not say); after a full
-step every row is salient. With tau alone each layer's S is sized from its values (a host sync per
-layer: eager steps; the listing rounded up to 64 rows, few matmul shapes), except in steps feeding at most graph_rows rows in all: their layers list every
-fed row, the salient ones marked (the same S, fixed shapes: the step replays a CUDA graph; at so few
-rows the matmuls read the weights either way). salient_cap bounds S (at most that fraction of the real
-fed rows: the paper's S whenever fewer cross tau), salient_fraction fixes it: every step recorded.
+step every row is salient. With tau alone each layer sizes S from its values (a host sync: eager
+steps, listing S in multiples of 64 rows), except in steps feeding at most graph_rows rows in all:
+their layers list every fed row, salient ones marked (the same S, fixed shapes: a CUDA graph replays
+the step; so few rows' matmuls read the weights either way). salient_cap bounds S (at most that
+fraction of the real fed rows: the paper's S if fewer cross tau), salient_fraction fixes it (graphed).
 Hooks: begin_block (a new generation), step (from the layer primitives), end_step, step_kind.
 Equals dense: tau > 1 (every row salient) with full_period = 1 (every step feeds the whole canvas).
 Knobs (paper defaults): tau = 0.99 for LLaDA and 0.995 for Dream (None: by the model's type),
