@@ -266,6 +266,24 @@ def test_one_process_profiles_its_generations_and_names_the_first_ones_extra_tim
     assert len(lines[start + 1 :]) == 15 and all(" s  " in line for line in lines[start + 1 :])
 
 
+def test_a_warm_start_subset_without_dense_has_no_ratio_to_it(tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench
+    import bench_e2e
+
+    runs = [bench_e2e.Run("masked", "quick", m, 23, 8, 4, block=4) for m in ("dense", "fast_dllm")]
+    monkeypatch.setitem(bench_e2e.SETTINGS, "quick", runs)
+    monkeypatch.setattr(bench_e2e, "in_new_process", lambda run, generations, timeout=None:
+                        {"seconds": [1.5, 1.0, 1.25][:generations], "peak GiB": 2.0})
+    report = bench.Report()
+    args = argparse.Namespace(quick=True, journal=tmp_path / "warm.jsonl", repeats=1, methods=["fast_dllm"])
+    bench_e2e.bench_warm_start(args, report, bench.run_metadata(torch.float32, True))
+    (row,) = report.sections[0]["rows"]
+    assert row["method"] == "fast_dllm" and "vs dense" not in row
+
+
 def test_a_failed_warm_start_row_is_named_and_its_journal_kept(tmp_path, monkeypatch):
     import argparse
 
@@ -286,6 +304,7 @@ def test_a_failed_warm_start_row_is_named_and_its_journal_kept(tmp_path, monkeyp
     args = argparse.Namespace(quick=True, journal=journal, repeats=2, methods=None)
     assert bench_e2e.bench_warm_start(args, report, bench.run_metadata(torch.float32, True)) == [bad.label()]
     assert [row["method"] for row in report.sections[0]["rows"]] == ["dense"]
+    assert "vs dense" in report.sections[0]["rows"][0]
     kept = [json.loads(line).get("key") for line in journal.read_text().splitlines()[1:]]
     assert kept == [good.label()]
 
