@@ -317,11 +317,12 @@ def paper_row(run: Run, result: dict, bandwidth: float, matmul_rate: float) -> d
             "x floor": warm / floor_seconds(run, bandwidth, matmul_rate)}
 
 
-def add_ratios(rows: list[dict], runs: list[Run]):
-    """Each row's speed-up over the dense engine and over transformers at its setting."""
+def add_ratios(rows: list[dict], runs: list[Run], against=(("vs dense", "dense"), ("vs transformers", PEER))):
+    """Each row's speed-up over the dense engine and over transformers (or the (column, method) pairs
+    `against`) at its setting, from the rows' warm times."""
     warm = {(run.setting, run.method): row["warm s"] for run, row in zip(runs, rows)}
     for run, row in zip(runs, rows):
-        for name, method in (("vs dense", "dense"), ("vs transformers", PEER)):
+        for name, method in against:
             other = warm.get((run.setting, method))
             row[name] = other / row["warm s"] if other else float("nan")
 
@@ -447,10 +448,9 @@ def bench_warm_start(args, report, meta) -> list[str]:
     meta.update(settings=settings)
     failed = run_rows(runs, journal, lambda run: warm_start_processes(run, args.repeats))
     done = [(run, journal.done[run.label()]["result"]) for run in runs]
+    ran = [run for run, result in done if "skipped" not in result]
     rows = [warm_start_row(run, result) for run, result in done if "skipped" not in result]
-    for row in rows if any(r["method"] == "dense" for r in rows) else ():  # a subset without dense: no column
-        dense = [r for r in rows if r["engine"] == row["engine"] and r["method"] == "dense"]
-        row["vs dense"] = dense[0]["warm s"] / row["warm s"] if dense else float("nan")
+    add_ratios(rows, ran, (("vs dense", "dense"),) if any(run.method == "dense" for run in ran) else ())
     report.say(header(meta))
     report.say("    python scripts/bench.py e2e --settings warm_start" + (" --quick" if args.quick else "")
                + (f" --repeats {args.repeats}" if args.repeats != 3 else "")
