@@ -10,9 +10,7 @@ the setting for a key up, in this order:
 3. the settings shipped in kernels/tuned.json (measured by `python scripts/tune.py`);
 4. a measurement of every candidate (triton.testing.do_bench), said once per process on stderr,
    then kept in 1 and 2.
-The other cost every process pays before its first kernel runs is Triton's key for its disk cache of
-compiled kernels: a hash of Triton's own compiler, hundreds of megabytes. `start_hashing_triton`
-begins it on a side thread while the model's weights load.
+What else a process pays at its first kernels, and how it overlaps the loading: kernels/first_use.py.
 
 Both files map GPU name -> kernel name -> key -> setting, where the key is the caller's shape bucket
 written as "a,b,c" and a setting is a dict of the kernel's tile sizes plus num_warps and
@@ -26,7 +24,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -36,15 +33,6 @@ from triton.runtime.errors import OutOfResources
 
 SHIPPED = Path(__file__).with_name("tuned.json")
 TOO_BIG = tuple(error for error in (OutOfResources, getattr(triton.runtime.errors, "PTXASError", None)) if error)
-
-
-def start_hashing_triton():
-    """Compute Triton's compiler hash (functools-cached, where this Triton has it: triton.runtime.cache
-    .triton_key) on a daemon thread. hashlib releases the GIL, so the weights load meanwhile; if the first
-    kernel comes first, Triton computes it again, the same."""
-    triton_key = getattr(triton.runtime.cache, "triton_key", None)
-    if triton_key is not None and os.environ.get("TRITON_INTERPRET") != "1":
-        threading.Thread(target=triton_key, name="triton-key", daemon=True).start()
 
 
 def cache_path() -> Path:

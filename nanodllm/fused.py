@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from kernels.norm_linear import MAX_ROWS, norm_linear
 from kernels.rmsnorm import rms_norm
 from kernels.rope import apply_rope, rope_qk
+from kernels import first_use
 from kernels.silu_mul import silu_mul
-from kernels.tuning import start_hashing_triton
 
 from .attention import use_kernels
 from .config import ModelConfig
@@ -315,8 +315,7 @@ FUSED = {Layer: FusedLayer, MLP: FusedMLP, MoE: FusedMoE, RMSNorm: FusedRMSNorm}
 def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16) -> FusedModel:
     """A fused model with uninitialised parameters allocated once, in `dtype`, directly on `device`
     (built on the meta device first, so no CPU or fp32 copy of an 8B model is ever made)."""
-    if torch.device(device).type == "cuda":
-        start_hashing_triton()  # ready by the first kernel launch (kernels/tuning.py)
+    first_use.start(device, dtype)  # on a GPU, overlaps the loading (kernels/first_use.py)
     with torch.device("meta"):
         model = FusedModel(cfg).to(dtype)
     model = model.to_empty(device=device)

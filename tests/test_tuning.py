@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -128,17 +127,3 @@ def test_a_fresh_process_reuses_the_settings_an_earlier_one_measured(tmp_path):
                            text=True, check=True).stdout.split(" ", 1) for _ in range(2)]
     (first_measured, first_chosen), (second_measured, second_chosen) = runs
     assert second_measured == "0" and second_chosen == first_chosen
-
-
-def test_tritons_compiler_hash_starts_on_a_side_thread(monkeypatch):
-    """On a GPU machine; the interpreter compiles nothing, so there it is not started."""
-    threads = []
-    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: threads.append(threading.current_thread().name))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    tuning.start_hashing_triton()
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    tuning.start_hashing_triton()
-    for thread in threading.enumerate():
-        if thread.name == "triton-key":
-            thread.join()
-    assert threads == ["triton-key"]

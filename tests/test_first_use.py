@@ -1,0 +1,52 @@
+"""kernels/first_use.py: a GPU model's loading starts, on a side thread, what the first kernels would pay."""
+
+import threading
+
+import pytest
+import torch
+import triton
+
+import kernels.first_use as first_use
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """What prepare's parts were asked to do, in order: "hash", each import's name, "matmul"."""
+    done, ones = [], torch.ones
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: done.append("hash"), raising=False)
+    monkeypatch.setattr(first_use.importlib, "import_module", done.append)
+    monkeypatch.setattr(first_use.torch, "ones", lambda *shape, **kwargs: done.append("matmul") or ones(*shape))
+    return done
+
+
+def test_prepare_hashes_triton_imports_its_launchers_modules_and_runs_a_matmul(calls, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    first_use.prepare(torch.device("cpu"), torch.float32)
+    assert calls == ["hash", *first_use.LAUNCHER_IMPORTS, "matmul"]
+
+
+def test_the_interpreter_compiles_nothing_so_nothing_is_hashed(calls, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    first_use.prepare(torch.device("cpu"), torch.float32)
+    assert calls == [*first_use.LAUNCHER_IMPORTS, "matmul"]
+
+
+def test_a_launcher_module_this_triton_lacks_is_skipped(monkeypatch):
+    monkeypatch.setattr(first_use, "LAUNCHER_IMPORTS", ("triton.no_such_module",))
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: None, raising=False)
+    first_use.prepare(torch.device("cpu"), torch.float32)
+
+
+def test_only_a_gpu_starts_the_thread_on_the_callers_current_gpu(monkeypatch):
+    started = []
+    monkeypatch.setattr(first_use, "prepare",
+                        lambda device, dtype: started.append((threading.current_thread().name, device, dtype)))
+    monkeypatch.setattr(first_use.torch.cuda, "current_device", lambda: 1)
+    first_use.start("cpu", torch.bfloat16)
+    first_use.start("cuda", torch.bfloat16)
+    first_use.start("cuda:0", torch.float16)
+    for thread in threading.enumerate():
+        if thread.name == "first-use":
+            thread.join()
+    assert sorted(started, key=str) == sorted([("first-use", torch.device("cuda", 1), torch.bfloat16),
+                                               ("first-use", torch.device("cuda", 0), torch.float16)], key=str)
