@@ -382,9 +382,12 @@ def test_maskkv_online_importance_is_each_rows_own():
     knobs = dict(budget=10, prompt_interval=1, response_interval=1, boundary_layers=1)
     gen = GenerationConfig(gen_length=16, block_length=4, steps=16)
     prompts = [random_prompt(30, seed=1), random_prompt(21, seed=2)]
-    batched = masked.generate(model, prompts, gen, method=get_method("maskkv", **knobs)).tokens
-    alone = [masked.generate(model, [p], gen, method=get_method("maskkv", **knobs)).tokens[0] for p in prompts]
+    batched_method, alone_methods = get_method("maskkv", **knobs), [get_method("maskkv", **knobs) for _ in prompts]
+    batched = masked.generate(model, prompts, gen, method=batched_method).tokens
+    alone = [masked.generate(model, [p], gen, method=m).tokens[0] for p, m in zip(prompts, alone_methods)]
     assert batched == alone
+    for row, method in zip(batched_method.importance, alone_methods):  # the padding counts in no row's mean
+        assert row == pytest.approx(method.importance[0], rel=1e-5, abs=1e-6)
     reused = get_method("maskkv", **knobs)
     masked.generate(model, [random_prompt(37, seed=3)], gen, method=reused)
     assert masked.generate(model, prompts, gen, method=reused).tokens == batched

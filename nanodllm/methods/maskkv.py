@@ -76,13 +76,13 @@ def layer_importance(model, tokens, positions, valid, attn_mask=None) -> list[li
     """Eq. 8 on one canvas, per row: for each layer, 1 - mean over the row's real tokens of cos(layer
     input, layer output). [rows][layers]."""
     x, rope = model.embed(tokens), model.rope(positions)
-    importance = []
+    importance = []  # per layer, [rows] on the device: one host sync at the end, not one per layer
     for layer in model.layers:
         out = layer(x, rope, lambda q, k, v: attention(q, k, v, attn_mask))
         cos = torch.nn.functional.cosine_similarity(x.float(), out.float(), dim=-1)
-        importance.append([float(1 - cos[row][valid[row]].mean()) for row in range(tokens.shape[0])])
+        importance.append(1 - (cos * valid).sum(dim=-1) / valid.sum(dim=-1))
         x = out
-    return [list(row) for row in zip(*importance)]
+    return torch.stack(importance, dim=1).tolist()
 
 
 class MaskKV(PromptEviction):
