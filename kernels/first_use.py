@@ -7,10 +7,10 @@ A process's first generation pays, besides its work, costs that no earlier proce
 3. cuBLAS's setup: the first matmul of a process loads the library's state and, as CUDA loads each
    kernel at its first use, a first GEMM kernel.
 `start` does these on a daemon thread; the hash and the CUDA calls release the GIL (the imports hold
-it, briefly), so the weights load meanwhile. Each is done once per process, by whichever thread comes first; a generation that starts
-before the thread ends does what is left itself, the same. Later first uses stay where they are:
-each torch operator's first CUDA kernel, each Triton kernel's binary, which ones depending on the
-method.
+it, briefly), so the weights load meanwhile, and `wait`, at the end of the loading (load_model,
+build_random), joins it: none of its CUDA work is left to run into a generation or a CUDA graph
+capture, which CUDA work on another thread would break. Later first uses stay where they are: each
+torch operator's first CUDA kernel, each Triton kernel's binary, which ones depending on the method.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 import triton
 
 LAUNCHER_IMPORTS = ("triton.experimental.gluon",)
+STARTED: list[threading.Thread] = []  # the threads `start` began that `wait` has not joined
 
 
 def prepare(device: torch.device, dtype: torch.dtype):
@@ -47,4 +48,12 @@ def start(device, dtype: torch.dtype):
         return
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    threading.Thread(target=prepare, args=(device, dtype), name="first-use", daemon=True).start()
+    thread = threading.Thread(target=prepare, args=(device, dtype), name="first-use", daemon=True)
+    thread.start()
+    STARTED.append(thread)
+
+
+def wait():
+    """Return once every thread `start` began has finished."""
+    while STARTED:
+        STARTED.pop().join()

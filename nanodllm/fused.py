@@ -315,7 +315,7 @@ FUSED = {Layer: FusedLayer, MLP: FusedMLP, MoE: FusedMoE, RMSNorm: FusedRMSNorm}
 def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16) -> FusedModel:
     """A fused model with uninitialised parameters allocated once, in `dtype`, directly on `device`
     (built on the meta device first, so no CPU or fp32 copy of an 8B model is ever made)."""
-    first_use.start(device, dtype)  # on a GPU, overlaps the loading (kernels/first_use.py)
+    first_use.start(device, dtype)  # on a GPU, overlaps the loading, which waits for it (kernels/first_use.py)
     with torch.device("meta"):
         model = FusedModel(cfg).to(dtype)
     model = model.to_empty(device=device)
@@ -333,4 +333,5 @@ def build_random(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16, seed: int
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
+    first_use.wait()
     return model

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kernels import first_use
+
 from .config import ModelConfig
 from .fused import build_empty
 from .model import Model
@@ -216,4 +218,5 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = N
         broken = sorted({checkpoint_name(cfg.model_type, name) for name, ok in zip(params, finite) if not ok})
     if broken:  # a NaN weight would decode to nothing, or to garbage, without a word
         raise CheckpointError(f"{path}: " + first_few("NaN or infinite values", broken))
+    first_use.wait()
     return model

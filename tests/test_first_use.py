@@ -1,6 +1,7 @@
 """kernels/first_use.py: a GPU model's loading starts, on a side thread, what the first kernels would pay."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -50,3 +51,24 @@ def test_only_a_gpu_starts_the_thread_on_the_callers_current_gpu(monkeypatch):
             thread.join()
     assert sorted(started, key=str) == sorted([("first-use", torch.device("cuda", 1), torch.bfloat16),
                                                ("first-use", torch.device("cuda", 0), torch.float16)], key=str)
+
+
+def test_loading_a_model_returns_once_the_side_thread_has_finished(monkeypatch):
+    """Its CUDA work must not run into a generation's graph capture: load_model and build_random wait."""
+    from nanodllm.eval import resolve_model
+    from nanodllm.fused import build_random
+    from nanodllm.loader import load_model
+    from tests.tiny_models import tiny_config
+
+    finished = []
+
+    def slow_start(device, dtype):
+        thread = threading.Thread(target=lambda: (time.sleep(0.05), finished.append(str(device))))
+        thread.start()
+        first_use.STARTED.append(thread)
+
+    monkeypatch.setattr(first_use, "start", slow_start)
+    build_random(tiny_config("llada"), "cpu", torch.float32)
+    assert finished == ["cpu"] and not first_use.STARTED
+    load_model(resolve_model("tiny-llada"), "cpu", torch.float32)
+    assert finished == ["cpu", "cpu"] and not first_use.STARTED
