@@ -26,10 +26,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import first_use
 from kernels.norm_linear import MAX_ROWS, norm_linear
 from kernels.rmsnorm import rms_norm
 from kernels.rope import apply_rope, rope_qk
-from kernels import first_use
 from kernels.silu_mul import silu_mul
 
 from .attention import use_kernels

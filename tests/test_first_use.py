@@ -35,7 +35,7 @@ def test_the_interpreter_compiles_nothing_so_nothing_is_hashed(calls, monkeypatc
 def test_a_launcher_module_this_triton_lacks_is_skipped(monkeypatch):
     monkeypatch.setattr(first_use, "LAUNCHER_IMPORTS", ("triton.no_such_module",))
     monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: None, raising=False)
-    first_use.prepare(torch.device("cpu"), torch.float32)
+    first_use.prepare(torch.device("cpu"), torch.float32)  # no ImportError
 
 
 def test_only_a_gpu_starts_the_thread_on_the_callers_current_gpu(monkeypatch):
@@ -46,9 +46,8 @@ def test_only_a_gpu_starts_the_thread_on_the_callers_current_gpu(monkeypatch):
     first_use.start("cpu", torch.bfloat16)
     first_use.start("cuda", torch.bfloat16)
     first_use.start("cuda:0", torch.float16)
-    for thread in threading.enumerate():
-        if thread.name == "first-use":
-            thread.join()
+    first_use.wait()
+    assert not first_use.STARTED
     assert sorted(started, key=str) == sorted([("first-use", torch.device("cuda", 1), torch.bfloat16),
                                                ("first-use", torch.device("cuda", 0), torch.float16)], key=str)
 
