@@ -6,27 +6,13 @@ attention is not recomputed updates its cached context C by the change the salie
 
     C_new[i] = C_old[i] + sum over salient j of  min(exp(scale * q_i . k_j - lse_i), 1) * (v_j - v_j_old)
 
-with lse_i the row's cached softmax normaliser (from the last exact attention of that row), so
-the full score matrix is never formed and only the salient columns' K rows are read. A stale
-normaliser can put a fresh score far above it, and exp() then weights a column by much more than
-any softmax can, so the contexts drift away from their exact values; clamping at 1, the bound of a
-true softmax weight, keeps the update an attention update (docs/results/masked_methods_accuracy.md).
-
-The rows whose attention was recomputed exactly (DyLLM's salient rows) come in as `merge`: their
-exact context and log-sum-exp, and per row the slot holding them (-1: approximate). The kernel
-writes both kinds of row straight into the cache (context and lse, in place), and in the same pass
-the three sums a cosine between C_new and C_old needs, per (row, head): new . old, new . new and
-old . old (DyLLM picks the next salient rows by that cosine, over all heads together; the caller
-adds the heads up). One pass over the cache replaces a gather, a select and a scatter of the exact
-rows, the statistics' reductions and a copy of the whole context.
-
-Grid: (query tiles of BLOCK_M rows, batch * heads). A program holds its query tile and walks the
-salient list in tiles of BLOCK_N columns, gathering K rows by token index (whole D-element rows,
-coalesced per row) and the matching value deltas; scores in base 2 with the scale folded in. The
-token indices come as a [BLOCK_N, 1] column (the K tile's row layout) one tile ahead, as in
-kernels/sparse_decode_attention.py.
-Query head h reads KV head h // group. Every row is read and written by one program only, so the
-update in place is safe.
+with lse_i the row's cached softmax normaliser, so the full score matrix is never formed and only
+the salient columns' K rows are read. The clamp at 1, the bound of a true softmax weight, keeps a
+stale normaliser from weighting a fresh column far above any softmax (the contexts would drift).
+The rows recomputed exactly come in as `merge` and are written in the same pass; with both kinds
+the kernel writes context and lse in place and returns, per (row, head), the sums new . old,
+new . new and old . old that DyLLM's next cosine needs. Query head h reads KV head h // group.
+Reference: approximate_attention_reference.
 """
 
 from __future__ import annotations
@@ -61,6 +47,13 @@ def approx_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
     HAS_COUNTS: tl.constexpr,
 ):
+    """Program (query tile of BLOCK_M rows, batch * head): holds its query tile and walks the salient
+    list in tiles of BLOCK_N columns, gathering K rows by token index (whole D-element rows, coalesced
+    per row) and the matching value deltas; scores in base 2 with the scale folded in. The token
+    indices come as a [BLOCK_N, 1] column (the K tile's row layout) one tile ahead, as in
+    kernels/sparse_decode_attention.py. Every row is read and written by one program only, so the
+    update in place is safe. One pass over the cache replaces a gather, a select and a scatter of the
+    exact rows, the statistics' reductions and a copy of the whole context."""
     m_tile, batch_head = tl.program_id(0), tl.program_id(1)
     batch, head = batch_head // num_heads, batch_head % num_heads
     kv_head = head // group
@@ -153,7 +146,9 @@ def approximate_attention(q, k, dv, columns, counts, lse, context, merge=None, *
     merge: None, or (exact [batch, heads, E, D], exact_lse [batch, heads, E], slots [batch, rows] int):
     a row with slots >= 0 takes exact[slots] and exact_lse[slots] instead of the update.
     context (and, with merge, lse) are overwritten. Returns stats [batch, heads, rows, 3] float32:
-    new . old, new . new, old . old per head."""
+    new . old, new . new, old . old per head (DyLLM picks the next salient rows by that cosine, over
+    all heads together; the caller adds the heads up). Why the weight is clamped at 1:
+    docs/results/masked_methods_accuracy.md."""
     check_inputs(q, k, dv, columns, counts, lse, context, merge)
     if lse.dtype != torch.float32:
         raise ValueError(f"lse must be float32 (it is updated in place), got {lse.dtype}")

@@ -6,19 +6,13 @@ block's own L keys, which the engine wrote right after it (no mask among them).
 Algorithm (split-KV, "flash-decoding"):
 1. GQA packing. The `group` query heads that share a KV head, times the L queries, form one query
    tile of group * L rows, so every K/V tile loaded from memory serves the whole group.
-2. Split-KV. The keys of a row are cut into `num_splits` contiguous slices of `keys_per_split`
-   keys, one program per (query tile, slice, batch row * KV head): even batch 1 fills every SM.
-   A program walks its slice BLOCK_N keys at a time with an online softmax (fp32 statistics, scores
-   prescaled by log2(e) so exp2 does the exponentials) and writes its normalised partial output (in
-   q's dtype) and its partial log-sum-exp (base 2, fp32) to scratch. A slice past the row's length writes the
-   neutral partial: output 0, LSE -inf.
+2. Split-KV. The keys of a row are cut into `num_splits` contiguous slices, one program per (query
+   tile, slice, batch row * KV head), so even batch 1 fills every SM; each writes its normalised
+   partial output and base-2 partial log-sum-exp to scratch (a slice past the row's length: 0, -inf).
 3. Merge. A small kernel combines the slices of each query row, weighting slice s by
    2^(lse_s - max_s lse_s), and writes the output in q's dtype and the natural-log LSE.
-K and V are read in place, through their strides ([batch, capacity, kv_heads, head_dim]), once per
-query tile: once while group * L <= 128 rows.
-
-The jit helpers (query tile, online-softmax step, partial store, merge) are shared with
-sparse_decode_attention.py, which differs only in which keys a slice walks.
+K and V are read in place through their strides ([batch, capacity, kv_heads, head_dim]). The jit
+helpers are shared with sparse_decode_attention.py. The reference is decode_attention_reference.
 """
 
 from __future__ import annotations
@@ -138,7 +132,9 @@ def decode_split_kernel(
     the prefix before the block's own num_queries keys, and the last slice's program then takes those
     keys into one more partial (the last), so the partials of all but the last merge to the prefix's
     LSE. Programs of their own for those keys would add a column past the one wave the slices fill
-    (docs/results/bench_mage.md)."""
+    (docs/results/bench_mage.md). The slice is walked BLOCK_N keys at a time with an online softmax
+    (fp32 statistics, scores prescaled by log2(e) so exp2 does the exponentials); a slice past the
+    row's length writes the neutral partial: output 0, LSE -inf."""
     m_tile, split, batch_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
     q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,

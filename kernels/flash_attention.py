@@ -1,36 +1,18 @@
 """Dense attention forward (FlashAttention-2) for prefill and canvas steps.
 
 out = softmax(scale * q k^T, masked) v, computed without ever materialising the [N_q, N_k] score
-matrix. The grid is (query tiles, batch * heads): one program owns BLOCK_M query rows of one
-(batch, head) and walks over the keys in tiles of BLOCK_N, keeping three running quantities per row (the "online softmax"):
-    m   the largest score seen so far,
-    l   the sum of exp(score - m) over the keys seen so far,
-    acc the sum of exp(score - m) * v over the keys seen so far.
-When a new tile raises the maximum from m to m', the old l and acc are rescaled by exp(m - m'), so at
-the end out = acc / l and the log-sum-exp is m + log(l). Scores are kept in base 2: the scale is
-multiplied by log2(e) once, so every exponential is a cheap exp2. Scores, m, l and acc are fp32; the
-probabilities are cast to the input dtype for the P @ V matmul, as in FlashAttention-2.
-
+matrix: one program owns BLOCK_M query rows of one (batch, head) and walks the keys in tiles of
+BLOCK_N with an online softmax (fp32 running max, sum and accumulator; scores in base 2).
 Shapes: q [batch, num_heads, N_q, D], k and v [batch, num_kv_heads, N_k, D], D in {64, 128}.
 GQA: num_heads = group * num_kv_heads and query head h reads KV head h // group.
 
 Masks. Query i sits at position i + (N_k - N_q): the queries are the last N_q positions of the
 keys' sequence (prefill has N_q == N_k). Key j is visible to query i iff
-    causal=True:     j <= pos(i)
+    causal=True:     j <= pos(i)              (block-causal with B = 1, and the kernel treats it so)
     block_size=B:    j // B <= pos(i) // B   (block-causal, blocks aligned to position 0)
     neither:         always (bidirectional)
-and, when k_valid is given, k_valid[b, j] is True (key padding; k_valid [batch, N_k] bool), or
-k_valid[b, h // group, j] is True (k_valid [batch, num_kv_heads, N_k]: keys hidden per KV head, as
-for a cache that keeps a different number of keys per head).
-Positions are columns of k, the same for every row: in a left-padded batch whose rows count positions
-from their first real token (nanodllm/masked.py), block boundaries agree only where a row's padding is
-a multiple of B.
-Causal is block-causal with B = 1, and the kernel treats it so. Under either, key tiles that no row
-of the query tile can see are never visited, and tiles that every row sees in full skip the mask.
-Under k_valid, key tiles before a row's first visible key (left padding) are never visited either,
-and a tile that hides none of its keys skips the select.
-A query row that sees no key at all (a padded row, say) gets out = 0 and lse = -inf; nanodllm's
-engines never read such rows.
+and, when k_valid is given ([batch, N_k], or [batch, num_kv_heads, N_k] to hide keys per KV head),
+k_valid at j is True. A query row that sees no key at all gets out = 0 and lse = -inf.
 """
 
 from __future__ import annotations
@@ -97,7 +79,12 @@ def _attend_key_tiles(
     """Fold the key tiles [key_start, key_stop) into the running (acc, l_i, m_i).
 
     MASK_TILE=False is for tiles every row of the query tile sees in full (only k_valid can hide a
-    key there); MASK_TILE=True adds the bounds check against n_k and the block-causal comparison."""
+    key there); MASK_TILE=True adds the bounds check against n_k and the block-causal comparison.
+    Per row, m is the largest scaled score so far, l the sum of exp(score - m) and acc the sum of
+    exp(score - m) * v; a tile that raises m to m' rescales l and acc by exp(m - m'), so at the end
+    out = acc / l and lse = m + log(l). Scores are in base 2 (the scale carries log2(e), so every
+    exponential is an exp2); the probabilities are cast to the input dtype for P @ V, as in
+    FlashAttention-2."""
     for key_tile_start in range(key_start, key_stop, BLOCK_N):
         keys = key_tile_start + offs_n  # [BLOCK_N]
         # [BLOCK_N, HEAD_DIM]
@@ -262,7 +249,10 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     Returns out [batch, num_heads, N_q, D] in q's dtype, laid out [batch, N_q, num_heads, D] in memory
     (a transposed view: o_proj's input layout, so the model reads it without a copy), and with return_lse also
     lse [batch, num_heads, N_q] float32 (natural log of the sum of exp of the scaled visible scores).
-    Rows with no visible key get out = 0 and lse = -inf."""
+    Rows with no visible key get out = 0 and lse = -inf.
+    Positions are columns of k, the same for every row: in a left-padded batch whose rows count positions
+    from their first real token (nanodllm/masked.py), block boundaries agree only where a row's padding is
+    a multiple of B."""
     _check_inputs(q, k, v, causal, block_size, k_valid, scale)
     batch, num_heads, n_q, head_dim = q.shape
     num_kv_heads, n_k = k.shape[1], k.shape[2]

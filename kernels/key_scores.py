@@ -7,32 +7,12 @@ queries of each of the `group` query heads that read KV head h):
                                                                    sum (MaskKV mask voting)
     dots[b, h, j]   = mean_r scale * q_r . k_j                     (optional, Sparse-dLLM)
 
-lse is the caller's normaliser, per query row: a full attention's log-sum-exp gives the true
-probabilities of that attention (MaskKV passes flash_attention's); nothing is renormalised here. Or
-part_lse, the per-slice LSEs of decode_partials(block_apart=True): each program merges every slice
-but the last (the block's own keys) into the LSE over the prefix alone, so the probabilities are
-those of a softmax over the prefix (MAGE's eq. 3), with no launch of its own for the merge.
-
-dots and Sparse-dLLM: its Algorithm 1 scores candidate keys with A = mean(Q_b) K^T (its equation
-divides by sqrt(d_k)): the mean of the current block's query states against each key, before max
-pooling and top-k. A dot product is linear, so mean_r scale * q_r . k_j = scale * mean_r(q_r) . k_j:
-with the default scale 1/sqrt(d) this is exactly the paper's A of one query head (Algorithm 1
-omits the 1/sqrt(d_k), which does not change the ranking). The paper does not say how query heads
-that share a KV head (GQA, e.g. Dream) are combined; here the mean also runs over the group, one
-score per KV head, which is what a cache shared by the group needs. With group = 1 (LLaDA's MHA)
-it is the paper's per-head A. Max pooling and top-k are the method's, not the kernel's.
-
-Algorithm: one program per (chunk of keys, row * KV head). The first query tile of the group
-(all of it when group*L <= 128, e.g. SDAR-8B's 4 x 32) stays resident while the program streams
-its chunk of K tile by tile, so K is read once and V not at all; larger groups reload their further
-query tiles from L2 for each key tile. Per key tile the scores are computed transposed,
-S^T = K Q^T [keys, rows], so that the reductions over query rows run along axis 1: in the MMA
-accumulator layout a key's row lies within one thread and its quad of lanes (registers and two
-shuffles; summing over axis 0 of Q K^T would cross warps through shared memory and a barrier on
-every tile). Then P^T = 2^(S^T * scale * log2(e) - lse * log2(e)), row sums of P^T (and of S^T:
-the dots). Padding query rows are zero queries with LSE +inf, so they add exactly 0 to both.
-Positions past a row's prefix, up to max(cache_lengths), are written as 0. Tiles and pipeline
-depth: launch_params.
+lse is the caller's per-row normaliser: a full attention's log-sum-exp gives the true probabilities
+of that attention; nothing is renormalised here. Or part_lse, decode_partials(block_apart=True)'s
+per-slice LSEs, merged in the kernel over every slice but the block's own, so the probabilities are
+those of a softmax over the prefix (MAGE's eq. 3). Positions past a row's prefix, up to
+max(cache_lengths), are written as 0. One program per (chunk of keys, row * KV head) reads its keys
+once and V not at all; the reference is key_scores_reference.
 """
 
 from __future__ import annotations
@@ -61,7 +41,8 @@ def row_lse(lse_ptr, batch_head, rows, num_rows, prefix_slices, BLOCK_M: tl.cons
     of (batch, kv_head) is flat row batch_head * num_rows + r. FROM_SLICES: lse is decode_partials'
     part_lse [batch * kv_heads, prefix_slices + 1, num_rows] (base 2), and the first prefix_slices
     slices are merged as merge_splits_kernel merges them (one [rows, slices] load, max, then the sum
-    of 2^(lse_s - max)); -inf when every slice is empty."""
+    of 2^(lse_s - max)); -inf when every slice is empty. The merge runs in each program, with no launch
+    of its own."""
     row_valid = rows < num_rows
     if FROM_SLICES:
         slices = tl.arange(0, SLICE_PAD)
@@ -102,7 +83,16 @@ def key_scores_kernel(
     WITH_DOTS: tl.constexpr, FROM_SLICES: tl.constexpr, SLICE_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (chunk, batch*kv_head): scores (and dots) of keys
-    [chunk*keys_per_program, (chunk+1)*keys_per_program) clipped to max_length."""
+    [chunk*keys_per_program, (chunk+1)*keys_per_program) clipped to max_length.
+
+    The first query tile of the group (all of it when group*L <= 128) stays resident while the program
+    streams its chunk of K tile by tile, so K is read once and V not at all; larger groups reload their
+    further query tiles from L2 for each key tile. Per key tile the scores are computed transposed,
+    S^T = K Q^T [keys, rows], so that the reductions over query rows run along axis 1: in the MMA
+    accumulator layout a key's row lies within one thread and its quad of lanes (registers and two
+    shuffles; summing over axis 0 of Q K^T would cross warps through shared memory and a barrier on
+    every tile). Then P^T = 2^(S^T * scale * log2(e) - lse * log2(e)), row sums of P^T (and of S^T:
+    the dots). Padding query rows are zero queries with LSE +inf, so they add exactly 0 to both."""
     chunk, batch_head = tl.program_id(0), tl.program_id(1)
     batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
     q_first, lse_first = load_query_rows(q_ptr, lse_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head,
@@ -190,6 +180,14 @@ def key_scores(q, k_cache, cache_lengths, lse=None, *, part_lse=None, reduce="me
 
     Returns scores [batch, num_kv_heads, max_length] float32 (0 past each row's prefix) and, with
     with_dots, dots of the same shape.
+
+    dots and Sparse-dLLM: its Algorithm 1 scores candidate keys with A = mean(Q_b) K^T, the mean of
+    the current block's query states against each key, before max pooling and top-k (the method's,
+    not the kernel's). A dot product is linear, so mean_r scale * q_r . k_j = scale * mean_r(q_r) . k_j:
+    with the default scale 1/sqrt(d) this is the paper's A of one query head (Algorithm 1 omits the
+    1/sqrt(d_k) its equation has, which does not change the ranking). The paper does not say how query
+    heads that share a KV head (GQA) are combined; here the mean also runs over the group, one score
+    per KV head, as a cache shared by the group needs. With group = 1 (MHA) it is the paper's A.
     """
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache)
     check_lengths_tensor("cache_lengths", cache_lengths, batch, q.device)

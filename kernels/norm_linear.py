@@ -1,28 +1,18 @@
 """RMSNorm, then a linear layer, then (optionally) SwiGLU, in one launch for the few rows of a decode step.
 
-A block-decode step runs each layer on B = 32 rows per sequence. At that size a matmul streams its
-weights at memory speed and the small kernels around it (the norm before the q/k/v and gate/up
-projections, silu(gate) * up after gate/up) cost their launches more than their bytes. Here they
-ride inside the matmul:
-
     out = (rmsnorm(x) * g) @ W^T                        (q/k/v)
     out = silu(h @ W_gate^T) * (h @ W_up^T), h = rmsnorm(x) * g   (gate/up with swiglu=True)
 
-RMSNorm's 1 / rms(x) is one number per row, so it factors out of the matmul:
-(x * r * g) @ W^T = r * ((x * g) @ W^T). Each program walks the whole of x's rows along K anyway (it
-computes every row of its output columns), so it sums x^2 on the way, feeds x * g to the tensor
-cores and scales its accumulator by r = rsqrt(mean(x^2) + eps) at the end. The rounding points
-therefore differ from the unfused path's (which rounds x * r, then its product with g, to the
-activation dtype before the matmul): x * g is rounded instead, and r scales the fp32 accumulator.
-A bias (Qwen2's q/k/v have one) joins the scaled fp32 accumulator before the rounding, as the matmul's
-epilogue adds it. The SwiGLU epilogue rounds as kernels/silu_mul.py does: gate and up to the activation dtype, silu(gate)
-rounded, the product rounded (no FMA contraction: the launch sets enable_fp_fusion=False).
-
-Layout. A program owns BLOCK_N output columns and every row (at most MAX_ROWS). The product is
-computed transposed, W_tile [BLOCK_N, BLOCK_K] @ (x * g)_tile^T [BLOCK_K, rows], so the weight tile
-fills the tensor cores' 64-row side and the few rows their narrow one. With swiglu the program also
-accumulates the up columns (rows I + n of the stacked [gate; up] weight) for the same n and writes
-I outputs. x [M, K] and W [N, K] (row-major, as nn.Linear stores it) are read through their row stride.
+At a decode step's few rows a matmul streams its weights at memory speed, and the small kernels
+around it (the norm before the projections, silu(gate) * up after gate/up) cost their launches more
+than their bytes, so they ride inside the matmul. RMSNorm's 1 / rms(x) is one number per row, so
+it factors out: (x * r * g) @ W^T = r * ((x * g) @ W^T). Each program sums x^2 on its way along K,
+feeds x * g to the tensor cores and scales its fp32 accumulator by r = rsqrt(mean(x^2) + eps) at
+the end; so x * g is rounded where the unfused path rounds x * r and its product with g. A bias
+joins the scaled fp32 accumulator before the rounding; the SwiGLU epilogue rounds as
+kernels/silu_mul.py does. x [M, K] (M <= MAX_ROWS) and W [N, K] (row-major, as nn.Linear stores
+it; N = 2I, [gate; up], with swiglu) are read through their row stride. The reference is
+norm_linear_reference, the unfused path.
 """
 
 from __future__ import annotations
@@ -48,6 +38,12 @@ def norm_linear_kernel(
     SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """A program owns BLOCK_N output columns and every row (at most MAX_ROWS). The product is computed
+    transposed, W_tile [BLOCK_N, BLOCK_K] @ (x * g)_tile^T [BLOCK_K, rows], so the weight tile fills the
+    tensor cores' 64-row side and the few rows their narrow one. With SWIGLU the program also
+    accumulates the up columns (rows I + n of the stacked [gate; up] weight) for the same n and writes
+    I outputs; gate and up are rounded to the activation dtype, silu(gate) rounded, the product rounded
+    (no FMA contraction: the launch sets enable_fp_fusion=False)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok, row_ok = cols < out_width, rows < num_rows
@@ -131,8 +127,8 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
 
     x [..., K] with at most MAX_ROWS rows (the leading dims' product), last dim contiguous;
     norm_weight [K]; weight [N, K] with a contiguous last dim (N = 2I, [gate; up], with swiglu); bias
-    None or [N]; all of one dtype (float16, bfloat16 or float32). Returns [..., N] (or [..., I]) of
-    x's dtype."""
+    None or [N] (Qwen2's q/k/v have one); all of one dtype (float16, bfloat16 or float32). Returns
+    [..., N] (or [..., I]) of x's dtype."""
     if x.dim() == 0 or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or norm_weight.shape != x.shape[-1:]:
         raise ValueError(f"need x [..., K], norm_weight [K] and weight [N, K]; got {tuple(x.shape)}, "
                          f"{tuple(norm_weight.shape)} and {tuple(weight.shape)}")

@@ -1,31 +1,18 @@
 """Query-sparse attention with the key-block scores and an online top-k fused in (MOMO, step 1).
 
 Every gamma-th query (rows 0, gamma, 2 gamma, ...) attends to all the keys it may see, exactly as
-flash attention does (online softmax in base 2, fp32 running max / sum / accumulator). The key tiles
-are the key blocks (BLOCK_N = beta keys), so while a tile is in registers the kernel also has its
-block score, MOMO's eq. 4: S(j) = logsumexp over the block of the row's scaled scores (-inf when the
-row sees none of the block), taken from the online softmax's own exponentials, m + log2 of their sum
-with m the running max (cheaper than a second exp2 pass over the tile; a block whose scores all sit
-over 126, in base 2, below m counts as unseen: its weight is below 2^-126). Each row
-keeps the k best blocks in a k-slot buffer held in registers (the paper's online exact top-k): a
-block replaces the buffer's minimum when its score is strictly higher, so among equal scores the
-lower block stays, and the buffer ends with the exact top-k. That update costs O(k) per block (a min
-and an argmin over the buffer). With k_exact < k the kernel runs the paper's estimate instead
-(eq. 6-7): only k_exact slots are exact, and what they displace or reject fills the other k - k_exact
-slots when it beats a Gaussian threshold from Welford running statistics (O(1) per block beyond the
-small exact part). The estimate visits a row's blocks in golden-ratio strides; the order and the
-torch form (`estimated_top_k`) are in kernels/qsa_estimate.py. With tree=True the exact top-k lives
-in a tournament tree in HBM instead (O(log k) loads and stores per accepted block, issued at once;
-any k; the paper's third variant).
+flash attention does. The key tiles are the key blocks (BLOCK_N = beta keys), so the kernel also
+has each block's score, MOMO's eq. 4: S(j) = logsumexp over the block of the row's scaled scores
+(-inf when the row sees none of the block), and each row keeps its k best blocks (the paper's
+online exact top-k; among equal scores the lower block stays). With k_exact < k it runs the paper's
+estimate instead (eq. 6-7, kernels/qsa_estimate.py); with tree=True the exact top-k lives in a
+tournament tree in HBM (any k; the paper's third variant).
 
 Masks as in flash_attention.py: bidirectional, causal, or block-causal with block_size B (query at
 position p sees key j iff j // B <= p // B), and optional key padding k_valid [batch, N]. Sampled
-query i sits at position i * gamma; with q_valid [batch, N] those at False columns (padding) choose no
-blocks and leave the estimate's scan order alone. GQA: query head h reads KV head h // group.
-Outputs: o [batch, heads, S, D] (S = ceil(N / gamma)), lse [batch, heads, S] float32, and the top-k
-blocks per sampled row: indices [batch, heads, S, k] int32 (-1 = empty slot: the row sees fewer
-blocks) with their scores [batch, heads, S, k] float32 (natural log), in buffer order (unsorted;
-the estimate's k_exact exact slots first).
+query i sits at position i * gamma; with q_valid [batch, N] those at False columns choose no blocks.
+GQA: query head h reads KV head h // group. Outputs (S = ceil(N / gamma)): o [batch, heads, S, D],
+lse [batch, heads, S] float32, the top-k block indices [batch, heads, S, k] int32 and their scores.
 """
 
 from __future__ import annotations
@@ -108,6 +95,11 @@ def qsa_kernel(
     G_SLOTS: tl.constexpr, LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr, LEVELS: tl.constexpr,
     ORDER_ROWS: tl.constexpr,
 ):
+    """A block's score comes from the online softmax's own exponentials, m + log2 of their sum with m
+    the running max (cheaper than a second exp2 pass over the tile; a block whose scores all sit over
+    126, in base 2, below m counts as unseen: its weight is below 2^-126). The exact top-k is a k-slot
+    buffer in registers: a block replaces the buffer's minimum when its score is strictly higher, so
+    among equal scores the lower block stays, at O(k) per block (a min and an argmin)."""
     # grid (batch * heads, row tiles), the longest rows first: a head group's programs for one row tile
     # run side by side and walk the same K/V tiles (faster than (row tiles, batch * heads) at
     # 64K-128K, k = 128: docs/results/bench_momo.md)
@@ -252,9 +244,15 @@ def new_tree(rows_shape, leaves, top_k, device):
 def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | None = None, tree=False,
                   causal=False, block_size=None, k_valid=None, q_valid=None, scale=None):
     """See the module docstring. k_exact: None (or top_k) for the exact top-k; smaller for the
-    estimated one (k_exact exact slots, the rest by threshold: `estimated_top_k`). tree: the exact
-    top-k in a tournament tree in HBM instead of the register buffer.
-    Returns (o, lse, top_indices, top_scores)."""
+    estimated one (k_exact exact slots, the rest by threshold: `estimated_top_k`): what the exact slots
+    displace or reject fills the other k - k_exact slots when it beats a Gaussian threshold from
+    Welford running statistics (O(1) per block beyond the small exact part), visiting a row's blocks in
+    golden-ratio strides (kernels/qsa_estimate.py). tree: the exact top-k in a tournament tree in HBM
+    instead of the register buffer (O(log k) loads and stores per accepted block, issued at once).
+    Sampled rows at q_valid False choose no blocks and leave the estimate's scan order alone.
+    Returns (o, lse, top_indices, top_scores): top_indices -1 = empty slot (the row sees fewer blocks),
+    top_scores [batch, heads, S, k] float32 (natural log), in buffer order (unsorted; the estimate's
+    k_exact exact slots first)."""
     check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid, q_valid)
     k_exact = top_k if k_exact is None else k_exact
     if not 0 <= k_exact <= top_k:

@@ -1,22 +1,18 @@
 """RMSNorm in one pass: y = weight * (x * rsqrt(mean(x^2) + eps)), rounded as the model's torch code rounds.
 
-The torch form (nanodllm.model.RMSNorm) upcasts x to fp32, squares, takes the mean, adds eps, takes
-rsqrt, multiplies, casts back to x's dtype and multiplies by the weight: eight kernels (one a reduction),
-each reading and writing the whole activation. Here each row is read once, kept in fp32 registers,
-and written once, with the same rounding points: the sum of squares and rstd in fp32, x * rstd
-rounded to x's dtype, then times the weight in fp32, rounded to the output dtype (torch's result
-dtype of weight * x: x's dtype when the weight has it), with no FMA contraction (the launch sets
-enable_fp_fusion=False). Only the sum's order and rsqrt's last bit can differ from torch, so an
-element can land one unit in the last place of x's dtype away from it (tests allow two).
+The torch form (nanodllm.model.RMSNorm; here rms_norm_reference) upcasts x to fp32, squares, takes
+the mean, adds eps, takes rsqrt, multiplies, casts back to x's dtype and multiplies by the weight:
+eight kernels (one a reduction), each reading and writing the whole activation. Here each row is
+read once, kept in fp32 registers, and written once, with the same rounding points: the sum of
+squares and rstd in fp32, x * rstd rounded to x's dtype, then times the weight in fp32, rounded to
+the output dtype (torch's result dtype of weight * x: x's dtype when the weight has it), with no
+FMA contraction. Only the sum's order and rsqrt's last bit can differ from torch, so an element can
+land one unit in the last place of x's dtype away from it (tests allow two).
 
 With `add`, the residual add before a norm is fused in: x += add (rounded to x's dtype, as torch's
 in-place add rounds) is written back into x and the sum is normalised, one pass instead of two.
-
-Grid: (row tiles of BLOCK_R rows,). x is [..., D] with the last dim contiguous; rows are the leading
-dims, read through explicit strides for up to three leading dims (a transposed [batch, heads, t, d]
-view for q/k norm is read in place). More leading dims are merged first by reshape, which copies
-only when they cannot be merged. A program holds BLOCK_R whole rows of BLOCK_D = next power of two
-of D elements (the tail masked), BLOCK_R = max(1, 4096 // BLOCK_D): a row of D = 8192 is one program of its own.
+x is [..., D] with the last dim contiguous; up to three leading dims are read through explicit
+strides (a transposed [batch, heads, t, d] view for q/k norm is read in place).
 """
 
 from __future__ import annotations
@@ -39,6 +35,9 @@ def rms_norm_kernel(
     stride_w, size1, size2, num_rows, dim, eps,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr,
 ):
+    """Grid: (row tiles of BLOCK_R rows,). A program holds BLOCK_R whole rows of BLOCK_D = next power of
+    two of D elements (the tail masked), BLOCK_R = max(1, 4096 // BLOCK_D): a row of D = 8192 is one
+    program of its own. The launch sets enable_fp_fusion=False (no FMA contraction)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i0 = (rows // (size1 * size2)).to(tl.int64)
     i1 = ((rows // size2) % size1).to(tl.int64)
@@ -81,7 +80,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tenso
 
     x [..., D] float16 / bfloat16 / float32, last dim contiguous; weight [D]; add: None, or a tensor
     of x's shape added to x in place first (x then at most 4-D). Returns x.shape in
-    promote_types(weight.dtype, x.dtype), laid out as x (torch.empty_like) where x is dense."""
+    promote_types(weight.dtype, x.dtype), laid out as x (torch.empty_like) where x is dense.
+    More than three leading dims are merged first by reshape, which copies only when they cannot be
+    merged."""
     check_inputs(x, weight, add)
     dim = x.shape[-1]
     shape4 = (1,) * (4 - x.dim()) + tuple(x.shape) if x.dim() < 4 else (math.prod(x.shape[:-3]), *x.shape[-3:])

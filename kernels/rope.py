@@ -5,22 +5,13 @@ With x1, x2 the two halves of a head vector and cos, sin the fp32 tables of its 
     out[:d/2] = x1 * cos[:d/2] - x2 * sin[:d/2]
     out[d/2:] = x2 * cos[d/2:] + x1 * sin[d/2:]
 
-in fp32, rounded to x's dtype: the torch form (nanodllm.model.Rope.apply) builds the rotated copy with
-torch.cat and a negation and runs four more elementwise kernels; here each element is read once and
-written once. Products and sums are rounded separately (the launch sets enable_fp_fusion=False, so no
-FMA contraction), which makes the result equal to torch's bit for bit.
-
-Grid: (row tiles of BLOCK_R rows,). x is [batch, heads, t, d] with the last dim contiguous, read and
-written through explicit strides (the usual x is a transposed view of a [batch, t, heads * d]
-projection); cos and sin are [batch or 1, 1, t, d], any strides with the last dim contiguous (the
-gathered tables of Rope.rows are views). Rows are walked in (batch, t, head) order, the memory order
-of a projection's output, so the heads of one position share their table rows in cache. A program
-holds BLOCK_R rows as two [BLOCK_R, BLOCK_H] halves, BLOCK_H = next power of two of d/2 (tail masked).
-
-rope_qk does the same for q and k at once, reading them from the stacked q/k/v projection
-[batch, t, (heads + 2 kv_heads) * d]: its rows are (batch, t, q or k head), and with SDAR / Qwen3's
-per-head q/k norm each row is first RMS-normalised and weighted with kernels/rmsnorm.py's rounding
-points; one launch replaces two norms and two ropes.
+in fp32, rounded to x's dtype. The torch form (nanodllm.model.Rope.apply; here
+apply_rope_reference) builds the rotated copy with torch.cat and a negation and runs four more
+elementwise kernels; here each element is read once and written once, with products and sums
+rounded separately (no FMA contraction), which makes the result equal to torch's bit for bit.
+x is [batch, heads, t, d] (usually a transposed view of a [batch, t, heads * d] projection), cos
+and sin [batch or 1, 1, t, d]. rope_qk does the same for q and k at once, read from the stacked
+q/k/v projection, with SDAR / Qwen3's per-head q/k norm first: one launch, not two norms and two ropes.
 """
 
 from __future__ import annotations
@@ -41,6 +32,11 @@ def rope_kernel(
     num_heads, seq_len, num_rows, half,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """Grid: (row tiles of BLOCK_R rows,). x and out go through explicit strides; cos and sin through
+    any strides with the last dim contiguous (the gathered tables of Rope.rows are views). Rows are
+    walked in (batch, t, head) order, the memory order of a projection's output, so the heads of one
+    position share their table rows in cache. A program holds BLOCK_R rows as two [BLOCK_R, BLOCK_H]
+    halves, BLOCK_H = next power of two of d/2 (tail masked). The launch sets enable_fp_fusion=False."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     batch = (rows // (seq_len * num_heads)).to(tl.int64)
     pos = ((rows // num_heads) % seq_len).to(tl.int64)
@@ -123,6 +119,9 @@ def qk_rope_kernel(
     num_heads, num_kv_heads, seq_len, num_rows, half, eps,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
 ):
+    """rope_kernel's walk over the rows (batch, t, q or k head) of the stacked q/k/v projection
+    [batch, t, (heads + 2 kv_heads) * d]; with NORM each row is first RMS-normalised and weighted with
+    kernels/rmsnorm.py's rounding points."""
     heads_all = num_heads + num_kv_heads
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     batch = (rows // (seq_len * heads_all)).to(tl.int64)

@@ -5,15 +5,13 @@
 
 DyLLM's sparse steps write the salient rows' fresh keys, values and FFN outputs into their caches.
 Their row lists have a fixed length (so the steps can be graphed), padded with rows that must keep
-their cached values (ok False). In torch that is a gather of the old rows, a select, a scatter, and
-for the values a subtraction for the deltas the approximate update needs: four passes and four
-launches. Here each listed row is read once and written once (the old row read too for the delta).
-
-Grid: (slot tiles of BLOCK_S, batch * heads, width tiles of BLOCK_W). dst is [batch, heads, n, width],
-src and delta [batch, heads, s, width], all through explicit strides (a [batch, n, width] cache is
-passed as dst[:, None]); rows [batch, s] int must be distinct within a batch row (each destination row
-written by one program only); ok [batch, s] bool. The difference is taken in fp32 and rounded to
-delta's dtype, as torch's subtraction rounds.
+their cached values (ok False). In torch that is a gather, a select, a scatter and, for the deltas
+the approximate update needs, a subtraction: four launches. Here each listed row is read once and
+written once (the old row read too for the delta). dst is [batch, heads, n, width], src and delta
+[batch, heads, s, width], all through explicit strides (a [batch, n, width] cache is passed as
+dst[:, None]); rows [batch, s] int must be distinct within a batch row; ok [batch, s] bool. The
+difference is taken in fp32 and rounded to delta's dtype, as torch's subtraction rounds. The
+reference is put_rows_where_reference.
 """
 
 from __future__ import annotations
@@ -34,6 +32,8 @@ def row_scatter_kernel(
     num_heads, num_slots, width,
     BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, DELTA: tl.constexpr,
 ):
+    """Grid: (slot tiles of BLOCK_S, batch * heads, width tiles of BLOCK_W). Each destination row is
+    written by one program only (rows are distinct within a batch row)."""
     s_tile, batch_head, w_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch, head = batch_head // num_heads, batch_head % num_heads
     slots = s_tile * BLOCK_S + tl.arange(0, BLOCK_S)

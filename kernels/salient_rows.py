@@ -8,14 +8,10 @@ ceil(v_b * fraction) lowest are ok, v_b the sequence's own count of real rows (s
 depend on what else is in the batch); with tau (DyLLM's salient_cap) a listed row is ok only if also
 cos < tau. Returns (mask [batch, rows] bool: the ok rows, rows [batch, width] int64, ok [batch, width]
 bool, slots [batch, rows] int32: each ok row's place in the list, -1 for the others; DyLLM's
-approximate attention reads a salient row's exact context from that place). The selection is
-top_k.py's one-program radix select (top_of_row) on -cos, run twice (width, then the own count); the
-division and square root round as torch's do (div_rn, sqrt_rn), so the listed rows are torch's
-exactly (salient_rows_reference: the cosines, then a stable sort).
-
-In torch this is about twenty launches per layer (the cosine's element-wise ops, the own count, two
-sorts, the rank mask, the scatter into the mask); a sparse step of llada-8b runs it in every layer.
-Rows up to top_k.WHOLE_ROW_MAX per sequence (one program holds them all).
+approximate attention reads a salient row's exact context from that place). The listed rows are
+torch's exactly (salient_rows_reference: the cosines, then a stable sort). In torch this is about
+twenty launches per layer, run in every layer of a sparse step. Rows up to top_k.WHOLE_ROW_MAX per
+sequence (one program holds them all).
 """
 
 from __future__ import annotations
@@ -33,6 +29,10 @@ from kernels.top_k import WHOLE_ROW_MAX, ordered_keys, top_of_row, whole_row_war
 @triton.jit
 def salient_rows_kernel(stats_ptr, valid_ptr, mask_ptr, rows_ptr, ok_ptr, slot_map_ptr, num_rows, width, tau,
                         FRACTION_BITS: tl.constexpr, CAPPED: tl.constexpr, BLOCK: tl.constexpr):
+    """top_k.py's one-program radix select (top_of_row) on -cos, run twice (width, then the own count);
+    the division and square root round as torch's do (div_rn, sqrt_rn), so the listed rows are
+    torch's exactly. The torch form's launches (about twenty): the cosine's element-wise ops, the own
+    count, two sorts, the rank mask, the scatter into the mask."""
     b = tl.program_id(0)
     positions = tl.arange(0, BLOCK)
     in_row = positions < num_rows

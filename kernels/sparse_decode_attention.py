@@ -12,14 +12,7 @@ key list instead of a contiguous range. Position t of the list of (b, kv_head) i
     t <  count * S:   token indices[t // S] * S + t % S   (a key block's tokens >= cache_lengths[b] skipped)
     t >= count * S:   block key cache_lengths[b] + t - count * S
 so a head's list is count * S + L positions long; slices cut it into equal pieces, and each tile
-gathers its K/V rows by token number (a gather of whole D-element rows, coalesced per row).
-Three things keep the gather close to the dense kernel's stream:
-- the list entries of tile i+1 are loaded while tile i is attended: otherwise every tile waits for
-  two dependent memory round trips (entries, then K/V) (docs/results/bench_kernels.md);
-- they are loaded as a [BLOCK_N, 1] column, in the layout of the K/V tile's rows: a 1-D load compiles
-  to more global loads and address arithmetic;
-- key blocks of a multiple of BLOCK_N tokens (WHOLE_TILES) take one entry per tile, and a tile's rows
-  are one run of tokens.
+gathers its K/V rows by token number. The reference is sparse_decode_attention_reference.
 """
 
 from __future__ import annotations
@@ -61,7 +54,16 @@ def sparse_decode_split_kernel(
     DOT_PRECISION: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):
     """Program (m_tile, split, batch*kv_head): one query tile against positions
-    [split*keys_per_split, (split+1)*keys_per_split) of the head's virtual key list."""
+    [split*keys_per_split, (split+1)*keys_per_split) of the head's virtual key list.
+
+    Each tile gathers whole D-element K/V rows (coalesced per row). Three things keep the gather close
+    to the dense kernel's stream:
+    - the list entries of tile i+1 are loaded while tile i is attended: otherwise every tile waits for
+      two dependent memory round trips (entries, then K/V) (docs/results/bench_kernels.md);
+    - they are loaded as a [BLOCK_N, 1] column, in the layout of the K/V tile's rows: a 1-D load
+      compiles to more global loads and address arithmetic;
+    - key blocks of a multiple of BLOCK_N tokens (WHOLE_TILES) take one entry per tile, and a tile's
+      rows are one run of tokens."""
     m_tile, split, batch_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch, kv_head = batch_head // num_kv_heads, batch_head % num_kv_heads
     q, rows = load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv_head, m_tile,

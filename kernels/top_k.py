@@ -2,33 +2,17 @@
 
 For each row of scores (a KV head's key scores, say) only its first `length` entries count; the
 result is the positions of the k highest of them, sorted by position, as the sparse decode kernel
-takes its index lists. torch does this as topk (four radix passes of three launches each, then a
-gather) plus a sort of the chosen positions.
+takes its index lists. Ties are broken towards lower positions. Rows whose length is at most k keep
+all their positions; entries of the output past a row's count are 0. Scores must not be NaN.
+The reference is top_k_positions_reference (a stable sort).
 
 Here: a radix select on the scores' bits, then one compaction that emits positions in order, so no
-sort is needed. A float32 is mapped to a uint32 key with the same order (flip every bit of a negative
-number, the sign bit of a positive one). Four histogram passes find the k-th largest key T one byte
-at a time, most significant first: pass p counts, among the entries whose top p bytes equal T's
-(known from passes 0..p-1), how many have each value of the next byte; the byte whose count from the
-top first reaches the number still needed is T's. Each pass is one launch over (row, chunk)
-programs, which add their chunk's 256 counts into the row's histogram with atomics, and re-derive
-the bytes found so far from the earlier histograms themselves (256 values each: cheaper than a
-launch). Then a count launch stores, per chunk, how many entries are above T and how many equal it,
-and a write launch gives each chunk its output offset (a prefix sum over the row's chunk counts)
-and stores the positions of the entries above T, and of the first ones equal to T (in position
-order, as many as needed), in order. Ties at T are thus broken towards lower positions.
-
-Rows whose length is at most k keep all their positions. Entries of the output past a row's count
-are 0. Scores must not be NaN. Grid of every chunked launch: (rows, chunks of CHUNK entries).
-Seven launches in all (a zero fill, four histograms, count, write). tl.histogram's time grows with
-the entries per program, so CHUNK and NUM_WARPS are tuned for the histogram passes.
-
-A row short enough for one program (n <= WHOLE_ROW_MAX entries) takes another route, one launch in
-all: its program holds the whole row in registers, runs the four histogram passes on it there (no
-atomics, no histograms in memory), and writes the positions with one prefix sum over the row. Below
-a few thousand entries the seven launches cost more than the work (Quest's page scores: 2K pages per
-KV head at 32K). Past WHOLE_ROW_MAX the seven launches win (docs/results/bench_mage.md, "Top-k
-selection").
+sort is needed (torch needs a topk, then a sort of the chosen positions). A float32 is mapped to a
+uint32 key with the same order; four histogram passes find the k-th largest key T one byte at a
+time, most significant first; then the entries above T, and the first ones equal to T, are written
+in position order. A long row takes seven launches over (row, chunk of CHUNK entries) programs; a
+row of at most WHOLE_ROW_MAX entries takes one program that holds it in registers (one launch),
+since below a few thousand entries the seven launches cost more than the work.
 """
 
 from __future__ import annotations
@@ -45,7 +29,8 @@ INTERPRETER_CHUNK = 64
 
 @triton.jit
 def ordered_keys(x):
-    """uint32 keys of float32 x, ordered as the floats are."""
+    """uint32 keys of float32 x, ordered as the floats are: flip every bit of a negative number, the
+    sign bit of a positive one."""
     bits = x.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order = float order
     return (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # flip the sign bit: unsigned order
@@ -100,6 +85,11 @@ def known_bytes(hist_ptr, row, k, PASSES: tl.constexpr):
 @triton.jit
 def topk_histogram_kernel(scores_ptr, lengths_ptr, hist_ptr, stride_row, heads, n, k,
                           PASS: tl.constexpr, CHUNK: tl.constexpr):
+    """Pass PASS: among the entries whose top PASS bytes equal T's, how many have each value of the next
+    byte. The (row, chunk) programs add their chunk's 256 counts into the row's histogram with atomics,
+    and re-derive the bytes found so far from the earlier histograms themselves (256 values each:
+    cheaper than a launch). tl.histogram's time grows with the entries per program, so CHUNK and
+    NUM_WARPS are tuned for these passes."""
     row, _, length, positions, valid = this_chunk(lengths_ptr, heads, n, CHUNK)
     if length > k:
         keys = order_keys(scores_ptr, row, stride_row, positions, valid)
@@ -125,6 +115,9 @@ def topk_count_kernel(scores_ptr, lengths_ptr, hist_ptr, chunk_counts_ptr, strid
 @triton.jit
 def topk_write_kernel(scores_ptr, lengths_ptr, hist_ptr, chunk_counts_ptr, indices_ptr, counts_ptr, stride_row,
                       stride_out, heads, n, k, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Each chunk's output offset is a prefix sum over the row's chunk counts; it stores the positions of
+    its entries above T, and of the first ones equal to T (in position order, as many as needed), in
+    order."""
     row, chunk, length, positions, valid = this_chunk(lengths_ptr, heads, n, CHUNK)
     if chunk == 0:
         tl.store(counts_ptr + row, tl.minimum(length, k))
@@ -166,7 +159,8 @@ def top_of_row(keys, candidates, k):
 @triton.jit
 def topk_row_kernel(scores_ptr, lengths_ptr, indices_ptr, counts_ptr, stride_row, stride_out, heads, n, k, width,
                     BLOCK: tl.constexpr):
-    """The whole route for one row in one program: the same four byte passes and tie rule."""
+    """The whole route for one row in one program: the same four byte passes and tie rule, on the
+    registers (no atomics, no histograms in memory), and one prefix sum over the row for the writes."""
     row = tl.program_id(0)
     length = tl.minimum(tl.load(lengths_ptr + row // heads).to(tl.int32), n)
     positions = tl.arange(0, BLOCK)
@@ -193,7 +187,8 @@ def top_k_positions(scores: torch.Tensor, lengths: torch.Tensor, k: int, chunk: 
     Returns (indices [batch, heads, min(k, n)] int32, 0 past a row's count; counts [batch, heads] int32
     = min(k, length)). chunk: entries per program (default CHUNK, INTERPRETER_CHUNK off the GPU).
     whole_row: one program per row (default: where n <= WHOLE_ROW_MAX); chunk and num_warps then do
-    not apply."""
+    not apply. The chunked route is seven launches (a zero fill, four histograms, count, write); past
+    WHOLE_ROW_MAX they win over one program per row (docs/results/bench_mage.md, "Top-k selection")."""
     if scores.dim() != 3 or scores.stride(-1) != 1:
         raise ValueError(f"scores must be [batch, heads, n] with a contiguous last dim, got {tuple(scores.shape)}")
     if scores.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -5,17 +5,14 @@ timing every candidate, seconds that triton.autotune pays again in every process
 the setting for a key up, in this order:
 1. the choices this process has made;
 2. the user's cache, `tuning.json` in $NANODLLM_CACHE_DIR (default $XDG_CACHE_HOME/nanodllm, else
-   ~/.cache/nanodllm), rewritten after each measurement (a temporary file renamed over the old one,
-   so a reader never sees half a file);
+   ~/.cache/nanodllm), rewritten after each measurement;
 3. the settings shipped in kernels/tuned.json (measured by `python scripts/tune.py`);
 4. a measurement of every candidate (triton.testing.do_bench), said once per process on stderr,
    then kept in 1 and 2.
+Both files map GPU name -> kernel name -> key -> setting (the key is the caller's shape bucket as
+"a,b,c"; a setting is the kernel's tile sizes plus num_warps and num_stages). A setting not among the
+caller's current candidates is ignored: every candidate is correct, only speed depends on the choice.
 What else a process pays at its first kernels, and how it overlaps the loading: kernels/first_use.py.
-
-Both files map GPU name -> kernel name -> key -> setting, where the key is the caller's shape bucket
-written as "a,b,c" and a setting is a dict of the kernel's tile sizes plus num_warps and
-num_stages. A setting that is not among the caller's current candidates is ignored (the kernel
-changed since it was measured): every candidate is correct, only speed depends on the choice.
 """
 
 from __future__ import annotations
@@ -51,7 +48,8 @@ def read_settings(path: Path) -> dict:
 
 
 def write_settings(path: Path, settings: dict):
-    """Replace path's content at once: write a temporary file beside it, then rename it over."""
+    """Replace path's content at once: write a temporary file beside it, then rename it over (so a
+    reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(handle, "w") as file:
@@ -77,7 +75,8 @@ class Tuner:
 
     def choose(self, key: tuple, candidates: list[dict], launch: Callable[[dict], object], device) -> dict:
         """The setting for key among candidates; launch(setting) runs the kernel once with it (only
-        called if the setting has to be measured here)."""
+        called if the setting has to be measured here). A stored setting that is not among the
+        candidates (the kernel changed since it was measured) is measured again."""
         if key in self.chosen:
             return self.chosen[key]
         name = key_name(key)

@@ -8,15 +8,9 @@ which rows moved most.
 The cosine is dot / (max(|new|, eps) * max(|cached|, eps)) with fp32 sums, as torch's
 cosine_similarity defines it. In torch the test is two fp32 copies, two norms, a product and its
 sum, the copy of the new values into the cache and a topk; here value_drift reads new and cached
-once and writes cached in the same pass, and most_drifted ranks the drifts.
-
-Grids: value_drift (rows, batch), each program reading its row's KV heads in chunks of BLOCK_H
-(one [BLOCK_H, head_dim] tile of TILE_ELEMENTS at most), so a few hundred rows still fill the GPU;
-most_drifted (row tiles of BLOCK_I, batch): each program ranks its rows against every row (rank =
-rows with larger drift, or equal drift and a lower index), so the ranks are distinct and row i is
-written at position rank[i] when rank[i] < count. That costs rows^2 comparisons, cheap for the few
-hundred rows of a response. A NaN drift (values that were not finite) ranks above every
-number, as torch.sort places it, so every slot of the output is still written.
+once and writes cached in the same pass, and most_drifted ranks the drifts. A NaN drift (values
+that were not finite) ranks above every number, as torch.sort places it. The references are
+value_drift_reference and most_drifted_reference.
 """
 
 from __future__ import annotations
@@ -44,6 +38,8 @@ def value_drift_kernel(new_ptr, cached_ptr, drift_ptr,
                        stride_db, stride_dr,
                        num_heads, head_dim, eps,
                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (row, batch): its row's KV heads in chunks of BLOCK_H (one [BLOCK_H, head_dim] tile of
+    TILE_ELEMENTS at most), so a few hundred rows still fill the GPU."""
     row, batch = tl.program_id(0), tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
     new_row = new_ptr + batch.to(tl.int64) * stride_nb + row.to(tl.int64) * stride_nr
@@ -70,6 +66,10 @@ def value_drift_kernel(new_ptr, cached_ptr, drift_ptr,
 @triton.jit
 def most_drifted_kernel(drift_ptr, out_ptr, stride_db, stride_dr, stride_ob, stride_oc, num_rows, count,
                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Program (row tile of BLOCK_I, batch): ranks its rows against every row (rank = rows with larger
+    drift, or equal drift and a lower index), so the ranks are distinct and row i is written at
+    position rank[i] when rank[i] < count. That costs rows^2 comparisons, cheap for the few hundred
+    rows of a response. NaN ranks above every number, so every slot of the output is still written."""
     tile, batch = tl.program_id(0), tl.program_id(1)
     rows = tile * BLOCK_I + tl.arange(0, BLOCK_I)
     drift_base = drift_ptr + batch.to(tl.int64) * stride_db

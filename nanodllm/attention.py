@@ -7,20 +7,11 @@ attend; a per-KV-head mask serves methods that keep different keys per head), or
 CanvasMask: the structured masks of the engines (key padding, block-causal), which a kernel can
 apply without materialising [q_len, k_len].
 
-Who computes it:
-    use_kernels(q) and head_dim 64 or 128:  the Triton kernels of kernels/: decode_attention for the
-        block engine's cache, and for at most SPLIT_MAX_QUERIES queries against SPLIT_MIN_KEYS or
-        more unmasked keys (it splits the keys over the SMs, where flash_attention would run one
-        program per head and query tile: docs/results/bench_routing.md); flash_attention for the
-        rest, when the mask is a CanvasMask or hides keys without depending on the query (a bool
-        mask [batch, 1 or num_kv_heads, 1, k_len]);
-    other CUDA tensors, or a bool mask that differs per query:  torch SDPA;
-    CPU:  a plain-torch version with scores and softmax in fp32.
-
-`use_kernels` is the one switch of the whole package between the Triton kernels and plain torch:
-every caller asks it, so NANODLLM_KERNELS=0 in the environment keeps everything on torch (SDPA on
-CUDA), to compare, and a test that adds "cpu" to KERNEL_DEVICES runs the kernels in Triton's CPU
-interpreter (TRITON_INTERPRET=1; float16, since its bfloat16 dot is wrong).
+Who computes it: the Triton kernels of kernels/ when use_kernels(q), head_dim is 64 or 128 and the
+mask does not depend on the query (see `attention`); torch SDPA for other CUDA tensors; on the CPU
+a plain-torch version with scores and softmax in fp32. `use_kernels` is the one switch of the whole
+package between the Triton kernels and plain torch: every caller asks it, so NANODLLM_KERNELS=0 in
+the environment keeps everything on torch (SDPA on CUDA), to compare.
 """
 
 from __future__ import annotations
@@ -44,7 +35,8 @@ SPLIT_MAX_QUERIES = 256  # decode_attention's DENSE_MAX_QUERIES
 
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether work on x runs on the Triton kernels: float16 / bfloat16 tensors on a GPU, outside
-    autograd (the kernels have no backward)."""
+    autograd (the kernels have no backward). A test that adds "cpu" to KERNEL_DEVICES runs the kernels
+    in Triton's CPU interpreter (TRITON_INTERPRET=1; float16, since its bfloat16 dot is wrong)."""
     return (KERNELS_ENABLED and x.device.type in KERNEL_DEVICES and x.dtype in KERNEL_DTYPES
             and not torch.is_grad_enabled())
 
@@ -111,7 +103,13 @@ def key_padding_mask(k_valid: torch.Tensor, q_valid: torch.Tensor | None = None)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | CanvasMask | None = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) masked) v, with GQA. Returns [batch, num_heads, q_len, head_dim]."""
+    """softmax(q k^T / sqrt(d) masked) v, with GQA. Returns [batch, num_heads, q_len, head_dim].
+
+    On the kernels: decode_attention for at most SPLIT_MAX_QUERIES queries against SPLIT_MIN_KEYS or
+    more unmasked keys (it splits the keys over the SMs, where flash_attention would run one program
+    per head and query tile: docs/results/bench_routing.md); flash_attention for the rest, when the
+    mask is a CanvasMask or hides keys without depending on the query (a bool mask [batch, 1 or
+    num_kv_heads, 1, k_len]). Other CUDA tensors, or a bool mask that differs per query: torch SDPA."""
     kernel_mask = as_kernel_mask(mask, q, k) if attention_on_kernels(q) else None
     if kernel_mask is not None:
         block_size, k_valid = kernel_mask

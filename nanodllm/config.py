@@ -1,26 +1,18 @@
 """Model and generation configuration.
 
-`ModelConfig.from_dir(path)` reads a checkpoint's config.json. Four families are understood:
-
-- `llada`: LLaDA-8B-Base/-Instruct, LLaDA-1.5. OLMo field names (d_model, n_layers, ...),
-  fully bidirectional attention; `attention_layer_norm` (RMSNorm over the whole q and k projections,
-  false in the released checkpoints, true in tiny-llada) is read too.
-- `sdar`: SDAR-*-Chat, TraDo. Qwen3 field names, q/k norm, block-causal attention with
-  `block_size` (default 4) and `mask_token_id` (default 151669) when the config lacks them.
+`ModelConfig.from_dir(path)` reads a checkpoint's config.json, one of six families (a field the
+config lacks, such as the block size or the mask id, takes the family's released default):
+- `llada`: LLaDA-8B-Base/-Instruct, LLaDA-1.5. OLMo field names, fully bidirectional attention.
+- `sdar`: SDAR-*-Chat, TraDo. Qwen3 field names, q/k norm, block-causal attention.
 - `Dream`: Dream-v0-7B. Qwen2 field names, q/k/v biases, no q/k norm, bidirectional, logits shifted
-  (position i is predicted from hidden state i-1), mask 151666 by default.
-- `Fast_dLLM_Qwen`: Fast-dLLM v2 7B. The same Qwen2 layout, block-causal with `bd_size` (default
-  32), logits shifted, mask 151665 by default.
-- `llada2_moe`: LLaDA2.0/2.1-mini and -flash. Mixture of experts (sigmoid router with an expert bias
-  and group-limited choice, a shared expert, the first `first_k_dense_replace` layers dense), per-head
-  q/k norm, RoPE on the first `partial_rotary_factor` of each head's dims, block-causal with blocks of
-  32, mask 156895 and eos 156892 by default.
-- `sdar_moe`: SDAR-30B-A3B. Qwen3-MoE field names (softmax router, no shared expert, dense layers
-  where `mlp_only_layers` / `decoder_sparse_step` say so) with SDAR's block-causal attention.
+  (position i is predicted from hidden state i-1).
+- `Fast_dLLM_Qwen`: Fast-dLLM v2 7B. Dream's layout, block-causal with `bd_size`, logits shifted.
+- `llada2_moe`: LLaDA2.0/2.1-mini and -flash. Mixture of experts, per-head q/k norm, RoPE on the
+  first `partial_rotary_factor` of each head's dims, block-causal.
+- `sdar_moe`: SDAR-30B-A3B. Qwen3-MoE field names with SDAR's block-causal attention.
 
-Everything inside nanodllm uses the one internal vocabulary of this dataclass; the loader maps tensor
-names the same way. `preset(name)` gives the real 8B-class shapes so benchmarks can build a model
-with random weights directly on the GPU.
+Everything inside nanodllm uses the one internal vocabulary of this dataclass (the loader maps tensor
+names the same way). `preset(name)` gives real 8B-class shapes, for benchmarks with random weights.
 """
 
 from __future__ import annotations
@@ -202,6 +194,8 @@ def _stop_ids(raw: dict, default: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _from_olmo_fields(raw: dict, source: str) -> ModelConfig:
+    """LLaDA (OLMo field names). attention_layer_norm (RMSNorm over the whole q and k projections) is
+    false in the released checkpoints and true in tiny-llada."""
     for flag in ("include_bias", "include_qkv_bias", "alibi"):
         if raw.get(flag):
             raise ValueError(f"{source}: {flag}=true is not supported (released LLaDA checkpoints set it false)")
@@ -254,7 +248,8 @@ def _from_qwen3_fields(raw: dict, source: str) -> ModelConfig:
 
 def _from_qwen3_moe_fields(raw: dict, source: str) -> ModelConfig:
     """SDAR-MoE: SDAR's fields plus Qwen3-MoE's. A layer is dense if listed in mlp_only_layers or if
-    (layer + 1) is not a multiple of decoder_sparse_step, as Qwen3-MoE decides."""
+    (layer + 1) is not a multiple of decoder_sparse_step, as Qwen3-MoE decides. Softmax router, no
+    shared expert."""
     sdar = _from_qwen3_fields(raw, source)
     if raw.get("shared_expert_intermediate_size"):
         raise ValueError(f"{source}: shared_expert_intermediate_size is not part of the Qwen3-MoE layout")
@@ -274,7 +269,8 @@ def _from_qwen3_moe_fields(raw: dict, source: str) -> ModelConfig:
 def _from_llada2_fields(raw: dict, source: str) -> ModelConfig:
     """LLaDA2 (BailingMoeV2 field names). The router scores with a sigmoid, chooses on the scores plus
     expert_bias within the topk_group best of n_group groups, and weighs the chosen by their unbiased
-    scores normalised to sum 1 (when more than one is chosen), times routed_scaling_factor."""
+    scores normalised to sum 1 (when more than one is chosen), times routed_scaling_factor. A shared
+    expert; the first first_k_dense_replace layers are dense."""
     for flag in ("use_qkv_bias", "use_bias", "norm_head"):
         if raw.get(flag):
             raise ValueError(f"{source}: {flag}=true is not supported (the released LLaDA2 checkpoints set it false)")

@@ -1,46 +1,18 @@
 """Synthetic long-context tasks (passkey, multikey, kv) and LongBench-compatible metrics.
 
 The tasks train and evaluate tiny diffusion LMs, so their text is simple and regular. Every sample
-is one user message: an intro line, a context, and a question; the reply is `sample.answer`.
-  - passkey   filler sentences with one needle "The pass key is {n}. Remember it. {n} is the pass
-              key."; n is a 5-digit number.
-  - multikey  filler with 4 needles "The pass key for the {adjective} {animal} is {n}." (no two
-              needles share an adjective or an animal; distinct numbers); one is asked for, the 3
-              distractors sit at random depths.
-  - kv        no filler: lines "{key} : {value} ." with distinct keys (made-up words such as "tiko",
-              one token each in the tiny models' tokenizer) and distinct 6-digit values; one key is
-              asked for. KV_KEYS bounds the lines: about 1,500, enough for 8K tokens of a BPE
-              tokenizer; a longer prompt is refused with a clear error.
-Filler sentences use a fixed list of about 150 common words: no digits, no pass key or name
-words, nothing shaped like a kv code, so the answer appears only inside its needle.
+is one user message (an intro line, a context, a question); the reply is `sample.answer`. passkey
+hides one pass key in filler sentences, multikey 4 named pass keys of which one is asked for, kv
+lists "{key} : {value} ." lines and asks for one value. Only the needle holds the answer.
 
-Length: `count_tokens(text)` (default `count_words`: words and punctuation marks) measures the
-intro, needles and question, then chunks of 32 filler pieces (sentences or kv lines, each with its
-leading separator) in one call each, halving the chunk near the budget down to single pieces, so
-the prompt lands within half a piece of `length` whenever the tokenizer counts pieces additively
-(BPE with whitespace pre-tokenization does). The whole prompt is then counted once
-(meta["tokens"]); when that is off by more than `length_tolerance` (3%, at least 16 tokens) the
-budget is rescaled and the sample rebuilt once. A prompt is never shorter than its frame (intro,
-needles, question): multikey's frame is 66 words, 82 tokens when digits are split, so multikey
-prompts asked for fewer than about 70 tokens come out longer.
-
-Depth: the queried needle is placed at the sentence (or line) boundary whose character offset
-within the rest of the context is nearest to `depth` of its length; meta["position"] is that
-achieved fraction, meta["needle_offset"] the needle's character offset in the prompt.
-`sample.depth` and `sample.length` are what was asked for, so results group by them exactly.
-
-Seeds: a sample depends on (task, seed, length, depth, count_tokens) only. With one seed, different lengths and
-depths share the needle and the start of the filler, so sweeps compare like with like.
+Length: `count_tokens(text)` (default `count_words`) measures the frame and the filler in chunks, so
+the prompt lands within half a piece of `length` when the count is additive over pieces (the whole
+prompt's count: meta["tokens"]). Depth: the queried needle sits at the piece boundary nearest `depth`
+of the context (meta["position"]: the achieved fraction). A sample depends on (task, seed, length,
+depth, count_tokens) only: with one seed, lengths and depths share the needle and the filler start.
 
 Metrics follow LongBench's metrics.py and eval.py (max over the reference answers; the first line
-of the prediction only for trec, triviaqa and samsum), with the standard library only:
-  - rouge_l is the LCS F-measure on whitespace tokens with "." dropped; the `rouge` package that
-    LongBench calls scores summary-level LCS over sentences and counts unique words, so scores on
-    long texts with repeated words differ slightly.
-  - code_sim is fuzzywuzzy's pure-Python fuzz.ratio (difflib ratio rounded to a percent) on the
-    first line that contains no '`', '#' or '//'.
-  - classification_score drops every matched class that is a proper substring of the answer
-    (LongBench's loop removes while iterating and can skip one).
+of the prediction only for trec, triviaqa and samsum), with the standard library only.
 """
 
 from __future__ import annotations
@@ -144,7 +116,12 @@ def count_words(text: str) -> int:
 
 
 def make_sample(task: str, length: int, depth: float | None, seed: int, count_tokens=None) -> Sample:
-    """One sample of `task` about `length` tokens long, its needle at `depth` (None: drawn from seed)."""
+    """One sample of `task` about `length` tokens long, its needle at `depth` (None: drawn from seed).
+    When the whole prompt's count is off by more than length_tolerance, the budget is rescaled and the
+    sample rebuilt once. A prompt is never shorter than its frame (intro, needles, question):
+    multikey's is 66 words, 82 tokens when digits are split, so multikey prompts asked for fewer than
+    about 70 tokens come out longer. sample.depth and sample.length are what was asked for, so results
+    group by them exactly."""
     _check_request(task, length, depth)
     rng = random.Random(f"{task}/{seed}")
     depth = rng.random() if depth is None else float(depth)
@@ -183,7 +160,8 @@ def corpus(n: int, seed: int) -> Iterator[str]:
 
 
 def filler(rng: random.Random, n_sentences: int) -> list[str]:
-    """n_sentences filler sentences over FILLER_WORDS."""
+    """n_sentences filler sentences over FILLER_WORDS: no digits, no pass key or name words, nothing
+    shaped like a kv code, so the answer appears only inside its needle."""
     return [_sentence(rng) for _ in range(n_sentences)]
 
 
@@ -218,6 +196,8 @@ def _passkey(rng, length, depth, count, target):
 
 
 def _multikey(rng, length, depth, count, target):
+    """4 needles, no two sharing an adjective or an animal, with distinct numbers; the first is asked
+    for, the 3 distractors sit at random depths."""
     adjectives, animals = rng.sample(NAME_ADJECTIVES, MULTIKEY_NEEDLES), rng.sample(NAME_ANIMALS, MULTIKEY_NEEDLES)
     names = [f"{adjective} {animal}" for adjective, animal in zip(adjectives, animals)]
     numbers = [str(number) for number in rng.sample(NUMBER_RANGE, MULTIKEY_NEEDLES)]
@@ -232,6 +212,9 @@ def _multikey(rng, length, depth, count, target):
 
 
 def _kv(rng, length, depth, count, target):
+    """No filler: lines with distinct keys (made-up words, one token each in the tiny models' tokenizer)
+    and distinct values. KV_KEYS bounds the lines (enough for 8K tokens of a BPE tokenizer); a longer
+    prompt is refused with a clear error."""
     used = set()
     key, value = rng.choice(KV_KEYS), _kv_value(rng, used)
     needle = KV_LINE.format(key=key, value=value)
@@ -264,7 +247,9 @@ def _frame_cost(count, separator, intro, needles, question):
 
 def _fill(rng, budget, count, separator, make_piece):
     """Chunks of pieces while they fit the budget, halving the chunk when one does not; a single
-    piece is kept when it brings the total closer to the budget (so it stops within half a piece)."""
+    piece is kept when it brings the total closer to the budget (so it stops within half a piece).
+    A chunk (pieces with their leading separators) is one count call; the count is additive over
+    pieces for BPE with whitespace pre-tokenization."""
     pieces, used, size = [], 0, FILL_CHUNK
     while size:
         chunk = [make_piece(rng) for _ in range(size)]
@@ -278,7 +263,9 @@ def _fill(rng, budget, count, separator, make_piece):
 
 
 def _assemble(task, length, depth, separator, intro, pieces, needle, question, answer, meta):
-    """Insert the needle at the boundary nearest `depth` and join intro, context and question."""
+    """Insert the needle at the boundary nearest `depth` and join intro, context and question.
+    Nearest by character offset within the rest of the context; meta["position"] is the achieved
+    fraction, meta["needle_offset"] the needle's character offset in the prompt."""
     starts = list(itertools.accumulate((len(piece) + len(separator) for piece in pieces), initial=0))
     index = min(range(len(starts)), key=lambda i: abs(starts[i] - depth * starts[-1]))
     context = separator.join([*pieces[:index], needle, *pieces[index:]])
@@ -320,7 +307,9 @@ def qa_f1(prediction: str, answers) -> float:
 
 
 def rouge_l(prediction: str, answers) -> float:
-    """LCS F-measure on whitespace tokens, "." dropped (LongBench rouge_score's rouge-l f), best answer."""
+    """LCS F-measure on whitespace tokens, "." dropped (LongBench rouge_score's rouge-l f), best answer.
+    The `rouge` package that LongBench calls scores summary-level LCS over sentences and counts unique
+    words, so scores on long texts with repeated words differ slightly."""
     def one(prediction, answer):
         predicted, reference = prediction.replace(".", " ").split(), answer.replace(".", " ").split()
         return _f_measure(_lcs_length(predicted, reference), len(predicted), len(reference))
@@ -328,14 +317,18 @@ def rouge_l(prediction: str, answers) -> float:
 
 
 def code_sim(prediction: str, answers) -> float:
-    """fuzz.ratio / 100 of the first code line of the prediction and the answer (LongBench code_sim_score)."""
+    """fuzz.ratio / 100 of the first code line of the prediction and the answer (LongBench code_sim_score).
+    fuzz.ratio is fuzzywuzzy's pure-Python one (difflib ratio rounded to a percent); the first code line
+    is the first that contains no '`', '#' or '//'."""
     lines = prediction.lstrip("\n").split("\n")
     line = next((line for line in lines if not any(mark in line for mark in ("`", "#", "//"))), "")
     return _best(_fuzz_ratio, line, answers)
 
 
 def classification_score(prediction: str, answers, all_classes) -> float:
-    """1/k when the answer is among the k classes named in the prediction (LongBench classification_score)."""
+    """1/k when the answer is among the k classes named in the prediction (LongBench classification_score).
+    Every matched class that is a proper substring of the answer is dropped (LongBench's loop removes
+    while iterating and can skip one)."""
     def one(prediction, answer):
         named = [name for name in all_classes if name in prediction and not (name in answer and name != answer)]
         return 1.0 / len(named) if answer in named else 0.0

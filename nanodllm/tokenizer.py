@@ -2,59 +2,17 @@
 
 `Tokenizer.from_dir(path, family)` builds a `tokenizers` tokenizer (no transformers needed). `family`
 is the config's model_type: "llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe" or "sdar_moe"
-(which is SDAR's vocabulary and chat template).
-
-Loading: `<path>/tokenizer.json` when present. Otherwise, for the Qwen2-vocabulary families (sdar,
-Dream, Fast_dLLM_Qwen), `vocab.json` + `merges.txt` built the way transformers' Qwen2 tokenizer
-builds them (NFC; Qwen2's regex split then byte-level; byte-level BPE; byte-level decoder), plus the
-added tokens of `tokenizer_config.json`'s added_tokens_decoder at their ids (a token that would land
-elsewhere is a ValueError). Dream ships only those files. Encoding and decoding follow the
-`tokenizers` library: decode(skip_special_tokens=True) drops every added token flagged special.
+(which is SDAR's vocabulary and chat template). It loads `<path>/tokenizer.json`, else, for the
+Qwen2-vocabulary families, `vocab.json` + `merges.txt` built as transformers' Qwen2 tokenizer does.
 
 Special ids (mask_id, eos_id, pad_id, bos_id) are resolved field by field, first hit wins:
-  1. config.json             mask_token_id / eos_token_id / pad_token_id / bos_token_id
-  2. generation_config.json  the same fields
-  3. tokenizer_config.json   mask_token / eos_token / pad_token / bos_token (a string or a
-                             {"content": ...} dict), looked up in the vocabulary
-  4. the vocabulary, by the family's token string (LLaDA: <|mdm_mask|>, <|endoftext|>,
-     <|startoftext|>; SDAR: <|MASK|>, <|im_end|>, <|endoftext|>, no BOS; Dream: <|mask|>,
-     <|endoftext|>, <|endoftext|>, <|beginoftext|>; Fast-dLLM v2: no mask string, <|im_end|>,
-     <|endoftext|>, no BOS)
-  5. documented defaults     LLaDA2 mask 156895 (never looked up by name: which token holds that id
-                             is not settled), eos/pad 156892 <|endoftext|>, bos 156891;
-                             LLaDA mask 126336, eos/pad 126081, bos 126080;
-                             SDAR mask 151669, eos 151645, pad 151643, bos None;
-                             Dream mask 151666, eos/pad 151643, bos 151665;
-                             Fast-dLLM v2 mask 151665, eos 151645, pad 151643, bos None
-eos_token_id may be a list; eos_id is its first entry. stop_ids gathers, in order and without
-repeats: the eos_token_id entries of config.json and generation_config.json, then the family's
-stop tokens, each looked up in the vocabulary, else its default (LLaDA <|endoftext|> 126081 and
-<|eot_id|> 126348; SDAR, Dream and Fast-dLLM v2 <|im_end|> 151645 and <|endoftext|> 151643).
+config.json, generation_config.json, tokenizer_config.json's token strings, the family's token
+strings in the vocabulary, then the family's default ids (SPECIAL_TOKENS). stop_ids: the configs'
+eos_token_id entries, then the family's STOP_TOKENS, in order and without repeats.
 
 Chat templates are Python ports of the published jinja templates, checked against them in
 tests/test_tokenizer.py. Only plain {"role", "content"} messages with roles system/user/assistant
 are supported; anything else is a ValueError.
-  - LLaDA-8B-Instruct (Llama-3 style): <|startoftext|> once, then per message
-    <|start_header_id|>{role}<|end_header_id|>\\n\\n{content.strip()}<|eot_id|>, then the header
-    <|start_header_id|>assistant<|end_header_id|>\\n\\n. The published template appends that header
-    even when add_generation_prompt is False; here the flag is honoured.
-  - SDAR-Chat (Qwen3): <|im_start|>{role}\\n{content}<|im_end|>\\n per message (content not
-    stripped), generation prompt <|im_start|>assistant\\n. As in Qwen3's template, an assistant
-    message's "<think>...</think>" part is dropped unless the message comes after the last user
-    query, and the final such message always gets a (possibly empty) <think> block. Qwen3's
-    enable_thinking switch is not offered: the default (thinking enabled) adds nothing.
-  - LLaDA2: <role>SYSTEM</role>{system}detailed thinking off<|role_end|>, then per message
-    <role>HUMAN</role> or <role>ASSISTANT</role>{content}<|role_end|>, generation prompt
-    <role>ASSISTANT</role> (ported from the Ling-2.0 family's template as FORMATS of the project
-    records it; the released tokenizer_config.json was not available to check against). Its stop
-    token is <|endoftext|> alone.
-  - Dream and Fast-dLLM v2 (Qwen2.5 ChatML): the same turns, no <think> handling, and a system turn
-    first: the leading system message, else <|im_start|>system\\n{default_system_prompt}<|im_end|>\\n.
-    The default is read from the checkpoint's chat template (tokenizer_config.json's chat_template,
-    else chat_template.jinja): the literal '<|im_start|>system\\n...<|im_end|>\\n' of its no-tools
-    branch; a template without one is a ValueError. Without a template it is ASSUMED to be
-    "You are a helpful assistant." (Qwen2.5-*-Instruct's own templates say "You are Qwen, created
-    by Alibaba Cloud. You are a helpful assistant.").
 """
 
 import json
@@ -163,6 +121,9 @@ class Tokenizer:
         return default if token_id is None else token_id
 
     def _resolve(self, field, configs):
+        """First hit wins: config.json, generation_config.json (a list eos_token_id gives its first entry),
+        tokenizer_config.json's token (a string or a {"content": ...} dict), the family's token string,
+        its default id. LLaDA2's mask id is never looked up by name: which token holds it is not settled."""
         for config in configs:
             ids = _as_id_list(config.get(field))
             if ids:
@@ -178,6 +139,7 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """As the `tokenizers` library decodes: skip_special_tokens drops every added token flagged special."""
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def chat_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -201,6 +163,8 @@ class Tokenizer:
 
 
 def _load_hf_tokenizer(directory: Path, family: str, tokenizer_config: dict) -> HFTokenizer:
+    """tokenizer.json, else vocab.json + merges.txt (Dream ships only those files) plus the added tokens
+    of tokenizer_config.json's added_tokens_decoder at their ids."""
     tokenizer_file = directory / "tokenizer.json"
     if tokenizer_file.is_file():
         return HFTokenizer.from_file(str(tokenizer_file))
@@ -255,6 +219,11 @@ def _chat_template(directory: Path, tokenizer_config: dict):
 
 
 def _qwen25_system_prompt(chat_template) -> str:
+    """The literal '<|im_start|>system\\n...<|im_end|>\\n' of the no-tools branch of the checkpoint's
+    chat template (tokenizer_config.json's chat_template, else chat_template.jinja); a template without
+    one is a ValueError. Without a template it is ASSUMED to be "You are a helpful assistant."
+    (Qwen2.5-*-Instruct's own templates say "You are Qwen, created by Alibaba Cloud. You are a helpful
+    assistant.")."""
     if chat_template is None:
         return ASSUMED_QWEN25_SYSTEM_PROMPT
     match = QWEN25_DEFAULT_SYSTEM_TURN.search(chat_template) if isinstance(chat_template, str) else None
@@ -298,6 +267,8 @@ def _check_messages(messages):
 
 
 def _llada_chat_text(messages, add_generation_prompt):
+    """LLaDA-8B-Instruct (Llama-3 style). The published template appends the assistant header even when
+    add_generation_prompt is False; here the flag is honoured."""
     turns = [f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in messages]
     prompt = "<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else ""
     return "<|startoftext|>" + "".join(turns) + prompt
@@ -307,6 +278,8 @@ LLADA2_ROLES = {"system": "SYSTEM", "user": "HUMAN", "assistant": "ASSISTANT"}
 
 
 def _llada2_chat_text(messages, add_generation_prompt):
+    """Ported from the Ling-2.0 family's template; the released tokenizer_config.json was not available
+    to check against."""
     system = messages[0]["content"] if messages[0]["role"] == "system" else ""
     turns = messages[1:] if messages[0]["role"] == "system" else messages
     text = f"<role>SYSTEM</role>{system}detailed thinking off<|role_end|>"
@@ -321,6 +294,10 @@ def _is_user_query(message):
 
 
 def _qwen3_chat_text(messages, add_generation_prompt):
+    """SDAR-Chat (Qwen3), content not stripped. As in Qwen3's template, an assistant message's
+    "<think>...</think>" part is dropped unless the message comes after the last user query, and the
+    final such message always gets a (possibly empty) <think> block. Qwen3's enable_thinking switch is
+    not offered: the default (thinking enabled) adds nothing."""
     last = len(messages) - 1
     last_query = max((i for i, m in enumerate(messages) if _is_user_query(m)), default=last)
     text = ""
@@ -340,6 +317,8 @@ def _qwen3_chat_text(messages, add_generation_prompt):
 
 
 def _qwen25_chat_text(messages, add_generation_prompt, default_system_prompt):
+    """Dream and Fast-dLLM v2 (Qwen2.5 ChatML): Qwen3's turns without <think> handling, and a system turn
+    first: the leading system message, else the default system prompt."""
     if messages[0]["role"] != "system":
         messages = [{"role": "system", "content": default_system_prompt}, *messages]
     text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
