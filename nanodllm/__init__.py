@@ -2,8 +2,7 @@
 training-free sparse attention and caching methods."""
 
 from .config import GenerationConfig, ModelConfig, preset
-from .loader import load_model
-from .fused import build_random
+from .loader import build_random, load_model
 from .model import Model
 
 __all__ = ["GenerationConfig", "ModelConfig", "Model", "build_random", "load_model", "preset"]

@@ -1,15 +1,16 @@
-"""Checkpoint directory -> Model.
+"""Checkpoint directory -> the fused model (nanodllm/fused.py); or random weights of a config's shape.
 
 A checkpoint is config.json plus either model.safetensors or shards listed in
 model.safetensors.index.json. Tensors are streamed one at a time (safe_open) straight into the
-parameters of a model allocated on the target device, so loading needs little more host memory than
-the largest tensor. Each family's tensor names are mapped onto the internal (Qwen3) names by one
-rename table; a fused tensor (LLaDA2's query_key_value) renames to several parameters, which take its
-rows in order. Before anything is read, every name and shape is checked: a missing, unexpected or
-misshapen tensor is an error that names all of them, and no model is returned half-loaded. Experts
-load one tensor per expert, as released; a checkpoint that stores them fused is refused by name.
-Tied embeddings: when the checkpoint has no LM head and the config ties (or does not say), the head
-is the embedding matrix.
+parameters of a reference model allocated on the target device, so loading needs little more host
+memory than the largest tensor; fuse() then stacks its weights layer by layer. Each family's tensor
+names are mapped onto the internal (Qwen3) names by one rename table; a fused tensor (LLaDA2's
+query_key_value) renames to several parameters, which take its rows in order. Before anything is read,
+every name and shape is checked: a missing, unexpected or misshapen tensor is an error that names all
+of them, and no model is returned half-loaded. Experts load one tensor per expert, as released; a
+checkpoint that stores them fused is refused by name. Tied embeddings: when the checkpoint has no LM
+head and the config ties (or does not say), the head is the embedding matrix. build_random stands for
+a loaded model in benchmarks and tests. Both return once the first-use warm-up has finished.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from kernels import first_use
 
 from .config import ModelConfig
-from .fused import build_empty
+from .fused import FusedModel, fuse
 from .model import Model
 
 # (checkpoint name, internal name) patterns, tried in order; {i} is a layer index, {name} any rest.
@@ -188,8 +189,17 @@ def _rows_of(params: dict, targets: tuple[str, ...]) -> tuple[int, ...]:
     return (sum(params[t].shape[0] for t in targets), *first[1:])
 
 
-def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = None) -> Model:
-    """Load a checkpoint directory. `context` stretches RoPE (NTK) to that many tokens if needed."""
+def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16) -> Model:
+    """A reference model with uninitialised parameters allocated once, in `dtype`, directly on `device`
+    (built on the meta device first, so no CPU or fp32 copy of an 8B model is ever made)."""
+    with torch.device("meta"):
+        model = Model(cfg).to(dtype)
+    model.to_empty(device=device).tie_weights()
+    return model.eval()
+
+
+def load_reference(path, device="cpu", dtype=torch.bfloat16, context: int | None = None) -> Model:
+    """Load a checkpoint directory into the reference model (nanodllm/model.py), which load_model fuses."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     if not 0 <= cfg.mask_token_id < cfg.vocab_size:
@@ -218,5 +228,35 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = N
         broken = sorted({checkpoint_name(cfg.model_type, name) for name, ok in zip(params, finite) if not ok})
     if broken:  # a NaN weight would decode to nothing, or to garbage, without a word
         raise CheckpointError(f"{path}: " + first_few("NaN or infinite values", broken))
-    first_use.wait()
     return model
+
+
+def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = None) -> FusedModel:
+    """Load a checkpoint directory into the fused model. `context` stretches RoPE (NTK) to that many
+    tokens if needed."""
+    first_use.start(device, dtype)  # on a GPU, overlaps the loading (kernels/first_use.py)
+    try:
+        return fuse(load_reference(path, device, dtype, context))
+    finally:
+        first_use.wait()
+
+
+def random_weights(model: Model, seed: int = 0) -> Model:
+    """model's weights drawn in place: N(0, 0.02), the norms' 1."""
+    generator = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model
+
+
+def build_random(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> FusedModel:
+    """A fused model of cfg's shape with random weights (random_weights), built as load_model builds one."""
+    first_use.start(device, dtype)  # on a GPU, overlaps the build (kernels/first_use.py)
+    try:
+        return fuse(random_weights(build_empty(cfg, device, dtype), seed))
+    finally:
+        first_use.wait()

@@ -1,24 +1,18 @@
 """The decoder as its math: embedding, layers, final norm, head. No decoding policy, no kernels.
 
 Module names follow Qwen3 (embed_tokens, layers.i.self_attn.q_proj, ..., norm, lm_head); the loader
-maps each family's tensor names onto them. A layer is
-
-    h = x + out(attend(qkv(attn_norm(x))))
-    x' = h + mlp(mlp_norm(h))
-
-and exposes those pieces, the primitives a method recombines:
+maps each family's onto them. A layer, h = x + out(attend(qkv(attn_norm(x)))) and then
+x' = h + mlp(mlp_norm(h)), exposes those pieces, the primitives a method recombines:
 
     h = layer.attn_norm(x)
     q, k, v = layer.qkv(h, rope)          # projections, q/k norm, RoPE: [b, heads, t, d]
     q, k = layer.qk(h, rope)              # the same without v (k, v = layer.kv(h, rope): without q)
     q, v = layer.query(h, rope), layer.value(h)   # one projection alone
     x = layer.add_out(x, o)               # x + o_proj(o), x updated in place
-    x = x + layer.mlp(layer.mlp_norm(x))
 
-Attention is always somebody else's callback: `Model.forward(ids, positions, attend)` calls
-`attend(layer_idx, q, k, v)`. The MLP is a SwiGLU or a mixture of experts (nanodllm/mlp.py). Numerics
-follow the references: RMSNorm in fp32, cast, then the weight; RoPE tables and rotation in fp32
-(LLaDA's rope_full_precision), cast back to the activation dtype.
+Attention is somebody else's callback: forward(ids, positions, attend) calls attend(layer_idx, q, k, v).
+The MLP is a SwiGLU or a mixture of experts (mlp.py). Numerics follow the references: RMSNorm in fp32,
+cast, then the weight; RoPE tables and rotation in fp32 (LLaDA's rope_full_precision), cast back.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch
 import nanodllm.graphs as graphs_module
 from bench_maskkv import canvas_context, eager_us
 from nanodllm.config import ModelConfig, preset
-from nanodllm.fused import build_random
+from nanodllm.loader import build_random
 from nanodllm.graphs import Steps
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense

@@ -57,7 +57,7 @@ from nanodllm import block, masked  # noqa: E402
 from nanodllm.attention import CanvasMask, attention  # noqa: E402
 from nanodllm.config import GenerationConfig, ModelConfig, preset  # noqa: E402
 from nanodllm.eval import Journal, journal_path, time_left  # noqa: E402
-from nanodllm.fused import build_empty, build_random  # noqa: E402
+from nanodllm.loader import build_empty, build_random  # noqa: E402
 from nanodllm.methods import get_method  # noqa: E402
 
 PEER = "transformers"

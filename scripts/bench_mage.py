@@ -39,7 +39,7 @@ from kernels.top_k import top_k_positions
 from nanodllm import block as block_engine
 from nanodllm.cache import KVCache
 from nanodllm.config import GenerationConfig, ModelConfig, preset
-from nanodllm.fused import build_random
+from nanodllm.loader import build_random
 from nanodllm.graphs import Steps
 from nanodllm.methods import Dense, Mage, Quest, get_method
 from nanodllm.methods.base import StepContext

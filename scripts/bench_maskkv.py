@@ -32,7 +32,7 @@ import torch
 import nanodllm.graphs as graphs_module
 from nanodllm import masked
 from nanodllm.config import GenerationConfig, ModelConfig, preset
-from nanodllm.fused import build_random
+from nanodllm.loader import build_random
 from nanodllm.graphs import Steps
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense, StepContext

@@ -29,7 +29,7 @@ from bench_mage import GENERATION_BLOCKS, HEADROOM_BYTES, block_clock, mark
 import nanodllm.graphs as graphs_module
 from nanodllm import block as block_engine
 from nanodllm.config import GenerationConfig, ModelConfig, preset
-from nanodllm.fused import build_random
+from nanodllm.loader import build_random
 from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
 

@@ -24,7 +24,7 @@ import torch
 
 from bench_maskkv import canvas_context, eager_us, generation_seconds, peak_gib, step_flops
 from nanodllm.config import GenerationConfig, ModelConfig, preset
-from nanodllm.fused import build_random
+from nanodllm.loader import build_random
 from nanodllm.graphs import Steps
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense, StepContext

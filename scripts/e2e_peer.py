@@ -56,7 +56,7 @@ def hf_model(model):
     with torch.device("meta"):  # allocates nothing: the parameters are ours, assigned below
         peer = build(config)
     peer.model.rotary_emb = type(peer.model.rotary_emb)(config).to(model.embed_tokens.weight.device)
-    state = {name if name == "lm_head.weight" else f"model.{name}": p for name, p in model.named_parameters()}
+    state = {name if name == "lm_head.weight" else f"model.{name}": p for name, p in reference_state(model).items()}
     peer.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         peer.tie_weights()
@@ -64,6 +64,20 @@ def hf_model(model):
         for layer in peer.model.layers:
             layer.self_attn.is_causal = False
     return peer.eval()
+
+
+def reference_state(model) -> dict:
+    """The fused model's parameters under model.py's names: qkv_proj's rows as q/k/v_proj, gate_up_proj's
+    as gate/up_proj (views: the peer shares our tensors). Dense layers only, as the peer."""
+    state = {}
+    for name, p in model.named_parameters():
+        if ".qkv_proj." in name:  # weight and bias
+            state.update(zip((name.replace("qkv", part) for part in "qkv"), p.split(model.layers[0].self_attn.widths)))
+        elif name.endswith("gate_up_proj.weight"):
+            state.update(zip((name.replace("gate_up", part) for part in ("gate", "up")), p.chunk(2)))
+        else:
+            state[name] = p
+    return state
 
 
 def transfer_schedule(masks: torch.Tensor, steps: int) -> torch.Tensor:

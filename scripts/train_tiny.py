@@ -70,7 +70,7 @@ from nanodllm.cli import help_text, run_main  # noqa: E402
 from nanodllm import tasks  # noqa: E402
 from nanodllm.attention import attention, block_causal_mask, key_padding_mask  # noqa: E402
 from nanodllm.config import ModelConfig  # noqa: E402
-from nanodllm.loader import checkpoint_name, load_model  # noqa: E402
+from nanodllm.loader import checkpoint_name, load_reference  # noqa: E402
 from nanodllm.model import Model  # noqa: E402
 from nanodllm.tokenizer import Tokenizer  # noqa: E402
 
@@ -399,7 +399,6 @@ def save_checkpoint(model, family, directory: Path, config: dict):
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    # copies: a stacked model's q/k/v and gate/up weights are views of one tensor, which safetensors refuses
     tensors = {checkpoint_name(family, name): p.detach().to("cpu", torch.bfloat16, copy=True)
                for name, p in model.named_parameters()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -462,9 +461,9 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
     (work / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
     encoder = Encoder(work, family)
     if converting:
-        model = llada_from_sdar(load_model(init, device, torch.float32), config)
+        model = llada_from_sdar(load_reference(init, device, torch.float32), config)
     elif init:
-        model = load_model(init, device, torch.float32)
+        model = load_reference(init, device, torch.float32)
     else:
         model = Model(ModelConfig.from_dict(config)).to(device)
         with torch.no_grad():

@@ -7,7 +7,7 @@ import torch
 
 from nanodllm.attention import attention
 from nanodllm.config import PRESETS, ModelConfig, preset
-from nanodllm.fused import build_empty
+from nanodllm.loader import build_empty, random_weights
 from nanodllm.model import Model, Rope
 from tiny_models import tiny_config, tiny_model
 
@@ -77,11 +77,23 @@ def rms(x, weight, eps):
     return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def reference_model(model_type: str, **overrides) -> Model:
+    """tiny_model's weights (std 0.3, float64) in the reference model, whose q/k/v projections these
+    tests read (the fused model's equality with it: tests/test_fused.py)."""
+    model = random_weights(build_empty(tiny_config(model_type, **overrides), dtype=torch.float64))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.3)
+    return model
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_llada_attention_layer_norm_normalises_the_whole_projection(kv_heads):
     """OLMo's attention_layer_norm: one RMSNorm over all of q's heads (d_model wide) and one over k's
     (kv_heads * head_dim), before the split into heads and RoPE; not SDAR's per-head norm."""
-    model = tiny_model("llada", attention_layer_norm=True, n_kv_heads=kv_heads)
+    model = reference_model("llada", attention_layer_norm=True, n_kv_heads=kv_heads)
     cfg, layer = model.cfg, model.layers[0]
     assert cfg.qk_norm == "projection" and tiny_config("llada").qk_norm is None
     attn = layer.self_attn
@@ -128,8 +140,8 @@ def test_logit_shift_moves_logits_one_position_right():
 
 def test_qkv_bias_is_used():
     cfg = tiny_config("sdar")
-    model = tiny_model("sdar")
-    biased = tiny_model("sdar")
+    model = reference_model("sdar")
+    biased = reference_model("sdar")
     biased.cfg = dataclasses.replace(cfg, qkv_bias=True)
     for layer in biased.layers:
         attn = layer.self_attn

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanodllm.config import ModelConfig
-from nanodllm.fused import build_random
+from nanodllm.loader import build_empty, random_weights
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -121,7 +121,7 @@ def qwen25_checkpoint(directory: Path, model_type: str, **fields) -> Path:
                num_key_value_heads=2, intermediate_size=64, vocab_size=406, max_position_embeddings=4096,
                tie_word_embeddings=False, mask_token_id=405, **fields)
     (directory / "config.json").write_text(json.dumps(raw))
-    model = build_random(ModelConfig.from_dict(raw), dtype=torch.float32)
+    model = random_weights(build_empty(ModelConfig.from_dict(raw), dtype=torch.float32))  # the checkpoint's layout
     tensors = {name if name == "lm_head.weight" else f"model.{name}": tensor.clone()
                for name, tensor in model.state_dict().items()}
     save_file(tensors, str(directory / "model.safetensors"))

@@ -53,10 +53,10 @@ def test_only_a_gpu_starts_the_thread_on_the_callers_current_gpu(monkeypatch):
 
 
 def test_loading_a_model_returns_once_the_side_thread_has_finished(monkeypatch):
-    """Its CUDA work must not run into a generation's graph capture: load_model and build_random wait."""
+    """Its CUDA work must not run into a generation's graph capture: load_model and build_random wait,
+    also when the loading fails."""
     from nanodllm.eval import resolve_model
-    from nanodllm.fused import build_random
-    from nanodllm.loader import load_model
+    from nanodllm.loader import build_random, load_model
     from tests.tiny_models import tiny_config
 
     finished = []
@@ -71,3 +71,6 @@ def test_loading_a_model_returns_once_the_side_thread_has_finished(monkeypatch):
     assert finished == ["cpu"] and not first_use.STARTED
     load_model(resolve_model("tiny-llada"), "cpu", torch.float32)
     assert finished == ["cpu", "cpu"] and not first_use.STARTED
+    with pytest.raises(FileNotFoundError):  # a loading that fails waits too
+        load_model(resolve_model("tiny-llada") / "nowhere", "cpu", torch.float32)
+    assert finished == ["cpu", "cpu", "cpu"] and not first_use.STARTED

@@ -1,16 +1,20 @@
 """nanodllm/fused.py against nanodllm/model.py: the fused model gives the reference's results.
 
-Off the kernels every fused primitive is the reference's own code (bit for bit). On the kernels (here:
-Triton's interpreter, float32, whose dots it computes exactly) the stacked matmuls, the fused norms,
-RoPE and SwiGLU, the few-row step and the carried residual give the reference's values up to the
-order of the RMS sums and exp's last bit, and the engines decode the same tokens.
+fuse() builds it once from a reference model: its stacked Parameters hold the reference's rows in order
+and move and cast as one. Off the kernels every fused primitive runs the reference's own ops on slices
+of them (bit for bit). On the kernels (here: Triton's interpreter, float32, whose dots it computes
+exactly) the stacked matmuls, the fused norms, RoPE and SwiGLU, the few-row step and the carried
+residual give the reference's values up to the order of the RMS sums and exp's last bit, and the
+engines decode the same tokens.
 """
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 
+import kernels.first_use as first_use
 import kernels.norm_linear as norm_linear_module
 import kernels.rmsnorm as rmsnorm_module
 import kernels.rope as rope_module
@@ -23,7 +27,8 @@ from kernels.silu_mul import silu_mul
 from nanodllm import block, masked
 from nanodllm.attention import attention
 from nanodllm.config import GenerationConfig, ModelConfig
-from nanodllm.fused import FusedModel, build_empty, build_random, stacked
+from nanodllm.fused import FusedLayer, FusedMLP, FusedModel, FusedRMSNorm, fuse
+from nanodllm.loader import build_empty, build_random
 from nanodllm.model import Model, RMSNorm
 from tests.device import DEVICE
 from tests.tiny_models import random_prompt, tiny_config, tiny_model
@@ -43,39 +48,75 @@ def random_weights(model, seed=0, scale=0.3):
 
 
 def fused_and_reference(cfg: ModelConfig, dtype=torch.float64, seed=0):
-    """A FusedModel (built as the loader builds it) and a Model with the same weights."""
-    model = random_weights(build_empty(cfg, dtype=dtype), seed).to(DEVICE)
-    reference = Model(cfg).to(dtype).to(DEVICE)
-    reference.load_state_dict(model.state_dict())
-    return model, reference
+    """A fused model (built as the loader builds it: a reference model, fused) and that reference."""
+    reference = random_weights(build_empty(cfg, dtype=dtype), seed)
+    return fuse(copy.deepcopy(reference)).to(DEVICE), reference.to(DEVICE)
 
 
-@pytest.mark.parametrize("cfg", [tiny_config("sdar"), ModelConfig.from_dict(QWEN2_RAW)], ids=["sdar", "Dream"])
-def test_projections_are_stored_back_to_back_and_spanned_as_one(cfg):
-    """q/k/v (and their biases) and gate/up lie back to back: stacked() spans them as one view; a cast
-    stacks them again, and a replaced Parameter ends the span (its layer then runs the reference)."""
+def owns_its_storage(param: torch.Tensor) -> bool:
+    return param.untyped_storage().nbytes() == param.numel() * param.element_size()
+
+
+@pytest.mark.parametrize("cfg", [tiny_config("sdar"), ModelConfig.from_dict(QWEN2_RAW),
+                                 tiny_config("sdar", tie_word_embeddings=True)], ids=["sdar", "Dream", "tied"])
+def test_the_stacked_parameters_hold_the_reference_rows_and_move_as_one(cfg):
+    """qkv_proj holds q's, k's and v's rows (and biases), gate_up_proj gate's and up's, each its own
+    Parameter over its own storage; .to(dtype) and .to(device) keep them so (and the tied head the
+    embedding), and the cast model still computes what the reference cast the same way computes."""
     model, reference = fused_and_reference(cfg)
-    assert isinstance(model, FusedModel) and type(reference) is Model
-    layer = model.layers[0]
-    weight, bias = stacked(layer.projections())
-    assert torch.equal(weight, torch.cat([p.weight for p in layer.projections()]))
-    assert (bias is None) == (not cfg.qkv_bias)
-    if bias is not None:
-        assert torch.equal(bias, torch.cat([p.bias for p in layer.projections()]))
-    assert stacked([layer.mlp.gate_proj, layer.mlp.up_proj])[0].data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
-    with torch.no_grad():
-        model.float()
-        assert stacked(model.layers[0].projections()) is not None
-        k_proj = model.layers[0].self_attn.k_proj
-        k_proj.weight = torch.nn.Parameter(k_proj.weight.clone())
-        assert stacked(model.layers[0].projections()) is None
-        assert stacked(model.layers[0].projections()[:1]) is not None  # q alone still spans itself
+    assert type(model) is FusedModel and type(reference) is Model
+    layer, reference_layer = model.layers[0], reference.layers[0]
+    attn, reference_attn = layer.self_attn, reference_layer.self_attn
+    projections = [reference_attn.q_proj, reference_attn.k_proj, reference_attn.v_proj]
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([p.weight for p in projections]))
+    assert (attn.qkv_proj.bias is None) == (not cfg.qkv_bias)
+    if cfg.qkv_bias:
+        assert torch.equal(attn.qkv_proj.bias, torch.cat([p.bias for p in projections]))
+    mlp = reference_layer.mlp
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert torch.equal(layer.mlp.down_proj.weight, mlp.down_proj.weight)
+    ids = torch.arange(9)[None].to(DEVICE) % cfg.vocab_size
+    for dtype in (torch.float32, torch.float64):
+        with torch.no_grad():
+            model, reference = model.to(dtype).to(DEVICE), reference.to(dtype).to(DEVICE)
+            assert torch.equal(model(ids, ids, dense), reference(ids, ids, dense))
+        params = dict(model.named_parameters())
+        assert all(isinstance(p, torch.nn.Parameter) and p.dtype == dtype and owns_its_storage(p) for p in params.values())
+        rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        assert params["layers.0.self_attn.qkv_proj.weight"].shape == (rows, cfg.hidden_size)
+        assert (model.lm_head.weight is model.embed_tokens.weight) == cfg.tie_word_embeddings
 
 
-@pytest.mark.parametrize("model_type, overrides", [("sdar", {}), ("llada", {}), ("llada", {"attention_layer_norm": True})])
-def test_off_the_kernels_the_fused_model_is_the_reference(model_type, overrides):
-    """float64 on the CPU: every fused primitive falls back to the reference, bit for bit."""
-    model, reference = fused_and_reference(tiny_config(model_type, **overrides))
+def test_the_fused_model_is_built_of_its_own_classes_and_fusing_takes_the_reference_layers():
+    """fuse constructs the fused modules (no class swapped on a reference module) and empties the
+    reference's layer list as it goes, so that each reference layer can be freed once converted."""
+    reference = random_weights(build_empty(tiny_config("sdar"), dtype=torch.float32))
+    model = fuse(reference)
+    assert len(reference.layers) == 0
+    assert all(type(layer) is FusedLayer and type(layer.mlp) is FusedMLP for layer in model.layers)
+    assert type(model.norm) is type(model.layers[0].input_layernorm) is type(model.layers[1].self_attn.k_norm) is FusedRMSNorm
+    with torch.device("meta"):
+        constructed = FusedModel(model.cfg)
+    assert [(n, p.shape) for n, p in constructed.named_parameters()] == [(n, p.shape) for n, p in model.named_parameters()]
+
+
+def test_building_a_model_starts_no_first_use_thread(monkeypatch):
+    """The first-use warm-up belongs to loading (load_model, build_random), not to the builders."""
+    started = []
+    monkeypatch.setattr(first_use, "start", lambda device, dtype: started.append(device))
+    model = fuse(random_weights(build_empty(tiny_config("llada"), dtype=torch.float32)))
+    assert started == [] and type(model) is FusedModel
+    build_random(tiny_config("llada"), "cpu", torch.float32)
+    assert started == ["cpu"]
+
+
+@pytest.mark.parametrize("cfg", [tiny_config("sdar"), tiny_config("llada"), tiny_config("llada", attention_layer_norm=True),
+                                 dataclasses.replace(tiny_config("sdar"), qkv_bias=True), tiny_config("llada2_moe"),
+                                 tiny_config("sdar_moe")], ids=["sdar", "llada", "llada-qk-norm", "sdar-bias", "llada2", "sdar-moe"])
+def test_off_the_kernels_the_fused_model_is_the_reference(cfg):
+    """float64 on the CPU: every fused primitive runs the reference's ops on slices of its stacked
+    weights (the experts: MoE.forward's loop over them), bit for bit."""
+    model, reference = fused_and_reference(cfg)
     ids = torch.arange(9)[None].to(DEVICE) % model.cfg.vocab_size
     with torch.no_grad():
         assert torch.equal(model(ids, ids, dense), reference(ids, ids, dense))
@@ -84,7 +125,15 @@ def test_off_the_kernels_the_fused_model_is_the_reference(model_type, overrides)
         rope, rope_ref = model.rope(ids.expand(2, -1)), reference.rope(ids.expand(2, -1))
         for primitive in ("qkv", "qk", "kv"):
             got, expected = getattr(model.layers[0], primitive)(h, rope), getattr(reference.layers[0], primitive)(h, rope_ref)
-            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+            assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+        for i in range(cfg.num_layers):  # tiny MoE configs: layer 0 dense, layer 1 experts
+            layer, layer_ref = model.layers[i], reference.layers[i]
+            assert torch.equal(layer.query(h, rope), layer_ref.query(h, rope_ref))
+            assert torch.equal(layer.key(h, rope), layer_ref.key(h, rope_ref))
+            assert torch.equal(layer.value(h), layer_ref.value(h))
+            assert torch.equal(layer.mlp(h), layer_ref.mlp(h))
+            assert torch.equal(layer(h, rope, lambda q, k, v: attention(q, k, v)),
+                               layer_ref(h, rope_ref, lambda q, k, v: attention(q, k, v)))
 
 
 @pytest.mark.parametrize("model_type, overrides", [("sdar", {}), ("llada", {}), ("sdar", {"qkv_bias": True}),
@@ -143,15 +192,20 @@ def test_a_long_input_goes_through_the_mlp_in_chunks(kernels_on, monkeypatch, to
     torch.testing.assert_close(chunked, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_the_few_row_step_needs_stacked_weights_of_the_stream_dtype(kernels_on):
+def test_the_few_row_step_needs_few_rows_a_dense_mlp_and_weights_of_the_stream_dtype(kernels_on):
     model = random_weights(build_random(tiny_config("sdar"), dtype=torch.float32)).to(DEVICE)
     layer = model.layers[0]
     with torch.no_grad():
-        assert layer.few_row_weights(torch.zeros(1, MAX_ROWS, 32, device=DEVICE)) is not None
-        assert layer.few_row_weights(torch.zeros(1, MAX_ROWS + 1, 32, device=DEVICE)) is None
-        assert layer.few_row_weights(torch.zeros(1, 4, 32, device=DEVICE, dtype=torch.float16)) is None
-        layer.mlp.up_proj.weight = torch.nn.Parameter(layer.mlp.up_proj.weight.clone())  # no longer stacked
-        assert layer.few_row_weights(torch.zeros(1, 4, 32, device=DEVICE)) is None
+        assert layer.takes_few_row_step(torch.zeros(1, MAX_ROWS, 32, device=DEVICE))
+        assert not layer.takes_few_row_step(torch.zeros(1, MAX_ROWS + 1, 32, device=DEVICE))
+        assert not layer.takes_few_row_step(torch.zeros(1, 8, 64, device=DEVICE)[..., ::2])  # not contiguous
+        assert not layer.takes_few_row_step(torch.zeros(1, 4, 32, device=DEVICE, dtype=torch.float16))
+        gate_up = layer.mlp.gate_up_proj
+        gate_up.weight = torch.nn.Parameter(gate_up.weight.double())  # a weight of another dtype
+        assert not layer.takes_few_row_step(torch.zeros(1, 4, 32, device=DEVICE))
+        moe = build_random(tiny_config("llada2_moe"), DEVICE, torch.float32)
+        assert moe.layers[0].takes_few_row_step(torch.zeros(1, 4, 32, device=DEVICE))  # its dense layer
+        assert not moe.layers[1].takes_few_row_step(torch.zeros(1, 4, 32, device=DEVICE))  # a mixture of experts
 
 
 @pytest.mark.parametrize("model_type, overrides, kernels", [

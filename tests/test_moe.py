@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -25,8 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from nanodllm import block, fused
 from nanodllm.config import GenerationConfig, ModelConfig
-from nanodllm.fused import build_random
-from nanodllm.loader import CheckpointError, load_model
+from nanodllm.fused import fuse
+from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, random_weights
 from nanodllm.mlp import MoE, Router, within_best_groups
 from tests.test_block_engine import cache_free_generate
 from tests.test_contract import CONTRACT, GENS, PROMPTS, decode, differing
@@ -208,16 +209,33 @@ def test_a_router_config_we_do_not_implement_is_named(edit, message):
         ModelConfig.from_dict(raw)
 
 
-def test_replaced_expert_weights_fall_back_to_the_loop(kernels_on):
-    model = build_random(tiny_config("llada2_moe"), dtype=torch.float32, seed=3)
-    moe = model.layers[1].mlp
-    assert moe.stacked_experts() is not None
-    last = moe.experts[-1].down_proj
-    last.weight = torch.nn.Parameter(last.weight.detach().clone())  # no longer in the stacked block
-    assert moe.stacked_experts() is None
-    model.float()  # moving or casting stacks them again
-    gate_up, down = moe.stacked_experts()
-    assert down[-1].data_ptr() == moe.experts[-1].down_proj.weight.data_ptr()
+def test_the_stacked_experts_hold_each_experts_rows_and_cast_as_one(kernels_on, monkeypatch):
+    """experts.gate_up_proj [experts, 2 * size, hidden] holds each expert's gate and up rows, experts.down_proj
+    [experts, hidden, size] its down, the shared expert's gate_up_proj its gate's and up's: Parameters of
+    their own storage, which .to() keeps so (float64: the per-expert loop, bit for bit; cast to a kernel
+    dtype: the grouped path)."""
+    reference = random_weights(build_empty(tiny_config("llada2_moe"), dtype=torch.float64), seed=3)
+    model = fuse(copy.deepcopy(reference)).to(DEVICE)
+    moe, moe_ref = model.layers[1].mlp, reference.to(DEVICE).layers[1].mlp
+    assert moe.experts.gate_up_proj.shape == (8, 2 * 16, 32) and moe.experts.down_proj.shape == (8, 32, 16)
+    for e, expert in enumerate(moe_ref.experts):
+        assert torch.equal(moe.experts.gate_up_proj[e], torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
+        assert torch.equal(moe.experts.down_proj[e], expert.down_proj.weight)
+    shared = moe_ref.shared_expert
+    assert torch.equal(moe.shared_expert.gate_up_proj.weight, torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+    x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+    calls = []
+    monkeypatch.setattr(fused, "GROUPED_MM", lambda *args, **kwargs: calls.append(1) or torch_grouped_mm(*args, **kwargs))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # what the grouped GEMM takes there
+    with torch.no_grad():
+        assert torch.equal(moe(x), moe_ref(x)) and not calls
+        model.to(dtype)
+        stacked = (moe.experts.gate_up_proj, moe.experts.down_proj, moe.shared_expert.gate_up_proj.weight)
+        assert all(p.dtype == dtype and p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in stacked)
+        grouped, expected = moe(x.to(dtype)).float(), moe_ref.to(dtype)(x.to(dtype)).float()
+    assert len(calls) == 2
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (grouped - expected).abs().max() <= tolerance * expected.abs().max()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped fast path runs on CUDA")

@@ -92,7 +92,7 @@ def test_unshifted_logits_and_missing_biases_are_detected(path):
     model.cfg = dataclasses.replace(model.cfg, logit_shift=True)
     with torch.no_grad():
         for layer in model.layers:
-            layer.self_attn.q_proj.bias.zero_()
+            layer.self_attn.qkv_proj.bias[: model.cfg.num_heads * model.cfg.head_dim].zero_()  # q's bias
     assert (run(model, ids, positions, mask) - expected).abs().max() > 1e-2
 
 

@@ -124,9 +124,9 @@ def test_sdar_checkpoint_converts_to_llada_carrying_every_weight(tmp_path):
     LLaDA-format checkpoint."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from nanodllm.loader import load_model
+    from nanodllm.loader import load_reference
 
-    sdar = load_model(TINY_SDAR, dtype=torch.float32)
+    sdar = load_reference(TINY_SDAR, dtype=torch.float32)
     bpe = HFTokenizer.from_file(str(train_tiny.ASSETS / "tokenizer.json"))
     vocab = {token: bpe.token_to_id(token) for token in train_tiny.SPECIAL_TOKENS}
     template = train_tiny.family_config("llada", vocab, sdar.cfg.vocab_size)
@@ -146,7 +146,7 @@ def test_sdar_checkpoint_converts_to_llada_carrying_every_weight(tmp_path):
         else:
             assert torch.equal(ours, theirs[name]), name
     train_tiny.save_checkpoint(model, "llada", tmp_path / "converted", config)
-    loaded = load_model(tmp_path / "converted", dtype=torch.float32)
+    loaded = load_reference(tmp_path / "converted", dtype=torch.float32)
     for (name, ours), theirs in zip(model.named_parameters(), loaded.parameters()):
         assert torch.equal(ours, theirs), name
     with pytest.raises(SystemExit, match="d_model=256 vs hidden_size=128"):

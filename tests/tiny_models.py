@@ -5,7 +5,8 @@ import torch
 
 from nanodllm import masked
 from nanodllm.config import GenerationConfig, ModelConfig
-from nanodllm.fused import build_random
+from nanodllm.fused import fuse
+from nanodllm.loader import build_empty, random_weights
 
 VOCAB = 64
 MASK_ID = 63
@@ -36,13 +37,13 @@ def tiny_config(model_type: str, block_size: int = 4, **overrides) -> ModelConfi
 
 def tiny_model(model_type: str, seed: int = 0, dtype=torch.float64, **overrides):
     """Random weights with std 0.3 so predictions are confident and tokens vary."""
-    model = build_random(tiny_config(model_type, **overrides), dtype=dtype, seed=seed)
+    model = random_weights(build_empty(tiny_config(model_type, **overrides), dtype=dtype), seed)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not name.endswith("norm.weight"):
                 param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.3)
-    return model
+    return fuse(model)
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
