@@ -1,8 +1,9 @@
-"""nanodllm: diffusion LLM inference (LLaDA masked diffusion, SDAR block diffusion) with pluggable
+"""nanodllm: diffusion LLM inference (LLaDA, Dream, SDAR, LLaDA2, Fast-dLLM v2) with pluggable
 training-free sparse attention and caching methods."""
 
 from .config import GenerationConfig, ModelConfig, preset
+from .generation import generate
 from .loader import build_random, load_model
 from .model import Model
 
-__all__ = ["GenerationConfig", "ModelConfig", "Model", "build_random", "load_model", "preset"]
+__all__ = ["GenerationConfig", "ModelConfig", "Model", "build_random", "generate", "load_model", "preset"]

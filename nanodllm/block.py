@@ -1,34 +1,27 @@
-"""SDAR-style block diffusion with an exact KV cache.
+"""SDAR-style block diffusion with an exact KV cache (SDAR's block_diffusion_generate, LLaDA2's generate).
 
-Reproduces SDAR's block_diffusion_generate(): the canvas is the prompt followed by masks up to a
-whole number of blocks of block_length (blocks aligned to position 0). The prompt's complete blocks
-are prefilled into the cache. Each following block (the first may begin with the prompt's tail) is
-denoised for up to `steps` steps against the read-only cache; each step unmasks
-    static:  the top schedule[step] masked positions by confidence, or
-    dynamic (threshold set): every masked position with confidence > threshold if there are at least
-             schedule[step] of them, else the top schedule[step],
-with the count capped at the masks left. A block with no mask left is committed: one forward of the
-clean block against the cache, appending its KV. Generation stops after a block whose generated part
-holds a stop token, or when the canvas is full.
-
-Sampling: temperature 0 takes the argmax and its softmax probability (float32); temperature T > 0
-samples from softmax(logits / T) as the reference does. [MASK] itself is never the sampled token. Ragged batches: every row has its own prompt
-length, blocks and cache length; rows move through their blocks in lockstep and a finished row
-stops changing.
+The canvas is the prompt followed by masks up to a whole number of blocks (aligned to position 0).
+The prompt's complete blocks are prefilled into the cache; each following block (the first may begin
+with the prompt's tail) is denoised for up to `steps` steps against the read-only cache, each step
+unmasking the top schedule[step] masked positions by confidence or, with a threshold (dynamic), every
+one above it when at least schedule[step] are; a finished block is committed (one forward of the clean
+block appends its KV). A row stops after a block whose generated part holds a stop token, or when its
+canvas is full. Temperature 0 takes the argmax and its softmax probability (float32), T > 0 samples
+from softmax(logits / T); [MASK] is never the chosen token. Ragged batches: each row has its own
+prompt length, blocks and cache length; rows move through blocks in lockstep, a finished row stops.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
-from . import fast_dllm_v2
 from .cache import KVCache
 from .config import GenerationConfig
-from .decoding import (GenerationResult, check_prompts, prefill_complete_blocks, prompts_then_masks,
-                       refuse_shifted_logits, split_evenly, top_confident, without_token)
-from .graphs import Steps
+from .decoding import (GenerationResult, MasksLeft, check_method, check_prompts, prefill_complete_blocks,
+                       prompts_then_masks, refuse_shifted_logits, split_evenly, top_confident, without_token)
 from .methods.base import Dense, Method, StepContext
 from .model import fp32_or_wider
 
@@ -68,10 +61,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              mask_id: int | None = None, stop_ids=None) -> GenerationResult:
     cfg = model.cfg
     method = method or Dense()
+    check_method(method, cfg, "block")
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     stop_ids = cfg.eos_token_ids if stop_ids is None else tuple(stop_ids)
-    if cfg.model_type == "Fast_dLLM_Qwen":  # its own loop: sub-blocks, AR first tokens (nanodllm/fast_dllm_v2.py)
-        return fast_dllm_v2.generate(model, prompts, gen, method, mask_id, stop_ids)
     refuse_shifted_logits(cfg)
     if cfg.attention != "block_causal":
         raise ValueError(f"the block engine needs a block-causal model; {cfg.model_type} is {cfg.attention}")
@@ -90,59 +82,57 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     x = prompts_then_masks(prompts, capacity, mask_id, device)
     cache = KVCache.for_model(cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
     offsets = torch.arange(size, device=device)
-
-    steps = Steps(method)
+    rows = torch.arange(batch, device=device)[:, None]
     starts, _ = prefill_complete_blocks(model, method, x, lengths, cache, size, mask_id)
-
     schedule = split_evenly(torch.tensor([size], device=device), gen.steps)[0]
     host_schedule = schedule.tolist()
-    # Without a threshold every step unmasks exactly its count, so the host can follow how many masks
-    # each row has left and the block's steps run with no device sync; with one it asks every step.
-    # (sample never returns [MASK] while any other token has a nonzero probability.)
-    counted = gen.threshold is None or gen.remasking == "low_confidence_static"
+    # sample never returns [MASK] while another token has a nonzero probability, so without a threshold
+    # every step unmasks exactly its count
+    followed = gen.threshold is None or gen.remasking == "low_confidence_static"
+
     active = starts < ends
     decoded_until = lengths.clone()  # end of each row's last committed block
-    forwards = max_steps = block = 0
+    forwards = max_steps = block = t = 0
     while active.any():
         columns = starts[:, None] + offsets  # [batch, size]
-        rows = torch.arange(batch, device=device)[:, None]
         current = x[rows, columns.clamp(max=capacity - 1)]
-        ctx = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
-                          steps_per_block=gen.steps, mask_id=mask_id, cache=cache, block_length=size)
-        method.begin_block(ctx)
+        at_block = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
+                               steps_per_block=gen.steps, mask_id=mask_id, cache=cache, block_length=size)
+        method.begin_block(at_block)
         # The positions still to decode, tracked as such: a prompt token equal to the mask id (LLaDA2's
         # mask id is also a chat-template token) is never taken for a mask.
         masked = (columns >= lengths[:, None]) & active[:, None]
-        left = masked.sum(dim=-1).tolist() if counted else None
+        left = MasksLeft(masked, followed)
+        ran = 0  # the block's steps so far
         for step in range(gen.steps + 1):
-            if not (any(left) if counted else masked.any()):
+            if not left.any(masked):
                 break
-            ctx.tokens, ctx.step = current, step
-            logits = steps.step(model, ctx)
-            forwards += 1
+            ctx = replace(at_block, tokens=current, step=step, t=t)
+            logits = method.logits(model, method.step(model, ctx), ctx)
+            forwards, t = forwards + 1, t + 1
             x0, x0_prob = sample(logits, gen.temperature, mask_id)
             confidence = torch.where(masked, x0_prob, float("-inf"))
             scheduled = min(step, gen.steps - 1)
             count = torch.minimum(schedule[scheduled].expand(batch), masked.sum(dim=-1))
-            host_count = [min(host_schedule[scheduled], n) for n in left] if counted else None
+            host_count = left.capped(host_schedule[scheduled])
             transfer = choose(confidence, masked, count, gen.remasking, gen.threshold, host_count) & masked
             current = torch.where(transfer, x0, current)
             masked &= ~transfer
-            if counted:
-                left = [n - c for n, c in zip(left, host_count)]
-            max_steps = max(max_steps, step + 1)
+            left.take(host_count)
+            ran = step + 1
+        max_steps = max(max_steps, ran)
         x[rows[active], columns[active]] = current[active]
-        ctx.tokens, ctx.counts, ctx.phase = current, torch.where(active, size, 0), "commit"
-        steps.commit(model, ctx)
-        cache.advance(ctx.counts)
+        committed = replace(at_block, tokens=current, step=ran, t=t, counts=torch.where(active, size, 0), phase="commit")
+        method.commit(model, committed)
+        cache.advance(committed.counts)
         forwards += 1
         decoded_until = torch.where(active, starts + size, decoded_until)
         for row in torch.nonzero(active).flatten().tolist():
             generated = x[row, int(lengths[row]) : int(starts[row]) + size]
-            if any(int(t) in stop_ids for t in generated.tolist()):
+            if any(token in stop_ids for token in generated.tolist()):
                 active[row] = False
         starts = torch.where(active, starts + size, starts)
         active &= starts < ends
         block += 1
     tokens = [x[row, int(lengths[row]) : int(decoded_until[row])].tolist() for row in range(batch)]
-    return GenerationResult(tokens, forwards, max_steps, cache, steps.replays)
+    return GenerationResult(tokens, forwards, max_steps, cache)

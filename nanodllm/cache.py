@@ -19,7 +19,7 @@ import torch
 
 from kernels.cache_write import cache_write, cache_write_reference
 
-from .attention import attention_on_kernels
+from .attention import attention_on_kernels, cache_attention
 
 
 class KVCache:
@@ -82,3 +82,12 @@ class KVCache:
         """Make the next counts[row] slots of each row part of the cache."""
         self.lengths += counts
         self.host_lengths = self.lengths.tolist()
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The active block's queries against each row's cache plus the whole block (no mask inside the
+        block). The block's K/V go to the scratch slots after each row's cache, so keys are read in
+        place; slots past a row's own cache and block are not attended."""
+        self.write(layer, k, v)
+        block = k.shape[2]
+        return cache_attention(q, self.keys[layer], self.values[layer], self.lengths + block, self.max_length + block,
+                               ragged=not self.uniform, launch_length=self.launch_length(block))

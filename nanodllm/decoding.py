@@ -1,9 +1,9 @@
-"""Pieces the engines share: prompt checks, the result type, canvases, the prefill, transfer
+"""Pieces the decoding loops share: prompt checks, the result type, canvases, the prefill, transfer
 schedules and selection."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ class GenerationResult:
     steps: int  # denoising steps taken (max over rows)
     cache: object = None  # block engine: the final KV cache (for inspection and tests)
     replays: int = 0  # steps and commits replayed from CUDA graphs (nanodllm/graphs.py)
+    stats: dict = field(default_factory=dict)  # what the steps kept, read and computed (nanodllm/meter.py)
 
 
 def until_stop(tokens: list[int], stop_ids) -> list[int]:
@@ -29,14 +30,27 @@ def until_stop(tokens: list[int], stop_ids) -> list[int]:
     return tokens
 
 
+def engine_of(cfg) -> str:
+    """'block' for block-causal models (SDAR, LLaDA2, Fast-dLLM v2), else 'masked' (LLaDA, Dream)."""
+    return "block" if cfg.attention == "block_causal" else "masked"
+
+
+def check_method(method: Method, cfg, engine: str | None = None):
+    """A clear error where the method does not run on the engine (by default, the model's)."""
+    engine = engine or engine_of(cfg)
+    if engine not in method.engines:
+        raise ValueError(f"method {method.name!r} runs on the {' and '.join(method.engines)} engine; this "
+                         f"{cfg.model_type} model decodes with the {engine} engine")
+
+
 def refuse_shifted_logits(cfg):
     """Shifted-logit checkpoints (Dream, Fast-dLLM v2) predict token i from position i - 1 and decode
-    with their own loops (nanodllm/dream.py, fast_dllm_v2.py), which the engines hand them to; any
-    other engine path would silently differ from the reference: a clear error instead."""
+    with their own loops (nanodllm/dream.py, fast_dllm_v2.py); the engines would silently differ from
+    the reference: a clear error instead."""
     if cfg.logit_shift:
         raise NotImplementedError(
-            f"{cfg.model_type} checkpoints predict each token from the previous position (shifted logits); "
-            "decode Dream models with the masked engine and Fast-dLLM v2 models with the block engine")
+            f"{cfg.model_type} checkpoints predict each token from the previous position (shifted logits) and "
+            "decode with their family's own loop: call nanodllm.generate, which picks it")
 
 
 def check_prompts(prompts, vocab_size: int, context_length: int, extra: int) -> list[list[int]]:
@@ -118,6 +132,26 @@ def prefill_complete_blocks(model, method: Method, x, lengths, cache: KVCache, s
     return starts, hidden
 
 
+class MasksLeft:
+    """How many positions of its active block each row has left to decode. Where every step unmasks
+    exactly its scheduled count (no threshold) the host follows the numbers, since asking the device
+    each step would wait for the GPU each step."""
+
+    def __init__(self, masked: torch.Tensor, followed: bool):
+        self.host = masked.sum(dim=-1).tolist() if followed else None
+
+    def any(self, masked: torch.Tensor) -> bool:
+        return any(self.host) if self.host is not None else bool(masked.any())
+
+    def capped(self, scheduled: int) -> list[int] | None:
+        """This step's scheduled count per row, capped at what the row has left (None: not followed)."""
+        return None if self.host is None else [min(scheduled, n) for n in self.host]
+
+    def take(self, counts: list[int] | None):
+        if self.host is not None:
+            self.host = [n - c for n, c in zip(self.host, counts)]
+
+
 def split_evenly(total: torch.Tensor, steps: int) -> torch.Tensor:
     """How many tokens to unmask at each step: total // steps each, +1 for the first total % steps.
 
@@ -145,6 +179,22 @@ def threshold_transfer(confidence: torch.Tensor, threshold: float) -> torch.Tens
     best = confidence.argmax(dim=-1, keepdim=True)
     has_candidate = torch.isfinite(confidence).any(dim=-1, keepdim=True)
     return transfer.scatter(-1, best, has_candidate) | transfer & has_candidate
+
+
+def filtered(logits: torch.Tensor, top_p: float | None, top_k: int | None) -> torch.Tensor:
+    """Dream's top-p then top-k filters (Fast-dLLM v2 takes its top-p): removed entries get the dtype's
+    lowest value."""
+    lowest = torch.finfo(logits.dtype).min
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        beyond = sorted_logits.softmax(dim=-1).cumsum(dim=-1) > top_p
+        beyond[..., 1:] = beyond[..., :-1].clone()  # keep the token that crosses top_p
+        beyond[..., 0] = False
+        logits = logits.masked_fill(torch.zeros_like(beyond).scatter(-1, order, beyond), lowest)
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, lowest)
+    return logits
 
 
 def without_token(scores: torch.Tensor, token_id: int, fill: float = float("-inf")) -> torch.Tensor:

@@ -4,12 +4,11 @@
     python train_free_demo.py --method maskkv --knobs budget=64
     python train_free_demo.py --model DIR --method dense --prompt "..."
 
-Prints both outputs, how many generated tokens agree, tokens/s and peak memory of each run.
-LLaDA checkpoints decode with the masked engine, SDAR checkpoints with the block engine. Without
---model the demo uses the tiny trained model shipped in nanodllm/assets for the method's first
-engine (tiny-llada for masked diffusion, tiny-sdar for block diffusion; MOMO, which serves both, is
-shown on the block engine's prefill) and, without --prompt, a built-in long-context passkey prompt
-whose answer it prints.
+Prints both outputs, how many generated tokens agree, tokens/s and peak memory of each run. Without
+--model the demo uses the tiny trained model shipped in nanodllm/assets for the method's first engine
+(tiny-llada for masked diffusion, tiny-sdar for block diffusion; MOMO, which serves both, is shown on
+the block engine's prefill) and, without --prompt, a built-in long-context passkey prompt whose
+answer it prints.
 """
 
 from __future__ import annotations
@@ -21,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from . import block, masked, tasks
+from . import tasks
 from .cli import available_device, check_fits, check_steps, positive_int, run_main
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
-from .decoding import until_stop
+from .decoding import check_method, engine_of, until_stop
 from .eval import with_profile
+from .generation import generate
 from .loader import CheckpointError, load_model
 from .methods import METHODS, get_method, knob_defaults, parse_knobs
 from .tokenizer import Tokenizer
@@ -60,22 +60,21 @@ def parse_args(argv, prog=None):
     return parser.parse_args(argv)
 
 
-def run(engine, model, prompt_ids, gen, method, stop_ids, device):
+def run(model, prompt_ids, gen, method, stop_ids, device):
     """Generate once; returns (tokens, seconds, what the run used: GPU memory and the share of KV kept)."""
-    kwargs = {"stop_ids": stop_ids} if engine is block else {}
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    result = engine.generate(model, [prompt_ids], gen, method, **kwargs)
-    used = kv_summary(method.stats)
+    result = generate(model, [prompt_ids], gen, method, stop_ids=stop_ids)
+    used = kv_summary(result.stats, len(prompt_ids))
     if device.type == "cuda":  # on a CPU only the process's peak is known, which one run cannot be told by
         torch.cuda.synchronize()
         used = f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB, {used}"
     return result.tokens[0], time.perf_counter() - start, used
 
 
-def warm_up_gpu(engine, model, prompt_ids, gen, settings: dict, stop_ids, device) -> float | None:
+def warm_up_gpu(model, prompt_ids, gen, settings: dict, stop_ids, device) -> float | None:
     """On a GPU, each method's first generation in a process also loads (or, on a new machine,
     compiles) its Triton kernels: run each once untimed and return the seconds that took. None on a
     CPU, where nothing is compiled."""
@@ -83,16 +82,17 @@ def warm_up_gpu(engine, model, prompt_ids, gen, settings: dict, stop_ids, device
         return None
     start = time.perf_counter()
     for name, knobs in settings.items():
-        run(engine, model, prompt_ids, gen, get_method(name, **knobs), stop_ids, device)
+        run(model, prompt_ids, gen, get_method(name, **knobs), stop_ids, device)
     return time.perf_counter() - start
 
 
-def kv_summary(stats: dict) -> str:
-    """What the method kept of the KV: 'KV kept 12%' or, for evicting methods, per head as well."""
-    text = f"KV kept {stats.get('kv_kept', 1.0):.0%}"
-    if "kv_per_head" in stats:
-        kept, prompt = stats["kv_per_head"]
-        text += f" ({kept:.0f} of {prompt:.0f} prompt tokens per head on average)"
+def kv_summary(stats: dict, prompt_tokens: int) -> str:
+    """What the method kept or read of the KV: 'KV kept 100%', or 'KV kept 25% (256 of 1042 prompt
+    tokens per head on average)'."""
+    kept = stats.get("kv_kept", 1.0)
+    text = f"KV kept {kept:.0%}"
+    if kept < 1:
+        text += f" ({kept * prompt_tokens:.0f} of {prompt_tokens} prompt tokens per head on average)"
     return text
 
 
@@ -108,7 +108,7 @@ def main(argv=None, prog=None) -> int:
     knobs = with_profile(args.method, knobs, model_dir)  # MaskKV: the checkpoint's layer profile, if it has one
     try:
         cfg = ModelConfig.from_dir(model_dir)
-        is_block = cfg.attention == "block_causal"
+        is_block = engine_of(cfg) == "block"
         block_length = args.block_length or default_block_length(cfg, args.gen_length)
         gen = GenerationConfig(
             gen_length=args.gen_length,
@@ -118,10 +118,7 @@ def main(argv=None, prog=None) -> int:
             threshold=default_threshold(cfg) if args.threshold is None else args.threshold,
         )
         check_steps(gen, is_block)
-        engine_name = "block" if is_block else "masked"
-        if engine_name not in METHODS[args.method].engines:
-            raise ValueError(f"method {args.method!r} runs on the {' and '.join(METHODS[args.method].engines)} "
-                             f"engine, and {model_dir} is a {cfg.model_type} ({engine_name} engine) checkpoint")
+        check_method(get_method(args.method, **knobs), cfg)
         tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
         prompt, answer = args.prompt, None
         if args.prompt_file is not None:
@@ -136,18 +133,17 @@ def main(argv=None, prog=None) -> int:
         if note:
             print(note, file=sys.stderr)
         model = load_model(model_dir, device, DTYPES[args.dtype], context=context)
-        engine = block if is_block else masked
         to_run = {name: knobs if name == args.method else {} for name in ("dense", args.method)}
-        warm_up = warm_up_gpu(engine, model, prompt_ids, gen, to_run, tokenizer.stop_ids, device)
+        warm_up = warm_up_gpu(model, prompt_ids, gen, to_run, tokenizer.stop_ids, device)
         runs = {}
         for name, method_knobs in to_run.items():
             method = get_method(name, **method_knobs)
-            runs[name] = run(engine, model, prompt_ids, gen, method, tokenizer.stop_ids, device)
+            runs[name] = run(model, prompt_ids, gen, method, tokenizer.stop_ids, device)
     except (FileNotFoundError, ValueError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    print(f"model: {model_dir} ({cfg.model_type}, {engine_name} engine), "
+    print(f"model: {model_dir} ({cfg.model_type}, {engine_of(cfg)} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
     print(f"decoding: {gen.gen_length} tokens, blocks of {gen.block_length}, {gen.steps} steps"
           f"{' per block' if is_block else ''}, temperature {gen.temperature}, threshold {gen.threshold}")

@@ -1,25 +1,17 @@
 """Dream's decoding (diffusion_generate in Dream's generation_utils): the whole response at once.
 
-Canvas = prompt ++ [mask] * gen_length, prompts left-padded (pads are hidden keys; positions count
-from each row's first prompt token), bidirectional attention, logits shifted by one position (the
-model does that: cfg.logit_shift). Timesteps linspace(1, eps, steps + 1); step i has t = ts[i],
-s = ts[i + 1] and, for every still-masked position, a token drawn from the filtered logits
-(`sample_tokens`). Then, by `alg`:
-    origin          every masked position takes its token with probability 1 - s / t (1 at the last step);
-    maskgit_plus    confidence = the probability of the drawn token,
-    topk_margin     confidence = top-1 minus top-2 probability,
-    entropy         confidence = minus the entropy of the distribution;
-                    the n most confident masked positions of each row take their tokens, with
-                    n = int(mean masked count per row * (1 - s / t)) (all of them at the last step)
-                    -- the mean over the batch, as the reference computes it -- or, with alg_temp > 0,
-                    n positions drawn from softmax(confidence / alg_temp).
-Sampling: logits / temperature, then the top_p and top_k filters; temperature 0 takes the argmax and
-its probability. Token for token the reference's at temperature 0 for every alg but origin, whose
-draws (like every temperature > 0 draw) follow torch's global generator in the reference's order.
-
-Every masked-engine method runs here (the response is their one block); those that feed part of the
-canvas take the hidden state just before it from the column they feed in addition (Fast-dLLM's
-caches, Sparse-dLLM) or from the last step that computed the prompt (dLLM-Cache, MaskKV, DyLLM).
+Canvas = prompt ++ [mask] * gen_length, left-padded (pads are hidden keys; positions count from each
+row's first prompt token), bidirectional attention, logits shifted by one position (cfg.logit_shift).
+Timesteps linspace(1, eps, steps + 1); step i has t = ts[i], s = ts[i + 1] and, for every masked
+position, a token drawn from the filtered logits (`sample_tokens`). By `alg`: origin unmasks each
+with probability 1 - s / t (1 at the last step); maskgit_plus (the drawn token's probability),
+topk_margin (top-1 minus top-2) and entropy (minus the entropy) rank the masked positions and the n
+most confident of each row take their tokens, n = int(mean masked count per row (the batch mean, as
+the reference computes it) * (1 - s / t)), all at the last step, or n drawn from softmax(confidence /
+alg_temp). Temperature 0 takes the argmax: the reference's tokens for every alg but origin, whose
+draws follow torch's generator in the reference's order. Every masked-engine method runs here (the
+response is its one block); a method feeding part of the canvas takes the hidden state before it
+from the column it feeds (Fast-dLLM, Sparse-dLLM) or from its last prompt refresh (dLLM-Cache, DyLLM).
 """
 
 from __future__ import annotations
@@ -31,8 +23,7 @@ import torch.nn.functional as F
 
 from .attention import CanvasMask
 from .config import GenerationConfig
-from .decoding import GenerationResult, check_prompts, left_padded_canvas
-from .graphs import Steps
+from .decoding import GenerationResult, check_method, check_prompts, filtered, left_padded_canvas
 from .methods.base import Dense, Method, StepContext
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -60,21 +51,6 @@ class DreamSampling:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if not 0 < self.eps < 1:
             raise ValueError(f"eps must be in (0, 1), got {self.eps}")
-
-
-def filtered(logits: torch.Tensor, top_p: float | None, top_k: int | None) -> torch.Tensor:
-    """Dream's top-p then top-k filters: removed entries get the dtype's lowest value."""
-    lowest = torch.finfo(logits.dtype).min
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        beyond = sorted_logits.softmax(dim=-1).cumsum(dim=-1) > top_p
-        beyond[..., 1:] = beyond[..., :-1].clone()  # keep the token that crosses top_p
-        beyond[..., 0] = False
-        logits = logits.masked_fill(torch.zeros_like(beyond).scatter(-1, order, beyond), lowest)
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, lowest)
-    return logits
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, sampling: DreamSampling):
@@ -132,9 +108,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              pad_id: int | None = None, sampling: DreamSampling | None = None) -> GenerationResult:
     """Decode gen.gen_length tokens per prompt in gen.steps steps, as Dream's diffusion_generate."""
     cfg, method, sampling = model.cfg, method or Dense(), sampling or DreamSampling()
-    if "masked" not in method.engines:
-        raise ValueError(f"method {method.name!r} runs on the {' and '.join(method.engines)} engine; Dream decodes "
-                         "the whole canvas (the masked engine)")
+    check_method(method, cfg, "masked")
     if gen.block_length != gen.gen_length:
         raise ValueError(f"Dream decodes the whole response as one block: block_length ({gen.block_length}) "
                          f"must equal gen_length ({gen.gen_length})")
@@ -150,14 +124,13 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     width = x.shape[1]
     attn_mask = CanvasMask(valid=valid if canvas.ragged else None)
     timesteps = torch.linspace(1, sampling.eps, gen.steps + 1, device=device)
-    method.begin_block(StepContext(x, positions, valid, lengths, block=0, mask_id=mask_id))
-    steps = Steps(method)
+    method.begin_block(StepContext(x, positions, valid, lengths, prompt_width=prompt_width, mask_id=mask_id))
     for step in range(gen.steps):
-        ctx = StepContext(x, positions, valid, lengths, block=0, step=step, steps_per_block=gen.steps,
-                          mask_id=mask_id, attn_mask=attn_mask, logits_start=prompt_width, logits_stop=width,
+        ctx = StepContext(x, positions, valid, lengths, prompt_width=prompt_width, step=step, steps_per_block=gen.steps,
+                          t=step, mask_id=mask_id, attn_mask=attn_mask, logits_start=prompt_width, logits_stop=width,
                           block_length=gen.gen_length)
-        logits = steps.step(model, ctx)
+        logits = method.logits(model, method.step(model, ctx), ctx)
         t, s = timesteps[step], timesteps[step + 1]
         unmask(x, logits, prompt_width, float(1 - s / t), step == gen.steps - 1, gen.temperature, sampling, mask_id)
     tokens = [x[row, prompt_width:].tolist() for row in range(len(prompts))]
-    return GenerationResult(tokens, gen.steps, gen.steps, replays=steps.replays)
+    return GenerationResult(tokens, gen.steps, gen.steps)

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from . import block, masked, recall, tasks
+from . import recall, tasks
 from .attention import CanvasMask
 from .cli import (available_device, check_fits, check_steps, output_file, positive_int, positive_ints, run_main,
                   write_whole)
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
-from .decoding import until_stop
+from .decoding import check_method, engine_of, until_stop
+from .generation import generate
 from .loader import load_model
 from .methods import METHODS, get_method, parse_knobs
 from .methods.maskkv import PROFILE_NAME, layer_importance
@@ -96,7 +97,7 @@ class Outcome:
     tokens: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
     kv_kept: list[float] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)  # the method's stats after the batch (e.g. salient_per_layer)
+    stats: dict = field(default_factory=dict)  # what its steps kept, read and computed (nanodllm/meter.py)
 
 
 class Runner:
@@ -107,22 +108,18 @@ class Runner:
         self.model = load_model(model_dir, device, dtype, context=context)
         cfg = self.model.cfg
         self.tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
-        self.is_block = cfg.attention == "block_causal"
-        self.engine = block if self.is_block else masked
+        self.is_block = engine_of(cfg) == "block"
         self.gen = gen or GenerationConfig(gen_length=32, block_length=default_block_length(cfg, 32), steps=32)
         self.device = torch.device(device)
         self.knobs: dict = {}  # the evaluated method's knobs (dense takes none)
 
     @property
     def engine_name(self) -> str:
-        return "block" if self.is_block else "masked"
+        return engine_of(self.model.cfg)
 
     def check_engine(self, method_name: str):
         """A clear error when the method does not run on this model's engine."""
-        engines = METHODS[method_name].engines
-        if self.engine_name not in engines:
-            raise ValueError(f"method {method_name!r} runs on the {' and '.join(engines)} engine; this "
-                             f"{self.model.cfg.model_type} model decodes with the {self.engine_name} engine")
+        check_method(METHODS[method_name], self.model.cfg)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
@@ -134,11 +131,10 @@ class Runner:
         if prepare is not None:
             prepare(method)
         prompts = [self.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
-        kwargs = {"stop_ids": self.tokenizer.stop_ids} if self.is_block else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = self.engine.generate(self.model, prompts, self.gen, method, **kwargs)
+        result = generate(self.model, prompts, self.gen, method, stop_ids=self.tokenizer.stop_ids)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         outcome = Outcome(seconds=time.perf_counter() - start)
@@ -146,8 +142,8 @@ class Runner:
             text = self.tokenizer.decode(until_stop(tokens, self.tokenizer.stop_ids)).strip()
             outcome.scores.append(tasks.score(sample, text))
             outcome.tokens.append(tokens)
-            outcome.kv_kept.append(method.stats.get("kv_kept", 1.0))
-        outcome.stats = dict(method.stats)
+            outcome.kv_kept.append(result.stats.get("kv_kept", 1.0))
+        outcome.stats = result.stats
         return outcome
 
 

@@ -1,39 +1,29 @@
-"""Fast-dLLM v2's decoding (its model's generate(), without the sub-block cache): blocks of B = bd_size
-tokens, each decoded in sub-blocks, with an exact KV cache and an autoregressive first token.
+"""Fast-dLLM v2's decoding (its model's generate(), without the sub-block cache the reference leaves off).
 
-Blocks are aligned to position 0. The prompt's complete blocks are prefilled into the cache; when the
-prompt ends exactly on a block boundary, the prefill's last logits (argmax) give the first token of
-the next block. A row's active block is then [its decoded start (the prompt's tail, or that first
-token), masks]. The block's sub-blocks of `sub_block` tokens are decoded in order: each step forwards
-the whole block against the read-only cache (bidirectional inside the block), shifts its logits by
-one position inside the block (position i reads the logits of i - 1; position 0, always decoded, its
-own), and in the current sub-block unmasks every masked position whose probability exceeds
-`threshold` and always the most probable one. A block with no mask left is committed: one forward of
-the clean block appends its KV, and the argmax of its last logits is the next block's first token.
-A row stops once a stop token stands in its current block with no mask before it (such a block is
-not committed), when a block's first token is a stop token, or after gen_length // B blocks. Its tokens: everything generated up to its first stop token (kept), the
-first token of the block after the last one included, as the reference returns them.
-
-Sampling: temperature 0 takes the argmax and its softmax probability; T > 0 draws from softmax(logits
-/ T) after the top-p filter (Dream's, nanodllm/dream.py), row by row (the reference draws for batch
-row 0 only). [MASK] is never the chosen token (the reference has no such guard). Stop tokens: every id of cfg.eos_token_ids (the reference watches 151645 only).
-The sub-block cache (use_block_cache) is an approximation the reference leaves off by default; not here.
-Methods: any block-engine method (its hooks: prefill, begin_block, step / attend against the cache,
-commit); a block's steps count from 0 and steps_per_block is B (the most a block can take), which
-SparseD's exact fraction reads. One deliberate difference: a prompt
-of exactly B tokens is prefilled like any other (the reference prefills only prompts longer than B,
-so at exactly B its first block never sees the prompt).
+Blocks of B = bd_size tokens, aligned to position 0, decoded in sub-blocks against an exact KV cache.
+The prompt's complete blocks are prefilled; a prompt ending on a block boundary gets the next block's
+first token from the prefill's last logits (argmax). Each step forwards the active block [decoded
+start, masks] against the read-only cache, shifts its logits by one inside the block (position 0
+keeps its own), and in the current sub-block unmasks every masked position above `threshold` and
+always the most probable one. A finished block is committed (its KV appended; the argmax of its last
+logits is the next block's first token). A row stops at a stop token with no mask before it in its
+block (that block is not committed), at a block whose first token is a stop, or after gen_length // B
+blocks; it returns what it generated up to and with its first stop token. Sampling: temperature 0 the
+argmax; T > 0 draws after the top-p filter, row by row (the reference draws for row 0 only); [MASK]
+never wins; every id of cfg.eos_token_ids stops (the reference watches 151645 only). A prompt of
+exactly B tokens is prefilled like any other (the reference's first block would not see it).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from .cache import KVCache
 from .config import GenerationConfig
-from .decoding import GenerationResult, check_prompts, prefill_complete_blocks, prompts_then_masks, without_token
-from .dream import filtered
-from .graphs import Steps
+from .decoding import (GenerationResult, check_method, check_prompts, filtered, prefill_complete_blocks,
+                       prompts_then_masks, without_token)
 from .methods.base import Dense, Method, StepContext
 
 
@@ -71,9 +61,7 @@ def stopped(block: torch.Tensor, begin: torch.Tensor, mask_id: int, stops: torch
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None, mask_id: int | None = None,
              stop_ids=None, sub_block: int = 8, top_p: float = 0.95) -> GenerationResult:
     cfg, method = model.cfg, method or Dense()
-    if "block" not in method.engines:
-        raise ValueError(f"method {method.name!r} runs on the {' and '.join(method.engines)} engine; Fast-dLLM v2 "
-                         "models decode block by block against the KV cache")
+    check_method(method, cfg, "block")
     size = cfg.block_size
     sub_block = min(sub_block, size)  # a block smaller than the default sub-block is one sub-block
     if gen.block_length != size:
@@ -96,7 +84,6 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     cache = KVCache.for_model(cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
     rows, offsets = torch.arange(batch, device=device), torch.arange(size, device=device)
 
-    steps = Steps(method)
     starts, hidden = prefill_complete_blocks(model, method, x, lengths, cache, size, mask_id)
     on_boundary = lengths % size == 0  # the prompt fills its last block: the prefill gives the next token
     forwards = taken = 0
@@ -115,9 +102,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         live = active.clone()
         columns = starts[:, None] + offsets
         current = x[rows[:, None], columns]
-        ctx = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
-                          steps_per_block=size, mask_id=mask_id, cache=cache, block_length=size)
-        method.begin_block(ctx)
+        at_block = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
+                               steps_per_block=size, t=taken, mask_id=mask_id, cache=cache, block_length=size)
+        method.begin_block(at_block)
         step = 0  # within the block (at most one step per masked position: steps_per_block = size)
         for sub in range(0, size, sub_block):
             while True:
@@ -125,8 +112,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 todo = (current == mask_id) & active[:, None] & (offsets >= sub) & (offsets < sub + sub_block)
                 if not todo.any():
                     break
-                ctx.tokens, ctx.step = current, step
-                tokens, probs = sample_with_top_p(steps.step(model, ctx), gen.temperature, top_p, mask_id)
+                ctx = replace(at_block, tokens=current, step=step, t=taken)
+                logits = method.logits(model, method.step(model, ctx), ctx)
+                tokens, probs = sample_with_top_p(logits, gen.temperature, top_p, mask_id)
                 forwards, taken, step = forwards + 1, taken + 1, step + 1
                 confidence = torch.where(todo, probs, float("-inf"))
                 best = torch.zeros_like(todo).scatter_(1, confidence.argmax(dim=1, keepdim=True), True)
@@ -136,9 +124,10 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         committing = active & ~(current == mask_id).any(dim=1)
         if not committing.any():
             break
-        ctx.tokens, ctx.counts, ctx.phase = current, torch.where(committing, size, 0), "commit"
-        following = next_token(model, steps.commit(model, ctx), torch.full_like(starts, size - 1))
-        cache.advance(ctx.counts)
+        committed = replace(at_block, tokens=current, step=step, t=taken, counts=torch.where(committing, size, 0),
+                            phase="commit")
+        following = next_token(model, method.commit(model, committed), torch.full_like(starts, size - 1))
+        cache.advance(committed.counts)
         forwards += 1
         x[rows[committing], starts[committing] + size] = following[committing]
         ends = torch.where(committing, starts + size + 1, ends)
@@ -150,4 +139,4 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         generated = x[row, int(lengths[row]) : int(ends[row])].tolist()
         stop_at = next((i for i, token in enumerate(generated) if token in stop_ids), None)
         tokens.append(generated if stop_at is None else generated[: stop_at + 1])
-    return GenerationResult(tokens, forwards, taken, cache, steps.replays)
+    return GenerationResult(tokens, forwards, taken, cache)

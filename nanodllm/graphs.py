@@ -1,25 +1,15 @@
-"""CUDA graphs of the engines' repeated steps: the one place a step is recorded and replayed.
+"""CUDA graphs and side streams around a method's steps: the one place a step is recorded and replayed.
 
-A cached step of an 8B model feeds a few dozen tokens through 32 layers, hundreds to thousands of
-small kernels, and launching them from Python takes longer than running them. Recording a step into a
-CUDA graph once and replaying it costs one launch. The engines run every denoising step and commit
-through `Steps`, which replays where a step repeats:
-
-- Steps of one key compute the same function of the same tensors: the fed tokens and positions,
-  copied into the recording's own buffers before each replay, and the method's state, which the
-  method keeps in tensors it overwrites in place. The key is the method's `step_kind(ctx)` (None: the
-  step runs eagerly, its Python every time) plus what the engine's shapes add: the phase, the fed
-  tokens' shape and, on the block engine, the KV cache's launch bound, which moves only when the
-  context crosses one of eight sizes per doubling (KVCache.launch_length). What is recorded is the
-  method's step (its forward), not its logits, whose span moves from block to block.
-- The first step of a key runs eagerly (it also compiles and tunes its kernels) and is then recorded;
-  recording runs nothing, so state is never updated twice. Its Python runs twice and never again, so
-  a recorded step has no host syncs (`.item()`, `bool(tensor)`, shapes from values) and keeps its
-  host-side bookkeeping in `end_step`, which runs after every step.
-- Recordings live for one generation, the `size` most recently used kept, in one memory pool (they
-  never run at the same time, and each replay's outputs are copied out).
-
-Off on a CPU, and everywhere with NANODLLM_GRAPHS=0 (to compare).
+A cached step of an 8B model feeds a few dozen tokens through 32 layers, hundreds of small kernels,
+and launching them from Python takes longer than running them. `Replayed` wraps a method for one
+generation (nanodllm/generation.py): the first step of a key runs eagerly (compiling its kernels),
+is recorded into a CUDA graph, and later steps of that key replay it with one launch, after copying
+their tokens and positions into the recording's buffers. The key is the method's step_kind (the
+contract in methods/base.py) plus the engine's shapes: the phase, the fed tokens' shape and, on the
+block engine, the KV cache's launch bound (KVCache.launch_length). What a step hands to ctx.aside runs
+on a second stream, joined at the step's end, and is recorded with it. After each step the meter
+counts what it read (nanodllm/meter.py). Graphs are off on a CPU and with NANODLLM_GRAPHS=0, side
+streams with NANODLLM_STREAMS=0.
 """
 
 from __future__ import annotations
@@ -30,13 +20,17 @@ from dataclasses import replace
 import torch
 
 from .attention import attention_on_kernels
+from .meter import Meter
+from .methods.base import run_now
 
 GRAPHS_ENABLED = os.environ.get("NANODLLM_GRAPHS", "1") != "0"
+STREAMS_ENABLED = os.environ.get("NANODLLM_STREAMS", "1") != "0"
 
 
 class Recordings:
     """Up to `size` live CUDA graphs of functions of tensors, keyed; __call__(key, fn, *inputs) gives
-    fn(*inputs) (a tensor or a tuple of tensors), replayed where the key was recorded."""
+    fn(*inputs) (a tensor or a tuple of tensors), replayed where the key was recorded. They share one
+    memory pool (they never run at the same time) and each replay's outputs are copied out."""
 
     def __init__(self, size: int = 4):
         self.size = size
@@ -70,34 +64,69 @@ class Recordings:
         self.recorded[key] = (graph, static_inputs, output)
 
 
-class Steps:
-    """A method's steps and commits for one generation, each replayed where its key was recorded."""
+class SideStream:
+    """ctx.aside on a GPU: fn() on a second stream that waits for the step's work so far; `join` makes
+    the step's stream wait for it. Memory crossing the streams is marked so neither reuses it early."""
+
+    def __init__(self):
+        self.stream, self.forked = None, False
+
+    def __call__(self, fn, *inputs: torch.Tensor):
+        main = torch.cuda.current_stream()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(main)
+        self.forked = True
+        with torch.cuda.stream(self.stream):
+            outputs = fn()
+        for tensor in inputs:
+            tensor.record_stream(self.stream)
+        for tensor in outputs:
+            tensor.record_stream(main)
+        return outputs
+
+    def join(self):
+        if self.forked:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self.forked = False
+
+
+class Replayed:
+    """A method for one generation: its steps and commits replayed where their key repeats, its side
+    work on a second stream, what its steps read counted. Every other attribute is the method's."""
 
     def __init__(self, method, size: int = 4):
-        self.method = method
-        self.recordings = Recordings(size)
+        self.method, self.recordings, self.meter, self.side = method, Recordings(size), Meter(), SideStream()
+
+    def __getattr__(self, name):
+        return getattr(self.method, name)
 
     @property
     def replays(self) -> int:
         return self.recordings.replays
 
     def step(self, model, ctx) -> torch.Tensor:
-        """A denoising step's logits: method.step (replayed where it repeats), method.logits of its
-        hidden states, then method.end_step."""
-        logits = self.method.logits(model, self.run(self.method.step, model, ctx), ctx)
-        self.method.end_step(ctx)
-        return logits
+        hidden = self.run(self.method.step, model, ctx)
+        self.meter.count(self.method, ctx)
+        return hidden
 
     def commit(self, model, ctx) -> torch.Tensor:
-        """method.commit's hidden states (ctx.phase "commit")."""
         return self.run(self.method.commit, model, ctx)
 
     def run(self, hook, model, ctx):
-        ctx.kind = self.method.step_kind(ctx)
+        if STREAMS_ENABLED and ctx.tokens.is_cuda:
+            ctx = replace(ctx, aside=self.side)
+        ctx = replace(ctx, kind=self.method.step_kind(ctx))
         if ctx.kind is None or not recordable(ctx):
-            return hook(model, ctx)
-        recorded = lambda tokens, positions: hook(model, replace(ctx, tokens=tokens, positions=positions))
+            return self.joined(hook, model, ctx)
+        recorded = lambda tokens, positions: self.joined(hook, model, replace(ctx, tokens=tokens, positions=positions))
         return self.recordings(step_key(ctx), recorded, ctx.tokens, ctx.positions)
+
+    def joined(self, hook, model, ctx):
+        output = hook(model, ctx)
+        if ctx.aside is not run_now:
+            self.side.join()
+        return output
 
 
 def recordable(ctx) -> bool:

@@ -1,33 +1,28 @@
-"""LLaDA-style masked diffusion: the whole canvas every step, semi-autoregressive blocks.
+"""LLaDA-style masked diffusion (LLaDA's generate): the whole canvas every step, semi-AR blocks.
 
-Reproduces LLaDA's generate(): canvas = prompt ++ [mask] * gen_length; for each block of
-block_length tokens, steps // num_blocks steps, each unmasking a scheduled number of the block's
-masked positions, chosen by confidence (low_confidence: softmax probability of the predicted token;
-random: uniform draws). Temperature adds Gumbel noise in float64; cfg_scale > 0 runs the canvas a
-second time with the prompt masked and mixes the logits. With `threshold` set this is Fast-dLLM's
-parallel decoding instead: each step unmasks every masked position of the block whose confidence
-reaches the threshold (at least the best one), until the block is done.
-One guard the reference lacks: [MASK] itself is never the predicted token (confidences are unchanged).
-
-Ragged batches: prompts are left-padded so every row's generated region is the same columns; pads
-are hidden keys and each row's positions start at 0 at its first prompt token.
-
-Only the active block's logits are ever needed (every other position is either already decoded or
-excluded by the reference's -inf), so the method is asked for exactly those. At temperature 0 tokens
-equal the reference's; with temperature > 0 the Gumbel noise is drawn for the block only, which has
-the reference's distribution but not its random stream.
+canvas = prompt ++ [mask] * gen_length; each block of block_length tokens gets steps // num_blocks
+steps, each unmasking a scheduled number of the block's masked positions by confidence
+(low_confidence: the predicted token's softmax probability; random: uniform draws). Temperature adds
+Gumbel noise in float64; cfg_scale > 0 also runs the canvas with the prompt masked and mixes the
+logits. With `threshold` set this is Fast-dLLM's parallel decoding: each step unmasks every masked
+position of the block at or above it (at least the best one) until the block is done. [MASK] itself
+is never the predicted token (a guard the reference lacks). Ragged batches: prompts are left-padded
+so the generated region is the same columns; pads are hidden keys, positions start at each row's
+first prompt token. Only the active block's logits are asked for (the reference excludes the others
+with -inf). At temperature 0 tokens equal the reference's; with T > 0 the noise is drawn for the
+block only: the reference's distribution, not its random stream.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from . import dream
 from .attention import CanvasMask
 from .config import GenerationConfig
-from .decoding import (GenerationResult, check_prompts, left_padded_canvas, refuse_shifted_logits, split_evenly,
-                       threshold_transfer, top_confident, without_token)
-from .graphs import Steps
+from .decoding import (GenerationResult, check_method, check_prompts, left_padded_canvas, refuse_shifted_logits,
+                       split_evenly, threshold_transfer, top_confident, without_token)
 from .methods.base import Dense, Method, StepContext
 
 
@@ -45,11 +40,14 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              mask_id: int | None = None, pad_id: int | None = None) -> GenerationResult:
     cfg = model.cfg
     method = method or Dense()
+    check_method(method, cfg, "masked")
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     pad_id = cfg.eos_token_ids[0] if pad_id is None else pad_id
-    if cfg.model_type == "Dream":  # its own loop: the whole response at once (nanodllm/dream.py)
-        return dream.generate(model, prompts, gen, method, mask_id, pad_id)
     refuse_shifted_logits(cfg)
+    block_causal = cfg.attention == "block_causal"
+    if block_causal and method.needs_bidirectional:
+        raise ValueError(f"{method.name} caches a bidirectional canvas; this model is block-causal "
+                         "(decode it with the block engine)")
     if gen.gen_length % gen.block_length:
         raise ValueError(f"gen_length={gen.gen_length} is not a multiple of block_length={gen.block_length}")
     num_blocks = gen.gen_length // gen.block_length
@@ -67,18 +65,17 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     width, ragged = x.shape[1], canvas.ragged
     in_prompt = valid.clone()
     in_prompt[:, prompt_width:] = False
-    block_causal = cfg.attention == "block_causal"
     attn_mask = CanvasMask(valid=valid if ragged else None, block_size=cfg.block_size if block_causal else None,
                            positions=positions if block_causal and ragged else None)
 
-    steps = Steps(method)
     forwards = total_steps = 0
     for block in range(num_blocks):
         start = prompt_width + block * gen.block_length
         stop = start + gen.block_length
         schedule = split_evenly((x[:, start:stop] == mask_id).sum(dim=1), steps_per_block)
         host_schedule = schedule.tolist()  # one device sync per block instead of one per row and step
-        method.begin_block(StepContext(x, positions, valid, lengths, block=block, mask_id=mask_id))
+        method.begin_block(StepContext(x, positions, valid, lengths, prompt_width=prompt_width, block=block,
+                                       t=total_steps, mask_id=mask_id))
         step = 0
         while True:
             block_masked = x[:, start:stop] == mask_id
@@ -86,10 +83,10 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 break
             if gen.threshold is not None and not block_masked.any():
                 break
-            ctx = StepContext(x, positions, valid, lengths, block=block, step=step, steps_per_block=steps_per_block,
-                              mask_id=mask_id, attn_mask=attn_mask, logits_start=start, logits_stop=stop,
-                              block_length=gen.block_length)
-            logits = _logits(model, steps, ctx, gen.cfg_scale, in_prompt)
+            ctx = StepContext(x, positions, valid, lengths, prompt_width=prompt_width, block=block, step=step,
+                              steps_per_block=steps_per_block, t=total_steps + step, mask_id=mask_id,
+                              attn_mask=attn_mask, logits_start=start, logits_stop=stop, block_length=gen.block_length)
+            logits = guided_logits(model, method, ctx, gen.cfg_scale, in_prompt)
             forwards += 1
             x0 = without_token(gumbel_max_scores(logits, gen.temperature), mask_id).argmax(dim=-1)
             if gen.remasking == "low_confidence":
@@ -106,18 +103,20 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             step += 1
         total_steps += step
     tokens = [x[row, prompt_width:].tolist() for row in range(len(prompts))]
-    return GenerationResult(tokens, forwards, total_steps, replays=steps.replays)
+    return GenerationResult(tokens, forwards, total_steps)
 
 
-def _logits(model, steps: Steps, ctx: StepContext, cfg_scale: float, in_prompt) -> torch.Tensor:
+def guided_logits(model, method: Method, ctx: StepContext, cfg_scale: float, in_prompt) -> torch.Tensor:
     """The method's logits for the block; with classifier-free guidance, mixed with the logits of the
     canvas whose prompt is masked: un + (scale + 1) * (cond - un)."""
+    if cfg_scale > 0:
+        unconditional = torch.where(in_prompt, ctx.mask_id, ctx.tokens)
+        twice = lambda x: torch.cat([x, x])
+        ctx = replace(ctx, tokens=torch.cat([ctx.tokens, unconditional]), positions=twice(ctx.positions),
+                      valid=twice(ctx.valid), prompt_lengths=twice(ctx.prompt_lengths),
+                      attn_mask=ctx.attn_mask.repeat(2))
+    logits = method.logits(model, method.step(model, ctx), ctx)
     if cfg_scale <= 0:
-        return steps.step(model, ctx)
-    unconditional = torch.where(in_prompt, ctx.mask_id, ctx.tokens)
-    both = StepContext(**{**vars(ctx), "tokens": torch.cat([ctx.tokens, unconditional])})
-    for name in ("positions", "valid", "prompt_lengths"):
-        setattr(both, name, torch.cat([getattr(ctx, name)] * 2))
-    both.attn_mask = ctx.attn_mask.repeat(2)
-    cond, uncond = steps.step(model, both).chunk(2)
+        return logits
+    cond, uncond = logits.chunk(2)
     return uncond + (cfg_scale + 1) * (cond - uncond)

@@ -1,16 +1,13 @@
 """Recall diagnostics of per-block key selection (the MAGE paper's eq. 1, Fig. 1a and Fig. 3).
 
-At every denoising step and layer where a selecting method (mage, quest, sparsed) attends to a
-selected key set (what its attended_selection(layer, ctx) gives: (indices, counts, index_block) as
-kernels/sparse_decode_attention takes them, or None where it attended exactly), compare that set with the ORACLE per-block top-k
-of the same step: the k prefix keys with the highest probability averaged over the block's queries
-and the group's heads, from this step's exact scores (eq. 2, normalised as methods/mage.py says).
-Estimation accuracy (eq. 1) = |selected and oracle| / |oracle|, per row and KV head, kept per KV
-head (mean over rows) and overall. Calls that attend exactly (the exact layers, SparseD's steps
-before its capture step) are not recorded: a selection they hold is the previous block's. At the
-first step of each block also record the union of the per-query top-k sets over the block's queries
-and the group's heads, relative to k (Fig. 1a: how far one shared set is from every query's own
-choice).
+At every denoising step and layer where a selecting method (mage, quest, sparsed) read or chose a key
+set (Method.selection), compare it with the ORACLE per-block top-k of the same step: the k prefix keys
+of highest probability averaged over the block's queries and the group's heads, from this step's
+exact scores (eq. 2, normalised as methods/mage.py says). Estimation accuracy (eq. 1) = |selected and
+oracle| / |oracle| per row and KV head, kept per KV head (mean over rows) and overall; layers and
+steps that attend exactly are not recorded. At each block's first step also record the union of the
+per-query top-k sets over the block's queries and the group's heads, relative to k (Fig. 1a: how far
+one shared set is from every query's own choice).
 
     records = attach(method)   # before generation; one Record per (block, step, layer)
 """
@@ -22,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import use_kernels
-from .methods.block_selection import block_probabilities, block_scores
+from .methods.mage import block_probabilities, block_scores
 from .methods.common import listed_tokens, select_top_k
 
 
@@ -66,22 +63,20 @@ def attach(method) -> list[Record]:
     """Wrap method.attend so that every selecting attention call is compared with the oracle."""
     records: list[Record] = []
     original = method.attend
-    selection = getattr(method, "attended_selection", lambda layer, ctx: None)  # dense: every key
 
     def attend(layer, q, k, v, ctx):
         out = original(layer, q, k, v, ctx)
         cache = ctx.cache
-        chosen = selection(layer, ctx)
-        if cache is None or chosen is None or cache.max_length == 0:
+        chosen = None if cache is None or ctx.phase != "step" else method.selection(layer, ctx)
+        if chosen is None or cache.max_length == 0:
             return out  # an exact call (an exact layer, SparseD's steps before its capture step)
-        *chosen_lists, index_block = chosen
         if q.is_cuda:
             torch.cuda.synchronize(q.device)  # a side-stream selection is complete
         prefix = cache.max_length
         oracle = select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths, method.k,
                               on_kernels=use_kernels(q))
         oracle_mask = token_mask(*oracle, cache.lengths, prefix, 1)
-        chosen_mask = token_mask(*chosen_lists, cache.lengths, prefix, index_block)
+        chosen_mask = token_mask(chosen.indices, chosen.counts, cache.lengths, prefix, chosen.index_block)
         hits = (oracle_mask & chosen_mask).sum(-1).float()  # [batch, kv_heads]
         sizes = oracle_mask.sum(-1).float()
         has_prefix = sizes > 0

@@ -8,7 +8,7 @@ blocks of 32 (LLaDA's setting, one token per step): vanilla runs 256 full steps;
 then sparse steps that feed the whole canvas when t % 4 == 0 and only the response otherwise;
 fast_dllm dual per block one building full step and 31 cached steps. Each kind of step is timed with
 CUDA events, host overhead included, and the generation assembled. Steps run as the engine runs
-them, through one nanodllm/graphs.py Steps per method: Fast-dLLM's cached step and DyLLM's
+them, through one nanodllm/graphs.py Replayed per method: Fast-dLLM's cached step and DyLLM's
 fixed-fraction sparse steps (fixed shapes, no host syncs) replay CUDA graphs; each is also timed with
 graphs off ("eager" rows), in the same run.
 Floor per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate), FLOPs counted per row as
@@ -18,13 +18,15 @@ attention for the salient rows over all keys.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 import nanodllm.graphs as graphs_module
-from bench_maskkv import canvas_context, eager_us
+from bench_maskkv import canvas_context, eager_us, logits
 from nanodllm.config import ModelConfig, preset
 from nanodllm.loader import build_random
-from nanodllm.graphs import Steps
+from nanodllm.graphs import Replayed
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
 
@@ -89,38 +91,35 @@ def bench_dyllm(args, timer, report, measure_rates, meta):
     step_rows, rows = [], []
     for batch in shapes["batches"]:
         ctx = canvas_context(cfg, shapes["prompt"], shapes["gen_length"], shapes["block_length"], device, batch=batch)
-        dense = Steps(Dense())
-        full_us = eager_us(lambda: dense.step(model, ctx), device)
+        dense = Replayed(Dense())
+        full_us = eager_us(lambda: logits(dense, model, ctx), device)
         full_floor = floor_us(batch, width, width, width)
-        dual = Steps(get_method("fast_dllm", mode="dual"))
-        dual.method.begin_block(ctx)
-        ctx.step = 0
-        build_us = eager_us(lambda: (dual.method.begin_block(ctx), dual.step(model, ctx)), device)
+        dual = Replayed(get_method("fast_dllm", mode="dual"))
+        dual.begin_block(ctx)
+        build_us = eager_us(lambda: (dual.begin_block(ctx), logits(dual, model, ctx)), device)
         times, floors = {"vanilla": steps * full_us}, {"vanilla": steps * full_floor}
         step_rows += [{"batch": batch, "method": "vanilla", "step": "full", "us": full_us, "floor us": full_floor},
                       {"batch": batch, "method": "fast_dllm dual", "step": "build",
                        "us": build_us, "floor us": float("nan")}]
-        ctx.step = 1
+        cached = replace(ctx, step=1)
         cached_floor = floor_us(batch, shapes["block_length"], shapes["block_length"], shapes["block_length"])
         for name, enabled in graphs_on_and_off("fast_dllm dual"):
-            cached_us = timed_twice_warm(lambda: dual.step(model, ctx), device)
+            cached_us = timed_twice_warm(lambda: logits(dual, model, cached), device)
             times[name] = blocks * (build_us + (shapes["block_length"] - 1) * cached_us)
             step_rows.append({"batch": batch, "method": name, "step": "cached", "us": cached_us,
                               "floor us": cached_floor})
-        ctx.step = 0
         for fraction in fractions:
             method = get_method("dyllm", salient_fraction=fraction)
-            dyllm_steps = Steps(method)
+            dyllm_steps = Replayed(method)
             method.begin_block(ctx)
-            for _ in range(4):  # the full steps (end_step advances t)
-                dyllm_steps.step(model, ctx)
+            for t in range(4):  # the full steps
+                logits(dyllm_steps, model, replace(ctx, t=t))
             for name, enabled in graphs_on_and_off(f"dyllm {fraction:.0%}"):
                 kinds = {}
                 floors[name] = 4 * full_floor
                 for label, t in (("whole canvas", 8), ("response only", 5)):
                     fed = width if label == "whole canvas" else response
-                    kinds[label] = timed_twice_warm(lambda t=t: (setattr(method, "t", t), dyllm_steps.step(model, ctx)),
-                                                    device)
+                    kinds[label] = timed_twice_warm(lambda t=t: logits(dyllm_steps, model, replace(ctx, t=t)), device)
                     salient = int(fraction * fed + 0.999)
                     floor = floor_us(batch, fed, salient, salient)
                     step_rows.append({"batch": batch, "method": name, "step": label, "us": kinds[label],

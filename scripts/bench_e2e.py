@@ -53,11 +53,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanodllm import block, masked  # noqa: E402
 from nanodllm.attention import CanvasMask, attention  # noqa: E402
 from nanodllm.config import GenerationConfig, ModelConfig, preset  # noqa: E402
 from nanodllm.eval import Journal, journal_path, time_left  # noqa: E402
 from nanodllm.loader import build_empty, build_random  # noqa: E402
+from nanodllm.generation import generate  # noqa: E402
 from nanodllm.methods import get_method  # noqa: E402
 
 PEER = "transformers"
@@ -187,7 +187,6 @@ def generator(run: Run, model, sync, logits_error: list):
                                                   first_block_done=note_first_block)
     else:
         gen = GenerationConfig(gen_length=run.gen, block_length=run.block, steps=run.timed_steps)
-        engine, extra = (masked, {}) if run.engine == "masked" else (block, {"stop_ids": ()})
 
         def loop():
             method = get_method(run.method, **run.knobs)
@@ -201,7 +200,7 @@ def generator(run: Run, model, sync, logits_error: list):
 
             method.begin_block = noted
             try:
-                engine.generate(model, prompts.tolist(), gen, method=method, **extra)
+                generate(model, prompts.tolist(), gen, method, stop_ids=())
             finally:
                 del method.begin_block  # no cycle through noted: the method's tensors go with the generation
             if len(blocks_begun) < 2:

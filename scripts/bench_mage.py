@@ -14,7 +14,7 @@ evicted, host launch overhead excluded; eager steps are host-bound, see docs/res
 
 The commit forward is an exact step over the same shapes (timed as one); MAGE's with sparse_commit
 reads the block's selection, so it is timed as one sparse step. A step is run as the engine runs
-it, through nanodllm/graphs.py Steps (one per method), with the engine's graphs off: the Timer
+it, through nanodllm/graphs.py Replayed (one per method), with the engine's graphs off: the Timer
 records the step as its own graph. Then, as a user runs it, `block.generate` itself at the first
 context, batch 1: milliseconds per block (CUDA events as each block begins, the median of the blocks
 after the first, where the engine records its graphs; the prefill is not in them), with the engine's
@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
 import nanodllm.attention as attention_module
 import nanodllm.graphs as graphs_module
 from kernels.top_k import top_k_positions
-from nanodllm import block as block_engine
 from nanodllm.cache import KVCache
 from nanodllm.config import GenerationConfig, ModelConfig, preset
 from nanodllm.loader import build_random
-from nanodllm.graphs import Steps
+from nanodllm.generation import generate
+from nanodllm.graphs import Replayed
 from nanodllm.methods import Dense, Mage, Quest, get_method
 from nanodllm.methods.base import StepContext
 
@@ -69,29 +70,35 @@ def block_context(cfg, cache, batch, context, block, steps, device) -> StepConte
                        steps_per_block=steps)
 
 
+def logits(steps: Replayed, model, ctx):
+    """A denoising step as the loops run it: the method's step, then its logits."""
+    return steps.logits(model, steps.step(model, ctx), ctx)
+
+
 def step_times(model, ctx, timer, knobs) -> dict:
     """Microseconds of each kind of step, one CUDA graph each (eager on a CPU)."""
-    exact = Steps(Dense())
+    exact = Replayed(Dense())
     times = {}
     with torch.no_grad():
         for enabled, name in ((False, "sdpa"), (True, "exact")):
             attention_module.KERNELS_ENABLED = enabled
-            times[name] = timer(lambda: exact.step(model, ctx))
+            times[name] = timer(lambda: logits(exact, model, ctx))
         attention_module.KERNELS_ENABLED = True
 
-        serial = Steps(Mage(**knobs, side_stream=False))
-        ctx.step = 0
-        times["select one stream"] = timer(lambda: serial.step(model, ctx))
-        mage = Steps(Mage(**knobs))
-        mage.method.begin_block(ctx)
-        times["select"] = timer(lambda: mage.step(model, ctx))  # exact attention, top-k on the side stream
-        ctx.step = 1
-        times["sparse"] = timer(lambda: mage.step(model, ctx))  # attends to the step-0 selection
+        selecting, sparse = replace(ctx, step=0), replace(ctx, step=1)
+        serial = Replayed(Mage(**knobs))
+        graphs_module.STREAMS_ENABLED = False
+        times["select one stream"] = timer(lambda: logits(serial, model, selecting))
+        graphs_module.STREAMS_ENABLED = True
+        mage = Replayed(Mage(**knobs))
+        mage.begin_block(selecting)
+        times["select"] = timer(lambda: logits(mage, model, selecting))  # exact attention, top-k on the side stream
+        times["sparse"] = timer(lambda: logits(mage, model, sparse))  # attends to the step-0 selection
 
-        quest = Steps(Quest(**knobs))
-        ctx.step, ctx.block = 0, 0
-        quest.method.begin_block(ctx)
-        times["quest"] = timer(lambda: quest.step(model, ctx))  # page bounds updated in the warm-up call
+        quest = Replayed(Quest(**knobs))
+        first = replace(ctx, step=0, block=0)
+        quest.begin_block(first)
+        times["quest"] = timer(lambda: logits(quest, model, first))  # page bounds updated in the warm-up call
     return times
 
 
@@ -134,18 +141,17 @@ def step_breakdowns(model, ctx, knobs) -> dict:
     """breakdown() of an exact step, MAGE's step 1 and step 2..T, and a Quest step, as step_times runs them."""
     device = ctx.tokens.device
     with torch.no_grad():
-        exact = Steps(Dense())
-        parts = {"exact": breakdown(lambda: exact.step(model, ctx), device)}
-        mage = Steps(Mage(**knobs))
-        ctx.step = 0
-        mage.method.begin_block(ctx)
-        parts["MAGE step 1"] = breakdown(lambda: mage.step(model, ctx), device)
-        ctx.step = 1
-        parts["MAGE step 2..T"] = breakdown(lambda: mage.step(model, ctx), device)
-        quest = Steps(Quest(**knobs))
-        ctx.step, ctx.block = 0, 0
-        quest.method.begin_block(ctx)
-        parts["Quest"] = breakdown(lambda: quest.step(model, ctx), device)
+        exact = Replayed(Dense())
+        parts = {"exact": breakdown(lambda: logits(exact, model, ctx), device)}
+        mage = Replayed(Mage(**knobs))
+        selecting, sparse = replace(ctx, step=0), replace(ctx, step=1)
+        mage.begin_block(selecting)
+        parts["MAGE step 1"] = breakdown(lambda: logits(mage, model, selecting), device)
+        parts["MAGE step 2..T"] = breakdown(lambda: logits(mage, model, sparse), device)
+        quest = Replayed(Quest(**knobs))
+        first = replace(ctx, step=0, block=0)
+        quest.begin_block(first)
+        parts["Quest"] = breakdown(lambda: logits(quest, model, first), device)
     return parts
 
 
@@ -208,11 +214,11 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
     runs = [(label, name, method_knobs, True) for label, name, method_knobs in methods]
     runs += [(label, name, method_knobs, False) for label, name, method_knobs in methods[:2]]
 
-    def generate(name, method_knobs, blocks, events):
+    def run(name, method_knobs, blocks, events):
         gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=steps, temperature=0.0,
                                threshold=None)
         method = block_clock(get_method(name, **method_knobs), events)
-        block_engine.generate(model, [prompt], gen, method=method, stop_ids=())
+        generate(model, [prompt], gen, method, stop_ids=())
         mark(events)
         torch.cuda.synchronize()
 
@@ -220,9 +226,9 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
     for label, name, method_knobs, graphed in runs:
         graphs_module.GRAPHS_ENABLED = graphed
         # warm-up: compiles and autotunes (a compile in a later block would show in the range, not the median)
-        generate(name, method_knobs, 2, [])
+        run(name, method_knobs, 2, [])
         events = []
-        generate(name, method_knobs, GENERATION_BLOCKS, events)
+        run(name, method_knobs, GENERATION_BLOCKS, events)
         block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[1:-1], events[2:]))
         ms = statistics.median(block_ms)
         rows.append({"context": context, "method": label, "graphs": graphed, "ms/block": ms,
@@ -315,7 +321,7 @@ def bench_mage(args, timer, report, measure_rates, meta):
                  f"{knobs['exact_layers']} exact layers. Floors: weights read + the KV bytes the step must read, "
                  "over the copy bandwidth. 'step-1 overhead' = MAGE's first step (exact attention, then key "
                  "scores + top-k on a side stream overlapped with the FFN) over an exact step; 'one stream': the "
-                 "same with side_stream=False. Peak = max allocated during the configuration.")
+                 "same with side streams off (NANODLLM_STREAMS=0). Peak = max allocated during the configuration.")
     if breakdown_rows:
         report.table("Per-step breakdown", breakdown_rows,
                      "GPU kernel milliseconds of one eager call of each kind of step, by kernel: attention (our "

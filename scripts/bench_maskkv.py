@@ -25,15 +25,16 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 import nanodllm.graphs as graphs_module
-from nanodllm import masked
 from nanodllm.config import GenerationConfig, ModelConfig, preset
 from nanodllm.loader import build_random
-from nanodllm.graphs import Steps
+from nanodllm.generation import generate
+from nanodllm.graphs import Replayed
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense, StepContext
 from nanodllm.methods.maskkv import PROFILE_NAME, layer_importance
@@ -62,8 +63,13 @@ def canvas_context(cfg, prompt, gen_length, block_length, device, batch=1, block
     start = prompt + block * block_length
     return StepContext(tokens, torch.arange(width, device=device)[None].expand(batch, -1),
                        torch.ones_like(tokens, dtype=torch.bool), torch.full((batch,), prompt, device=device),
-                       block=block, steps_per_block=block_length, mask_id=cfg.mask_token_id, logits_start=start,
-                       logits_stop=start + block_length, block_length=block_length)
+                       prompt_width=prompt, block=block, steps_per_block=block_length, mask_id=cfg.mask_token_id,
+                       logits_start=start, logits_stop=start + block_length, block_length=block_length)
+
+
+def logits(steps: Replayed, model, ctx):
+    """A denoising step as the loops run it: the method's step, then its logits."""
+    return steps.logits(model, steps.step(model, ctx), ctx)
 
 
 def eager_us(fn, device, tries=3) -> float:
@@ -98,10 +104,10 @@ def peak_gib(fn, device) -> float:
 def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, float]:
     """For every kind of step the schedule uses: GPU microseconds (short kinds as CUDA graphs, host
     overhead excluded) and engine microseconds (host overhead included, as the engine runs them,
-    through one Steps: drift steps and response refreshes replay CUDA graphs), and the peak memory of
-    the first step. The step index t is pinned before each call (end_step advances it)."""
-    engine = Steps(method)
-    pinned = lambda t: (setattr(method, "t", t), engine.step(model, ctx))
+    through one Replayed: drift steps and response refreshes replay CUDA graphs), and the peak memory
+    of the first step, each call at its step index t."""
+    engine = Replayed(method)
+    pinned = lambda t: logits(engine, model, replace(ctx, t=t))
     first_peak = peak_gib(lambda: pinned(0), device)  # t = 0 starts the caches afresh
     gpu = {"first": eager_us(lambda: pinned(0), device, tries=1)}
     eager = dict(gpu)
@@ -152,9 +158,9 @@ def bench_maskkv(args, timer, report, measure_rates, meta):
         ctx = canvas_context(cfg, context, shapes["gen_length"], shapes["block_length"], device)
         width, budget = context + gen, min(shapes["budget"], context)
         dense = Dense()
-        vanilla = Steps(dense)
-        vanilla_us = eager_us(lambda: vanilla.step(model, ctx), device)
-        vanilla_peak = peak_gib(lambda: vanilla.step(model, ctx), device)
+        vanilla = Replayed(dense)
+        vanilla_us = eager_us(lambda: logits(vanilla, model, ctx), device)
+        vanilla_peak = peak_gib(lambda: logits(vanilla, model, ctx), device)
         reference_peak = peak_gib(lambda: model.head(model.hidden(ctx.tokens, ctx.positions,
                                                                   lambda i, q, k, v: dense.attend(i, q, k, v, ctx))
                                                      ).softmax(dim=-1), device)
@@ -249,11 +255,11 @@ def generation_seconds(model, prompt, gen, method, device) -> float:
     """Wall time of the second of two generations by one method object. The first pays for compiling
     and autotuning kernels; the engine records its CUDA graphs again in the timed one (each generation
     records its own)."""
-    masked.generate(model, [prompt], gen, method)
+    generate(model, [prompt], gen, method)
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    masked.generate(model, [prompt], gen, method)
+    generate(model, [prompt], gen, method)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start

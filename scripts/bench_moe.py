@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from bench_mage import GENERATION_BLOCKS, HEADROOM_BYTES, block_clock, mark
 import nanodllm.graphs as graphs_module
-from nanodllm import block as block_engine
 from nanodllm.config import GenerationConfig, ModelConfig, preset
+from nanodllm.generation import generate
 from nanodllm.loader import build_random
 from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
@@ -129,10 +129,10 @@ def block_floor_ms(model, context, batch, shapes, touched: float, kv_fraction: f
     return total / bandwidth / 1e6
 
 
-def kv_fraction_read(label: str, method, cfg) -> float:
-    """The KV share a step reads: the method's kv_kept (1 for exact), plus Quest's page bounds (a min
+def kv_fraction_read(label: str, method, stats: dict, cfg) -> float:
+    """The KV share a step reads: the generation's kv_kept (1 for exact), plus Quest's page bounds (a min
     and a max of K per page_size keys in each sparse layer = (K + V) / page_size)."""
-    fraction = method.stats.get("kv_kept", 1.0)
+    fraction = stats.get("kv_kept", 1.0)
     if label.startswith("Quest"):
         fraction += (cfg.num_layers - method.exact_layers) / cfg.num_layers / method.page_size
     return fraction
@@ -150,17 +150,19 @@ def generation_rows(model, name, context, batch, shapes, bandwidth, profile: lis
                for row in range(batch)]
     size, warm_blocks = shapes["block"], 2
 
-    def generate(method, blocks, events):
+    def run(method, blocks, events) -> dict:
+        """The generation's stats."""
         gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=shapes["steps"], threshold=None)
         mark(events)
-        block_engine.generate(model, prompts, gen, method=block_clock(method, events), stop_ids=())
+        stats = generate(model, prompts, gen, block_clock(method, events), stop_ids=()).stats
         mark(events)
         torch.cuda.synchronize()
+        return stats
 
     touched, remove_hooks = count_touched_experts(model, batch * size)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile is not None else None
     graphs_module.GRAPHS_ENABLED = False
-    generate(profiled_blocks(Dense(), profiler), warm_blocks, [])
+    run(profiled_blocks(Dense(), profiler), warm_blocks, [])
     graphs_module.GRAPHS_ENABLED = True
     remove_hooks()
     if profiler is not None:
@@ -171,10 +173,10 @@ def generation_rows(model, name, context, batch, shapes, bandwidth, profile: lis
     for label, make in methods_to_run(shapes["ks"]):
         events, method = [], make()
         torch.cuda.reset_peak_memory_stats()
-        generate(method, GENERATION_BLOCKS, events)
+        stats = run(method, GENERATION_BLOCKS, events)
         block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[2:-1], events[3:]))
         ms = statistics.median(block_ms)
-        floor = block_floor_ms(model, context, batch, shapes, touched_mean, kv_fraction_read(label, method, cfg), bandwidth)
+        floor = block_floor_ms(model, context, batch, shapes, touched_mean, kv_fraction_read(label, method, stats, cfg), bandwidth)
         rows.append({"model": name, "context": context, "batch": batch, "method": label, "ms/block": ms,
                      "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}", "floor ms/block": floor,
                      "ms / floor": ms / floor, "prefill s": events[0].elapsed_time(events[1]) / 1e3,

@@ -6,7 +6,7 @@ A sequence of N tokens is a prompt of N - G tokens and G = 256 generated ones, 8
 steps per block. Per block, vanilla runs 32 full steps; fast_dllm one full step that builds its cache
 and 31 cached steps; sparse_dllm (delay 1) a full step, a full step that builds the pruned cache and
 30 cached steps. Each kind of step is timed on its own, eagerly with CUDA events as the engine runs it
-(through one nanodllm/graphs.py Steps per method: the cached steps replay a CUDA graph, recorded by
+(through one nanodllm/graphs.py Replayed per method: the cached steps replay a CUDA graph, recorded by
 the first call, outside the timing), and a generation is assembled from them; the prefix cache's
 cached steps feed the block and the suffix, so they are timed in every block. Peak memory = max
 allocated (weights included) over a method's building and cached steps, vanilla's over a full step.
@@ -19,13 +19,14 @@ Floors per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate) as in b
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
-from bench_maskkv import canvas_context, eager_us, generation_seconds, peak_gib, step_flops
+from bench_maskkv import canvas_context, eager_us, generation_seconds, logits, peak_gib, step_flops
 from nanodllm.config import GenerationConfig, ModelConfig, preset
 from nanodllm.loader import build_random
-from nanodllm.graphs import Steps
+from nanodllm.graphs import Replayed
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense, StepContext
 
@@ -43,15 +44,14 @@ def block_context(cfg, length, block, shapes, device) -> StepContext:
 
 
 def method_block(model, ctx, steps, device):
-    """(us of the building step, us of a cached step, peak GiB) for one block; steps: the method's Steps."""
+    """(us of the building step, us of a cached step, peak GiB) for one block; steps: the method's Replayed."""
     method = steps.method
-    ctx.step = method.delay
-    method.begin_block(ctx)
-    build = lambda: (method.begin_block(ctx), steps.step(model, ctx))
+    building, cached_ctx = replace(ctx, step=method.delay), replace(ctx, step=method.delay + 1)
+    method.begin_block(building)
+    build = lambda: (method.begin_block(building), logits(steps, model, building))
     peak = peak_gib(build, device)
     build_us = eager_us(build, device, tries=1)
-    ctx.step = method.delay + 1
-    cached = lambda: steps.step(model, ctx)
+    cached = lambda: logits(steps, model, cached_ctx)
     peak = max(peak, peak_gib(cached, device))
     cached_us = eager_us(cached, device)
     return build_us, cached_us, peak
@@ -79,15 +79,15 @@ def bench_sparse_dllm(args, timer, report, measure_rates, meta):
     rows, step_rows = [], []
     for length in shapes["lengths"]:
         middle = block_context(cfg, length, blocks // 2, shapes, device)
-        vanilla = Steps(Dense())
-        full_us = eager_us(lambda: vanilla.step(model, middle), device)
-        vanilla_peak = peak_gib(lambda: vanilla.step(model, middle), device)
+        vanilla = Replayed(Dense())
+        full_us = eager_us(lambda: logits(vanilla, model, middle), device)
+        vanilla_peak = peak_gib(lambda: logits(vanilla, model, middle), device)
         totals = {"vanilla": (gen * full_us, gen * floor_us(length, length * length), vanilla_peak)}
         step_rows.append({"length": length, "method": "vanilla", "step": "full", "us": full_us,
                           "floor us": floor_us(length, length * length)})
         for label, (name, knobs) in METHODS.items():
             method = get_method(name, **knobs)
-            steps = Steps(method)
+            steps = Replayed(method)
             timed = [0] if label != "fast_dllm prefix" else range(blocks)  # dual caches cost the same in every block
             total = floor = 0.0
             peaks = []

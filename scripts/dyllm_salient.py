@@ -37,9 +37,20 @@ def main(argv=None) -> int:
     runner = Runner(resolve_model("tiny-llada"), "cpu", torch.float32, None)
     runner.knobs = {"tau": args.tau}
     samples = tasks.make_samples("passkey", args.length, args.n, seed=args.seed, count_tokens=runner.count_tokens)
-    methods = []
-    outcome = runner.generate(samples, "dyllm", prepare=methods.append)
-    history = methods[0].salient_history
+    methods, history = [], []  # history: (step, each layer's salient fraction of the fed rows) per sparse step
+
+    def record(method):
+        """Keep what the method states after each sparse step (its rows_computed, which the meter reads)."""
+        stated = method.rows_computed
+        method.rows_computed = lambda ctx: noted(ctx, stated(ctx))
+        methods.append(method)
+
+    def noted(ctx, computed):
+        if computed is not None:
+            history.append((ctx.t, computed[0].tolist()))
+        return computed
+
+    outcome = runner.generate(samples, "dyllm", prepare=record)
     accuracy = sum(outcome.scores) / len(outcome.scores)
     result = {"model": "tiny-llada", "length": args.length, "n": args.n, "tau": args.tau, "accuracy": accuracy,
               "full_period": methods[0].full_period, "steps": [t for t, _ in history],

@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 from nanodllm.attention import attention
 from nanodllm.cache import KVCache
 from nanodllm.methods import METHODS, get_method, knob_defaults
-from nanodllm.methods.base import Dense, StepContext, attend_with_cache
+from nanodllm.methods.base import Dense, StepContext
 
 import pytest
 
@@ -30,7 +30,7 @@ def test_ragged_write_view_and_attend_equal_per_row_attention(lengths, block):
     q = torch.randn(len(lengths), 4, block, 8, generator=generator, dtype=torch.float64)  # GQA 2
     k_new = torch.randn(len(lengths), 2, block, 8, generator=generator, dtype=torch.float64)
     v_new = torch.randn(len(lengths), 2, block, 8, generator=generator, dtype=torch.float64)
-    out = attend_with_cache(0, q, k_new, v_new, cache)
+    out = cache.attend(0, q, k_new, v_new)
     for row, n in enumerate(lengths):
         keys = torch.cat([k[row : row + 1, :, :n], k_new[row : row + 1]], dim=2)
         values = torch.cat([v[row : row + 1, :, :n], v_new[row : row + 1]], dim=2)
@@ -109,7 +109,9 @@ def test_registry_and_unknown_method():
 
 
 def test_an_unknown_knob_lists_the_methods_knobs():
-    assert knob_defaults("mage") == {"k": 1024, "exact_layers": 2, "sparse_commit": False, "side_stream": True}
+    assert knob_defaults("mage") == {"k": 1024, "exact_layers": 2, "sparse_commit": False}
+    with pytest.raises(ValueError, match="method 'mage' has no knob 'side_stream'"):  # side streams are graphs.py's
+        get_method("mage", side_stream=False)
     assert knob_defaults("dense") == {}
     with pytest.raises(ValueError, match=r"method 'quest' has no knob 'budget', 'kk'; its knobs \(defaults\): "
                                          r"k=1024, page_size=16, exact_layers=2, sparse_commit=False"):

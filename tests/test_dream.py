@@ -10,7 +10,9 @@ import torch
 from nanodllm import masked
 from nanodllm.attention import attention
 from nanodllm.config import GenerationConfig
-from nanodllm.dream import DreamSampling, filtered
+from nanodllm.decoding import filtered
+from nanodllm.dream import DreamSampling
+from nanodllm.generation import generate
 from nanodllm.loader import load_model
 from nanodllm.methods import get_method
 from tests.tiny_models import random_prompt
@@ -94,13 +96,15 @@ def test_random_algorithms_follow_the_references_draws(alg, alg_temp):
     assert all(MASK not in row for row in ours)  # the last step decodes everything
 
 
-def test_the_masked_engine_hands_dream_models_to_dreams_loop():
+def test_generate_picks_dreams_loop_and_the_masked_engine_refuses_dream():
     gen = GenerationConfig(gen_length=8, block_length=8, steps=4)
-    assert masked.generate(MODEL, PROMPTS, gen).tokens == reference(PROMPTS, 8, 4, "entropy")
+    assert generate(MODEL, PROMPTS, gen).tokens == reference(PROMPTS, 8, 4, "entropy")
     with pytest.raises(ValueError, match="one block"):
-        masked.generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=4, steps=4))
+        generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=4, steps=4))
     with pytest.raises(ValueError, match="runs on the block engine"):
-        masked.generate(MODEL, PROMPTS, gen, get_method("mage"))
+        generate(MODEL, PROMPTS, gen, get_method("mage"))
+    with pytest.raises(NotImplementedError, match="shifted logits"):
+        masked.generate(MODEL, PROMPTS, gen)
 
 
 @pytest.mark.parametrize("name,knobs", [("dllm_cache", dict(prompt_interval=1, response_interval=1)),
@@ -109,14 +113,16 @@ def test_the_masked_engine_hands_dream_models_to_dreams_loop():
                                         ("momo", dict(canvas=True, gamma=2, chi=4, beta=4, k=8, k_exact=8))])
 def test_methods_in_their_exact_setting_decode_dense_tokens(name, knobs):
     gen = GenerationConfig(gen_length=12, block_length=12, steps=6)
-    dense = masked.generate(MODEL, PROMPTS, gen).tokens
-    assert masked.generate(MODEL, PROMPTS, gen, get_method(name, **knobs)).tokens == dense
+    dense = generate(MODEL, PROMPTS, gen).tokens
+    assert generate(MODEL, PROMPTS, gen, get_method(name, **knobs)).tokens == dense
 
 
 @pytest.mark.parametrize("name,knobs", [("fast_dllm", dict(mode="dual")), ("fast_dllm", dict(mode="prefix")),
                                         ("sparse_dllm", dict(ratio=1.0, delay=0))])
 def test_a_cached_step_on_an_unchanged_canvas_gives_the_full_forwards_logits(name, knobs):
     """The fed range starts one column before the response: its hidden state gives the first logits."""
+    from dataclasses import replace
+
     from nanodllm.attention import CanvasMask
     from nanodllm.methods.base import StepContext
 
@@ -124,15 +130,16 @@ def test_a_cached_step_on_an_unchanged_canvas_gives_the_full_forwards_logits(nam
     tokens = torch.tensor([prompt + [MASK] * 8])
     width = tokens.shape[1]
     ctx = StepContext(tokens, torch.arange(width)[None], torch.ones(1, width, dtype=torch.bool),
-                      torch.tensor([len(prompt)]), mask_id=MASK, attn_mask=CanvasMask(), logits_start=len(prompt),
-                      logits_stop=width, block_length=8)
+                      torch.tensor([len(prompt)]), prompt_width=len(prompt), mask_id=MASK, attn_mask=CanvasMask(),
+                      logits_start=len(prompt), logits_stop=width, block_length=8)
     method = get_method(name, **knobs)
     method.begin_block(ctx)
     full = method.logits(MODEL, method.step(MODEL, ctx), ctx)
-    ctx.step = 1
+    ctx = replace(ctx, step=1, t=1)
     torch.testing.assert_close(method.logits(MODEL, method.step(MODEL, ctx), ctx), full, rtol=1e-5, atol=1e-5)
-    ctx.tokens = tokens.clone()
-    ctx.tokens[0, len(prompt) - 1] = (prompt[-1] + 1) % 200  # the fed column: the cached step sees the change
+    changed = tokens.clone()
+    changed[0, len(prompt) - 1] = (prompt[-1] + 1) % 200  # the fed column: the cached step sees the change
+    ctx = replace(ctx, tokens=changed)
     assert not torch.allclose(method.logits(MODEL, method.step(MODEL, ctx), ctx)[:, 0], full[:, 0])
 
 
@@ -161,9 +168,9 @@ def test_dyllm_takes_the_papers_tau_for_dream_unless_given():
     chosen = {}
     for label, model in (("dream", MODEL), ("llada", tiny_model("llada"))):
         method = get_method("dyllm")
-        masked.generate(model, PROMPTS, gen, method)
+        generate(model, PROMPTS, gen, method)
         chosen[label] = method.threshold
     assert chosen == {"dream": 0.995, "llada": 0.99}
     given = get_method("dyllm", tau=0.9)
-    masked.generate(MODEL, PROMPTS, gen, given)
+    generate(MODEL, PROMPTS, gen, given)
     assert given.threshold == 0.9

@@ -2,7 +2,8 @@
 kernel equals its reference, the update is exact when only values change, every row salient equals
 dense, a low threshold shrinks the salient set and changes the output, a row decodes alike alone
 and in a ragged batch, and the sparse steps equal a plain-torch reading of the method's docstring
-(ReferenceDyLLM) logit for logit, response-only steps and Dream's shifted logits included."""
+(ReferenceDyLLM) logit for logit, response-only steps and Dream's shifted logits included; its
+rows_computed statistics count the salient rows of the real fed rows."""
 
 import functools
 from pathlib import Path
@@ -20,12 +21,12 @@ from nanodllm.config import GenerationConfig
 from nanodllm.loader import load_model
 from nanodllm.methods import Method, get_method
 from nanodllm.methods.dyllm import index_rows, list_rows
-from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt,
-                               refuses_block_causal, tiny_model)
-from tests.tiny_models import masked_tokens as generate
+from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt, tiny_model,
+                               masked_decode as decode, masked_tokens as generate)
 from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
 MODEL, GEN, PROMPTS = MASKED_MODEL, MASKED_GEN, RAGGED_PROMPTS
+
 
 
 def random_inputs(batch, group, kv_heads, rows, keys, salient, head_dim, dtype, seed):
@@ -222,25 +223,24 @@ def test_sparse_steps_write_the_same_caches_with_the_row_scatter_kernel(monkeypa
     assert calls
 
 
-@pytest.mark.parametrize("graph_rows", [0, 256])  # eager steps; every step listing all its rows
+@pytest.mark.parametrize("list_all_rows", [0, 256])  # eager steps; every step listing all its rows
 @settings(max_examples=5, deadline=None)
 @given(lengths=st.lists(st.integers(3, 24), min_size=1, max_size=3), full_steps=st.integers(1, 3),
        seed=st.integers(0, 1000))
-def test_every_row_salient_equals_dense(graph_rows, lengths, full_steps, seed):
+def test_every_row_salient_equals_dense(list_all_rows, lengths, full_steps, seed):
     prompts = [random_prompt(n, seed=seed + i) for i, n in enumerate(lengths)]
     gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
     expected = generate(get_method("dense"), prompts, gen)
-    method = get_method("dyllm", tau=1.5, full_period=1, full_steps=full_steps, graph_rows=graph_rows)
+    method = get_method("dyllm", tau=1.5, full_period=1, full_steps=full_steps, list_all_rows=list_all_rows)
     assert generate(method, prompts, gen) == expected
 
 
 def test_low_threshold_shrinks_the_salient_set_and_differs():
     dense = generate(get_method("dense"))
-    loose, tight = get_method("dyllm", tau=0.5), get_method("dyllm", tau=0.99)
-    assert differing(generate(loose), dense) > 0
-    generate(tight)
-    assert loose.stats["salient"] < tight.stats["salient"] < 1
-    assert len(loose.stats["salient_per_layer"]) == 2
+    loose, tight = decode(get_method("dyllm", tau=0.5)), decode(get_method("dyllm", tau=0.99))
+    assert differing(loose.tokens, dense) > 0
+    assert loose.stats["rows_computed"] < tight.stats["rows_computed"] < 1
+    assert len(loose.stats["rows_computed_per_layer"]) == 2
 
 
 def test_cached_keys_and_values_own_no_more_than_they_hold():
@@ -253,16 +253,16 @@ def test_cached_keys_and_values_own_no_more_than_they_hold():
 
 
 def test_salient_fraction_fixes_the_count():
-    method = get_method("dyllm", salient_fraction=0.25)
-    generate(method)
-    assert method.stats["salient_per_layer"] == pytest.approx([0.25, 0.25], abs=0.03)
+    stats = decode(get_method("dyllm", salient_fraction=0.25)).stats
+    assert stats["rows_computed_per_layer"] == pytest.approx([0.25, 0.25], abs=0.03)
 
 
 def test_a_cap_covering_every_row_is_the_threshold_rule():
     """salient_cap = 1 lists every row and keeps those below tau: the uncapped (paper's) tokens."""
-    free, capped = get_method("dyllm", tau=0.99, graph_rows=0), get_method("dyllm", tau=0.99, salient_cap=1.0)
-    assert generate(capped) == generate(free)
-    assert capped.stats["salient_per_layer"] == free.stats["salient_per_layer"]
+    free = decode(get_method("dyllm", tau=0.99, list_all_rows=0))
+    capped = decode(get_method("dyllm", tau=0.99, salient_cap=1.0))
+    assert capped.tokens == free.tokens
+    assert capped.stats["rows_computed_per_layer"] == free.stats["rows_computed_per_layer"]
 
 
 def kinds_of(method) -> list:
@@ -274,16 +274,16 @@ def kinds_of(method) -> list:
 
 @pytest.mark.parametrize("knobs", [{"tau": 0.99}, {"tau": 0.9, "full_period": 2}])
 def test_small_steps_list_every_row_and_decode_what_eager_steps_decode(knobs):
-    """A sparse step feeding at most graph_rows rows lists them all, the salient ones marked: the same
+    """A sparse step feeding at most list_all_rows rows lists them all, the salient ones marked: the same
     sets, hence the same tokens and salient fractions as sized (eager) steps, at fixed shapes (a kind).
     Rows count over the batch: the ragged pair's response-only steps feed 2 x 16, its whole-canvas
     ones 2 x 36."""
-    eager = get_method("dyllm", graph_rows=0, **knobs)
-    assert generate(eager) == generate(listed := get_method("dyllm", **knobs))
-    assert listed.stats["salient_per_layer"] == eager.stats["salient_per_layer"]
-    below, at = get_method("dyllm", graph_rows=31, **knobs), get_method("dyllm", graph_rows=32, **knobs)
+    eager, listed = decode(get_method("dyllm", list_all_rows=0, **knobs)), decode(get_method("dyllm", **knobs))
+    assert eager.tokens == listed.tokens
+    assert listed.stats["rows_computed_per_layer"] == eager.stats["rows_computed_per_layer"]
+    below, at = get_method("dyllm", list_all_rows=31, **knobs), get_method("dyllm", list_all_rows=32, **knobs)
     kinds_below, kinds_at = kinds_of(below), kinds_of(at)
-    assert generate(below) == generate(at) == generate(eager)
+    assert generate(below) == generate(at) == eager.tokens
     assert kinds_below == [None] * GEN.steps
     response_only = [kind for t, kind in enumerate(kinds_at) if t >= at.full_steps and t % at.full_period]
     assert response_only and all(kind is not None and kind[-1] == 1.0 for kind in response_only)
@@ -291,13 +291,13 @@ def test_small_steps_list_every_row_and_decode_what_eager_steps_decode(knobs):
 
 
 def test_a_small_cap_bounds_the_salient_set_and_differs():
-    free, capped = get_method("dyllm", tau=0.99), get_method("dyllm", tau=0.99, salient_cap=0.05)
-    assert differing(generate(capped), generate(free)) > 0
+    free, capped = decode(get_method("dyllm", tau=0.99)), decode(get_method("dyllm", tau=0.99, salient_cap=0.05))
+    assert differing(capped.tokens, free.tokens) > 0
     rows = MASKED_GEN.gen_length  # the fewest rows a sparse step feeds (response only)
-    assert max(capped.stats["salient_per_layer"]) <= -(-0.05 * rows // 1) / rows < free.stats["salient"]
+    assert max(capped.stats["rows_computed_per_layer"]) <= -(-0.05 * rows // 1) / rows < free.stats["rows_computed"]
 
 
-@pytest.mark.parametrize("knobs", [{"tau": 0.9}, {"tau": 0.9, "graph_rows": 0},
+@pytest.mark.parametrize("knobs", [{"tau": 0.9}, {"tau": 0.9, "list_all_rows": 0},
                                    {"tau": 0.9, "salient_fraction": 0.25}, {"tau": 0.99, "salient_cap": 0.25}])
 def test_a_row_decodes_the_same_alone_and_in_a_ragged_batch(knobs):
     """DESIGN.md: a row's result must not depend on the batch. The short prompt, left-padded next to a
@@ -308,10 +308,10 @@ def test_a_row_decodes_the_same_alone_and_in_a_ragged_batch(knobs):
 
 @pytest.mark.parametrize("knobs", [{"tau": 1.5}, {"salient_fraction": 1.0}])
 def test_every_row_salient_counts_as_one_in_a_ragged_batch(knobs):
-    """The salient statistic is over the real fed rows: padding is never salient nor counted."""
-    method = get_method("dyllm", full_period=1, **knobs)  # every sparse step feeds the padded canvas
-    generate(method)
-    assert method.stats["salient_per_layer"] == [1.0, 1.0]
+    """rows_computed is over the real fed rows: padding is never salient nor counted."""
+    stats = decode(get_method("dyllm", full_period=1, **knobs)).stats  # every sparse step feeds the padded canvas
+    assert stats["rows_computed_per_layer"] == [1.0, 1.0]
+    assert stats["rows_computed"] == 1.0
 
 
 def test_index_rows_lists_true_entries_first():
@@ -331,7 +331,7 @@ def test_list_rows_rounds_the_listing_up_and_marks_the_true_entries():
     assert list_rows(mask[:, :40])[1].shape == (2, 40)  # never wider than the canvas
 
 
-def test_bad_knobs_and_block_causal_models_are_named():
+def test_bad_knobs_are_named():
     with pytest.raises(ValueError, match="full_period"):
         get_method("dyllm", full_period=0)
     with pytest.raises(ValueError, match="salient_fraction"):
@@ -343,7 +343,6 @@ def test_bad_knobs_and_block_causal_models_are_named():
             get_method("dyllm", tau=tau)
     with pytest.raises(ValueError, match="give one"):
         get_method("dyllm", salient_fraction=0.25, salient_cap=0.5)
-    assert "block-causal" in refuses_block_causal(get_method("dyllm", full_steps=1))
 
 
 def test_the_kernel_path_decodes_what_the_torch_path_decodes(monkeypatch):
@@ -363,14 +362,13 @@ def test_fixed_size_sets_from_the_kernel_decode_what_torch_decodes(monkeypatch, 
     import nanodllm.methods.dyllm as dyllm
 
     model = tiny_model("llada", dtype=torch.float32).to(DEVICE)
-    method = get_method("dyllm", **knobs)
-    torch_path = generate(method, model=model)  # float32: the torch reference on a GPU too
+    torch_path = decode(get_method("dyllm", **knobs), model=model)  # float32: the torch reference on a GPU too
     calls = []
     # float32 takes the reference: its name now runs the kernel
     monkeypatch.setattr(dyllm, "salient_rows_reference", lambda *args: calls.append(1) or dyllm.salient_rows(*args))
-    kernel_method = get_method("dyllm", **knobs)
-    assert generate(kernel_method, model=model) == torch_path
-    assert kernel_method.stats == method.stats
+    kernel_path = decode(get_method("dyllm", **knobs), model=model)
+    assert kernel_path.tokens == torch_path.tokens
+    assert kernel_path.stats == torch_path.stats
     assert calls
 
 
@@ -391,17 +389,16 @@ class ReferenceDyLLM(Method):
     name, engines = "reference_dyllm", ("masked",)
 
     def __init__(self, tau, full_steps=4, full_period=4):
-        super().__init__()
         self.tau, self.full_steps, self.full_period = tau, full_steps, full_period
 
     def begin_block(self, ctx):
         if ctx.block == 0:
-            self.t, self.layers = 0, []
+            self.layers = []
 
     def step(self, model, ctx):
         prompt_width = ctx.logits_start - ctx.block * ctx.block_length
-        full = self.t < self.full_steps
-        offset = 0 if full or self.t % self.full_period == 0 else prompt_width
+        full = ctx.t < self.full_steps
+        offset = 0 if full or ctx.t % self.full_period == 0 else prompt_width
         x, rope = model.embed(ctx.tokens[:, offset:]), model.rope(ctx.positions[:, offset:])
         if full:
             self.layers = []
@@ -438,7 +435,7 @@ class ReferenceDyLLM(Method):
                 cache["mlp_out"][:, offset:] = torch.where(salient[..., None], fresh, cache["mlp_out"][:, offset:])
                 x = x + cache["mlp_out"][:, offset:]
             salient = torch.cat([torch.zeros_like(ctx.valid[:, :offset]), salient], dim=1)
-        self.salient, self.tokens, self.t = salient, ctx.tokens.clone(), self.t + 1
+        self.salient, self.tokens = salient, ctx.tokens.clone()
         if offset == 0:
             self.prompt_tail = x[:, prompt_width - 1 : prompt_width]
         return x
@@ -449,11 +446,12 @@ class ReferenceDyLLM(Method):
                           before=self.prompt_tail if offset else None)
 
 
-def logits_per_step(method, **decode):
-    """The tokens the masked engine decodes with `method` and the logits of each of its steps."""
+def logits_per_step(method, **case):
+    """The tokens generate() decodes with `method` (the masked engine, or Dream's loop) and the logits of
+    each of its steps."""
     logits, head = [], method.logits
     method.logits = lambda model, hidden, ctx: logits.append(head(model, hidden, ctx)) or logits[-1]
-    return generate(method, **decode), logits
+    return generate(method, **case), logits
 
 
 DREAM = dict(model=load_model(Path(__file__).parent / "fixtures" / "dream_tiny", dtype=torch.float64),
@@ -463,16 +461,16 @@ DREAM = dict(model=load_model(Path(__file__).parent / "fixtures" / "dream_tiny",
 
 @pytest.mark.parametrize("model", ["llada", "dream"])
 @pytest.mark.parametrize("knobs", [dict(tau=0.99), dict(tau=0.5), dict(tau=0.9, full_steps=2, full_period=3)])
-@pytest.mark.parametrize("graph_rows, granule", [(0, 64), (0, 3), (256, 64)])
-def test_sparse_steps_match_the_plain_torch_reference(model, knobs, graph_rows, granule, monkeypatch):
+@pytest.mark.parametrize("list_all_rows, granule", [(0, 64), (0, 3), (256, 64)])
+def test_sparse_steps_match_the_plain_torch_reference(model, knobs, list_all_rows, granule, monkeypatch):
     """Whole-canvas and response-only steps (Dream's shifted logits included) against ReferenceDyLLM,
     logits step by step, on float64 models; eager steps (their listings rounded up to the whole canvas
     at the default granule, to a multiple of 3 rows with padding inside the canvas), and steps listing
     every fed row."""
     monkeypatch.setattr(dyllm_module, "capacity", functools.partial(dyllm_module.capacity, granule=granule))
-    decode = DREAM if model == "dream" else {}
-    tokens, logits = logits_per_step(get_method("dyllm", graph_rows=graph_rows, **knobs), **decode)
-    expected_tokens, expected_logits = logits_per_step(ReferenceDyLLM(**knobs), **decode)
+    case = DREAM if model == "dream" else {}
+    tokens, logits = logits_per_step(get_method("dyllm", list_all_rows=list_all_rows, **knobs), **case)
+    expected_tokens, expected_logits = logits_per_step(ReferenceDyLLM(**knobs), **case)
     assert tokens == expected_tokens
     assert len(logits) == len(expected_logits)
     for got, expected in zip(logits, expected_logits):
@@ -480,8 +478,8 @@ def test_sparse_steps_match_the_plain_torch_reference(model, knobs, graph_rows, 
 
 
 def test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does():
-    """The step counter, caches and salient rows start over with every generation: after decoding one
-    prompt, DyLLM runs its full_steps dense steps again and decodes the ragged batch as a new one does."""
+    """The caches and salient rows start over with every generation: after decoding one prompt, DyLLM
+    runs its full_steps dense steps again and decodes the ragged batch as a new one does."""
     reused = get_method("dyllm", tau=0.9)
     generate(reused, [random_prompt(9, seed=5)])
     assert generate(reused) == generate(get_method("dyllm", tau=0.9))

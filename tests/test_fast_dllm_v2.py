@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanodllm import block
+from nanodllm import block, generation
 from nanodllm.attention import attention, block_causal_mask
 from nanodllm.config import GenerationConfig
 from nanodllm.fast_dllm_v2 import generate
@@ -103,13 +103,16 @@ def test_stop_tokens_end_a_row_as_in_the_reference():
             assert ours([prompt], 12, 0.2, 2, stop_token) == [want]
 
 
-def test_the_block_engine_hands_fast_dllm_v2_models_to_their_loop():
+def test_generate_picks_this_loop_and_the_block_engine_refuses_fast_dllm_v2():
     gen = GenerationConfig(gen_length=8, block_length=SIZE, steps=1, threshold=0.2)
-    assert block.generate(MODEL, PROMPTS, gen).tokens == ours(PROMPTS, 8, 0.2, SIZE, MODEL.cfg.eos_token_ids[0])
+    picked = generation.generate(MODEL, PROMPTS, gen).tokens
+    assert picked == ours(PROMPTS, 8, 0.2, SIZE, MODEL.cfg.eos_token_ids[0])
     with pytest.raises(ValueError, match="block_length"):
-        block.generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=8, steps=1))
+        generation.generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=8, steps=1))
     with pytest.raises(ValueError, match="runs on the masked engine"):
-        block.generate(MODEL, PROMPTS, gen, get_method("dllm_cache"))
+        generation.generate(MODEL, PROMPTS, gen, get_method("dllm_cache"))
+    with pytest.raises(NotImplementedError, match="shifted logits"):
+        block.generate(MODEL, PROMPTS, gen)
 
 
 LONG_PROMPTS = [random_prompt(n, seed=n) for n in (30, 37, 44)]

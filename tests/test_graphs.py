@@ -1,12 +1,14 @@
 """Steps replayed from CUDA graphs (nanodllm/graphs.py): which steps share a recording (a method's
 step_kind and the engine's shapes), and, on a GPU, that graphed generation equals eager generation."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import nanodllm.graphs as graphs_module
-from nanodllm import block
 from nanodllm.cache import KVCache
+from nanodllm.generation import generate
 from nanodllm.graphs import recordable, step_key
 from nanodllm.methods import get_method
 from nanodllm.methods.base import StepContext
@@ -22,7 +24,7 @@ def block_context(cache, block_index, step, steps=8, size=4, phase="step"):
 
 def key(method, ctx):
     """The recording ctx's step would replay (None: it runs eagerly), the device checks aside."""
-    ctx.kind = method.step_kind(ctx)
+    ctx = replace(ctx, kind=method.step_kind(ctx))
     return None if ctx.kind is None else step_key(ctx)
 
 
@@ -34,21 +36,42 @@ def test_step_kinds_say_which_steps_share_a_recording():
     assert len(set(keys)) == 1 and keys[0] is not None  # every step of a block: one recording
     assert key(dense, block_context(cache, 1, 7, phase="commit")) not in keys  # the commit has its own
     select = key(mage, block_context(cache, 1, 0))  # the selecting step: a recording of its own
-    mage.selected = True
     assert len({key(mage, block_context(cache, 1, step)) for step in range(1, 8)} | {select}) == 2
     capture = sparsed.capture_step(block_context(cache, 1, 0))
     assert capture == 1  # 20% of 8 steps: steps 0 and 1 exact, selection at 1
     exact, selecting = key(sparsed, block_context(cache, 1, 0)), key(sparsed, block_context(cache, 1, 1))
     assert len({exact, selecting, key(sparsed, block_context(cache, 1, 2))}) == 3
-    # the next blocks replay the same recordings while the launch bound (101 + 4 -> 112) holds ...
+    # a commit's step is the steps its block took: with sparse_commit it reads the selection (a kind of its
+    # own) only if the block reached its capture step
+    committing = get_method("sparsed", k=4, sparse_commit=True)
+    commits = [key(committing, block_context(cache, 1, steps, phase="commit")) for steps in (1, 2, 8)]
+    assert commits[0] == key(sparsed, block_context(cache, 1, 8, phase="commit")) and commits[1] == commits[2]
+    assert len(set(commits)) == 2
+    # ... the next blocks replay the same recordings while the launch bound (101 + 4 -> 112) holds ...
     launch = cache.launch_length(4)
     assert launch == 112
     cache.advance(torch.tensor([4]))
     assert cache.launch_length(4) == launch and key(dense, block_context(cache, 2, 0)) == keys[0]
     assert key(sparsed, block_context(cache, 2, 0)) == exact
+    assert key(committing, block_context(cache, 2, 8, phase="commit")) == commits[2]
     # ... and record new ones when it moves
     cache.advance(torch.tensor([8]))
     assert cache.launch_length(4) == 120 and key(dense, block_context(cache, 4, 0)) != keys[0]
+
+
+def test_with_an_empty_cache_every_step_is_exact_and_of_its_own_recording():
+    """No prefix to select from (a prompt shorter than one block, so its first block has an empty
+    cache): MAGE's and SparseD's steps and commits are all exact, one recording for every step, not
+    the one of a step with a prefix whose launch bound is the same."""
+    empty, cached = (KVCache(2, 1, 256, 2, 8, "cpu", torch.float32) for _ in range(2))
+    cached.advance(torch.tensor([1]))
+    assert empty.launch_length(17) == cached.launch_length(17) == 18  # blocks of 17: both bounds round to 18
+    context = lambda cache, step, phase="step": block_context(cache, 0, step, size=17, phase=phase)
+    for method in (get_method("mage", k=4), get_method("sparsed", k=4, sparse_commit=True)):
+        assert {method.step_kind(context(empty, step)) for step in range(8)} == {("exact",)}
+        assert method.step_kind(context(empty, 8, "commit")) == ("exact",)
+        assert len({key(method, context(empty, step)) for step in range(8)}) == 1
+        assert key(method, context(empty, 0)) not in {key(method, context(cached, step)) for step in range(8)}
 
 
 def test_launch_length_is_a_close_upper_bound_that_moves_rarely():
@@ -68,22 +91,24 @@ def test_launch_length_is_a_close_upper_bound_that_moves_rarely():
 def test_no_graphs_on_the_cpu_nor_for_the_dense_canvas():
     cache = KVCache(2, 1, 32, 2, 8, "cpu", torch.bfloat16)
     assert not recordable(block_context(cache, 0, 0))
-    masked_engine = block_context(cache, 0, 0)
-    masked_engine.cache = None
+    masked_engine = replace(block_context(cache, 0, 0), cache=None)
     assert get_method("dense").step_kind(masked_engine) is None
 
 
-def assert_graphed_equals_eager(monkeypatch, name, knobs, generate):
-    """generate(method) -> GenerationResults, run with a fresh method eagerly and then with graphs: the
-    same tokens, the same stats, and the graphed run replayed recordings."""
+def assert_graphed_equals_eager(monkeypatch, name, knobs, decode):
+    """decode(method) -> GenerationResults (nanodllm.generation.generate's), run with a fresh method
+    eagerly and then with graphs: the same tokens, the same stats of each generation, and the graphed
+    run replayed recordings."""
     runs = {}
     for graphed in (False, True):
         monkeypatch.setattr(graphs_module, "GRAPHS_ENABLED", graphed)
-        method = get_method(name, **knobs)
-        results = generate(method)
-        runs[graphed] = ([r.tokens for r in results], dict(method.stats), sum(r.replays for r in results))
+        results = decode(get_method(name, **knobs))
+        runs[graphed] = ([r.tokens for r in results], [r.stats for r in results], sum(r.replays for r in results))
     assert runs[True][0] == runs[False][0]
-    assert runs[True][1] == pytest.approx(runs[False][1])
+    for graphed_stats, eager_stats in zip(runs[True][1], runs[False][1], strict=True):
+        assert eager_stats and graphed_stats.keys() == eager_stats.keys()
+        for stat, value in eager_stats.items():
+            assert graphed_stats[stat] == pytest.approx(value), stat
     assert runs[False][2] == 0 and runs[True][2] > 0
 
 
@@ -99,8 +124,8 @@ def test_graphed_generation_equals_eager(monkeypatch, name, knobs):
     samples = tasks.make_samples("passkey", 1024, 2, seed=3, count_tokens=runner.count_tokens)
     prompts = [runner.tokenizer.chat([{"role": "user", "content": s.prompt}]) for s in samples]
     prompts[1] = prompts[1][:-37]  # a ragged batch: rows at different cache lengths
-    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [block.generate(
-        runner.model, prompts, runner.gen, method=method, stop_ids=())])
+    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [generate(
+        runner.model, prompts, runner.gen, method, stop_ids=())])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
@@ -119,8 +144,8 @@ def test_graphed_fast_dllm_v2_equals_eager(monkeypatch, name, knobs):
     model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=3)
     prompts = [random_prompt(70, seed=1), random_prompt(45, seed=2)]
     gen = GenerationConfig(gen_length=32, block_length=8, steps=8, threshold=0.9)
-    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [block.generate(
-        model, prompts, gen, method=method, stop_ids=())])
+    assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [generate(
+        model, prompts, gen, method, stop_ids=())])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
@@ -141,7 +166,7 @@ def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, k
     batches = [[random_prompt(5, seed=1)], [random_prompt(5, seed=2), random_prompt(45, seed=3)]]
     gen = GenerationConfig(gen_length=32, block_length=8, steps=8)
     assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [
-        block.generate(model, prompts, gen, method=method, stop_ids=()) for prompts in batches])
+        generate(model, prompts, gen, method, stop_ids=()) for prompts in batches])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
@@ -155,7 +180,6 @@ def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, k
 def test_graphed_masked_engine_methods_equal_eager(monkeypatch, name, knobs, model_type):
     """The masked engine's cached methods (LLaDA's loop, and Dream's, whose shifted logits read a row
     kept from an earlier step), a ragged batch and a reused method object: graphed equals eager."""
-    from nanodllm import masked
     from nanodllm.config import GenerationConfig, ModelConfig
     from nanodllm.loader import build_random
     from tests.tiny_models import random_prompt
@@ -171,4 +195,4 @@ def test_graphed_masked_engine_methods_equal_eager(monkeypatch, name, knobs, mod
     batches = [[random_prompt(70, seed=1), random_prompt(45, seed=2)], [random_prompt(60, seed=3)]]
     gen = GenerationConfig(gen_length=32, block_length=32 if model_type == "Dream" else 8, steps=32)
     assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [
-        masked.generate(model, prompts, gen, method=method) for prompts in batches])
+        generate(model, prompts, gen, method) for prompts in batches])

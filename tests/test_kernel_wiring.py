@@ -172,7 +172,7 @@ def test_cached_masked_methods_decode_the_same_tokens_on_kernels(monkeypatch, na
     """dLLM-Cache and MaskKV through every kernel they reach (interpreted on a CPU): attention routed
     by shape, MaskKV's vote, the drift kernels; the same tokens as on torch. SPLIT_MIN_KEYS and
     SPLIT_MAX_QUERIES are lowered so these short canvases reach both attention kernels."""
-    import nanodllm.methods.canvas_cache as canvas_cache_module
+    import nanodllm.methods.dllm_cache as dllm_cache_module
     from nanodllm.methods import get_method
 
     model = tiny_model("llada", dtype=torch.float16, d_model=128, n_heads=2, n_kv_heads=2).to(DEVICE)  # head_dim 64
@@ -181,7 +181,7 @@ def test_cached_masked_methods_decode_the_same_tokens_on_kernels(monkeypatch, na
     monkeypatch.setattr(attention_module, "SPLIT_MIN_KEYS", 16)
     monkeypatch.setattr(attention_module, "SPLIT_MAX_QUERIES", 8)  # the 12 prompt rows stay on flash_attention
     # the vote switches with attention (attention_on_kernels); so does the drift test here
-    monkeypatch.setattr(canvas_cache_module, "use_kernels", lambda x: attention_module.use_kernels(x))
+    monkeypatch.setattr(dllm_cache_module, "use_kernels", lambda x: attention_module.use_kernels(x))
     called = spy_on_kernels(monkeypatch, "decode_attention", "flash_attention", "key_scores", "value_drift")
     torch_tokens, kernel_tokens = generate_both_ways(masked, model, prompts, gen, monkeypatch,
                                                      make_method=lambda: get_method(name, **knobs))

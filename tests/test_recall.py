@@ -1,4 +1,5 @@
-"""nanodllm/recall.py: the estimation accuracy and union diagnostics of selecting methods."""
+"""nanodllm/recall.py: the estimation accuracy and union diagnostics of selecting methods, recorded at
+the denoising steps' layers that read or chose a selection (Method.selection), never at a commit."""
 
 import torch
 
@@ -71,11 +72,25 @@ def test_per_head_accuracy_averages_to_the_overall_accuracy():
 
 
 def test_only_the_calls_that_read_a_selection_are_recorded():
-    """Method.attended_selection: dense reads every key (no records); the selecting methods' exact
-    layers read every key too, their other layers a selection."""
+    """Method.selection: dense reads every key (no records); the selecting methods' exact layers read
+    every key too, their other layers a selection."""
     prompts = [random_prompt(30, seed=1)]
     assert run(get_method("dense"), prompts) == []
     layers = tiny_model("sdar").cfg.num_layers
     for name in ("mage", "quest", "sparsed"):
         records = run(get_method(name, k=16, exact_layers=1), prompts)
         assert {r.layer for r in records} == set(range(1, layers)), name
+
+
+def test_a_commit_is_never_recorded():
+    """With sparse_commit a commit reads a selection too (MAGE's block selection, Quest's pages from its
+    own queries), but only the denoising steps are scored: one record per step and sparse layer."""
+    prompts = [random_prompt(30, seed=1)]
+    layers = tiny_model("sdar").cfg.num_layers
+    for name, knobs in (("mage", {}), ("quest", {"page_size": 2})):
+        method = get_method(name, k=4, exact_layers=0, sparse_commit=True, **knobs)
+        steps, head = [], method.logits
+        method.logits = lambda model, hidden, ctx: steps.append((ctx.block, ctx.step)) or head(model, hidden, ctx)
+        records = run(method, prompts)
+        assert sorted((r.block, r.step, r.layer) for r in records) == sorted(
+            (block, step, layer) for block, step in steps for layer in range(layers)), name

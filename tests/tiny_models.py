@@ -6,6 +6,7 @@ import torch
 from nanodllm import masked
 from nanodllm.config import GenerationConfig, ModelConfig
 from nanodllm.fused import fuse
+from nanodllm.generation import generate
 from nanodllm.loader import build_empty, random_weights
 
 VOCAB = 64
@@ -57,9 +58,14 @@ MASKED_GEN = GenerationConfig(gen_length=16, block_length=4, steps=16)
 RAGGED_PROMPTS = [random_prompt(20, seed=1), random_prompt(13, seed=2)]
 
 
+def masked_decode(method, prompts=RAGGED_PROMPTS, gen=MASKED_GEN, model=MASKED_MODEL):
+    """nanodllm.generate's result (tokens, steps, stats) with `method` on the masked-engine tiny model."""
+    return generate(model, prompts, gen, method)
+
+
 def masked_tokens(method, prompts=RAGGED_PROMPTS, gen=MASKED_GEN, model=MASKED_MODEL):
     """What the masked engine decodes with `method`."""
-    return masked.generate(model, prompts, gen, method).tokens
+    return masked_decode(method, prompts, gen, model).tokens
 
 
 def differing(a, b) -> int:

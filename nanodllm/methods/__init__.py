@@ -45,7 +45,7 @@ def knob_defaults(name: str) -> dict:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(sorted(METHODS))}")
     parameters = list(inspect.signature(METHODS[name].__init__).parameters.values())[1:]  # past self
-    return {p.name: p.default for p in parameters}
+    return {p.name: p.default for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
 def parse_knobs(text: str | None) -> dict:

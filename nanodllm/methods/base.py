@@ -1,91 +1,96 @@
-"""Method: the exact (dense) computation of both engines, and the hooks a sparse method overrides.
+"""Method: the exact (dense) computation of every decoding loop, and the hooks a method overrides.
 
-Engines own the schedule and the remasking rule; a Method owns what is computed. The engines call
-only these hooks for model work:
-
-    prefill(model, ctx) -> hidden   block engine: the prompt's complete blocks into the KV cache
-    begin_block(ctx)                a new block starts: reset per-block state
-    step(model, ctx) -> hidden      a denoising step's forward: hidden states of the fed tokens
-    logits(model, hidden, ctx)      from them, the logits of the positions being decoded
-    attend(layer, q, k, v, ctx)     the attention of every forward above (ctx.phase says whose)
-    commit(model, ctx) -> hidden    block engine: forward the finished block against the cache
-    end_step(ctx)                   after each step: the method's host-side counters and statistics
-    step_kind(ctx)                  what the coming step computes (below)
-
-A method that changes WHICH KEYS are read (MAGE, Quest, SparseD, MOMO's prefill) overrides attend;
-one that changes WHICH ROWS are computed (the caches, MaskKV, DyLLM) overrides step and builds it
-from the model's per-layer primitives. Everything a hook needs is in ctx; there is no global state.
-
-step_kind(ctx) says, before a step, which steps compute the same function of the fed tokens and of
-the method's tensors (a hashable kind, as step reads it from ctx.kind), so that the engine may
-replay one's work for the next (nanodllm/graphs.py; logits, whose span moves block to block, always
-runs). None, the default, means the step reads host numbers of its own and runs its Python every
-time. A method that gives kinds keeps the state its steps read in tensors it overwrites in place,
-and its host-side bookkeeping in end_step.
+A loop owns the schedule and the remasking rule; a Method owns what is computed. The loop calls
+prefill (block engine), begin_block per block, step then logits per denoising step, and commit
+(block engine); each runs the model, whose attention goes through attend. A method that changes WHICH
+KEYS are read overrides attend (MAGE, Quest, SparseD, MOMO); one that changes WHICH ROWS are computed
+overrides step and builds it from the model's per-layer primitives (the caches, MaskKV, DyLLM).
+Replay: steps and commits of one step_kind(ctx) (hashable; None: never replayed) must compute one
+function of ctx's tensors and the method's tensors, so that a loop may rerun a step's GPU work without
+its Python (nanodllm/graphs.py). Such a step reads no host number beyond ctx and its kind, changes no
+Python state, keeps what it carries over in tensors it overwrites in place, and hands work nothing in
+the step reads to ctx.aside(fn), which may overlap it with the step. What a step read and computed is
+stated by selection, kv_kept and rows_computed, and counted by the loop (nanodllm/meter.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Hashable
+from typing import Callable, Hashable, NamedTuple
 
 import torch
 
-from ..attention import CanvasMask, attention, cache_attention
+from ..attention import CanvasMask, attention
 from ..cache import KVCache
 
 
-@dataclass
-class StepContext:
-    """What the engine knows at one step; methods may read all of it.
+def run_now(fn: Callable, *inputs: torch.Tensor):
+    """ctx.aside(fn, *inputs): fn() returns the tensors it wrote, inputs are the tensors it reads; here
+    it simply runs now (nanodllm/graphs.py overlaps it with the rest of the step on a GPU)."""
+    return fn()
 
-    tokens, positions: [batch, t] what is fed: the whole canvas (masked engine), the active block
-        (block engine) or the prompt's complete blocks (prefill).
-    valid: [batch, t] False at padding positions of a ragged batch.
-    prompt_lengths: [batch] each row's prompt length.
-    block, step, steps_per_block: where the schedule is (block counts from the first generated
-        block); block_length: the engine's block size (also the block-causal mask's).
-    attn_mask: among the fed tokens, a CanvasMask (key padding, block-causal; `.dense(t, t, device)`
-        gives it as a bool tensor) or None (all visible): the masked engine's and the prefill's.
-    logits_start, logits_stop: the span of tokens whose logits the engine reads.
-    cache: block engine only, the exact KV cache of everything before the active block.
-    counts: [batch] prefill / commit: how many tokens of each row join the cache.
-    phase: "prefill", "step" or "commit": which forward the hooks serve.
-    kind: what step_kind said of this step.
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the loop knows at one forward, built afresh for each; methods may read all of it.
+
+    tokens, positions, valid: [batch, t] what is fed (the whole canvas, the active block, or the
+        prompt's complete blocks at a prefill); valid is False at padding.
+    prompt_lengths: [batch]; prompt_width: the masked engine's left-padded prompt columns (else 0).
+    block, step, steps_per_block: where the schedule is (a commit's step: the steps its block took);
+        t: the step's index in the generation.
+    attn_mask: among the fed tokens (a CanvasMask, or None: all visible); logits_start, logits_stop:
+        the columns whose logits the loop reads; block_length: the loop's block size.
+    cache: the block engine's exact KV cache; counts: [batch] tokens of each row joining it.
+    phase: "prefill", "step" or "commit"; kind: what step_kind said of it, where a loop asked;
+        aside: where a step hands work nothing in it reads.
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
     prompt_lengths: torch.Tensor
+    prompt_width: int = 0
     block: int = 0
     step: int = 0
     steps_per_block: int = 1
+    t: int = 0
     mask_id: int = 0
-    attn_mask: CanvasMask | torch.Tensor | None = None
+    attn_mask: CanvasMask | None = None
     logits_start: int = 0
     logits_stop: int | None = None
+    block_length: int = 0
     cache: KVCache | None = None
     counts: torch.Tensor | None = None
-    block_length: int = 0
     phase: str = "step"
     kind: Hashable | None = None
+    aside: Callable = run_now
+
+
+class Selection(NamedTuple):
+    """The prefix keys a layer's attention reads, per (row, KV head), as kernels/sparse_decode_attention
+    takes them: indices [batch, kv_heads, width] of key blocks of `index_block` tokens, counts [batch,
+    kv_heads]; `most`: tokens a row reads at most (a host number); chosen_now: picked from this step's
+    exact attention (which read every key), read from the next step on."""
+
+    indices: torch.Tensor
+    counts: torch.Tensor
+    index_block: int
+    most: int
+    chosen_now: bool = False
 
 
 class Method:
-    """Dense: exactly the reference computation. Subclass and override hooks for a sparse method."""
+    """The exact reference computation. Subclass and override hooks for a sparse method."""
 
     name = "dense"
-    engines = ("masked", "block")  # which engines the method supports
-
-    def __init__(self):
-        self.stats: dict = {}  # what the method reports, e.g. "kv_kept": fraction of KV entries read
+    engines = ("masked", "block")  # the loops it runs in: masked (LLaDA, Dream), block (SDAR, LLaDA2, Fast-dLLM v2)
+    needs_bidirectional = False  # True: it caches a bidirectional canvas (no block-causal model)
 
     def prefill(self, model, ctx: StepContext) -> torch.Tensor:
-        """Forward the prompt's complete blocks (ctx.tokens right-padded, ctx.counts real per row) and
-        write their K/V into ctx.cache; returns the last hidden states (Fast-dLLM v2 predicts the next
-        block's first token from them)."""
+        """Forward the prompt's complete blocks (ctx.counts real per row) and write their K/V into
+        ctx.cache; returns the last hidden states (Fast-dLLM v2 predicts from them)."""
 
         def attend_and_store(layer, q, k, v):
             ctx.cache.write(layer, k, v, ctx.counts)
@@ -107,34 +112,32 @@ class Method:
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         if ctx.cache is None or ctx.phase == "prefill":
             return attention(q, k, v, ctx.attn_mask)
-        return attend_with_cache(layer, q, k, v, ctx.cache)
+        return ctx.cache.attend(layer, q, k, v)
 
     def commit(self, model, ctx: StepContext) -> torch.Tensor:
-        """Forward the clean block against the cache, its K/V written after each row's cache (they join
-        it for rows with ctx.counts > 0 when the engine advances the cache). Returns its hidden states."""
+        """Forward the clean block against the cache (its K/V join it where ctx.counts > 0)."""
         return model.hidden(ctx.tokens, ctx.positions, partial(self.attend, ctx=ctx))
-
-    def end_step(self, ctx: StepContext):
-        pass
 
     def step_kind(self, ctx: StepContext) -> Hashable | None:
         return None
 
+    def selection(self, layer: int, ctx: StepContext) -> Selection | None:
+        """Block engine: the prefix keys this step's attention at `layer` read or chose (None: all)."""
+        return None
+
+    def kv_kept(self, ctx: StepContext):
+        """(K/V entries this step kept or read, of how many), numbers or tensors, or None: the block
+        engine counts selection's prefix keys, the masked engine nothing."""
+        return None
+
+    def rows_computed(self, ctx: StepContext):
+        """(canvas rows this step computed, of how many), or None: not counted."""
+        return None
+
 
 class Dense(Method):
-    """The exact reference computation. Its block-engine steps and commits are each of one kind."""
-
-    name = "dense"
+    """The exact reference. Its block-engine steps and commits are each of one kind."""
 
     def step_kind(self, ctx: StepContext):
         return () if ctx.cache is not None else None
 
-
-def attend_with_cache(layer: int, q, k, v, cache: KVCache) -> torch.Tensor:
-    """The active block's queries against each row's cache plus the whole block (no mask inside the
-    block). The block's K/V go to the scratch slots after each row's cache, so keys are read in place;
-    slots past a row's own cache and block are not attended."""
-    cache.write(layer, k, v)
-    block = k.shape[2]
-    return cache_attention(q, cache.keys[layer], cache.values[layer], cache.lengths + block, cache.max_length + block,
-                           ragged=not cache.uniform, launch_length=cache.launch_length(block))

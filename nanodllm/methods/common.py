@@ -1,5 +1,5 @@
-"""Helpers several methods share: knob checks, row and head gathers, top-k selection, attention over a
-selected part of the cache, attention mass, and the count of keys read.
+"""Primitives several methods call: knob checks, row and head gathers, top-k selections, attention over
+chosen prefix keys, and attention mass.
 
 Shapes: rows index dim 1 of [batch, t, ...] tensors (tokens of a canvas); heads index dim 2 of
 [batch, heads, n, d] tensors (one index list per KV head, or one shared list).
@@ -28,8 +28,8 @@ def check_int(minimum: int, odd: bool = False, **knobs):
 
 
 def overwrite(buffer: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    """value written into buffer when it has value's shape (the same tensor stays: what a step of a
-    kind reads), else a copy of value (a buffer of its own, whatever value is a view of)."""
+    """value written into buffer when it has value's shape (state a method keeps in place, as
+    methods/base.py asks), else a copy of value (a buffer of its own, whatever value is a view of)."""
     if buffer is None or buffer.shape != value.shape:
         return value.clone()
     return buffer.copy_(value)
@@ -79,15 +79,23 @@ def put_heads(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor):
     x.scatter_(2, heads_index(x, index), src)
 
 
-def top_positions(scores: torch.Tensor, width: int, counts: torch.Tensor):
-    """The `width` best-scoring positions along the last dim, in position order, and which of them are
-    among each row's first counts[...] by rank: (positions [..., width], kept [..., width] bool).
-    counts broadcasts against scores' leading dims. A stable sort: ties go to the lower position, the
-    same in any batch. A fixed width (a shape that persists) with each row keeping its own count."""
-    ranked = scores.sort(dim=-1, descending=True, stable=True).indices[..., :width]
-    positions, order = ranked.sort(dim=-1)
-    ranks = torch.arange(width, device=scores.device)
-    return positions, (ranks < counts[..., None]).expand_as(ranked).gather(-1, order)
+def keep_top(scores, counts, prompt_lengths):
+    """Per (row, KV head) the counts[b, h] best prompt positions, in prompt order, padded.
+
+    scores [batch, kv_heads, P] (left-padded prompts: row b's tokens are its last prompt_lengths[b]
+    columns), counts [batch, kv_heads]. Returns (indices [batch, kv_heads, kmax], keep [batch,
+    kv_heads, 1, kmax]: False at padding slots)."""
+    width = scores.shape[2]
+    columns = torch.arange(width, device=scores.device)
+    real = columns[None, :] >= (width - prompt_lengths)[:, None]
+    scores = scores.masked_fill(~real[:, None, :], float("-inf"))
+    counts = torch.minimum(counts, prompt_lengths[:, None])
+    kmax = max(int(counts.max()), 1)
+    top = scores.topk(kmax, dim=-1).indices
+    slots = torch.arange(kmax, device=scores.device)
+    indices = torch.where(slots < counts[..., None], top, width).sort(dim=-1).values
+    keep = indices < width
+    return indices.clamp(max=width - 1), keep[:, :, None, :]
 
 
 def select_top_k(scores: torch.Tensor, prefix_lengths: torch.Tensor, k: int, on_kernels: bool):
@@ -178,17 +186,3 @@ def attention_mass_reference(q, keys, key_mask, query_weight, prompt_width):
         probs = scores.softmax(dim=-1)[..., :prompt_width]
         mass[:, h] = (probs * weight).sum(dim=2).mean(dim=1)
     return mass
-
-
-class KeysRead:
-    """stats['kv_kept'] of the selecting methods: prefix keys attended / prefix keys a dense step
-    attends, over the attention calls counted so far (host lengths: no device sync)."""
-
-    def __init__(self):
-        self.read = self.total = 0
-
-    def count(self, stats: dict, lengths: list[int], calls: int, cap: int | None = None):
-        """`calls` attention calls, each attending min(cap, n) of a row's n prefix keys (all with cap None)."""
-        self.read += calls * sum(n if cap is None else min(cap, n) for n in lengths)
-        self.total += calls * sum(lengths)
-        stats["kv_kept"] = self.read / max(self.total, 1)

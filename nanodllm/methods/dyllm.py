@@ -2,32 +2,27 @@
 
 Paper: "DyLLM: Efficient Diffusion LLM Inference via Saliency-based Token Selection and Partial
 Attention", https://arxiv.org/abs/2603.08026 (appendix C, Algorithms 1-4).
-
-Idea. Between denoising steps most rows' attention context barely moves. After `full_steps` dense
+Idea: between denoising steps most rows' attention context barely moves. After `full_steps` dense
 steps caching, per layer, K, V, each row's attention context C (per head, before o_proj) with its
 log-sum-exp, and each row's FFN output, steps are sparse: they feed the whole canvas every
 `full_period`-th step and only the response otherwise, and per layer, given the salient rows S:
     Q for every fed row; fresh K, V for S only, dV = V_new[S] - V_old[S];
     rows in S: exact attention over all keys (and a fresh log-sum-exp);
     every other row: C = C_old + sum over j in S of min(exp(scale q k_j - lse_old), 1) dV_j, with its
-        cached normaliser, no score matrix formed (kernels/approx_attention.py); the clamp at 1, a
-        softmax weight's bound, keeps a stale normaliser from blowing a column up;
+        cached normaliser, no score matrix formed (kernels/approx_attention.py; the clamp at 1, a
+        softmax weight's bound, keeps a stale normaliser from blowing a column up);
     the next S: the fed rows whose C has cosine similarity to C_old below tau (all heads together);
     every fed row adds o_proj(C); only the next S run the FFN, the others add their cached output.
 A layer's S is the one the layer before chose (Algorithm 3); S entering layer 1 is the last layer's S
-of the previous step plus the tokens unmasked since (assumed: Algorithm 1 does not say); after a full
-step every row is salient. With tau alone each layer sizes S from its values (a host sync: eager
-steps, listing S in multiples of 64 rows), except in steps feeding at most graph_rows rows in all:
-their layers list every fed row, salient ones marked (the same S, fixed shapes: a CUDA graph replays
-the step; so few rows' matmuls read the weights either way). salient_cap bounds S (at most that
-fraction of the real fed rows: the paper's S if fewer cross tau), salient_fraction fixes it (graphed).
-Hooks: begin_block (a new generation), step (from the layer primitives), end_step, step_kind.
+of the previous step plus the tokens unmasked since (assumed: Algorithm 1 does not say). With tau
+alone a layer sizes S from its values (a host sync; listed in multiples of 64 rows), except in steps
+feeding at most list_all_rows rows: they list every fed row, the salient ones marked (fixed shapes).
+Hooks: step (from the layer primitives), logits, step_kind, rows_computed (S per layer).
 Equals dense: tau > 1 (every row salient) with full_period = 1 (every step feeds the whole canvas).
 Knobs (paper defaults): tau = 0.99 for LLaDA and 0.995 for Dream (None: by the model's type),
-full_steps T_full = 4, full_period = 4; salient_fraction = None (benchmarks: S is that fraction of
-each sequence's real fed rows, the lowest cosines), salient_cap = None, graph_rows = 256 (neither in
-the paper; graph_rows changes no output, 0 runs every tau-only step eagerly).
-stats: salient = mean salient fraction of the real fed rows per sparse step (salient_per_layer: per layer).
+full_steps T_full = 4, full_period = 4; not in the paper: salient_fraction = None (S is that fraction
+of the real fed rows, the lowest cosines), salient_cap = None (S at most that fraction; the paper's S
+if fewer cross tau), list_all_rows = 256 (changes no output; 0 sizes every tau-only step's S).
 """
 
 from __future__ import annotations
@@ -133,12 +128,12 @@ def put_where(dst, rows, ok, src, delta=False):
 class DyLLM(Method):
     name = "dyllm"
     engines = ("masked",)
+    needs_bidirectional = True
 
     def __init__(self, tau: float | None = None, full_steps: int = 4, full_period: int = 4,
-                 salient_fraction: float | None = None, salient_cap: float | None = None, graph_rows: int = 256):
-        super().__init__()
+                 salient_fraction: float | None = None, salient_cap: float | None = None, list_all_rows: int = 256):
         check_int(1, full_steps=full_steps, full_period=full_period)
-        check_int(0, graph_rows=graph_rows)
+        check_int(0, list_all_rows=list_all_rows)
         if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau)):
             raise ValueError(f"tau must be a number (a cosine threshold; above 1 every row is salient), got {tau!r}")
         for name, value in (("salient_fraction", salient_fraction), ("salient_cap", salient_cap)):
@@ -148,27 +143,20 @@ class DyLLM(Method):
             raise ValueError("salient_fraction fixes the salient set's size; salient_cap only bounds tau's: give one")
         self.tau, self.full_steps, self.full_period = tau, full_steps, full_period
         self.threshold = tau  # the tau in use: the knob, or the model type's paper default (step)
-        self.salient_fraction, self.salient_cap, self.graph_rows = salient_fraction, salient_cap, graph_rows
+        self.salient_fraction, self.salient_cap, self.list_all_rows = salient_fraction, salient_cap, list_all_rows
         self.layers: list[LayerState] = []
-        self.t = self.full_done = 0
+        self.full_done = 0  # full steps so far: a sparse step's kind names the caches it reads
         self.salient = self.previous_tokens = self.prompt_tail = self.fractions = None
-        self.salient_sum: list[float] = []
-        self.salient_history: list[tuple[int, list[float]]] = []
-        self.sparse_steps = 0
-
-    def begin_block(self, ctx: StepContext):
-        if ctx.block == 0:
-            self.layers, self.t, self.salient = [], 0, None
 
     def offset(self, ctx: StepContext) -> int:
         """The first fed column of a sparse step: 0 every full_period-th step, else the prompt's width."""
-        return 0 if self.t % self.full_period == 0 else ctx.logits_start - ctx.block * ctx.block_length
+        return 0 if ctx.t % self.full_period == 0 else ctx.prompt_width
 
     def list_fraction(self, ctx: StepContext, offset: int) -> float | None:
         """The fraction of the real fed rows each layer of a sparse step lists its S at (Fed.list_fraction)."""
         if self.salient_fraction is not None or self.salient_cap is not None:
             return self.salient_cap if self.salient_fraction is None else self.salient_fraction
-        return 1.0 if ctx.tokens.shape[0] * (ctx.tokens.shape[1] - offset) <= self.graph_rows else None
+        return 1.0 if ctx.tokens.shape[0] * (ctx.tokens.shape[1] - offset) <= self.list_all_rows else None
 
     def plan(self, ctx: StepContext):
         """(offset, the first layer's listing width or None (sized from its values), whether every
@@ -182,27 +170,23 @@ class DyLLM(Method):
 
     def step_kind(self, ctx: StepContext):
         """Sparse steps with fixed-size salient sets, per plan and per the caches of the last full step."""
-        if self.t < self.full_steps or not self.layers or self.list_fraction(ctx, self.offset(ctx)) is None:
+        if self.full(ctx) or self.list_fraction(ctx, self.offset(ctx)) is None:
             return None
         return (self.full_done, *self.plan(ctx))
 
+    def full(self, ctx: StepContext) -> bool:
+        """The first full_steps steps of a generation are full (Algorithm 2), the rest sparse."""
+        return ctx.t < self.full_steps
+
     def step(self, model, ctx: StepContext) -> torch.Tensor:
-        if ctx.attn_mask is not None and ctx.attn_mask.block_size is not None:
-            raise ValueError("dyllm caches a bidirectional canvas; this model is block-causal "
-                             "(decode it with the block engine)")
-        if self.t == 0 and self.tau is None:
+        if ctx.t == 0 and self.tau is None:
             self.threshold = DREAM_TAU if model.cfg.model_type == "Dream" else LLADA_TAU
-        if self.t < self.full_steps or not self.layers:
+        if self.full(ctx):
             hidden = self.full_step(model, ctx)
         else:
             hidden = self.sparse_step(model, ctx, *(ctx.kind[1:] if ctx.kind else self.plan(ctx)))
         self.previous_tokens = overwrite(self.previous_tokens, ctx.tokens)
         return hidden
-
-    def end_step(self, ctx: StepContext):
-        if self.t >= self.full_steps:
-            self.count_salient(self.fractions.tolist())
-        self.t += 1
 
     def full_step(self, model, ctx) -> torch.Tensor:
         """Algorithm 2: the dense forward, caching K, V, C, lse and the FFN output of every row."""
@@ -220,14 +204,13 @@ class DyLLM(Method):
             self.layers.append(LayerState(k, v, context, lse, mlp_out))
         self.full_done += 1
         self.salient = ctx.valid.clone()  # every row was just computed
-        prompt_width = ctx.logits_start - ctx.block * ctx.block_length
-        self.prompt_tail = overwrite(self.prompt_tail, x[:, prompt_width - 1 : prompt_width])
+        self.prompt_tail = overwrite(self.prompt_tail, x[:, ctx.prompt_width - 1 : ctx.prompt_width])
         return x
 
     def sparse_step(self, model, ctx, offset: int, first: int | None, all_valid: bool,
                     list_fraction: float | None) -> torch.Tensor:
         """Algorithm 3 over the fed rows (the whole canvas, or the response only): their hidden states."""
-        prompt_width = ctx.logits_start - ctx.block * ctx.block_length
+        prompt_width = ctx.prompt_width
         tokens, positions, valid = ctx.tokens[:, offset:], ctx.positions[:, offset:], ctx.valid[:, offset:]
         salient = (self.salient | (ctx.tokens != self.previous_tokens))[:, offset:] & valid
         fed = Fed(valid, offset, None if all_valid else ctx.valid, list_fraction)
@@ -271,9 +254,9 @@ class DyLLM(Method):
         shared = selected.rows[:, None]  # the same rows for every head
         exact, lse = attention_with_lse(take_heads(q, shared, selected.flat), state.keys, state.values, fed.k_valid)
         context = state.context[:, :, fed.offset:]
-        stats = approximate(q, state.keys, dv, columns, state.lse[:, :, fed.offset:], context,
-                            (exact, lse, selected.slots))
-        selected = Salient.listed(*self.next_salient(stats.sum(dim=1), fed, use_kernels(q)))
+        dots = approximate(q, state.keys, dv, columns, state.lse[:, :, fed.offset:], context,
+                           (exact, lse, selected.slots))
+        selected = Salient.listed(*self.next_salient(dots.sum(dim=1), fed, use_kernels(q)))
 
         x = layer.add_out(x, context)
         cached = state.mlp_out[:, fed.offset:]
@@ -281,24 +264,18 @@ class DyLLM(Method):
         put_where(cached[:, None], selected.rows, selected.ok, fresh[:, None])
         return x, cached, selected
 
-    def next_salient(self, stats, fed: Fed, on_kernels: bool):
+    def next_salient(self, dots, fed: Fed, on_kernels: bool):
         """Rows whose context moved: cos(C, C_old) < tau; or the lowest-cosine salient_fraction; or,
         listed at a fixed fraction (salient_cap, or every fed row), those below tau among the
         lowest-cosine fraction's worth (listed without a host sync). Returns (mask, rows, ok, slots)
         as Salient holds them."""
         if fed.list_fraction is None:
-            cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
+            cos = dots[..., 0] / (dots[..., 1] * dots[..., 2]).sqrt().clamp(min=1e-30)
             return list_rows((cos < self.threshold) & fed.valid)
         tau = self.threshold if self.salient_fraction is None else None
-        select = salient_rows if on_kernels and stats.shape[1] <= WHOLE_ROW_MAX else salient_rows_reference
-        return select(stats, fed.valid, fed.list_fraction, tau)
+        select = salient_rows if on_kernels and dots.shape[1] <= WHOLE_ROW_MAX else salient_rows_reference
+        return select(dots, fed.valid, fed.list_fraction, tau)
 
-    def count_salient(self, fractions: list[float]):
-        self.salient_history.append((self.t, fractions))  # (step, per-layer fraction) for plots
-        if not self.salient_sum:
-            self.salient_sum = [0.0] * len(fractions)
-        self.salient_sum = [s + f for s, f in zip(self.salient_sum, fractions)]
-        self.sparse_steps += 1
-        per_layer = [s / self.sparse_steps for s in self.salient_sum]
-        self.stats["salient_per_layer"] = per_layer
-        self.stats["salient"] = sum(per_layer) / len(per_layer)
+    def rows_computed(self, ctx: StepContext):
+        """At a sparse step, each layer's salient rows (fresh attention and FFN) of the real fed rows."""
+        return None if self.full(ctx) else (self.fractions.double(), 1)

@@ -1,38 +1,144 @@
 """MAGE: each block's important prefix keys, selected once from its all-[MASK] first step, are the
-only prefix keys its later denoising steps attend to (block engine: SDAR, Fast-dLLM v2).
+only prefix keys its later denoising steps attend to (block engine: SDAR, LLaDA2, Fast-dLLM v2).
 
 Paper: "MAGE: All-[MASK] Block Already Knows Where to Look in Block Diffusion LLM" (Kwon et al.).
-Idea: at the first denoising step of a block every query is [MASK] (except decoded tokens an engine
-puts in the block: the prompt's tail in SDAR's first block, Fast-dLLM v2's first position), and the
-keys those queries attend to are the ones the whole block keeps attending to (the paper's Fig. 3: the
-step-1 top-k estimates later steps' top-k well). So step 1 runs exact attention and, per layer and KV
-head, keeps the k prefix keys of highest eq. 3 score (the attention probability averaged over the
-block's queries and the group's heads, softmax over the prefix alone); steps 2..T attend to those
-keys plus the block's own. The mechanism, shared with SparseD, is methods/block_selection.py.
-
-Hooks: begin_block (the block has no selection yet), attend (exact + select at step 1, sparse
-afterwards; the commit exact unless sparse_commit), step (joins the side stream), end_step (kv_kept),
-step_kind (the selecting step, and the sparse steps after it).
-Equals dense: when k >= every row's prefix the selection is the whole prefix, so every step attends
-to every key: the same outputs up to float rounding (the gathered keys are a copy of the cache,
-multiplied in another memory layout), the same tokens.
-Knobs (paper defaults): k = 1024 keys per KV head (256 / 512 in the accuracy tables; scale it to the
-context), exact_layers = 2 (the first two layers always attend exactly), sparse_commit = False,
-side_stream = True (on CUDA the scoring and top-k overlap the rest of the step, Algorithm 1).
+Idea: at a block's first denoising step every query is [MASK] (but for decoded tokens a loop puts in
+the block: the prompt's tail, Fast-dLLM v2's first token), and the keys those queries attend to are
+the ones the whole block keeps attending to (the paper's Fig. 3). So step 1 attends exactly and, per
+layer and KV head, ranks each row's cached prefix by eq. 3, the attention probability averaged over
+the block's L queries and the group's G query heads, the softmax over the row's prefix alone:
+    score_j = 1 / (G L) * sum over heads h of the group and block queries i of softmax(q_hi K^T)_j
+and keeps the k best, in position order; steps 2..T attend to those keys plus the block's own.
+On the kernels the selecting step's decode keeps the block's keys in a slice of their own
+(kernels/decode_attention block_apart), kernels/key_scores normalises by the prefix-only log-sum-exp
+those partials give, and the scoring and top-k overlap the rest of the step (Algorithm 1: ctx.aside).
+Hooks: begin_block (a new generation drops the selection), attend (exact, selecting or sparse, by
+stage), step_kind (the stage), selection (what a layer read or chose).
+Equals dense: k >= every row's prefix: each step attends to every key (up to rounding: the gathered
+keys are multiplied in another layout); the same tokens.
+Knobs (paper defaults): k = 1024 keys per KV head (256 / 512 in its accuracy tables; scale it to the
+context), exact_layers = 2 (the first layers always attend exactly), sparse_commit = False (the
+commit forward attends to the selection instead of the whole cache).
 """
 
 from __future__ import annotations
 
-from .base import StepContext
-from .block_selection import BlockSelection
+import torch
+
+from kernels.decode_attention import decode_partials, merge_splits
+from kernels.key_scores import key_scores
+
+from ..attention import attention_on_kernels
+from .base import Method, Selection, StepContext
+from .common import check_int, select_top_k, sparse_cache_attention
 
 
-class Mage(BlockSelection):
+def block_scores(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
+    """Scaled scores, fp32, [batch, kv_heads, G*L, max prefix + L], of every query row of the group
+    against each row's prefix and the block's keys (right after the prefix in the cache); -inf at slots
+    a row does not have. q: [batch, heads, L, D]; k_cache: [batch, capacity, kv_heads, D]."""
+    batch, num_heads, block, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    n = int(prefix_lengths.max()) + block
+    keys = k_cache[:, :n].transpose(1, 2).float()  # [batch, kv_heads, n, D]
+    queries = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)
+    scores = (queries @ keys.transpose(-1, -2)) * head_dim**-0.5
+    visible = torch.arange(n, device=q.device)[None, :] < (prefix_lengths + block)[:, None]  # [batch, n]
+    return scores.masked_fill(~visible[:, None, None], float("-inf"))
+
+
+def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 in torch: [batch, kv_heads, max prefix], the mean probability of each prefix key under the
+    block's queries, the softmax over the row's prefix alone; 0 past a row's prefix."""
+    prefix = int(prefix_lengths.max())
+    in_prefix = torch.arange(prefix, device=q.device)[None, :] < prefix_lengths[:, None]  # [batch, prefix]
+    visible = in_prefix[:, None, None]
+    scores = block_scores(q, k_cache, prefix_lengths)[..., :prefix].masked_fill(~visible, float("-inf"))
+    probs = torch.where(visible, scores.softmax(-1), 0.0)  # an empty prefix's NaNs dropped
+    return probs.mean(2)
+
+
+class Mage(Method):
     name = "mage"
+    engines = ("block",)
 
-    def __init__(self, k: int = 1024, exact_layers: int = 2, sparse_commit: bool = False, side_stream: bool = True):
-        super().__init__(k, exact_layers, sparse_commit, side_stream)
+    def __init__(self, k: int = 1024, exact_layers: int = 2, sparse_commit: bool = False):
+        check_int(1, k=k)
+        check_int(0, exact_layers=exact_layers)
+        self.k, self.exact_layers, self.sparse_commit = k, exact_layers, sparse_commit
+        # layer -> (indices [batch, kv_heads, width] int32, counts [batch, kv_heads]): the block's
+        # selection, written in place block after block
+        self.chosen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def capture_step(self, ctx: StepContext) -> int:
-        """The first denoising step, whose queries are all [MASK]."""
+        """The step whose exact attention selects: the first, whose queries are all [MASK]."""
         return 0
+
+    def stage(self, ctx: StepContext) -> str:
+        """"exact" before the capture step, "select" at it, "sparse" after it; a commit "sparse" with
+        sparse_commit once its block has selected; everything "exact" with no prefix to select from."""
+        capture = self.capture_step(ctx)
+        if ctx.cache.max_length == 0 or ctx.step < capture:
+            return "exact"
+        if ctx.phase == "commit":
+            return "sparse" if self.sparse_commit and ctx.step > capture else "exact"
+        return "select" if ctx.step == capture else "sparse"
+
+    def begin_block(self, ctx: StepContext):
+        if ctx.block == 0:  # a new generation
+            self.chosen = {}
+
+    def step_kind(self, ctx: StepContext):
+        return (self.stage(ctx),)
+
+    def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        if ctx.phase == "prefill":
+            return super().attend(layer, q, k, v, ctx)
+        stage = self.stage(ctx) if layer >= self.exact_layers else "exact"
+        if stage == "select":
+            return self.attend_and_select(layer, q, k, v, ctx)
+        if stage == "sparse":
+            return self.attend_selected(layer, q, k, v, ctx)
+        return ctx.cache.attend(layer, q, k, v)
+
+    def attend_and_select(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        """Exact attention, and the layer's selection from its probabilities (eq. 3)."""
+        cache = ctx.cache
+        if not attention_on_kernels(q):
+            out = cache.attend(layer, q, k, v)
+            scores = block_probabilities(q, cache.keys[layer], cache.lengths)
+            self.keep(layer, *select_top_k(scores, cache.lengths, self.k, on_kernels=False))
+            return out
+        cache.write(layer, k, v)
+        block = k.shape[2]
+        out_parts, lse_parts = decode_partials(q, cache.keys[layer], cache.values[layer], cache.lengths + block,
+                                               max_length=cache.launch_length(block), block_apart=True)
+        out, _ = merge_splits(out_parts, lse_parts, q)
+        width = cache.launch_length(block)  # >= the longest prefix, a shape that lasts many blocks
+        scores = lambda: key_scores(q, cache.keys[layer], cache.lengths, part_lse=lse_parts, max_length=width)
+        ctx.aside(lambda: self.keep(layer, *select_top_k(scores(), cache.lengths, self.k, on_kernels=True)),
+                  q, lse_parts, cache.lengths)
+        return out
+
+    def keep(self, layer: int, indices: torch.Tensor, counts: torch.Tensor):
+        """Store a layer's new selection, into its tensors of earlier blocks where the width is the same
+        (min(k, the cache's launch bound), which grows rarely and never within a step's kind)."""
+        kept = self.chosen.get(layer)
+        if kept is None or kept[0].shape != indices.shape:
+            self.chosen[layer] = (indices, counts)
+        else:
+            kept[0].copy_(indices)
+            kept[1].copy_(counts)
+        return self.chosen[layer]
+
+    def attend_selected(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
+        cache = ctx.cache
+        cache.write(layer, k, v)
+        indices, counts = self.chosen[layer]
+        return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices, counts)
+
+    def selection(self, layer: int, ctx: StepContext) -> Selection | None:
+        stage = self.stage(ctx)
+        if layer < self.exact_layers or stage == "exact" or layer not in self.chosen:
+            return None
+        return Selection(*self.chosen[layer], index_block=1, most=self.k, chosen_now=stage == "select")

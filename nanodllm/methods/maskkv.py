@@ -2,31 +2,26 @@
 dLLM-Cache (masked engine).
 
 Paper: "Mask Tokens as Prophet: Fine-Grained Cache Eviction for Efficient dLLM Inference",
-https://arxiv.org/abs/2510.09309 (section 3.3, Algorithms 1-3; its cached steps, Algorithms 4-7,
-are dLLM-Cache's: methods/canvas_cache.py, PromptEviction, which also does the eviction).
-
-Idea. In a diffusion LM the [MASK] queries do the long-range retrieval, and what they attend to at
-the first step stays stable over the generation. So step 0 runs exact and, per layer, the response's
-[MASK] queries vote: I[h, j] = sum over mask queries of softmax(q k^T / sqrt(d)) on prompt key j, the
-softmax over the whole canvas (eq. 6-7), averaged over each KV head's query group. Budgets:
-    layers (Algorithm 2): B_l = floor(beta B) + an equal share of the remaining pool (B - floor(beta B)) L
-        split between the boundary and the middle layers in proportion to their summed importance
-        S_l = 1 - mean cos(h_in, h_out) (eq. 8), from an offline profile;
-    heads (Algorithm 3): k_h = floor(alpha B_l) + floor((B_l - floor(alpha B_l)) H_kv P_h), with P_h
-        head h's share of the prompt attention mass (prompt preference).
+https://arxiv.org/abs/2510.09309 (section 3.3, Algorithms 1-3; its cached steps, Algorithms 4-7, are
+dLLM-Cache's: methods/dllm_cache.py, which keeps the prompt K/V that prompt_kept chooses).
+Idea: in a diffusion LM the [MASK] queries do the long-range retrieval, and what they attend to at
+the first step stays stable. So step 0 runs exact and, per layer, the response's [MASK] queries vote:
+I[h, j] = sum over mask queries of softmax(q k^T / sqrt(d)) on prompt key j, the softmax over the
+whole canvas (eq. 6-7), averaged over each KV head's query group. Budgets:
+    layers (Algorithm 2): B_l = floor(beta B) + an equal share of the pool (B - floor(beta B)) L split
+        between the boundary and the middle layers by their summed importance S_l = 1 - mean cos(h_in,
+        h_out) (eq. 8): from a profile (`python -m nanodllm.eval --model DIR --calibrate` writes
+        DIR/maskkv_profile.json), else measured per row by one dense forward of its first canvas
+        (the paper's online variant, Table 12);
+    heads (Algorithm 3): k_h = floor(alpha B_l) + floor((B_l - floor(alpha B_l)) H_kv P_h), P_h head
+        h's share of the prompt attention mass (prompt preference).
 Each head keeps its top-k_h prompt tokens; later steps attend to them plus the response.
-Profile: a JSON {"layer_importance": [...]} given as `profile` (`python -m nanodllm.eval --model DIR
---calibrate` writes DIR/maskkv_profile.json, which the demo and eval pass for DIR's model); without
-one each generation measures it, per row on the row's own tokens, by one dense forward of its first
-canvas (the paper's online variant, Table 12).
-
-Hooks: those of methods/canvas_cache.py's PromptEviction; token_scores (mask voting) and head_counts
-(Algorithms 2-3), and step (the importance, before the first step evicts).
+Hooks: dLLM-Cache's; step (the layer budgets, before step 0), prompt_kept (the voting and budgets).
 Equals dllm_cache (same intervals and rho) on every row whose prompt is at most the budget long.
 Knobs (paper defaults): budget = 256 KV pairs per head on average (paper sweeps 16..512), alpha =
 0.1, beta = 0.4, boundary_layers = layers at each end counted as boundary (default max(1, L // 8), an
-assumption: the paper does not say where the groups split), profile = None; prompt_interval,
-response_interval, rho as dllm_cache. stats: kv_kept, kv_per_head = (kept, prompt) per head.
+assumption: the paper does not say where the groups split), profile = None (a JSON {"layer_importance":
+[...]}); prompt_interval, response_interval, rho as dllm_cache.
 """
 
 from __future__ import annotations
@@ -37,8 +32,8 @@ from pathlib import Path
 import torch
 
 from ..attention import CanvasMask, attention
-from .canvas_cache import PromptEviction
-from .common import attention_mass, check_int
+from .common import attention_mass, check_int, keep_top
+from .dllm_cache import DllmCache
 
 PROFILE_NAME = "maskkv_profile.json"
 
@@ -85,23 +80,26 @@ def layer_importance(model, tokens, positions, valid, attn_mask=None) -> list[li
     return torch.stack(importance, dim=1).tolist()
 
 
-class MaskKV(PromptEviction):
+class MaskKV(DllmCache):
+    """Builds on dLLM-Cache: its cached steps, over the prompt K/V that mask voting keeps."""
+
     name = "maskkv"
 
     def __init__(self, budget: int = 256, alpha: float = 0.1, beta: float = 0.4, boundary_layers: int | None = None,
                  profile: str | None = None, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):
-        super().__init__(budget, prompt_interval, response_interval, rho)
+        super().__init__(prompt_interval, response_interval, rho)
+        check_int(1, budget=budget)
         for knob, value in (("alpha", alpha), ("beta", beta)):
             if not 0 <= value <= 1:
                 raise ValueError(f"{knob} must be in [0, 1], got {value!r}")
         if boundary_layers is not None:
             check_int(1, boundary_layers=boundary_layers)
-        self.alpha, self.beta, self.boundary_layers, self.profile = alpha, beta, boundary_layers, profile
-        self.importance: list[list[float]] | None = None  # [rows][layers], this generation's
+        self.budget, self.alpha, self.beta, self.boundary_layers, self.profile = budget, alpha, beta, boundary_layers, profile
+        self.importance: list[list[float]] | None = None  # [rows][layers], this generation's (eq. 8)
         self.budgets: torch.Tensor | None = None  # [layers, rows]: Algorithm 2 on each row's importance
 
     def step(self, model, ctx):
-        if self.t == 0 and self.budget < int(ctx.prompt_lengths.max()):
+        if ctx.t == 0 and self.budget < ctx.prompt_width:  # else every row keeps its whole prompt
             self.importance = self.load_importance(model, ctx)
             num_layers = len(self.importance[0])
             boundary = min(self.boundary_layers or max(1, num_layers // 8), num_layers)
@@ -111,24 +109,24 @@ class MaskKV(PromptEviction):
 
     def load_importance(self, model, ctx) -> list[list[float]]:
         """Each row's layer importance: the profile's, or (no profile) measured on the row's tokens."""
-        if self.profile:
-            path = Path(self.profile)
-            if not path.is_file():
-                raise FileNotFoundError(f"MaskKV profile not found: {self.profile}")
-            importance = json.loads(path.read_text())["layer_importance"]
-            if len(importance) != model.cfg.num_layers:
-                raise ValueError(f"{path}: {len(importance)} layer importances for a {model.cfg.num_layers}-layer model")
-            self.stats["profile"] = str(path)
-            return [importance] * ctx.tokens.shape[0]
-        self.stats["profile"] = "online (measured on each row's first canvas)"
-        mask = ctx.attn_mask if isinstance(ctx.attn_mask, CanvasMask) else None
-        return layer_importance(model, ctx.tokens, ctx.positions, ctx.valid, mask)
+        if not self.profile:
+            mask = ctx.attn_mask if isinstance(ctx.attn_mask, CanvasMask) else None
+            return layer_importance(model, ctx.tokens, ctx.positions, ctx.valid, mask)
+        path = Path(self.profile)
+        if not path.is_file():
+            raise FileNotFoundError(f"MaskKV profile not found: {self.profile}")
+        importance = json.loads(path.read_text())["layer_importance"]
+        if len(importance) != model.cfg.num_layers:
+            raise ValueError(f"{path}: {len(importance)} layer importances for a {model.cfg.num_layers}-layer model")
+        return [importance] * ctx.tokens.shape[0]
 
-    def token_scores(self, i, q_p, q_r, cache, ctx):
-        """Mask voting (eq. 6-7): [batch, kv_heads, P]."""
+    def prompt_kept(self, i, q_p, q_r, cache, ctx):
+        """Mask voting (eq. 6-7), then each head's budget (Algorithms 2-3) and its best prompt tokens;
+        a row whose prompt fits the budget keeps all of it."""
+        if self.budget >= ctx.prompt_width:
+            return None
         is_mask = ctx.tokens[:, cache.prompt_slots:] == ctx.mask_id
-        return attention_mass(q_r, cache.keys, cache.key_mask, is_mask, cache.prompt_slots)
-
-    def head_counts(self, i, scores, ctx):
-        """Algorithms 2-3: [batch, kv_heads] prompt tokens each head keeps in layer i."""
-        return head_budgets(scores, self.budgets[i], self.alpha)
+        votes = attention_mass(q_r, cache.keys, cache.key_mask, is_mask, cache.prompt_slots)
+        fits = ctx.prompt_lengths <= self.budget
+        counts = torch.where(fits[:, None], ctx.prompt_lengths[:, None], head_budgets(votes, self.budgets[i], self.alpha))
+        return keep_top(votes, counts, ctx.prompt_lengths)

@@ -2,27 +2,21 @@
 
 Paper: "Measure Once, Mask Once: Delta Refined Block Sparse Attention" (anonymous submission;
 Algorithms 1-2, eq. 2-7, appendix A).
-
-Idea. Every gamma-th query attends densely (query-sparse attention, QSA); while it scans the keys
-it also scores every key block j of beta keys, S(j) = logsumexp of its scaled scores over the block
-(eq. 4), and keeps the top-k blocks. Per query block of chi rows the chi / gamma sampled rows' blocks
-are united and trimmed to the k_trim blocks of highest mean score (Algorithm 2), the diagonal blocks
+Idea: every gamma-th query attends densely (query-sparse attention, QSA); while it scans the keys it
+also scores every key block j of beta keys, S(j) = logsumexp of its scaled scores over the block (eq.
+4), and keeps the top-k blocks. Per query block of chi rows the chi / gamma sampled rows' blocks are
+united and trimmed to the k_trim blocks of highest mean score (Algorithm 2), the diagonal blocks
 always added. Every query then attends to its query block's kept key blocks (block-sparse attention,
-O_*), and the error that sparsity makes is corrected with the sampled rows' exact outputs:
+O_*), and the sparsity's error is corrected with the sampled rows' exact outputs:
 O_i = O_*[i] + O_gamma[i // gamma] - O_*[(i // gamma) * gamma] (eq. 2-3).
-
-Trim (`trim`, not in the paper): "mass" ranks the union by each block's share of the attention of
-the rows that chose it, exp(S(j) - logsumexp of the row), summed over those rows (Algorithm 2's mean
-of raw eq. 4 scores lets a row with larger logits outvote the others: docs/results/momo_mass.md).
-Top-k (`top_k`): "exact" (the online k-slot buffer) and "tree" (the tournament tree) give the exact
-top-k (ties to the lower block), "estimated" the k_exact best exactly and the rest greedily by a
-Gaussian threshold from Welford running statistics (eq. 6-7; kernels/qsa_estimate.py). In torch the
-scores and the sparse mask are formed densely; on the kernels, kernels/qsa_attention.py (step 1, top-k
-fused) and kernels/block_sparse_attention.py (step 3) run, union and trim in torch (kept_lists).
-Ragged batches: each row's grid (sampled rows, query and key blocks) starts at its first real token,
-as when it runs alone (`row_alignment`), and padded rows choose no blocks: a row's result does not depend on
-its batch.
-
+Trim "mass" (not in the paper) ranks the union by each block's share of the choosing rows' attention,
+exp(S(j) - the row's logsumexp), summed (Algorithm 2's mean of raw scores lets a row with larger
+logits outvote the others: docs/results/momo_mass.md). Top-k "exact" (an online k-slot buffer) and
+"tree" (a tournament tree) are exact (ties to the lower block); "estimated" takes the k_exact best
+exactly, the rest by a Gaussian threshold from Welford statistics (eq. 6-7, kernels/qsa_estimate.py).
+On the kernels qsa_attention (step 1, top-k fused) and block_sparse_attention (step 3) run, union and
+trim in torch; elsewhere all in torch, densely. Ragged rows: each row's grid starts at its first real
+token (row_alignment) and padded rows choose no blocks, so a row's result does not depend on its batch.
 Hooks: attend (the block engine's prefill; canvas=True: every masked-engine step), step_kind.
 Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant and trim).
 Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
@@ -302,7 +296,6 @@ class Momo(Method):
 
     def __init__(self, gamma: int = 16, chi: int = 128, beta: int = 64, k: int = 128, k_exact: int = 8,
                  k_trim: int | None = None, top_k: str = "exact", trim: str = "mean", canvas: bool = False):
-        super().__init__()
         check_int(1, gamma=gamma, chi=chi, beta=beta, k=k, **({} if k_trim is None else {"k_trim": k_trim}))
         if chi % gamma:
             raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")

@@ -17,7 +17,7 @@ of the K bytes) plus the selected pages, never the whole cache.
 
 Hooks: begin_block (new bounds for a new generation, else brought up to date), attend (estimate +
 sparse attention per step; the commit exact by default, with sparse_commit selecting from its own
-queries), end_step (kv_kept), step_kind (every step of one kind).
+queries), step_kind (every step of one kind), selection (the pages a layer read).
 On CUDA (bf16/fp16) the pages go to kernels/sparse_decode_attention as key blocks of p tokens.
 Equals dense: k >= every row's prefix rounded up to whole pages (test).
 Knobs: k = 1024 keys per KV head (k / p pages), page_size p = 16, exact_layers = 2, sparse_commit False.
@@ -29,8 +29,8 @@ import torch
 
 from ..attention import use_kernels
 from ..cache import KVCache
-from .base import Method, StepContext, attend_with_cache
-from .common import KeysRead, check_int, select_top_k, sparse_cache_attention
+from .base import Method, Selection, StepContext
+from .common import check_int, select_top_k, sparse_cache_attention
 
 
 def page_bounds(keys: torch.Tensor, lengths: torch.Tensor, page_size: int):
@@ -97,37 +97,28 @@ class Quest(Method):
     engines = ("block",)
 
     def __init__(self, k: int = 1024, page_size: int = 16, exact_layers: int = 2, sparse_commit: bool = False):
-        super().__init__()
         check_int(1, page_size=page_size)
         check_int(page_size, k=k)  # k / page_size pages are kept
         check_int(0, exact_layers=exact_layers)
         self.k, self.page_size, self.exact_layers, self.sparse_commit = k, page_size, exact_layers, sparse_commit
         self.bounds: dict[int, PageBounds] = {}  # layer -> bounds over the current generation's cache
-        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this step's pages
-        self.reads = KeysRead()
-        self.stats = {"kv_kept": 1.0}
+        self.pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this step's (indices, counts)
 
     def begin_block(self, ctx: StepContext):
         if ctx.block == 0:  # a new generation: a new cache, no pages chosen yet
-            self.bounds, self.selection = {}, {}
+            self.bounds, self.pages = {}, {}
         for layer, bounds in self.bounds.items():
             bounds.update(ctx.cache.keys[layer], ctx.cache)
 
     def step_kind(self, ctx: StepContext):
         return ()
 
-    def end_step(self, ctx: StepContext):
-        """kv_kept: the exact layers read every key, the others k / page_size pages (an upper bound: a
-        kept last page may be partial)."""
-        cache, layers = ctx.cache, len(ctx.cache.keys)
-        exact = layers if cache.max_length == 0 else min(self.exact_layers, layers)
-        self.reads.count(self.stats, cache.host_lengths, exact)
-        self.reads.count(self.stats, cache.host_lengths, layers - exact, cap=self.k // self.page_size * self.page_size)
-
-    def attended_selection(self, layer: int, ctx: StepContext):
-        """The pages this step chose at the layer (None at the exact layers, which choose none)."""
-        chosen = self.selection.get(layer)
-        return None if chosen is None else (*chosen, self.page_size)
+    def selection(self, layer: int, ctx: StepContext) -> Selection | None:
+        """The pages this step read at the layer: k / page_size whole pages at most (a kept last page
+        may be partial); None at the exact layers."""
+        if layer < self.exact_layers or ctx.cache.max_length == 0 or layer not in self.pages:
+            return None
+        return Selection(*self.pages[layer], index_block=self.page_size, most=self.k // self.page_size * self.page_size)
 
     def attend(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         cache = ctx.cache
@@ -137,7 +128,7 @@ class Quest(Method):
             return super().attend(layer, q, k, v, ctx)
         exact = layer < self.exact_layers or cache.max_length == 0
         if exact or (ctx.phase == "commit" and not self.sparse_commit):
-            return attend_with_cache(layer, q, k, v, cache)
+            return cache.attend(layer, q, k, v)
         if layer not in self.bounds:
             self.bounds[layer] = PageBounds(cache, self.page_size)
             self.bounds[layer].update(cache.keys[layer], cache)
@@ -147,7 +138,7 @@ class Quest(Method):
         width = -(-cache.launch_length(k.shape[2]) // self.page_size)
         scores = page_scores(q, bounds.low[:, :, :width], bounds.high[:, :, :width])
         indices, counts = select_top_k(scores, num_pages, self.k // self.page_size, on_kernels=use_kernels(q))
-        self.selection[layer] = (indices, counts)
+        self.pages[layer] = (indices, counts)
         cache.write(layer, k, v)
         return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices, counts,
                                       index_block=self.page_size)

@@ -2,9 +2,8 @@
 
 Paper: Li et al. 2024, "SnapKV: LLM knows what you are looking for before generation",
 https://arxiv.org/abs/2404.14469, as MaskKV (https://arxiv.org/abs/2510.09309, Tables 2 and 13) runs
-it on diffusion LMs: inside the same dLLM-Cache framework with the same eviction
-(methods/canvas_cache.py, PromptEviction), only the token scores and the budgets differ. Here for
-what mask voting adds.
+it on diffusion LMs: inside dLLM-Cache (methods/dllm_cache.py keeps the prompt K/V that prompt_kept
+chooses), as MaskKV runs; only the token scores and the budgets differ. Here for what mask voting adds.
 
 Idea. At step 0 (exact), per layer, each row's last min(window, its prompt length) prompt tokens (the
 observation window) vote: score[h, j] = sum over window queries of their softmax probability on
@@ -14,7 +13,7 @@ its left padding) so neighbours of a hit are kept too. The window itself always 
 rank first, the latest first). Every layer and head keeps `budget` prompt tokens; later steps attend
 to them plus the response, as MaskKV's do.
 
-Hooks: PromptEviction's; token_scores and head_counts are SnapKV's.
+Hooks: dLLM-Cache's; prompt_kept (the window's votes, one budget for every head).
 Equals dllm_cache on every row whose prompt is at most the budget long.
 Knobs (SnapKV defaults): budget = 256, window = 32, pool = 5 (1 = no pooling); prompt_interval,
 response_interval, rho as dllm_cache.
@@ -25,21 +24,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .canvas_cache import PromptEviction
-from .common import attention_mass, check_int
+from .common import attention_mass, check_int, keep_top
+from .dllm_cache import DllmCache
 
 
-class SnapKV(PromptEviction):
+class SnapKV(DllmCache):
+    """Builds on dLLM-Cache, as MaskKV's paper runs it: its cached steps, over what SnapKV keeps."""
+
     name = "snapkv"
 
     def __init__(self, budget: int = 256, window: int = 32, pool: int = 5, prompt_interval: int = 50,
                  response_interval: int = 5, rho: float = 0.25):
-        super().__init__(budget, prompt_interval, response_interval, rho)
-        check_int(1, window=window)
+        super().__init__(prompt_interval, response_interval, rho)
+        check_int(1, budget=budget, window=window)
         check_int(1, odd=True, pool=pool)
-        self.window, self.pool = window, pool
+        self.budget, self.window, self.pool = budget, window, pool
 
-    def token_scores(self, i, q_p, q_r, cache, ctx):
+    def prompt_kept(self, i, q_p, q_r, cache, ctx):
+        """Every head keeps the `budget` best prompt tokens by token_scores."""
+        if self.budget >= ctx.prompt_width:
+            return None
+        scores = self.token_scores(q_p, cache, ctx)
+        return keep_top(scores, torch.full(scores.shape[:2], self.budget, device=scores.device), ctx.prompt_lengths)
+
+    def token_scores(self, q_p, cache, ctx):
         """[batch, kv_heads, P]: the votes of each row's own window, pooled over its real prompt
         columns; the window's tokens rank above every vote, the latest first."""
         prompt_width = cache.prompt_slots
@@ -54,9 +62,6 @@ class SnapKV(PromptEviction):
             scores = pool_real(scores, real[:, None, :], self.pool)
         window_scores = self.window + 1.0 + rank.to(scores.dtype)  # a vote total is at most the window
         return torch.where(rank[:, None, :] >= 0, window_scores[:, None, :], scores)
-
-    def head_counts(self, i, scores, ctx):
-        return torch.full(scores.shape[:2], self.budget, dtype=torch.long, device=scores.device)
 
 
 def pool_real(scores, real, pool: int):

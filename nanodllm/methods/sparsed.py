@@ -4,16 +4,15 @@ top-k prefix keys captured at the last exact step, reused for the rest of the bl
 Paper: SparseD (Wang et al., ICLR 2026, https://arxiv.org/abs/2509.24014), as MAGE's paper adapts it
 for its baseline. SparseD was built for fully bidirectional dLLMs: exact attention for the first 20%
 of the denoising steps, then each token's top-k pattern from the final exact step, reused. On block
-diffusion the block's queries must share one key set per KV head, so the capture uses MAGE's
-block-averaged probability (eq. 3) at the boundary step (methods/block_selection.py); the only
-difference from MAGE is WHEN the set is captured: after 20% of the block's steps instead of at its
-first, all-[MASK] step. That costs 20% of the steps at exact speed, and the set comes from partly
-unmasked queries. Assumption: the phases are per block (MAGE's paper describes a capture "across the
-trajectory"; per block is what can serve a prefix that grows every block). The 20% is of the block's
-nominal steps (steps_per_block): a block that threshold decoding finishes before its capture step
-runs exact throughout.
+diffusion the block's queries share one key set per KV head, so the capture is MAGE's block-averaged
+eq. 3 at the boundary step: MAGE's mechanism (methods/mage.py) with another capture step, after 20%
+of the block's steps instead of its first, all-[MASK] one. That costs 20% of the steps at exact speed,
+and the set comes from partly unmasked queries. Assumption: the phases are per block (MAGE's paper
+describes a capture "across the trajectory"; per block is what serves a prefix growing every block).
+The 20% is of the block's nominal steps (steps_per_block): a block that threshold decoding finishes
+before its capture step runs exact throughout.
 
-Hooks: those of methods/block_selection.py; capture_step is SparseD's.
+Hooks: MAGE's; capture_step is SparseD's.
 Equals dense: k >= every row's prefix, or exact_fraction = 1 with sparse_commit off.
 Knobs: k (1024), exact_fraction (0.2 of the block's steps, at least one exact step), exact_layers (2),
 sparse_commit (False).
@@ -22,10 +21,12 @@ sparse_commit (False).
 from __future__ import annotations
 
 from .base import StepContext
-from .block_selection import BlockSelection
+from .mage import Mage
 
 
-class SparseD(BlockSelection):
+class SparseD(Mage):
+    """Builds on MAGE: its selection and sparse steps, captured after the block's first fifth."""
+
     name = "sparsed"
 
     def __init__(self, k: int = 1024, exact_fraction: float = 0.2, exact_layers: int = 2, sparse_commit: bool = False):

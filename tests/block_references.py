@@ -1,32 +1,79 @@
-"""MAGE, Quest and SparseD (methods/mage.py, quest.py, sparsed.py) against plain-torch references of
-their papers, on the block engine: float64 tiny SDAR models on the CPU, random budgets and knobs,
-ragged batches, several blocks. A reference is written from the method's docstring and paper alone
-(nothing of nanodllm/methods but the Method hooks): it keeps no KV cache and recomputes every row
-alone, from its first token, at every step and commit, with an explicit mask per layer and KV head
-and every score formed. The engine with the real method must decode the same tokens, give the same
-logits at every step, choose the same keys (pages) per layer and KV head at every step, and leave
-the same KV cache as the reference's recomputation of the final sequences.
+"""What the block-engine selecting methods' tests share (tests/test_mage.py, test_sparsed.py,
+test_quest.py): their schedules, a decode through nanodllm.generation.generate, what a method states
+it read (Method.selection) per step and layer, and the machinery of their plain-torch references.
 
-Where a docstring settles what the paper leaves open, the reference follows the docstring: the
-commit attends exactly unless sparse_commit; SparseD's exact phase is per block; the block's own
-keys are always attended. The methods rank their scores in float32 (kernels/top_k.py's reference,
-block_scores), the references in float64: the examples here keep the k-th and (k+1)-th scores at
-least 1e-5 apart relative, far from a float32 tie."""
+A reference (a subclass of Recompute in the method's test file) is written from the method's
+docstring and paper alone (nothing of nanodllm/methods but the Method hooks): it keeps no KV cache
+and recomputes every row alone, from its first token, at every step and commit, with an explicit mask
+per layer and KV head and every score formed. assert_matches_reference decodes with the real method
+and with the reference on float64 tiny SDAR models: the same tokens, the same logits at every step,
+the same keys (pages) chosen per layer and KV head at every step, stated as chosen this step or read,
+and the same KV cache as the reference's recomputation of the final sequences. The methods rank their
+scores in float32 (kernels/top_k.py's reference, block_scores), the references in float64: the drawn
+examples keep the k-th and (k+1)-th scores at least 1e-5 apart relative, far from a float32 tie.
+"""
 
 from functools import lru_cache
 
-import pytest
 import torch
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanodllm import block
 from nanodllm.config import GenerationConfig
-from nanodllm.methods import Method, get_method
+from nanodllm.generation import generate
+from nanodllm.methods import Method
 from tests.tiny_models import random_prompt, tiny_model
 
+GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
+# Blocks of 8 tokens over 8 steps: SparseD's default 20% gives capture step max(1, round(1.6)) - 1 = 1 and
+# exact_fraction 0.5 step 3, where GEN's 4 steps give step 0 for both (SparseD is then MAGE, step for step).
+GEN8 = GenerationConfig(gen_length=16, block_length=8, steps=8, remasking="low_confidence_static")
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+def run(model, prompts, method, gen=GEN):
+    """The GenerationResult of decoding `prompts` with `method` (stats included), no stop tokens."""
+    return generate(model, prompts, gen, method, stop_ids=())
+
+
+def selections(method, model, prompts, gen=GEN):
+    """run's result, and per step's attention call (block, step, layer): (the cache's host lengths, what
+    method.selection(layer, ctx) states right after that layer's attention, its tensors copied)."""
+    seen, attend = {}, method.attend
+
+    def recording(layer, q, k, v, ctx):
+        out = attend(layer, q, k, v, ctx)
+        if ctx.phase == "step":
+            chosen = method.selection(layer, ctx)
+            if chosen is not None:
+                chosen = chosen._replace(indices=chosen.indices.clone(), counts=chosen.counts.clone())
+            seen[ctx.block, ctx.step, layer] = (list(ctx.cache.host_lengths), chosen)
+        return out
+
+    method.attend = recording
+    return run(model, prompts, method, gen), seen
+
+
+def step_lengths(method, model, prompts, gen=GEN):
+    """run's result, and per denoising step (the step's index in its block, the cache's host lengths)."""
+    steps, head = [], method.logits
+
+    def recording(model, hidden, ctx):
+        steps.append((ctx.step, list(ctx.cache.host_lengths)))
+        return head(model, hidden, ctx)
+
+    method.logits = recording
+    return run(model, prompts, method, gen), steps
+
+
+def keys_read(steps, layers: int, exact, most: int) -> float:
+    """kv_kept counted by hand: per step, layer and row, every one of the row's n prefix keys where
+    exact(step, layer) says the layer attended exactly (or chose this step), else min(most, n)."""
+    read = total = 0
+    for step, lengths in steps:
+        for layer in range(layers):
+            whole = exact(step, layer) or max(lengths) == 0
+            read += sum(n if whole else min(most, n) for n in lengths)
+            total += sum(lengths)
+    return read / total
 
 
 def masked_attention(q, k, v, visible):
@@ -39,8 +86,8 @@ def masked_attention(q, k, v, visible):
 
 
 class Recompute(Method):
-    """What the three references share, none of it a method's idea. Each row's committed tokens are kept
-    as segments: the prompt's complete blocks (prefilled exactly) and one segment per committed block,
+    """What the references share, none of it a method's idea. Each row's committed tokens are kept as
+    segments: the prompt's complete blocks (prefilled exactly) and one segment per committed block,
     with the prefix keys each layer's KV heads attended at its commit (absent: all of them). Every step
     and commit forwards each row alone, from its first token: a query sees its own block whole and,
     of the earlier blocks, what its block was given (block-causal when nothing was selected). A
@@ -49,14 +96,14 @@ class Recompute(Method):
     name, engines = "reference", ("block",)
 
     def __init__(self, k, exact_layers, sparse_commit):
-        super().__init__()
         self.k, self.exact_layers, self.sparse_commit = k, exact_layers, sparse_commit
         self.prefilled = None
         self.records = {}  # (block, step, layer, row) -> what prefix_keys chose at that step
 
     def prefix_keys(self, row, layer, q, k, ctx):
         """(attended: bool [kv_heads, n] over the row's n prefix keys, None for all of them; chosen: the
-        selection this call reports, a tuple over KV heads of key (or page) index sets, or None).
+        selection this call states, (a tuple over KV heads of key (or page) index sets, whether it was
+        chosen at this step from exact attention), or None where the call attends exactly).
         q [heads, L, d]: the active block's queries at this layer; k [kv_heads, n, d]: the prefix's keys."""
         raise NotImplementedError
 
@@ -129,82 +176,6 @@ def as_sets(mask):
     return tuple(frozenset(torch.nonzero(m).flatten().tolist()) for m in mask)
 
 
-class ReferenceMage(Recompute):
-    """MAGE as its paper states it (methods/mage.py). At the block's capture step (the first, whose
-    queries are all [MASK] but for a prompt tail) each layer from exact_layers on attends exactly and
-    keeps, per KV head, the k prefix keys of highest eq. 3 score: each of the block's queries'
-    softmax over the prefix alone, averaged over the queries and the group's heads. The block's later
-    steps, and its commit with sparse_commit, see those keys and the block's own; the exact layers,
-    and the commit without sparse_commit, see every key."""
-
-    def capture_step(self, ctx):
-        return 0
-
-    def begin_block(self, ctx):
-        super().begin_block(ctx)
-        self.kept = {}  # (row, layer) -> this block's selection, bool [kv_heads, n]
-
-    def prefix_keys(self, row, layer, q, k, ctx):
-        capture = self.capture_step(ctx)
-        if layer < self.exact_layers:
-            return None, None
-        if ctx.phase == "commit":
-            return (self.kept.get((row, layer)) if self.sparse_commit else None), None
-        if ctx.step < capture:
-            return None, None
-        if ctx.step == capture:
-            kv_heads, n = k.shape[:2]
-            group = q.shape[0] // kv_heads
-            scores = q @ k.repeat_interleave(group, 0).transpose(-1, -2) * q.shape[-1] ** -0.5  # [heads, L, n]
-            eq3 = scores.softmax(-1).unflatten(0, (kv_heads, group)).mean((1, 2))  # [kv_heads, n]
-            best = eq3.topk(min(self.k, n), dim=-1).indices
-            self.kept[row, layer] = torch.zeros(kv_heads, n, dtype=torch.bool).scatter_(1, best, True)
-            return None, as_sets(self.kept[row, layer])  # the capture step itself attends exactly
-        return self.kept[row, layer], as_sets(self.kept[row, layer])
-
-
-class ReferenceSparseD(ReferenceMage):
-    """SparseD as MAGE's paper adapts it (methods/sparsed.py): MAGE's per-block eq. 3 selection, captured
-    at the last of the block's max(1, round(exact_fraction * T)) exact steps (T: steps per block)
-    instead of at its first; a block decoded before that step stays exact, its commit too."""
-
-    def __init__(self, k, exact_fraction, exact_layers, sparse_commit):
-        super().__init__(k, exact_layers, sparse_commit)
-        self.exact_fraction = exact_fraction
-
-    def capture_step(self, ctx):
-        return max(1, round(self.exact_fraction * ctx.steps_per_block)) - 1
-
-
-class ReferenceQuest(Recompute):
-    """Quest per block, as MAGE's paper adapts it (methods/quest.py). At every step, each layer from
-    exact_layers on cuts the row's prefix into pages of page_size keys (the last one clipped), bounds
-    each page per KV head by sum_d max(q_d min_d, q_d max_d) (min and max: channel-wise over the page's
-    keys), averages the bound over the block's queries and the group's heads, and attends to the
-    k // page_size pages of highest bound and the block's own keys. The commit is exact unless
-    sparse_commit, when it chooses the same way from its own queries."""
-
-    def __init__(self, k, page_size, exact_layers, sparse_commit):
-        super().__init__(k, exact_layers, sparse_commit)
-        self.page_size = page_size
-
-    def prefix_keys(self, row, layer, q, k, ctx):
-        if layer < self.exact_layers or (ctx.phase == "commit" and not self.sparse_commit):
-            return None, None
-        p, (kv_heads, n) = self.page_size, k.shape[:2]
-        queries = q.unflatten(0, (kv_heads, -1)).flatten(1, 2)  # [kv_heads, group * L, d]
-        bounds = torch.zeros(kv_heads, -(-n // p), dtype=q.dtype)
-        for page, start in enumerate(range(0, n, p)):
-            low, high = k[:, start : start + p].amin(1), k[:, start : start + p].amax(1)  # [kv_heads, d]
-            bounds[:, page] = torch.maximum(queries * low[:, None], queries * high[:, None]).sum(-1).mean(-1)
-        best = bounds.topk(min(self.k // p, bounds.shape[1]), dim=-1).indices
-        attended = torch.zeros(kv_heads, n, dtype=torch.bool)
-        for head in range(kv_heads):
-            for page in best[head].tolist():
-                attended[head, page * p : (page + 1) * p] = True
-        return attended, tuple(frozenset(pages.tolist()) for pages in best)
-
-
 @lru_cache(maxsize=None)
 def model_of(layers, kv_heads, block_length):
     return tiny_model("sdar", num_hidden_layers=layers, num_key_value_heads=kv_heads, block_size=block_length)
@@ -233,20 +204,20 @@ def sparse_layers(model):
 
 
 def reported(method, layer, ctx):
-    """{row: sets of key (page) indices per KV head, or None} of what the real method reports it chose
-    at this step's layer (attended_selection), for the rows with a prefix."""
-    selection = method.attended_selection(layer, ctx)
+    """{row: (sets of key (page) indices per KV head, chosen_now), or None} of what the real method
+    states this step's layer read or chose (Method.selection), for the rows with a prefix."""
+    selection = method.selection(layer, ctx)
     rows = [row for row, n in enumerate(ctx.cache.host_lengths) if n > 0]
     if selection is None:
         return dict.fromkeys(rows)
-    indices, counts, _ = selection
-    return {row: tuple(frozenset(indices[row, h, : int(counts[row, h])].tolist()) for h in range(indices.shape[1]))
-            for row in rows}
+    indices, counts = selection.indices, selection.counts
+    return {row: (tuple(frozenset(indices[row, h, : int(counts[row, h])].tolist()) for h in range(indices.shape[1])),
+                  selection.chosen_now) for row in rows}
 
 
 def decode(method, model, prompts, gen):
-    """The engine's result with `method`, the logits of each of its steps, and the selection of each
-    step per (block, step, layer, row): the reference's records, or what the real method reports."""
+    """The result with `method`, the logits of each of its steps, and the selection of each step per
+    (block, step, layer, row): the reference's records, or what the real method states."""
     logits, chosen, head = [], {}, method.logits
     method.logits = lambda model, hidden, ctx: logits.append(head(model, hidden, ctx)) or logits[-1]
     if not isinstance(method, Recompute):
@@ -260,7 +231,7 @@ def decode(method, model, prompts, gen):
             return out
 
         method.attend = recording
-    result = block.generate(model, prompts, gen, method=method, stop_ids=())
+    result = run(model, prompts, method, gen)
     return result, logits, method.records if isinstance(method, Recompute) else chosen
 
 
@@ -281,31 +252,4 @@ def assert_matches_reference(method, reference, model, prompts, gen):
             assert keys.shape[1] == length
             for cached, recomputed in ((result.cache.keys[layer], keys), (result.cache.values[layer], values)):
                 torch.testing.assert_close(cached[row, :length].transpose(0, 1), recomputed, atol=1e-9, rtol=1e-9)
-    return chosen
-
-
-@settings(max_examples=15, deadline=None, derandomize=True)
-@given(decoding=decodes(), k=st.integers(1, 16), sparse_commit=st.booleans(), data=st.data())
-def test_mage_matches_its_reference(decoding, k, sparse_commit, data):
-    knobs = dict(k=k, exact_layers=data.draw(sparse_layers(decoding[0])), sparse_commit=sparse_commit)
-    assert_matches_reference(get_method("mage", **knobs), ReferenceMage(**knobs), *decoding)
-
-
-@settings(max_examples=15, deadline=None, derandomize=True)
-@given(decoding=decodes(block_lengths=(8, 4), min_steps=3), k=st.integers(1, 16),
-       exact_fraction=st.sampled_from([0.5, 0.2, 0.0, 0.3, 0.75, 1.0]), sparse_commit=st.booleans(), data=st.data())
-def test_sparsed_matches_its_reference(decoding, k, exact_fraction, sparse_commit, data):
-    """Blocks of 3-8 steps, so that the capture step (the last exact one) mostly comes after step 0."""
-    knobs = dict(k=k, exact_fraction=exact_fraction, exact_layers=data.draw(sparse_layers(decoding[0])),
-                 sparse_commit=sparse_commit)
-    assert_matches_reference(get_method("sparsed", **knobs), ReferenceSparseD(**knobs), *decoding)
-
-
-@settings(max_examples=15, deadline=None, derandomize=True)
-@given(decoding=decodes(), page_size=st.integers(1, 6), pages=st.integers(1, 4), extra=st.integers(0, 5),
-       sparse_commit=st.booleans(), data=st.data())
-def test_quest_matches_its_reference(decoding, page_size, pages, extra, sparse_commit, data):
-    """k need not be a multiple of the page size (k // page_size pages are kept)."""
-    knobs = dict(k=pages * page_size + extra % page_size, page_size=page_size,
-                 exact_layers=data.draw(sparse_layers(decoding[0])), sparse_commit=sparse_commit)
-    assert_matches_reference(get_method("quest", **knobs), ReferenceQuest(**knobs), *decoding)
+    return result, chosen

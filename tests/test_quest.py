@@ -1,24 +1,24 @@
-"""Quest (per-block pages) and SparseD (capture after 20% of the steps), the MAGE paper's baselines:
-page bounds really bound, incremental bounds equal recomputed ones, full budget equals dense, tiny
-budget differs."""
+"""Quest (methods/quest.py), per-block pages from per-page key bounds: the page bound really bounds,
+incremental bounds equal recomputed ones, each layer pages from its own bounds and attends to them,
+a budget covering the prefix equals dense and a tiny one does not, what selection states (whole pages
+of k, none at exact layers or on an empty cache) and the kv_kept the meter counts from it, the kernel
+reads the page lists as the torch gather does, a row decodes alone as in a batch and a reused object
+as a fresh one, and the engine with Quest equals a plain-torch reference (tests/block_references.py)
+on random decodes."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanodllm import block
-from nanodllm.config import GenerationConfig
 from nanodllm.methods import get_method
 from nanodllm.methods.quest import page_bounds, page_scores
-from tests.tiny_models import random_prompt, tiny_model
+from tests.block_references import (GEN8, Recompute, assert_matches_reference, decodes, keys_read, run, selections,
+                                    sparse_layers, step_lengths)
 from tests.device import DEVICE
+from tests.tiny_models import random_prompt, tiny_model
 
-GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
-
-
-def generate(model, prompts, method):
-    return block.generate(model, prompts, GEN, method=method, stop_ids=())
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @settings(max_examples=30, deadline=None)
@@ -48,7 +48,7 @@ def test_incremental_bounds_equal_recomputed_bounds():
     model = tiny_model("sdar")
     prompts = [random_prompt(9, seed=1), random_prompt(22, seed=2)]
     quest = get_method("quest", k=8, page_size=4, exact_layers=0)
-    result = generate(model, prompts, quest)
+    result = run(model, prompts, quest)
     cache = result.cache
     assert quest.bounds
     for layer, bounds in quest.bounds.items():
@@ -60,74 +60,62 @@ def test_incremental_bounds_equal_recomputed_bounds():
         torch.testing.assert_close(bounds.high[:, :, :width], high, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name,knobs", [("quest", dict(k=64, page_size=4)), ("quest", dict(k=64, page_size=16)),
-                                        ("sparsed", dict(k=64)), ("sparsed", dict(k=64, exact_fraction=0.5))])
-def test_full_budget_equals_dense(name, knobs):
+@pytest.mark.parametrize("knobs", [dict(k=64, page_size=4), dict(k=64, page_size=16)])
+def test_full_budget_equals_dense(knobs):
     model = tiny_model("sdar")
     prompts = [random_prompt(9, seed=3), random_prompt(30, seed=4), random_prompt(17, seed=5)]
-    dense = generate(model, prompts, get_method("dense"))
+    dense = run(model, prompts, get_method("dense"))
     for sparse_commit in (False, True):
-        method = get_method(name, exact_layers=0, sparse_commit=sparse_commit, **knobs)
-        assert generate(model, prompts, method).tokens == dense.tokens
+        method = get_method("quest", exact_layers=0, sparse_commit=sparse_commit, **knobs)
+        assert run(model, prompts, method).tokens == dense.tokens
 
 
-@pytest.mark.parametrize("name,knobs,kept_below", [("quest", dict(k=2, page_size=2), 0.5),
-                                                   ("sparsed", dict(k=1, exact_fraction=0.5), 0.6)])
-def test_tiny_budget_differs(name, knobs, kept_below):
-    """SparseD at half of 4 steps: steps 0-1 exact (all keys read), captured at step 1, so not MAGE."""
+def test_tiny_budget_differs():
     model = tiny_model("sdar")
     prompts = [random_prompt(40, seed=s) for s in range(4)]
-    dense = generate(model, prompts, get_method("dense"))
-    method = get_method(name, exact_layers=0, **knobs)
-    assert generate(model, prompts, method).tokens != dense.tokens
-    assert 0 < method.stats["kv_kept"] < kept_below
+    dense = run(model, prompts, get_method("dense"))
+    result = run(model, prompts, get_method("quest", k=2, page_size=2, exact_layers=0))
+    assert result.tokens != dense.tokens
+    assert 0 < result.stats["kv_kept"] < 0.5
 
 
-def test_sparsed_captures_after_a_fifth_of_the_steps():
-    sparsed = get_method("sparsed")
-    capture = lambda steps: sparsed.capture_step(type("Ctx", (), {"steps_per_block": steps})())
-    assert [capture(t) for t in (1, 4, 32)] == [0, 0, 5]  # 32 steps: 6 exact (0..5), capture at 5
-    assert get_method("sparsed", exact_fraction=1.0).capture_step(type("Ctx", (), {"steps_per_block": 8})()) == 7
+def test_selection_states_whole_pages_of_k_and_nothing_at_exact_layers():
+    """Quest.selection after each step's layer: None at the exact layers; else this step's pages as key
+    blocks of page_size, read at this step (not chosen_now), at most k // page_size pages, so at most
+    most = k // page_size * page_size keys (k = 7, pages of 2: 3 pages, 6 keys)."""
+    model = tiny_model("sdar", num_hidden_layers=3)
+    _, seen = selections(get_method("quest", k=7, page_size=2, exact_layers=1), model,
+                         [random_prompt(n, seed=n) for n in (9, 14, 6)])
+    assert {layer for (_, _, layer), (_, chosen) in seen.items() if chosen is None} == {0}
+    for (block, step, layer), (lengths, chosen) in seen.items():
+        if layer == 0:
+            continue
+        assert (chosen.index_block, chosen.most, chosen.chosen_now) == (2, 6, False)
+        assert chosen.counts.tolist() == [[min(3, -(-n // 2))] * chosen.counts.shape[1] for n in lengths]
 
 
-# Blocks of 8 tokens over 8 steps: SparseD's default 20% gives capture step max(1, round(1.6)) - 1 = 1 and
-# exact_fraction 0.5 step 3, where GEN's 4 steps give step 0 for both (SparseD is then MAGE, step for step).
-GEN8 = GenerationConfig(gen_length=16, block_length=8, steps=8, remasking="low_confidence_static")
+def test_kv_kept_counts_every_key_at_exact_layers_and_at_most_whole_pages_of_k_at_the_others():
+    """The meter's kv_kept equals a hand count over the steps: the exact layers read each row's n prefix
+    keys at every step, the others min(k // page_size * page_size, n) (k = 7, pages of 2: 6)."""
+    model = tiny_model("sdar", num_hidden_layers=3)
+    result, steps = step_lengths(get_method("quest", k=7, page_size=2, exact_layers=1), model,
+                                 [random_prompt(5, seed=1), random_prompt(21, seed=2)])
+    expected = keys_read(steps, 3, lambda step, layer: layer < 1, 6)
+    assert {n < 6 for _, lengths in steps for n in lengths} == {True, False}
+    assert 0 < expected < 1 and result.stats["kv_kept"] == pytest.approx(expected, rel=1e-12)
 
 
-def generate8(model, prompts, method):
-    return block.generate(model, prompts, GEN8, method=method, stop_ids=())
-
-
-@pytest.mark.parametrize("exact_fraction,capture", [(0.2, 1), (0.5, 3)])
-def test_sparsed_capturing_after_step_0_is_not_mage(exact_fraction, capture):
-    """A later capture: exact steps before it (more keys read than MAGE), a selection from partly
-    unmasked queries (other tokens than MAGE's at the same tiny k), and dense's tokens at a full k."""
-    model = tiny_model("sdar", block_size=8)
-    prompts = [random_prompt(40, seed=s) for s in range(4)]
-    sparsed = get_method("sparsed", k=1, exact_fraction=exact_fraction, exact_layers=0)
-    assert sparsed.capture_step(type("Ctx", (), {"steps_per_block": GEN8.steps})()) == capture
-    mage = get_method("mage", k=1, exact_layers=0)
-    mage_tokens = generate8(model, prompts, mage).tokens
-    assert generate8(model, prompts, sparsed).tokens != mage_tokens
-    assert mage.stats["kv_kept"] < sparsed.stats["kv_kept"] < 1
-    dense = generate8(model, prompts, get_method("dense"))
-    full = get_method("sparsed", k=64, exact_fraction=exact_fraction, exact_layers=0)
-    assert generate8(model, prompts, full).tokens == dense.tokens
-
-
-@pytest.mark.parametrize("name,knobs", [("mage", dict(k=8)), ("quest", dict(k=8, page_size=2)), ("sparsed", dict(k=8))])
-def test_a_row_decodes_the_same_alone_and_in_a_ragged_batch(name, knobs):
+def test_a_row_decodes_the_same_alone_and_in_a_ragged_batch():
     """DESIGN.md: a row's result must not depend on the batch. At k = 8 every row loses keys (the 6-token
     prompt once its first block is committed), so the tokens are not dense's."""
     model = tiny_model("sdar", block_size=8)
     prompts = [random_prompt(6, seed=3), random_prompt(30, seed=4), random_prompt(17, seed=5)]
-    method = get_method(name, exact_layers=0, **knobs)
-    batch = generate8(model, prompts, method).tokens
-    assert method.stats["kv_kept"] < 1
-    assert batch != generate8(model, prompts, get_method("dense")).tokens
+    batch = run(model, prompts, get_method("quest", k=8, page_size=2, exact_layers=0), GEN8)
+    assert batch.stats["kv_kept"] < 1
+    assert batch.tokens != run(model, prompts, get_method("dense"), GEN8).tokens
     for row, prompt in enumerate(prompts):
-        assert generate8(model, [prompt], get_method(name, exact_layers=0, **knobs)).tokens[0] == batch[row]
+        alone = run(model, [prompt], get_method("quest", k=8, page_size=2, exact_layers=0), GEN8)
+        assert alone.tokens[0] == batch.tokens[row]
 
 
 def test_bad_knobs_are_named():
@@ -135,8 +123,6 @@ def test_bad_knobs_are_named():
         get_method("quest", page_size=0)
     with pytest.raises(ValueError, match="k must be"):
         get_method("quest", k=8, page_size=16)
-    with pytest.raises(ValueError, match="exact_fraction"):
-        get_method("sparsed", exact_fraction=1.5)
 
 
 def test_page_lists_on_the_kernel_match_torch(kernels_on, monkeypatch):
@@ -197,7 +183,7 @@ def test_quest_pages_each_layer_from_its_own_bounds_and_attends_to_them(k, page_
         cache = ctx.cache
         if ctx.phase != "step" or layer < exact_layers or cache.max_length == 0:
             return out
-        indices, counts = quest.selection[layer]
+        indices, counts = quest.pages[layer]
         group = q.shape[1] // cache.keys[layer].shape[2]
         for row in range(q.shape[0]):
             n = int(cache.lengths[row])
@@ -216,33 +202,70 @@ def test_quest_pages_each_layer_from_its_own_bounds_and_attends_to_them(k, page_
         return out
 
     quest.attend = checked_attend
-    generate(model, prompts, quest)
+    run(model, prompts, quest)
     assert set(checked) == set(range(exact_layers, model.cfg.num_layers)) and len(checked) >= 3 * 4 * 2
 
 
-@pytest.mark.parametrize("name,knobs", [("quest", dict(k=4, page_size=2)), ("mage", dict(k=4)), ("sparsed", dict(k=4))])
-def test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does(name, knobs):
-    """Nothing of one generation (Quest's page bounds, the block selections) leaks into the next: after
-    decoding two prompts, the method decodes two others of the same lengths as a new one does."""
+def test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does():
+    """Nothing of one generation (the page bounds, the pages chosen) leaks into the next: after decoding
+    two prompts, the method decodes two others of the same lengths as a new one does."""
     model = tiny_model("sdar")
-    reused = get_method(name, exact_layers=0, **knobs)
-    generate(model, [random_prompt(30, seed=10), random_prompt(17, seed=11)], reused)
+    reused = get_method("quest", k=4, page_size=2, exact_layers=0)
+    run(model, [random_prompt(30, seed=10), random_prompt(17, seed=11)], reused)
     prompts = [random_prompt(30, seed=12), random_prompt(17, seed=13)]
-    fresh = generate(model, prompts, get_method(name, exact_layers=0, **knobs))
-    assert generate(model, prompts, reused).tokens == fresh.tokens
+    fresh = run(model, prompts, get_method("quest", k=4, page_size=2, exact_layers=0))
+    assert run(model, prompts, reused).tokens == fresh.tokens
 
 
 def test_quest_reports_no_pages_before_a_reused_instance_chooses_any():
     """The first block of a new generation attends exactly (its cache is empty): a Quest reused after
-    another prompt reports no chosen pages there, not the last generation's."""
+    another prompt states no pages there (Quest.selection, as the meter asks after each step), not the
+    last generation's."""
     model = tiny_model("sdar")
     quest = get_method("quest", k=4, page_size=2, exact_layers=0)
-    generate(model, [random_prompt(20, seed=1)], quest)
-    seen = []
-    attended_selection = quest.attended_selection
-    quest.attended_selection = lambda layer, ctx: seen.append(
-        (ctx.cache.max_length, attended_selection(layer, ctx))) or seen[-1][1]
-    quest_attend = quest.attend
-    quest.attend = lambda layer, q, k, v, ctx: (quest.attended_selection(layer, ctx), quest_attend(layer, q, k, v, ctx))[1]
-    generate(model, [random_prompt(3, seed=2)], quest)
-    assert seen and all(chosen is None for cached, chosen in seen if cached == 0)
+    run(model, [random_prompt(20, seed=1)], quest)
+    seen, selection = [], quest.selection
+    quest.selection = lambda layer, ctx: seen.append((ctx.cache.max_length, selection(layer, ctx))) or seen[-1][1]
+    run(model, [random_prompt(3, seed=2)], quest)
+    assert any(cached == 0 for cached, _ in seen) and any(cached > 0 for cached, _ in seen)
+    assert all(chosen is None for cached, chosen in seen if cached == 0)
+
+
+class ReferenceQuest(Recompute):
+    """Quest per block, as MAGE's paper adapts it (methods/quest.py). At every step, each layer from
+    exact_layers on cuts the row's prefix into pages of page_size keys (the last one clipped), bounds
+    each page per KV head by sum_d max(q_d min_d, q_d max_d) (min and max: channel-wise over the page's
+    keys), averages the bound over the block's queries and the group's heads, and attends to the
+    k // page_size pages of highest bound and the block's own keys (read, not chosen from exact
+    attention). The commit is exact unless sparse_commit, when it chooses the same way from its own
+    queries."""
+
+    def __init__(self, k, page_size, exact_layers, sparse_commit):
+        super().__init__(k, exact_layers, sparse_commit)
+        self.page_size = page_size
+
+    def prefix_keys(self, row, layer, q, k, ctx):
+        if layer < self.exact_layers or (ctx.phase == "commit" and not self.sparse_commit):
+            return None, None
+        p, (kv_heads, n) = self.page_size, k.shape[:2]
+        queries = q.unflatten(0, (kv_heads, -1)).flatten(1, 2)  # [kv_heads, group * L, d]
+        bounds = torch.zeros(kv_heads, -(-n // p), dtype=q.dtype)
+        for page, start in enumerate(range(0, n, p)):
+            low, high = k[:, start : start + p].amin(1), k[:, start : start + p].amax(1)  # [kv_heads, d]
+            bounds[:, page] = torch.maximum(queries * low[:, None], queries * high[:, None]).sum(-1).mean(-1)
+        best = bounds.topk(min(self.k // p, bounds.shape[1]), dim=-1).indices
+        attended = torch.zeros(kv_heads, n, dtype=torch.bool)
+        for head in range(kv_heads):
+            for page in best[head].tolist():
+                attended[head, page * p : (page + 1) * p] = True
+        return attended, (tuple(frozenset(pages.tolist()) for pages in best), False)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(decoding=decodes(), page_size=st.integers(1, 6), pages=st.integers(1, 4), extra=st.integers(0, 5),
+       sparse_commit=st.booleans(), data=st.data())
+def test_quest_matches_its_reference(decoding, page_size, pages, extra, sparse_commit, data):
+    """k need not be a multiple of the page size (k // page_size pages are kept)."""
+    knobs = dict(k=pages * page_size + extra % page_size, page_size=page_size,
+                 exact_layers=data.draw(sparse_layers(decoding[0])), sparse_commit=sparse_commit)
+    assert_matches_reference(get_method("quest", **knobs), ReferenceQuest(**knobs), *decoding)
