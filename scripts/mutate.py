@@ -213,7 +213,7 @@ METHODS = [
              "if (ctx.t + 1) % self.response_interval == 0:",
              "test_dllm_cache.py::test_dllm_cache_refreshes_on_its_schedule_and_a_full_refresh_is_exact"),
     mutation("dllm-cache-eviction-kept-across-generations", "nanodllm/methods/dllm_cache.py",
-             "            self.layers, self.kept = [], []", "            self.layers = []",
+             "            self.kept = []\n", "            pass\n",
              "test_maskkv.py::test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does"),
     mutation("dllm-cache-drifted-keys-not-refreshed", "nanodllm/methods/dllm_cache.py",
              "        put_heads(k_cached, rows[:, None], k_rows)\n", "",

@@ -39,9 +39,8 @@ from .common import check_int, overwrite, put_heads, put_rows, take_heads, take_
 @dataclass
 class LayerCache:
     """One layer's cached features. keys, values: [batch, kv_heads, kept prompt + R, head_dim], the kept
-    prompt K/V first; key_mask: [batch, 1 or kv_heads, 1, keys] (False: hidden, as prompt padding and
-    unused slots are) or None; attn_out, mlp_out: [batch, R, hidden], what attention and the FFN added
-    to each response row."""
+    prompt's first; key_mask: [batch, 1 or kv_heads, 1, keys] (False: hidden) or None; attn_out,
+    mlp_out: [batch, R, hidden], what attention and the FFN added to each response row."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -97,7 +96,7 @@ class DllmCache(Method):
 
     def begin_block(self, ctx: StepContext):
         if ctx.block == 0:  # a new generation
-            self.layers, self.kept = [], []
+            self.layers = []
 
     def plan(self, ctx: StepContext) -> Plan:
         refresh_prompt = ctx.t % self.prompt_interval == 0
@@ -114,6 +113,8 @@ class DllmCache(Method):
 
     def step(self, model, ctx: StepContext) -> torch.Tensor:
         plan, width = self.plan(ctx), ctx.prompt_width
+        if ctx.t == 0:  # step 0 attends to the whole prompt and chooses again what it keeps
+            self.kept = []
         x_p = rope_p = None
         if plan.refresh_prompt:
             valid = ctx.valid[:, :width]  # one sync per refresh, not one per layer
