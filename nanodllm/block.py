@@ -24,6 +24,7 @@ from .decoding import (GenerationResult, MasksLeft, check_method, check_prompts,
                        prompts_then_masks, refuse_shifted_logits, split_evenly, top_confident, without_token)
 from .methods.base import Dense, Method, StepContext
 from .model import fp32_or_wider
+from .parallel import group_of
 
 REMASKING = ("low_confidence", "low_confidence_static", "low_confidence_dynamic", "sequential")
 
@@ -61,7 +62,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              mask_id: int | None = None, stop_ids=None) -> GenerationResult:
     cfg = model.cfg
     method = method or Dense()
-    check_method(method, cfg, "block")
+    check_method(method, cfg, "block", group_of(model).world)
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     stop_ids = cfg.eos_token_ids if stop_ids is None else tuple(stop_ids)
     refuse_shifted_logits(cfg)
@@ -80,7 +81,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     ends = torch.tensor([math.ceil((len(p) + gen.gen_length) / size) * size for p in prompts], device=device)
     capacity = int(ends.max())
     x = prompts_then_masks(prompts, capacity, mask_id, device)
-    cache = KVCache.for_model(cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
+    layer_cfg = model.layers[0].cfg  # a layer's config: this rank's share of the KV heads
+    cache = KVCache.for_model(layer_cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
     offsets = torch.arange(size, device=device)
     rows = torch.arange(batch, device=device)[:, None]
     starts, _ = prefill_complete_blocks(model, method, x, lengths, cache, size, mask_id)

@@ -371,6 +371,13 @@ _PRESETS = {
                         num_experts=256, num_experts_per_tok=8, num_shared_experts=1, n_group=8, topk_group=4,
                         routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
                         partial_rotary_factor=0.5, rope_theta=600000.0, vocab_size=157184),
+    # LLaDA2.0-flash: inclusionAI/dFactory configs/model_configs/llada2_flash/config.json (docs/formats.md)
+    "llada2-flash": dict(model_type="llada2_moe", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, intermediate_size=9216, moe_intermediate_size=1024,
+                         num_experts=256, num_experts_per_tok=8, num_shared_experts=1, n_group=8, topk_group=4,
+                         routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
+                         partial_rotary_factor=0.5, rope_theta=600000.0, max_position_embeddings=16384,
+                         vocab_size=157184),
     "sdar-30b-a3b": dict(model_type="sdar_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936),

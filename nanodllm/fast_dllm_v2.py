@@ -25,6 +25,7 @@ from .config import GenerationConfig
 from .decoding import (GenerationResult, check_method, check_prompts, filtered, prefill_complete_blocks,
                        prompts_then_masks, without_token)
 from .methods.base import Dense, Method, StepContext
+from .parallel import group_of
 
 
 def sample_with_top_p(logits: torch.Tensor, temperature: float, top_p: float, mask_id: int):
@@ -61,7 +62,7 @@ def stopped(block: torch.Tensor, begin: torch.Tensor, mask_id: int, stops: torch
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None, mask_id: int | None = None,
              stop_ids=None, sub_block: int = 8, top_p: float = 0.95) -> GenerationResult:
     cfg, method = model.cfg, method or Dense()
-    check_method(method, cfg, "block")
+    check_method(method, cfg, "block", group_of(model).world)
     size = cfg.block_size
     sub_block = min(sub_block, size)  # a block smaller than the default sub-block is one sub-block
     if gen.block_length != size:
@@ -81,7 +82,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     capacity = int((lengths // size).max() + num_blocks + 2) * size
     x = prompts_then_masks(prompts, capacity, mask_id, device)
-    cache = KVCache.for_model(cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
+    layer_cfg = model.layers[0].cfg  # a layer's config: this rank's share of the KV heads
+    cache = KVCache.for_model(layer_cfg, batch, capacity + size, device, model.embed_tokens.weight.dtype)
     rows, offsets = torch.arange(batch, device=device), torch.arange(size, device=device)
 
     starts, hidden = prefill_complete_blocks(model, method, x, lengths, cache, size, mask_id)

@@ -1,9 +1,8 @@
 """model.py's model built for the GPU kernels: the same primitives and signatures, tested against it.
 
-fuse() converts a reference model once (the loader calls it), layer by layer, stacking its weights:
-q/k/v's rows (and biases) in qkv_proj, each SwiGLU's gate and up rows in gate_up_proj, a mixture of
-experts' gate/ups and downs in two Parameters [experts, ...]. Where use_kernels(x) holds (CUDA,
-float16 / bfloat16, outside autograd):
+fuse() converts a reference model once (the loader calls it), layer by layer, stacking its weights: q/k/v's
+rows (and biases) in qkv_proj, each SwiGLU's gate and up rows in gate_up_proj, a mixture of experts' gate/ups
+and downs in two Parameters [experts, ...]. Where use_kernels(x) holds (CUDA, float16 / bfloat16, no autograd):
 - each stacked group is one matmul, the experts' one grouped matmul per projection (no host sync);
 - RMSNorm (with the residual add before it), RoPE (q and k at once, with the per-head q/k norm) and
   silu(gate) * up are one-pass kernels; o_proj adds into the residual in its matmul's epilogue, and
@@ -30,6 +29,7 @@ from .attention import use_kernels
 from .config import ModelConfig
 from .mlp import MoE, Router
 from .model import Attend, Layer, Model, RMSNorm, Rope
+from .parallel import ExpertParallelMoE, RowParallelLinear
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 CHUNK_TOKENS = 8192  # a long prefill's MLPs run on this many tokens at a time: their wide activations stay small
@@ -69,10 +69,10 @@ class FusedAttention(nn.Module):
         return F.linear(h, self.qkv_proj.weight[rows], bias)
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """MLP.forward's matmuls over gate_up [2 * size, hidden] (gate's rows, then up's) and down."""
+def gated(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate(x)) * up(x) over gate_up [2 * size, hidden]: gate's rows, then up's."""
     gate, up = gate_up.chunk(2)
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return F.silu(F.linear(x, gate)) * F.linear(x, up)
 
 
 class FusedMLP(nn.Module):
@@ -85,7 +85,7 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not use_kernels(x):
-            return swiglu(x, self.gate_up_proj.weight, self.down_proj.weight)
+            return self.down_proj(gated(x, self.gate_up_proj.weight))
         return by_chunks(lambda rows: self.down_proj(silu_mul(self.gate_up_proj(rows))), x)
 
 
@@ -109,16 +109,15 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, size))
 
     def __getitem__(self, expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return partial(swiglu, gate_up=self.gate_up_proj[expert], down=self.down_proj[expert])
+        return lambda x: F.linear(gated(x, self.gate_up_proj[expert]), self.down_proj[expert])
 
 
 class FusedMoE(MoE):
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)  # its own experts, not MoE's
-        moe = cfg.moe
-        self.gate = Router(cfg.hidden_size, moe)
-        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.expert_size)
-        self.shared_expert = FusedMLP(cfg.hidden_size, moe.shared_size) if moe.shared_size else None
+        self.gate = Router(cfg.hidden_size, cfg.moe)
+        self.experts = FusedExperts(cfg.moe.num_experts, cfg.hidden_size, cfg.moe.expert_size)
+        self.shared_expert = FusedMLP(cfg.hidden_size, cfg.moe.shared_size) if cfg.moe.shared_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return by_chunks(self.grouped, x) if use_kernels(x) and GROUPED_MM is not None else super().forward(x)
@@ -139,10 +138,9 @@ class FusedMoE(MoE):
 
 
 def add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """x += linear(inputs), in place, the add in the matmul's epilogue when x is contiguous and the
-    linear has no bias. inputs [b, t, in] whose sequences are each contiguous but not one block (a
-    slice of a longer cache) go through a batched matmul, which reads them in place."""
-    if linear.bias is not None or not x.is_contiguous():
+    """x += linear(inputs) in place, added in the matmul's epilogue unless x is not contiguous or the linear has a
+    bias or sums over ranks first (RowParallelLinear); inputs [b, t, in] in slices of a cache: a batched matmul."""
+    if linear.bias is not None or not x.is_contiguous() or isinstance(linear, RowParallelLinear):
         return x.add_(linear(inputs))
     rows_contiguous = inputs.stride(-1) == 1 and inputs.stride(-2) == inputs.shape[-1]
     flat = rows_contiguous and inputs.stride(0) == inputs.shape[1] * inputs.shape[2]
@@ -271,6 +269,8 @@ def stacked_state(layer: Layer) -> dict[str, torch.Tensor]:
     rows = lambda names: torch.cat([state.pop(name) for name in names])
     for kind in ("weight", "bias") if layer.cfg.qkv_bias else ("weight",):
         state[f"self_attn.qkv_proj.{kind}"] = rows(f"self_attn.{name}_proj.{kind}" for name in "qkv")
+    if isinstance(layer.mlp, ExpertParallelMoE):  # fuse keeps it as it is
+        return state
     for prefix in ("mlp.", "mlp.shared_expert."):
         if prefix + "up_proj.weight" in state:
             state[prefix + "gate_up_proj.weight"] = rows([prefix + "gate_proj.weight", prefix + "up_proj.weight"])
@@ -283,11 +283,18 @@ def stacked_state(layer: Layer) -> dict[str, torch.Tensor]:
 
 
 def fuse(model: Model) -> FusedModel:
-    """The fused model of a reference one, on its device, in its dtype. Built layer by layer: each layer
-    leaves `model` once its weights are stacked, so memory peaks about one layer above the model's."""
+    """The fused model of a reference one, on its device, in its dtype, built layer by layer: each leaves `model` once
+    its weights are stacked (memory peaks about one layer above the model's). Modules summing over ranks are kept."""
     with torch.device("meta"):
-        fused = FusedModel(model.cfg)
-    fused.embed_tokens, fused.norm.weight, fused.lm_head = model.embed_tokens, model.norm.weight, model.lm_head
+        fused = FusedModel(model.layers[0].cfg)  # a layer's config: this rank's share of the heads
+    fused.cfg, fused.embed_tokens, fused.lm_head = model.cfg, model.embed_tokens, model.lm_head
+    fused.norm.weight = model.norm.weight
     for fused_layer in fused.layers:
-        fused_layer.load_state_dict(stacked_state(model.layers.pop(0)), assign=True)
+        layer = model.layers.pop(0)
+        fused_layer.self_attn.o_proj = layer.self_attn.o_proj
+        if isinstance(layer.mlp, ExpertParallelMoE):
+            fused_layer.mlp = layer.mlp
+        elif isinstance(fused_layer.mlp, FusedMLP):
+            fused_layer.mlp.down_proj = layer.mlp.down_proj
+        fused_layer.load_state_dict(stacked_state(layer), assign=True)
     return fused.eval()

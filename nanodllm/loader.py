@@ -10,12 +10,14 @@ every name and shape is checked: a missing, unexpected or misshapen tensor is an
 of them, and no model is returned half-loaded. Experts load one tensor per expert, as released; a
 checkpoint that stores them fused is refused by name. Tied embeddings: when the checkpoint has no LM
 head and the config ties (or does not say), the head is the embedding matrix. build_random stands for
-a loaded model in benchmarks and tests. Both return once the first-use warm-up has finished.
+a loaded model in benchmarks and tests. Both return once the first-use warm-up has finished. Given a
+group (nanodllm/parallel.py), each rank checks the whole checkpoint but reads only its parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 from pathlib import Path
@@ -28,6 +30,7 @@ from kernels import first_use
 from .config import ModelConfig
 from .fused import FusedModel, fuse
 from .model import Model
+from .parallel import SINGLE, Group, group_of, local_config, local_part, shard
 
 # (checkpoint name, internal name) patterns, tried in order; {i} is a layer index, {name} any rest.
 RENAMES = {
@@ -143,7 +146,8 @@ def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
 
 def plan(model: Model, files: dict[str, Path]) -> dict[str, tuple[str, ...]]:
     """checkpoint name -> the internal parameters it loads (in row order), after checking names and
-    shapes. Raises CheckpointError listing every missing, unexpected and misshapen tensor."""
+    shapes against `model` (the whole model, also on a rank that holds a share: whole_model). Raises
+    CheckpointError listing every missing, unexpected and misshapen tensor."""
     cfg = model.cfg
     params = dict(model.named_parameters())
     shapes = _shapes(files)
@@ -189,17 +193,38 @@ def _rows_of(params: dict, targets: tuple[str, ...]) -> tuple[int, ...]:
     return (sum(params[t].shape[0] for t in targets), *first[1:])
 
 
-def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16) -> Model:
+def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16, group: Group = SINGLE) -> Model:
     """A reference model with uninitialised parameters allocated once, in `dtype`, directly on `device`
-    (built on the meta device first, so no CPU or fp32 copy of an 8B model is ever made)."""
+    (built on the meta device first, so no CPU or fp32 copy of an 8B model is ever made); of a split
+    model, this rank's share."""
     with torch.device("meta"):
-        model = Model(cfg).to(dtype)
+        model = shard(Model(local_config(cfg, group.world)), cfg, group).to(dtype)
     model.to_empty(device=device).tie_weights()
     return model.eval()
 
 
-def load_reference(path, device="cpu", dtype=torch.bfloat16, context: int | None = None) -> Model:
-    """Load a checkpoint directory into the reference model (nanodllm/model.py), which load_model fuses."""
+def whole_model(model: Model) -> Model:
+    """The model itself, or of a split model the whole one on the meta device (its names and shapes)."""
+    return model if group_of(model).world == 1 else build_empty(model.cfg, "meta")
+
+
+def read_parts(handle, source: str, targets: tuple[str, ...], rows: list[int],
+               cfg: ModelConfig, group: Group):
+    """(whole parameter, this rank's part of it, the tensor) for each target of checkpoint tensor `source`
+    (the targets' rows stacked, `rows` each) that this rank holds: the tensor read at once where the rank
+    holds all of it, else each part alone, so that no rank reads what it does not keep."""
+    parts = [local_part(target, cfg, group) for target in targets]
+    if all(part is not None and part.dim is None for part in parts):
+        return zip(targets, parts, handle.get_tensor(source).split(rows))
+    stored, firsts = handle.get_slice(source), itertools.accumulate([0, *rows])
+    return [(target, part, stored[part.index(first, n)])
+            for target, part, first, n in zip(targets, parts, firsts, rows) if part is not None]
+
+
+def load_reference(path, device="cpu", dtype=torch.bfloat16, context: int | None = None,
+                   group: Group = SINGLE) -> Model:
+    """Load a checkpoint directory into the reference model (nanodllm/model.py), which load_model fuses;
+    with a group of several ranks, this rank's share of it."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     if not 0 <= cfg.mask_token_id < cfg.vocab_size:
@@ -213,50 +238,64 @@ def load_reference(path, device="cpu", dtype=torch.bfloat16, context: int | None
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # Qwen rule: no head -> the embedding
     if context:
         cfg = cfg.with_context(context)
-    model = build_empty(cfg, device, dtype)
-    mapping = plan(model, files)
-    params = dict(model.named_parameters())
+    model = build_empty(cfg, device, dtype, group)
+    whole = whole_model(model)
+    mapping = plan(whole, files)
+    params, whole_params, loaded_as = dict(model.named_parameters()), dict(whole.named_parameters()), {}
     with torch.no_grad():
         for file in sorted(set(files.values())):
             handle = _open(file)
             for source, targets in mapping.items():
                 if files[source] == file:
-                    rows = [params[t].shape[0] for t in targets]
-                    for target, part in zip(targets, handle.get_tensor(source).split(rows)):
-                        params[target].copy_(part)
+                    rows = [whole_params[t].shape[0] for t in targets]
+                    for target, part, tensor in read_parts(handle, source, targets, rows, cfg, group):
+                        params[part.name].copy_(tensor)
+                        loaded_as[part.name] = target
         finite = torch.stack([p.isfinite().all() for p in params.values()]).tolist()  # one device sync
-        broken = sorted({checkpoint_name(cfg.model_type, name) for name, ok in zip(params, finite) if not ok})
+        broken = sorted({checkpoint_name(cfg.model_type, loaded_as[n]) for n, ok in zip(params, finite) if not ok})
     if broken:  # a NaN weight would decode to nothing, or to garbage, without a word
         raise CheckpointError(f"{path}: " + first_few("NaN or infinite values", broken))
     return model
 
 
-def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = None) -> FusedModel:
+def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = None,
+               group: Group = SINGLE) -> FusedModel:
     """Load a checkpoint directory into the fused model. `context` stretches RoPE (NTK) to that many
-    tokens if needed."""
+    tokens if needed; `group` (nanodllm/parallel.py): this rank's share of the model."""
     first_use.start(device, dtype)  # on a GPU, overlaps the loading (kernels/first_use.py)
     try:
-        return fuse(load_reference(path, device, dtype, context))
+        return fuse(load_reference(path, device, dtype, context, group))
     finally:
         first_use.wait()
 
 
 def random_weights(model: Model, seed: int = 0) -> Model:
-    """model's weights drawn in place: N(0, 0.02), the norms' 1."""
-    generator = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    """model's weights drawn in place: N(0, 0.02), the norms' 1. A rank's share of a split model draws
+    every whole tensor in turn and keeps its part: the whole model's weights, sliced."""
+    group, params = group_of(model), dict(model.named_parameters())
+    weight = model.embed_tokens.weight
+    generator = torch.Generator(device=weight.device).manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, whole in whole_model(model).named_parameters():
+            part = local_part(name, model.cfg, group)
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+                params[part.name].fill_(1.0)
+            elif part is not None and part.dim is None:
+                params[part.name].normal_(0.0, 0.02, generator=generator)
+            else:  # a split tensor, or another rank's expert: drawn whole, this rank's part kept
+                drawn = torch.empty(whole.shape, dtype=weight.dtype, device=weight.device)
+                drawn.normal_(0.0, 0.02, generator=generator)
+                if part is not None:
+                    params[part.name].copy_(drawn[part.index(0, whole.shape[0])])
     return model
 
 
-def build_random(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> FusedModel:
-    """A fused model of cfg's shape with random weights (random_weights), built as load_model builds one."""
+def build_random(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16, seed: int = 0,
+                 group: Group = SINGLE) -> FusedModel:
+    """A fused model of cfg's shape with random weights (random_weights), built as load_model builds one;
+    `group`: this rank's share of it."""
     first_use.start(device, dtype)  # on a GPU, overlaps the build (kernels/first_use.py)
     try:
-        return fuse(random_weights(build_empty(cfg, device, dtype), seed))
+        return fuse(random_weights(build_empty(cfg, device, dtype, group), seed))
     finally:
         first_use.wait()

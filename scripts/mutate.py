@@ -361,7 +361,39 @@ KERNELS = [
              "test_momo.py::test_estimated_top_k_visits_each_row_in_golden_strides"),
 ]
 
-MUTATIONS = [SANITY, *ENGINES, *METHODS, *KERNELS]
+PARALLEL = [
+    mutation("parallel-row-linear-without-all-reduce", "nanodllm/parallel.py",
+             "return self.group.all_reduce(F.linear(x, self.weight))", "return F.linear(x, self.weight)",
+             "test_parallel.py::test_logits_equal_one_process"),
+    mutation("parallel-rank-reads-the-next-ranks-part", "nanodllm/parallel.py",
+             "return Part(name, dim, group.rank * length, length)",
+             "return Part(name, dim, (group.rank + 1) % group.world * length, length)",
+             "test_parallel.py::test_the_ranks_shares_of_a_checkpoint_make_the_whole_and_are_all_they_read"),
+    mutation("parallel-fused-qkv-offsets-in-the-ranks-rows", "nanodllm/loader.py",
+             "stored, firsts = handle.get_slice(source), itertools.accumulate([0, *rows])",
+             "stored, firsts = handle.get_slice(source), itertools.accumulate([0, *(n // group.world for n in rows)])",
+             "test_parallel.py::test_the_ranks_shares_of_a_checkpoint_make_the_whole_and_are_all_they_read"),
+    mutation("parallel-expert-offset-off-by-one", "nanodllm/parallel.py",
+             "return range(group.rank * count, (group.rank + 1) * count)",
+             "return range(group.rank * (count - 1), group.rank * (count - 1) + count)",
+             "test_parallel.py::test_each_ranks_share_of_random_weights_is_the_one_process_draw_sliced",
+             "test_parallel.py::test_logits_equal_one_process"),
+    mutation("parallel-embedding-keeps-ids-outside-its-rows", "nanodllm/parallel.py",
+             "return self.group.all_reduce(rows.masked_fill_(~inside[..., None], 0.0))",
+             "return self.group.all_reduce(rows)",
+             "test_parallel.py::test_logits_equal_one_process"),
+    mutation("parallel-head-gathers-ranks-in-reverse", "nanodllm/parallel.py",
+             "return torch.cat(parts, dim=-1)", "return torch.cat(parts[::-1], dim=-1)",
+             "test_parallel.py::test_logits_equal_one_process"),
+    mutation("parallel-fuse-drops-the-row-parallel-o-proj", "nanodllm/fused.py",
+             "fused_layer.self_attn.o_proj = layer.self_attn.o_proj", "pass",
+             "test_parallel.py::test_logits_equal_one_process"),
+    mutation("parallel-block-cache-of-every-kv-head", "nanodllm/block.py",
+             "layer_cfg = model.layers[0].cfg", "layer_cfg = model.cfg",
+             "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
+]
+
+MUTATIONS = [SANITY, *ENGINES, *METHODS, *KERNELS, *PARALLEL]
 
 
 def problems(mutations: list[Mutation], root: Path) -> list[str]:

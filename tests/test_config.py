@@ -13,9 +13,11 @@ from tiny_models import tiny_config, tiny_model
 
 # Totals with a separate LM head (Qwen3-4B and -1.7B tie it and publish 4.0B and 1.7B).
 # Dream-7B and Fast-dLLM v2 7B are Qwen2.5-7B's shape (7.62B, untied head). LLaDA2.0-mini is
-# Ling-mini-2.0's shape (16.26B total); SDAR-30B-A3B is Qwen3-30B-A3B's (30.5B).
+# Ling-mini-2.0's shape (16.26B total), LLaDA2.0-flash 102.9B ("100B", docs/formats.md); SDAR-30B-A3B is
+# Qwen3-30B-A3B's (30.5B).
 EXPECTED_PARAMS = {"llada-8b": 8.02e9, "sdar-8b": 8.19e9, "sdar-4b": 4.41e9, "sdar-1.7b": 2.03e9,
-                   "dream-7b": 7.62e9, "fast-dllm-v2-7b": 7.62e9, "llada2-mini": 16.26e9, "sdar-30b-a3b": 30.5e9}
+                   "dream-7b": 7.62e9, "fast-dllm-v2-7b": 7.62e9, "llada2-mini": 16.26e9, "llada2-flash": 102.9e9,
+                   "sdar-30b-a3b": 30.5e9}
 
 
 @pytest.mark.parametrize("name", PRESETS)

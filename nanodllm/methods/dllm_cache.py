@@ -83,6 +83,7 @@ class DllmCache(Method):
     name = "dllm_cache"
     engines = ("masked",)
     needs_bidirectional = True
+    cross_head = "ranks rows by how far their values moved over all KV heads together"
 
     def __init__(self, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):
         check_int(1, prompt_interval=prompt_interval, response_interval=response_interval)

@@ -129,6 +129,7 @@ class DyLLM(Method):
     name = "dyllm"
     engines = ("masked",)
     needs_bidirectional = True
+    cross_head = "picks salient rows by how far their attention context moved over all heads together"
 
     def __init__(self, tau: float | None = None, full_steps: int = 4, full_period: int = 4,
                  salient_fraction: float | None = None, salient_cap: float | None = None, list_all_rows: int = 256):

@@ -1,5 +1,4 @@
-"""MaskKV: mask-query voting evicts the prompt's KV to per-layer, per-head budgets, on top of
-dLLM-Cache (masked engine).
+"""MaskKV: mask-query voting evicts the prompt's KV to per-layer, per-head budgets (masked engine, on dLLM-Cache).
 
 Paper: "Mask Tokens as Prophet: Fine-Grained Cache Eviction for Efficient dLLM Inference",
 https://arxiv.org/abs/2510.09309 (section 3.3, Algorithms 1-3; its cached steps, Algorithms 4-7, are
@@ -84,6 +83,7 @@ class MaskKV(DllmCache):
     """Builds on dLLM-Cache: its cached steps, over the prompt K/V that mask voting keeps."""
 
     name = "maskkv"
+    cross_head = "shares each layer's budget out between heads by their attention mass, and ranks rows by drift"
 
     def __init__(self, budget: int = 256, alpha: float = 0.1, beta: float = 0.4, boundary_layers: int | None = None,
                  profile: str | None = None, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):
@@ -92,8 +92,7 @@ class MaskKV(DllmCache):
         for knob, value in (("alpha", alpha), ("beta", beta)):
             if not 0 <= value <= 1:
                 raise ValueError(f"{knob} must be in [0, 1], got {value!r}")
-        if boundary_layers is not None:
-            check_int(1, boundary_layers=boundary_layers)
+        check_int(1, **({} if boundary_layers is None else {"boundary_layers": boundary_layers}))
         self.budget, self.alpha, self.beta, self.boundary_layers, self.profile = budget, alpha, beta, boundary_layers, profile
         self.importance: list[list[float]] | None = None  # [rows][layers], this generation's (eq. 8)
         self.budgets: torch.Tensor | None = None  # [layers, rows]: Algorithm 2 on each row's importance

@@ -81,6 +81,7 @@ class SparseDllm(FastDllm):
     """Builds on Fast-dLLM's dual cache: what each layer keeps of it is pruned."""
 
     name = "sparse_dllm"
+    cross_head = "scores keys averaged over the KV heads (per_head=False)"
 
     def __init__(self, ratio: float = 0.5, kernel: int = 3, delay: int = 1, per_head: bool = False,
                  prefix_sparse: bool = False):
@@ -89,6 +90,8 @@ class SparseDllm(FastDllm):
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         check_int(1, odd=True, kernel=kernel)
         self.ratio, self.kernel, self.per_head, self.prefix_sparse = ratio, kernel, per_head, prefix_sparse
+        if per_head:
+            self.cross_head = None  # each KV head keeps its own keys
 
     def cache_state(self, ctx) -> int:
         """Algorithm 4: 0 before the block's step `delay` (the full canvas, no cache: its K/V are not

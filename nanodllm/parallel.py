@@ -1,0 +1,252 @@
+"""Tensor and expert parallelism over torch.distributed: each rank holds a share of every layer.
+
+With N ranks (torchrun: one process per GPU on NCCL, or CPU processes on gloo), rank r holds
+    attention   query heads [r H/N, (r+1) H/N) and KV heads [r K/N, (r+1) K/N): whole GQA groups, and
+                its own KV cache; q/k/v are its rows (column-parallel: plain nn.Linear), o_proj its
+                columns, so out = sum over ranks of o_r W_o[:, r]                     one all-reduce
+    dense MLP   gate/up rows, down_proj columns: down(silu(gate x) * up x) summed        one all-reduce
+    MoE         the whole router, experts [r E/N, (r+1) E/N) for the tokens routed to them, the shared
+                expert split as a dense MLP; routed and shared parts summed together     one all-reduce
+    embedding   vocabulary rows [r V/N, (r+1) V/N); other ids give 0; summed             one all-reduce
+    LM head     the same rows of the logits, gathered into the whole vocabulary          one all-gather
+Norms and the router are replicated. Every rank then holds the same hidden states and logits and
+runs the same decoding loop, so all decode the same tokens (sampling at T > 0 needs the same seed on
+every rank). The loader builds model.py's modules of one rank's share (local_config), swaps in the
+ones below (shard) and reads each tensor's part of the checkpoint (local_part).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .mlp import MLP, MoE, Router
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in the split: rank of world, over a torch.distributed group (None: the default)."""
+
+    rank: int = 0
+    world: int = 1
+    process_group: object = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place."""
+        dist.all_reduce(x, group=self.process_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., world * n], the ranks' parts in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.process_group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = Group()
+
+
+def from_torchrun(backend: str | None = None) -> Group:
+    """This process's Group, the default process group set up from torchrun's environment (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT): by default NCCL on GPU LOCAL_RANK where there is one, else gloo."""
+    missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"{', '.join(missing)} not set: start one process per rank with torchrun")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    return Group(rank, world)
+
+
+def split_numbers(cfg: ModelConfig) -> dict[str, int]:
+    """What a split divides among the ranks, by name: heads, KV heads, vocabulary, the dense MLPs'
+    width (where a layer has one), experts and the shared expert's width."""
+    numbers = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size}
+    if cfg.moe is None or cfg.moe.dense_layers:
+        numbers["intermediate_size"] = cfg.intermediate_size
+    if cfg.moe is not None:
+        numbers["moe.num_experts"] = cfg.moe.num_experts
+        if cfg.moe.shared_size:
+            numbers["moe.shared_size"] = cfg.moe.shared_size
+    return numbers
+
+
+def check_split(cfg: ModelConfig, world: int):
+    """A one-line ValueError where `world` ranks cannot split cfg's model."""
+    if world > 1 and cfg.qk_norm == "projection":
+        raise ValueError("this model's q/k norm spans the whole projection (OLMo's attention_layer_norm), "
+                         "across heads; tensor parallelism splits heads and does not split it")
+    for name, number in split_numbers(cfg).items():
+        if number % world:
+            raise ValueError(f"tensor parallelism over {world} ranks needs {name} divisible by {world}; "
+                             f"this model has {name}={number}")
+
+
+def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """The config of one rank's share: its heads, KV heads, dense MLP width and vocabulary (cfg.moe as
+    it is: the router stays whole; ExpertParallelMoE takes the rank's experts)."""
+    if world == 1:
+        return cfg
+    check_split(cfg, world)
+    shares = {name: number // world for name, number in split_numbers(cfg).items() if "." not in name}
+    return dataclasses.replace(cfg, **shares)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's vocabulary rows of the embedding; an id outside them gives zeros; summed over the ranks."""
+
+    def __init__(self, vocab_size: int, hidden: int, group: Group):
+        super().__init__(vocab_size // group.world, hidden)
+        self.group, self.first = group, group.rank * (vocab_size // group.world)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        inside = (local >= 0) & (local < self.num_embeddings)
+        rows = super().forward(torch.where(inside, local, 0))
+        return self.group.all_reduce(rows.masked_fill_(~inside[..., None], 0.0))
+
+
+class RowParallelLinear(nn.Linear):
+    """x W^T over this rank's input columns of W (its heads, its MLP width), summed over the ranks."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group):
+        super().__init__(in_features, out_features, bias=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(F.linear(x, self.weight))
+
+
+def expert_range(num_experts: int, group: Group) -> range:
+    """The experts this rank holds, by their number in the whole model."""
+    count = num_experts // group.world
+    return range(group.rank * count, (group.rank + 1) * count)
+
+
+class ExpertShare(nn.ModuleList):
+    """This rank's experts, indexed as MoE.forward indexes them, by their number in the whole model:
+    experts[e] is expert e's MLP where this rank holds it, else a function giving zeros."""
+
+    def __init__(self, experts, held: range):
+        super().__init__(experts)
+        self.held = held
+
+    def __getitem__(self, expert: int):
+        return super().__getitem__(expert - self.held.start) if expert in self.held else torch.zeros_like
+
+
+class ExpertParallelMoE(MoE):
+    """MoE.forward over this rank's experts (another rank's add 0 to their slots) and its part of the
+    shared expert (split as a dense MLP, not summed on its own): both summed over the ranks at once."""
+
+    def __init__(self, cfg: ModelConfig, group: Group):
+        nn.Module.__init__(self)  # its share of the experts, not MoE's
+        moe, self.group = cfg.moe, group
+        held = expert_range(moe.num_experts, group)
+        self.gate = Router(cfg.hidden_size, moe)
+        self.experts = ExpertShare((MLP(cfg.hidden_size, moe.expert_size) for _ in held), held)
+        self.shared_expert = MLP(cfg.hidden_size, moe.shared_size // group.world) if moe.shared_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+class VocabParallelHead(nn.Linear):
+    """The LM head's rows of this rank's vocabulary; their logits gathered into the whole vocabulary."""
+
+    def __init__(self, hidden: int, vocab_size: int, group: Group):
+        super().__init__(hidden, vocab_size // group.world, bias=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(super().forward(x))
+
+
+def shard(model, cfg: ModelConfig, group: Group):
+    """model, built from local_config(cfg, group.world) on the meta device, with the modules that need the
+    other ranks replaced by those above: o_proj, dense down_proj, each MoE, the embedding and the head (a tied
+    head shares the embedding's rows); model.cfg the whole config, each layer's cfg its share. World 1: as is."""
+    if group.world == 1:
+        return model
+    local = model.cfg
+    for layer in model.layers:
+        layer.self_attn.o_proj = RowParallelLinear(local.num_heads * local.head_dim, cfg.hidden_size, group)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp = ExpertParallelMoE(local, group)
+        else:
+            layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, cfg.hidden_size, group)
+    model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
+    model.lm_head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, group)
+    model.cfg = cfg
+    model.tie_weights()
+    return model
+
+
+def group_of(model) -> Group:
+    """The group a model is split over (its embedding's), SINGLE for a whole model."""
+    embedding = model.embed_tokens
+    return embedding.group if isinstance(embedding, VocabParallelEmbedding) else SINGLE
+
+
+class Part(NamedTuple):
+    """Where this rank keeps a whole tensor's part: in its parameter `name`; along dim `dim`, entries
+    [start, start + length) of the whole (dim None: all of it)."""
+
+    name: str
+    dim: int | None = None
+    start: int = 0
+    length: int = 0
+
+    def index(self, first: int, rows: int) -> tuple[slice, ...]:
+        """This part of the whole tensor's rows [first, first + rows) of a tensor that stacks several
+        (a fused checkpoint tensor), as a tensor or safetensors slice takes it."""
+        if self.dim == 0:
+            return (slice(first + self.start, first + self.start + self.length),)
+        whole_rows = slice(first, first + rows)
+        return (whole_rows,) if self.dim is None else (whole_rows, slice(self.start, self.start + self.length))
+
+
+def split_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Internal parameter name ending -> (the dim split over the ranks, its whole length): the rows of
+    what projects into heads, an MLP's width or the vocabulary, the columns of what projects out of them."""
+    q, kv, width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shared = cfg.moe.shared_size if cfg.moe else 0
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "mlp.gate_proj": width, "mlp.up_proj": width,
+            "shared_expert.gate_proj": shared, "shared_expert.up_proj": shared, "embed_tokens": cfg.vocab_size,
+            "lm_head": cfg.vocab_size}
+    columns = {"o_proj": q, "mlp.down_proj": width, "shared_expert.down_proj": shared}
+    split = {f"{name}.{kind}": (0, length) for name, length in rows.items() for kind in ("weight", "bias")}
+    return split | {f"{name}.weight": (1, length) for name, length in columns.items()}
+
+
+EXPERT = re.compile(r"(?P<layer>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<rest>.+)")
+
+
+def local_part(name: str, cfg: ModelConfig, group: Group) -> Part | None:
+    """Which part of the whole model's parameter `name` (cfg: the whole config) this rank holds, and
+    where; None for another rank's expert. Norms, the router and this rank's experts (under their
+    local number) are held whole."""
+    if group.world == 1:
+        return Part(name)
+    expert = EXPERT.fullmatch(name)
+    if expert:
+        held = expert_range(cfg.moe.num_experts, group)
+        number = int(expert["expert"])
+        return Part(f"{expert['layer']}.{number - held.start}.{expert['rest']}") if number in held else None
+    for ending, (dim, whole) in split_dims(cfg).items():
+        if name.endswith(ending):
+            length = whole // group.world
+            return Part(name, dim, group.rank * length, length)
+    return Part(name)

@@ -1,0 +1,352 @@
+"""nanodllm/parallel.py: a model split over ranks computes what one process computes.
+
+In this process (loading needs no collective): a split that does not divide the heads, the experts,
+the widths or the vocabulary is refused in one line naming both numbers; every rank's share of each
+real-format fixture and of a random model, put back together, is the whole model, with each expert
+on exactly one rank, and each rank reads from the checkpoint no more than what it keeps.
+Across CPU processes on gloo (spawned here once per size, 2 and 4 ranks, every rank running every
+case): the logits of a ragged batch equal one process's (float64 within 1e-10, float32 within its
+noise) on every fixture and on random models, dense and mixture of experts; each family's loop decodes
+one process's tokens on every rank, dense and with the head-local methods (block engine: MAGE, Quest,
+SparseD, MOMO at their defaults and at a tiny budget; masked engine: Fast-dLLM, Sparse-dLLM per
+head), with each rank's KV cache holding its share of the KV heads; the methods that compare heads
+are refused by name. Where 4 ranks do not divide a fixture's KV heads its cases check the refusal.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import nanodllm.loader as loader
+from nanodllm import GenerationConfig, generate
+from nanodllm.attention import CanvasMask, attention
+from nanodllm.config import ModelConfig
+from nanodllm.decoding import check_method, left_padded_canvas
+from nanodllm.loader import build_empty, build_random, load_model, load_reference, random_weights
+from nanodllm.methods import METHODS, get_method
+from nanodllm.parallel import SINGLE, Group, check_split, from_torchrun, local_part
+from tests.test_contract import MOMO_GRID
+from tests.tiny_models import tiny_config
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FAMILIES = ["llada_tiny", "dream_tiny", "sdar_tiny", "fast_dllm_v2_tiny", "llada2_tiny", "sdar_moe_tiny"]
+RANDOM = ["sdar", "sdar_tied", "dream", "llada2_moe", "sdar_moe"]  # 4 KV heads and 8 experts: 4 ranks divide them
+WORLDS = (2, 4)
+SPAWN_TIMEOUT = 300  # seconds for one spawned group to run every case
+# tiny budgets on every layer, as tests/test_contract.py's (the masked engine's: one head-local method each)
+BLOCK_METHODS = {"mage": dict(k=1, exact_layers=0), "quest": dict(k=2, page_size=2, exact_layers=0),
+                 "sparsed": dict(k=1, exact_layers=0, exact_fraction=0.5), "momo": dict(MOMO_GRID, k=1)}
+MASKED_METHODS = {"fast_dllm": {}, "sparse_dllm": dict(per_head=True, ratio=0.1, delay=1)}
+CROSS_HEAD = {"maskkv": dict(budget=2), "snapkv": dict(budget=2), "dllm_cache": {}, "dyllm": {}, "sparse_dllm": {}}
+
+
+def random_config(name: str) -> ModelConfig:
+    if name == "dream":
+        return ModelConfig.from_dict(dict(model_type="Dream", hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+                                          vocab_size=64, mask_token_id=63, eos_token_id=62,
+                                          max_position_embeddings=256))
+    if name == "sdar_tied":
+        return tiny_config("sdar", num_key_value_heads=4, tie_word_embeddings=True)
+    return tiny_config(name, num_key_value_heads=4)
+
+
+def config_of(model: str) -> ModelConfig:
+    return ModelConfig.from_dir(FIXTURES / model) if model in FAMILIES else random_config(model)
+
+
+def divides(model: str, world: int) -> bool:
+    try:
+        check_split(config_of(model), world)
+    except ValueError:
+        return False
+    return True
+
+
+def prompt(length: int, seed: int, vocab: int) -> list[int]:
+    """Token ids below the fixtures' mask (250) and stop (251) ids, and below a random model's."""
+    return torch.randint(0, min(vocab - 3, 240), (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# the cases every rank runs, and one process too
+
+
+def built(model: str, dtype: torch.dtype, group: Group):
+    """A fixture loaded, or a random model built, as this rank's share."""
+    if model in FAMILIES:
+        return load_model(FIXTURES / model, dtype=dtype, group=group)
+    return build_random(random_config(model), dtype=dtype, seed=3, group=group)
+
+
+def logits_of_a_ragged_batch(model: str, dtype: torch.dtype, group: Group) -> torch.Tensor:
+    """Logits [2, 13, vocab] of two left-padded prompts (9 and 5 tokens) and 4 masks, padding hidden."""
+    net = built(model, dtype, group)
+    cfg = net.cfg
+    canvas = left_padded_canvas([prompt(9, 1, cfg.vocab_size), prompt(5, 2, cfg.vocab_size)], 4,
+                                cfg.mask_token_id, 0, "cpu")
+    block = cfg.block_size if cfg.attention == "block_causal" else None
+    mask = CanvasMask(canvas.valid, block, canvas.positions if block else None)
+    with torch.no_grad():
+        return net(canvas.tokens, canvas.positions, lambda layer, q, k, v: attention(q, k, v, mask))
+
+
+def decoded(model: str, method: str, knobs: dict, group: Group):
+    """(tokens, KV heads in the block loops' cache or None) of a ragged batch decoded by the family's loop."""
+    net = built(model, torch.float64, group)
+    cfg, size = net.cfg, net.cfg.block_size or 4
+    long = method != "dense"  # a prefix the tiny budgets cut
+    lengths = (30, 21) if long else (7, 3)
+    prompts = [prompt(n, seed, cfg.vocab_size) for seed, n in enumerate(lengths)]
+    if cfg.model_type == "Dream":
+        gen = GenerationConfig(gen_length=8, block_length=8, steps=8)
+    elif cfg.attention == "bidirectional":
+        gen = GenerationConfig(gen_length=16 if long else 8, block_length=4, steps=16 if long else 8)
+    else:
+        gen = GenerationConfig(gen_length=12 if long else 8, block_length=size, steps=size)
+    result = generate(net, prompts, gen, get_method(method, **knobs))
+    return result.tokens, None if result.cache is None else result.cache.keys[0].shape[2]
+
+
+CASES = {
+    **{f"logits/{model}/{str(dtype)[6:]}": functools.partial(logits_of_a_ragged_batch, model, dtype)
+       for model in FAMILIES + RANDOM for dtype in (torch.float64, torch.float32)},
+    **{f"decode/{model}/dense": functools.partial(decoded, model, "dense", {}) for model in FAMILIES + RANDOM},
+    **{f"decode/sdar_tiny/{name}-{budget}": functools.partial(decoded, "sdar_tiny", name, knobs)
+       for name, tiny in BLOCK_METHODS.items() for budget, knobs in (("default", {}), ("tiny", tiny))},
+    **{f"decode/sdar/{name}-tiny": functools.partial(decoded, "sdar", name, tiny)
+       for name, tiny in BLOCK_METHODS.items()},
+    **{f"decode/llada_tiny/{name}": functools.partial(decoded, "llada_tiny", name, knobs)
+       for name, knobs in MASKED_METHODS.items()},
+    **{f"refused/llada_tiny/{name}": functools.partial(decoded, "llada_tiny", name, knobs)
+       for name, knobs in CROSS_HEAD.items()},
+}
+
+
+def outcome(case: str, group: Group):
+    """A case's result, or ("refused", the error's message)."""
+    try:
+        return CASES[case](group)
+    except ValueError as error:
+        return "refused", str(error)
+
+
+@functools.cache
+def one_process(case: str):
+    return outcome(case, SINGLE)
+
+
+def rank_main(rank: int, world: int, port: int, out: str):
+    """One spawned rank: torchrun's environment, then every case's outcome, saved for the test."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    group = from_torchrun("gloo")
+    torch.save({case: outcome(case, group) for case in CASES}, Path(out) / f"{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@functools.cache
+def ranks(world: int) -> list[dict] | str:
+    """Every rank's outcomes of every case, from `world` spawned processes; or why they did not finish
+    (kept, so that a broken or hanging group fails each test at once, not after another spawn)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        spawned = mp.start_processes(rank_main, args=(world, port, out), nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + SPAWN_TIMEOUT
+        try:
+            while not spawned.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for process in spawned.processes:
+                        process.kill()
+                    return f"{world} ranks did not finish in {SPAWN_TIMEOUT} s"
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            return f"a rank of {world} failed: {error}"
+        return [torch.load(Path(out) / f"{rank}.pt") for rank in range(world)]
+
+
+def split_cases(prefix: str):
+    """(world, case) for the cases of `prefix` whose model `world` ranks divide."""
+    return [(world, case) for world in WORLDS for case in CASES if case.startswith(prefix)
+            and divides(case.split("/")[1], world)]
+
+
+# ------------------------------------------------------------------------------------------------
+# refusals
+
+
+NOT_DIVIDING = [  # (model, its config's changes, ranks, the number named); 4 KV heads, 64 ids, 8 experts else
+    ("sdar", dict(num_attention_heads=6, num_key_value_heads=6), 4, "num_heads=6"),
+    ("sdar", dict(num_key_value_heads=2), 4, "num_kv_heads=2"),
+    ("sdar", dict(vocab_size=250), 4, "vocab_size=250"),
+    ("sdar", dict(intermediate_size=66), 4, "intermediate_size=66"),
+    ("llada2_moe", dict(num_experts=6, n_group=2, topk_group=1), 4, "moe.num_experts=6"),
+    ("llada2_moe", dict(moe_intermediate_size=15), 2, "moe.shared_size=15"),
+]
+
+
+@pytest.mark.parametrize("model, changes, world, named", NOT_DIVIDING, ids=[case[-1] for case in NOT_DIVIDING])
+def test_a_split_that_does_not_divide_is_refused_in_one_line_naming_both_numbers(model, changes, world, named):
+    cfg = tiny_config(model, **({"num_key_value_heads": 4} | changes))
+    with pytest.raises(ValueError) as refused:
+        build_empty(cfg, "meta", group=Group(0, world))
+    message = str(refused.value)
+    assert "\n" not in message and named in message and f"{world} ranks" in message, message
+    build_empty(cfg, "meta")
+
+
+def test_a_q_k_norm_over_the_whole_projection_is_refused_under_a_split_only():
+    cfg = tiny_config("llada", attention_layer_norm=True)
+    with pytest.raises(ValueError, match="attention_layer_norm") as refused:
+        build_empty(cfg, "meta", group=Group(1, 2))
+    assert "\n" not in str(refused.value)
+    build_empty(cfg, "meta")
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_a_method_is_refused_under_a_split_exactly_where_it_compares_heads(name):
+    """CROSS_HEAD's methods choose across heads (Sparse-dLLM unless per_head): refused by name with the
+    heads split; every other method runs."""
+    cfg, engine = tiny_config("llada"), METHODS[name].engines[0]
+    for knobs in ({}, {"per_head": True}) if name == "sparse_dllm" else ({},):
+        method = get_method(name, **knobs)
+        check_method(method, cfg, engine, world=1)
+        if name in CROSS_HEAD and not knobs:
+            with pytest.raises(ValueError, match=f"method '{name}' .*; this model's heads are split over 2 ranks"):
+                check_method(method, cfg, engine, world=2)
+        else:
+            check_method(method, cfg, engine, world=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# each rank's share, loaded or drawn in this process
+
+
+def whole_from_shares(shares: list[dict], cfg: ModelConfig, whole: dict) -> dict:
+    """The whole model's parameters put back together from the ranks' shares, checking that a tensor
+    held whole is the same on every rank that holds it and that exactly one rank holds each expert."""
+    world, assembled = len(shares), {}
+    for name in whole:
+        parts = [local_part(name, cfg, Group(rank, world)) for rank in range(world)]
+        held = [share[part.name] for share, part in zip(shares, parts) if part is not None]
+        dim = next(part for part in parts if part is not None).dim
+        if ".experts." in name:
+            assert len(held) == 1, f"{name} is held by {len(held)} ranks"
+        if dim is None:
+            assert all(torch.equal(tensor, held[0]) for tensor in held), name
+            assembled[name] = held[0]
+        else:
+            assembled[name] = torch.cat(held, dim=dim)
+    return assembled
+
+
+class Counting:
+    """A safetensors handle, or one tensor's slice handle, that counts the elements it reads."""
+
+    def __init__(self, handle, counts):
+        self.handle, self.counts = handle, counts
+
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.counts["read"] += tensor.numel()
+        return tensor
+
+    def get_tensor(self, name):
+        return self.read(self.handle.get_tensor(name))
+
+    def get_slice(self, name):
+        return Counting(self.handle.get_slice(name), self.counts)
+
+    def __getitem__(self, index):
+        return self.read(self.handle[index])
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+@pytest.mark.parametrize("world, model", [(world, model) for world in WORLDS for model in FAMILIES
+                                          if divides(model, world)])
+def test_the_ranks_shares_of_a_checkpoint_make_the_whole_and_are_all_they_read(world, model, monkeypatch):
+    whole = dict(load_reference(FIXTURES / model, dtype=torch.float32).named_parameters())
+    real_open = loader._open
+    shares = []
+    for rank in range(world):
+        counts = collections.Counter()
+        monkeypatch.setattr(loader, "_open", lambda file: Counting(real_open(file), counts))
+        share = dict(load_reference(FIXTURES / model, dtype=torch.float32, group=Group(rank, world)).named_parameters())
+        assert counts["read"] == sum(p.numel() for p in share.values()), "a rank reads exactly what it keeps"
+        shares.append(share)
+    assembled = whole_from_shares(shares, config_of(model), whole)
+    assert all(torch.equal(assembled[name], whole[name]) for name in whole)
+
+
+@pytest.mark.parametrize("world, model", [(world, model) for world in WORLDS for model in RANDOM])
+def test_each_ranks_share_of_random_weights_is_the_one_process_draw_sliced(world, model):
+    cfg = random_config(model)
+    whole = dict(random_weights(build_empty(cfg, dtype=torch.float32), seed=5).named_parameters())
+    shares = [dict(random_weights(build_empty(cfg, dtype=torch.float32, group=Group(rank, world)), seed=5)
+                   .named_parameters()) for rank in range(world)]
+    assembled = whole_from_shares(shares, cfg, whole)
+    assert all(torch.equal(assembled[name], whole[name]) for name in whole)
+
+
+# ------------------------------------------------------------------------------------------------
+# spawned ranks against one process
+
+
+def same_on_every_rank(world: int, case: str):
+    """The case's outcome, after checking that every rank had the same."""
+    spawned = ranks(world)
+    if isinstance(spawned, str):
+        pytest.fail(spawned)
+    outcomes = [rank[case] for rank in spawned]
+    first = outcomes[0]
+    for other in outcomes[1:]:
+        assert torch.equal(other, first) if isinstance(first, torch.Tensor) else other == first, case
+    return first
+
+
+@pytest.mark.parametrize("world, case", split_cases("logits/"))
+def test_logits_equal_one_process(world, case):
+    got, expected = same_on_every_rank(world, case), one_process(case)
+    rtol, atol = (1e-10, 1e-10) if case.endswith("float64") else (1e-5, 5e-5)
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("world, case", split_cases("decode/"))
+def test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads(world, case):
+    (tokens, cache_heads), (expected, whole_heads) = same_on_every_rank(world, case), one_process(case)
+    assert tokens == expected
+    assert cache_heads == (None if whole_heads is None else whole_heads // world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_fixture_that_the_ranks_do_not_divide_is_refused_on_every_rank(world):
+    refused = [case for case in CASES
+               if case.startswith(("logits/", "decode/")) and not divides(case.split("/")[1], world)]
+    assert (world == 4) == bool(refused)
+    for case in refused:
+        kind, message = same_on_every_rank(world, case)
+        cfg = config_of(case.split("/")[1])
+        assert kind == "refused" and f"num_kv_heads={cfg.num_kv_heads}" in message and f"{world} ranks" in message
+
+
+@pytest.mark.parametrize("world, case", split_cases("refused/"))
+def test_a_method_that_compares_heads_is_refused_on_every_rank(world, case):
+    name = case.split("/")[2]
+    kind, message = same_on_every_rank(world, case)
+    assert kind == "refused" and f"method {name!r}" in message and f"{world} ranks" in message
+    assert one_process(case)[0] != "refused"
