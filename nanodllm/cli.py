@@ -16,6 +16,7 @@ import torch
 from .attention import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from .config import GenerationConfig, ModelConfig
 from .model import Model
+from .parallel import SINGLE, Group, from_torchrun
 
 
 def write_whole(path, write) -> None:
@@ -137,18 +138,19 @@ def check_steps(gen: GenerationConfig, is_block: bool):
         raise ValueError(f"--steps {gen.steps} exceeds {what}: at most {most} steps unmask anything")
 
 
-def check_fits(cfg: ModelConfig, tokens: int, batch: int, device: torch.device, dtype: torch.dtype) -> str | None:
+def check_fits(cfg: ModelConfig, tokens: int, batch: int, device: torch.device, dtype: torch.dtype,
+               world: int = 1) -> str | None:
     """Before a model loads: refuse a run whose memory estimate exceeds what `device` has free (an
     error naming both), and return a note when `tokens` stretches RoPE past the trained context
     (None otherwise). The estimate: the weights, K and V of every layer for every token (twice: the
     caching methods keep a copy), and where attention runs in plain torch (a CPU, float32) three
     fp32 score tensors of one layer, batch x heads x tokens x tokens, which the GPU kernels never
-    make."""
+    make; split over `world` ranks, one rank's share of each."""
     with torch.device("meta"):
-        weights = sum(p.numel() for p in Model(cfg).parameters()) * dtype.itemsize
-    kv = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * batch * dtype.itemsize
+        weights = sum(p.numel() for p in Model(cfg).parameters()) * dtype.itemsize // world
+    kv = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * batch * dtype.itemsize // world
     on_kernels = device.type == "cuda" and dtype in KERNEL_DTYPES and cfg.head_dim in KERNEL_HEAD_DIMS
-    scores = 0 if on_kernels else 3 * batch * cfg.num_heads * tokens * tokens * 4
+    scores = 0 if on_kernels else 3 * batch * cfg.num_heads * tokens * tokens * 4 // world
     need = weights + kv + scores
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram()
     if need > free:
@@ -162,6 +164,21 @@ def check_fits(cfg: ModelConfig, tokens: int, batch: int, device: torch.device, 
                 f"stretched (NTK) {tokens / cfg.max_position_embeddings:.1f}x, and quality past the trained length "
                 "is not assured")
     return None
+
+
+def tensor_parallel(tp: int, data_parallel: bool = False) -> Group:
+    """This process's Group for `--tp tp`: SINGLE for 1, else the ranks torchrun started (one GPU each on
+    NCCL, else CPU processes on gloo). A world other than tp (data_parallel: other than a multiple of tp),
+    or more processes than GPUs, is refused naming both numbers."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (world % tp if data_parallel else world != tp) or tp < 1:
+        launch = f"torchrun --nproc-per-node {tp} ..." if tp > 1 else "python, or torchrun with --tp"
+        raise ValueError(f"--tp {tp} needs {'a multiple of ' if data_parallel else ''}{tp} processes ({launch}); "
+                         f"this run has {world}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world > 1 and torch.cuda.is_available() and torch.cuda.device_count() < local:
+        raise ValueError(f"{local} processes on this machine need a GPU each; it has {torch.cuda.device_count()}")
+    return from_torchrun() if world > 1 else SINGLE
 
 
 def available_ram() -> int:

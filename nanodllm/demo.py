@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import tasks
-from .cli import available_device, check_fits, check_steps, positive_int, run_main
+from .cli import available_device, check_fits, check_steps, positive_int, run_main, tensor_parallel
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import check_method, engine_of, until_stop
 from .eval import with_profile
@@ -57,6 +57,8 @@ def parse_args(argv, prog=None):
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--tp", type=positive_int, default=1, help="split the model over this many GPUs (tensor and "
+                        "expert parallelism), one process each: torchrun --nproc-per-node N -m nanodllm demo --tp N")
     return parser.parse_args(argv)
 
 
@@ -118,7 +120,8 @@ def main(argv=None, prog=None) -> int:
             threshold=default_threshold(cfg) if args.threshold is None else args.threshold,
         )
         check_steps(gen, is_block)
-        check_method(get_method(args.method, **knobs), cfg)
+        group = tensor_parallel(args.tp)
+        check_method(get_method(args.method, **knobs), cfg, world=group.world)
         tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
         prompt, answer = args.prompt, None
         if args.prompt_file is not None:
@@ -129,10 +132,10 @@ def main(argv=None, prog=None) -> int:
             prompt, answer = sample.prompt, sample.answer
         prompt_ids = tokenizer.encode_prompt(prompt, chat=not args.no_chat)
         device, context = args.device, len(prompt_ids) + 2 * args.gen_length
-        note = check_fits(cfg, context, 1, device, DTYPES[args.dtype])
-        if note:
+        note = check_fits(cfg, context, 1, device, DTYPES[args.dtype], group.world)
+        if note and group.rank == 0:
             print(note, file=sys.stderr)
-        model = load_model(model_dir, device, DTYPES[args.dtype], context=context)
+        model = load_model(model_dir, device, DTYPES[args.dtype], context=context, group=group)
         to_run = {name: knobs if name == args.method else {} for name in ("dense", args.method)}
         warm_up = warm_up_gpu(model, prompt_ids, gen, to_run, tokenizer.stop_ids, device)
         runs = {}
@@ -143,8 +146,11 @@ def main(argv=None, prog=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
+    if group.rank:  # every rank decoded the same tokens; rank 0 reports them
+        return 0
+    split = f", split over {group.world} ranks" if group.world > 1 else ""
     print(f"model: {model_dir} ({cfg.model_type}, {engine_of(cfg)} engine), "
-          f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}")
+          f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}{split}")
     print(f"decoding: {gen.gen_length} tokens, blocks of {gen.block_length}, {gen.steps} steps"
           f"{' per block' if is_block else ''}, temperature {gen.temperature}, threshold {gen.threshold}")
     if warm_up is not None:

@@ -9,6 +9,7 @@ and downs in two Parameters [experts, ...]. Where use_kernels(x) holds (CUDA, fl
   each layer's MLP output is added in the next layer's norm;
 - over a decode step's few rows (kernels/norm_linear.py) the norms and SwiGLU ride inside the matmuls.
 Elsewhere each primitive runs the reference's own ops on row slices of the stacked weights, bit for bit.
+Split over ranks (parallel.py), a FusedMoE holds its rank's experts; the summing linears stay as they are.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .attention import use_kernels
 from .config import ModelConfig
 from .mlp import MoE, Router
 from .model import Attend, Layer, Model, RMSNorm, Rope
-from .parallel import ExpertParallelMoE, RowParallelLinear
+from .parallel import SINGLE, Group, RowParallelLinear, expert_range, group_of
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 CHUNK_TOKENS = 8192  # a long prefill's MLPs run on this many tokens at a time: their wide activations stay small
@@ -37,9 +38,8 @@ CHUNK_TOKENS = 8192  # a long prefill's MLPs run on this many tokens at a time: 
 
 class FusedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        if use_kernels(x) and (add is None or x.dim() <= 4):
-            return rms_norm(x, self.weight, self.eps, add)
-        return super().forward(x, add)
+        on_kernel = use_kernels(x) and (add is None or x.dim() <= 4)
+        return rms_norm(x, self.weight, self.eps, add) if on_kernel else super().forward(x, add)
 
 
 class FusedRope(Rope):
@@ -101,37 +101,47 @@ def by_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
 
 
 class FusedExperts(nn.Module):
-    """Every expert's SwiGLU in two Parameters; experts[e](x) runs expert e alone, as MoE.forward asks."""
+    """The held experts' SwiGLUs in two Parameters; experts[e](x): expert e alone (another rank's: zeros)."""
 
-    def __init__(self, num_experts: int, hidden: int, size: int):
+    def __init__(self, held: range, hidden: int, size: int):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden))  # gate's rows, then up's
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, size))
+        self.held, self.gate_up_proj = held, nn.Parameter(torch.empty(len(held), 2 * size, hidden))  # gate's, up's rows
+        self.down_proj = nn.Parameter(torch.empty(len(held), hidden, size))
 
     def __getitem__(self, expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda x: F.linear(gated(x, self.gate_up_proj[expert]), self.down_proj[expert])
+        e = expert - self.held.start
+        run = lambda x: F.linear(gated(x, self.gate_up_proj[e]), self.down_proj[e])
+        return run if expert in self.held else torch.zeros_like
 
 
 class FusedMoE(MoE):
-    def __init__(self, cfg: ModelConfig):
+    """MoE over this rank's experts and share of the shared expert (one process: all), summed over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
         nn.Module.__init__(self)  # its own experts, not MoE's
-        self.gate = Router(cfg.hidden_size, cfg.moe)
-        self.experts = FusedExperts(cfg.moe.num_experts, cfg.hidden_size, cfg.moe.expert_size)
-        self.shared_expert = FusedMLP(cfg.hidden_size, cfg.moe.shared_size) if cfg.moe.shared_size else None
+        moe, self.group = cfg.moe, group
+        self.gate = Router(cfg.hidden_size, moe)
+        self.experts = FusedExperts(expert_range(moe.num_experts, group), cfg.hidden_size, moe.expert_size)
+        self.shared_expert = FusedMLP(cfg.hidden_size, moe.shared_size // group.world) if moe.shared_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return by_chunks(self.grouped, x) if use_kernels(x) and GROUPED_MM is not None else super().forward(x)
+        return self.group.all_reduce(by_chunks(self.grouped, x) if use_kernels(x) and GROUPED_MM else super().forward(x))
 
     def grouped(self, flat: torch.Tensor) -> torch.Tensor:
-        """MoE.forward over tokens [n, hidden], the rows grouped by expert for two grouped matmuls."""
+        """MoE.forward over tokens [n, hidden], the rows grouped by expert for two grouped matmuls: this rank's
+        experts first (numbered from its first), the other ranks' rows after the last group and zeroed."""
         chosen, routing = self.gate(flat)
-        experts = chosen.flatten()
+        held, count = self.experts.held, self.gate.moe.num_experts
+        experts = (chosen.flatten() - held.start) % count
         order = experts.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.zeros(self.gate.moe.num_experts, dtype=torch.int32, device=flat.device)  # bincount would sync
-        group_ends = counts.index_add_(0, experts, torch.ones_like(experts, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+        counts = torch.zeros(count, dtype=torch.int32, device=flat.device)  # bincount would sync
+        counts.index_add_(0, experts, torch.ones_like(experts, dtype=torch.int32))
+        group_ends = counts.cumsum(0, dtype=torch.int32)[: len(held)]
         rows = flat[order // chosen.shape[1]]
         hidden = silu_mul(GROUPED_MM(rows, self.experts.gate_up_proj.transpose(1, 2), offs=group_ends))
         grouped = GROUPED_MM(hidden, self.experts.down_proj.transpose(1, 2), offs=group_ends)
+        if len(held) < count:  # rows past the last group are left unwritten
+            grouped.masked_fill_(torch.arange(len(rows), device=flat.device)[:, None] >= group_ends[-1], 0.0)
         outputs = torch.empty_like(grouped).index_copy_(0, order, grouped).view(*chosen.shape, -1)
         y = self.combine(outputs, routing, flat.dtype)
         return y if self.shared_expert is None else y + self.shared_expert(flat)
@@ -151,14 +161,14 @@ def add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: nn.Linear) -> torc
 
 
 class FusedLayer(Layer):
-    def __init__(self, cfg: ModelConfig, index: int):
+    def __init__(self, cfg: ModelConfig, index: int, group: Group = SINGLE):
         nn.Module.__init__(self)  # its own modules, not Layer's
         self.cfg = cfg
         self.input_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = FusedAttention(cfg)
         self.post_attention_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         dense = cfg.moe is None or index in cfg.moe.dense_layers
-        self.mlp = FusedMLP(cfg.hidden_size, cfg.intermediate_size) if dense else FusedMoE(cfg)
+        self.mlp = FusedMLP(cfg.hidden_size, cfg.intermediate_size) if dense else FusedMoE(cfg, group)
 
     def query(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         return rope.apply(self.heads(self.self_attn.project(h, 0), self.self_attn.q_norm))
@@ -170,14 +180,10 @@ class FusedLayer(Layer):
         return self.heads(self.self_attn.project(h, 2))
 
     def qkv(self, h: torch.Tensor, rope: Rope):
-        if not use_kernels(h):
-            return super().qkv(h, rope)
-        return self.split_stacked(self.self_attn.project(h, 0, 3), rope, 3)
+        return self.split_stacked(self.self_attn.project(h, 0, 3), rope, 3) if use_kernels(h) else super().qkv(h, rope)
 
     def qk(self, h: torch.Tensor, rope: Rope):
-        if not use_kernels(h):
-            return super().qk(h, rope)
-        return self.split_stacked(self.self_attn.project(h, 0, 2), rope, 2)
+        return self.split_stacked(self.self_attn.project(h, 0, 2), rope, 2) if use_kernels(h) else super().qk(h, rope)
 
     def kv(self, h: torch.Tensor, rope: Rope):
         if not use_kernels(h):
@@ -199,9 +205,8 @@ class FusedLayer(Layer):
         return (q, rope.apply(self.heads(outputs[1], attn.k_norm)), *values)
 
     def add_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        if not use_kernels(x):
-            return super().add_out(x, o)
-        return add_linear(x, o.transpose(1, 2).flatten(2), self.self_attn.o_proj)
+        attn_out = o.transpose(1, 2).flatten(2)
+        return add_linear(x, attn_out, self.self_attn.o_proj) if use_kernels(x) else super().add_out(x, o)
 
     def forward(self, x: torch.Tensor, rope: Rope, attend: Callable) -> torch.Tensor:
         if not use_kernels(x):
@@ -240,11 +245,11 @@ class FusedLayer(Layer):
 
 
 class FusedModel(Model):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
         nn.Module.__init__(self)  # its own layers, not Model's
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(FusedLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(FusedLayer(cfg, i, group) for i in range(cfg.num_layers))
         self.norm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -255,8 +260,7 @@ class FusedModel(Model):
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         if not use_kernels(self.embed_tokens.weight):
             return super().hidden(ids, positions, attend)
-        x, rope = self.embed(ids), self.rope(positions)  # x: a fresh tensor, updated in place
-        pending = None
+        x, rope, pending = self.embed(ids), self.rope(positions), None  # x: a fresh tensor, updated in place
         for i, layer in enumerate(self.layers):
             pending = layer.step(x, pending, rope, partial(attend, i))
         return x if pending is None else x.add_(pending)
@@ -269,8 +273,6 @@ def stacked_state(layer: Layer) -> dict[str, torch.Tensor]:
     rows = lambda names: torch.cat([state.pop(name) for name in names])
     for kind in ("weight", "bias") if layer.cfg.qkv_bias else ("weight",):
         state[f"self_attn.qkv_proj.{kind}"] = rows(f"self_attn.{name}_proj.{kind}" for name in "qkv")
-    if isinstance(layer.mlp, ExpertParallelMoE):  # fuse keeps it as it is
-        return state
     for prefix in ("mlp.", "mlp.shared_expert."):
         if prefix + "up_proj.weight" in state:
             state[prefix + "gate_up_proj.weight"] = rows([prefix + "gate_proj.weight", prefix + "up_proj.weight"])
@@ -284,17 +286,15 @@ def stacked_state(layer: Layer) -> dict[str, torch.Tensor]:
 
 def fuse(model: Model) -> FusedModel:
     """The fused model of a reference one, on its device, in its dtype, built layer by layer: each leaves `model` once
-    its weights are stacked (memory peaks about one layer above the model's). Modules summing over ranks are kept."""
+    its weights are stacked (memory peaks about one layer above the model's)."""
     with torch.device("meta"):
-        fused = FusedModel(model.layers[0].cfg)  # a layer's config: this rank's share of the heads
+        fused = FusedModel(model.layers[0].cfg, group_of(model))  # a layer's config: this rank's share of the heads
     fused.cfg, fused.embed_tokens, fused.lm_head = model.cfg, model.embed_tokens, model.lm_head
     fused.norm.weight = model.norm.weight
     for fused_layer in fused.layers:
         layer = model.layers.pop(0)
         fused_layer.self_attn.o_proj = layer.self_attn.o_proj
-        if isinstance(layer.mlp, ExpertParallelMoE):
-            fused_layer.mlp = layer.mlp
-        elif isinstance(fused_layer.mlp, FusedMLP):
+        if isinstance(fused_layer.mlp, FusedMLP):
             fused_layer.mlp.down_proj = layer.mlp.down_proj
         fused_layer.load_state_dict(stacked_state(layer), assign=True)
     return fused.eval()

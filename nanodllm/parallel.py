@@ -17,6 +17,7 @@ ones below (shard) and reads each tensor's part of the checkpoint (local_part).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import re
@@ -41,8 +42,9 @@ class Group:
     process_group: object = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place."""
-        dist.all_reduce(x, group=self.process_group)
+        """x summed over the ranks, in place (one rank: x as it is)."""
+        if self.world > 1:
+            dist.all_reduce(x, group=self.process_group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +69,7 @@ def from_torchrun(backend: str | None = None) -> Group:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world)
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return Group(rank, world)
 
 

@@ -19,6 +19,8 @@ import collections
 import functools
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -102,6 +104,20 @@ def logits_of_a_ragged_batch(model: str, dtype: torch.dtype, group: Group) -> to
         return net(canvas.tokens, canvas.positions, lambda layer, q, k, v: attention(q, k, v, mask))
 
 
+def logits_on_the_kernels(model: str, group: Group) -> torch.Tensor:
+    """logits_of_a_ragged_batch in float32 through the fused model's kernels (Triton's interpreter here):
+    the stacked projections, the row-parallel adds and the grouped experts of this rank."""
+    import nanodllm.attention as attention_module
+
+    switch = {"KERNEL_DEVICES": ("cuda", "cpu"), "KERNEL_DTYPES": (torch.float16, torch.bfloat16, torch.float32)}
+    saved = {name: getattr(attention_module, name) for name in switch}
+    try:
+        vars(attention_module).update(switch)
+        return logits_of_a_ragged_batch(model, torch.float32, group)
+    finally:
+        vars(attention_module).update(saved)
+
+
 def decoded(model: str, method: str, knobs: dict, group: Group):
     """(tokens, KV heads in the block loops' cache or None) of a ragged batch decoded by the family's loop."""
     net = built(model, torch.float64, group)
@@ -122,6 +138,7 @@ def decoded(model: str, method: str, knobs: dict, group: Group):
 CASES = {
     **{f"logits/{model}/{str(dtype)[6:]}": functools.partial(logits_of_a_ragged_batch, model, dtype)
        for model in FAMILIES + RANDOM for dtype in (torch.float64, torch.float32)},
+    **{f"logits/{model}/kernels": functools.partial(logits_on_the_kernels, model) for model in ("sdar", "llada2_moe")},
     **{f"decode/{model}/dense": functools.partial(decoded, model, "dense", {}) for model in FAMILIES + RANDOM},
     **{f"decode/sdar_tiny/{name}-{budget}": functools.partial(decoded, "sdar_tiny", name, knobs)
        for name, tiny in BLOCK_METHODS.items() for budget, knobs in (("default", {}), ("tiny", tiny))},
@@ -303,6 +320,23 @@ def test_each_ranks_share_of_random_weights_is_the_one_process_draw_sliced(world
     assert all(torch.equal(assembled[name], whole[name]) for name in whole)
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("model", ["llada2_moe", "sdar_moe"])
+def test_the_ranks_grouped_experts_sum_to_the_whole_layer(model, world, kernels_on, monkeypatch):
+    """FusedMoE's grouped path (torch's grouped_mm, float32 here) on each rank's share, its all-reduce left
+    out: the ranks' outputs sum to one process's; each rank's rows of other ranks' experts count zero."""
+    cfg = random_config(model)
+    x = torch.randn(3, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    whole = build_random(cfg, dtype=torch.float32, seed=3).layers[1].mlp
+    monkeypatch.setattr(Group, "all_reduce", lambda group, y: y)
+    with torch.no_grad():
+        expected = whole(x)
+        shares = [build_random(cfg, dtype=torch.float32, seed=3, group=Group(rank, world)).layers[1].mlp(x)
+                  for rank in range(world)]
+    torch.testing.assert_close(sum(shares), expected, rtol=1e-5, atol=1e-5)
+    assert not any(torch.allclose(share, expected, atol=1e-3) for share in shares), "each rank holds a part only"
+
+
 # ------------------------------------------------------------------------------------------------
 # spawned ranks against one process
 
@@ -322,7 +356,7 @@ def same_on_every_rank(world: int, case: str):
 @pytest.mark.parametrize("world, case", split_cases("logits/"))
 def test_logits_equal_one_process(world, case):
     got, expected = same_on_every_rank(world, case), one_process(case)
-    rtol, atol = (1e-10, 1e-10) if case.endswith("float64") else (1e-5, 5e-5)
+    rtol, atol = (1e-10, 1e-10) if case.endswith("float64") else (1e-5, 5e-5)  # kernels: float32
     torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
 
 
@@ -350,3 +384,37 @@ def test_a_method_that_compares_heads_is_refused_on_every_rank(world, case):
     kind, message = same_on_every_rank(world, case)
     assert kind == "refused" and f"method {name!r}" in message and f"{world} ranks" in message
     assert one_process(case)[0] != "refused"
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line
+
+
+def demo(*flags: str, ranks: int = 0) -> subprocess.CompletedProcess:
+    """`python -m nanodllm demo FLAGS`, under torchrun with `ranks` CPU processes (0: plain python)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks else [sys.executable]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([*launcher, "-m", "nanodllm", "demo", *flags], capture_output=True, text=True, env=env,
+                          timeout=SPAWN_TIMEOUT, cwd=FIXTURES.parents[1])
+
+
+def answers(output: str) -> list[str]:
+    """The demo's report lines, timings left out."""
+    return [line for line in output.splitlines() if line and "tokens/s" not in line and "speed" not in line]
+
+
+def test_the_demo_split_over_two_processes_reports_one_process_answers_once():
+    flags = ("--method", "mage", "--gen-length", "16", "--length", "256")
+    single, split = demo(*flags), demo(*flags, "--tp", "2", ranks=2)
+    assert single.returncode == 0 and split.returncode == 0, split.stderr[-2000:]
+    expected = answers(single.stdout)
+    assert answers(split.stdout) == [expected[0] + ", split over 2 ranks", *expected[1:]]
+
+
+@pytest.mark.parametrize("flags, ranks, message", [
+    (("--tp", "2"), 0, "--tp 2 needs 2 processes (torchrun --nproc-per-node 2 ...); this run has 1"),
+    (("--method", "maskkv", "--tp", "2"), 2, "method 'maskkv'"),
+])
+def test_the_demo_refuses_a_split_it_cannot_run(flags, ranks, message):
+    done = demo(*flags, ranks=ranks)
+    assert done.returncode == (1 if ranks else 2) and message in done.stderr, done.stderr[-2000:]  # torchrun: 1
