@@ -47,11 +47,11 @@ class Group:
             dist.all_reduce(x, group=self.process_group)
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., n] on each rank -> [..., world * n], the ranks' parts in rank order."""
-        parts = [torch.empty_like(x) for _ in range(self.world)]
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """x of n along dim on each rank -> world * n along dim, the ranks' parts in rank order."""
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.process_group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
 
 
 SINGLE = Group()

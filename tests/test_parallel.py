@@ -8,7 +8,7 @@ Across CPU processes on gloo (spawned here once per size, 2 and 4 ranks, every r
 case): the logits of a ragged batch equal one process's (float64 within 1e-10, float32 within its
 noise) on every fixture and on random models, dense and mixture of experts; each family's loop decodes
 one process's tokens on every rank, dense and with the head-local methods (block engine: MAGE, Quest,
-SparseD, MOMO at their defaults and at a tiny budget; masked engine: Fast-dLLM, Sparse-dLLM per
+SparseD, MOMO at their defaults and at a tiny budget; masked engine: Fast-dLLM, dLLM-Cache, SnapKV, Sparse-dLLM per
 head), with each rank's KV cache holding its share of the KV heads; the methods that compare heads
 are refused by name. Where 4 ranks do not divide a fixture's KV heads its cases check the refusal.
 """
@@ -49,8 +49,9 @@ SPAWN_TIMEOUT = 300  # seconds for one spawned group to run every case
 # tiny budgets on every layer, as tests/test_contract.py's (the masked engine's: one head-local method each)
 BLOCK_METHODS = {"mage": dict(k=1, exact_layers=0), "quest": dict(k=2, page_size=2, exact_layers=0),
                  "sparsed": dict(k=1, exact_layers=0, exact_fraction=0.5), "momo": dict(MOMO_GRID, k=1)}
-MASKED_METHODS = {"fast_dllm": {}, "sparse_dllm": dict(per_head=True, ratio=0.1, delay=1)}
-CROSS_HEAD = {"maskkv": dict(budget=2), "snapkv": dict(budget=2), "dllm_cache": {}, "dyllm": {}, "sparse_dllm": {}}
+MASKED_METHODS = {"fast_dllm": {}, "sparse_dllm": dict(per_head=True, ratio=0.1, delay=1), "dllm_cache": {},
+                  "dllm_cache-tiny": dict(rho=0.5, response_interval=8), "snapkv": {}, "snapkv-tiny": dict(budget=2)}
+CROSS_HEAD = {"maskkv": dict(budget=2), "dyllm": {}, "sparse_dllm": {}}
 
 
 def random_config(name: str) -> ModelConfig:
@@ -144,7 +145,7 @@ CASES = {
        for name, tiny in BLOCK_METHODS.items() for budget, knobs in (("default", {}), ("tiny", tiny))},
     **{f"decode/sdar/{name}-tiny": functools.partial(decoded, "sdar", name, tiny)
        for name, tiny in BLOCK_METHODS.items()},
-    **{f"decode/llada_tiny/{name}": functools.partial(decoded, "llada_tiny", name, knobs)
+    **{f"decode/llada_tiny/{name}": functools.partial(decoded, "llada_tiny", name.split("-")[0], knobs)
        for name, knobs in MASKED_METHODS.items()},
     **{f"refused/llada_tiny/{name}": functools.partial(decoded, "llada_tiny", name, knobs)
        for name, knobs in CROSS_HEAD.items()},

@@ -17,7 +17,8 @@ first response logits read the prompt's last row as the last refresh left it. A 
 part of the prompt's K/V, chosen at step 0 (prompt_kept: MaskKV, SnapKV).
 Hooks: begin_block (block 0: a new generation), step (from the layer primitives), logits, step_kind
 (the steps between prompt refreshes), kv_kept (what step 0 kept), rows_computed.
-Equals dense token for token when prompt_interval = response_interval = 1.
+Equals dense token for token when prompt_interval = response_interval = 1. Heads split over ranks: each
+drift test gathers the response's new and cached values of every KV head (two all-gathers per layer).
 Knobs (paper defaults): prompt_interval T_p = 50, response_interval T_r = 5, rho = 0.25. The paper
 decodes LLaDA with block length 8, a loop setting (--block-length).
 """
@@ -32,6 +33,7 @@ import torch
 from kernels import value_drift
 
 from ..attention import attention, use_kernels
+from ..parallel import SINGLE, Group, group_of
 from .base import Method, StepContext
 from .common import check_int, overwrite, put_heads, put_rows, take_heads, take_rows
 
@@ -63,10 +65,13 @@ class Plan(NamedTuple):
     drifted: int  # how many drifted rows
 
 
-def drifted_rows(values: torch.Tensor, cached_values: torch.Tensor, count: int) -> torch.Tensor:
-    """[batch, count] indices of the response rows whose value vectors (all KV heads together) have the
-    lowest cosine similarity to the cached ones, most drifted first (ties: the lower row); the cached
-    values are then replaced by the new ones (kernels/value_drift.py)."""
+def drifted_rows(values: torch.Tensor, cached_values: torch.Tensor, count: int, group: Group = SINGLE) -> torch.Tensor:
+    """[batch, count] response rows whose values (all KV heads: gathered in order where ranks split them)
+    have the lowest cosine to the cached ones, most drifted first; the new values replace the cached."""
+    if group.world > 1:
+        rows = drifted_rows(group.all_gather(values, dim=1), group.all_gather(cached_values, dim=1), count)
+        cached_values.copy_(values)
+        return rows
     if use_kernels(values):
         return value_drift.most_drifted(value_drift.value_drift(values, cached_values), count)
     return value_drift.most_drifted_reference(value_drift.value_drift_reference(values, cached_values), count)
@@ -74,16 +79,15 @@ def drifted_rows(values: torch.Tensor, cached_values: torch.Tensor, count: int) 
 
 def same_layout(cache: LayerCache, slots: int, key_mask: torch.Tensor | None) -> bool:
     """Whether `slots` keys per head (and key_mask) fit the cache's buffers as they are."""
-    if cache.keys.shape[2] != slots or (cache.key_mask is None) != (key_mask is None):
-        return False
-    return key_mask is None or cache.key_mask.shape == key_mask.shape
+    old_mask = cache.key_mask
+    masks_fit = key_mask is None if old_mask is None else key_mask is not None and old_mask.shape == key_mask.shape
+    return cache.keys.shape[2] == slots and masks_fit
 
 
 class DllmCache(Method):
     name = "dllm_cache"
     engines = ("masked",)
     needs_bidirectional = True
-    cross_head = "ranks rows by how far their values moved over all KV heads together"
 
     def __init__(self, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):
         check_int(1, prompt_interval=prompt_interval, response_interval=response_interval)
@@ -113,7 +117,7 @@ class DllmCache(Method):
         return None if plan.refresh_prompt else plan
 
     def step(self, model, ctx: StepContext) -> torch.Tensor:
-        plan, width = self.plan(ctx), ctx.prompt_width
+        plan, width, self.group = self.plan(ctx), ctx.prompt_width, group_of(model)  # group: the ranks, if split
         if ctx.t == 0:  # step 0 attends to the whole prompt and chooses again what it keeps
             self.kept = []
         x_p = rope_p = None
@@ -172,7 +176,7 @@ class DllmCache(Method):
         """Fresh values for every response row; fresh keys (written in place) and queries for the
         `count` rows whose values drifted most. Returns (queries, rows)."""
         k_cached, v_cached = cache.response_kv()
-        rows = drifted_rows(layer.value(h_r), v_cached, count)
+        rows = drifted_rows(layer.value(h_r), v_cached, count, self.group)
         if not count:
             return None, rows
         q_rows, k_rows = layer.qk(take_rows(h_r, rows), rope_r.rows(rows))
@@ -196,18 +200,14 @@ class DllmCache(Method):
             return
         cache = LayerCache(torch.cat([k_kept, k_r], dim=2), torch.cat([v_kept, v_r], dim=2), key_mask,
                            None if old is None else old.attn_out, None if old is None else old.mlp_out)
-        if old is None:
-            self.layers.append(cache)
-        else:
-            self.layers[i] = cache
+        self.layers[i : i + 1] = [cache]  # replaces layer i's, or appends it
 
     def keep_prompt(self, i, k_p, v_p):
         """The prompt K/V layer i keeps, with their key mask (None: it hides nothing)."""
         kept = self.kept[i] if i < len(self.kept) else None
         if kept is None:
             return k_p, v_p, self.prompt_padding
-        indices, mask = kept
-        return take_heads(k_p, indices), take_heads(v_p, indices), mask
+        return take_heads(k_p, kept[0]), take_heads(v_p, kept[0]), kept[1]  # (indices, key mask)
 
     def keep_part_of_prompt(self, i, q_p, q_r, ctx):
         """Step 0, after layer i's exact attention: what of the prompt it keeps from now on, as

@@ -83,7 +83,7 @@ class MaskKV(DllmCache):
     """Builds on dLLM-Cache: its cached steps, over the prompt K/V that mask voting keeps."""
 
     name = "maskkv"
-    cross_head = "shares each layer's budget out between heads by their attention mass, and ranks rows by drift"
+    cross_head = "shares each layer's budget out between heads by their attention mass"
 
     def __init__(self, budget: int = 256, alpha: float = 0.1, beta: float = 0.4, boundary_layers: int | None = None,
                  profile: str | None = None, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):

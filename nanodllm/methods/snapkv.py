@@ -14,7 +14,8 @@ rank first, the latest first). Every layer and head keeps `budget` prompt tokens
 to them plus the response, as MaskKV's do.
 
 Hooks: dLLM-Cache's; prompt_kept (the window's votes, one budget for every head).
-Equals dllm_cache on every row whose prompt is at most the budget long.
+Equals dllm_cache on every row whose prompt is at most the budget long. Heads split over ranks: each
+head chooses alone; only dLLM-Cache's drift test communicates.
 Knobs (SnapKV defaults): budget = 256, window = 32, pool = 5 (1 = no pooling); prompt_interval,
 response_interval, rho as dllm_cache.
 """
