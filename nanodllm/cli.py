@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .attention import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from .config import GenerationConfig, ModelConfig
@@ -166,9 +167,10 @@ def check_fits(cfg: ModelConfig, tokens: int, batch: int, device: torch.device, 
     return None
 
 
-def tensor_parallel(tp: int, data_parallel: bool = False) -> Group:
-    """This process's Group for `--tp tp`: SINGLE for 1, else the ranks torchrun started (one GPU each on
-    NCCL, else CPU processes on gloo). A world other than tp (data_parallel: other than a multiple of tp),
+def tensor_parallel(tp: int, data_parallel: bool = False) -> tuple[Group, int, int]:
+    """(this process's Group, its replica, how many replicas) for `--tp tp` under torchrun (one GPU each on
+    NCCL, CPU processes on gloo): ranks [r tp, (r + 1) tp) hold replica r, each a model split over tp ranks.
+    Without torchrun (SINGLE, 0, 1). A world other than tp (data_parallel: other than a multiple of tp),
     or more processes than GPUs, is refused naming both numbers."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if (world % tp if data_parallel else world != tp) or tp < 1:
@@ -178,7 +180,13 @@ def tensor_parallel(tp: int, data_parallel: bool = False) -> Group:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world > 1 and torch.cuda.is_available() and torch.cuda.device_count() < local:
         raise ValueError(f"{local} processes on this machine need a GPU each; it has {torch.cuda.device_count()}")
-    return from_torchrun() if world > 1 else SINGLE
+    if world == 1:
+        return SINGLE, 0, 1
+    rank = from_torchrun().rank
+    if tp == world:
+        return Group(rank, world), 0, 1
+    groups = [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(world // tp)]  # every rank makes all
+    return Group(rank % tp, tp, groups[rank // tp]), rank // tp, world // tp
 
 
 def available_ram() -> int:

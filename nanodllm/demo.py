@@ -120,7 +120,7 @@ def main(argv=None, prog=None) -> int:
             threshold=default_threshold(cfg) if args.threshold is None else args.threshold,
         )
         check_steps(gen, is_block)
-        group = tensor_parallel(args.tp)
+        group = tensor_parallel(args.tp)[0]
         check_method(get_method(args.method, **knobs), cfg, world=group.world)
         tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
         prompt, answer = args.prompt, None

@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -23,17 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from . import recall, tasks
 from .attention import CanvasMask
 from .cli import (available_device, check_fits, check_steps, output_file, positive_int, positive_ints, run_main,
-                  write_whole)
+                  tensor_parallel, write_whole)
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import check_method, engine_of, until_stop
 from .generation import generate
 from .loader import load_model
 from .methods import METHODS, get_method, parse_knobs
 from .methods.maskkv import PROFILE_NAME, layer_importance
+from .parallel import SINGLE, Group, group_of
 from .tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -103,9 +106,10 @@ class Outcome:
 class Runner:
     """A loaded model, its tokenizer and engine, and the generation settings."""
 
-    def __init__(self, model_dir: Path, device: str, dtype: torch.dtype, gen: GenerationConfig | None, context=None):
-        self.model_dir = model_dir
-        self.model = load_model(model_dir, device, dtype, context=context)
+    def __init__(self, model_dir: Path, device: str, dtype: torch.dtype, gen: GenerationConfig | None, context=None,
+                 group: Group = SINGLE, replica: int = 0, replicas: int = 1):
+        self.model_dir, self.replica, self.replicas = model_dir, replica, replicas  # chunks i % replicas == replica
+        self.model = load_model(model_dir, device, dtype, context=context, group=group)
         cfg = self.model.cfg
         self.tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
         self.is_block = engine_of(cfg) == "block"
@@ -119,7 +123,7 @@ class Runner:
 
     def check_engine(self, method_name: str):
         """A clear error when the method does not run on this model's engine."""
-        check_method(METHODS[method_name], self.model.cfg)
+        check_method(METHODS[method_name], self.model.cfg, world=group_of(self.model).world)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
@@ -152,8 +156,8 @@ class Journal:
     each finishes and deleted when the whole run completes. The first line holds the run's settings;
     a journal of other settings is refused, and a last line cut short by an interruption is dropped."""
 
-    def __init__(self, path: Path, settings: dict):
-        self.path, self.done = path, {}
+    def __init__(self, path: Path, settings: dict, writes: bool = True):
+        self.path, self.done, self.writes = path, {}, writes  # writes: False on every rank but the first
         lines = path.read_text().splitlines() if path.exists() else []
         held = json.loads(lines[0]).get("settings", {}) if lines else settings
         if held != settings:
@@ -166,17 +170,20 @@ class Journal:
             except ValueError:
                 break
             self.done[record["key"]] = record
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [json.dumps({"settings": settings})] + [json.dumps(record) for record in self.done.values()]
-        path.write_text("\n".join(kept) + "\n")
+        if writes:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept = [json.dumps({"settings": settings})] + [json.dumps(record) for record in self.done.values()]
+            path.write_text("\n".join(kept) + "\n")
 
     def add(self, record: dict):
-        with self.path.open("a") as file:
-            file.write(json.dumps(record, default=str) + "\n")
+        if self.writes:
+            with self.path.open("a") as file:
+                file.write(json.dumps(record, default=str) + "\n")
 
     def finish(self):
         """The run completed and its results are out: a rerun starts afresh (the code may have changed)."""
-        self.path.unlink(missing_ok=True)
+        if self.writes:
+            self.path.unlink(missing_ok=True)
 
 
 def label(name: str, knobs: dict) -> str:
@@ -216,29 +223,48 @@ def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], ba
     if done_before:
         print(f"resuming from {journal.path}: {len(done_before)} of {len(chunks) * len(methods)} runs done", file=sys.stderr)
     clock, computed = time.perf_counter(), 0
-    for index, chunk in enumerate(chunks):
-        for name in methods:
-            key = f"{name} @ {index * batch}"
-            record = done_before.get(key)
-            if record is None:
-                outcome = runner.generate(chunk, name)
-                record = {"key": key, "scores": outcome.scores, "tokens": outcome.tokens, "kv_kept": outcome.kv_kept,
-                          "seconds": outcome.seconds}
-                computed += 1
-                if journal is not None:
-                    journal.add(record)
-            for i, sample in enumerate(chunk):
-                cell = results[name][(sample.length if sample.task in tasks.TASKS else sample.task, sample.depth)]
-                cell.scores.append(record["scores"][i])
-                cell.tokens.append(record["tokens"][i])
-                cell.kv_kept.append(record["kv_kept"][i])
-                cell.seconds += record["seconds"] / len(chunk)
-        left = (len(chunks) - index - 1) * len(methods)
-        eta = time_left(clock, computed, left)
-        accuracy = ", ".join(f"{name} {accuracy_so_far(cells):.2f}" for name, cells in results.items())
-        print(f"eval: {min((index + 1) * batch, len(samples))}/{len(samples)} samples, accuracy so far: {accuracy}{eta}",
-              file=sys.stderr, flush=True)
+    for first in range(0, len(chunks), runner.replicas):  # a round: one chunk per replica
+        mine, records = first + runner.replica, {}
+        for name in methods if mine < len(chunks) else ():
+            key = f"{name} @ {mine * batch}"
+            records[key] = done_before.get(key) or run_record(runner, chunks[mine], name, key)
+        records = every_replicas(records, runner.replicas)
+        for index in range(first, min(first + runner.replicas, len(chunks))):
+            for name in methods:
+                key = f"{name} @ {index * batch}"
+                record = records[key]
+                if key not in done_before:
+                    computed += 1
+                    if journal is not None:
+                        journal.add(record)
+                for i, sample in enumerate(chunks[index]):
+                    cell = results[name][(sample.length if sample.task in tasks.TASKS else sample.task, sample.depth)]
+                    cell.scores.append(record["scores"][i])
+                    cell.tokens.append(record["tokens"][i])
+                    cell.kv_kept.append(record["kv_kept"][i])
+                    cell.seconds += record["seconds"] / len(chunks[index])
+            left = (len(chunks) - index - 1) * len(methods)
+            eta = time_left(clock, computed, left)
+            accuracy = ", ".join(f"{name} {accuracy_so_far(cells):.2f}" for name, cells in results.items())
+            print(f"eval: {min((index + 1) * batch, len(samples))}/{len(samples)} samples, accuracy so far: "
+                  f"{accuracy}{eta}", file=sys.stderr, flush=True)
     return results
+
+
+def run_record(runner: Runner, chunk: list[tasks.Sample], name: str, key: str) -> dict:
+    """A (method, batch) run as the journal keeps it."""
+    outcome = runner.generate(chunk, name)
+    return {"key": key, "scores": outcome.scores, "tokens": outcome.tokens, "kv_kept": outcome.kv_kept,
+            "seconds": outcome.seconds}
+
+
+def every_replicas(records: dict, replicas: int) -> dict:
+    """Every replica's records of a round, on every rank (one all-gather of Python objects)."""
+    if replicas == 1:
+        return records
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, records)
+    return {key: record for part in parts for key, record in part.items()}
 
 
 def time_left(started: float, computed: int, remaining: int) -> str:
@@ -347,6 +373,9 @@ def parse_args(argv, prog=None):
     parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--journal", type=Path, help="finished runs, for resuming (default: runs/eval-<hash>.jsonl)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="split each model over this many GPUs; with more "
+                        "torchrun processes the samples are shared out over world / tp replicas (torchrun "
+                        "--nproc-per-node 4 -m nanodllm -- eval --tp 2 ...: the -- keeps --n from torchrun)")
     return parser.parse_args(argv)
 
 
@@ -395,10 +424,16 @@ def main(argv=None, prog=None) -> int:
         model_dir = resolve_model(args.model)
         if args.calibrate:
             return print_calibration(model_dir, lengths, args)
-        note = check_fits(ModelConfig.from_dir(model_dir), max(lengths) + 256, args.batch, args.device, DTYPES[args.dtype])
+        group, replica, replicas = tensor_parallel(args.tp, data_parallel=True)
+        first_rank = group.rank == 0 and replica == 0
+        if not first_rank:  # every rank computes its share; the first reports the whole
+            sys.stdout = sys.stderr = open(os.devnull, "w")
+        note = check_fits(ModelConfig.from_dir(model_dir), max(lengths) + 256, args.batch, args.device,
+                          DTYPES[args.dtype], group.world)
         if note:
             print(note, file=sys.stderr)
-        runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
+        runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256, group=group,
+                        replica=replica, replicas=replicas)
         runner.knobs = knobs
         if args.method == "all":
             methods = [m for m in methods if runner.engine_name in METHODS[m].engines]
@@ -420,8 +455,12 @@ def main(argv=None, prog=None) -> int:
                                                    count_tokens=runner.count_tokens)]
         if args.recall:
             return print_recall(runner, samples, [m for m in methods if m != "dense"], args)
-        settings = {name: str(value) for name, value in vars(args).items() if name not in ("plot", "journal")}
-        journal = Journal(args.journal or journal_path("eval", settings), settings)
+        settings = {name: str(value) for name, value in vars(args).items() if name not in ("plot", "journal", "tp")}
+        path = args.journal or journal_path("eval", settings)
+        journal = Journal(path, settings) if first_rank else None
+        if replicas > 1 or group.world > 1:
+            dist.barrier()  # the first rank's journal is on disk
+        journal = journal or Journal(path, settings, writes=False)
         print(f"finished runs are kept in {journal.path}: the same command resumes there", file=sys.stderr)
         results = evaluate(runner, samples, methods, args.batch, journal)
     except (FileNotFoundError, ValueError, TypeError) as err:

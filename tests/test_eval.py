@@ -147,6 +147,7 @@ def test_on_a_gpu_eval_warms_each_method_up_before_timing(capsys):
 
     class Runner:
         device = torch.device("cuda")
+        replica, replicas = 0, 1
         calls = []
 
         def generate(self, chunk, name):

@@ -11,6 +11,8 @@ one process's tokens on every rank, dense and with the head-local methods (block
 SparseD, MOMO at their defaults and at a tiny budget; masked engine: Fast-dLLM, dLLM-Cache, SnapKV, Sparse-dLLM per
 head), with each rank's KV cache holding its share of the KV heads; the methods that compare heads
 are refused by name. Where 4 ranks do not divide a fixture's KV heads its cases check the refusal.
+Under torchrun (2 CPU processes): the demo split over both reports one process's answers once, and
+eval writes one process's table whether the ranks hold two replicas or one split model.
 """
 
 from __future__ import annotations
@@ -419,3 +421,35 @@ def test_the_demo_split_over_two_processes_reports_one_process_answers_once():
 def test_the_demo_refuses_a_split_it_cannot_run(flags, ranks, message):
     done = demo(*flags, ranks=ranks)
     assert done.returncode == (1 if ranks else 2) and message in done.stderr, done.stderr[-2000:]  # torchrun: 1
+
+
+EVAL_FLAGS = ("--model", "tiny-sdar", "--method", "quest", "--n", "4", "--batch", "1", "--lengths", "128",
+              "--gen-length", "8")
+
+
+def evaluated(*flags: str, ranks: int = 0, tmp: Path) -> list[str]:
+    """`nanodllm eval` (under torchrun with `ranks` CPU processes; `--` keeps its --n from torchrun's
+    abbreviations): the report's lines, the speed columns left out."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks else [sys.executable]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    command = [*launcher, "-m", "nanodllm", *(["--"] if ranks else []), "eval", *EVAL_FLAGS, *flags]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=SPAWN_TIMEOUT, cwd=tmp)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not list((tmp / "runs").glob("*.jsonl")), "the journal is removed once the table is out"
+    return [" | ".join(line.split(" | ")[:6]) if line.startswith("|") else line for line in done.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["two replicas", "one model over two ranks"])
+def test_eval_over_two_processes_writes_one_process_table(tp, tmp_path):
+    assert evaluated("--tp", str(tp), ranks=2, tmp=tmp_path) == evaluated(tmp=tmp_path)
+
+
+def test_a_world_that_tp_does_not_divide_is_refused(monkeypatch):
+    from nanodllm.cli import tensor_parallel
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"--tp 2 needs a multiple of 2 processes .*; this run has 3"):
+        tensor_parallel(2, data_parallel=True)
+    with pytest.raises(ValueError, match=r"--tp 3 needs 3 processes"):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        tensor_parallel(3)
