@@ -228,6 +228,9 @@ def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], ba
         for name in methods if mine < len(chunks) else ():
             key = f"{name} @ {mine * batch}"
             records[key] = done_before.get(key) or run_record(runner, chunks[mine], name, key)
+            if key not in done_before and journal is not None:
+                journal.add(records[key])  # as it finishes: an interruption loses no finished run of this rank
+        journaled = set(records)
         records = every_replicas(records, runner.replicas)
         for index in range(first, min(first + runner.replicas, len(chunks))):
             for name in methods:
@@ -235,7 +238,7 @@ def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], ba
                 record = records[key]
                 if key not in done_before:
                     computed += 1
-                    if journal is not None:
+                    if journal is not None and key not in journaled:
                         journal.add(record)
                 for i, sample in enumerate(chunks[index]):
                     cell = results[name][(sample.length if sample.task in tasks.TASKS else sample.task, sample.depth)]
