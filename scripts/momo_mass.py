@@ -1,44 +1,16 @@
 """Captured attention mass of MOMO's block mask against the oracle block mask and mean pooling, on a
-tiny model's real queries and keys or on structured synthetic ones (the paper's Fig. 2e / the issue's
-accuracy bar).
+tiny model's real queries and keys or on structured synthetic ones (the paper's Fig. 2e; the method
+and the tables: docs/results/momo_mass.md).
 
     python scripts/momo_mass.py --model tiny-sdar --lengths 2048,4096 --n 4 --k 4
     python scripts/momo_mass.py --synthetic --lengths 32768,65536,131072 --mask causal,block --k 128
 
-Model mode: every layer and head of a prefill over passkey prompts. Synthetic mode: the inputs below,
-on --device (CUDA: bfloat16, MOMO's mask from the Triton kernels; CPU: float32, small lengths only).
-Let P be the dense attention probabilities. A block mask (per query block of chi rows, a set of key
-blocks of beta keys) captures
-    mass = mean over rows of the sum of P over the keys the row's query block keeps (and the mask allows).
-MOMO's mask is steps 1-2 of methods/momo.py (trimmed union of the sampled rows' top-k plus the
-diagonal blocks; --trim picks its ranking). The oracle keeps, per query block, as many key blocks as
-MOMO kept there, chosen by their true mass over the block's rows; the oracle with diagonals keeps the
-diagonal blocks, as MOMO and mean pooling must (a causal row sees its own key), and fills the same
-count with the best others by true mass, so it sets selection against selection where the diagonal
-blocks are a large part of a small budget. Mean pooling (the paper's baseline) ranks key blocks by the
-dot product of the query block's mean query with the key block's mean key (visible blocks only,
-diagonal blocks forced), same count. P is never formed whole: its block masses are summed over chunks of about
-2^28 / n query rows (fp32 scores against the keys those rows may see), per head.
-Prints mass / oracle mass for MOMO and mean pooling per length against both oracles (averaged over
-layers, heads, prompts);
-synthetic rows add the seconds for MOMO's mask, the masses and pooling (the first includes Triton's compile).
-Model rows add a diagnostic that is not MOMO: the trim ranking every key block by its mean score over
-all sampled rows of the query block, where Algorithm 2 averages only over the rows whose top-k chose it
-(the QSA pass computes every block's score but keeps only the k best per row).
-
-Synthetic inputs (deterministic from --seed + length): Gaussian noise of std --noise in every
-coordinate of q [1, heads, n, d] and k [1, kv_heads, n, d], plus, per KV head (its query heads share it):
-  vertical stripes: 32 anchor keys (positions 0-3 and 28 drawn at random) carry a direction u in the
-    first 16 coordinates, every query carries u too: anchor scores q . k / sqrt(d) gain --sink-logit;
-  slash lines: the other coordinates carry a vector w of equal-energy pairs, RoPE-rotated (base 10000):
-    key j holds R(j) w, query i holds the sum of R(i - o) w over offsets o = 0 (the local window) and two
-    drawn log-uniformly in [64, n / 4], so the scores gain --slash-logit * sum_o c(i - j - o) with
-    c(D) = the mean over the pairs' frequencies of cos(frequency D): 1 on the line, falling about like
-    1 - ln|D| / ln 10000 near it (a halo), ripples of std 0.1 far from it (|D| > 10^4).
-At the defaults (10, 8, 1) a row's mass lies partly on the anchors and the rest on the lines and
-spread out (halos, ripples, noise), so the best k key blocks hold most of it but not all, less so at
-longer lengths. The table's "oracle mass" is over all rows (early rows see fewer than k blocks: all
-of their mass).
+Model mode: every layer and head of a prefill over passkey prompts, on the CPU; its rows add the
+trim ranking every key block by its mean score over all sampled rows of the query block (a
+diagnostic, not MOMO). Synthetic mode (structured_qk) on --device (CUDA: bfloat16, MOMO's mask from
+the Triton kernels; CPU: float32, small lengths only); its rows add the seconds taken (the first
+includes Triton's compile). The dense probabilities are never formed whole: their block masses are
+summed over chunks of query rows (chunked_block_mass).
 """
 
 from __future__ import annotations
@@ -74,7 +46,13 @@ def rope(vector, positions, base=10000.0):
 
 
 def structured_qk(n, heads, kv_heads, head_dim, seed, sink_logit=10.0, slash_logit=8.0, noise=1.0):
-    """The synthetic q [1, heads, n, d] and k [1, kv_heads, n, d] (float32, CPU) of the module docstring."""
+    """Synthetic q [1, heads, n, d] and k [1, kv_heads, n, d] (float32, CPU): Gaussian noise of std `noise`,
+    plus, per KV head (its query heads share it), vertical stripes: 32 anchor keys (positions 0-3 and
+    28 drawn at random) carry a direction u in the first 16 coordinates, as does every query, so anchor
+    scores q . k / sqrt(d) gain sink_logit; and slash lines: the other coordinates carry equal-energy
+    pairs w, RoPE-rotated (base 10000): key j holds R(j) w, query i the sum of R(i - o) w over offsets
+    o = 0 and two drawn log-uniformly in [64, n / 4], so scores gain slash_logit x the mean over the
+    pairs' frequencies of cos(frequency (i - j - o)): 1 on a line, a halo near it, ripples far off."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(1, heads, n, head_dim, generator=generator) * noise
     k = torch.randn(1, kv_heads, n, head_dim, generator=generator) * noise
