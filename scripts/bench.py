@@ -5,7 +5,7 @@ Triton kernels through TRITON_INTERPRET=1): a smoke test whose numbers mean noth
 
     python scripts/bench.py kernels | mage | maskkv | sparse_dllm | dyllm | momo | routing [--quick] [--out DIR]
     python scripts/bench.py moe [--generate llada2-mini | sdar-30b-a3b]
-    python scripts/bench.py e2e [--settings paper | warm_start] [--repeats N] [--methods M ...] [--report-only]
+    python scripts/bench.py e2e [--settings paper | warm_start] [--repeats N] [--methods M ...]
     python scripts/bench.py dyllm_salient [--length 1024] [--n 8] [--tau 0.99]    # tiny-llada, on a CPU
     python scripts/bench.py tune [--out kernels/tuned.json]    # flash_attention's settings for this GPU
 """
@@ -24,31 +24,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # where the sections a
 from harness import REPO, Setup  # noqa: E402
 from nanodllm.cli import help_text, output_file, output_folder, positive_int, run_main, unit_fraction  # noqa: E402
 
-MODEL_SMOKE = "a tiny model: a smoke test (CPU: eager timing)"
-SHAPES_SMOKE = "tiny shapes: a smoke test (CPU: TRITON_INTERPRET=1)"
-SECTIONS = {  # name: (module, the title of its Markdown file, --help, what --quick runs)
+SECTIONS = {  # name: (module, the title of its Markdown file, what --help says of it)
     "kernels": ("bench_kernels", "Attention, norm and RoPE kernels against their floors and torch",
-                "attention, norm and RoPE kernels vs torch and their floors", SHAPES_SMOKE),
+                "attention, norm and RoPE kernels vs torch and their floors"),
     "mage": ("bench_mage", "MAGE, Quest and SparseD on the block engine (sdar-8b shapes)",
-             "time per output block: exact, MAGE, Quest, SparseD (sdar-8b preset)", MODEL_SMOKE),
+             "time per output block: exact, MAGE, Quest, SparseD (sdar-8b preset)"),
     "maskkv": ("bench_maskkv", "MaskKV, dLLM-Cache and vanilla on the masked engine (llada-8b shapes)",
-               "tokens/s and peak memory: vanilla, dllm_cache, MaskKV (llada-8b preset)", MODEL_SMOKE),
+               "tokens/s and peak memory: vanilla, dllm_cache, MaskKV (llada-8b preset)"),
     "sparse_dllm": ("bench_sparse_dllm", "Sparse-dLLM, Fast-dLLM's prefix and dual caches and vanilla on the "
                     "masked engine (llada-8b shapes)", "tokens/s and peak memory at 1K-32K: vanilla, fast_dllm "
-                    "prefix / dual, sparse_dllm (llada-8b preset)", MODEL_SMOKE),
+                    "prefix / dual, sparse_dllm (llada-8b preset)"),
     "dyllm": ("bench_dyllm", "DyLLM's sparse steps vs vanilla and Fast-dLLM's dual cache (llada-8b shapes)",
-              "DyLLM sparse steps at fixed salient fractions vs vanilla and fast_dllm dual (llada-8b preset, "
-              "512 + 256 tokens, batch 1 and 16)", MODEL_SMOKE),
+              "DyLLM sparse steps at fixed salient fractions vs vanilla and fast_dllm dual (llada-8b preset)"),
     "dyllm_salient": ("bench_dyllm", "DyLLM's salient tokens per layer across the steps",
-                      "DyLLM's salient fraction per layer and step on tiny-llada (CPU), for plot_results.py",
-                      "passkey 256, 2 prompts"),
+                      "DyLLM's salient fraction per layer and step on tiny-llada (CPU), for plot_results.py"),
     "momo": ("bench_momo", "MOMO's prefill attention vs SDPA and our dense kernel",
-             "MOMO prefill attention vs SDPA and the dense kernel at 32K-128K", SHAPES_SMOKE),
-    "moe": ("bench_moe", "The mixture-of-experts MLP", "MoE MLP grouped vs per-expert loop vs floor", MODEL_SMOKE),
+             "MOMO prefill attention vs SDPA and the dense kernel at 32K-128K"),
+    "moe": ("bench_moe", "The mixture-of-experts MLP", "MoE MLP grouped vs per-expert loop vs floor"),
     "routing": ("bench_routing", "Which attention kernel nanodllm/attention.py picks",
-                "flash vs split-KV decode vs SDPA on the shapes attention() routes", SHAPES_SMOKE),
+                "flash vs split-KV decode vs SDPA on the shapes attention() routes"),
     "e2e": ("bench_e2e", "Generations as a user runs them",
-            "generate() in new processes, every method, beside dense and transformers", MODEL_SMOKE),
+            "generate() in new processes, every method, beside dense and transformers"),
 }
 
 
@@ -56,9 +52,10 @@ def parser_of_sections() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     command = {}
-    for name, (_, _, help, smoke) in SECTIONS.items():
-        command[name] = commands.add_parser(name, help=help)
-        command[name].add_argument("--quick", action="store_true", help=smoke)
+    for name, (_, _, summary) in SECTIONS.items():
+        command[name] = commands.add_parser(name, help=summary)
+        command[name].add_argument("--quick", action="store_true", help="tiny shapes or a tiny model, on any machine "
+                                   "(a CPU runs the kernels through TRITON_INTERPRET=1): a smoke test")
         command[name].add_argument("--out", type=output_folder, help="directory for the JSON + Markdown (default: "
                                    "docs/results, or a new temporary directory with --quick)")
     command["dyllm"].add_argument("--fractions", type=unit_fraction, nargs="+",
@@ -82,10 +79,9 @@ def parser_of_sections() -> argparse.ArgumentParser:
     e2e.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration's process may take "
                      "before its row is given up (default 900)")
     e2e.add_argument("--journal", type=Path, help="the journal of finished rows (default: runs/e2e-<hash>.jsonl)")
-    e2e.add_argument("--report-only", action="store_true", help="write the tables from the journal of an earlier "
-                     "--settings paper run (rows it lacks are listed as not run); runs nothing, needs no GPU")
     tune = commands.add_parser("tune", help="measure flash_attention's launch settings on this GPU")
-    tune.add_argument("--out", type=output_file, default=REPO / "kernels" / "tuned.json")
+    tune.add_argument("--out", type=output_file, default=REPO / "kernels" / "tuned.json",
+                      help="the settings file to merge this GPU's choices into (default: kernels/tuned.json)")
     return parser
 
 
@@ -109,19 +105,18 @@ def main():
         parser.error("e2e --methods picks rows of --settings warm_start only")
     if getattr(args, "generate", None) and not cuda:
         parser.error(f"{args.command} --generate runs on a GPU only (CUDA events and graphs), and torch sees none here")
-    on_cpu = args.command == "dyllm_salient" or getattr(args, "report_only", False)
-    if not (args.quick or cuda or on_cpu):
+    if not (args.quick or cuda or args.command == "dyllm_salient"):
         sys.exit(f"bench.py {args.command}: the full run times 8B shapes on a GPU; on a CPU run it with --quick")
-    module, title, _, _ = SECTIONS[args.command]
+    module, title, _ = SECTIONS[args.command]
     setup = Setup(args, f"Real generations on {args.generate}" if getattr(args, "generate", None) else title)
     if args.command not in ("e2e", "dyllm_salient"):  # e2e's header follows its journal's machine record
         setup.header(command_line(sys.argv[1:]))
     stem = getattr(importlib.import_module(module), args.command)(setup)
     if stem:
         setup.report.write(args.out, f"{stem}_quick" if args.quick else stem, setup.meta)
-    if setup.report.failed:
-        sys.exit(f"bench.py {args.command}: {len(setup.report.failed)} part(s) failed: {'; '.join(setup.report.failed)}. "
-                 f"The tables that finished are written to {args.out}.")
+    if failed := setup.report.failed:
+        sys.exit(f"bench.py {args.command}: {len(failed)} part(s) failed: {'; '.join(failed)}. The tables that "
+                 f"finished are written to {args.out}.")
 
 
 if __name__ == "__main__":

@@ -80,8 +80,9 @@ def dyllm(setup):
     canvas_steps = sum(t >= FULL_STEPS and t % 4 == 0 for t in range(steps))  # feed the whole canvas
     response_steps = steps - FULL_STEPS - canvas_steps
     setup.report.say(f"Copy {bandwidth:.0f} GB/s, matmul {matmul_rate:.0f} TFLOP/s. Prompt {shapes['prompt']} + "
-                     f"{response} generated tokens, {steps} steps, blocks of {block}. DyLLM: {FULL_STEPS} full steps, "
-                     f"then {canvas_steps} sparse steps over the whole canvas and {response_steps} over the response.\n")
+                     f"{response} generated tokens, {steps} steps, blocks of {block}. DyLLM: {FULL_STEPS} full "
+                     f"steps, then {canvas_steps} sparse steps over the whole canvas and {response_steps} over the "
+                     "response.\n")
     step_rows, rows = [], []
     for batch in shapes["batches"]:
         ctx = canvas_context(cfg, shapes["prompt"], response, block, device, batch=batch)

@@ -335,13 +335,10 @@ def paper(setup) -> list[str]:
     runs = SETTINGS[settings]
     path = args.journal or journal_path("e2e", {"settings": settings, "meta": meta["device"]})
     key = {"settings": settings, "device": meta["device"]}  # rows of another GPU are never mixed in
-    journal = open_journal(path, key) if path.exists() or not args.report_only else None
-    if args.report_only and (journal is None or "machine" not in journal.done):
-        sys.exit(f"bench.py e2e --report-only: no journal of a run at {path}")
+    journal = open_journal(path, key)
     meta.update(machine_record(journal, setup), settings=settings)
-    failed = [] if args.report_only else run_rows(runs, journal, lambda run: in_new_process(run, 2, args.timeout))
-    done = [(run, journal.done.get(run.label(), {"result": {"skipped": "no measurement in the journal"}})["result"])
-            for run in runs]
+    failed = run_rows(runs, journal, lambda run: in_new_process(run, 2, args.timeout))
+    done = [(run, journal.done[run.label()]["result"]) for run in runs]
     bandwidth, matmul_rate = meta["copy_GBps"], meta["matmul_TFLOPs"]
     ran = [(run, paper_row(run, result, bandwidth, matmul_rate)) for run, result in done if "skipped" not in result]
     add_ratios([row for _, row in ran], [run for run, _ in ran])
@@ -358,7 +355,7 @@ def paper(setup) -> list[str]:
     skipped = [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]
     if skipped:
         report.say("Not run: " + "; ".join(skipped) + "\n")
-    if not failed and not args.report_only and len(ran) + len(skipped) == len(runs):
+    if not failed:
         journal.finish()
     return failed
 
@@ -420,8 +417,6 @@ def warm_start(setup) -> list[str]:
 def e2e(setup) -> str:
     """The tables of --settings; the rows that failed are the report's failures (a rerun runs them again)."""
     args = setup.args
-    if args.report_only and args.settings != "paper":
-        sys.exit("bench.py e2e --report-only rebuilds the --settings paper table only")
     setup.report.failed += paper(setup) if args.settings == "paper" else warm_start(setup)
     return f"bench_e2e_{args.settings}" + ("_" + "_".join(args.methods) if args.methods else "")
 

@@ -122,7 +122,8 @@ def bench_sparse(setup, shapes, caches, bandwidth, dense_us):
                                                              index_block=unit))
             torch_us = setup.timer(lambda: gather_then_sdpa(q, k_cache, v_cache, tokens))
             rows.append({"batch": batch, "k": count, "index_block": unit, "ours us": us, "gather+SDPA us": torch_us,
-                         "floor us": read_bytes / bandwidth / 1e3, "% of copy BW": 100 * read_bytes / us / 1e3 / bandwidth,
+                         "floor us": read_bytes / bandwidth / 1e3,
+                         "% of copy BW": 100 * read_bytes / us / 1e3 / bandwidth,
                          "speedup vs gather+SDPA": torch_us / us,
                          "speedup vs dense decode": dense_us.get((batch, prefix), float("nan")) / us})
     setup.report.table(f"Sparse block decode (P = {kilo(prefix)})", rows,

@@ -22,7 +22,7 @@ import torch
 
 import nanodllm.attention as attention_module
 import nanodllm.graphs as graphs_module
-from harness import logits, read_bytes
+from harness import logits, read_bytes, too_big
 from kernels.top_k import top_k_positions
 from nanodllm.cache import KVCache
 from nanodllm.config import GenerationConfig
@@ -37,7 +37,6 @@ QUICK = dict(contexts=(96, 200), batches=(1, 2), block=8, steps=4, k=32)
 QUICK_SDAR = dict(model_type="sdar", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, intermediate_size=256, vocab_size=256, mask_token_id=255,
                   block_size=8, max_position_embeddings=1024)
-HEADROOM_BYTES = 6 << 30  # activations, graph pools, the allocator's slack
 GENERATION_BLOCKS = 7  # per timed generation: the first (recordings) and six timed blocks
 
 
@@ -124,7 +123,8 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
     autotunes; their median and range. Graphed: every method; eager: exact and MAGE."""
     prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     size, steps = shapes["block"], shapes["steps"]
-    methods = [("exact", "dense", {}), ("MAGE", "mage", knobs), ("Quest", "quest", knobs), ("SparseD", "sparsed", knobs)]
+    methods = [("exact", "dense", {}), ("MAGE", "mage", knobs), ("Quest", "quest", knobs),
+               ("SparseD", "sparsed", knobs)]
     runs = [(*method, True) for method in methods] + [(*method, False) for method in methods[:2]]
 
     def run(name, method_knobs, blocks, events):
@@ -160,20 +160,18 @@ def mage(setup):
     model = build_random(cfg, device=device, dtype=dtype)
     weight_bytes, weights_read = sum(p.numel() * p.element_size() for p in model.parameters()), read_bytes(model)
     setup.report.say(f"{cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads, d = "
-                     f"{cfg.head_dim}, random weights {weight_bytes / 1e9:.2f} GB; copy bandwidth {bandwidth:.0f} GB/s.\n")
+                     f"{cfg.head_dim}, random weights {weight_bytes / 1e9:.2f} GB; copy bandwidth {bandwidth:.0f} "
+                     "GB/s.\n")
     per_key = 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8  # K + V bytes, one layer
     sparse_layers = cfg.num_layers - knobs["exact_layers"]
     steps, rows, step_rows, selection_rows, first_blocks = shapes["steps"], [], [], [], None
-    total_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     graphs_module.GRAPHS_ENABLED = False  # each step is timed as the Timer's graph (no graph inside a graph)
     for context in shapes["contexts"]:
         for batch in shapes["batches"]:
             kv_bytes = batch * (context + shapes["block"]) * per_key * cfg.num_layers
             kv_bytes += kv_bytes // 16  # Quest's page bounds: min and max of K per 16 keys = (K + V) / 16
-            if total_memory and weight_bytes + kv_bytes + HEADROOM_BYTES > total_memory:
-                setup.report.say(f"- context {context}, batch {batch}: skipped, weights {weight_bytes / 2**30:.1f} "
-                                 f"GiB + KV cache {kv_bytes / 2**30:.1f} GiB + {HEADROOM_BYTES >> 30} GiB headroom "
-                                 f"exceed the device's {total_memory / 2**30:.1f} GiB")
+            if why := too_big(device, weight_bytes, kv_bytes):
+                setup.report.say(f"- context {context}, batch {batch}: skipped, {why}")
                 continue
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -200,16 +198,17 @@ def mage(setup):
                               "MAGE step 2..T us": times["sparse"], "sparse floor us": sparse_floor,
                               "MAGE 2..T / floor": times["sparse"] / sparse_floor, "Quest step us": times["quest"],
                               "peak GiB": peak})
-            rows.append({"context": context, "batch": batch, **{f"{name} ms/block": us / 1e3 for name, us in blocks.items()},
+            rows.append({"context": context, "batch": batch,
+                         **{f"{name} ms/block": us / 1e3 for name, us in blocks.items()},
                          **{f"MAGE vs {name}": blocks[name] / blocks["MAGE"]
                             for name in ("SDPA exact", "exact", "Quest", "SparseD")}})
             del ctx
             setup.free()
     setup.report.table("Steps", step_rows,
-                       f"Microseconds per denoising step of the whole model (CUDA graph, L2 flushed), k = {knobs['k']}, "
-                       f"{knobs['exact_layers']} exact layers. 'step-1 overhead' = MAGE's first step (exact attention, "
-                       "then key scores + top-k on a side stream) over an exact step; 'one stream': side streams off. "
-                       "Peak = max allocated during the configuration.")
+                       f"Microseconds per denoising step of the whole model (CUDA graph, L2 flushed), k = "
+                       f"{knobs['k']}, {knobs['exact_layers']} exact layers. 'step-1 overhead' = MAGE's first step "
+                       "(exact attention, then key scores + top-k on a side stream) over an exact step; 'one stream': "
+                       "side streams off. Peak = max allocated during the configuration.")
     if selection_rows:
         setup.report.table("Top-k selection", selection_rows,
                            f"One layer's selection (k = {knobs['k']} of every prefix key per KV head): torch's topk + "

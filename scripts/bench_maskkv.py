@@ -139,7 +139,8 @@ def maskkv(setup):
             "peak GiB": reference_peak, "peak vs vanilla": reference_peak / vanilla_peak,
             "peak vs reference vanilla": 1.0}))
         if context == min(shapes["contexts"]):  # a real generation per method, host overhead included
-            prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+            prompt = torch.randint(0, cfg.mask_token_id, (context,),
+                                   generator=torch.Generator().manual_seed(1)).tolist()
             config = GenerationConfig(gen_length=gen, block_length=shapes["block_length"], steps=gen)
             for name in ("dllm_cache", "maskkv"):
                 method = get_method(name, **(maskkv_knobs if name == "maskkv" else {}))

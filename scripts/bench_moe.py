@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from bench_mage import GENERATION_BLOCKS, HEADROOM_BYTES, block_clock, mark
+from bench_mage import GENERATION_BLOCKS, block_clock, mark
+from harness import too_big
 import nanodllm.graphs as graphs_module
 from nanodllm.config import GenerationConfig, ModelConfig, preset
 from nanodllm.generation import generate
@@ -180,17 +181,11 @@ def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict
     return rows
 
 
-def fits(model, context, batch, shapes) -> tuple[bool, str]:
-    """Whether the weights, a KV cache for the generation and HEADROOM_BYTES fit the device."""
-    cfg = model.cfg
-    element = next(model.parameters()).element_size()
-    weights = sum(p.numel() for p in model.parameters()) * element
+def kv_cache_bytes(model, context, batch, shapes) -> int:
+    """A KV cache for a generation of GENERATION_BLOCKS + 1 blocks after `context` tokens."""
+    cfg, element = model.cfg, next(model.parameters()).element_size()
     tokens = batch * (context + (GENERATION_BLOCKS + 1) * shapes["block"])
-    kv = tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
-    total = torch.cuda.get_device_properties(0).total_memory
-    need = weights + kv + HEADROOM_BYTES
-    return need <= total, (f"weights {weights / 2**30:.1f} GiB + KV cache {kv / 2**30:.1f} GiB + "
-                           f"{HEADROOM_BYTES >> 30} GiB headroom exceed the device's {total / 2**30:.1f} GiB")
+    return tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
 
 
 def moe_mlp(setup):
@@ -223,11 +218,11 @@ def moe_generation(setup):
     report.say(f"Copy bandwidth {bandwidth:.0f} GB/s (measured now).\n")
     cfg = moe_config(name, max(shapes["contexts"]) + (GENERATION_BLOCKS + 2) * shapes["block"], shapes["block"])
     model = build_random(cfg, device=setup.device, dtype=torch.bfloat16)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for context in shapes["contexts"]:
         rows = []
         for batch in shapes["batches"]:
-            ok, why = fits(model, context, batch, shapes)
-            if not ok:
+            if why := too_big(setup.device, weight_bytes, kv_cache_bytes(model, context, batch, shapes)):
                 report.say(f"- {context} tokens x batch {batch}: skipped, {why}\n")
                 continue
             try:

@@ -139,27 +139,20 @@ def kilo(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def metadata(quick: bool) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    interpreted = ", TRITON_INTERPRET=1" if os.environ.get("TRITON_INTERPRET") == "1" else ""
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-                  f"CPU ({platform.machine()}){interpreted}",
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "dtype": "bfloat16" if device.type == "cuda" else "float32", "quick": quick,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-
-
 class Setup:
     """What a section is given: its flags, the device and dtype (float32 on a CPU: the interpreter's
     bf16 dot is wrong), the run's metadata, the Timer, the Report and the measured ceilings."""
 
     def __init__(self, args, title: str = ""):
         self.args, self.quick, self.title = args, args.quick, title
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.meta, self.report = metadata(args.quick), Report()
+        cuda = torch.cuda.is_available()
+        self.device, self.dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+        interpreted = ", TRITON_INTERPRET=1" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+        machine = torch.cuda.get_device_name(self.device) if cuda else f"CPU ({platform.machine()}){interpreted}"
+        self.meta = {"device": machine, "torch": torch.__version__, "triton": triton.__version__,
+                     "cuda": torch.version.cuda, "dtype": str(self.dtype).removeprefix("torch."), "quick": args.quick,
+                     "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.report = Report()
 
     @cached_property
     def timer(self) -> Timer:
@@ -259,6 +252,16 @@ def step_floor(cfg, model, ceilings):
     params = weights // model.embed_tokens.weight.element_size()
     flops = lambda rows, keys: 2 * params * rows + 4 * cfg.num_layers * cfg.hidden_size * keys
     return lambda rows, keys: max(weights / bandwidth / 1e3, flops(rows, keys) / matmul_rate / 1e6)
+
+
+def too_big(device, weight_bytes: int, kv_bytes: int) -> str | None:
+    """Why the weights, a KV cache and headroom for activations, graph pools and the allocator's slack do
+    not fit the GPU; None if they do (or on a CPU)."""
+    total, headroom = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0, 6 << 30
+    if total and weight_bytes + kv_bytes + headroom > total:
+        return (f"weights {weight_bytes / 2**30:.1f} GiB + KV cache {kv_bytes / 2**30:.1f} GiB + {headroom >> 30} GiB "
+                f"headroom exceed the device's {total / 2**30:.1f} GiB")
+    return None
 
 
 def generation_seconds(model, prompt, gen, method, device) -> float:

@@ -130,6 +130,12 @@ def _norm(gen, dim):
     return 0.5 + torch.rand(dim, generator=gen)  # in [0.5, 1.5): never all ones
 
 
+def _swiglu(gen, prefix, d, f, names=("gate_proj", "up_proj", "down_proj")) -> dict[str, torch.Tensor]:
+    """A SwiGLU MLP's gate, up and down weights, drawn in that order."""
+    return {f"{prefix}{names[0]}.weight": _linear(gen, f, d), f"{prefix}{names[1]}.weight": _linear(gen, f, d),
+            f"{prefix}{names[2]}.weight": _linear(gen, d, f)}
+
+
 def llada_weights(gen) -> dict[str, torch.Tensor]:
     """Checkpoint-named tensors in the order the real shards hold them."""
     c = LLADA_CONFIG
@@ -145,9 +151,7 @@ def llada_weights(gen) -> dict[str, torch.Tensor]:
         w[p + "v_proj.weight"] = _linear(gen, kv, d)
         w[p + "attn_out.weight"] = _linear(gen, d, d)
         w[p + "ff_norm.weight"] = _norm(gen, d)
-        w[p + "ff_proj.weight"] = _linear(gen, f, d)
-        w[p + "up_proj.weight"] = _linear(gen, f, d)
-        w[p + "ff_out.weight"] = _linear(gen, d, f)
+        w.update(_swiglu(gen, p, d, f, ("ff_proj", "up_proj", "ff_out")))
     w["model.transformer.ln_f.weight"] = _norm(gen, d)
     w["model.transformer.ff_out.weight"] = _linear(gen, v, d)
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
@@ -178,9 +182,7 @@ def qwen_weights(gen, c: dict, qk_norm: bool, qkv_bias: bool) -> dict[str, torch
             w[p + "self_attn.q_norm.weight"] = 2 * _norm(gen, hd)
             w[p + "self_attn.k_norm.weight"] = 2 * _norm(gen, hd)
         w[p + "post_attention_layernorm.weight"] = _norm(gen, d)
-        w[p + "mlp.gate_proj.weight"] = _linear(gen, f, d)
-        w[p + "mlp.up_proj.weight"] = _linear(gen, f, d)
-        w[p + "mlp.down_proj.weight"] = _linear(gen, d, f)
+        w.update(_swiglu(gen, p + "mlp.", d, f))
     w["model.norm.weight"] = _norm(gen, d)
     w["lm_head.weight"] = _linear(gen, v, d)
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
@@ -188,12 +190,9 @@ def qwen_weights(gen, c: dict, qk_norm: bool, qkv_bias: bool) -> dict[str, torch
 
 def expert_weights(gen, prefix: str, c: dict, count: int) -> dict[str, torch.Tensor]:
     """One gate/up/down tensor per expert, as the released MoE checkpoints store them."""
-    d, f = c["hidden_size"], c["moe_intermediate_size"]
     w = {}
     for e in range(count):
-        w[f"{prefix}experts.{e}.gate_proj.weight"] = _linear(gen, f, d)
-        w[f"{prefix}experts.{e}.up_proj.weight"] = _linear(gen, f, d)
-        w[f"{prefix}experts.{e}.down_proj.weight"] = _linear(gen, d, f)
+        w.update(_swiglu(gen, f"{prefix}experts.{e}.", c["hidden_size"], c["moe_intermediate_size"]))
     return w
 
 
@@ -213,17 +212,12 @@ def llada2_weights(gen) -> dict[str, torch.Tensor]:
         w[p + "attention.dense.weight"] = _linear(gen, d, q)
         w[p + "post_attention_layernorm.weight"] = _norm(gen, d)
         if i < c["first_k_dense_replace"]:
-            w[p + "mlp.gate_proj.weight"] = _linear(gen, f, d)
-            w[p + "mlp.up_proj.weight"] = _linear(gen, f, d)
-            w[p + "mlp.down_proj.weight"] = _linear(gen, d, f)
+            w.update(_swiglu(gen, p + "mlp.", d, f))
             continue
         w[p + "mlp.gate.weight"] = _linear(gen, c["num_experts"], d, gain=3.0)
         w[p + "mlp.gate.expert_bias"] = 0.3 * torch.randn(c["num_experts"], generator=gen)
         w.update(expert_weights(gen, p + "mlp.", c, c["num_experts"]))
-        shared = c["moe_intermediate_size"] * c["num_shared_experts"]
-        w[p + "mlp.shared_experts.gate_proj.weight"] = _linear(gen, shared, d)
-        w[p + "mlp.shared_experts.up_proj.weight"] = _linear(gen, shared, d)
-        w[p + "mlp.shared_experts.down_proj.weight"] = _linear(gen, d, shared)
+        w.update(_swiglu(gen, p + "mlp.shared_experts.", d, c["moe_intermediate_size"] * c["num_shared_experts"]))
     w["model.norm.weight"] = _norm(gen, d)
     w["lm_head.weight"] = _linear(gen, v, d)
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}

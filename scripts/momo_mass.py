@@ -5,9 +5,8 @@ and the tables: docs/results/momo_mass.md).
     python scripts/momo_mass.py --model tiny-sdar --lengths 2048,4096 --n 4 --k 4
     python scripts/momo_mass.py --synthetic --lengths 32768,65536,131072 --mask causal,block --k 128
 
-Model mode: every layer and head of a prefill over passkey prompts, on the CPU; its rows add the
-trim ranking every key block by its mean score over all sampled rows of the query block (a
-diagnostic, not MOMO). Synthetic mode (structured_qk) on --device (CUDA: bfloat16, MOMO's mask from
+Model mode: every layer and head of a prefill over passkey prompts, on the CPU. Synthetic mode
+(structured_qk) on --device (CUDA: bfloat16, MOMO's mask from
 the Triton kernels; CPU: float32, small lengths only); its rows add the seconds taken (the first
 includes Triton's compile). The dense probabilities are never formed whole: their block masses are
 summed over chunks of query rows (chunked_block_mass).
@@ -28,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanodllm.cli import (available_device, help_text, output_file, positive_int, positive_ints, run_main,  # noqa: E402
                           write_whole)
 from nanodllm.attention import CanvasMask  # noqa: E402
-from nanodllm.methods.momo import (block_scores, dense_mask, diagonal_blocks, kept_blocks,  # noqa: E402
-                                   measure_and_mask, measure_on_kernels, scaled_scores)
+from nanodllm.methods.momo import (dense_mask, diagonal_blocks, kept_blocks, measure_and_mask,  # noqa: E402
+                                   measure_on_kernels)
 
 ANCHORS, ANCHOR_DIMS = 32, 16
 COLUMNS = ("| MOMO / oracle | mean pooling / oracle | MOMO / oracle with diagonals | mean pooling / oracle with "
@@ -160,46 +159,21 @@ def mass_ratios(mass, keep, pool_scores, n, chi, beta):
             "pool diagonals": pool / best_with_diagonals, "oracle": best, "kept": float(counts.float().mean())}
 
 
-def all_rows_scores(q, k, mask_block, gamma, chi, beta):
-    """[batch, heads, query blocks, key blocks]: each key block's eq. 4 score averaged over every
-    sampled row of the query block (rows that see none of the block excluded); small n only."""
-    n = q.shape[2]
-    sampled = torch.arange(0, n, gamma, device=q.device)
-    full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
-    scores = block_scores(scaled_scores(q[:, :, sampled], k, None if full is None else full[:, :, sampled]), beta)
-    rows_per_block = chi // gamma
-    query_blocks = -(-len(sampled) // rows_per_block)
-    padded = torch.nn.functional.pad(scores, (0, 0, 0, query_blocks * rows_per_block - len(sampled)),
-                                     value=float("-inf"))
-    grouped = padded.view(*scores.shape[:2], query_blocks, rows_per_block, scores.shape[-1])
-    seen = grouped > float("-inf")
-    total = torch.where(seen, grouped, 0.0).sum(3)
-    return torch.where(seen.any(3), total / seen.sum(3).clamp(min=1), float("-inf"))
-
-
-def measure(q, k, mask_block, args, all_rows=False):
-    """mass_ratios of one forward's q [batch, heads, n, d], k [batch, kv_heads, n, d] (and, with
-    all_rows, the diagnostic trim's ratio)."""
+def measure(q, k, mask_block, args):
+    """mass_ratios of one forward's q [batch, heads, n, d], k [batch, kv_heads, n, d]."""
     n, chi, beta = q.shape[2], args.chi, args.beta
     keep = momo_keep(q, k, mask_block, args)
     mass = chunked_block_mass(q, k, mask_block, chi, beta)
     positions = torch.arange(n, device=q.device)
     visible = sees(torch.clamp(positions[::chi] + chi, max=n) - 1, positions[::beta], mask_block)
-    ratios = mass_ratios(mass, keep, mean_pooling_scores(q, k, chi, beta, visible), n, chi, beta)
-    if all_rows:
-        scores = all_rows_scores(q, k, mask_block, args.gamma, chi, beta)
-        chosen = best_per_query_block(scores.masked_fill(diagonal_blocks(n, chi, beta, q.device), float("inf")),
-                                      keep.sum(-1))
-        ratios["all rows"] = captured(mass, chosen, n) / ratios["oracle"]
-    return ratios
+    return mass_ratios(mass, keep, mean_pooling_scores(q, k, chi, beta, visible), n, chi, beta)
 
 
 def table_row(first_columns, results, n, beta):
     mean = lambda key: sum(result[key] for result in results) / len(results)
-    extra = f" {mean('all rows'):.4f} |" if "all rows" in results[0] else ""
     return (f"| {' | '.join(map(str, first_columns))} | {mean('momo'):.4f} | {mean('pool'):.4f} | "
             f"{mean('momo diagonals'):.4f} | {mean('pool diagonals'):.4f} | {mean('oracle'):.4f} | "
-            f"{mean('kept'):.1f} of {-(-n // beta)} |{extra}")
+            f"{mean('kept'):.1f} of {-(-n // beta)} |")
 
 
 def layer_queries_and_keys(model, ids, positions, mask):
@@ -227,8 +201,8 @@ def model_table(args):
     block_size = model.cfg.block_size if model.cfg.attention == "block_causal" else None
     yield (f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = {args.k}, "
            f"k_trim = {args.k_trim} key blocks, trim {args.trim}\n")
-    yield f"| length | prompts {COLUMNS} trim over all sampled rows / oracle (diagnostic) |"
-    yield "|---|---|---|---|---|---|---|---|---|"
+    yield f"| length | prompts {COLUMNS}"
+    yield "|---|---|---|---|---|---|---|---|"
     for length in args.lengths:
         results = []
         samples = tasks.make_samples("passkey", length, args.n, args.seed + length,
@@ -238,7 +212,7 @@ def model_table(args):
             n = ids.shape[1]
             mask = CanvasMask(block_size=block_size) if block_size else None
             for q, k in layer_queries_and_keys(model, ids, torch.arange(n)[None], mask):
-                results.append(measure(q, k, block_size, args, all_rows=True))
+                results.append(measure(q, k, block_size, args))
         yield table_row([length, len(samples)], results, n, args.beta)
 
 

@@ -209,7 +209,7 @@ def test_a_failed_benchmark_row_is_named_and_retried_by_a_rerun(tmp_path, monkey
     bad = dataclasses.replace(good, method="no_such_method")
     monkeypatch.setitem(bench_e2e.SETTINGS, "paper_quick", [good, bad])
     journal = tmp_path / "e2e.jsonl"
-    args = argparse.Namespace(quick=True, report_only=False, journal=journal, timeout=300.0, settings="paper")
+    args = argparse.Namespace(quick=True, journal=journal, timeout=300.0, settings="paper")
     assert bench_e2e.paper(harness.Setup(args)) == [bad.label()]
     kept = [json.loads(line).get("key") for line in journal.read_text().splitlines()[1:]]
     assert kept == ["machine", good.label()]
