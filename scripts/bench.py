@@ -56,8 +56,8 @@ def parser_of_sections() -> argparse.ArgumentParser:
         command[name] = commands.add_parser(name, help=summary)
         command[name].add_argument("--quick", action="store_true", help="tiny shapes or a tiny model, on any machine "
                                    "(a CPU runs the kernels through TRITON_INTERPRET=1): a smoke test")
-        command[name].add_argument("--out", type=output_folder, help="directory for the JSON + Markdown (default: "
-                                   "docs/results, or a new temporary directory with --quick)")
+        command[name].add_argument("--out", type=output_folder, help="the folder to write the results into "
+                                   "(default: docs/results, or a new temporary folder with --quick)")
     command["dyllm"].add_argument("--fractions", type=unit_fraction, nargs="+",
                                   help="salient fractions (default 0.1 0.25 0.5)")
     command["dyllm_salient"].add_argument("--length", type=positive_int, default=1024)

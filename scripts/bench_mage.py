@@ -22,11 +22,10 @@ import torch
 
 import nanodllm.attention as attention_module
 import nanodllm.graphs as graphs_module
-from harness import logits, read_bytes, too_big
+from harness import GENERATION_BLOCKS, logits, read_bytes, timed_generation, too_big
 from kernels.top_k import top_k_positions
 from nanodllm.cache import KVCache
 from nanodllm.config import GenerationConfig
-from nanodllm.generation import generate
 from nanodllm.graphs import Replayed
 from nanodllm.loader import build_random
 from nanodllm.methods import Dense, Mage, Quest, get_method
@@ -37,7 +36,6 @@ QUICK = dict(contexts=(96, 200), batches=(1, 2), block=8, steps=4, k=32)
 QUICK_SDAR = dict(model_type="sdar", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, intermediate_size=256, vocab_size=256, mask_token_id=255,
                   block_size=8, max_position_embeddings=1024)
-GENERATION_BLOCKS = 7  # per timed generation: the first (recordings) and six timed blocks
 
 
 def block_context(cfg, batch, context, block, steps, device, dtype) -> StepContext:
@@ -99,24 +97,6 @@ def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
     }
 
 
-def mark(events: list):
-    """Append a CUDA event recorded now on the current stream."""
-    events.append(torch.cuda.Event(enable_timing=True))
-    events[-1].record()
-
-
-def block_clock(method, events: list):
-    """Make method.begin_block mark `events` as each block begins."""
-    begin = method.begin_block
-
-    def begin_timed(ctx):
-        mark(events)
-        begin(ctx)
-
-    method.begin_block = begin_timed
-    return method
-
-
 def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> list[dict]:
     """Milliseconds per block of block.generate at batch 1 (random prompt, temperature 0, no stop token)
     inside one generation of GENERATION_BLOCKS blocks, after a warm-up generation that compiles and
@@ -127,20 +107,16 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
                ("SparseD", "sparsed", knobs)]
     runs = [(*method, True) for method in methods] + [(*method, False) for method in methods[:2]]
 
-    def run(name, method_knobs, blocks, events):
+    def run(name, method_knobs, blocks):
         gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=steps, temperature=0.0,
                                threshold=None)
-        generate(model, [prompt], gen, block_clock(get_method(name, **method_knobs), events), stop_ids=())
-        mark(events)
-        torch.cuda.synchronize()
+        return timed_generation(model, [prompt], gen, get_method(name, **method_knobs))[0]
 
     rows = []
     for label, name, method_knobs, graphed in runs:
         graphs_module.GRAPHS_ENABLED = graphed
-        run(name, method_knobs, 2, [])  # a compile in a later block would show in the range, not the median
-        events = []
-        run(name, method_knobs, GENERATION_BLOCKS, events)
-        block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[1:-1], events[2:]))
+        run(name, method_knobs, 2)  # a compile in a later block would show in the range, not the median
+        block_ms = run(name, method_knobs, GENERATION_BLOCKS)
         ms = statistics.median(block_ms)
         rows.append({"context": context, "method": label, "graphs": graphed, "ms/block": ms,
                      "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}", "ms per forward": ms / (steps + 1),

@@ -21,11 +21,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from bench_mage import GENERATION_BLOCKS, block_clock, mark
-from harness import too_big
+from harness import GENERATION_BLOCKS, timed_generation, too_big
 import nanodllm.graphs as graphs_module
 from nanodllm.config import GenerationConfig, ModelConfig, preset
-from nanodllm.generation import generate
 from nanodllm.loader import build_random
 from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
@@ -135,43 +133,36 @@ def kv_fraction_read(label: str, method, stats: dict, cfg) -> float:
 
 
 def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict]:
-    """block.generate for each method, one random prompt of `context` tokens per row, no stop token:
-    a CUDA event before the call and as each block begins. ms/block: the median of the blocks after
-    the first (where the engine records its graphs); prefill: the call's start to the first block. A
-    warm-up generation of the exact engine, eager, first compiles and tunes every shape the prefill
-    and the exact steps use and counts the experts each step touches."""
+    """block.generate for each method (harness.timed_generation), one random prompt of `context` tokens
+    per row: ms/block, the median of the blocks after the first. A warm-up generation of the exact
+    engine, eager, first compiles and tunes every shape the prefill and the exact steps use and counts
+    the experts each step touches."""
     cfg = model.cfg
     prompts = [torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(row)).tolist()
                for row in range(batch)]
     size, warm_blocks = shapes["block"], 2
 
-    def run(method, blocks, events) -> dict:
-        """The generation's stats."""
+    def run(method, blocks):
         gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=shapes["steps"], threshold=None)
-        mark(events)
-        stats = generate(model, prompts, gen, block_clock(method, events), stop_ids=()).stats
-        mark(events)
-        torch.cuda.synchronize()
-        return stats
+        return timed_generation(model, prompts, gen, method)
 
     touched, remove_hooks = count_touched_experts(model, batch * size)
     graphs_module.GRAPHS_ENABLED = False
-    run(Dense(), warm_blocks, [])
+    run(Dense(), warm_blocks)
     graphs_module.GRAPHS_ENABLED = True
     remove_hooks()
     touched_mean = statistics.mean(touched)
     rows = []
     for label, make in methods_to_run(shapes["ks"]):
-        events, method = [], make()
+        method = make()
         torch.cuda.reset_peak_memory_stats()
-        stats = run(method, GENERATION_BLOCKS, events)
-        block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[2:-1], events[3:]))
+        block_ms, prefill_s, stats = run(method, GENERATION_BLOCKS)
         ms = statistics.median(block_ms)
         kv_fraction = kv_fraction_read(label, method, stats, cfg)
         floor = block_floor_ms(model, context, batch, shapes, touched_mean, kv_fraction, bandwidth)
         rows.append({"model": name, "context": context, "batch": batch, "method": label, "ms/block": ms,
                      "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}", "floor ms/block": floor,
-                     "ms / floor": ms / floor, "prefill s": events[0].elapsed_time(events[1]) / 1e3,
+                     "ms / floor": ms / floor, "prefill s": prefill_s,
                      "peak GiB": torch.cuda.max_memory_allocated() / 2**30})
     for row in rows:
         row["vs exact"] = rows[0]["ms/block"] / row["ms/block"]

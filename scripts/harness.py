@@ -264,6 +264,32 @@ def too_big(device, weight_bytes: int, kv_bytes: int) -> str | None:
     return None
 
 
+GENERATION_BLOCKS = 7  # a timed generation: the first block (where the engine records its graphs), six timed
+
+
+def timed_generation(model, prompts, gen, method) -> tuple[list[float], float, dict]:
+    """block.generate with CUDA events before the call, as each block begins and after the call: the
+    milliseconds of each block after the first (where the engine records its graphs), sorted; the
+    seconds before the first block (the prefill); the generation's stats."""
+    events, begin = [], method.begin_block
+
+    def mark():
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
+
+    def begin_timed(ctx):
+        mark()
+        begin(ctx)
+
+    method.begin_block = begin_timed
+    mark()
+    stats = generate(model, prompts, gen, method, stop_ids=()).stats
+    mark()
+    torch.cuda.synchronize()
+    block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[2:-1], events[3:]))
+    return block_ms, events[0].elapsed_time(events[1]) / 1e3, stats
+
+
 def generation_seconds(model, prompt, gen, method, device) -> float:
     """Wall time of the second of two generations by one method object: the first compiles and
     autotunes; the timed one records its CUDA graphs again (each generation records its own)."""
