@@ -306,7 +306,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
         size is chosen from it. Default lengths.max().item(), one device sync.
     num_splits: how many key slices per row (upper bound); default from the SM count.
     tiles: overrides of default_tiles' launch parameters (BLOCK_M, BLOCK_N, num_warps, num_stages),
-        for benchmark sweeps (scripts/bench.py).
+        for launch sweeps (the tests run a few).
 
     Returns out [batch, num_heads, L, D] in q's dtype (laid out [batch, L, num_heads, D]: merge_splits)
     and, if return_lse, lse [batch, num_heads, L]

@@ -30,8 +30,8 @@ LOG2_E = math.log2(math.e)  # host side: folded into the scale
 LN_2 = tl.constexpr(math.log(2.0))  # kernel side: lse back from base 2 (kernels read only constexpr globals)
 
 # The tuning space per head dim (kernels/tuning.py measures it once per machine; kernels/tuned.json
-# ships the choices for some GPUs); it holds the tiles that won some key in `python scripts/tune.py`,
-# plus one that fits float32 inputs. Prefill is compute-bound, so the tiles are the largest that keep
+# ships the choices for some GPUs); it holds the tiles that won some key in `python scripts/bench.py
+# tune`, plus one that fits float32 inputs. Prefill is compute-bound, so the tiles are the largest that keep
 # one CTA per SM fed: BLOCK_M = 128 query rows (two warpgroups of 64 rows for sm_90's wgmma at
 # 8 warps) and BLOCK_N = 64 or 128 keys. Shared memory bounds the pipeline depth: at D = 128 (16-bit)
 # Q takes 32 KB and each stage of K + V 2 * BLOCK_N * 256 B, so BLOCK_N = 128 fits 3 stages (224 KB)

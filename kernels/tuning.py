@@ -6,7 +6,7 @@ the setting for a key up, in this order:
 1. the choices this process has made;
 2. the user's cache, `tuning.json` in $NANODLLM_CACHE_DIR (default $XDG_CACHE_HOME/nanodllm, else
    ~/.cache/nanodllm), rewritten after each measurement;
-3. the settings shipped in kernels/tuned.json (measured by `python scripts/tune.py`);
+3. the settings shipped in kernels/tuned.json (measured by `python scripts/bench.py tune`);
 4. a measurement of every candidate (triton.testing.do_bench), said once per process on stderr,
    then kept in 1 and 2.
 Both files map GPU name -> kernel name -> key -> setting (the key is the caller's shape bucket as

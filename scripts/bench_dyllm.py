@@ -1,39 +1,38 @@
 """`python scripts/bench.py dyllm`: DyLLM's sparse steps on the llada-8b preset (random bf16 weights),
-512-token prompts + 256 response tokens, batch 1 and 16, against vanilla and Fast-dLLM's dual cache.
-
-Random weights make saliency meaningless, so the sparse steps run with the salient fraction fixed
-per layer (the `salient_fraction` knob: the lowest-cosine rows of each layer) at 10%, 25% and 50%
-(and at whatever `--fractions` lists, e.g. those measured on tiny-llada). A generation is 256 steps,
-blocks of 32 (LLaDA's setting, one token per step): vanilla runs 256 full steps; DyLLM 4 full steps,
-then sparse steps that feed the whole canvas when t % 4 == 0 and only the response otherwise;
-fast_dllm dual per block one building full step and 31 cached steps. Each kind of step is timed with
-CUDA events, host overhead included, and the generation assembled. Steps run as the engine runs
-them, through one nanodllm/graphs.py Replayed per method: Fast-dLLM's cached step and DyLLM's
-fixed-fraction sparse steps (fixed shapes, no host syncs) replay CUDA graphs; each is also timed with
-graphs off ("eager" rows), in the same run.
-Floor per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate), FLOPs counted per row as
-DyLLM computes them: Q and o_proj for every fed row, K/V and the FFN for the salient rows, exact
+512-token prompts + 256 response tokens, batch 1 and 16, against vanilla and Fast-dLLM's dual cache
+(docs/results/bench_dyllm.md). Random weights make saliency meaningless, so the salient fraction is
+fixed per layer (the `salient_fraction` knob) at 10%, 25%, 50% or --fractions. Each kind of step is
+timed with CUDA events, host overhead included, as the engine runs it (one Replayed per method: the
+dual cache's cached step and DyLLM's sparse steps replay CUDA graphs; 'eager' rows: graphs off), and
+a generation assembled. Floor per step: max(weight bytes / copy bandwidth, FLOPs / matmul rate),
+FLOPs as DyLLM computes them: Q and o_proj for every fed row, K/V and the FFN for the salient rows,
 attention for the salient rows over all keys.
+
+`python scripts/bench.py dyllm_salient`: the salient fraction of the fed rows per layer after each
+sparse step of one tiny-llada generation over n passkey prompts (CPU float32; the paper's Fig. 7),
+written to dyllm_salient.json for scripts/plot_results.py.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import torch
 
 import nanodllm.graphs as graphs_module
-from bench_maskkv import canvas_context, eager_us, logits
-from nanodllm.config import ModelConfig, preset
-from nanodllm.loader import build_random
+from harness import QUICK_LLADA, canvas_context, eager_us, logits, read_bytes
+from nanodllm import tasks
+from nanodllm.cli import write_whole
+from nanodllm.eval import Runner, resolve_model
 from nanodllm.graphs import Replayed
+from nanodllm.loader import build_random
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
 
 FULL = dict(prompt=512, gen_length=256, block_length=32, batches=(1, 16), fractions=(0.1, 0.25, 0.5))
 QUICK = dict(prompt=48, gen_length=16, block_length=4, batches=(1, 2), fractions=(0.25,))
-QUICK_MODEL = dict(model_type="llada", d_model=128, n_layers=3, n_heads=4, n_kv_heads=4, mlp_hidden_size=256,
-                   vocab_size=256, mask_token_id=255, eos_token_id=254, max_sequence_length=1024)
+FULL_STEPS = 4  # DyLLM's dense steps before the sparse ones
 
 
 def linear_flops(cfg) -> dict:
@@ -45,10 +44,10 @@ def linear_flops(cfg) -> dict:
 
 
 def graphs_on_and_off(name):
-    """Yields (row name, enabled) with CUDA graphs on, then off ('<name> eager'); leaves them on."""
+    """Yields the row name with CUDA graphs on, then off ('<name> eager'); leaves them on."""
     for enabled in (True, False):
         graphs_module.GRAPHS_ENABLED = enabled
-        yield (name if enabled else f"{name} eager"), enabled
+        yield name if enabled else f"{name} eager"
     graphs_module.GRAPHS_ENABLED = True
 
 
@@ -61,19 +60,15 @@ def timed_twice_warm(fn, device) -> float:
 
 
 @torch.no_grad()
-def bench_dyllm(args, timer, report, measure_rates, meta):
-    device = timer.device
-    shapes = QUICK if args.quick else FULL
-    fractions = tuple(args.fractions) if getattr(args, "fractions", None) else shapes["fractions"]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = ModelConfig.from_dict(QUICK_MODEL) if args.quick else preset("llada-8b")
-    bandwidth, matmul_rate = measure_rates()
-    meta.update(copy_GBps=bandwidth, matmul_TFLOPs=matmul_rate, shapes=shapes, fractions=fractions)
-    model = build_random(cfg, device=device, dtype=dtype)
-    embed = model.embed_tokens.weight
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
-    flops = linear_flops(cfg)
-    width, response = shapes["prompt"] + shapes["gen_length"], shapes["gen_length"]
+def dyllm(setup):
+    device, shapes = setup.device, QUICK if setup.quick else FULL
+    fractions = tuple(setup.args.fractions) if setup.args.fractions else shapes["fractions"]
+    cfg = setup.model_config(QUICK_LLADA, "llada-8b")
+    bandwidth, matmul_rate = setup.ceilings
+    setup.meta.update(shapes=shapes, fractions=fractions)
+    model = build_random(cfg, device=device, dtype=setup.dtype)
+    weight_bytes, flops = read_bytes(model), linear_flops(cfg)
+    width, response, block = shapes["prompt"] + shapes["gen_length"], shapes["gen_length"], shapes["block_length"]
     attention_flops = lambda rows, keys: 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * rows * keys
 
     def floor_us(batch, fed, salient, attended_rows):
@@ -82,15 +77,15 @@ def bench_dyllm(args, timer, report, measure_rates, meta):
         return max(weight_bytes / bandwidth / 1e3, total / matmul_rate / 1e6)
 
     steps = shapes["gen_length"]
-    blocks = steps // shapes["block_length"]
-    full_kinds = [t for t in range(steps) if t >= 4 and t % 4 == 0]
-    report.say(f"llada-8b shapes, random {str(dtype).removeprefix('torch.')} weights; copy {bandwidth:.0f} GB/s, "
-               f"matmul {matmul_rate:.0f} TFLOP/s. Prompt {shapes['prompt']} + {response} generated tokens, {steps} "
-               f"steps, blocks of {shapes['block_length']}. DyLLM: 4 full steps, then {len(full_kinds)} sparse "
-               f"steps over the whole canvas and {steps - 4 - len(full_kinds)} over the response only.\n")
+    canvas_steps = sum(t >= FULL_STEPS and t % 4 == 0 for t in range(steps))  # feed the whole canvas
+    response_steps = steps - FULL_STEPS - canvas_steps
+    setup.report.say(f"Copy {bandwidth:.0f} GB/s, matmul {matmul_rate:.0f} TFLOP/s. Prompt {shapes['prompt']} + "
+                     f"{response} generated tokens, {steps} steps, blocks of {block}. DyLLM: {FULL_STEPS} full "
+                     f"steps, then {canvas_steps} sparse steps over the whole canvas and {response_steps} over the "
+                     "response.\n")
     step_rows, rows = [], []
     for batch in shapes["batches"]:
-        ctx = canvas_context(cfg, shapes["prompt"], shapes["gen_length"], shapes["block_length"], device, batch=batch)
+        ctx = canvas_context(cfg, shapes["prompt"], response, block, device, batch=batch)
         dense = Replayed(Dense())
         full_us = eager_us(lambda: logits(dense, model, ctx), device)
         full_floor = floor_us(batch, width, width, width)
@@ -99,42 +94,78 @@ def bench_dyllm(args, timer, report, measure_rates, meta):
         build_us = eager_us(lambda: (dual.begin_block(ctx), logits(dual, model, ctx)), device)
         times, floors = {"vanilla": steps * full_us}, {"vanilla": steps * full_floor}
         step_rows += [{"batch": batch, "method": "vanilla", "step": "full", "us": full_us, "floor us": full_floor},
-                      {"batch": batch, "method": "fast_dllm dual", "step": "build",
-                       "us": build_us, "floor us": float("nan")}]
+                      {"batch": batch, "method": "fast_dllm dual", "step": "build", "us": build_us,
+                       "floor us": float("nan")}]
         cached = replace(ctx, step=1)
-        cached_floor = floor_us(batch, shapes["block_length"], shapes["block_length"], shapes["block_length"])
-        for name, enabled in graphs_on_and_off("fast_dllm dual"):
+        cached_floor = floor_us(batch, block, block, block)
+        for name in graphs_on_and_off("fast_dllm dual"):
             cached_us = timed_twice_warm(lambda: logits(dual, model, cached), device)
-            times[name] = blocks * (build_us + (shapes["block_length"] - 1) * cached_us)
+            times[name] = steps // block * (build_us + (block - 1) * cached_us)
             step_rows.append({"batch": batch, "method": name, "step": "cached", "us": cached_us,
                               "floor us": cached_floor})
         for fraction in fractions:
             method = get_method("dyllm", salient_fraction=fraction)
             dyllm_steps = Replayed(method)
             method.begin_block(ctx)
-            for t in range(4):  # the full steps
+            for t in range(FULL_STEPS):
                 logits(dyllm_steps, model, replace(ctx, t=t))
-            for name, enabled in graphs_on_and_off(f"dyllm {fraction:.0%}"):
-                kinds = {}
-                floors[name] = 4 * full_floor
-                for label, t in (("whole canvas", 8), ("response only", 5)):
-                    fed = width if label == "whole canvas" else response
-                    kinds[label] = timed_twice_warm(lambda t=t: logits(dyllm_steps, model, replace(ctx, t=t)), device)
+            for name in graphs_on_and_off(f"dyllm {fraction:.0%}"):
+                times[name], floors[name] = FULL_STEPS * full_us, FULL_STEPS * full_floor
+                for label, t, fed, count in (("whole canvas", 8, width, canvas_steps),
+                                             ("response only", 5, response, response_steps)):
+                    us = timed_twice_warm(lambda t=t: logits(dyllm_steps, model, replace(ctx, t=t)), device)
                     salient = int(fraction * fed + 0.999)
                     floor = floor_us(batch, fed, salient, salient)
-                    step_rows.append({"batch": batch, "method": name, "step": label, "us": kinds[label],
-                                      "floor us": floor})
-                    floors[name] += (len(full_kinds) if label == "whole canvas" else steps - 4 - len(full_kinds)) * floor
-                times[name] = (4 * full_us + len(full_kinds) * kinds["whole canvas"]
-                               + (steps - 4 - len(full_kinds)) * kinds["response only"])
+                    step_rows.append({"batch": batch, "method": name, "step": label, "us": us, "floor us": floor})
+                    times[name] += count * us
+                    floors[name] += count * floor
         for name, us in times.items():
             rows.append({"batch": batch, "method": name, "tokens/s": batch * response / (us / 1e6),
-                         "speedup vs vanilla": times["vanilla"] / us,
-                         "vs fast_dllm dual": times["fast_dllm dual"] / us,
+                         "speedup vs vanilla": times["vanilla"] / us, "vs fast_dllm dual": times["fast_dllm dual"] / us,
                          "x floor": us / floors[name] if name in floors else float("nan")})
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    report.table("Steps", step_rows, "Microseconds per step of the whole model, host overhead included; "
-                 "'eager' rows: CUDA graphs off. "
-                 "Floors: max(weight bytes / copy bandwidth, FLOPs of the rows computed / matmul rate).")
-    report.table("Per generation", rows, "Assembled from the step times; tokens/s counts every row of the batch.")
+        setup.free()
+    setup.report.table("Steps", step_rows, "Microseconds per step of the whole model, host overhead included; "
+                       "'eager' rows: CUDA graphs off. Floors: max(weight bytes / copy bandwidth, FLOPs of the rows "
+                       "computed / matmul rate).")
+    setup.report.table("Per generation", rows, "Assembled from the step times; tokens/s counts every row of the batch.")
+    return "bench_dyllm"
+
+
+def dyllm_salient(setup):
+    """One generation's per-layer salient fractions (a batch of n passkey prompts; 32 tokens, one block of
+    32 steps). Steps t % full_period == 0 feed the whole canvas, the others the response only: their
+    fractions are of different row counts. The first full_steps steps are dense (not recorded)."""
+    args = setup.args
+    length, n = (256, 2) if setup.quick else (args.length, args.n)
+    runner = Runner(resolve_model("tiny-llada"), "cpu", torch.float32, None)
+    runner.knobs = {"tau": args.tau}
+    samples = tasks.make_samples("passkey", length, n, seed=args.seed, count_tokens=runner.count_tokens)
+    methods, history = [], []  # history: (step, each layer's salient fraction of the fed rows) per sparse step
+
+    def record(method):
+        """Keep what the method states after each sparse step (its rows_computed, which the meter reads)."""
+        stated = method.rows_computed
+        method.rows_computed = lambda ctx: noted(ctx, stated(ctx))
+        methods.append(method)
+
+    def noted(ctx, computed):
+        if computed is not None:
+            history.append((ctx.t, computed[0].tolist()))
+        return computed
+
+    outcome = runner.generate(samples, "dyllm", prepare=record)
+    accuracy = sum(outcome.scores) / len(outcome.scores)
+    result = {"model": "tiny-llada", "length": length, "n": n, "tau": args.tau, "accuracy": accuracy,
+              "full_period": methods[0].full_period, "steps": [t for t, _ in history],
+              "per_layer": [fractions for _, fractions in history]}
+    out = args.out / ("dyllm_salient_quick.json" if setup.quick else "dyllm_salient.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_whole(out, lambda partial: partial.write_text(json.dumps(result, indent=1) + "\n"))
+    layers = len(result["per_layer"][0])
+    print(f"tiny-llada, passkey {length}, n {n}, tau {args.tau}: accuracy {accuracy:.3f}\n")
+    print("| step | fed | " + " | ".join(f"layer {i}" for i in range(layers)) + " |")
+    print("|---|---|" + "---|" * layers)
+    for t, fractions in history:
+        fed = "canvas" if t % result["full_period"] == 0 else "response"
+        print(f"| {t} | {fed} | " + " | ".join(f"{f:.2f}" for f in fractions) + " |")
+    print(f"\nwrote {out}")

@@ -1,46 +1,22 @@
-"""`python scripts/bench.py e2e`: what a user sees, real generate() calls in new processes.
-
-Every configuration (an engine, a preset of random bf16 weights, a method, a batch of random prompts
-one token off a multiple of the block, a generation length and step count) runs in new processes.
-Timing is wall clock around generate() with torch.cuda.synchronize(); the model is built before.
-
---settings paper: every method at its paper's setting, one process per configuration timing its first
-generation and a warm one (the second):
-- LLaDA-8B, masked engine, 256 tokens in 256 steps (blocks of 32) after 8K and 32K prompts: dense,
-  Fast-dLLM, dLLM-Cache, MaskKV, SnapKV; Sparse-dLLM at 4K; DyLLM's batch 16 at 512 + 256, decoding
-  1, 2 and 4 tokens per step (256, 128 and 64 steps);
-- SDAR-8B, block engine, 128 tokens (blocks of 32, 32 steps each) after 32K prompts at batch 1 and 4
-  and after a 128K prompt: exact, MAGE, Quest, SparseD, MOMO;
-- the MoE presets, LLaDA2.0-mini and SDAR-30B-A3B, in the block engine after 32K: exact, MAGE, Quest,
-  SparseD;
-- beside each dense group, "transformers": the reference loop on transformers' model of the same
-  architecture with SDPA, holding the same weights (scripts/e2e_peer.py), when transformers is there.
-The masked engine's dense loop and its transformers peer forward the whole canvas at every step, each
-step the same work: they run one step per block and the times are scaled to the row's step count
-(the row says "projected"). Each row: the time to the first finished block, ms per later block, tokens
-per second, peak memory, the ratios to dense and to transformers, and how far from the floor: the work
-no method avoids, one pass over the prompt (2 x parameters x tokens + attention FLOPs over the matmul
-rate) plus one read of the weights per step (or the step's matmuls, if more) over the copy bandwidth.
-Rows are journaled as they finish (runs/e2e-*.jsonl): a rerun of the same command resumes.
-
---settings warm_start: every method once at short settings, each configuration in new processes one
-after the other: the first generates once (what a new process pays where nothing of this
-configuration ran before), then --repeats later ones three times each: a later process's first
-generation is what every later process pays (the bar of the warm start: at most 1 s over a warm one),
-the faster of its other two is its warm time; medians over the later processes. Journaled like the
-paper rows. --quick runs tiny models on the CPU: a smoke test.
-
-Where a later process's first generation spends its extra time: `python scripts/bench_e2e.py --one
-'<a Run as JSON>' --generations 3 --profile DIR` profiles each generation of one process and prints,
-by function, what the first spent beyond the last.
+"""`python scripts/bench.py e2e`: what a user sees, real generate() calls in new processes, each of a
+configuration (engine, preset of random bf16 weights, method, batch of random prompts, generation
+length and steps); wall clock around generate() with torch.cuda.synchronize(), the model built
+before. Rows are journaled as they finish (runs/e2e-*.jsonl): a rerun of the command resumes.
+--settings paper (docs/results/bench_e2e_paper.md): every method at its paper's setting, one process
+per row timing its first generation and a warm one, beside the dense engine and transformers'
+reference loop (scripts/e2e_peer.py) on the same weights; whole-canvas loops run one step per block,
+their times scaled to the row's steps ("projected"). Floor: one pass over the prompt plus, per step,
+the larger of one read of the weights and the step's matmuls.
+--settings warm_start (docs/results/bench_e2e_warm_start.md): short settings; per configuration a
+first process generating once, then --repeats later processes generating three times each: a later
+process's first generation against its warm time (the faster of the other two), medians.
+This file is also the worker: `python scripts/bench_e2e.py --one '<a Run as JSON>' --generations N`.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import subprocess
 import sys
 import time
@@ -215,9 +191,8 @@ def generator(run: Run, model, sync, logits_error: list):
     return once
 
 
-def one_process(run: Run, generations: int, profile: Path | None = None) -> dict:
-    """In this process: build the model, then time `generations` generate() calls (each profiled into
-    profile/generation<i>.pstats, where given)."""
+def one_process(run: Run, generations: int) -> dict:
+    """In this process: build the model, then time `generations` generate() calls."""
     if run.method == PEER:
         import e2e_peer
 
@@ -235,33 +210,13 @@ def one_process(run: Run, generations: int, profile: Path | None = None) -> dict
                 torch.cuda.reset_peak_memory_stats()
             sync()
             start = time.perf_counter()
-            first_done = once() if profile is None else profiled(once, profile / f"generation{len(seconds)}.pstats")
+            first_done = once()
             seconds.append(time.perf_counter() - start)
             first_block.append(first_done - start)
     except torch.OutOfMemoryError as error:
         return {"skipped": f"out of memory ({str(error).splitlines()[0][:120]})"}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {"seconds": seconds, "first block": first_block, "peak GiB": peak, "logits error": logits_error}
-
-
-def profiled(fn, path: Path):
-    """fn() under cProfile, its statistics written to path."""
-    profile = cProfile.Profile()
-    try:
-        return profile.runcall(fn)
-    finally:
-        profile.dump_stats(path)
-
-
-def first_use_costs(first: Path, warm: Path, count: int = 15) -> list[tuple[float, str]]:
-    """What a process's first generation spends beyond a warm one, by function (time in the function
-    itself, callees apart): the `count` largest (extra seconds, function), from two profiles."""
-    def own_time(path):
-        return {func: stat[2] for func, stat in pstats.Stats(str(path)).stats.items()}
-
-    before, after = own_time(first), own_time(warm)
-    extra = [(seconds - after.get(func, 0.0), pstats.func_std_string(func)) for func, seconds in before.items()]
-    return sorted(extra, reverse=True)[:count]
 
 
 def in_new_process(run: Run, generations: int, timeout: float | None = None) -> dict:
@@ -326,22 +281,18 @@ def add_ratios(rows: list[dict], runs: list[Run], against=(("vs dense", "dense")
             row[name] = other / row["warm s"] if other else float("nan")
 
 
-def header(meta: dict) -> str:
-    return (f"# Generations as a user runs them: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
-            f"{meta['dtype']}\n")
-
-
-def machine_record(journal: Journal, meta: dict, rates) -> dict:
+def machine_record(journal: Journal, setup) -> dict:
     """The machine, versions and rates of the run the journal holds: measured by its first call, so that
     rows resumed in a later call (or a report rebuilt from the journal) stay with the first numbers."""
     if "machine" not in journal.done:
-        bandwidth, matmul_rate = rates()
+        bandwidth, matmul_rate = setup.ceilings
         try:
             import transformers
             peer = transformers.__version__
         except ImportError:
             peer = None
-        record = {"key": "machine", **meta, "transformers": peer, "copy_GBps": bandwidth, "matmul_TFLOPs": matmul_rate}
+        record = {"key": "machine", **setup.meta, "transformers": peer, "copy_GBps": bandwidth,
+                  "matmul_TFLOPs": matmul_rate}
         journal.add(record)
         journal.done["machine"] = record
     return {k: v for k, v in journal.done["machine"].items() if k not in ("key", "date")}
@@ -377,25 +328,21 @@ def run_rows(runs: list[Run], journal: Journal, measure) -> list[str]:
     return failed
 
 
-def bench_paper(args, report, meta, rates) -> list[str]:
+def paper(setup) -> list[str]:
     """The paper settings' table; returns the rows that failed (they are retried by a rerun)."""
+    args, meta, report = setup.args, setup.meta, setup.report
     settings = "paper_quick" if args.quick else "paper"
     runs = SETTINGS[settings]
     path = args.journal or journal_path("e2e", {"settings": settings, "meta": meta["device"]})
     key = {"settings": settings, "device": meta["device"]}  # rows of another GPU are never mixed in
-    journal = open_journal(path, key) if path.exists() or not args.report_only else None
-    if args.report_only and (journal is None or "machine" not in journal.done):
-        sys.exit(f"bench.py e2e --report-only: no journal of a run at {path}")
-    meta.update(machine_record(journal, meta, rates), settings=settings)
-    failed = [] if args.report_only else run_rows(runs, journal, lambda run: in_new_process(run, 2, args.timeout))
-    done = [(run, journal.done.get(run.label(), {"result": {"skipped": "no measurement in the journal"}})["result"])
-            for run in runs]
+    journal = open_journal(path, key)
+    meta.update(machine_record(journal, setup), settings=settings)
+    failed = run_rows(runs, journal, lambda run: in_new_process(run, 2, args.timeout))
+    done = [(run, journal.done[run.label()]["result"]) for run in runs]
     bandwidth, matmul_rate = meta["copy_GBps"], meta["matmul_TFLOPs"]
     ran = [(run, paper_row(run, result, bandwidth, matmul_rate)) for run, result in done if "skipped" not in result]
     add_ratios([row for _, row in ran], [run for run, _ in ran])
-    report.say(header(meta))
-    report.say(f"    python scripts/bench.py e2e --settings {settings.removesuffix('_quick')}"
-               + (" --quick" if args.quick else "") + "\n")
+    setup.header("e2e --settings paper" + (" --quick" if args.quick else ""))
     report.say(f"transformers {meta['transformers']}. Copy bandwidth {bandwidth:.0f} GB/s, matmul {matmul_rate:.0f} "
                "TFLOP/s, measured by the run.\n")
     report.table("Generations at the papers' settings", [row for _, row in ran],
@@ -408,7 +355,7 @@ def bench_paper(args, report, meta, rates) -> list[str]:
     skipped = [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]
     if skipped:
         report.say("Not run: " + "; ".join(skipped) + "\n")
-    if not failed and not args.report_only and len(ran) + len(skipped) == len(runs):
+    if not failed:
         journal.finish()
     return failed
 
@@ -433,8 +380,9 @@ def warm_start_row(run: Run, result: dict) -> dict:
             "tokens/s": run.batch * run.gen / median(warm), "peak GiB": result["peak GiB"]}
 
 
-def bench_warm_start(args, report, meta) -> list[str]:
+def warm_start(setup) -> list[str]:
     """The warm-start table; returns the rows that failed (they are retried by a rerun)."""
+    args, meta, report = setup.args, setup.meta, setup.report
     settings = "quick" if args.quick else "warm_start"
     unknown = sorted(set(args.methods or ()) - {run.method for run in SETTINGS[settings]})
     if unknown:
@@ -450,10 +398,9 @@ def bench_warm_start(args, report, meta) -> list[str]:
     ran = [run for run, result in done if "skipped" not in result]
     rows = [warm_start_row(run, result) for run, result in done if "skipped" not in result]
     add_ratios(rows, ran, (("vs dense", "dense"),) if any(run.method == "dense" for run in ran) else ())
-    report.say(header(meta))
-    report.say("    python scripts/bench.py e2e --settings warm_start" + (" --quick" if args.quick else "")
-               + (f" --repeats {args.repeats}" if args.repeats != 3 else "")
-               + (f" --methods {' '.join(args.methods)}" if args.methods else "") + "\n")
+    setup.header("e2e --settings warm_start" + (" --quick" if args.quick else "")
+                 + (f" --repeats {args.repeats}" if args.repeats != 3 else "")
+                 + (f" --methods {' '.join(args.methods)}" if args.methods else ""))
     report.table("Generations in new processes", rows,
                  f"First process: its one generation. Then {args.repeats} later processes, one after another, each "
                  "generating three times: its first generation (what every later process pays; the bar: at most 1 s "
@@ -467,32 +414,19 @@ def bench_warm_start(args, report, meta) -> list[str]:
     return failed
 
 
-def bench_e2e(args, report, meta, rates) -> list[str]:
-    """The tables of --settings; returns the rows that failed (a rerun runs them again)."""
-    if args.report_only and args.settings != "paper":
-        sys.exit("bench.py e2e --report-only rebuilds the --settings paper table only")
-    if args.settings == "paper":
-        return bench_paper(args, report, meta, rates)
-    return bench_warm_start(args, report, meta)
+def e2e(setup) -> str:
+    """The tables of --settings; the rows that failed are the report's failures (a rerun runs them again)."""
+    args = setup.args
+    setup.report.failed += paper(setup) if args.settings == "paper" else warm_start(setup)
+    return f"bench_e2e_{args.settings}" + ("_" + "_".join(args.methods) if args.methods else "")
 
 
 def main():
     parser = argparse.ArgumentParser(description="one configuration of bench.py e2e, in this process")
     parser.add_argument("--one", required=True, help="a Run as JSON")
     parser.add_argument("--generations", type=int, default=1)
-    parser.add_argument("--profile", type=Path, help="a folder: profile each generation there and print, on "
-                        "stderr, where the first spent more than the last")
     args = parser.parse_args()
-    if args.profile:
-        args.profile.mkdir(parents=True, exist_ok=True)
-    result = one_process(Run(**json.loads(args.one)), args.generations, args.profile)
-    if args.profile and len(result.get("seconds", ())) > 1:
-        last = args.profile / f"generation{len(result['seconds']) - 1}.pstats"
-        print(f"first generation {result['seconds'][0]:.3f} s, last {result['seconds'][-1]:.3f} s; the first's "
-              "extra time by function (its own time):", file=sys.stderr)
-        for seconds, func in first_use_costs(args.profile / "generation0.pstats", last):
-            print(f"  {seconds:7.3f} s  {func}", file=sys.stderr)
-    print(json.dumps(result))
+    print(json.dumps(one_process(Run(**json.loads(args.one)), args.generations)))
 
 
 if __name__ == "__main__":

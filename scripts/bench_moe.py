@@ -1,18 +1,14 @@
-"""`python scripts/bench.py moe`: the mixture-of-experts MLP, and real generations on the MoE presets.
+"""`python scripts/bench.py moe`: one layer's mixture-of-experts MLP on the llada2-mini and
+sdar-30b-a3b presets (random bf16 weights), for a block step's rows (32 x batch 1 and 4) and a
+32K-token prefill: the grouped path (nanodllm/fused.py FusedMoE; CUDA graph, L2 flushed) against
+the per-expert loop (nanodllm/mlp.py MoE, which asks the host which experts were chosen: eager),
+next to the floor: max(the bytes of the touched experts, the shared expert and the router / copy
+bandwidth, FLOPs / matmul rate). docs/results/bench_moe.md.
 
-1. One layer's MoE MLP (llada2-mini: 256 experts of 512, 8 per token, a shared expert; sdar-30b-a3b:
-   128 experts of 768, 8 per token) on random bf16 weights, for the rows of a block step (32 x batch
-   1 and 4) and a 32K-token prefill: the grouped path (nanodllm/fused.py FusedMoE: the rows sorted by
-   expert, one grouped matmul per projection, no host sync; CUDA graph, L2 flushed) against the
-   per-expert loop (nanodllm/mlp.py MoE, the reference, which asks the host which experts were chosen:
-   timed eagerly). Floor: the larger of the bytes the rows must read (the experts they touch, the
-   shared expert, the router) over the copy bandwidth and the FLOPs over the matmul rate.
-2. `--generate MODEL`: real generations instead, block.generate on llada2-mini (32K, 64K, 128K) or
-   sdar-30b-a3b (32K, 64K), batch 1 and 4, CUDA graphs on, RoPE stretched past the trained 32K:
-   milliseconds per block (CUDA events as each block begins; median of the blocks after the first,
-   where the graphs are recorded) of the exact engine, the exact engine on torch SDPA, MAGE at k =
-   1024 and 512, Quest and SparseD at k = 1024, each next to its floor (block_floor_ms).
---quick runs a tiny MoE model on the CPU: a smoke test, its numbers mean nothing.
+`--generate MODEL`: block.generate on that preset at 32K-128K, batch 1 and 4, CUDA graphs on: ms
+per block (CUDA events as each block begins; the median of the blocks after the first) of the exact
+engine, the exact engine on torch SDPA, MAGE at k = 1024 and 512, Quest and SparseD at k = 1024,
+each next to its floor (block_floor_ms). docs/results/bench_moe_MODEL.md.
 """
 
 from __future__ import annotations
@@ -25,10 +21,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from bench_mage import GENERATION_BLOCKS, HEADROOM_BYTES, block_clock, mark
+from harness import GENERATION_BLOCKS, timed_generation, too_big
 import nanodllm.graphs as graphs_module
 from nanodllm.config import GenerationConfig, ModelConfig, preset
-from nanodllm.generation import generate
 from nanodllm.loader import build_random
 from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
@@ -64,15 +59,14 @@ def mlp_rows(cfg, moe_layer, rows, device, dtype, timer, bandwidth, matmul_rate)
         touched = int(chosen.unique().numel())
         grouped_us = timer(lambda: moe_layer(x))
         loop_us = timer.eager(lambda: MoE.forward(moe_layer, x))
-    moe, element = cfg.moe, torch.finfo(dtype).bits // 8
-    expert_bytes = 3 * cfg.hidden_size * moe.expert_size * element
-    read = touched * expert_bytes + 3 * cfg.hidden_size * moe.shared_size * element + moe.num_experts * cfg.hidden_size * element
-    flops = 2 * rows * (moe.experts_per_token * 3 * cfg.hidden_size * moe.expert_size
-                        + 3 * cfg.hidden_size * moe.shared_size + moe.num_experts * cfg.hidden_size)
-    floor_us = max(read / bandwidth / 1e3, flops / matmul_rate / 1e6)
+    moe, h, element = cfg.moe, cfg.hidden_size, torch.finfo(dtype).bits // 8
+    read = (touched * 3 * h * moe.expert_size + 3 * h * moe.shared_size + moe.num_experts * h) * element
+    flops = 2 * rows * (moe.experts_per_token * 3 * h * moe.expert_size + 3 * h * moe.shared_size + moe.num_experts * h)
+    bytes_us, flops_us = read / bandwidth / 1e3, flops / matmul_rate / 1e6
+    floor_us = max(bytes_us, flops_us)
     return {"rows": rows, "experts touched": f"{touched}/{moe.num_experts}", "grouped us": grouped_us,
             "per-expert loop us": loop_us, "loop / grouped": loop_us / grouped_us, "floor us": floor_us,
-            "grouped / floor": grouped_us / floor_us, "floor bound": "bytes" if read / bandwidth / 1e3 >= flops / matmul_rate / 1e6 else "FLOPs"}
+            "grouped / floor": grouped_us / floor_us, "floor bound": "bytes" if bytes_us >= flops_us else "FLOPs"}
 
 
 class TorchSdpa(Dense):
@@ -138,48 +132,37 @@ def kv_fraction_read(label: str, method, stats: dict, cfg) -> float:
     return fraction
 
 
-def generation_rows(model, name, context, batch, shapes, bandwidth, profile: list | None) -> list[dict]:
-    """block.generate for each method, one random prompt of `context` tokens per row, no stop token:
-    a CUDA event before the call and as each block begins. ms/block: the median of the blocks after
-    the first (where the engine records its graphs); prefill: the call's start to the first block. A
-    warm-up generation of the exact engine, eager, first compiles and tunes every shape the prefill
-    and the exact steps use and counts the experts each step touches; with `profile` (a list), the
-    kernels of its blocks are appended to it as (name, calls, GPU ms) per block."""
+def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict]:
+    """block.generate for each method (harness.timed_generation), one random prompt of `context` tokens
+    per row: ms/block, the median of the blocks after the first. A warm-up generation of the exact
+    engine, eager, first compiles and tunes every shape the prefill and the exact steps use and counts
+    the experts each step touches."""
     cfg = model.cfg
     prompts = [torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(row)).tolist()
                for row in range(batch)]
     size, warm_blocks = shapes["block"], 2
 
-    def run(method, blocks, events) -> dict:
-        """The generation's stats."""
+    def run(method, blocks):
         gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=shapes["steps"], threshold=None)
-        mark(events)
-        stats = generate(model, prompts, gen, block_clock(method, events), stop_ids=()).stats
-        mark(events)
-        torch.cuda.synchronize()
-        return stats
+        return timed_generation(model, prompts, gen, method)
 
     touched, remove_hooks = count_touched_experts(model, batch * size)
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile is not None else None
     graphs_module.GRAPHS_ENABLED = False
-    run(profiled_blocks(Dense(), profiler), warm_blocks, [])
+    run(Dense(), warm_blocks)
     graphs_module.GRAPHS_ENABLED = True
     remove_hooks()
-    if profiler is not None:
-        profiler.stop()
-        profile += kernels_per_block(profiler, warm_blocks)
     touched_mean = statistics.mean(touched)
     rows = []
     for label, make in methods_to_run(shapes["ks"]):
-        events, method = [], make()
+        method = make()
         torch.cuda.reset_peak_memory_stats()
-        stats = run(method, GENERATION_BLOCKS, events)
-        block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[2:-1], events[3:]))
+        block_ms, prefill_s, stats = run(method, GENERATION_BLOCKS)
         ms = statistics.median(block_ms)
-        floor = block_floor_ms(model, context, batch, shapes, touched_mean, kv_fraction_read(label, method, stats, cfg), bandwidth)
+        kv_fraction = kv_fraction_read(label, method, stats, cfg)
+        floor = block_floor_ms(model, context, batch, shapes, touched_mean, kv_fraction, bandwidth)
         rows.append({"model": name, "context": context, "batch": batch, "method": label, "ms/block": ms,
                      "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}", "floor ms/block": floor,
-                     "ms / floor": ms / floor, "prefill s": events[0].elapsed_time(events[1]) / 1e3,
+                     "ms / floor": ms / floor, "prefill s": prefill_s,
                      "peak GiB": torch.cuda.max_memory_allocated() / 2**30})
     for row in rows:
         row["vs exact"] = rows[0]["ms/block"] / row["ms/block"]
@@ -189,90 +172,52 @@ def generation_rows(model, name, context, batch, shapes, bandwidth, profile: lis
     return rows
 
 
-def profiled_blocks(method, profiler):
-    """Start `profiler` (if any) as the first block begins: the prefill stays out of it."""
-    begin = method.begin_block
-
-    def begin_profiled(ctx):
-        if profiler is not None and ctx.block == 0:
-            profiler.start()
-        begin(ctx)
-
-    method.begin_block = begin_profiled
-    return method
-
-
-def kernels_per_block(profiler, blocks: int, top: int = 12) -> list[dict]:
-    """The `top` GPU kernels by time in the profiled blocks, per block, and the rest as one row."""
-    calls, ms = {}, {}
-    for event in profiler.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            calls[event.name] = calls.get(event.name, 0) + 1
-            ms[event.name] = ms.get(event.name, 0.0) + event.device_time / 1e3
-    total = sum(ms.values())
-    ranked = sorted(ms, key=ms.get, reverse=True)
-    rows = [{"kernel": name[:90], "calls per block": calls[name] / blocks, "GPU ms per block": ms[name] / blocks,
-             "share": ms[name] / total} for name in ranked[:top]]
-    rest = sum(ms[name] for name in ranked[top:])
-    rows.append({"kernel": f"the other {len(ranked) - top} kernels", "calls per block": sum(calls[n] for n in ranked[top:]) / blocks,
-                 "GPU ms per block": rest / blocks, "share": rest / total})
-    return rows
-
-
-def fits(model, context, batch, shapes) -> tuple[bool, str]:
-    """Whether the weights, a KV cache for the generation and HEADROOM_BYTES fit the device."""
-    cfg = model.cfg
-    element = next(model.parameters()).element_size()
-    weights = sum(p.numel() for p in model.parameters()) * element
+def kv_cache_bytes(model, context, batch, shapes) -> int:
+    """A KV cache for a generation of GENERATION_BLOCKS + 1 blocks after `context` tokens."""
+    cfg, element = model.cfg, next(model.parameters()).element_size()
     tokens = batch * (context + (GENERATION_BLOCKS + 1) * shapes["block"])
-    kv = tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
-    total = torch.cuda.get_device_properties(0).total_memory
-    need = weights + kv + HEADROOM_BYTES
-    return need <= total, (f"weights {weights / 2**30:.1f} GiB + KV cache {kv / 2**30:.1f} GiB + "
-                           f"{HEADROOM_BYTES >> 30} GiB headroom exceed the device's {total / 2**30:.1f} GiB")
+    return tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
 
 
-def bench_moe_mlp(args, timer, report, rates, meta):
-    device = timer.device
-    shapes = QUICK if args.quick else FULL
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    bandwidth, matmul_rate = rates()
-    meta.update(copy_GBps=bandwidth, matmul_TFLOPs=matmul_rate, shapes=shapes)
-    report.say(f"Copy bandwidth {bandwidth:.0f} GB/s, bf16 matmul {matmul_rate:.0f} TFLOP/s (measured now).\n")
+def moe_mlp(setup):
+    device, dtype, shapes = setup.device, setup.dtype, QUICK if setup.quick else FULL
+    bandwidth, matmul_rate = setup.ceilings
+    setup.meta.update(shapes=shapes)
+    setup.report.say(f"Copy bandwidth {bandwidth:.0f} GB/s, matmul {matmul_rate:.0f} TFLOP/s (measured now).\n")
     rows = []
     for name in shapes["presets"]:
         cfg = moe_config(name)
         moe_layer = one_moe_layer(cfg, device, dtype)
         for count in (*shapes["step_rows"], shapes["prefill_rows"]):
-            rows.append({"model": name, **mlp_rows(cfg, moe_layer, count, device, dtype, timer, bandwidth, matmul_rate)})
+            rows.append({"model": name, **mlp_rows(cfg, moe_layer, count, device, dtype, setup.timer, bandwidth,
+                                                   matmul_rate)})
         del moe_layer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    report.table("The MoE MLP of one layer", rows,
-                 "Microseconds per call for `rows` tokens (a block step is 32 x batch; the last row is a prefill). "
-                 "Grouped: CUDA graph, L2 flushed. Loop: the reference, eager (it syncs the host per call). "
-                 "Floor: max(bytes of touched experts + shared expert + router / copy bandwidth, FLOPs / matmul rate).")
+        setup.free()
+    setup.report.table("The MoE MLP of one layer", rows,
+                       "Microseconds per call for `rows` tokens (a block step is 32 x batch; the last row is a "
+                       "prefill). Grouped: CUDA graph, L2 flushed. Loop: the reference, eager (it syncs the host per "
+                       "call). Floor: max(bytes of touched experts + shared expert + router / copy bandwidth, FLOPs "
+                       "/ matmul rate).")
+    return "bench_moe"
 
 
-def bench_moe_generation(args, timer, report, rates, meta):
-    name = args.generate
+def moe_generation(setup):
+    name, report = setup.args.generate, setup.report
     shapes = GENERATE[name]
-    bandwidth, _ = rates()
-    meta.update(copy_GBps=bandwidth, shapes=shapes)
+    bandwidth, _ = setup.ceilings
+    setup.meta.update(shapes=shapes)
     report.say(f"Copy bandwidth {bandwidth:.0f} GB/s (measured now).\n")
     cfg = moe_config(name, max(shapes["contexts"]) + (GENERATION_BLOCKS + 2) * shapes["block"], shapes["block"])
-    model = build_random(cfg, device=timer.device, dtype=torch.bfloat16)
-    kernels = []
+    model = build_random(cfg, device=setup.device, dtype=torch.bfloat16)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for context in shapes["contexts"]:
         rows = []
         for batch in shapes["batches"]:
-            ok, why = fits(model, context, batch, shapes)
-            if not ok:
+            if why := too_big(setup.device, weight_bytes, kv_cache_bytes(model, context, batch, shapes)):
                 report.say(f"- {context} tokens x batch {batch}: skipped, {why}\n")
                 continue
-            first = context == shapes["contexts"][0] and batch == 1
             try:
-                rows += generation_rows(model, name, context, batch, shapes, bandwidth, kernels if first else None)
+                rows += generation_rows(model, name, context, batch, shapes, bandwidth)
             except torch.OutOfMemoryError as error:
                 graphs_module.GRAPHS_ENABLED = True
                 torch.cuda.empty_cache()
@@ -280,17 +225,11 @@ def bench_moe_generation(args, timer, report, rates, meta):
         report.table(f"A real generation on {name}, {context // 1024}K", rows,
                      f"block.generate, blocks of {shapes['block']}, {shapes['steps']} steps per block, CUDA graphs "
                      f"on: the median of blocks 2-{GENERATION_BLOCKS} of one generation; every sparse method with 2 "
-                     "exact layers. One model for every context (RoPE stretched for the longest; the base does not "
-                     "change the time). Floor: the weights a forward reads with the experts its tokens touch "
-                     "(counted in the exact warm-up), the LM head at each step and the KV share the method "
-                     "reads, over copy bandwidth.")
-    report.table(f"Where an exact block's GPU time goes: {name}, {shapes['contexts'][0] // 1024}K, batch 1", kernels,
-                 "The warm-up generation's blocks (eager, kernel time only: no launch gaps), torch.profiler, "
-                 "per block of 32 steps + the commit.")
+                     "exact layers. Floor: the weights a forward reads with the experts its tokens touch (counted in "
+                     "the exact warm-up), the LM head at each step and the KV share the method reads, over copy "
+                     "bandwidth.")
+    return f"bench_moe_{name}"
 
 
-def bench_moe(args, timer, report, rates, meta):
-    if args.generate is None:
-        bench_moe_mlp(args, timer, report, rates, meta)
-    else:  # on a GPU: bench.py refuses --generate on a CPU
-        bench_moe_generation(args, timer, report, rates, meta)
+def moe(setup):
+    return moe_mlp(setup) if setup.args.generate is None else moe_generation(setup)  # bench.py: --generate on a GPU

@@ -1,14 +1,9 @@
-"""`python scripts/bench.py routing`: the measurements behind nanodllm/attention.py's choice of kernel.
-
-1. A few queries against many unmasked keys: flash_attention (one program per query tile and head)
-   vs decode_attention (the keys split over the SMs, partial results merged), for 8 to 256 queries,
-   with and without GQA. attention() sends at most SPLIT_MAX_QUERIES queries against SPLIT_MIN_KEYS
-   or more keys to the split kernel; the table's last column says which one it picks.
-2. Many queries against a few hundred keys hidden per KV head (MaskKV's full refresh: the canvas's
-   queries against the kept prompt keys and the response): flash_attention with k_valid
-   [batch, kv_heads, keys] vs torch SDPA with the same mask as a bool [batch, heads, 1, keys], and
-   both without a mask. attention() uses flash_attention for such masks.
-Batch 1, 32 query heads, head_dim 128, bf16; GPU times from Timer (CUDA graphs, L2 evicted).
+"""`python scripts/bench.py routing`: the timings behind nanodllm/attention.py's choice of kernel
+(docs/results/bench_routing.md). A few queries against many unmasked keys: flash_attention vs the
+split-KV decode_attention, 8 to 256 queries, with and without GQA (the last column: which one
+attention() picks). Many queries against a few hundred keys hidden per KV head (MaskKV's full
+refresh): flash_attention with k_valid vs SDPA with the same bool mask, and both unmasked.
+Batch 1, 32 query heads, head_dim 128, bf16; GPU times from the Timer (CUDA graphs, L2 evicted).
 """
 
 from __future__ import annotations
@@ -32,11 +27,10 @@ def random_qkv(heads, kv_heads, n_q, n_k, head_dim, device, dtype):
 
 
 @torch.no_grad()
-def bench_routing(args, timer, report, meta):
-    shapes = QUICK if args.quick else FULL
-    device = timer.device
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    meta.update(shapes=shapes)
+def routing(setup):
+    shapes, timer, report = QUICK if setup.quick else FULL, setup.timer, setup.report
+    device, dtype = setup.device, setup.dtype
+    setup.meta.update(shapes=shapes)
     rows = []
     for heads, kv_heads in shapes["heads"]:
         for n_q in shapes["queries"]:
@@ -64,3 +58,4 @@ def bench_routing(args, timer, report, meta):
                      "SDPA us": timer(lambda: F.scaled_dot_product_attention(q, k, v))})
     report.table("Many queries, keys hidden per KV head: flash_attention vs SDPA", rows,
                  f"{heads} heads and KV heads; each key kept with probability {shapes['kept']} per KV head.")
+    return "bench_routing"

@@ -1,19 +1,11 @@
 """The peer of `bench.py e2e`: what a user runs without nanodllm. The reference decoding loops (LLaDA's
 generate(), SDAR's block_diffusion_generate, as their repositories' generate.py write them) on
-transformers' implementation of the same architecture with PyTorch SDPA, holding our model's weights
-(shared, not copied).
-
-- LLaDA-8B is transformers' LlamaForCausalLM with every attention layer made bidirectional
-  (is_causal=False, no mask: SDPA's flash kernel). Each step forwards the whole canvas; no cache. The
-  logits are kept for the generated part only (the prompt's are never read; a 32K canvas of float64
-  softmax would not fit otherwise).
-- SDAR-8B is Qwen3ForCausalLM. The prompt's complete blocks are prefilled under a block-causal mask
-  into a DynamicCache; each step forwards the block against the cache (an all-true mask: the block sees
-  the cache and itself), then cuts the cache back; a finished block is forwarded once more to store it.
-
-Greedy (temperature 0), low-confidence remasking with the references' schedules, prompts of one length,
-no stop tokens (the benchmark's random weights would stop at random). transformers 5 is needed (its
-cache's crop takes a count to remove); it is optional, for this benchmark only.
+transformers' model of the same architecture with PyTorch SDPA, holding our model's weights (shared).
+LLaDA-8B is LlamaForCausalLM with every attention layer bidirectional, forwarding the whole canvas at
+every step (logits kept for the generated part only). SDAR-8B is Qwen3ForCausalLM: the prompt's whole
+blocks prefilled under a block-causal mask into a DynamicCache, each step forwarding the block against
+the cache, then cutting the cache back; a finished block is forwarded once more to store it. Greedy,
+low-confidence remasking with the references' schedules, no stop tokens. Needs transformers >= 5.
 """
 
 from __future__ import annotations

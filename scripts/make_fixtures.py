@@ -1,49 +1,18 @@
-"""Write the tiny parity fixtures under tests/fixtures/ (llada_tiny/, sdar_tiny/, dream_tiny/,
-fast_dllm_v2_tiny/; tokenizers/qwen2_bpe/ with the qwen2_bpe step).
+"""Write the tiny parity fixtures under tests/fixtures/: small random checkpoints in the exact on-disk
+format of each real family (the names nanodllm/loader.py maps), each with golden.safetensors holding
+fixed input ids and the float32 logits Hugging Face transformers (an independent implementation)
+computes for them under the family's mask; and the Qwen2 tokenizer goldens. Seeded, rerunnable.
 
-    python scripts/make_fixtures.py             # the four dense tiny checkpoints (needs transformers)
+    python scripts/make_fixtures.py             # llada, sdar, dream, fast_dllm_v2 tiny (transformers 5.x)
     python scripts/make_fixtures.py moe         # llada2_tiny and sdar_moe_tiny (transformers 5.x)
+    python scripts/make_fixtures.py qwen2_bpe   # tokenizers/qwen2_bpe/ (transformers 4.x's slow tokenizer)
 
-Each fixture is a small random checkpoint in the EXACT on-disk format of the real family
-(the names nanodllm/loader.py maps) plus `golden.safetensors` holding fixed input ids and
-the float32 logits that Hugging Face transformers (an independent implementation) computes for them:
-
-- llada_tiny: OLMo/LLaDA config.json field names, LLaDA tensor names (model.transformer.*), weights in
-  bfloat16 (as released) SHARDED into model-0000{1,2}-of-00002.safetensors with a
-  model.safetensors.index.json (metadata.total_size + weight_map) written the way HF writes it; one
-  transformer block is split across the two shards. Golden: LlamaForCausalLM with a FULLY
-  BIDIRECTIONAL attention mask.
-- sdar_tiny: Qwen3/SDAR config.json field names, plain Qwen3 tensor names (incl. q_norm/k_norm),
-  GQA (4 query heads, 2 KV heads), bfloat16 weights in a single model.safetensors. Golden:
-  Qwen3ForCausalLM with the BLOCK-CAUSAL mask (query q sees key k iff k // 4 <= q // 4).
-- dream_tiny, fast_dllm_v2_tiny: Dream / Fast-dLLM v2 config.json field names (Qwen2's, model_type
-  "Dream" / "Fast_dLLM_Qwen", bd_size 4 for the latter), Qwen2 tensor names with q/k/v biases and no
-  q/k norm, GQA, bf16 in one model.safetensors. Golden: Qwen2ForCausalLM with the bidirectional /
-  block-causal(4) mask, then SHIFTED as both families decode (logits = cat([l[:, :1], l[:, :-1]]):
-  position i is predicted from hidden state i-1). No tokenizer files (their Qwen2 vocabulary is
-  tested on tokenizers/qwen2_bpe/).
-
-The golden models run in float32 with attn_implementation="eager" on the bf16 weights upcast to
-float32; positions are 0..T-1 and T = 13 is not a multiple of the block size. Custom masks are
-passed as 4D additive float masks [batch, 1, T, T] (transformers 5's masking_utils returns a 4D mask
-as is, and eager attention adds it to the scores). The script checks that each mask took effect
-before writing anything. Norm weights are random (not ones) so a mis-mapped norm shows.
-
-Needs `transformers` (5.x) in addition to torch and safetensors; CI does not need it, the fixtures
-are committed. Deterministic (seeded) and rerunnable:
-
-    pip install transformers && python scripts/make_fixtures.py
-
-A second step, `python scripts/make_fixtures.py qwen2_bpe`, writes tests/fixtures/tokenizers/qwen2_bpe/:
-a tiny byte-level BPE (vocab.json + merges.txt, trained here with the Qwen2 pre-tokenizer), a
-tokenizer_config.json whose added_tokens_decoder puts <|endoftext|>, <|im_start|>, <|im_end|>,
-<tool_call> (not special, as in Qwen2.5) and Dream's <|beginoftext|>, <|mask|> after the vocabulary,
-and golden.json: what transformers' SLOW (pure python) Qwen2Tokenizer makes of varied strings
-(encode without special tokens; decode with and without skip_special_tokens) and of a few id lists
-that end inside a UTF-8 character. transformers 5.x no longer has the slow tokenizer, so this step
-needs transformers 4.x (4.57.6 wrote the committed files) next to torch:
-
-    pip install 'transformers<5' && python scripts/make_fixtures.py qwen2_bpe
+Golden models run in float32, eager attention, on the bf16 weights upcast, positions 0..T-1 with
+T = 13 (not a multiple of the block size); custom masks go in as 4D additive float masks, and each
+mask is checked to take effect before anything is written. Norm weights are random (not ones) so a
+mis-mapped norm shows. Dream and Fast-dLLM v2 goldens are shifted as both decode (position i takes
+the logits of i - 1). qwen2_bpe: a byte-level BPE trained here with Qwen2's pre-tokenizer, and what
+the slow Qwen2Tokenizer makes of varied strings and of ids ending inside a UTF-8 character.
 """
 
 from __future__ import annotations
@@ -52,6 +21,7 @@ import argparse
 import json
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -74,215 +44,78 @@ MAX_FIXTURE_BYTES = 300 * 1024
 # configs (real field names and the usual extra fields of the released config.json files)
 
 LLADA_CONFIG = {
-    "activation_type": "silu",
-    "alibi": False,
-    "alibi_bias_max": 8.0,
-    "architectures": ["LLaDAModelLM"],
-    "attention_dropout": 0.0,
-    "attention_layer_norm": False,
-    "attention_layer_norm_with_affine": True,
-    "auto_map": {
-        "AutoConfig": "configuration_llada.LLaDAConfig",
-        "AutoModel": "modeling_llada.LLaDAModelLM",
-        "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
-    },
-    "bias_for_layer_norm": False,
-    "block_group_size": 1,
-    "block_type": "llama",
-    "d_model": 64,
-    "embedding_dropout": 0.0,
-    "embedding_size": VOCAB,
-    "eos_token_id": 251,
-    "flash_attention": False,
-    "include_bias": False,
-    "include_qkv_bias": False,
-    "init_cutoff_factor": None,
-    "init_device": "meta",
-    "init_fn": "mitchell",
-    "init_std": 0.02,
-    "input_emb_norm": False,
-    "layer_norm_type": "rms",
-    "layer_norm_with_affine": True,
-    "mask_token_id": 250,
-    "max_sequence_length": 4096,
-    "mlp_hidden_size": 160,
+    "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "architectures": ["LLaDAModelLM"],
+    "attention_dropout": 0.0, "attention_layer_norm": False, "attention_layer_norm_with_affine": True,
+    "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
+                 "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
+    "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama", "d_model": 64,
+    "embedding_dropout": 0.0, "embedding_size": VOCAB, "eos_token_id": 251, "flash_attention": False,
+    "include_bias": False, "include_qkv_bias": False, "init_cutoff_factor": None, "init_device": "meta",
+    "init_fn": "mitchell", "init_std": 0.02, "input_emb_norm": False, "layer_norm_type": "rms",
+    "layer_norm_with_affine": True, "mask_token_id": 250, "max_sequence_length": 4096, "mlp_hidden_size": 160,
     "mlp_ratio": 4,  # deliberately inconsistent with mlp_hidden_size (4 * 64 != 160): must be ignored
-    "model_type": "llada",
-    "multi_query_attention": None,
-    "n_heads": 4,
-    "n_kv_heads": 4,
-    "n_layers": 2,
-    "pad_token_id": 251,
-    "precision": "amp_bf16",
-    "residual_dropout": 0.0,
-    "rms_norm_eps": 1e-05,
-    "rope": True,
-    "rope_full_precision": True,
-    "rope_theta": 500000.0,
-    "scale_logits": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.46.3",
-    "use_cache": False,
-    "vocab_size": VOCAB,
-    "weight_tying": False,
+    "model_type": "llada", "multi_query_attention": None, "n_heads": 4, "n_kv_heads": 4, "n_layers": 2,
+    "pad_token_id": 251, "precision": "amp_bf16", "residual_dropout": 0.0, "rms_norm_eps": 1e-05, "rope": True,
+    "rope_full_precision": True, "rope_theta": 500000.0, "scale_logits": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.46.3", "use_cache": False, "vocab_size": VOCAB, "weight_tying": False,
 }
-
 SDAR_CONFIG = {
-    "architectures": ["SDARForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "auto_map": {
-        "AutoConfig": "configuration_sdar.SDARConfig",
-        "AutoModel": "modeling_sdar.SDARModel",
-        "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
-    },
-    "block_size": BLOCK,
-    "bos_token_id": 252,
-    "eos_token_id": 251,
-    "head_dim": 16,
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "initializer_range": 0.02,
-    "intermediate_size": 160,
-    "mask_token_id": 250,
-    "max_position_embeddings": 40960,
-    "max_window_layers": 2,
-    "model_type": "sdar",
-    "num_attention_heads": 4,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.52.4",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": VOCAB,
+    "architectures": ["SDARForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                 "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
+    "block_size": BLOCK, "bos_token_id": 252, "eos_token_id": 251, "head_dim": 16, "hidden_act": "silu",
+    "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 160, "mask_token_id": 250,
+    "max_position_embeddings": 40960, "max_window_layers": 2, "model_type": "sdar", "num_attention_heads": 4,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.52.4", "use_cache": True, "use_sliding_window": False, "vocab_size": VOCAB,
 }
-
 QWEN2_CONFIG = {
-    "attention_dropout": 0.0,
-    "bos_token_id": 251,
-    "eos_token_id": 251,
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "initializer_range": 0.02,
-    "intermediate_size": 160,
-    "mask_token_id": 250,
-    "max_position_embeddings": 131072,
-    "max_window_layers": 2,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 2,
-    "pad_token_id": 251,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000.0,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.46.2",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": VOCAB,
+    "attention_dropout": 0.0, "bos_token_id": 251, "eos_token_id": 251, "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.02, "intermediate_size": 160, "mask_token_id": 250, "max_position_embeddings": 131072,
+    "max_window_layers": 2, "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+    "pad_token_id": 251, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.46.2",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": VOCAB,
 }
 DREAM_CONFIG = {
-    **QWEN2_CONFIG,
-    "architectures": ["DreamModel"],
+    **QWEN2_CONFIG, "architectures": ["DreamModel"], "model_type": "Dream",
     "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
-    "model_type": "Dream",
 }
 FAST_DLLM_V2_CONFIG = {
-    **QWEN2_CONFIG,
-    "architectures": ["Fast_dLLM_QwenForCausalLM"],
+    **QWEN2_CONFIG, "architectures": ["Fast_dLLM_QwenForCausalLM"], "bd_size": BLOCK, "model_type": "Fast_dLLM_Qwen",
     "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
                  "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
-    "bd_size": BLOCK,
-    "model_type": "Fast_dLLM_Qwen",
 }
 
 # The mixture-of-experts families. LLaDA2's config.json as released (BailingMoeV2 field names) plus
 # block_size and mask_token_id, which the tiny vocabulary and the 13-token input need (the released
 # model decodes blocks of 32 with mask 156895). Its router: 16 experts in 4 groups, 2 groups kept.
 LLADA2_CONFIG = {
-    "architectures": ["LLaDA2MoeModelLM"],
-    "attention_dropout": 0.0,
-    "auto_map": {
-        "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
-        "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
-        "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
-    },
-    "block_size": BLOCK,
-    "embedding_dropout": 0.0,
-    "eos_token_id": 251,
-    "first_k_dense_replace": 1,
-    "head_dim": 16,
-    "hidden_act": "silu",
-    "hidden_size": 32,
-    "initializer_range": 0.02,
-    "intermediate_size": 64,
-    "mask_token_id": 250,
-    "max_position_embeddings": 32768,
-    "max_window_layers": 3,
-    "model_type": "llada2_moe",
-    "moe_intermediate_size": 16,
-    "moe_router_enable_expert_bias": True,
-    "n_group": 4,
-    "norm_head": False,
-    "norm_softmax": False,
-    "norm_topk_prob": True,
-    "num_attention_heads": 4,
-    "num_experts": 16,
-    "num_experts_per_tok": 4,
-    "num_hidden_layers": 3,
-    "num_key_value_heads": 2,
-    "num_shared_experts": 1,
-    "output_dropout": 0.0,
-    "output_router_logits": False,
-    "pad_token_id": 251,
-    "partial_rotary_factor": 0.5,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 600000,
-    "routed_scaling_factor": 2.5,
-    "router_dtype": "fp32",
-    "score_function": "sigmoid",
-    "tie_word_embeddings": False,
-    "topk_group": 2,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.52.3",
-    "use_bias": False,
-    "use_cache": True,
-    "use_qk_norm": True,
-    "use_qkv_bias": False,
-    "use_rmsnorm": True,
-    "vocab_size": VOCAB,
+    "architectures": ["LLaDA2MoeModelLM"], "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                 "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+                 "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
+    "block_size": BLOCK, "embedding_dropout": 0.0, "eos_token_id": 251, "first_k_dense_replace": 1, "head_dim": 16,
+    "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
+    "mask_token_id": 250, "max_position_embeddings": 32768, "max_window_layers": 3, "model_type": "llada2_moe",
+    "moe_intermediate_size": 16, "moe_router_enable_expert_bias": True, "n_group": 4, "norm_head": False,
+    "norm_softmax": False, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 16,
+    "num_experts_per_tok": 4, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_shared_experts": 1,
+    "output_dropout": 0.0, "output_router_logits": False, "pad_token_id": 251, "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 600000, "routed_scaling_factor": 2.5,
+    "router_dtype": "fp32", "score_function": "sigmoid", "tie_word_embeddings": False, "topk_group": 2,
+    "torch_dtype": "bfloat16", "transformers_version": "4.52.3", "use_bias": False, "use_cache": True,
+    "use_qk_norm": True, "use_qkv_bias": False, "use_rmsnorm": True, "vocab_size": VOCAB,
 }
-
 # SDAR-30B-A3B: SDAR's fields plus Qwen3-MoE's. Layer 1 is dense (mlp_only_layers) to exercise the rule.
 SDAR_MOE_CONFIG = {
-    **SDAR_CONFIG,
-    "architectures": ["SDARMoeForCausalLM"],
-    "auto_map": {
-        "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
-        "AutoModel": "modeling_sdar_moe.SDARMoeModel",
-        "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
-    },
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [1],
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "model_type": "sdar_moe",
-    "moe_intermediate_size": 16,
-    "norm_topk_prob": True,
-    "num_experts": 16,
-    "num_experts_per_tok": 4,
-    "num_hidden_layers": 3,
-    "output_router_logits": False,
-    "router_aux_loss_coef": 0.001,
+    **SDAR_CONFIG, "architectures": ["SDARMoeForCausalLM"],
+    "auto_map": {"AutoConfig": "configuration_sdar_moe.SDARMoeConfig", "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+                 "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM"},
+    "decoder_sparse_step": 1, "mlp_only_layers": [1], "hidden_size": 32, "intermediate_size": 64,
+    "model_type": "sdar_moe", "moe_intermediate_size": 16, "norm_topk_prob": True, "num_experts": 16,
+    "num_experts_per_tok": 4, "num_hidden_layers": 3, "output_router_logits": False, "router_aux_loss_coef": 0.001,
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -295,6 +128,12 @@ def _linear(gen, out_features, in_features, gain=1.0):
 
 def _norm(gen, dim):
     return 0.5 + torch.rand(dim, generator=gen)  # in [0.5, 1.5): never all ones
+
+
+def _swiglu(gen, prefix, d, f, names=("gate_proj", "up_proj", "down_proj")) -> dict[str, torch.Tensor]:
+    """A SwiGLU MLP's gate, up and down weights, drawn in that order."""
+    return {f"{prefix}{names[0]}.weight": _linear(gen, f, d), f"{prefix}{names[1]}.weight": _linear(gen, f, d),
+            f"{prefix}{names[2]}.weight": _linear(gen, d, f)}
 
 
 def llada_weights(gen) -> dict[str, torch.Tensor]:
@@ -312,9 +151,7 @@ def llada_weights(gen) -> dict[str, torch.Tensor]:
         w[p + "v_proj.weight"] = _linear(gen, kv, d)
         w[p + "attn_out.weight"] = _linear(gen, d, d)
         w[p + "ff_norm.weight"] = _norm(gen, d)
-        w[p + "ff_proj.weight"] = _linear(gen, f, d)
-        w[p + "up_proj.weight"] = _linear(gen, f, d)
-        w[p + "ff_out.weight"] = _linear(gen, d, f)
+        w.update(_swiglu(gen, p, d, f, ("ff_proj", "up_proj", "ff_out")))
     w["model.transformer.ln_f.weight"] = _norm(gen, d)
     w["model.transformer.ff_out.weight"] = _linear(gen, v, d)
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
@@ -345,9 +182,7 @@ def qwen_weights(gen, c: dict, qk_norm: bool, qkv_bias: bool) -> dict[str, torch
             w[p + "self_attn.q_norm.weight"] = 2 * _norm(gen, hd)
             w[p + "self_attn.k_norm.weight"] = 2 * _norm(gen, hd)
         w[p + "post_attention_layernorm.weight"] = _norm(gen, d)
-        w[p + "mlp.gate_proj.weight"] = _linear(gen, f, d)
-        w[p + "mlp.up_proj.weight"] = _linear(gen, f, d)
-        w[p + "mlp.down_proj.weight"] = _linear(gen, d, f)
+        w.update(_swiglu(gen, p + "mlp.", d, f))
     w["model.norm.weight"] = _norm(gen, d)
     w["lm_head.weight"] = _linear(gen, v, d)
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
@@ -355,12 +190,9 @@ def qwen_weights(gen, c: dict, qk_norm: bool, qkv_bias: bool) -> dict[str, torch
 
 def expert_weights(gen, prefix: str, c: dict, count: int) -> dict[str, torch.Tensor]:
     """One gate/up/down tensor per expert, as the released MoE checkpoints store them."""
-    d, f = c["hidden_size"], c["moe_intermediate_size"]
     w = {}
     for e in range(count):
-        w[f"{prefix}experts.{e}.gate_proj.weight"] = _linear(gen, f, d)
-        w[f"{prefix}experts.{e}.up_proj.weight"] = _linear(gen, f, d)
-        w[f"{prefix}experts.{e}.down_proj.weight"] = _linear(gen, d, f)
+        w.update(_swiglu(gen, f"{prefix}experts.{e}.", c["hidden_size"], c["moe_intermediate_size"]))
     return w
 
 
@@ -380,17 +212,12 @@ def llada2_weights(gen) -> dict[str, torch.Tensor]:
         w[p + "attention.dense.weight"] = _linear(gen, d, q)
         w[p + "post_attention_layernorm.weight"] = _norm(gen, d)
         if i < c["first_k_dense_replace"]:
-            w[p + "mlp.gate_proj.weight"] = _linear(gen, f, d)
-            w[p + "mlp.up_proj.weight"] = _linear(gen, f, d)
-            w[p + "mlp.down_proj.weight"] = _linear(gen, d, f)
+            w.update(_swiglu(gen, p + "mlp.", d, f))
             continue
         w[p + "mlp.gate.weight"] = _linear(gen, c["num_experts"], d, gain=3.0)
         w[p + "mlp.gate.expert_bias"] = 0.3 * torch.randn(c["num_experts"], generator=gen)
         w.update(expert_weights(gen, p + "mlp.", c, c["num_experts"]))
-        shared = c["moe_intermediate_size"] * c["num_shared_experts"]
-        w[p + "mlp.shared_experts.gate_proj.weight"] = _linear(gen, shared, d)
-        w[p + "mlp.shared_experts.up_proj.weight"] = _linear(gen, shared, d)
-        w[p + "mlp.shared_experts.down_proj.weight"] = _linear(gen, d, shared)
+        w.update(_swiglu(gen, p + "mlp.shared_experts.", d, c["moe_intermediate_size"] * c["num_shared_experts"]))
     w["model.norm.weight"] = _norm(gen, d)
     w["lm_head.weight"] = _linear(gen, v, d)
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
@@ -469,35 +296,16 @@ def hf_llama(weights: dict[str, torch.Tensor]):
 
     c = LLADA_CONFIG
     config = LlamaConfig(
-        vocab_size=c["embedding_size"],
-        hidden_size=c["d_model"],
-        intermediate_size=c["mlp_hidden_size"],
-        num_hidden_layers=c["n_layers"],
-        num_attention_heads=c["n_heads"],
-        num_key_value_heads=c["n_kv_heads"],
-        head_dim=c["d_model"] // c["n_heads"],
-        hidden_act="silu",
-        max_position_embeddings=c["max_sequence_length"],
-        rms_norm_eps=c["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
+        vocab_size=c["embedding_size"], hidden_size=c["d_model"], intermediate_size=c["mlp_hidden_size"],
+        num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"],
+        head_dim=c["d_model"] // c["n_heads"], hidden_act="silu", max_position_embeddings=c["max_sequence_length"],
+        rms_norm_eps=c["rms_norm_eps"], rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
+        attention_bias=False, mlp_bias=False, tie_word_embeddings=False, use_cache=False)
     config._attn_implementation = "eager"
     model = LlamaForCausalLM(config).float().eval()
-    renames = {
-        "attn_norm": "input_layernorm",
-        "q_proj": "self_attn.q_proj",
-        "k_proj": "self_attn.k_proj",
-        "v_proj": "self_attn.v_proj",
-        "attn_out": "self_attn.o_proj",
-        "ff_norm": "post_attention_layernorm",
-        "ff_proj": "mlp.gate_proj",
-        "up_proj": "mlp.up_proj",
-        "ff_out": "mlp.down_proj",
-    }
+    renames = {"attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+               "v_proj": "self_attn.v_proj", "attn_out": "self_attn.o_proj", "ff_norm": "post_attention_layernorm",
+               "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "ff_out": "mlp.down_proj"}
     state = {}
     for name, tensor in weights.items():
         parts = name.split(".")
@@ -523,21 +331,12 @@ def hf_qwen(weights: dict[str, torch.Tensor], c: dict, qwen3: bool):
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     extra = {"head_dim": head_dim, "attention_bias": False} if qwen3 else {}
     config = (Qwen3Config if qwen3 else Qwen2Config)(
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"],
-        num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"],
-        hidden_act="silu",
-        max_position_embeddings=c["max_position_embeddings"],
-        rms_norm_eps=c["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": float(c["rope_theta"])},
-        use_sliding_window=False,
-        tie_word_embeddings=False,
-        use_cache=False,
-        **extra,
-    )
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"], hidden_act="silu",
+        max_position_embeddings=c["max_position_embeddings"], rms_norm_eps=c["rms_norm_eps"],
+        rope_parameters={"rope_type": "default", "rope_theta": float(c["rope_theta"])}, use_sliding_window=False,
+        tie_word_embeddings=False, use_cache=False, **extra)
     config._attn_implementation = "eager"
     model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config).float().eval()
     model.load_state_dict({k: t.float() for k, t in weights.items()}, strict=True)
@@ -762,57 +561,43 @@ def dir_size(path: Path) -> int:
 
 
 def write_models() -> int:
+    """The dense families: weights and input ids from one generator per family, transformers' logits under
+    the family's mask (checked to take effect), then the files."""
     torch.manual_seed(0)
     torch.set_grad_enabled(False)
-
-    # --- LLaDA: sharded, bidirectional
-    gen = torch.Generator().manual_seed(1234)
-    weights = llada_weights(gen)
-    ids = input_ids(gen)
-    model = hf_llama(weights)
-    logits = hf_logits(model, ids, bidirectional_allowed(*ids.shape))
-    verify_bidirectional(model, ids, logits)
-    out = fresh_dir("llada_tiny")
-    write_config(out, LLADA_CONFIG)
-    write_sharded(out, weights)
-    write_tokenizer(out, "llada", LLADA_CONFIG["mask_token_id"], LLADA_CONFIG["eos_token_id"])
-    reloaded = {}
-    for file in sorted(out.glob("model-*.safetensors")):
-        reloaded.update(load_file(str(file)))
-    assert reloaded.keys() == weights.keys() and all(torch.equal(reloaded[k], weights[k]) for k in weights)
-    write_golden(out, ids, logits)
-
-    # --- SDAR: single file, block-causal
-    gen = torch.Generator().manual_seed(5678)
-    weights = sdar_weights(gen)
-    ids = input_ids(gen)
-    model = hf_qwen(weights, SDAR_CONFIG, qwen3=True)
-    logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, BLOCK))
-    verify_block_causal(model, ids, logits)
-    out = fresh_dir("sdar_tiny")
-    write_config(out, SDAR_CONFIG)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(out, "sdar", SDAR_CONFIG["mask_token_id"], SDAR_CONFIG["eos_token_id"])
-    write_golden(out, ids, logits)
-
-    # --- Dream (bidirectional) and Fast-dLLM v2 (block-causal): Qwen2 with biases, shifted logits
-    for name, config, seed in (("dream_tiny", DREAM_CONFIG, 91011), ("fast_dllm_v2_tiny", FAST_DLLM_V2_CONFIG, 121314)):
+    qwen2 = lambda config: (partial(qwen_weights, c=config, qk_norm=False, qkv_bias=True),
+                            partial(hf_qwen, c=config, qwen3=False))
+    families = [  # (folder, config, seed, weights, transformers' model, block (None: bidirectional), tokenizer)
+        ("llada_tiny", LLADA_CONFIG, 1234, llada_weights, hf_llama, None, "llada"),
+        ("sdar_tiny", SDAR_CONFIG, 5678, sdar_weights, partial(hf_qwen, c=SDAR_CONFIG, qwen3=True), BLOCK, "sdar"),
+        ("dream_tiny", DREAM_CONFIG, 91011, *qwen2(DREAM_CONFIG), None, None),
+        ("fast_dllm_v2_tiny", FAST_DLLM_V2_CONFIG, 121314, *qwen2(FAST_DLLM_V2_CONFIG), BLOCK, None),
+    ]
+    for name, config, seed, make_weights, hf_model, block, family in families:
         gen = torch.Generator().manual_seed(seed)
-        weights = qwen_weights(gen, config, qk_norm=False, qkv_bias=True)
+        weights = make_weights(gen)
         ids = input_ids(gen)
-        model = hf_qwen(weights, config, qwen3=False)
-        if config["model_type"] == "Dream":
+        model = hf_model(weights)
+        if block is None:
             logits = hf_logits(model, ids, bidirectional_allowed(*ids.shape))
             verify_bidirectional(model, ids, logits)
         else:
-            logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, BLOCK))
+            logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, block))
             verify_block_causal(model, ids, logits)
         out = fresh_dir(name)
         write_config(out, config)
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-        write_golden(out, ids, shifted(logits))
-
-    return report_sizes(("llada_tiny", "sdar_tiny", "dream_tiny", "fast_dllm_v2_tiny"))
+        if name == "llada_tiny":  # sharded, and read back
+            write_sharded(out, weights)
+            reloaded = {}
+            for file in sorted(out.glob("model-*.safetensors")):
+                reloaded.update(load_file(str(file)))
+            assert reloaded.keys() == weights.keys() and all(torch.equal(reloaded[k], weights[k]) for k in weights)
+        else:
+            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        if family:
+            write_tokenizer(out, family, config["mask_token_id"], config["eos_token_id"])
+        write_golden(out, ids, shifted(logits) if config["model_type"] in ("Dream", "Fast_dLLM_Qwen") else logits)
+    return report_sizes([name for name, *_ in families])
 
 
 def report_sizes(names) -> int:

@@ -1,44 +1,15 @@
 """Captured attention mass of MOMO's block mask against the oracle block mask and mean pooling, on a
-tiny model's real queries and keys or on structured synthetic ones (the paper's Fig. 2e / the issue's
-accuracy bar).
+tiny model's real queries and keys or on structured synthetic ones (the paper's Fig. 2e; the method
+and the tables: docs/results/momo_mass.md).
 
     python scripts/momo_mass.py --model tiny-sdar --lengths 2048,4096 --n 4 --k 4
     python scripts/momo_mass.py --synthetic --lengths 32768,65536,131072 --mask causal,block --k 128
 
-Model mode: every layer and head of a prefill over passkey prompts. Synthetic mode: the inputs below,
-on --device (CUDA: bfloat16, MOMO's mask from the Triton kernels; CPU: float32, small lengths only).
-Let P be the dense attention probabilities. A block mask (per query block of chi rows, a set of key
-blocks of beta keys) captures
-    mass = mean over rows of the sum of P over the keys the row's query block keeps (and the mask allows).
-MOMO's mask is steps 1-2 of methods/momo.py (trimmed union of the sampled rows' top-k plus the
-diagonal blocks; --trim picks its ranking). The oracle keeps, per query block, as many key blocks as
-MOMO kept there, chosen by their true mass over the block's rows; the oracle with diagonals keeps the
-diagonal blocks, as MOMO and mean pooling must (a causal row sees its own key), and fills the same
-count with the best others by true mass, so it sets selection against selection where the diagonal
-blocks are a large part of a small budget. Mean pooling (the paper's baseline) ranks key blocks by the
-dot product of the query block's mean query with the key block's mean key (visible blocks only,
-diagonal blocks forced), same count. P is never formed whole: its block masses are summed over chunks of about
-2^28 / n query rows (fp32 scores against the keys those rows may see), per head.
-Prints mass / oracle mass for MOMO and mean pooling per length against both oracles (averaged over
-layers, heads, prompts);
-synthetic rows add the seconds for MOMO's mask, the masses and pooling (the first includes Triton's compile).
-Model rows add a diagnostic that is not MOMO: the trim ranking every key block by its mean score over
-all sampled rows of the query block, where Algorithm 2 averages only over the rows whose top-k chose it
-(the QSA pass computes every block's score but keeps only the k best per row).
-
-Synthetic inputs (deterministic from --seed + length): Gaussian noise of std --noise in every
-coordinate of q [1, heads, n, d] and k [1, kv_heads, n, d], plus, per KV head (its query heads share it):
-  vertical stripes: 32 anchor keys (positions 0-3 and 28 drawn at random) carry a direction u in the
-    first 16 coordinates, every query carries u too: anchor scores q . k / sqrt(d) gain --sink-logit;
-  slash lines: the other coordinates carry a vector w of equal-energy pairs, RoPE-rotated (base 10000):
-    key j holds R(j) w, query i holds the sum of R(i - o) w over offsets o = 0 (the local window) and two
-    drawn log-uniformly in [64, n / 4], so the scores gain --slash-logit * sum_o c(i - j - o) with
-    c(D) = the mean over the pairs' frequencies of cos(frequency D): 1 on the line, falling about like
-    1 - ln|D| / ln 10000 near it (a halo), ripples of std 0.1 far from it (|D| > 10^4).
-At the defaults (10, 8, 1) a row's mass lies partly on the anchors and the rest on the lines and
-spread out (halos, ripples, noise), so the best k key blocks hold most of it but not all, less so at
-longer lengths. The table's "oracle mass" is over all rows (early rows see fewer than k blocks: all
-of their mass).
+Model mode: every layer and head of a prefill over passkey prompts, on the CPU. Synthetic mode
+(structured_qk) on --device (CUDA: bfloat16, MOMO's mask from
+the Triton kernels; CPU: float32, small lengths only); its rows add the seconds taken (the first
+includes Triton's compile). The dense probabilities are never formed whole: their block masses are
+summed over chunks of query rows (chunked_block_mass).
 """
 
 from __future__ import annotations
@@ -56,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanodllm.cli import (available_device, help_text, output_file, positive_int, positive_ints, run_main,  # noqa: E402
                           write_whole)
 from nanodllm.attention import CanvasMask  # noqa: E402
-from nanodllm.methods.momo import (block_scores, dense_mask, diagonal_blocks, kept_blocks,  # noqa: E402
-                                   measure_and_mask, measure_on_kernels, scaled_scores)
+from nanodllm.methods.momo import (dense_mask, diagonal_blocks, kept_blocks, measure_and_mask,  # noqa: E402
+                                   measure_on_kernels)
 
 ANCHORS, ANCHOR_DIMS = 32, 16
 COLUMNS = ("| MOMO / oracle | mean pooling / oracle | MOMO / oracle with diagonals | mean pooling / oracle with "
@@ -74,7 +45,13 @@ def rope(vector, positions, base=10000.0):
 
 
 def structured_qk(n, heads, kv_heads, head_dim, seed, sink_logit=10.0, slash_logit=8.0, noise=1.0):
-    """The synthetic q [1, heads, n, d] and k [1, kv_heads, n, d] (float32, CPU) of the module docstring."""
+    """Synthetic q [1, heads, n, d] and k [1, kv_heads, n, d] (float32, CPU): Gaussian noise of std `noise`,
+    plus, per KV head (its query heads share it), vertical stripes: 32 anchor keys (positions 0-3 and
+    28 drawn at random) carry a direction u in the first 16 coordinates, as does every query, so anchor
+    scores q . k / sqrt(d) gain sink_logit; and slash lines: the other coordinates carry equal-energy
+    pairs w, RoPE-rotated (base 10000): key j holds R(j) w, query i the sum of R(i - o) w over offsets
+    o = 0 and two drawn log-uniformly in [64, n / 4], so scores gain slash_logit x the mean over the
+    pairs' frequencies of cos(frequency (i - j - o)): 1 on a line, a halo near it, ripples far off."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(1, heads, n, head_dim, generator=generator) * noise
     k = torch.randn(1, kv_heads, n, head_dim, generator=generator) * noise
@@ -182,46 +159,21 @@ def mass_ratios(mass, keep, pool_scores, n, chi, beta):
             "pool diagonals": pool / best_with_diagonals, "oracle": best, "kept": float(counts.float().mean())}
 
 
-def all_rows_scores(q, k, mask_block, gamma, chi, beta):
-    """[batch, heads, query blocks, key blocks]: each key block's eq. 4 score averaged over every
-    sampled row of the query block (rows that see none of the block excluded); small n only."""
-    n = q.shape[2]
-    sampled = torch.arange(0, n, gamma, device=q.device)
-    full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
-    scores = block_scores(scaled_scores(q[:, :, sampled], k, None if full is None else full[:, :, sampled]), beta)
-    rows_per_block = chi // gamma
-    query_blocks = -(-len(sampled) // rows_per_block)
-    padded = torch.nn.functional.pad(scores, (0, 0, 0, query_blocks * rows_per_block - len(sampled)),
-                                     value=float("-inf"))
-    grouped = padded.view(*scores.shape[:2], query_blocks, rows_per_block, scores.shape[-1])
-    seen = grouped > float("-inf")
-    total = torch.where(seen, grouped, 0.0).sum(3)
-    return torch.where(seen.any(3), total / seen.sum(3).clamp(min=1), float("-inf"))
-
-
-def measure(q, k, mask_block, args, all_rows=False):
-    """mass_ratios of one forward's q [batch, heads, n, d], k [batch, kv_heads, n, d] (and, with
-    all_rows, the diagnostic trim's ratio)."""
+def measure(q, k, mask_block, args):
+    """mass_ratios of one forward's q [batch, heads, n, d], k [batch, kv_heads, n, d]."""
     n, chi, beta = q.shape[2], args.chi, args.beta
     keep = momo_keep(q, k, mask_block, args)
     mass = chunked_block_mass(q, k, mask_block, chi, beta)
     positions = torch.arange(n, device=q.device)
     visible = sees(torch.clamp(positions[::chi] + chi, max=n) - 1, positions[::beta], mask_block)
-    ratios = mass_ratios(mass, keep, mean_pooling_scores(q, k, chi, beta, visible), n, chi, beta)
-    if all_rows:
-        scores = all_rows_scores(q, k, mask_block, args.gamma, chi, beta)
-        chosen = best_per_query_block(scores.masked_fill(diagonal_blocks(n, chi, beta, q.device), float("inf")),
-                                      keep.sum(-1))
-        ratios["all rows"] = captured(mass, chosen, n) / ratios["oracle"]
-    return ratios
+    return mass_ratios(mass, keep, mean_pooling_scores(q, k, chi, beta, visible), n, chi, beta)
 
 
 def table_row(first_columns, results, n, beta):
     mean = lambda key: sum(result[key] for result in results) / len(results)
-    extra = f" {mean('all rows'):.4f} |" if "all rows" in results[0] else ""
     return (f"| {' | '.join(map(str, first_columns))} | {mean('momo'):.4f} | {mean('pool'):.4f} | "
             f"{mean('momo diagonals'):.4f} | {mean('pool diagonals'):.4f} | {mean('oracle'):.4f} | "
-            f"{mean('kept'):.1f} of {-(-n // beta)} |{extra}")
+            f"{mean('kept'):.1f} of {-(-n // beta)} |")
 
 
 def layer_queries_and_keys(model, ids, positions, mask):
@@ -249,8 +201,8 @@ def model_table(args):
     block_size = model.cfg.block_size if model.cfg.attention == "block_causal" else None
     yield (f"{args.model}: gamma {args.gamma}, chi {args.chi}, beta {args.beta}, k = {args.k}, "
            f"k_trim = {args.k_trim} key blocks, trim {args.trim}\n")
-    yield f"| length | prompts {COLUMNS} trim over all sampled rows / oracle (diagnostic) |"
-    yield "|---|---|---|---|---|---|---|---|---|"
+    yield f"| length | prompts {COLUMNS}"
+    yield "|---|---|---|---|---|---|---|---|"
     for length in args.lengths:
         results = []
         samples = tasks.make_samples("passkey", length, args.n, args.seed + length,
@@ -260,7 +212,7 @@ def model_table(args):
             n = ids.shape[1]
             mask = CanvasMask(block_size=block_size) if block_size else None
             for q, k in layer_queries_and_keys(model, ids, torch.arange(n)[None], mask):
-                results.append(measure(q, k, block_size, args, all_rows=True))
+                results.append(measure(q, k, block_size, args))
         yield table_row([length, len(samples)], results, n, args.beta)
 
 

@@ -1,20 +1,13 @@
 """PNG figures from the benchmark tables committed in docs/results/ (the papers' figures, redrawn from
 our measurements). Needs matplotlib, an optional dependency (pip install matplotlib); reads only the
-JSON files `scripts/bench.py` wrote (and the tables of a sweep's Markdown), so it runs anywhere, no GPU.
+files `scripts/bench.py` and `scripts/sweep.py` wrote, so it runs anywhere, no GPU.
 
     python scripts/plot_results.py [--results docs/results]
 
-- momo_latency_vs_k.png    MOMO's Fig. 4 analogue: prefill attention latency vs k for each top-k
-                           variant (bench_momo.json, 64K causal).
-- sparse_dllm_scaling.png  Sparse-dLLM's Fig. 5 analogue: tokens/s and peak memory vs sequence length
-                           for vanilla, Fast-dLLM's caches and Sparse-dLLM (bench_sparse_dllm.json).
-- dyllm_salient.png        DyLLM's Fig. 7 analogue: salient fraction per layer across the denoising
-                           steps on tiny-llada (dyllm_salient.json, written by scripts/dyllm_salient.py).
-- tiny_models_heatmap.png  dense accuracy of the shipped tiny models per task, context length and
-                           needle depth (tiny_models.json, the eval tables of tiny_models.md).
-- mage_baselines_2k_8k_tiny.png  MAGE's Fig. 4 analogue: dense, MAGE, Quest and SparseD at k = 64
-                           per task, context length and needle depth on tiny-sdar (the depth grids
-                           scripts/sweep.py printed, at the end of mage_accuracy.md).
+momo_latency_vs_k.png (MOMO's Fig. 4: bench_momo.json), sparse_dllm_scaling.png (Sparse-dLLM's Fig. 5:
+bench_sparse_dllm.json), dyllm_salient.png (DyLLM's Fig. 7: dyllm_salient.json), tiny_models_heatmap.png
+(the tiny models' dense accuracy: tiny_models.json) and mage_baselines_2k_8k_tiny.png (MAGE's Fig. 4:
+the depth grids at the end of mage_accuracy.md).
 """
 
 from __future__ import annotations

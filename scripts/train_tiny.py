@@ -1,50 +1,18 @@
-"""Train the two tiny diffusion LMs shipped in nanodllm/assets/, with nanodllm's own model code.
+"""Train the two tiny diffusion LMs shipped in nanodllm/assets/, with nanodllm's own model code (how
+they were made, and why: docs/results/tiny_models.md; each one's commands: its train_log.json).
 
     python scripts/train_tiny.py tokenizer            # BPE tokenizer on the task corpus (CPU, seconds)
     python scripts/train_tiny.py llada --minutes 4    # tiny-llada: masked diffusion, bidirectional
     python scripts/train_tiny.py sdar --minutes 4     # tiny-sdar: block diffusion, block-causal B=32
 
-Data: the synthetic long-context tasks of nanodllm.tasks (passkey, multikey, kv), each sample a chat
-prompt (the family's template) followed by a response: the answer, the end of turn token, then
-end-of-text padding, as the released SFT data is laid out; 16 or 32 tokens for llada, up to the end
-of the block holding the 32nd response position for sdar (the canvas the block engine decodes).
-
-Objectives:
-- llada: every response token is masked with probability t ~ U(0.05, 1); cross-entropy on the masked
-  tokens weighted by 1/t over the response length (LLaDA's SFT loss; t is kept above 0.05 so no
-  sample weighs more than 20); attention is fully bidirectional.
-- sdar: block diffusion with a clean copy and a noisy copy of the response blocks. Noisy block b
-  sees the clean blocks before it and itself (its prompt tail stays clean), exactly what the block
-  engine shows it at inference; the clean copy is block-causal. The same 1/t-weighted loss on the
-  masked noisy tokens.
-Two additions, both off by default, are what taught tiny-sdar retrieval by key (multikey, kv):
-- --full-mask p: a fraction p of the samples is trained at t = 1, the fully masked canvas decoding
-  starts from. With t ~ U(0.05, 1) alone most samples show some answer digits, and a model can find
-  the answer by its shown digits instead of by its key.
-- --drill p: a fraction p of the multikey and kv samples is a recall drill (Encoder.drill): the
-  question becomes a request to recite, and the response restates all four multikey needles (or
-  DRILL_KV_LINES kv lines) with only their numbers masked, each number whole. One sample then asks
-  for several keys instead of one.
-
-Length curriculum, one per task (--tasks, default all three): each task starts at 128 tokens
-(--first-length: e.g. 64 for a few kv pairs per sample, or 512 to continue a trained model; the
-doublings of 128 above it follow); when its held-out one-step accuracy (all answer tokens predicted
-from a fully masked response, harder than iterative decoding) reaches ADVANCE_AT, its longest length
-doubles, up to MAX_LENGTH (--last-length: shorter, for quick steps while a skill is learned at short
-lengths). So passkey can move on while multikey and kv are still being learned. --init continues
-from an earlier checkpoint (its curriculum starts again at the first length and moves on at each
-check it passes); for llada it may be an sdar checkpoint of the same shape, converted
-(llada_from_sdar: how the shipped tiny-llada was made). Every optimizer step averages one micro-batch
-per task (on average): at most MAX_BATCH samples of that task at its length or a shorter one of the
-ladder, TOKENS_PER_BATCH tokens at most, so a task still at 128 tokens keeps its batch while another
-is at 4096. AdamW with warmup and a cosine decay over the run (steps or wall-clock minutes, whichever
-ends it first). The checkpoint saved is the one furthest along (the sum over tasks of stage index plus
-held-out accuracy), in bf16 and in the family's real on-disk format. The commands that made the shipped
-checkpoints are in each one's train_log.json and in docs/results/tiny_models.md.
-
-The tokenizer is a byte-level BPE trained on the task corpus (digits one by one) plus the kv key
-words as whole tokens (`tasks.KV_KEYS`), so a kv key is one token, as a passkey digit is.
-Reproducible from --seed (data order, init); GPU kernels may add run-to-run noise.
+Data: nanodllm.tasks' passkey, multikey and kv samples in the family's chat template, the response
+padded as SFT data is. llada: response tokens masked with probability t ~ U(0.05, 1), cross-entropy
+on them weighted by 1/t (LLaDA's SFT loss). sdar: a clean and a noisy copy of the response blocks,
+each noisy block seeing the clean blocks before it and itself, as the block engine shows it. Options:
+recall drills (--drill) and fully masked samples (--full-mask); a length curriculum per task, 128 to
+4096 tokens, doubling when its held-out one-step accuracy reaches ADVANCE_AT; --init continues a
+checkpoint (for llada also an sdar one, converted: llada_from_sdar). AdamW, warmup and cosine decay;
+the checkpoint furthest along is saved in bf16 in the family's on-disk format. Reproducible from --seed.
 """
 
 from __future__ import annotations

@@ -202,17 +202,15 @@ def test_a_failed_benchmark_row_is_named_and_retried_by_a_rerun(tmp_path, monkey
     import argparse
 
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    import bench
     import bench_e2e
+    import harness
 
     good = bench_e2e.Run("masked", "quick", "dense", 23, 8, 4, block=4)
     bad = dataclasses.replace(good, method="no_such_method")
     monkeypatch.setitem(bench_e2e.SETTINGS, "paper_quick", [good, bad])
     journal = tmp_path / "e2e.jsonl"
-    args = argparse.Namespace(quick=True, report_only=False, journal=journal, timeout=300.0, settings="paper")
-    meta = bench.run_metadata(torch.float32, True)
-    failed = bench_e2e.bench_paper(args, bench.Report(), meta, lambda: (1.0, 1.0))
-    assert failed == [bad.label()]
+    args = argparse.Namespace(quick=True, journal=journal, timeout=300.0, settings="paper")
+    assert bench_e2e.paper(harness.Setup(args)) == [bad.label()]
     kept = [json.loads(line).get("key") for line in journal.read_text().splitlines()[1:]]
     assert kept == ["machine", good.label()]
 
@@ -224,20 +222,21 @@ def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch)
     import argparse
 
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    import bench
     import bench_e2e
+    import harness
 
     done, todo = (bench_e2e.Run("masked", "quick", m, 23, 8, 4, block=4) for m in ("dense", "fast_dllm"))
     monkeypatch.setitem(bench_e2e.SETTINGS, "quick", [done, todo])
     later = [[5.0, 2.0, 3.0], [9.0, 4.0, 4.5], [4.0, 3.5, 1.0]]  # differences 3, 5, 3; warm 2, 4, 1
-    journal, meta = tmp_path / "warm.jsonl", bench.run_metadata(torch.float32, True)
+    journal = tmp_path / "warm.jsonl"
     args = argparse.Namespace(quick=True, journal=journal, repeats=3, methods=None)
     settings = {"settings": "quick", "repeats": 3, "methods": None, "device": "another GPU"}
     row = json.dumps({"key": done.label(), "result": {"first": 7.0, "later": later, "peak GiB": 1.0}})
     journal.write_text(json.dumps({"settings": settings}) + "\n" + row + "\n")
     with pytest.raises(SystemExit, match=r"other settings \(device\)"):  # never mixed with another GPU's rows
-        bench_e2e.bench_warm_start(args, bench.Report(), dict(meta))
-    journal.write_text(json.dumps({"settings": {**settings, "device": meta["device"]}}) + "\n" + row + "\n")
+        bench_e2e.warm_start(harness.Setup(args))
+    setup = harness.Setup(args)
+    journal.write_text(json.dumps({"settings": {**settings, "device": setup.meta["device"]}}) + "\n" + row + "\n")
     ran = []
 
     def fake_process(run, generations, timeout=None):
@@ -245,43 +244,39 @@ def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch)
         return {"seconds": [1.5, 1.0, 1.25][:generations], "peak GiB": 2.0}
 
     monkeypatch.setattr(bench_e2e, "in_new_process", fake_process)
-    report = bench.Report()
-    bench_e2e.bench_warm_start(args, report, meta)
+    bench_e2e.warm_start(setup)
     assert ran == [("fast_dllm", 1)] + [("fast_dllm", 3)] * 3
-    dense, fast = report.sections[0]["rows"]
+    dense, fast = setup.report.sections[0]["rows"]
     assert (dense["first process s"], dense["later process s"], dense["warm s"]) == (7.0, 5.0, 2.0)
     assert (dense["later - warm s"], dense["range s"]) == (3.0, "3.00 - 5.00")
     assert (fast["later - warm s"], fast["vs dense"]) == (0.5, 2.0)
     assert not journal.exists()  # the run completed: a rerun starts afresh
 
 
-def test_one_process_profiles_its_generations_and_names_the_first_ones_extra_time(tmp_path):
+def test_the_e2e_worker_times_one_configuration_in_its_process():
     run = {"engine": "masked", "model": "quick", "method": "maskkv", "prompt": 23, "gen": 8, "steps": 4, "block": 4}
-    done = script("scripts/bench_e2e.py", "--one", json.dumps(run), "--generations", "2", "--profile",
-                  str(tmp_path / "profile"), timeout=300)
+    done = script("scripts/bench_e2e.py", "--one", json.dumps(run), "--generations", "2", timeout=300)
     assert done.returncode == 0, done.stderr
-    assert len(json.loads(done.stdout.splitlines()[-1])["seconds"]) == 2
-    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["generation0.pstats", "generation1.pstats"]
-    lines = done.stderr.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("first generation "))
-    assert len(lines[start + 1 :]) == 15 and all(" s  " in line for line in lines[start + 1 :])
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert len(result["seconds"]) == len(result["first block"]) == 2
+    assert all(0 < first <= whole for first, whole in zip(result["first block"], result["seconds"]))
 
 
 def test_a_warm_start_subset_without_dense_has_no_ratio_to_it(tmp_path, monkeypatch):
     import argparse
 
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    import bench
     import bench_e2e
+    import harness
 
     runs = [bench_e2e.Run("masked", "quick", m, 23, 8, 4, block=4) for m in ("dense", "fast_dllm")]
     monkeypatch.setitem(bench_e2e.SETTINGS, "quick", runs)
     monkeypatch.setattr(bench_e2e, "in_new_process", lambda run, generations, timeout=None:
                         {"seconds": [1.5, 1.0, 1.25][:generations], "peak GiB": 2.0})
-    report = bench.Report()
-    args = argparse.Namespace(quick=True, journal=tmp_path / "warm.jsonl", repeats=1, methods=["fast_dllm"])
-    bench_e2e.bench_warm_start(args, report, bench.run_metadata(torch.float32, True))
-    (row,) = report.sections[0]["rows"]
+    setup = harness.Setup(argparse.Namespace(quick=True, journal=tmp_path / "warm.jsonl", repeats=1,
+                                             methods=["fast_dllm"]))
+    bench_e2e.warm_start(setup)
+    (row,) = setup.report.sections[0]["rows"]
     assert row["method"] == "fast_dllm" and "vs dense" not in row
 
 
@@ -289,8 +284,8 @@ def test_a_failed_warm_start_row_is_named_and_its_journal_kept(tmp_path, monkeyp
     import argparse
 
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
-    import bench
     import bench_e2e
+    import harness
 
     good, bad = (bench_e2e.Run("masked", "quick", m, 23, 8, 4, block=4) for m in ("dense", "fast_dllm"))
     monkeypatch.setitem(bench_e2e.SETTINGS, "quick", [good, bad])
@@ -301,11 +296,11 @@ def test_a_failed_warm_start_row_is_named_and_its_journal_kept(tmp_path, monkeyp
         return {"seconds": [1.5, 1.0, 1.25][:generations], "peak GiB": 2.0}
 
     monkeypatch.setattr(bench_e2e, "in_new_process", fake_process)
-    journal, report = tmp_path / "warm.jsonl", bench.Report()
-    args = argparse.Namespace(quick=True, journal=journal, repeats=2, methods=None)
-    assert bench_e2e.bench_warm_start(args, report, bench.run_metadata(torch.float32, True)) == [bad.label()]
-    assert [row["method"] for row in report.sections[0]["rows"]] == ["dense"]
-    assert "vs dense" in report.sections[0]["rows"][0]
+    journal = tmp_path / "warm.jsonl"
+    setup = harness.Setup(argparse.Namespace(quick=True, journal=journal, repeats=2, methods=None))
+    assert bench_e2e.warm_start(setup) == [bad.label()]
+    assert [row["method"] for row in setup.report.sections[0]["rows"]] == ["dense"]
+    assert "vs dense" in setup.report.sections[0]["rows"][0]
     kept = [json.loads(line).get("key") for line in journal.read_text().splitlines()[1:]]
     assert kept == [good.label()]
 
@@ -324,7 +319,7 @@ def test_no_command_is_named_on_stderr():
      "argument --plot: docs is a folder; give a file name"),
     (["-m", "nanodllm", "eval", "--plot", "no-such-folder/heatmap.png"],
      "argument --plot: the folder no-such-folder of no-such-folder/heatmap.png does not exist"),
-    (["scripts/tune.py", "--out", "docs"], "argument --out: docs is a folder; give a file name"),
+    (["scripts/bench.py", "tune", "--out", "docs"], "argument --out: docs is a folder; give a file name"),
     (["scripts/bench.py", "routing", "--quick", "--out", "README.md"],
      "argument --out: README.md is a file, not a folder"),
     (["scripts/bench.py", "momo", "--quick", "--lengths", "0"],
@@ -334,9 +329,8 @@ def test_no_command_is_named_on_stderr():
     (["scripts/momo_mass.py", "--chi", "0"], "argument --chi: must be a positive integer, got '0'"),
     (["scripts/momo_mass.py", "--synthetic", "--mask", "causal,diag"],
      "argument --mask: diag is not a mask; choose from causal, block, none"),
-    (["scripts/dyllm_salient.py", "--n", "0"], "argument --n: must be a positive integer, got '0'"),
-    (["scripts/dyllm_salient.py", "--out", "no-such-folder/salient.json"],
-     "argument --out: the folder no-such-folder of no-such-folder/salient.json does not exist"),
+    (["scripts/bench.py", "dyllm_salient", "--n", "0"], "argument --n: must be a positive integer, got '0'"),
+    (["scripts/bench.py", "dyllm_salient", "--out", "README.md"], "argument --out: README.md is a file, not a folder"),
 ])
 def test_an_output_path_or_value_that_would_fail_late_is_refused_first(args, last_line):
     """Checked as the flags are read, not when the run ends and writes (or a benchmark reaches the value)."""
@@ -346,15 +340,18 @@ def test_an_output_path_or_value_that_would_fail_late_is_refused_first(args, las
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
-@pytest.mark.parametrize("args, last_line", [
-    (["moe", "--quick", "--generate", "llada2-mini"], "moe --generate runs on a GPU only"),
-    (["momo", "--quick", "--tune"], "momo --tune runs on a GPU only"),
-])
-def test_a_gpu_only_benchmark_flag_is_refused_on_a_cpu(args, last_line, tmp_path):
+def test_a_gpu_only_benchmark_flag_is_refused_on_a_cpu(tmp_path):
     """Before, the run went on without the part the flag asks for, wrote its files and exited 0."""
-    done = script("scripts/bench.py", *args, "--out", str(tmp_path), timeout=120)
-    assert done.returncode == 2 and f"bench.py: error: {last_line}" in done.stderr.splitlines()[-1]
+    done = script("scripts/bench.py", "moe", "--quick", "--generate", "llada2-mini", "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 2 and "bench.py: error: moe --generate runs on a GPU only" in done.stderr.splitlines()[-1]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_tuning_without_a_gpu_is_refused_and_writes_nothing(tmp_path):
+    done = script("scripts/bench.py", "tune", "--out", str(tmp_path / "tuned.json"), timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("bench.py tune measures launch settings on a GPU") and list(tmp_path.iterdir()) == []
 
 
 def test_an_eval_of_a_file_without_samples_is_refused(tmp_path):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kernels.qsa_estimate import golden_strides
 from nanodllm.attention import CanvasMask, attention_reference
 from nanodllm.methods import get_method
-from nanodllm.methods.momo import (block_lists, block_scores, delta_corrected, dense_mask, diagonal_blocks,
+from nanodllm.methods.momo import (block_lists, delta_corrected, dense_mask, diagonal_blocks,
                                    estimated_top_k, exact_top_k, expand_blocks, kept_blocks, kept_lists, momo_attention,
                                    scaled_scores, trim_values, union_and_trim)
 from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
@@ -228,26 +228,6 @@ def test_mass_script_chunks_give_the_dense_block_masses(mask_block):
     keep = torch.rand(mass.shape, generator=torch.Generator().manual_seed(0)) < 0.3
     dense = float((probs * expand_blocks(keep, n, chi, beta, full)).sum(-1).mean())
     assert abs(momo_mass.captured(mass, keep, n) - dense) < 1e-5
-
-
-@pytest.mark.parametrize("mask_block", [1, None])
-def test_mass_script_all_rows_diagnostic_averages_every_sampled_row(mask_block):
-    """The diagnostic trim's scores: per query block, each key block's eq. 4 score averaged over the
-    sampled rows that see it (a loop over rows here); hidden blocks -inf."""
-    momo_mass = load_mass_script()
-    n, gamma, chi, beta = 200, 8, 32, 16
-    q, k = momo_mass.structured_qk(n, heads=2, kv_heads=1, head_dim=32, seed=7)
-    scores = momo_mass.all_rows_scores(q, k, mask_block, gamma, chi, beta)
-    full = dense_mask(CanvasMask(block_size=mask_block), n, q.device)
-    for query_block in range(scores.shape[2]):
-        rows = [r for r in range(query_block * chi, min((query_block + 1) * chi, n)) if r % gamma == 0]
-        per_row = [block_scores(scaled_scores(q[:, :, r : r + 1], k, None if full is None else full[:, :, r : r + 1]),
-                                beta)[:, :, 0] for r in rows]
-        stacked_rows = torch.stack(per_row, dim=2)  # [batch, heads, rows, key blocks]
-        seen = stacked_rows > float("-inf")
-        expected = torch.where(seen, stacked_rows, 0.0).sum(2) / seen.sum(2).clamp(min=1)
-        expected = torch.where(seen.any(2), expected, float("-inf"))
-        torch.testing.assert_close(scores[:, :, query_block], expected)
 
 
 def test_mass_script_k_trim_below_k_trims_the_union(tmp_path):

@@ -1,0 +1,302 @@
+"""What bench.py's sections share: the Timer, the Report of tables they write, the Setup each one is
+given (flags, device, dtype, metadata, measured ceilings) and the measurements several of them make."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nanodllm.cli import write_whole  # noqa: E402
+from nanodllm.config import ModelConfig, preset  # noqa: E402
+from nanodllm.generation import generate  # noqa: E402
+from nanodllm.methods.base import StepContext  # noqa: E402
+
+QUICK_LLADA = dict(model_type="llada", d_model=128, n_layers=3, n_heads=4, n_kv_heads=4, mlp_hidden_size=256,
+                   vocab_size=256, mask_token_id=255, eos_token_id=254, max_sequence_length=1024)
+
+
+class Timer:
+    """Microseconds of one call of fn(), as the GPU sees it. On a GPU fn is captured `repeats` times
+    into a CUDA graph, each call after a read of a 256 MiB buffer that evicts the L2 (a read leaves it
+    clean, as a real step finds it); the graph of the reads alone is timed too and subtracted; the
+    median of several replays. A graph replays kernels back to back, so the host's launch overhead is
+    left out; `eager(fn)` is do_bench's wall clock per call, host overhead included. On a CPU
+    (--quick) both are a plain wall-clock median, whose numbers mean nothing."""
+
+    FLUSH_BYTES = 256 << 20
+
+    def __init__(self, device, quick):
+        self.device, self.quick = device, quick
+        self.repeats = 5 if quick else 20
+        if device.type == "cuda":
+            self.flush = torch.ones(self.FLUSH_BYTES, dtype=torch.uint8, device=device)
+            self.flush_max = torch.empty((), dtype=torch.uint8, device=device)
+            self.flush_us = self.replay(self.capture(lambda: None))
+
+    def capture(self, fn):
+        fn()  # compile / autotune outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.repeats):
+                torch.amax(self.flush, dim=0, out=self.flush_max)
+                fn()
+        return graph
+
+    def replay(self, graph, tries=7) -> float:
+        times = []
+        for _ in range(tries):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / self.repeats)
+        return sorted(times)[len(times) // 2]
+
+    def __call__(self, fn) -> float:
+        if self.device.type == "cuda":
+            graph = self.capture(fn)
+            us = self.replay(graph) - self.flush_us
+            del graph
+            return us
+        return self.eager(fn)
+
+    def eager(self, fn, return_mode="median") -> float:
+        if self.device.type == "cuda":
+            return triton.testing.do_bench(fn, warmup=25, rep=100 if not self.quick else 10,
+                                           return_mode=return_mode) * 1e3
+        fn()
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2] * 1e6
+
+
+class Report:
+    """Markdown tables printed as they complete and kept for the JSON / Markdown files, and the parts
+    that failed (bench.py writes the rest, then exits non-zero naming them)."""
+
+    def __init__(self):
+        self.sections, self.lines, self.failed = [], [], []
+
+    def failure(self, what: str, error: BaseException):
+        """A part that did not run: noted in the tables and kept for the exit message."""
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self.failed.append(f"{what}: {type(error).__name__}{': ' + first if first else ''}")
+        self.say(f"- failed: {self.failed[-1]}\n")
+
+    def say(self, text=""):
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def table(self, title, rows, note=""):
+        self.say(f"## {title}\n")
+        if note:
+            self.say(note + "\n")
+        if rows:
+            columns = list(rows[0])
+            self.say("| " + " | ".join(columns) + " |")
+            self.say("|" + "---|" * len(columns))
+            for row in rows:
+                self.say("| " + " | ".join(fmt(row[c]) for c in columns) + " |")
+        self.say()
+        self.sections.append({"title": title, "note": note, "rows": rows})
+
+    def write(self, out_dir: Path, stem: str, meta: dict):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        record = json.dumps({"meta": meta, "sections": self.sections}, indent=2)
+        write_whole(out_dir / f"{stem}.json", lambda partial: partial.write_text(record))
+        write_whole(out_dir / f"{stem}.md", lambda partial: partial.write_text("\n".join(self.lines) + "\n"))
+        print(f"wrote {out_dir / stem}.json and .md")
+
+
+def fmt(value):
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def kilo(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+class Setup:
+    """What a section is given: its flags, the device and dtype (float32 on a CPU: the interpreter's
+    bf16 dot is wrong), the run's metadata, the Timer, the Report and the measured ceilings."""
+
+    def __init__(self, args, title: str = ""):
+        self.args, self.quick, self.title = args, args.quick, title
+        cuda = torch.cuda.is_available()
+        self.device, self.dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+        interpreted = ", TRITON_INTERPRET=1" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+        machine = torch.cuda.get_device_name(self.device) if cuda else f"CPU ({platform.machine()}){interpreted}"
+        self.meta = {"device": machine, "torch": torch.__version__, "triton": triton.__version__,
+                     "cuda": torch.version.cuda, "dtype": str(self.dtype).removeprefix("torch."), "quick": args.quick,
+                     "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.report = Report()
+
+    @cached_property
+    def timer(self) -> Timer:
+        return Timer(self.device, self.quick)
+
+    def header(self, command: str):
+        """The Markdown file's title (with the machine) and the command that measures it."""
+        meta = self.meta
+        self.report.say(f"# {self.title}: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+                        f"{meta['dtype']}\n")
+        self.report.say(f"    python scripts/bench.py {command}\n")
+
+    @cached_property
+    def ceilings(self) -> tuple[float, float]:
+        """Copy bandwidth (GB/s, bytes read + written, 1 GiB device-to-device) and matmul rate (TFLOP/s,
+        8192^3), each the best of several runs; recorded in the metadata."""
+        copy_bytes, n = (1 << 22, 128) if self.quick else (1 << 30, 8192)
+        src = torch.empty(copy_bytes, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        copy_us = self.timer.eager(lambda: dst.copy_(src), return_mode="min")
+        a, b = (torch.randn(n, n, device=self.device, dtype=self.dtype) for _ in range(2))
+        matmul_us = self.timer.eager(lambda: a @ b, return_mode="min")
+        self.meta.update(copy_GBps=2 * copy_bytes / copy_us / 1e3, matmul_TFLOPs=2 * n**3 / matmul_us / 1e6)
+        return self.meta["copy_GBps"], self.meta["matmul_TFLOPs"]
+
+    def model_config(self, quick_fields: dict, name: str, **preset_knobs) -> ModelConfig:
+        """A tiny config with --quick, else the named preset."""
+        if self.quick:
+            return ModelConfig.from_dict(quick_fields, source="bench --quick")
+        return preset(name, **preset_knobs)
+
+    def free(self):
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def read_bytes(model) -> int:
+    """The bytes of weights a forward reads: all but the embedding table, which is looked up."""
+    embed = model.embed_tokens.weight
+    return sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+
+
+def logits(steps, model, ctx):
+    """A denoising step as the loops run it (steps: a nanodllm/graphs.py Replayed): the step, its logits."""
+    return steps.logits(model, steps.step(model, ctx), ctx)
+
+
+def canvas_context(cfg, prompt, gen_length, block_length, device, batch=1, block=0) -> StepContext:
+    """The masked engine's step context for `block` of a canvas of random prompt tokens + masks."""
+    width = prompt + gen_length
+    generator = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, cfg.mask_token_id, (batch, width), device=device, generator=generator)
+    tokens[:, prompt:] = cfg.mask_token_id
+    start = prompt + block * block_length
+    return StepContext(tokens, torch.arange(width, device=device)[None].expand(batch, -1),
+                       torch.ones_like(tokens, dtype=torch.bool), torch.full((batch,), prompt, device=device),
+                       prompt_width=prompt, block=block, steps_per_block=block_length, mask_id=cfg.mask_token_id,
+                       logits_start=start, logits_stop=start + block_length, block_length=block_length)
+
+
+def eager_us(fn, device, tries=3) -> float:
+    """After one call, the median of `tries` calls, each timed alone (CUDA events on a GPU), host
+    overhead included."""
+    fn()
+    times = []
+    for _ in range(tries):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def peak_gib(fn, device) -> float:
+    """Max GiB allocated while fn runs (NaN on a CPU)."""
+    if device.type != "cuda":
+        fn()
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def step_floor(cfg, model, ceilings):
+    """floor_us(rows, keys attended): max(weight bytes / copy bandwidth, FLOPs / matmul rate), FLOPs = 2 x
+    non-embedding parameters x rows forwarded + 4 x layers x hidden x (query rows x keys attended)."""
+    weights, (bandwidth, matmul_rate) = read_bytes(model), ceilings
+    params = weights // model.embed_tokens.weight.element_size()
+    flops = lambda rows, keys: 2 * params * rows + 4 * cfg.num_layers * cfg.hidden_size * keys
+    return lambda rows, keys: max(weights / bandwidth / 1e3, flops(rows, keys) / matmul_rate / 1e6)
+
+
+def too_big(device, weight_bytes: int, kv_bytes: int) -> str | None:
+    """Why the weights, a KV cache and headroom for activations, graph pools and the allocator's slack do
+    not fit the GPU; None if they do (or on a CPU)."""
+    total, headroom = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0, 6 << 30
+    if total and weight_bytes + kv_bytes + headroom > total:
+        return (f"weights {weight_bytes / 2**30:.1f} GiB + KV cache {kv_bytes / 2**30:.1f} GiB + {headroom >> 30} GiB "
+                f"headroom exceed the device's {total / 2**30:.1f} GiB")
+    return None
+
+
+GENERATION_BLOCKS = 7  # a timed generation: the first block (where the engine records its graphs), six timed
+
+
+def timed_generation(model, prompts, gen, method) -> tuple[list[float], float, dict]:
+    """block.generate with CUDA events before the call, as each block begins and after the call: the
+    milliseconds of each block after the first (where the engine records its graphs), sorted; the
+    seconds before the first block (the prefill); the generation's stats."""
+    events, begin = [], method.begin_block
+
+    def mark():
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
+
+    def begin_timed(ctx):
+        mark()
+        begin(ctx)
+
+    method.begin_block = begin_timed
+    mark()
+    stats = generate(model, prompts, gen, method, stop_ids=()).stats
+    mark()
+    torch.cuda.synchronize()
+    block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[2:-1], events[3:]))
+    return block_ms, events[0].elapsed_time(events[1]) / 1e3, stats
+
+
+def generation_seconds(model, prompt, gen, method, device) -> float:
+    """Wall time of the second of two generations by one method object: the first compiles and
+    autotunes; the timed one records its CUDA graphs again (each generation records its own)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    generate(model, [prompt], gen, method)
+    sync()
+    start = time.perf_counter()
+    generate(model, [prompt], gen, method)
+    sync()
+    return time.perf_counter() - start
