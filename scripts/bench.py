@@ -8,6 +8,7 @@ Triton kernels through TRITON_INTERPRET=1): a smoke test whose numbers mean noth
     python scripts/bench.py e2e [--settings paper | warm_start] [--repeats N] [--methods M ...]
     python scripts/bench.py dyllm_salient [--length 1024] [--n 8] [--tau 0.99]    # tiny-llada, on a CPU
     python scripts/bench.py tune [--out kernels/tuned.json]    # flash_attention's settings for this GPU
+    python -m torch.distributed.run --nproc-per-node 4 scripts/bench.py parallel [--only flash | scaling]
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ SECTIONS = {  # name: (module, the title of its Markdown file, what --help says 
                 "flash vs split-KV decode vs SDPA on the shapes attention() routes"),
     "e2e": ("bench_e2e", "Generations as a user runs them",
             "generate() in new processes, every method, beside dense and transformers"),
+    "parallel": ("bench_parallel", "Tensor and expert parallelism", "llada2-flash split over torchrun's ranks; "
+                 "sdar-8b and llada2-mini over 1, 2 and 4 (python -m torch.distributed.run --nproc-per-node 4 ...)"),
 }
 
 
@@ -68,6 +71,7 @@ def parser_of_sections() -> argparse.ArgumentParser:
                                  help="sequence lengths (default 32768 65536 131072)")
     command["moe"].add_argument("--generate", choices=("llada2-mini", "sdar-30b-a3b"),
                                 help="time real generations on this preset instead (GPU), written to bench_moe_MODEL")
+    command["parallel"].add_argument("--only", choices=("flash", "scaling"), help="one of the two tables")
     e2e = command["e2e"]
     e2e.add_argument("--settings", choices=("paper", "warm_start"), default="paper",
                      help="paper: every method at its paper's setting, beside transformers (default); warm_start: "
@@ -109,7 +113,7 @@ def main():
         sys.exit(f"bench.py {args.command}: the full run times 8B shapes on a GPU; on a CPU run it with --quick")
     module, title, _ = SECTIONS[args.command]
     setup = Setup(args, f"Real generations on {args.generate}" if getattr(args, "generate", None) else title)
-    if args.command not in ("e2e", "dyllm_salient"):  # e2e's header follows its journal's machine record
+    if args.command not in ("e2e", "dyllm_salient", "parallel"):  # e2e's header follows its journal's machine record
         setup.header(command_line(sys.argv[1:]))
     stem = getattr(importlib.import_module(module), args.command)(setup)
     if stem:

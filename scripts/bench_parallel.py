@@ -1,7 +1,6 @@
-"""Tensor and expert parallelism on several GPUs, one process per GPU (torchrun, or as here):
+"""`bench.py parallel`: tensor and expert parallelism over every rank torchrun starts (one GPU each):
 
-    python -m torch.distributed.run --nproc-per-node 4 scripts/bench_parallel.py [--only flash | scaling]
-
+    python -m torch.distributed.run --nproc-per-node 4 scripts/bench.py parallel [--only flash | scaling]
 
 1. llada2-flash (random bf16 weights, split over every rank): ms per block of 32 (32 steps + the commit)
    at 32K and 128K, batch 1 and 4, exact and MAGE, beside the per-GPU floor: what one GPU must read per
@@ -11,32 +10,26 @@
 2. Scaling: llada2-mini and sdar-8b over the first 1, 2 and 4 ranks: ms per block at batch 1 and the
    tokens per second at batch 16, and how many tokens equal the 1-GPU generation's.
 Times: a CUDA event as each block begins; the median of the blocks after the first (where the engine
-records its graphs). Rank 0 writes docs/results/bench_parallel.{json,md}.
---quick: a tiny model over CPU processes on gloo (`torchrun --nproc-per-node 2 ... --quick`): a smoke test.
+records its graphs). Rank 0 writes the tables. --quick: a tiny model over CPU processes on gloo.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import Report, run_metadata  # noqa: E402
-from nanodllm.cli import output_folder  # noqa: E402
-from nanodllm.config import GenerationConfig, ModelConfig, preset  # noqa: E402
-from nanodllm.generation import generate  # noqa: E402
-from nanodllm.loader import build_random  # noqa: E402
-from nanodllm.methods import get_method  # noqa: E402
-from nanodllm.mlp import MoE  # noqa: E402
-from nanodllm.parallel import Group, from_torchrun  # noqa: E402
+from harness import Report
+from nanodllm.config import GenerationConfig, ModelConfig, preset
+from nanodllm.generation import generate
+from nanodllm.loader import build_random
+from nanodllm.methods import get_method
+from nanodllm.mlp import MoE
+from nanodllm.parallel import Group, from_torchrun
 
 FULL = dict(flash=("llada2-flash", (32768, 131072), (1, 4)), scaling=(("sdar-8b", 131072), ("llada2-mini", 32768)),
             throughput=(8192, 16), block=32, steps=32, blocks=4, k=1024)
@@ -223,23 +216,16 @@ def scaling_rows(shapes, group: Group) -> list[dict]:
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a tiny model on CPU processes (gloo): a smoke test")
-    parser.add_argument("--out", type=output_folder, help="directory for the JSON + Markdown (default: docs/results)")
-    parser.add_argument("--only", choices=("flash", "scaling"), help="one of the two tables")
-    args = parser.parse_args()
-    group = from_torchrun("gloo" if args.quick else None)
+def parallel(setup) -> str | None:
+    group, args = from_torchrun("gloo" if setup.quick else None), setup.args
     if group.rank:  # rank 0 prints and writes the tables
         sys.stdout = open(os.devnull, "w")
-    shapes = QUICK if args.quick else FULL
-    if not args.quick and not torch.cuda.is_available():
-        sys.exit("bench_parallel.py: the full run needs a GPU per rank; on a CPU run it with --quick")
-    report = Report()
-    meta = run_metadata(torch.bfloat16 if torch.cuda.is_available() else torch.float32, args.quick)
-    meta["ranks"] = group.world
-    report.say(f"# Tensor and expert parallelism over {group.world} ranks: {meta['device']}, torch {meta['torch']}, "
-               f"{meta['dtype']}\n")
+    shapes, report = QUICK if setup.quick else FULL, setup.report
+    setup.meta["ranks"] = group.world
+    report.say(f"# Tensor and expert parallelism over {group.world} ranks: {setup.meta['device']}, torch "
+               f"{setup.meta['torch']}, {setup.meta['dtype']}\n")
+    report.say(f"    python -m torch.distributed.run --nproc-per-node {group.world} scripts/bench.py parallel"
+               f"{' --only ' + args.only if args.only else ''}\n")
     if args.only != "scaling":
         report.table(f"{shapes['flash'][0]} over {group.world} GPUs", flash_rows(shapes, group, report),
                      "block.generate, blocks of 32, 32 steps each, CUDA graphs on: the median of the blocks after "
@@ -248,12 +234,5 @@ def main():
     if args.only != "flash":
         report.table("Scaling over 1, 2 and 4 GPUs", scaling_rows(shapes, group),
                      "The dense engine (exact), the first N ranks holding the model.")
-    if group.rank == 0:
-        out = args.out or (Path(__file__).resolve().parents[1] / "docs" / "results")
-        report.write(out, "bench_parallel_quick" if args.quick else "bench_parallel", meta)
     dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return None if group.rank else "bench_parallel"
