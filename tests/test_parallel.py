@@ -180,15 +180,25 @@ def rank_main(rank: int, world: int, port: int, out: str):
     dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A TCP port no one listens on now (tests run side by side: torchrun's default port may be taken)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
+
+
+def launcher(ranks: int) -> list[str]:
+    """The command that starts a module: torchrun with `ranks` processes on a free port, or (0) plain python."""
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+    return [sys.executable, *(torchrun if ranks else [])]
+
+
 @functools.cache
 def ranks(world: int) -> list[dict] | str:
     """Every rank's outcomes of every case, from `world` spawned processes; or why they did not finish
     (kept, so that a broken or hanging group fails each test at once, not after another spawn)."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        spawned = mp.start_processes(rank_main, args=(world, port, out), nprocs=world, join=False, start_method="spawn")
+        spawned = mp.start_processes(rank_main, args=(world, free_port(), out), nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + SPAWN_TIMEOUT
         try:
             while not spawned.join(timeout=1):
@@ -397,9 +407,8 @@ def test_a_method_that_compares_heads_is_refused_on_every_rank(world, case):
 
 def demo(*flags: str, ranks: int = 0) -> subprocess.CompletedProcess:
     """`python -m nanodllm demo FLAGS`, under torchrun with `ranks` CPU processes (0: plain python)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks else [sys.executable]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([*launcher, "-m", "nanodllm", "demo", *flags], capture_output=True, text=True, env=env,
+    return subprocess.run([*launcher(ranks), "-m", "nanodllm", "demo", *flags], capture_output=True, text=True, env=env,
                           timeout=SPAWN_TIMEOUT, cwd=FIXTURES.parents[1])
 
 
@@ -432,9 +441,8 @@ EVAL_FLAGS = ("--model", "tiny-sdar", "--method", "quest", "--n", "4", "--batch"
 def evaluated(*flags: str, ranks: int = 0, tmp: Path) -> list[str]:
     """`nanodllm eval` (under torchrun with `ranks` CPU processes; `--` keeps its --n from torchrun's
     abbreviations): the report's lines, the speed columns left out."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks else [sys.executable]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(FIXTURES.parents[1]))
-    command = [*launcher, "-m", "nanodllm", *(["--"] if ranks else []), "eval", *EVAL_FLAGS, *flags]
+    command = [*launcher(ranks), "-m", "nanodllm", *(["--"] if ranks else []), "eval", *EVAL_FLAGS, *flags]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=SPAWN_TIMEOUT, cwd=tmp)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not list((tmp / "runs").glob("*.jsonl")), "the journal is removed once the table is out"
