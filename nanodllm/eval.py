@@ -461,7 +461,7 @@ def main(argv=None, prog=None) -> int:
         settings = {name: str(value) for name, value in vars(args).items() if name not in ("plot", "journal", "tp")}
         path = args.journal or journal_path("eval", settings)
         journal = Journal(path, settings) if first_rank else None
-        if replicas > 1 or group.world > 1:
+        if dist.is_initialized():
             dist.barrier()  # the first rank's journal is on disk
         journal = journal or Journal(path, settings, writes=False)
         print(f"finished runs are kept in {journal.path}: the same command resumes there", file=sys.stderr)

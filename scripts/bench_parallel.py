@@ -23,7 +23,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import Report
 from nanodllm.config import GenerationConfig, ModelConfig, preset
 from nanodllm.generation import generate
 from nanodllm.loader import build_random
@@ -114,17 +113,6 @@ def floor_ms(model, context: int, batch: int, shapes, touched: float, kv_fractio
     return ((steps + 1) * weights + steps * head + (steps * kv_fraction + 1) * kv) / bandwidth * 1e3
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes per second of a 1 GiB device-to-device copy (read + written), best of five."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst, clock = torch.empty_like(src), Clock(True)
-    for _ in range(6):
-        clock.mark()
-        dst.copy_(src)
-    clock.mark()
-    return 2 * src.numel() / (min(clock.between()[1:]) / 1e3)
-
-
 def collectives_ms(model, rows: int, group: Group) -> float:
     """Milliseconds of one forward's collectives over `rows` tokens: an all-reduce of [rows, hidden] per
     embedding, attention output and MLP, and the LM head's all-gather, from a CUDA graph (median of 5)."""
@@ -149,12 +137,12 @@ def collectives_ms(model, rows: int, group: Group) -> float:
     return statistics.median(clock.between()[1:])
 
 
-def flash_rows(shapes, group: Group, report: Report) -> list[dict]:
+def flash_rows(shapes, group: Group, setup) -> list[dict]:
     name, contexts, batches = shapes["flash"]
-    cuda, rows = torch.cuda.is_available(), []
+    cuda, rows, report = torch.cuda.is_available(), [], setup.report
     model = build_random(config(name, max(contexts), shapes), device="cuda" if cuda else "cpu",
                          dtype=torch.bfloat16 if cuda else torch.float32, group=group)
-    bandwidth = copy_bandwidth("cuda") if cuda else float("nan")
+    bandwidth = setup.ceilings[0] * 1e9  # bytes/s, read + written
     report.say(f"GPU 0's copy bandwidth: {bandwidth / 1e9:.0f} GB/s (measured now, read + written bytes).\n")
     for context in contexts:
         for batch in batches:
@@ -227,7 +215,7 @@ def parallel(setup) -> str | None:
     report.say(f"    python -m torch.distributed.run --nproc-per-node {group.world} scripts/bench.py parallel"
                f"{' --only ' + args.only if args.only else ''}\n")
     if args.only != "scaling":
-        report.table(f"{shapes['flash'][0]} over {group.world} GPUs", flash_rows(shapes, group, report),
+        report.table(f"{shapes['flash'][0]} over {group.world} GPUs", flash_rows(shapes, group, setup),
                      "block.generate, blocks of 32, 32 steps each, CUDA graphs on: the median of the blocks after "
                      "the first. Floor: GPU 0's reads per block over its copy bandwidth; collectives: a forward's, "
                      "from a CUDA graph, times the block's forwards.")
