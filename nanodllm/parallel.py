@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -68,9 +69,19 @@ def from_torchrun(backend: str | None = None) -> Group:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
+        importlib.import_module("torch._dynamo")  # before the group: see close
         dist.init_process_group(backend, rank=rank, world_size=world)
-        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+        atexit.register(close)
     return Group(rank, world)
+
+
+def close():
+    """End the default process group and its worker threads (at exit). torch modules imported after
+    init_process_group take the group as a default argument and keep it alive past destroy_process_group
+    (torch._dynamo imports them on first use, e.g. nn.init on the meta device); a gloo thread still
+    releasing a tensor as Python shuts down then aborts the process. So from_torchrun imports them first."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def split_numbers(cfg: ModelConfig) -> dict[str, int]:

@@ -434,6 +434,31 @@ def test_the_demo_refuses_a_split_it_cannot_run(flags, ranks, message):
     assert done.returncode == (1 if ranks else 2) and message in done.stderr, done.stderr[-2000:]  # torchrun: 1
 
 
+CLOSING = """
+import os, torch
+from nanodllm.loader import build_empty
+from nanodllm.parallel import close, from_torchrun
+from tests.tiny_models import tiny_config
+threads = len(os.listdir("/proc/self/task"))
+group = from_torchrun("gloo")
+build_empty(tiny_config("sdar"), "meta", group=group)
+group.all_reduce(torch.ones(2))
+close()
+print("threads left:", len(os.listdir("/proc/self/task")) - threads)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
+def test_closing_the_group_ends_its_threads(tmp_path):
+    """A group that outlives close() keeps gloo threads that can abort the process as Python exits."""
+    (tmp_path / "closing.py").write_text(CLOSING)
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(FIXTURES.parents[1]))
+    done = subprocess.run([*launcher(2), str(tmp_path / "closing.py")], capture_output=True, text=True, env=env,
+                          timeout=SPAWN_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["threads left: 0"] * 2, done.stdout
+
+
 EVAL_FLAGS = ("--model", "tiny-sdar", "--method", "quest", "--n", "4", "--batch", "1", "--lengths", "128",
               "--gen-length", "8")
 
