@@ -21,17 +21,23 @@ import torch
 from .cache import KVCache
 from .config import GenerationConfig
 from .decoding import (GenerationResult, MasksLeft, check_method, check_prompts, prefill_complete_blocks,
-                       prompts_then_masks, refuse_shifted_logits, split_evenly, top_confident, without_token)
+                       most_likely, prompts_then_masks, refuse_shifted_logits, split_evenly, top_confident,
+                       without_token)
 from .methods.base import Dense, Method, StepContext
 from .model import fp32_or_wider
-from .parallel import group_of
+from .parallel import SINGLE, Group, group_of
 
 REMASKING = ("low_confidence", "low_confidence_static", "low_confidence_dynamic", "sequential")
 
 
-def sample(logits: torch.Tensor, temperature: float, mask_id: int):
-    """(token ids, their probability) per position; [MASK] is never the sampled token."""
+def sample(logits: torch.Tensor, temperature: float, mask_id: int, group: Group = SINGLE):
+    """(token ids, their probability) per position; [MASK] is never the sampled token. Under a split the
+    logits are this rank's vocabulary columns (decoding.most_likely)."""
     logits = fp32_or_wider(logits)
+    if group.world > 1:
+        if temperature == 0:
+            return most_likely(logits, mask_id, group)
+        logits = group.all_gather(logits)
     if temperature == 0:
         probs = logits.softmax(dim=-1)
         tokens = without_token(probs, mask_id, 0.0).argmax(dim=-1)
@@ -62,7 +68,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              mask_id: int | None = None, stop_ids=None) -> GenerationResult:
     cfg = model.cfg
     method = method or Dense()
-    check_method(method, cfg, "block", group_of(model).world)
+    group = group_of(model)
+    check_method(method, cfg, "block", group.world)
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     stop_ids = cfg.eos_token_ids if stop_ids is None else tuple(stop_ids)
     refuse_shifted_logits(cfg)
@@ -112,7 +119,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             ctx = replace(at_block, tokens=current, step=step, t=t)
             logits = method.logits(model, method.step(model, ctx), ctx)
             forwards, t = forwards + 1, t + 1
-            x0, x0_prob = sample(logits, gen.temperature, mask_id)
+            x0, x0_prob = sample(logits, gen.temperature, mask_id, group)
             confidence = torch.where(masked, x0_prob, float("-inf"))
             scheduled = min(step, gen.steps - 1)
             count = torch.minimum(schedule[scheduled].expand(batch), masked.sum(dim=-1))

@@ -10,6 +10,7 @@ import torch
 from .attention import CanvasMask
 from .cache import KVCache
 from .methods.base import Method, StepContext
+from .parallel import Group
 
 
 @dataclass
@@ -208,3 +209,22 @@ def without_token(scores: torch.Tensor, token_id: int, fill: float = float("-inf
     scores = scores.clone()
     scores[..., token_id] = fill
     return scores
+
+
+def most_likely(logits: torch.Tensor, mask_id: int, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, its softmax probability) per position, the token the argmax other than [MASK], of logits
+    [..., vocab / world]: this rank's vocabulary columns (parallel.VocabParallelHead). Each rank's best and
+    log-sum-exp are gathered, three numbers a position instead of whole rows; the first rank's best wins a
+    tie, as argmax takes the first index. Greedy decoding under a split; one process computes the same.
+    In float32 or wider (the index travels as one of the numbers)."""
+    logits = logits if logits.dtype.itemsize >= 4 else logits.float()
+    first = group.rank * logits.shape[-1]
+    scores = logits
+    if first <= mask_id < first + logits.shape[-1]:
+        scores = without_token(logits, mask_id - first)
+    best, index = scores.max(dim=-1)
+    local = torch.stack([best, (index + first).to(logits.dtype), logits.logsumexp(dim=-1)])
+    ranks = group.all_gather(local[None], dim=0)  # [world, 3, ...]
+    winner = ranks[:, 0].argmax(dim=0, keepdim=True)
+    best, token = (ranks[:, part].gather(0, winner)[0] for part in (0, 1))
+    return token.long(), (best - ranks[:, 2].logsumexp(dim=0)).exp()

@@ -109,7 +109,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              pad_id: int | None = None, sampling: DreamSampling | None = None) -> GenerationResult:
     """Decode gen.gen_length tokens per prompt in gen.steps steps, as Dream's diffusion_generate."""
     cfg, method, sampling = model.cfg, method or Dense(), sampling or DreamSampling()
-    check_method(method, cfg, "masked", group_of(model).world)
+    group = group_of(model)
+    check_method(method, cfg, "masked", group.world)
     if gen.block_length != gen.gen_length:
         raise ValueError(f"Dream decodes the whole response as one block: block_length ({gen.block_length}) "
                          f"must equal gen_length ({gen.gen_length})")
@@ -130,7 +131,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         ctx = StepContext(x, positions, valid, lengths, prompt_width=prompt_width, step=step, steps_per_block=gen.steps,
                           t=step, mask_id=mask_id, attn_mask=attn_mask, logits_start=prompt_width, logits_stop=width,
                           block_length=gen.gen_length)
-        logits = method.logits(model, method.step(model, ctx), ctx)
+        logits = group.all_gather(method.logits(model, method.step(model, ctx), ctx))  # whole rows (split vocabulary)
         t, s = timesteps[step], timesteps[step + 1]
         unmask(x, logits, prompt_width, float(1 - s / t), step == gen.steps - 1, gen.temperature, sampling, mask_id)
     tokens = [x[row, prompt_width:].tolist() for row in range(len(prompts))]

@@ -23,14 +23,20 @@ import torch
 from .cache import KVCache
 from .config import GenerationConfig
 from .decoding import (GenerationResult, check_method, check_prompts, filtered, prefill_complete_blocks,
-                       prompts_then_masks, without_token)
+                       most_likely, prompts_then_masks, without_token)
 from .methods.base import Dense, Method, StepContext
-from .parallel import group_of
+from .parallel import SINGLE, Group, group_of
 
 
-def sample_with_top_p(logits: torch.Tensor, temperature: float, top_p: float, mask_id: int):
+def sample_with_top_p(logits: torch.Tensor, temperature: float, top_p: float, mask_id: int, group: Group = SINGLE):
     """(tokens, their probability) per position of logits [batch, n, vocab]; [MASK] is never the token
-    (the reference would leave such a position masked and, if it is the most probable, loop forever)."""
+    (the reference would leave such a position masked and, if it is the most probable, loop forever).
+    Under a split the logits are this rank's vocabulary columns (decoding.most_likely at T = 0)."""
+    if group.world > 1:
+        if temperature == 0:
+            tokens, probs = most_likely(logits, mask_id, group)
+            return tokens, probs.to(logits.dtype)
+        logits = group.all_gather(logits)
     if temperature == 0:
         probs = logits.softmax(dim=-1)  # in the logits' dtype, as the reference
         tokens = without_token(probs, mask_id, 0.0).argmax(dim=-1)
@@ -44,7 +50,7 @@ def sample_with_top_p(logits: torch.Tensor, temperature: float, top_p: float, ma
 def next_token(model, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """[batch] argmax of the (unshifted) logits of hidden [batch, t, H] at columns last [batch]."""
     rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return model.lm_head(model.norm(hidden[rows, last.clamp(min=0)])).argmax(dim=-1)
+    return group_of(model).all_gather(model.lm_head(model.norm(hidden[rows, last.clamp(min=0)]))).argmax(dim=-1)
 
 
 def stopped(block: torch.Tensor, begin: torch.Tensor, mask_id: int, stops: torch.Tensor) -> torch.Tensor:
@@ -62,7 +68,8 @@ def stopped(block: torch.Tensor, begin: torch.Tensor, mask_id: int, stops: torch
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None, mask_id: int | None = None,
              stop_ids=None, sub_block: int = 8, top_p: float = 0.95) -> GenerationResult:
     cfg, method = model.cfg, method or Dense()
-    check_method(method, cfg, "block", group_of(model).world)
+    group = group_of(model)
+    check_method(method, cfg, "block", group.world)
     size = cfg.block_size
     sub_block = min(sub_block, size)  # a block smaller than the default sub-block is one sub-block
     if gen.block_length != size:
@@ -116,7 +123,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                     break
                 ctx = replace(at_block, tokens=current, step=step, t=taken)
                 logits = method.logits(model, method.step(model, ctx), ctx)
-                tokens, probs = sample_with_top_p(logits, gen.temperature, top_p, mask_id)
+                tokens, probs = sample_with_top_p(logits, gen.temperature, top_p, mask_id, group)
                 forwards, taken, step = forwards + 1, taken + 1, step + 1
                 confidence = torch.where(todo, probs, float("-inf"))
                 best = torch.zeros_like(todo).scatter_(1, confidence.argmax(dim=1, keepdim=True), True)

@@ -22,9 +22,9 @@ import torch
 from .attention import CanvasMask
 from .config import GenerationConfig
 from .decoding import (GenerationResult, check_method, check_prompts, left_padded_canvas, refuse_shifted_logits,
-                       split_evenly, threshold_transfer, top_confident, without_token)
+                       most_likely, split_evenly, threshold_transfer, top_confident, without_token)
 from .methods.base import Dense, Method, StepContext
-from .parallel import group_of
+from .parallel import Group, group_of
 
 
 def gumbel_max_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -41,7 +41,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              mask_id: int | None = None, pad_id: int | None = None) -> GenerationResult:
     cfg = model.cfg
     method = method or Dense()
-    check_method(method, cfg, "masked", group_of(model).world)
+    group = group_of(model)
+    check_method(method, cfg, "masked", group.world)
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     pad_id = cfg.eos_token_ids[0] if pad_id is None else pad_id
     refuse_shifted_logits(cfg)
@@ -89,11 +90,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                               attn_mask=attn_mask, logits_start=start, logits_stop=stop, block_length=gen.block_length)
             logits = guided_logits(model, method, ctx, gen.cfg_scale, in_prompt)
             forwards += 1
-            x0 = without_token(gumbel_max_scores(logits, gen.temperature), mask_id).argmax(dim=-1)
-            if gen.remasking == "low_confidence":
-                probs = logits.to(torch.float64).softmax(dim=-1)
-                x0_conf = probs.gather(-1, x0[..., None]).squeeze(-1)
-            else:
+            x0, x0_conf = predicted(logits, gen.temperature, mask_id, group, gen.remasking == "low_confidence")
+            if gen.remasking == "random":
                 x0_conf = torch.rand((x.shape[0], width), device=device)[:, start:stop]
             confidence = torch.where(block_masked, x0_conf, float("-inf"))
             if gen.threshold is None:
@@ -105,6 +103,19 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         total_steps += step
     tokens = [x[row, prompt_width:].tolist() for row in range(len(prompts))]
     return GenerationResult(tokens, forwards, total_steps)
+
+
+def predicted(logits: torch.Tensor, temperature: float, mask_id: int, group: Group, confidence: bool):
+    """(x0, its float64 softmax probability if `confidence` else None) per position: what low-confidence
+    remasking ranks by. Under a split the logits are this rank's vocabulary columns: at T = 0 reduced over
+    the ranks (decoding.most_likely), else gathered whole."""
+    if group.world > 1 and temperature == 0 and confidence:
+        return most_likely(logits.to(torch.float64), mask_id, group)
+    logits = group.all_gather(logits)
+    x0 = without_token(gumbel_max_scores(logits, temperature), mask_id).argmax(dim=-1)
+    if not confidence:
+        return x0, None
+    return x0, logits.to(torch.float64).softmax(dim=-1).gather(-1, x0[..., None]).squeeze(-1)
 
 
 def guided_logits(model, method: Method, ctx: StepContext, cfg_scale: float, in_prompt) -> torch.Tensor:

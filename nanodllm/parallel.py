@@ -8,11 +8,11 @@ With N ranks (torchrun: one process per GPU on NCCL, or CPU processes on gloo), 
     MoE         the whole router, experts [r E/N, (r+1) E/N) for the tokens routed to them, the shared
                 expert split as a dense MLP; routed and shared parts summed together     one all-reduce
     embedding   vocabulary rows [r V/N, (r+1) V/N); other ids give 0; summed             one all-reduce
-    LM head     the same rows of the logits, gathered into the whole vocabulary          one all-gather
-Norms and the router are replicated. Every rank then holds the same hidden states and logits and
-runs the same decoding loop, so all decode the same tokens (sampling at T > 0 needs the same seed on
-every rank). The loader builds model.py's modules of one rank's share (local_config), swaps in the
-ones below (shard) and reads each tensor's part of the checkpoint (local_part).
+    LM head     the same rows' logits; greedy picks from each rank's best and log-sum-exp      one all-gather
+Norms and the router are replicated. Every rank then holds the same hidden states and decisions and
+runs the same decoding loop, so all decode the same tokens (sampling at T > 0 gathers whole logit rows
+and needs the same seed on every rank). The loader builds model.py's modules of one rank's share
+(local_config), swaps in the ones below (shard) and reads each tensor's part of the checkpoint (local_part).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class Group:
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """x of n along dim on each rank -> world * n along dim, the ranks' parts in rank order."""
+        if self.world == 1:
+            return x
         parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=dim)
@@ -178,14 +180,13 @@ class ExpertParallelMoE(MoE):
 
 
 class VocabParallelHead(nn.Linear):
-    """The LM head's rows of this rank's vocabulary; their logits gathered into the whole vocabulary."""
+    """The LM head's rows of this rank's vocabulary: the logits of its vocabulary columns. Decoding at
+    T = 0 reduces over the ranks' columns (decoding.most_likely); whole rows are gathered where a caller
+    asks for them (Group.all_gather)."""
 
     def __init__(self, hidden: int, vocab_size: int, group: Group):
         super().__init__(hidden, vocab_size // group.world, bias=False)
         self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(super().forward(x))
 
 
 def shard(model, cfg: ModelConfig, group: Group):

@@ -115,15 +115,16 @@ def floor_ms(model, context: int, batch: int, shapes, touched: float, kv_fractio
 
 def collectives_ms(model, rows: int, group: Group) -> float:
     """Milliseconds of one forward's collectives over `rows` tokens: an all-reduce of [rows, hidden] per
-    embedding, attention output and MLP, and the LM head's all-gather, from a CUDA graph (median of 5)."""
+    embedding, attention output and MLP, and the decision's all-gather of 3 numbers a row (decoding.most_likely),
+    from a CUDA graph (median of 5)."""
     cfg, weight = model.cfg, model.embed_tokens.weight
     x = torch.randn(rows, cfg.hidden_size, dtype=weight.dtype, device=weight.device)
-    logits = torch.randn(rows, model.lm_head.weight.shape[0], dtype=weight.dtype, device=weight.device)
+    logits = torch.randn(1, 3, rows, device=weight.device)
 
     def forward_collectives():
         for _ in range(2 * cfg.num_layers + 1):
             group.all_reduce(x)
-        group.all_gather(logits)
+        group.all_gather(logits, dim=0)
 
     forward_collectives()
     graph = torch.cuda.CUDAGraph()

@@ -400,6 +400,16 @@ PARALLEL = [
     mutation("parallel-drift-of-this-ranks-heads-only", "nanodllm/methods/dllm_cache.py",
              "group.all_gather(values, dim=1), group.all_gather(cached_values, dim=1)", "values, cached_values.clone()",
              "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
+    mutation("parallel-greedy-may-pick-the-mask", "nanodllm/decoding.py",
+             "    if first <= mask_id < first + logits.shape[-1]:", "    if False:",
+             "test_parallel.py::test_greedy_decisions_from_the_ranks_columns_are_the_whole_rows"),
+    mutation("parallel-greedy-probability-of-this-ranks-columns", "nanodllm/decoding.py",
+             "(best - ranks[:, 2].logsumexp(dim=0)).exp()", "(best - local[2]).exp()",
+             "test_parallel.py::test_greedy_decisions_from_the_ranks_columns_are_the_whole_rows"),
+    mutation("parallel-greedy-last-rank-wins-a-tie", "nanodllm/decoding.py",
+             "winner = ranks[:, 0].argmax(dim=0, keepdim=True)",
+             "winner = len(ranks) - 1 - ranks[:, 0].flip(0).argmax(dim=0, keepdim=True)",
+             "test_parallel.py::test_greedy_decisions_from_the_ranks_columns_are_the_whole_rows"),
 ]
 
 MUTATIONS = [SANITY, *ENGINES, *METHODS, *KERNELS, *PARALLEL]

@@ -36,7 +36,8 @@ import nanodllm.loader as loader
 from nanodllm import GenerationConfig, generate
 from nanodllm.attention import CanvasMask, attention
 from nanodllm.config import ModelConfig
-from nanodllm.decoding import check_method, left_padded_canvas
+from nanodllm.block import sample
+from nanodllm.decoding import check_method, left_padded_canvas, most_likely
 from nanodllm.loader import build_empty, build_random, load_model, load_reference, random_weights
 from nanodllm.methods import METHODS, get_method
 from nanodllm.parallel import SINGLE, Group, check_split, from_torchrun, local_part
@@ -97,7 +98,8 @@ def built(model: str, dtype: torch.dtype, group: Group):
 
 
 def logits_of_a_ragged_batch(model: str, dtype: torch.dtype, group: Group) -> torch.Tensor:
-    """Logits [2, 13, vocab] of two left-padded prompts (9 and 5 tokens) and 4 masks, padding hidden."""
+    """Logits [2, 13, vocab] of two left-padded prompts (9 and 5 tokens) and 4 masks, padding hidden (the
+    ranks' vocabulary columns gathered)."""
     net = built(model, dtype, group)
     cfg = net.cfg
     canvas = left_padded_canvas([prompt(9, 1, cfg.vocab_size), prompt(5, 2, cfg.vocab_size)], 4,
@@ -105,7 +107,7 @@ def logits_of_a_ragged_batch(model: str, dtype: torch.dtype, group: Group) -> to
     block = cfg.block_size if cfg.attention == "block_causal" else None
     mask = CanvasMask(canvas.valid, block, canvas.positions if block else None)
     with torch.no_grad():
-        return net(canvas.tokens, canvas.positions, lambda layer, q, k, v: attention(q, k, v, mask))
+        return group.all_gather(net(canvas.tokens, canvas.positions, lambda layer, q, k, v: attention(q, k, v, mask)))
 
 
 def logits_on_the_kernels(model: str, group: Group) -> torch.Tensor:
@@ -139,7 +141,27 @@ def decoded(model: str, method: str, knobs: dict, group: Group):
     return result.tokens, None if result.cache is None else result.cache.keys[0].shape[2]
 
 
+def tied_logits() -> torch.Tensor:
+    """Logits [2, 6, 64] whose largest entries tie at ids 3 and 40 (rows 0-2 of the first) and whose
+    largest is [MASK] (id 17) in the second: the cases where a greedy decision over vocabulary columns
+    could go wrong."""
+    logits = torch.randn(2, 6, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    logits[0, :3, 3] = logits[0, :3, 40] = 9.0
+    logits[1, :, TIED_MASK] = 12.0
+    return logits
+
+
+TIED_MASK = 17
+
+
+def greedy_over_columns(group: Group):
+    """decoding.most_likely of tied_logits, each rank holding its vocabulary columns: [tokens, probabilities]."""
+    tokens, probs = most_likely(tied_logits().chunk(group.world, dim=-1)[group.rank], TIED_MASK, group)
+    return torch.stack([tokens.double(), probs])
+
+
 CASES = {
+    "greedy/sdar/ties": greedy_over_columns,
     **{f"logits/{model}/{str(dtype)[6:]}": functools.partial(logits_of_a_ragged_batch, model, dtype)
        for model in FAMILIES + RANDOM for dtype in (torch.float64, torch.float32)},
     **{f"logits/{model}/kernels": functools.partial(logits_on_the_kernels, model) for model in ("sdar", "llada2_moe")
@@ -368,6 +390,16 @@ def same_on_every_rank(world: int, case: str):
     return first
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_greedy_decisions_from_the_ranks_columns_are_the_whole_rows(world):
+    """The argmax (first of a tie, never [MASK]) and its softmax probability, as the block loop's sample."""
+    tokens, probs = same_on_every_rank(world, "greedy/sdar/ties")
+    expected, expected_probs = sample(tied_logits(), 0.0, TIED_MASK)
+    tokens = tokens.long()
+    assert tokens.tolist() == expected.tolist() and (tokens[0, :3] == 3).all() and (tokens != TIED_MASK).all()
+    torch.testing.assert_close(probs, expected_probs, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("world, case", split_cases("logits/"))
 def test_logits_equal_one_process(world, case):
     got, expected = same_on_every_rank(world, case), one_process(case)
@@ -444,7 +476,7 @@ group = from_torchrun("gloo")
 build_empty(tiny_config("sdar"), "meta", group=group)
 group.all_reduce(torch.ones(2))
 close()
-print("threads left:", len(os.listdir("/proc/self/task")) - threads)
+os.write(1, f"threads left: {len(os.listdir('/proc/self/task')) - threads}\\n".encode())  # one write: ranks share stdout
 """
 
 
