@@ -77,6 +77,17 @@ SANITY = mutation("sanity-package-import-fails", "nanodllm/__init__.py",
                   "test_top_k.py::test_bad_inputs_are_named")
 
 ENGINES = [
+    mutation("block-threshold-only-for-dynamic", "nanodllm/block.py",
+             'if threshold is not None and remasking != "low_confidence_static":',
+             'if threshold is not None and remasking == "low_confidence_dynamic":',
+             "test_block_engine.py::test_the_threshold_rule_unmasks_several_tokens_a_step_as_the_reference"),
+    mutation("block-threshold-takes-too-few", "nanodllm/block.py",
+             "transfer = torch.where(enough[:, None], confident, transfer)",
+             "transfer = torch.where(confident.any(dim=-1, keepdim=True), confident, transfer)",
+             "test_block_engine.py::test_the_threshold_rule_unmasks_several_tokens_a_step_as_the_reference"),
+    mutation("block-masks-found-by-the-mask-id", "nanodllm/block.py",
+             "            masked &= ~transfer", "            masked = current == mask_id",
+             "test_block_engine.py::test_the_threshold_rule_unmasks_several_tokens_a_step_as_the_reference"),
     mutation("block-stop-scan-from-block-start", "nanodllm/block.py",
              "generated = x[row, int(lengths[row]) : int(starts[row]) + size]",
              "generated = x[row, int(starts[row]) : int(starts[row]) + size]",

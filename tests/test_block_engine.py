@@ -31,8 +31,9 @@ def block_causal_forward(model, x, size, record=None):
     return model(x, positions, attend)
 
 
-def cache_free_generate(model, prompt, gen, stop_ids=()):
-    """SDAR's block_diffusion_generate loop, recomputing the whole prefix at every step."""
+def cache_free_generate(model, prompt, gen, stop_ids=(), trace=None):
+    """SDAR's block_diffusion_generate loop, recomputing the whole prefix at every step. trace: a list
+    that gets (scheduled count, positions over the threshold, positions unmasked) per step."""
     size = gen.block_length
     total = math.ceil((len(prompt) + gen.gen_length) / size) * size
     x = torch.full((1, total), MASK_ID, dtype=torch.long)
@@ -40,6 +41,7 @@ def cache_free_generate(model, prompt, gen, stop_ids=()):
     schedule = [size // gen.steps + (i < size % gen.steps) for i in range(gen.steps)]
     end = len(prompt)
     undecided = torch.arange(total) >= len(prompt)  # tracked, so a prompt token equal to [MASK] stays
+    dynamic = gen.threshold is not None and gen.remasking != "low_confidence_static"
     for start in range(len(prompt) // size * size, total, size):
         for step in range(gen.steps + 1):
             masked = undecided[start : start + size]
@@ -53,10 +55,12 @@ def cache_free_generate(model, prompt, gen, stop_ids=()):
             transfer = torch.zeros(size, dtype=torch.bool)
             if gen.remasking == "sequential":
                 transfer[masked.nonzero()[:k, 0]] = True
-            elif gen.threshold is not None and int((conf > gen.threshold).sum()) >= k:
+            elif dynamic and int((conf > gen.threshold).sum()) >= k:
                 transfer = conf > gen.threshold
             else:
                 transfer[torch.topk(conf, k).indices] = True
+            if trace is not None:
+                trace.append((k, int((conf > gen.threshold).sum()) if dynamic else None, int(transfer.sum())))
             x[0, start : start + size] = torch.where(transfer, x0, x[0, start : start + size])
             undecided[start : start + size] &= ~transfer
         end = start + size
@@ -82,6 +86,34 @@ def test_tokens_equal_cache_free_recompute(case, prompt_length):
     result = block.generate(MODEL, [prompt], gen, stop_ids=())
     assert result.tokens[0] == cache_free_generate(MODEL, prompt, gen)
     assert MASK_ID not in result.tokens[0]
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+@pytest.mark.parametrize("remasking", ["low_confidence", "low_confidence_dynamic", "low_confidence_static"])
+@pytest.mark.parametrize("model_type", ["sdar", "llada2_moe"])
+def test_the_threshold_rule_unmasks_several_tokens_a_step_as_the_reference(model_type, remasking, steps):
+    """LLaDA2 and SDAR decode with a threshold: a step unmasks every position over it when at least the
+    scheduled count are, else the scheduled count of most confident ones (low_confidence_static: always
+    those). At threshold 0.2 the tiny models' confidences put more positions than the count over it in
+    some steps and (2 steps: 4 a step) fewer in others; steps below the block length schedule several, the
+    prompt's last partial block holds the mask id twice: a prompt token, never decoded. The tokens and
+    the cache equal the cache-free reference's."""
+    model = tiny_model(model_type)
+    gen = GenerationConfig(gen_length=20, block_length=8, steps=steps, threshold=0.2, remasking=remasking)
+    prompt = random_prompt(12, seed=4)
+    prompt[9] = prompt[11] = MASK_ID
+    trace = []
+    expected = cache_free_generate(model, prompt, gen, trace=trace)
+    result = block.generate(model, [prompt], gen, stop_ids=())
+    assert result.tokens[0] == expected and MASK_ID not in expected
+    assert max(unmasked for _, _, unmasked in trace) > 1
+    if remasking != "low_confidence_static":
+        assert any(over > count for count, over, _ in trace), "all over the threshold, more than the count"
+        assert steps != 2 or any(0 < over < count for count, over, _ in trace), "too few over it: the count"
+    record = []
+    block_causal_forward(model, torch.tensor([prompt + expected]), 8, record)
+    for layer, (k, v) in enumerate(record):
+        torch.testing.assert_close(result.cache.view(layer)[0], k, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("prompt_length", [1, 4, 7])
