@@ -77,6 +77,18 @@ SANITY = mutation("sanity-package-import-fails", "nanodllm/__init__.py",
                   "test_top_k.py::test_bad_inputs_are_named")
 
 ENGINES = [
+    mutation("moe-sigmoid-router-logits-in-bf16", "nanodllm/mlp.py",
+             "scores = F.linear(fp32_or_wider(x), fp32_or_wider(self.weight)).sigmoid()",
+             "scores = fp32_or_wider(F.linear(x, self.weight)).sigmoid()",
+             "test_moe.py::test_a_bfloat16_moe_routes_and_sums_as_its_float64_reference"),
+    mutation("moe-experts-summed-in-bf16", "nanodllm/mlp.py",
+             "return (outputs.to(weights.dtype) * weights[..., None]).sum(dim=1).to(dtype)",
+             "return (outputs * weights[..., None].to(dtype)).sum(dim=1)",
+             "test_moe.py::test_a_bfloat16_moe_routes_and_sums_as_its_float64_reference"),
+    mutation("moe-softmax-router-in-bf16", "nanodllm/mlp.py",
+             "scores = fp32_or_wider(F.linear(x, self.weight)).softmax(dim=-1)",
+             "scores = F.linear(x, self.weight).softmax(dim=-1).to(torch.float32)",
+             "test_moe.py::test_a_bfloat16_moe_routes_and_sums_as_its_float64_reference"),
     mutation("block-threshold-only-for-dynamic", "nanodllm/block.py",
              'if threshold is not None and remasking != "low_confidence_static":',
              'if threshold is not None and remasking == "low_confidence_dynamic":',

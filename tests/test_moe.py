@@ -99,6 +99,55 @@ def test_the_router_chooses_within_the_best_groups_and_weighs_by_unbiased_scores
     assert torch.equal(chosen, allowed.topk(2, dim=-1).indices)
 
 
+def routed_in_float64(gate: Router, x: torch.Tensor):
+    """(chosen experts [n, k] sorted, their weights, the margin between the k-th and next preference) of
+    bfloat16 inputs x, in float64 with the one rounding the references make: Qwen3-MoE's router logits
+    in the model's dtype (LLaDA2's are float32)."""
+    moe = gate.moe
+    logits = x.double() @ gate.weight.double().T
+    scores = logits.to(x.dtype).double().softmax(dim=-1) if moe.score == "softmax" else logits.sigmoid()
+    preference = scores if gate.expert_bias is None else scores + gate.expert_bias.double()
+    if moe.groups > 1:
+        preference = within_best_groups(preference, moe.groups, moe.groups_kept)
+    top = preference.topk(moe.experts_per_token + 1, dim=-1)
+    chosen = top.indices[:, :-1]
+    weights = scores.gather(-1, chosen)
+    if moe.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    order = chosen.argsort(dim=-1)
+    return chosen.gather(-1, order), (weights * moe.scale).gather(-1, order), top.values[:, -2] - top.values[:, -1]
+
+
+@pytest.mark.parametrize("family", ["llada2_moe", "sdar_moe"])
+def test_a_bfloat16_moe_routes_and_sums_as_its_float64_reference(family):
+    """In bfloat16 the router's choice equals the float64 one's wherever the k-th and next preferences are
+    1e-5 apart, and the layer's output is the float64 sum of the weighted bf16 expert outputs rounded to
+    bf16 once (then the shared expert added), to within 1% of entries one bf16 step off: float32 routing
+    and a float32 sum meet it, a bf16 router or bf16 accumulation does not."""
+    moe = tiny_model(family, dtype=torch.bfloat16).layers[1].mlp
+    x = torch.randn(2048, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        chosen, weights = moe.gate(x)
+        y = moe(x)
+        expected, expected_weights, margin = routed_in_float64(moe.gate, x)
+        outputs = torch.zeros(*chosen.shape, 32, dtype=x.dtype)  # each expert over its rows, as the layer runs it
+        for expert in range(moe.gate.moe.num_experts):
+            rows, slots = (chosen == expert).nonzero(as_tuple=True)
+            outputs[rows, slots] = moe.experts[expert](x[rows])
+        order = chosen.argsort(dim=-1)
+        outputs = outputs.gather(1, order[..., None].expand_as(outputs))
+        routed = (outputs.double() * expected_weights[..., None]).sum(dim=1).to(torch.bfloat16)
+        reference = routed + moe.shared_expert(x) if moe.shared_expert is not None else routed
+    clear = margin > 1e-5
+    assert clear.float().mean() > 0.95
+    assert torch.equal(chosen.gather(-1, order)[clear], expected[clear])
+    torch.testing.assert_close(weights.gather(-1, order)[clear].double(), expected_weights[clear], rtol=1e-6, atol=0)
+    differ = y[clear] != reference[clear]
+    assert differ.float().mean() < 0.01, f"{differ.float().mean():.3f} of the entries differ"
+    step = (routed[clear].float().abs() + reference[clear].float().abs()) * 2 ** -7  # one bf16 step of either sum
+    assert ((y[clear].float() - reference[clear].float()).abs() <= step).all()
+
+
 @pytest.mark.parametrize("family", ["llada2_moe", "sdar_moe"])
 def test_grouped_experts_equal_the_per_expert_loop(family, kernels_on, monkeypatch):
     """On the CPU in float32 (torch's grouped_mm, the SwiGLU kernel in Triton's interpreter), on a GPU in
