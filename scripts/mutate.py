@@ -442,7 +442,28 @@ PARALLEL = [
              "test_parallel.py::test_greedy_decisions_from_the_ranks_columns_are_the_whole_rows"),
 ]
 
-MUTATIONS = [SANITY, *ENGINES, *METHODS, *KERNELS, *PARALLEL]
+CONFIGS = [
+    mutation("config-dense-layers-off-by-one", "nanodllm/config.py",
+             "i in only_mlp or (i + 1) % step", "i in only_mlp or i % step",
+             "test_config.py::test_qwen3_moe_layers_are_dense_by_decoder_sparse_step_and_mlp_only_layers"),
+    mutation("config-norm-topk-prob-always-on", "nanodllm/config.py",
+             'normalize=bool(raw.get("norm_topk_prob", False)),', "normalize=True,",
+             "test_config.py::test_norm_topk_prob_decides_whether_the_chosen_weights_sum_to_one"),
+    mutation("config-ntk-base-over-the-whole-head", "nanodllm/config.py",
+             "        d = self.rotary_dim\n", "        d = self.head_dim\n",
+             "test_config.py::test_the_ntk_stretched_base_follows_the_rotated_width"),
+    mutation("config-one-expert-groups-accepted", "nanodllm/config.py",
+             "if self.groups > 1 and per_group < 2:", "if self.groups > 1 and per_group < 1:",
+             "test_config.py::test_llada2_routing_fields_are_refused_exactly_past_their_bounds"),
+    mutation("loader-mask-id-equal-to-the-vocabulary", "nanodllm/loader.py",
+             "if not 0 <= cfg.mask_token_id < cfg.vocab_size:", "if not 0 <= cfg.mask_token_id <= cfg.vocab_size:",
+             "test_loader.py::test_the_mask_id_is_refused_exactly_outside_the_vocabulary"),
+    mutation("loader-duplicates-overwrite", "nanodllm/loader.py",
+             "                duplicated.append(", "                (lambda *_: None)(",
+             "test_loader.py::test_a_parameter_two_checkpoint_tensors_would_load_is_refused_naming_both"),
+]
+
+MUTATIONS = [SANITY, *ENGINES, *METHODS, *KERNELS, *PARALLEL, *CONFIGS]
 
 
 def problems(mutations: list[Mutation], root: Path) -> list[str]:

@@ -1,6 +1,8 @@
 """Config parsing, shape presets, NTK scaling, and the model's optional architecture flags."""
 
 import dataclasses
+import math
+import re
 
 import pytest
 import torch
@@ -203,3 +205,64 @@ def test_qk_and_kv_equal_their_share_of_qkv(model_type):
         k_alone, v_alone = layer.kv(h, model.rope(ids))
     for alone, shared in ((q, q_all), (k, k_all), (k_alone, k_all), (v_alone, v_all)):
         assert torch.equal(alone, shared)
+
+
+# ------------------------------------------------------------------------------------------------
+# fields at values other than the fixtures'
+
+
+@pytest.mark.parametrize("step, only, dense", [(1, [], ()), (2, [], (0, 2)), (3, [], (0, 1, 3)), (2, [1], (0, 1, 2))])
+def test_qwen3_moe_layers_are_dense_by_decoder_sparse_step_and_mlp_only_layers(step, only, dense):
+    """Qwen3-MoE: layer i is dense if listed in mlp_only_layers or (i + 1) is not a multiple of the step."""
+    from nanodllm.mlp import MLP
+
+    cfg = tiny_config("sdar_moe", num_hidden_layers=4, decoder_sparse_step=step, mlp_only_layers=only)
+    assert cfg.moe.dense_layers == dense
+    model = build_empty(cfg, "meta")
+    assert tuple(i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MLP)) == dense
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_norm_topk_prob_decides_whether_the_chosen_weights_sum_to_one(normalize):
+    from nanodllm.mlp import Router
+
+    cfg = tiny_config("sdar_moe", norm_topk_prob=normalize)
+    router = Router(cfg.hidden_size, cfg.moe).double()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(0.3 * torch.randn(router.weight.shape, generator=generator, dtype=torch.float64))
+    x = torch.randn(20, cfg.hidden_size, generator=generator, dtype=torch.float64)
+    chosen, weights = router(x)
+    scores = (x @ router.weight.T).softmax(dim=-1).gather(-1, chosen)
+    torch.testing.assert_close(weights, scores / scores.sum(-1, keepdim=True) if normalize else scores)
+    assert (weights.sum(-1) < 1 - 1e-3).any() != normalize
+
+
+@pytest.mark.parametrize("model_type, rotated", [("llada2_moe", 4), ("sdar", 8)])
+def test_the_ntk_stretched_base_follows_the_rotated_width(model_type, rotated):
+    """base * factor^(d / (d - 2)) with d the width RoPE rotates (LLaDA2: half of each 8-dim head), and
+    the model's RoPE turns that width only, at that base."""
+    cfg = tiny_config(model_type).with_context(2 * tiny_config(model_type).max_position_embeddings)
+    assert cfg.rotary_dim == rotated and cfg.rope_ntk_factor == 2.0
+    assert cfg.rope_base == pytest.approx(cfg.rope_theta * 2.0 ** (rotated / (rotated - 2)), rel=1e-12)
+    x = torch.randn(1, 1, 3, cfg.head_dim, dtype=torch.float64)
+    rope = Rope(torch.arange(3)[None], cfg.rotary_dim, cfg.rope_base)
+    turned = rope.apply(x)
+    assert torch.equal(turned[..., rotated:], x[..., rotated:])
+    angle = 2 * cfg.rope_base ** (-2 * 0 / rotated)  # position 2, first frequency
+    first, partner = x[0, 0, 2, 0], x[0, 0, 2, rotated // 2]
+    torch.testing.assert_close(turned[0, 0, 2, 0], first * math.cos(angle) - partner * math.sin(angle))
+
+
+@pytest.mark.parametrize("fields, refused", [
+    (dict(n_group=4), None), (dict(n_group=8), "leaves 1 per group"),  # 8 experts: 2 a group, then 1
+    (dict(topk_group=4), None), (dict(topk_group=5), "topk_group=5 must be in [1, n_group=4]"),
+    (dict(topk_group=0), "topk_group=0 must be in [1, n_group=4]"),
+    (dict(topk_group=1, num_experts_per_tok=2), None), (dict(topk_group=1, num_experts_per_tok=3), "do not fit"),
+])
+def test_llada2_routing_fields_are_refused_exactly_past_their_bounds(fields, refused):
+    if refused is None:
+        tiny_config("llada2_moe", **fields)
+        return
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        tiny_config("llada2_moe", **fields)

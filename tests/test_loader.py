@@ -450,3 +450,24 @@ def test_nan_weights_are_refused_by_name(tmp_path):
     edit_single(path, lambda t: t[name].view(-1)[7:9].fill_(float("nan")))
     with pytest.raises(CheckpointError, match=r"NaN or infinite values \(1 tensor\): " + name):
         load_model(path)
+
+
+def test_a_parameter_two_checkpoint_tensors_would_load_is_refused_naming_both(tmp_path):
+    path = copy(SDAR, tmp_path)
+    edit_single(path, lambda t: t.update({"model.lm_head.weight": t["lm_head.weight"].clone()}))
+    with pytest.raises(CheckpointError) as excinfo:
+        load_model(path)
+    assert "lm_head.weight and model.lm_head.weight both load lm_head.weight" in message(excinfo)
+
+
+@pytest.mark.parametrize("offset, refused", [(-1, False), (0, True), (-257, True)])
+def test_the_mask_id_is_refused_exactly_outside_the_vocabulary(tmp_path, offset, refused):
+    """The last id (vocab_size - 1) is a mask id; vocab_size and a negative id are not."""
+    path = copy(SDAR, tmp_path)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    edit_config(path, mask_token_id=vocab + offset)
+    if not refused:
+        assert load_model(path).cfg.mask_token_id == vocab - 1
+        return
+    with pytest.raises(CheckpointError, match="is outside the vocabulary"):
+        load_model(path)
