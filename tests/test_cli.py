@@ -159,17 +159,22 @@ def test_an_interrupted_eval_resumes_from_its_journal(tmp_path, monkeypatch, cap
     generate = evaluation.Runner.generate
     warm_up = 2 if torch.cuda.is_available() else 0  # on a GPU each method first runs once untimed
 
-    def interrupted_after_three(self, *args, _calls=[], **kwargs):
-        _calls.append(1)
-        if len(_calls) > warm_up + 3:
-            raise KeyboardInterrupt
-        return generate(self, *args, **kwargs)
+    def interrupted_after(runs: int):
+        calls = []
 
-    monkeypatch.setattr(evaluation.Runner, "generate", interrupted_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        evaluation.main(flags)
+        def interrupted(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) > warm_up + runs:
+                raise KeyboardInterrupt
+            return generate(self, *args, **kwargs)
+        return interrupted
+
+    for runs, done in ((2, 0), (1, 2)):  # interrupted, then interrupted again while resuming
+        monkeypatch.setattr(evaluation.Runner, "generate", interrupted_after(runs))
+        with pytest.raises(KeyboardInterrupt):
+            evaluation.main(flags)
+        assert (f": {done} of 4 runs done" in capsys.readouterr().err) == bool(done)
     monkeypatch.setattr(evaluation.Runner, "generate", generate)
-    capsys.readouterr()
     assert evaluation.main(flags) == 0
     resumed = capsys.readouterr()
     assert ": 3 of 4 runs done" in resumed.err and not journal.exists()
@@ -438,3 +443,24 @@ def test_a_benchmark_part_that_fails_is_written_as_failed_and_exits_1(tmp_path):
         f"The tables that finished are written to {tmp_path}.")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_kernels_quick.json", "bench_kernels_quick.md"]
     assert "- failed: Dense prefill (flash_attention)" in (tmp_path / "bench_kernels_quick.md").read_text()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_memory_estimate_is_its_parts_counted_by_hand(monkeypatch, world):
+    """tiny sdar (hidden 32, 2 layers, 4 heads and 2 KV heads of 8, MLP 64, vocabulary 64, untied head),
+    100 tokens x batch 3 in float32 on the CPU: the weights, K and V kept twice, and three fp32 score
+    tensors of one layer, each split over `world` ranks. It fits in exactly that many bytes, not one less."""
+    from nanodllm import cli
+    from tests.tiny_models import tiny_config
+
+    layer = 32 * 4 * 8 + 2 * 32 * 2 * 8 + 4 * 8 * 32 + 2 * 8 + 2 * 32 + 3 * 32 * 64  # q, k v, o, q/k norms, norms, MLP
+    weights = (2 * 64 * 32 + 2 * layer + 32) * 4 // world  # embedding, head, layers, final norm
+    kv = 2 * 2 * 2 * 2 * 8 * 100 * 3 * 4 // world  # K and V, twice, layers, KV heads, dims, tokens, rows
+    scores = 3 * 3 * 4 * 100 * 100 * 4 // world  # three tensors, rows, heads, tokens x tokens
+    for free, fits in ((weights + kv + scores, True), (weights + kv + scores - 1, False)):
+        monkeypatch.setattr(cli, "available_ram", lambda: free)
+        if fits:
+            assert cli.check_fits(tiny_config("sdar"), 100, 3, torch.device("cpu"), torch.float32, world) is None
+            continue
+        with pytest.raises(ValueError, match="100 tokens x batch 3 need about"):
+            cli.check_fits(tiny_config("sdar"), 100, 3, torch.device("cpu"), torch.float32, world)

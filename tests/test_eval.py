@@ -159,3 +159,13 @@ def test_on_a_gpu_eval_warms_each_method_up_before_timing(capsys):
     evaluation.evaluate(Runner(), samples, ["dense", "mage"], batch=2)
     assert Runner.calls == [(2, "dense"), (2, "mage"), (2, "dense"), (2, "mage"), (1, "dense"), (1, "mage")]
     assert "warm-up, not timed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("a, b, expected", [
+    ([[1, 2, 3, 4]], [[1, 2, 3, 4]], 1.0),
+    ([[1, 2, 3, 4] * 10], [[1, 2, 3, 4] * 2], 0.2),  # a row that stopped after 8 of 40 tokens
+    ([[1, 2], [3]], [[1, 9], [3, 4, 5]], 2 / 5),  # positions counted over the longer of each pair
+    ([[5, 6, 7]], [[6, 7, 8]], 0.0),
+])
+def test_agreement_counts_every_position_either_run_generated(a, b, expected):
+    assert evaluation.agreement(a, b) == pytest.approx(expected) == pytest.approx(evaluation.agreement(b, a))
