@@ -22,11 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
 from nanodllm import block, fused
 from nanodllm.config import GenerationConfig, ModelConfig
 from nanodllm.fused import fuse
+from nanodllm.attention import attention
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, random_weights
 from nanodllm.mlp import MoE, Router, within_best_groups
 from tests.test_block_engine import cache_free_generate
@@ -146,6 +148,71 @@ def test_a_bfloat16_moe_routes_and_sums_as_its_float64_reference(family):
     assert differ.float().mean() < 0.01, f"{differ.float().mean():.3f} of the entries differ"
     step = (routed[clear].float().abs() + reference[clear].float().abs()) * 2 ** -7  # one bf16 step of either sum
     assert ((y[clear].float() - reference[clear].float()).abs() <= step).all()
+
+
+@st.composite
+def moe_configs(draw) -> ModelConfig:
+    """A tiny MoE config over the fields' ranges: experts, top-k, LLaDA2's groups, shared expert, dense
+    first layer and scaling, Qwen3-MoE's sparse step, dense layers and normalisation, RoPE's width."""
+    family = draw(st.sampled_from(["llada2_moe", "sdar_moe"]))
+    experts = draw(st.sampled_from([4, 8, 16]))
+    fields = dict(num_experts=experts, partial_rotary_factor=draw(st.sampled_from([0.25, 0.5, 1.0])))
+    if family == "llada2_moe":
+        groups = draw(st.sampled_from([g for g in (1, 2, 4) if experts // g >= 2]))
+        kept = draw(st.integers(1, groups))
+        fields.update(n_group=groups, topk_group=kept, num_shared_experts=draw(st.sampled_from([0, 1])),
+                      first_k_dense_replace=draw(st.sampled_from([0, 1])),
+                      routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])))
+        most = kept * experts // groups
+    else:
+        fields.update(decoder_sparse_step=draw(st.sampled_from([1, 2])), mlp_only_layers=draw(st.sampled_from([[], [0]])),
+                      norm_topk_prob=draw(st.booleans()))
+        most = experts
+    fields["num_experts_per_tok"] = draw(st.integers(1, min(4, most)))
+    return tiny_config(family, **fields)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cfg=moe_configs(), seed=st.integers(0, 2**16))
+def test_the_fused_moe_model_gives_the_reference_logits_across_shapes(kernels_on, cfg, seed):
+    """float32 on the kernels (here Triton's interpreter and torch's grouped_mm): the fused model (stacked
+    experts in grouped matmuls, fused norms and RoPE) against the reference model it was built from."""
+    reference = random_weights(build_empty(cfg, dtype=torch.float32), seed)
+    model = fuse(copy.deepcopy(reference))
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=generator)
+    positions = torch.arange(11).expand(2, 11)
+    with torch.no_grad():
+        fast = model(ids, positions, lambda layer, q, k, v: attention(q, k, v))
+        slow = reference(ids, positions, lambda layer, q, k, v: attention(q, k, v))
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(cfg=moe_configs(), seed=st.integers(0, 2**16))
+def test_the_router_in_float32_chooses_as_in_float64_across_shapes(cfg, seed):
+    """Wherever the k-th and next preferences are 1e-5 apart, the same experts and weights to 1e-5."""
+    generator = torch.Generator().manual_seed(seed)
+    router = Router(cfg.hidden_size, cfg.moe)
+    with torch.no_grad():
+        router.weight.copy_(0.3 * torch.randn(router.weight.shape, generator=generator))
+        if router.expert_bias is not None:
+            router.expert_bias.copy_(0.1 * torch.randn(cfg.moe.num_experts, generator=generator))
+    exact = copy.deepcopy(router).double()
+    x = torch.randn(64, cfg.hidden_size, generator=generator)
+    chosen, weights = router(x)
+    expected, expected_weights = exact(x.double())
+    preference = (x.double() @ exact.weight.T)
+    preference = preference.sigmoid() if cfg.moe.score == "sigmoid" else preference.softmax(dim=-1)
+    if exact.expert_bias is not None:
+        preference = preference + exact.expert_bias
+    if cfg.moe.groups > 1:
+        preference = within_best_groups(preference, cfg.moe.groups, cfg.moe.groups_kept)
+    unchosen = torch.full((64, 1), float("-inf"), dtype=torch.float64)  # a k + 1-th where k is every expert
+    top = torch.cat([preference, unchosen], dim=-1).topk(cfg.moe.experts_per_token + 1, dim=-1).values
+    clear = top[:, -2] - top[:, -1] > 1e-5
+    assert torch.equal(chosen[clear], expected[clear])
+    torch.testing.assert_close(weights[clear].double(), expected_weights[clear], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("family", ["llada2_moe", "sdar_moe"])
