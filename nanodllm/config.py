@@ -144,7 +144,13 @@ class ModelConfig:
             raw = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{config_file} is not valid JSON: {err}") from None
-        return cls.from_dict(raw, source=str(config_file))
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_file} holds {'null' if raw is None else 'a ' + type(raw).__name__}, "
+                             "not a JSON object of fields")
+        try:
+            return cls.from_dict(raw, source=str(config_file))
+        except ValueError as err:  # the checks of __post_init__ name a field, not the file
+            raise ValueError(str(err) if str(config_file) in str(err) else f"{config_file}: {err}") from None
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
@@ -183,11 +189,18 @@ def _require(raw: dict, name: str, source: str):
     return raw[name]
 
 
-def _stop_ids(raw: dict, default: tuple[int, ...]) -> tuple[int, ...]:
+def _given(raw: dict, name: str, default):
+    """raw[name], or default where the field is absent or null (a 0 stays 0, to be refused by name)."""
+    return default if raw.get(name) is None else raw[name]
+
+
+def _stop_ids(raw: dict, source: str, default: tuple[int, ...]) -> tuple[int, ...]:
     """The config's eos id(s) followed by the family's documented stop tokens that fit its vocabulary
     (a smaller model of the family lists its own in eos_token_id), without repeats."""
     value = raw.get("eos_token_id")
     from_config = tuple(value) if isinstance(value, (list, tuple)) else (() if value is None else (value,))
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in from_config):
+        raise ValueError(f"{source}: eos_token_id must be a token id or a list of them, got {value!r}")
     vocab = raw.get("embedding_size") or raw.get("vocab_size")
     fitting = tuple(i for i in default if not isinstance(vocab, int) or i < vocab)
     return tuple(dict.fromkeys(int(i) for i in from_config + fitting))
@@ -218,7 +231,7 @@ def _from_olmo_fields(raw: dict, source: str) -> ModelConfig:
         intermediate_size=mlp_hidden,
         num_layers=_require(raw, "n_layers", source),
         num_heads=n_heads,
-        num_kv_heads=raw.get("n_kv_heads") or n_heads,
+        num_kv_heads=_given(raw, "n_kv_heads", n_heads),
         head_dim=d_model // n_heads,
         rope_theta=float(raw.get("rope_theta", 10000.0)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
@@ -226,7 +239,7 @@ def _from_olmo_fields(raw: dict, source: str) -> ModelConfig:
         attention="bidirectional",
         block_size=None,
         mask_token_id=raw.get("mask_token_id", 126336),
-        eos_token_ids=_stop_ids(raw, default=(126081, 126348)),
+        eos_token_ids=_stop_ids(raw, source, default=(126081, 126348)),
         tie_word_embeddings=bool(raw.get("weight_tying", False)),
         qk_norm="projection" if raw.get("attention_layer_norm") else None,
     )
@@ -241,7 +254,7 @@ def _from_qwen3_fields(raw: dict, source: str) -> ModelConfig:
         attention="block_causal",
         block_size=4 if raw.get("block_size") is None else raw["block_size"],
         mask_token_id=151669 if raw.get("mask_token_id") is None else raw["mask_token_id"],
-        eos_token_ids=_stop_ids(raw, default=(151645, 151643)),
+        eos_token_ids=_stop_ids(raw, source, default=(151645, 151643)),
         qk_norm="head",
     )
 
@@ -301,7 +314,7 @@ def _from_llada2_fields(raw: dict, source: str) -> ModelConfig:
         attention="block_causal",
         block_size=32 if raw.get("block_size") is None else raw["block_size"],
         mask_token_id=156895 if raw.get("mask_token_id") is None else raw["mask_token_id"],
-        eos_token_ids=_stop_ids(raw, default=(156892,)),
+        eos_token_ids=_stop_ids(raw, source, default=(156892,)),
         qk_norm="head" if raw.get("use_qk_norm") else None,
         partial_rotary_factor=float(raw.get("partial_rotary_factor", 1.0)),
         moe=moe,
@@ -324,7 +337,7 @@ def _qwen_shape(raw: dict, source: str) -> dict:
         intermediate_size=_require(raw, "intermediate_size", source),
         num_layers=_require(raw, "num_hidden_layers", source),
         num_heads=n_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or n_heads,
+        num_kv_heads=_given(raw, "num_key_value_heads", n_heads),
         head_dim=raw.get("head_dim") or hidden // n_heads,
         rope_theta=float(raw.get("rope_theta", 1e6)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -344,7 +357,7 @@ def _from_qwen2_fields(raw: dict, source: str) -> ModelConfig:
         attention="bidirectional" if dream else "block_causal",
         block_size=block_size,
         mask_token_id=default_mask if raw.get("mask_token_id") is None else raw["mask_token_id"],
-        eos_token_ids=_stop_ids(raw, default=(151645, 151643)),
+        eos_token_ids=_stop_ids(raw, source, default=(151645, 151643)),
         qkv_bias=True,
         logit_shift=True,
     )

@@ -130,14 +130,21 @@ def _open(file: Path):
         raise CheckpointError(f"cannot read {file}: {err}") from None
 
 
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; weights of other kinds are refused
+
+
 def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
-    """Read every tensor's shape from the headers (no data)."""
+    """Read every tensor's shape from the headers (no data); a tensor of integers or bools is refused."""
     shapes = {}
     for file in sorted(set(files.values())):
         handle = _open(file)
         for name in handle.keys():
             if files.get(name) == file:
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
+                stored = handle.get_slice(name)
+                if stored.get_dtype() not in FLOAT_DTYPES:
+                    raise CheckpointError(f"{file}: {name} holds {stored.get_dtype()} numbers; nanodllm loads "
+                                          f"floating-point weights ({', '.join(FLOAT_DTYPES)})")
+                shapes[name] = tuple(stored.get_shape())
     absent = sorted(set(files) - set(shapes))
     if absent:
         raise CheckpointError(f"tensors listed in the index are not in their shard: {', '.join(absent)}")

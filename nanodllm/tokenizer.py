@@ -167,7 +167,10 @@ def _load_hf_tokenizer(directory: Path, family: str, tokenizer_config: dict) -> 
     of tokenizer_config.json's added_tokens_decoder at their ids."""
     tokenizer_file = directory / "tokenizer.json"
     if tokenizer_file.is_file():
-        return HFTokenizer.from_file(str(tokenizer_file))
+        try:
+            return HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as err:  # the library raises a bare Exception naming no file
+            raise ValueError(f"{tokenizer_file} is not a tokenizer the tokenizers library reads: {err}") from None
     if family not in QWEN2_VOCAB_FAMILIES:
         raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file}")
     vocab_file, merges_file = directory / "vocab.json", directory / "merges.txt"
