@@ -6,4 +6,5 @@ from .generation import generate
 from .loader import build_random, load_model
 from .model import Model
 
+__version__ = "0.1.0"
 __all__ = ["GenerationConfig", "ModelConfig", "Model", "build_random", "generate", "load_model", "preset"]

@@ -3,8 +3,9 @@
     python -m nanodllm demo --method maskkv         dense and one method side by side (nanodllm/demo.py)
     python -m nanodllm eval --method mage --n 20    accuracy per context length and depth (nanodllm/eval.py)
 
-`python -m nanodllm COMMAND --help` lists a command's flags. Benchmarks, sweeps and training are
-scripts in a checkout of the repository (scripts/bench.py, sweep.py, train_tiny.py).
+`python -m nanodllm COMMAND --help` lists a command's flags, `--version` the version. Benchmarks,
+sweeps and training are scripts in a checkout of the repository (scripts/bench.py, sweep.py,
+train_tiny.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from . import __version__
 from .cli import run_main
 
 COMMANDS = {"demo": "nanodllm.demo", "eval": "nanodllm.eval"}
@@ -21,6 +23,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
+        return 0
+    if argv and argv[0] == "--version":
+        print(f"nanodllm {__version__}")
         return 0
     if not argv:
         print(f"error: no command given; choose from {', '.join(COMMANDS)} (python -m nanodllm --help lists them)",

@@ -68,6 +68,17 @@ def help_text(doc: str) -> str:
     return paragraphs[0] + (f"\n\n{examples}" if examples else "")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and each flag's default after its help unless the help names it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
+            return text
+        default = ",".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        return f"{text} (default: {default})".lstrip()
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

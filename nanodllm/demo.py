@@ -1,10 +1,11 @@
 """Run dense decoding and one training-free method side by side on the same prompt.
 
-    python train_free_demo.py --method maskkv      (or: python -m nanodllm demo --method maskkv)
-    python train_free_demo.py --method maskkv --knobs budget=64
-    python train_free_demo.py --model DIR --method dense --prompt "..."
+    python -m nanodllm demo --method maskkv      (in a checkout also: python train_free_demo.py ...)
+    python -m nanodllm demo --method maskkv --knobs budget=64
+    python -m nanodllm demo --model DIR --method dense --prompt "..."
 
-Prints both outputs, how many generated tokens agree, tokens/s and peak memory of each run. Without
+Prints both outputs, how many generated tokens agree, tokens/s of each run and, on a GPU, its peak
+memory. On the block engine the tokens fill whole blocks, at least --gen-length of them. Without
 --model the demo uses the tiny trained model shipped in nanodllm/assets for the method's first engine
 (tiny-llada for masked diffusion, tiny-sdar for block diffusion; MOMO, which serves both, is shown on
 the block engine's prefill) and, without --prompt, a built-in long-context passkey prompt whose
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import tasks
-from .cli import available_device, check_fits, check_steps, positive_int, run_main, tensor_parallel
+from .cli import HelpFormatter, available_device, check_fits, check_steps, positive_int, run_main, tensor_parallel
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import check_method, engine_of, until_stop
 from .eval import with_profile
@@ -36,7 +37,7 @@ DEFAULT_LENGTH = 1024
 
 
 def parse_args(argv, prog=None):
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
                         "default: tiny-llada or tiny-sdar, by the method's engine")
     parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}")
@@ -45,21 +46,27 @@ def parse_args(argv, prog=None):
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="default: a built-in passkey retrieval prompt")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from this text file (a long context)")
-    parser.add_argument("--length", "--context", dest="length", type=positive_int, default=DEFAULT_LENGTH,
+    parser.add_argument("--length", "--context", dest="length", type=positive_int,
                         help=f"length of the built-in prompt in tokens (default {DEFAULT_LENGTH}; 2048 for the "
-                        "long version)")
+                        "long version); not with --prompt or --prompt-file")
     parser.add_argument("--no-chat", action="store_true", help="encode the prompt as raw text, no chat template")
-    parser.add_argument("--gen-length", type=positive_int, default=32)
+    parser.add_argument("--gen-length", type=positive_int, default=32,
+                        help="tokens to generate (the block engine fills whole blocks: at least this many)")
     parser.add_argument("--block-length", type=positive_int,
                         help="default: min(32, gen-length) (LLaDA) or the config's block_size (SDAR)")
     parser.add_argument("--steps", type=positive_int, help="default: gen-length (LLaDA) or block-length (SDAR, per block)")
     parser.add_argument("--threshold", type=float, help="confidence-threshold parallel decoding")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: the most probable token")
+    parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the weights' and activations' type")
     parser.add_argument("--tp", type=positive_int, default=1, help="split the model over this many GPUs (tensor and "
                         "expert parallelism), one process each: torchrun --nproc-per-node N -m nanodllm demo --tp N")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.length is not None and (args.prompt is not None or args.prompt_file is not None):
+        parser.error("--length sets the built-in prompt's length; with --prompt or --prompt-file it does nothing")
+    args.length = args.length or DEFAULT_LENGTH
+    return args
 
 
 def run(model, prompt_ids, gen, method, stop_ids, device):
@@ -151,7 +158,7 @@ def main(argv=None, prog=None) -> int:
     split = f", split over {group.world} ranks" if group.world > 1 else ""
     print(f"model: {model_dir} ({cfg.model_type}, {engine_of(cfg)} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}{split}")
-    print(f"decoding: {gen.gen_length} tokens, blocks of {gen.block_length}, {gen.steps} steps"
+    print(f"decoding: {gen.gen_length} tokens{' or more (whole blocks)' if is_block else ''}, blocks of {gen.block_length}, {gen.steps} steps"
           f"{' per block' if is_block else ''}, temperature {gen.temperature}, threshold {gen.threshold}")
     if warm_up is not None:
         print(f"warm-up, not timed below (kernels compiled or loaded, launch settings looked up): {warm_up:.1f}s")
@@ -179,7 +186,10 @@ def read_prompt(path: Path) -> str:
     """The text of a prompt file (UTF-8), refused if missing or empty."""
     if not path.is_file():
         raise FileNotFoundError(f"--prompt-file {path}: no such file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     if not text.strip():
         raise ValueError(f"--prompt-file {path}: the file is empty")
     return text

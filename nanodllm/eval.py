@@ -1,6 +1,6 @@
 """Accuracy of dense decoding and of a method on long-context tasks, side by side.
 
-    python -m nanodllm eval --model tiny-llada --method mage --task passkey --lengths 1024,2048 --n 50
+    python -m nanodllm eval --model tiny-sdar --method mage --task passkey --lengths 1024,2048 --n 50
 
 For every (context length, needle depth) cell it prints the accuracy of dense and of the method, how
 many generated tokens the method shares with dense, tokens/s of each, and the fraction of KV entries
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import recall, tasks
 from .attention import CanvasMask
-from .cli import (available_device, check_fits, check_steps, output_file, positive_int, positive_ints, run_main,
+from .cli import (HelpFormatter, available_device, check_fits, check_steps, output_file, positive_int, positive_ints, run_main,
                   tensor_parallel, write_whole)
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import check_method, engine_of, until_stop
@@ -179,6 +179,11 @@ class Journal:
         if self.writes:
             with self.path.open("a") as file:
                 file.write(json.dumps(record, default=str) + "\n")
+
+    def forget_unless_resumable(self):
+        """A run refused midway leaves no journal behind unless it holds finished runs to resume."""
+        if self.writes and self.path.exists() and len(self.path.read_text().splitlines()) <= 1:
+            self.path.unlink()
 
     def finish(self):
         """The run completed and its results are out: a rerun starts afresh (the code may have changed)."""
@@ -353,8 +358,9 @@ def plot(grids: dict[str, dict[tuple, float]], path, title: str, columns: int = 
 
 
 def parse_args(argv, prog=None):
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-llada", help=f"a checkpoint directory or {' / '.join(TINY_MODELS)}")
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", help=f"a checkpoint directory or {' / '.join(TINY_MODELS)} (default: the tiny "
+                        "model of the method's engine, tiny-llada for all)")
     parser.add_argument("--method", default="dense", help=f"one of: {', '.join(sorted(METHODS))}, or all")
     parser.add_argument("--knobs", help="the method's knobs, e.g. k=64,exact_layers=2 (see its file's docstring)")
     parser.add_argument("--recall", action="store_true",
@@ -363,23 +369,28 @@ def parse_args(argv, prog=None):
     parser.add_argument("--calibrate", action="store_true",
                         help="write MaskKV's offline layer profile (maskkv_profile.json) into the --model directory "
                              "from --n canvases per task and length of --lengths, then exit")
-    parser.add_argument("--task", default="passkey", choices=[*tasks.TASKS, "longbench"])
+    parser.add_argument("--task", default="passkey", choices=[*tasks.TASKS, "longbench"], help="what is asked")
     parser.add_argument("--lengths", type=positive_ints, default=[1024], help="comma-separated context lengths in tokens")
     parser.add_argument("--n", type=positive_int, default=50, help="samples per length (spread over the depths)")
     parser.add_argument("--data", help="LongBench-format JSONL (with --task longbench)")
     parser.add_argument("--plot", type=output_file, help="save a length x depth accuracy heatmap to this PNG")
     parser.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
     parser.add_argument("--seed", type=int, default=1234, help="task seed (training used other seeds)")
-    parser.add_argument("--gen-length", type=positive_int, default=32)
+    parser.add_argument("--gen-length", type=positive_int, default=32, help="tokens generated per sample")
     parser.add_argument("--steps", type=positive_int, help="default: gen-length (masked) or block length (block engine)")
-    parser.add_argument("--threshold", type=float)
-    parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--threshold", type=float, help="confidence-threshold parallel decoding (default: the "
+                        "model's, none for most)")
+    parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the weights' and activations' type")
     parser.add_argument("--journal", type=Path, help="finished runs, for resuming (default: runs/eval-<hash>.jsonl)")
     parser.add_argument("--tp", type=positive_int, default=1, help="split each model over this many GPUs; with more "
                         "torchrun processes the samples are shared out over world / tp replicas (torchrun "
                         "--nproc-per-node 4 -m nanodllm -- eval --tp 2 ...: the -- keeps --n from torchrun)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    engine = METHODS[args.method].engines[0] if args.method in METHODS else "masked"
+    args.model = args.model or ("tiny-sdar" if engine == "block" else "tiny-llada")
+    return args
 
 
 def print_recall(runner: Runner, samples: list[tasks.Sample], methods: list[str], args) -> int:
@@ -413,12 +424,13 @@ def main(argv=None, prog=None) -> int:
     args = parse_args(argv, prog)
     methods = sorted(METHODS, key=lambda m: m != "dense") if args.method == "all" else ["dense", args.method]
     methods = list(dict.fromkeys(methods))
+    journal = None
     try:
         if args.method != "all" and args.method not in METHODS:
             raise ValueError(f"unknown method {args.method!r}; valid methods: {', '.join(sorted(METHODS))}, all")
         knobs = parse_knobs(args.knobs)
-        if args.method != "all":
-            get_method(args.method, **knobs)  # a bad knob fails before the model loads
+        for name in methods[1:]:  # a bad knob fails before the model loads, for every method it goes to
+            get_method(name, **knobs)
         if args.plot:
             require_matplotlib()
         if args.task == "longbench" and not args.data:
@@ -467,6 +479,8 @@ def main(argv=None, prog=None) -> int:
         print(f"finished runs are kept in {journal.path}: the same command resumes there", file=sys.stderr)
         results = evaluate(runner, samples, methods, args.batch, journal)
     except (FileNotFoundError, ValueError, TypeError) as err:
+        if journal is not None:
+            journal.forget_unless_resumable()
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"\n{args.model}: task {args.task}, {runner.gen}, device {args.device}, {args.dtype}\n")

@@ -1,8 +1,10 @@
 """The scripts' command lines as a user meets them: run in a subprocess, exit code and message checked."""
 
+import contextlib
 import dataclasses
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -464,3 +466,99 @@ def test_the_memory_estimate_is_its_parts_counted_by_hand(monkeypatch, world):
             continue
         with pytest.raises(ValueError, match="100 tokens x batch 3 need about"):
             cli.check_fits(tiny_config("sdar"), 100, 3, torch.device("cpu"), torch.float32, world)
+
+
+def broken_checkpoint(tmp_path: Path, edit: str) -> Path:
+    """tiny-sdar copied, with one thing broken (`edit`)."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / edit
+    shutil.copytree(REPO / "nanodllm" / "assets" / "tiny-sdar", path)
+    config = json.loads((path / "config.json").read_text())
+    if edit in ("list", "null"):
+        (path / "config.json").write_text("[]" if edit == "list" else "null")
+    elif edit in ("num_key_value_heads", "eos_token_id"):
+        config[edit] = 0 if edit == "num_key_value_heads" else "eos"
+        (path / "config.json").write_text(json.dumps(config))
+    elif edit == "tokenizer":
+        (path / "tokenizer.json").write_text('{"hello": 1}')
+    else:
+        weights = load_file(str(path / "model.safetensors"))
+        save_file({name: tensor.to(torch.int32) for name, tensor in weights.items()}, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("edit, last_line", [
+    ("list", "config.json holds a list, not a JSON object of fields"),
+    ("null", "config.json holds null, not a JSON object of fields"),
+    ("num_key_value_heads", "config.json: num_kv_heads must be >= 1, got 0"),
+    ("eos_token_id", "config.json: eos_token_id must be a token id or a list of them, got 'eos'"),
+    ("tokenizer", "tokenizer.json is not a tokenizer the tokenizers library reads: "),
+    ("int32", "model.safetensors: lm_head.weight holds I32 numbers; nanodllm loads floating-point weights"),
+])
+def test_a_broken_checkpoint_is_one_line_naming_its_file(tmp_path, capsys, edit, last_line):
+    from nanodllm.__main__ import main
+
+    path = broken_checkpoint(tmp_path, edit)
+    assert main(["demo", "--model", str(path), "--gen-length", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {path}") and last_line in err[-1], err
+
+
+@pytest.mark.parametrize("args, last_line", [
+    (["demo", "--prompt", "hi", "--context", "4096"],
+     "--length sets the built-in prompt's length; with --prompt or --prompt-file it does nothing"),
+    (["eval", "--method", "all", "--knobs", "k=8"], "error: method 'dllm_cache' has no knob 'k'"),
+])
+def test_a_flag_that_would_be_ignored_or_fail_late_is_refused_at_once(capsys, args, last_line):
+    from nanodllm.__main__ import main
+
+    with pytest.raises(SystemExit) if args[0] == "demo" else contextlib.nullcontext():
+        assert main(args) == 2
+    assert last_line in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    from nanodllm.__main__ import main
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"the pass key is \xff\xfe")
+    assert main(["demo", "--prompt-file", str(prompt)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--prompt-file {prompt}: not UTF-8 text (invalid start byte at byte 16)")
+
+
+def test_the_version_and_the_defaults_are_in_the_help(capsys):
+    from nanodllm import __version__
+    from nanodllm.__main__ import main
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"nanodllm {__version__}"
+    for command, shown in (("eval", ["(default: 50)", "(default: 1024)"]), ("demo", ["(default: 32)"])):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # as wrapped to any terminal's width
+        assert all(part in text for part in shown), text
+
+
+@pytest.mark.parametrize("doc", ["nanodllm.__main__", "nanodllm.eval"])
+def test_the_eval_example_in_the_help_runs_as_written(doc, tmp_path, monkeypatch, capsys):
+    """With one short sample instead of the example's many (the last --n and --lengths win)."""
+    import importlib
+
+    from nanodllm.__main__ import main
+
+    line = next(line for line in importlib.import_module(doc).__doc__.splitlines() if "nanodllm eval" in line)
+    example = line.split("python -m nanodllm ")[1].split("  ")[0].split()
+    monkeypatch.chdir(tmp_path)
+    assert main([*example, "--n", "1", "--lengths", "256", "--gen-length", "8"]) == 0, capsys.readouterr().err
+
+
+def test_a_run_refused_midway_leaves_no_empty_journal(tmp_path, monkeypatch, capsys):
+    from nanodllm import eval as evaluation
+
+    def refused(self, *args, **kwargs):
+        raise ValueError("refused by the method")
+
+    monkeypatch.setattr(evaluation.Runner, "generate", refused)
+    journal = tmp_path / "eval.jsonl"
+    assert evaluation.main(["--lengths", "256", "--n", "1", "--journal", str(journal)]) == 2
+    assert capsys.readouterr().err.strip().endswith("error: refused by the method") and not journal.exists()
