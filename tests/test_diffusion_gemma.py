@@ -24,7 +24,8 @@ from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
 from nanodllm.gemma import DiffusionGemma, GemmaCache
 from nanodllm.generation import generate
-from nanodllm.loader import CheckpointError, load_model, load_reference
+from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, load_reference
+from nanodllm.parallel import Group
 
 FIXTURE = Path(__file__).parent / "fixtures" / "diffusion_gemma_tiny"
 RAW = json.loads((FIXTURE / "config.json").read_text())
@@ -222,3 +223,13 @@ def test_the_fused_path_and_the_loops_are_not_used_for_it(capsys):
     assert "reference model" in capsys.readouterr().err
     with pytest.raises(NotImplementedError, match="diffusion_gemma"):
         generate(model, [[5, 6, 7]], None)
+
+
+def test_random_weights_keep_scales_at_one_and_a_split_is_refused(capsys):
+    model = build_random(MODEL.cfg, dtype=torch.float32)
+    assert isinstance(model, DiffusionGemma) and "reference model" in capsys.readouterr().err
+    for name, param in model.named_parameters():
+        if name.endswith(("scale", "scalar", "norm.weight")):
+            assert (param == 1).all(), name
+    with pytest.raises(NotImplementedError, match="not split over ranks"):
+        build_empty(MODEL.cfg, "meta", group=Group(0, 2))
