@@ -1,6 +1,6 @@
 """Model and generation configuration.
 
-`ModelConfig.from_dir(path)` reads a checkpoint's config.json, one of six families (a field the
+`ModelConfig.from_dir(path)` reads a checkpoint's config.json, one of seven families (a field the
 config lacks, such as the block size or the mask id, takes the family's released default):
 - `llada`: LLaDA-8B-Base/-Instruct, LLaDA-1.5. OLMo field names, fully bidirectional attention.
 - `sdar`: SDAR-*-Chat, TraDo. Qwen3 field names, q/k norm, block-causal attention.
@@ -10,7 +10,7 @@ config lacks, such as the block size or the mask id, takes the family's released
 - `llada2_moe`: LLaDA2.0/2.1-mini and -flash. Mixture of experts, per-head q/k norm, RoPE on the
   first `partial_rotary_factor` of each head's dims, block-causal.
 - `sdar_moe`: SDAR-30B-A3B. Qwen3-MoE field names with SDAR's block-causal attention.
-
+- `diffusion_gemma`: DiffusionGemma. Text fields under text_config, its layers in `GemmaConfig`.
 Everything inside nanodllm uses the one internal vocabulary of this dataclass (the loader maps tensor
 names the same way). `preset(name)` gives real 8B-class shapes, for benchmarks with random weights.
 """
@@ -23,8 +23,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe", "sdar_moe")
+SUPPORTED_MODEL_TYPES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe", "sdar_moe", "diffusion_gemma")
 ROUTER_SCORES = ("softmax", "sigmoid")
+ATTENTION_KINDS = ("bidirectional", "block_causal", "encoder_decoder")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,29 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class GemmaConfig:
+    """What DiffusionGemma's layers add to ModelConfig, whose head_dim, num_kv_heads and rope_theta are
+    its sliding layers' (nanodllm/gemma.py)."""
+
+    layer_types: tuple[str, ...]  # per layer, "sliding_attention" or "full_attention"
+    sliding_window: int  # a sliding layer's query sees the last sliding_window positions, itself included
+    global_head_dim: int  # a full layer's head_dim
+    global_kv_heads: int  # a full layer's KV heads, whose values are their keys (K = V: no v_proj)
+    global_rope_theta: float
+    global_rotary_fraction: float  # proportional RoPE: of a global_head_dim RoPE, the first
+    # int(fraction * global_head_dim // 2) frequency pairs rotate, the others stay still
+    logit_softcap: float  # logits = softcap * tanh(logits / softcap)
+    canvas_length: int  # the tokens one denoising pass refines (a block)
+
+    @property
+    def global_rotated_pairs(self) -> int:
+        return int(self.global_rotary_fraction * self.global_head_dim // 2)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == "sliding_attention"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -76,9 +101,9 @@ class ModelConfig:
     rope_theta: float
     rms_norm_eps: float
     max_position_embeddings: int
-    attention: str  # "bidirectional" or "block_causal"
-    block_size: int | None  # block-causal block length (sdar), None when bidirectional
-    mask_token_id: int
+    attention: str  # "bidirectional", "block_causal" or "encoder_decoder" (DiffusionGemma's two passes)
+    block_size: int | None  # block-causal block length (sdar), the canvas (gemma); None when bidirectional
+    mask_token_id: int | None  # None: no mask token (DiffusionGemma's noise is uniform over the vocabulary)
     eos_token_ids: tuple[int, ...]
     qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3, SDAR); "projection": over the whole
     # q and k projections before they are split into heads (OLMo's attention_layer_norm)
@@ -88,6 +113,7 @@ class ModelConfig:
     rope_ntk_factor: float = 1.0  # > 1 stretches RoPE (NTK-aware) beyond the trained context
     partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim = factor * head_dim dims
     moe: MoEConfig | None = None  # a mixture-of-experts MLP in every layer but moe.dense_layers
+    gemma: GemmaConfig | None = None  # DiffusionGemma's sliding and full layers, softcap, canvas
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -98,8 +124,10 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.attention not in ("bidirectional", "block_causal"):
-            raise ValueError(f"attention must be 'bidirectional' or 'block_causal', got {self.attention!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+        if (self.attention == "encoder_decoder") != (self.gemma is not None):
+            raise ValueError("encoder_decoder attention goes with a GemmaConfig, and only with it")
         if self.attention == "block_causal" and not self.block_size:
             raise ValueError("block_causal attention needs a positive block_size")
         if self.qk_norm not in (None, "head", "projection"):
@@ -154,10 +182,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
-        for name in NUMBER_FIELDS:
-            value = raw.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ValueError(f"{source}: {name} must be a number, got {value!r}")
+        _check_numbers(raw, source)
         model_type = raw.get("model_type")
         if model_type == "llada":
             return _from_olmo_fields(raw, source)
@@ -169,6 +194,8 @@ class ModelConfig:
             return _from_llada2_fields(raw, source)
         if model_type == "sdar_moe":
             return _from_qwen3_moe_fields(raw, source)
+        if model_type == "diffusion_gemma":
+            return _from_diffusion_gemma_fields(raw, source)
         raise ValueError(
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
@@ -180,7 +207,15 @@ NUMBER_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_siz
                  "mask_token_id", "block_size", "bd_size", "rope_theta", "rms_norm_eps", "partial_rotary_factor",
                  "moe_intermediate_size", "num_experts", "num_experts_per_tok", "num_shared_experts", "n_group",
                  "topk_group", "routed_scaling_factor", "first_k_dense_replace", "decoder_sparse_step",
-                 "shared_expert_intermediate_size")  # config.json fields read as numbers, by every family
+                 "shared_expert_intermediate_size", "sliding_window", "global_head_dim", "num_global_key_value_heads",
+                 "top_k_experts", "final_logit_softcapping", "canvas_length")  # read as numbers, by every family
+
+
+def _check_numbers(raw: dict, source: str) -> None:
+    for name in NUMBER_FIELDS:
+        value = raw.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{source}: {name} must be a number, got {value!r}")
 
 
 def _require(raw: dict, name: str, source: str):
@@ -362,6 +397,116 @@ def _from_qwen2_fields(raw: dict, source: str) -> ModelConfig:
         logit_shift=True,
     )
 
+
+
+GEMMA_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+
+
+def _from_diffusion_gemma_fields(raw: dict, source: str) -> ModelConfig:
+    """DiffusionGemma: the text model's fields under text_config (vision_config is not read), defaults as
+    transformers' DiffusionGemmaTextConfig. A full layer's head_dim and KV heads come from global_head_dim
+    (default 512) and num_global_key_value_heads (default num_key_value_heads), as the released config.json
+    states them, or from the per_layer_config transformers writes when it saves one; a last layer that is
+    not full is made full, as transformers makes it."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{source}: text_config (the text model's fields) is missing")
+    where = f"{source} text_config"
+    _check_numbers(text, where)
+    refuse = lambda name, why: ValueError(f"{where}: {name} {why}")
+    for name, value, allowed in (("hidden_activation", text.get("hidden_activation", "gelu_pytorch_tanh"),
+                                  ("gelu_pytorch_tanh",)),
+                                 ("use_bidirectional_attention", text.get("use_bidirectional_attention"),
+                                  (None, "vision")),
+                                 ("attention_bias", bool(text.get("attention_bias")), (False,)),
+                                 ("tie_word_embeddings", raw.get("tie_word_embeddings", True), (True,))):
+        if value not in allowed:
+            raise refuse(name, f"{value!r} is not supported; only {' or '.join(map(repr, allowed))}")
+    layers, heads = _require(text, "num_hidden_layers", where), _require(text, "num_attention_heads", where)
+    layer_types = list(text.get("layer_types") or
+                       ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)])
+    if len(layer_types) != layers or not set(layer_types) <= set(LAYER_TYPES):
+        raise refuse("layer_types", f"must list {layers} of {', '.join(LAYER_TYPES)}, got {layer_types!r}")
+    layer_types[-1] = "full_attention"
+    rope = {kind: _gemma_rope(text, kind, where) for kind in LAYER_TYPES}
+    global_head_dim, global_kv_heads = _gemma_full_layer_shape(text, layer_types, where)
+    experts, top_k = _require(text, "num_experts", where), _require(text, "top_k_experts", where)
+    if not 0 < top_k <= experts:
+        raise refuse("top_k_experts", f"must be in [1, num_experts={experts}], got {top_k}")
+    if global_kv_heads < 1 or heads % global_kv_heads:
+        raise refuse("num_global_key_value_heads", f"{global_kv_heads} must divide num_attention_heads={heads}")
+    gemma = GemmaConfig(layer_types=tuple(layer_types), sliding_window=text.get("sliding_window", 512),
+                        global_head_dim=global_head_dim, global_kv_heads=global_kv_heads,
+                        global_rope_theta=float(rope["full_attention"]["rope_theta"]),
+                        global_rotary_fraction=float(rope["full_attention"].get("partial_rotary_factor", 1.0)),
+                        logit_softcap=float(30.0 if text.get("final_logit_softcapping") is None
+                                            else text["final_logit_softcapping"]),
+                        canvas_length=raw.get("canvas_length", 256))
+    for name, value, least in (("sliding_window", gemma.sliding_window, 2), ("global_head_dim", global_head_dim, 2),
+                               ("canvas_length", gemma.canvas_length, 1), ("final_logit_softcapping",
+                                                                           gemma.logit_softcap, 1e-9)):
+        if value < least:
+            raise refuse(name, f"must be >= {least}, got {value}")
+    if global_head_dim % 2 or not 0 < gemma.global_rotated_pairs <= global_head_dim // 2:
+        raise refuse("global_head_dim", f"{global_head_dim} with partial_rotary_factor "
+                     f"{gemma.global_rotary_fraction} must be even and rotate at least one pair")
+    stops = {"eos_token_id": raw.get("eos_token_id", text.get("eos_token_id")), "vocab_size": text.get("vocab_size")}
+    return ModelConfig(
+        model_type="diffusion_gemma",
+        vocab_size=_require(text, "vocab_size", where),
+        hidden_size=_require(text, "hidden_size", where),
+        intermediate_size=_require(text, "intermediate_size", where),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=_require(text, "num_key_value_heads", where),
+        head_dim=_require(text, "head_dim", where),
+        rope_theta=float(rope["sliding_attention"]["rope_theta"]),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=text.get("max_position_embeddings", 131072),
+        attention="encoder_decoder",
+        block_size=gemma.canvas_length,
+        mask_token_id=None,
+        eos_token_ids=_stop_ids(stops, default=(1, 106)),
+        qk_norm="head",
+        tie_word_embeddings=True,
+        moe=MoEConfig(num_experts=experts, experts_per_token=top_k, score="softmax", normalize=True,
+                      expert_size=_require(text, "moe_intermediate_size", where)),
+        gemma=gemma,
+    )
+
+
+def _gemma_rope(text: dict, kind: str, where: str) -> dict:
+    """rope_parameters[kind]: the released kinds only (default RoPE on sliding layers, proportional on full)."""
+    params = (text.get("rope_parameters") or GEMMA_ROPE).get(kind)
+    expected = GEMMA_ROPE[kind]["rope_type"]
+    if not isinstance(params, dict) or params.get("rope_type") != expected or params.get("rope_theta") is None:
+        raise ValueError(f"{where}: rope_parameters.{kind} must be a {expected!r} RoPE with a rope_theta, "
+                         f"got {params!r}")
+    fraction = params.get("partial_rotary_factor", 1.0)
+    if params.get("factor", 1.0) != 1.0 or (kind == "sliding_attention" and fraction != 1.0):
+        raise ValueError(f"{where}: rope_parameters.{kind} {params!r}: scaling factors are not supported")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{where}: rope_parameters.{kind}.partial_rotary_factor must be in (0, 1], got {fraction}")
+    return params
+
+
+def _gemma_full_layer_shape(text: dict, layer_types: list[str], where: str) -> tuple[int, int]:
+    """(head_dim, KV heads) of the full layers: per_layer_config where transformers saved one (one shape for
+    every full layer, none for a sliding one), else global_head_dim and num_global_key_value_heads."""
+    kv_heads = _require(text, "num_key_value_heads", where)
+    per_layer = text.get("per_layer_config")
+    if per_layer is None:
+        global_kv = text.get("num_global_key_value_heads")
+        keep = global_kv is None or text.get("attention_k_eq_v") is False  # transformers: no override then
+        return text.get("global_head_dim", 512), kv_heads if keep else global_kv
+    full = {str(i) for i, kind in enumerate(layer_types) if kind == "full_attention"}
+    shapes = {(entry.get("head_dim", text.get("head_dim")), entry.get("num_key_value_heads", kv_heads))
+              for entry in per_layer.values()} if isinstance(per_layer, dict) else set()
+    if not isinstance(per_layer, dict) or set(map(str, per_layer)) != full or len(shapes) != 1:
+        raise ValueError(f"{where}: per_layer_config must give one shape to exactly the full layers "
+                         f"({', '.join(sorted(full, key=int))}), got {per_layer!r}")
+    return shapes.pop()
 
 _PRESETS = {
     "llada-8b": dict(model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,

@@ -27,6 +27,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     after them (the others decode gen_length; cut at a stop token); pad_id: the masked loops' left pad;
     options: a family loop's own knobs (Dream's sampling, Fast-dLLM v2's sub_block and top_p)."""
     cfg = model.cfg
+    if cfg.gemma is not None:
+        raise NotImplementedError(f"{cfg.model_type}'s own decoding loop is not written yet; nanodllm/gemma.py "
+                                  "runs its passes (encode, denoise) one at a time")
     steps = Replayed(method or Dense())
     if cfg.model_type == "Dream":
         result = dream.generate(model, prompts, gen, steps, mask_id=mask_id, pad_id=pad_id, **options)

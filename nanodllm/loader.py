@@ -7,11 +7,12 @@ memory than the largest tensor; fuse() then stacks its weights layer by layer. E
 names are mapped onto the internal (Qwen3) names by one rename table; a fused tensor (LLaDA2's
 query_key_value) renames to several parameters, which take its rows in order. Before anything is read,
 every name and shape is checked: a missing, unexpected or misshapen tensor is an error that names all
-of them, and no model is returned half-loaded. Experts load one tensor per expert, as released; a
-checkpoint that stores them fused is refused by name. Tied embeddings: when the checkpoint has no LM
-head and the config ties (or does not say), the head is the embedding matrix. build_random stands for
-a loaded model in benchmarks and tests. Both return once the first-use warm-up has finished. Given a
-group (nanodllm/parallel.py), each rank checks the whole checkpoint but reads only its parts.
+of them, and no model is returned half-loaded. Experts load one tensor per expert, as released (stacked
+for DiffusionGemma); other layouts are refused by name. Tied embeddings: when the checkpoint has no LM
+head and the config ties (or does not say), the head is the embedding matrix. build_random stands for a
+loaded model in benchmarks and tests. Both return once the first-use warm-up has finished. Given a group
+(nanodllm/parallel.py), each rank checks the whole checkpoint but reads only its parts. DiffusionGemma
+loads text only, into its reference model (nanodllm/gemma.py), unfused and whole.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import itertools
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ from kernels import first_use
 
 from .config import ModelConfig
 from .fused import FusedModel, fuse
+from .gemma import DiffusionGemma
 from .model import Model
 from .parallel import SINGLE, Group, group_of, local_config, local_part, shard
 
@@ -68,7 +71,15 @@ RENAMES["llada2_moe"] = [
 ]
 # Qwen2 names (+ q/k/v biases) and Qwen3-MoE's (mlp.gate, mlp.experts.{e}.*_proj) are Qwen3's
 RENAMES["Dream"] = RENAMES["Fast_dLLM_Qwen"] = RENAMES["sdar_moe"] = RENAMES["sdar"]
+# the encoder's weights are the decoder's (stored once, under model.decoder), but for its layer scalars
+RENAMES["diffusion_gemma"] = [
+    ("model.encoder.language_model.layers.{i}.layer_scalar", "layers.{i}.encoder_scalar"),
+    ("model.decoder.layers.{i}.layer_scalar", "layers.{i}.denoiser_scalar"),
+    ("model.decoder.{name}", "{name}"),
+]
 QWEN_FAMILIES = ("sdar", "Dream", "Fast_dLLM_Qwen", "sdar_moe")
+STACKED_EXPERTS = ("diffusion_gemma",)  # families released with each layer's experts in one tensor
+SKIPPED = {"diffusion_gemma": ("model.encoder.vision_tower.", "model.encoder.embed_vision.")}  # vision tower
 FUSED_EXPERTS = re.compile(r".*\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj|w1|w2|w3|w13)(\.weight)?")
 
 
@@ -159,7 +170,7 @@ def plan(model: Model, files: dict[str, Path]) -> dict[str, tuple[str, ...]]:
     params = dict(model.named_parameters())
     shapes = _shapes(files)
     fused = sorted(name for name in shapes if FUSED_EXPERTS.fullmatch(name))
-    if fused:
+    if fused and cfg.model_type not in STACKED_EXPERTS:
         raise CheckpointError(f"{fused[0]} holds every expert in one tensor; nanodllm loads the released "
                               "layout, one tensor per expert (mlp.experts.{e}.gate_proj.weight, ...)")
     mapping, loaded_by, unexpected, duplicated = {}, {}, [], []
@@ -200,14 +211,38 @@ def _rows_of(params: dict, targets: tuple[str, ...]) -> tuple[int, ...]:
     return (sum(params[t].shape[0] for t in targets), *first[1:])
 
 
-def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16, group: Group = SINGLE) -> Model:
+def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16, group: Group = SINGLE) -> Model | DiffusionGemma:
     """A reference model with uninitialised parameters allocated once, in `dtype`, directly on `device`
     (built on the meta device first, so no CPU or fp32 copy of an 8B model is ever made); of a split
     model, this rank's share."""
+    if cfg.gemma is not None and group.world > 1:
+        raise NotImplementedError(f"{cfg.model_type} is not split over ranks yet: run it in one process")
     with torch.device("meta"):
-        model = shard(Model(local_config(cfg, group.world)), cfg, group).to(dtype)
-    model.to_empty(device=device).tie_weights()
+        if cfg.gemma is not None:
+            model = DiffusionGemma(cfg).to(dtype)
+        else:
+            model = shard(Model(local_config(cfg, group.world)), cfg, group).to(dtype)
+    model.to_empty(device=device)
+    if cfg.gemma is None:
+        model.tie_weights()
     return model.eval()
+
+
+def fuse_or_reference(model):
+    """The fused model of a reference one; DiffusionGemma's reference model as it is, said once on stderr
+    (its fused path is not written: fused.py and the kernels assume the other families' layers)."""
+    if model.cfg.gemma is None:
+        return fuse(model)
+    print(f"nanodllm: {model.cfg.model_type} runs on its reference model (nanodllm/gemma.py), not the fused "
+          "one", file=sys.stderr)
+    return model
+
+
+def vision_skipped(model_type: str, files: dict[str, Path]) -> tuple[dict[str, Path], list[str]]:
+    """(files without the tensors nanodllm does not run, those tensors' names)."""
+    prefixes = SKIPPED.get(model_type, ())
+    skipped = sorted(name for name in files if name.startswith(prefixes)) if prefixes else []
+    return {name: file for name, file in files.items() if name not in skipped}, skipped
 
 
 def whole_model(model: Model) -> Model:
@@ -229,21 +264,26 @@ def read_parts(handle, source: str, targets: tuple[str, ...], rows: list[int],
 
 
 def load_reference(path, device="cpu", dtype=torch.bfloat16, context: int | None = None,
-                   group: Group = SINGLE) -> Model:
+                   group: Group = SINGLE) -> Model | DiffusionGemma:
     """Load a checkpoint directory into the reference model (nanodllm/model.py), which load_model fuses;
     with a group of several ranks, this rank's share of it."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < cfg.vocab_size:
         raise CheckpointError(f"{path / 'config.json'}: mask_token_id {cfg.mask_token_id} is outside the vocabulary "
                               f"(vocab_size {cfg.vocab_size})")
-    files = checkpoint_files(path)
+    files, skipped = vision_skipped(cfg.model_type, checkpoint_files(path))
+    if skipped:
+        print(f"nanodllm: {path}: {len(skipped)} vision tensors skipped (only the text model runs)", file=sys.stderr)
     has_head = any(internal_names(cfg.model_type, name) == ("lm_head.weight",) for name in files)
     if has_head and cfg.tie_word_embeddings:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head is used as stored
     if not has_head and cfg.model_type in QWEN_FAMILIES:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # Qwen rule: no head -> the embedding
-    if context:
+    if context and cfg.gemma is not None and context > cfg.max_position_embeddings:
+        raise ValueError(f"{cfg.model_type}: a context of {context} tokens exceeds max_position_embeddings "
+                         f"{cfg.max_position_embeddings}, and its RoPE is not stretched")
+    if context and cfg.gemma is None:
         cfg = cfg.with_context(context)
     model = build_empty(cfg, device, dtype, group)
     whole = whole_model(model)
@@ -266,18 +306,18 @@ def load_reference(path, device="cpu", dtype=torch.bfloat16, context: int | None
 
 
 def load_model(path, device="cpu", dtype=torch.bfloat16, context: int | None = None,
-               group: Group = SINGLE) -> FusedModel:
+               group: Group = SINGLE) -> FusedModel | DiffusionGemma:
     """Load a checkpoint directory into the fused model. `context` stretches RoPE (NTK) to that many
     tokens if needed; `group` (nanodllm/parallel.py): this rank's share of the model."""
     first_use.start(device, dtype)  # on a GPU, overlaps the loading (kernels/first_use.py)
     try:
-        return fuse(load_reference(path, device, dtype, context, group))
+        return fuse_or_reference(load_reference(path, device, dtype, context, group))
     finally:
         first_use.wait()
 
 
 def random_weights(model: Model, seed: int = 0) -> Model:
-    """model's weights drawn in place: N(0, 0.02), the norms' 1. A rank's share of a split model draws
+    """model's weights drawn in place: N(0, 0.02), the norms' and scales' 1. A rank's share of a split model draws
     every whole tensor in turn and keeps its part: the whole model's weights, sliced."""
     group, params = group_of(model), dict(model.named_parameters())
     weight = model.embed_tokens.weight
@@ -285,7 +325,7 @@ def random_weights(model: Model, seed: int = 0) -> Model:
     with torch.no_grad():
         for name, whole in whole_model(model).named_parameters():
             part = local_part(name, model.cfg, group)
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "scale", "scalar")):
                 params[part.name].fill_(1.0)
             elif part is not None and part.dim is None:
                 params[part.name].normal_(0.0, 0.02, generator=generator)
@@ -298,11 +338,11 @@ def random_weights(model: Model, seed: int = 0) -> Model:
 
 
 def build_random(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16, seed: int = 0,
-                 group: Group = SINGLE) -> FusedModel:
+                 group: Group = SINGLE) -> FusedModel | DiffusionGemma:
     """A fused model of cfg's shape with random weights (random_weights), built as load_model builds one;
     `group`: this rank's share of it."""
     first_use.start(device, dtype)  # on a GPU, overlaps the build (kernels/first_use.py)
     try:
-        return fuse(random_weights(build_empty(cfg, device, dtype, group), seed))
+        return fuse_or_reference(random_weights(build_empty(cfg, device, dtype, group), seed))
     finally:
         first_use.wait()

@@ -757,13 +757,110 @@ def golden_case(slow, ids: list[int], **fields) -> dict:
             "decoded_skip_special": slow.decode(ids, skip_special_tokens=True)}
 
 
+# ----------------------------------------------------------------------------------------------
+# DiffusionGemma: transformers' own classes (5.24's models/diffusion_gemma), their logits and KV cache
+
+GEMMA_WINDOW, GEMMA_CANVAS, GEMMA_PROMPT = 8, 8, 13  # a prompt longer than the sliding window
+GEMMA_CONFIG = {  # the released config.json's fields (global_head_dim, not transformers' per_layer_config)
+    "architectures": ["DiffusionGemmaForBlockDiffusion"], "boi_token_id": 255999, "canvas_length": GEMMA_CANVAS,
+    "dtype": "bfloat16", "eoi_token_id": 258882, "eos_token_id": [1, 106], "image_token_id": 258880,
+    "initializer_range": 0.02, "model_type": "diffusion_gemma", "tie_word_embeddings": True,
+    "text_config": {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2, "dtype": "bfloat16", "eos_token_id": 1,
+        "final_logit_softcapping": 30.0, "global_head_dim": 16, "head_dim": 8, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 32,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "max_position_embeddings": 512, "model_type": "diffusion_gemma_text", "moe_intermediate_size": 8,
+        "num_attention_heads": 4, "num_experts": 8, "num_global_key_value_heads": 1, "num_hidden_layers": 4,
+        "num_key_value_heads": 2, "pad_token_id": 0, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                               "rope_type": "proportional"},
+                            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+        "sliding_window": GEMMA_WINDOW, "tie_word_embeddings": True, "top_k_experts": 2,
+        "use_bidirectional_attention": "vision", "vocab_size": VOCAB},
+    "vision_config": {"global_head_dim": 8, "head_dim": 8, "hidden_size": 16, "intermediate_size": 32,
+                      "model_type": "gemma4_vision", "num_attention_heads": 2, "num_hidden_layers": 1,
+                      "num_key_value_heads": 2, "patch_size": 4, "pooling_kernel_size": 1,
+                      "position_embedding_size": 8},
+}
+
+
+def write_diffusion_gemma() -> int:
+    """diffusion_gemma_tiny: DiffusionGemmaForBlockDiffusion with random weights (norms, router scales and both
+    sets of layer scalars away from their initial ones), saved by save_pretrained in bf16 beside the released
+    config.json, reloaded from there; golden.safetensors holds what it computes in float32 (eager attention and
+    experts): the logits of a prefill + denoise step, a self-conditioned step, and a step after an encoder pass
+    over a committed canvas, and every layer's cache after the prefill and after the commit.
+    Run with transformers 5.24 outside the venv: PYTHONPATH=<its --target folder>."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
+
+    torch.manual_seed(0)
+    torch.set_grad_enabled(False)
+    gen = torch.Generator().manual_seed(2626)
+    model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(**GEMMA_CONFIG)).eval()
+    for name, param in sorted(model.named_parameters()):
+        std = 1.0 if "embed_tokens" in name else param.shape[-1] ** -0.5  # logits of scale ~20 (cap 30)
+        drawn = torch.randn(param.shape, generator=gen)
+        param.copy_(1 + 0.3 * drawn if param.dim() == 1 or "scale" in name else std * drawn)
+    for name, buffer in sorted(model.named_buffers()):
+        if name.endswith("layer_scalar"):
+            buffer.copy_(0.5 + torch.rand(buffer.shape, generator=gen))
+    out = fresh_dir("diffusion_gemma_tiny")
+    model.to(STORAGE_DTYPE).save_pretrained(out)
+    write_config(out, GEMMA_CONFIG)
+    (out / "generation_config.json").unlink()  # transformers' all-null one; the released defaults are the loop's
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(out, dtype=torch.float32).eval()
+    text, layers = model.config.text_config, model.model.decoder.layers
+    assert text.per_layer_config[1].head_dim == 16 and text.per_layer_config[1].num_key_value_heads == 1
+    assert model.model.encoder.language_model.layers[0].mlp.up_proj.weight is layers[0].mlp.up_proj.weight
+    encoder_scalars = [layer.layer_scalar for layer in model.model.encoder.language_model.layers]
+    assert all((e != d.layer_scalar).all() and (e != 1).all() for e, d in zip(encoder_scalars, layers))
+
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    golden = gemma_golden(model, DynamicCache, gen)
+    model.set_attn_implementation("sdpa")
+    model.set_experts_implementation("grouped_mm")
+    again = gemma_golden(model, DynamicCache, torch.Generator().manual_seed(0), golden)
+    for name in golden:  # within float32 noise of the goldens (logits of scale ~20)
+        assert (again[name].float() - golden[name].float()).abs().max() < 2e-4, f"sdpa / grouped_mm differ: {name}"
+    assert golden["prefill.keys.0"].shape[2] == golden["commit.keys.0"].shape[2] == GEMMA_WINDOW - 1
+    assert golden["commit.keys.1"].shape[2] == GEMMA_PROMPT + GEMMA_CANVAS
+    golden = {name: tensor.contiguous() for name, tensor in golden.items()}
+    save_file(golden, str(out / "golden.safetensors"), metadata={"format": "pt"})
+    return report_sizes(["diffusion_gemma_tiny"])
+
+
+def gemma_golden(model, cache_class, gen, ids: dict | None = None) -> dict[str, torch.Tensor]:
+    """The inputs (drawn from gen, or `ids`' own) and what model computes for them, by name."""
+    draw = lambda length: torch.randint(0, VOCAB, (BATCH, length), generator=gen)
+    ids = ids or {"prompt": draw(GEMMA_PROMPT), "canvas": draw(GEMMA_CANVAS), "renoised": draw(GEMMA_CANVAS),
+                  "next_canvas": draw(GEMMA_CANVAS)}
+    result = {name: ids[name] for name in ("prompt", "canvas", "renoised", "next_canvas")}
+    snapshot = lambda when, cache: {f"{when}.{kind}.{i}": getattr(layer, kind).clone()
+                                    for i, layer in enumerate(cache.layers) for kind in ("keys", "values")}
+    cache = cache_class(config=model.config.text_config)
+    first = model(input_ids=ids["prompt"], cache=cache, decoder_input_ids=ids["canvas"]).logits
+    result.update(snapshot("prefill", cache), first_step=first)
+    conditioning = ids.get("first_step", first)  # the golden's own: each step's noise alone, not compounded
+    second = model(cache=cache, decoder_input_ids=ids["renoised"], self_conditioning_logits=conditioning).logits
+    result["committed"] = ids.get("committed", second.argmax(-1))
+    model.model.encoder(input_ids=result["committed"], cache=cache)  # at the positions the canvas had
+    after = model(cache=cache, decoder_input_ids=ids["next_canvas"]).logits
+    assert (model(cache=cache, decoder_input_ids=ids["next_canvas"], self_conditioning_logits=first).logits
+            - after).abs().max() > 1e-2, "self-conditioning takes effect"
+    return {**result, **snapshot("commit", cache), "self_conditioned_step": second, "step_after_commit": after}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", nargs="?", choices=("models", "moe", "qwen2_bpe"), default="models",
+    parser.add_argument("step", nargs="?", choices=("models", "moe", "qwen2_bpe", "diffusion_gemma"), default="models",
                         help="models: the four dense tiny checkpoints; moe: llada2_tiny and sdar_moe_tiny "
-                             "(both transformers 5.x); qwen2_bpe: the tokenizer goldens (transformers 4.x)")
+                             "(both transformers 5.x); qwen2_bpe: the tokenizer goldens (transformers 4.x); "
+                             "diffusion_gemma: diffusion_gemma_tiny (transformers 5.24)")
     step = parser.parse_args().step
-    return {"models": write_models, "moe": write_moe_models, "qwen2_bpe": write_qwen2_bpe}[step]()
+    writers = {"models": write_models, "moe": write_moe_models, "qwen2_bpe": write_qwen2_bpe}
+    return {**writers, "diffusion_gemma": write_diffusion_gemma}[step]()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,329 @@
+"""DiffusionGemma (google/diffusiongemma-26B-A4B-it) as its math: one set of layers run in two passes.
+
+    cache = model.empty_cache(batch)
+    model.encode(prompt, cache)                    # causal; appends every layer's K/V (encoder scalars)
+    logits = model.denoise(canvas, cache)          # bidirectional over [cache; canvas], reads the cache
+    logits = model.denoise(canvas, cache, logits)  # self-conditioned on the last step's logits
+    model.encode(committed, cache)                 # the chosen canvas joins the cache where it stood
+A layer: sandwich norms around attention, then a dense GELU MLP beside a mixture of experts routed on
+the raw residual, each post-normed, summed, normed and added; the stream times the pass's layer scalar.
+Sliding layers see the last sliding_window positions when encoding, the last sliding_window - 1 cached
+ones when denoising; full layers see everything, have global_head_dim and global_kv_heads, values that
+are their raw keys (K = V) and proportional RoPE. Attention scale 1 (q_norm and k_norm carry it);
+RMSNorm is x * w in fp32; logits are softcapped in fp32. Plain torch (SDPA on CUDA): the kernels and
+the fused model are built for the other families' shapes and scales.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .mlp import MLP, fp32_or_wider
+
+
+class GemmaRMSNorm(nn.Module):
+    """x (mean(x^2) + eps)^-1/2 w, in fp32 then cast; weight=False: without w."""
+
+    def __init__(self, dim: int, eps: float, weight: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if weight else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = fp32_or_wider(x)
+        normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (normed if self.weight is None else normed * fp32_or_wider(self.weight)).to(x.dtype)
+
+
+class GemmaRope:
+    """Rotate-half RoPE at positions [t] of a head_dim-wide head with base theta, of which only the first
+    `pairs` frequency pairs turn (proportional RoPE: the rest stay still); cos and sin [t, head_dim] in
+    the activations' dtype, as transformers applies them."""
+
+    def __init__(self, positions: torch.Tensor, head_dim: int, theta: float, pairs: int, dtype: torch.dtype):
+        exponent = torch.arange(0, 2 * pairs, 2, device=positions.device, dtype=torch.float32) / head_dim
+        inv_freq = F.pad(1.0 / theta**exponent, (0, head_dim // 2 - pairs))
+        freqs = positions.float()[:, None] * inv_freq
+        angles = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, heads, t, head_dim] rotated."""
+        half = x.shape[-1] // 2
+        return x * self.cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * self.sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T) v, unscaled, where visible ([q_len, k_len] bool; None: everywhere). q [b, heads, t, d],
+    k and v [b, kv_heads, n, d]: query head h reads KV head h // (heads / kv_heads). Scores in fp32 or wider."""
+    if q.is_cuda:
+        grouped = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=1.0, enable_gqa=grouped)
+    b, heads, t, d = q.shape
+    kv_heads, compute = k.shape[1], torch.promote_types(q.dtype, torch.float32)
+    grouped = q.to(compute).view(b, kv_heads, heads // kv_heads, t, d)
+    scores = grouped @ k.to(compute)[:, :, None].transpose(-1, -2)  # [b, kv_heads, group, t, n]
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(dim=-1) @ v.to(compute)[:, :, None]).view(b, heads, t, d).to(q.dtype)
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, head_dim: int, kv_heads: int, values: bool):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(d, cfg.num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=False) if values else None  # None: K = V
+        self.o_proj = nn.Linear(cfg.num_heads * head_dim, d, bias=False)
+        self.q_norm, self.k_norm = GemmaRMSNorm(head_dim, eps), GemmaRMSNorm(head_dim, eps)
+        self.v_norm = GemmaRMSNorm(head_dim, eps, weight=False)
+
+    def qkv(self, x: torch.Tensor, rope: GemmaRope):
+        """[b, t, hidden] -> q [b, heads, t, d], k and v [b, kv_heads, t, d]; without v_proj, v is k
+        before its norm and RoPE."""
+        raw_k = self.heads(self.k_proj(x))
+        v = raw_k if self.v_proj is None else self.heads(self.v_proj(x))
+        return rope.apply(self.q_norm(self.heads(self.q_proj(x)))), rope.apply(self.k_norm(raw_k)), self.v_norm(v)
+
+    def heads(self, projected: torch.Tensor) -> torch.Tensor:
+        b, t = projected.shape[:2]
+        return projected.view(b, t, -1, self.head_dim).transpose(1, 2)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class GeluMLP(MLP):
+    """down(gelu_tanh(gate(x)) * up(x))."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class GemmaRouter(nn.Module):
+    """Each token's experts, chosen on its raw residual x [n, hidden]: softmax (fp32) of
+    proj(norm(x) * scale / sqrt(hidden)), the top k renormalised to sum 1, each times its per_expert_scale."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        experts, self.k = cfg.moe.num_experts, cfg.moe.experts_per_token
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight=False)
+        self.proj = nn.Linear(cfg.hidden_size, experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(experts))
+
+    def forward(self, x: torch.Tensor):
+        """(chosen experts [n, k], their weights [n, k] in fp32 or wider)."""
+        scores = self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5)
+        weights, chosen = fp32_or_wider(scores).softmax(dim=-1).topk(self.k, dim=-1)
+        return chosen, weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[chosen]
+
+
+class GemmaExperts(nn.Module):
+    """Every expert's GELU MLP, stacked as stored: gate_up_proj [experts, 2 * size, hidden] (gate's rows,
+    then up's), down_proj [experts, hidden, size]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe, hidden = cfg.moe, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.expert_size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.expert_size))
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden]: each token's chosen experts' outputs times their weights, added expert by expert
+        in x's dtype (transformers' order)."""
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            rows, slots = (chosen == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
+            out.index_add_(0, rows, (y * weights[rows, slots, None]).to(x.dtype))
+        return out
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        g, d = cfg.gemma, cfg.hidden_size
+        self.sliding = g.is_sliding(index)
+        shape = (cfg.head_dim, cfg.num_kv_heads) if self.sliding else (g.global_head_dim, g.global_kv_heads)
+        norm = partial(GemmaRMSNorm, d, cfg.rms_norm_eps)
+        self.input_layernorm = norm()
+        self.self_attn = GemmaAttention(cfg, *shape, values=self.sliding)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm, self.mlp, self.post_feedforward_layernorm_1 = (
+            norm(), GeluMLP(d, cfg.intermediate_size), norm())
+        self.router = GemmaRouter(cfg)
+        self.pre_feedforward_layernorm_2, self.experts, self.post_feedforward_layernorm_2 = (
+            norm(), GemmaExperts(cfg), norm())
+        self.post_feedforward_layernorm = norm()
+        self.encoder_scalar = nn.Parameter(torch.ones(1), requires_grad=False)  # the stream's scale per pass
+        self.denoiser_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, rope: GemmaRope, attend, scalar: torch.Tensor) -> torch.Tensor:
+        o = attend(*self.self_attn.qkv(self.input_layernorm(x), rope))
+        h = x + self.post_attention_layernorm(self.self_attn.out(o))
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        routed = self.post_feedforward_layernorm_2(self.moe(h))
+        return (h + self.post_feedforward_layernorm(dense + routed)) * scalar
+
+    def moe(self, h: torch.Tensor) -> torch.Tensor:
+        """The experts of h [b, t, hidden]: routed on h itself, fed its pre_feedforward_layernorm_2."""
+        flat = h.reshape(-1, h.shape[-1])
+        chosen, weights = self.router(flat)
+        return self.experts(self.pre_feedforward_layernorm_2(flat), chosen, weights).view_as(h)
+
+
+class SelfConditioning(GeluMLP):
+    """The denoiser's input: post_norm(embedding + mlp(pre_norm(soft))), soft the embedding of the last
+    step's token distribution (zeros at a canvas' first step)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, cfg.intermediate_size)
+        self.pre_norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight=False)
+
+    def forward(self, embedded: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+        return self.post_norm(embedded + super().forward(self.pre_norm(soft)))
+
+
+class GemmaCache:
+    """The encoder's K/V per layer, [batch, kv_heads, n, head_dim] (keys after k_norm and RoPE, values
+    after v_norm): a full layer's grow by every token encoded; a sliding layer's are a ring of the last
+    sliding_window - 1, the token at position p in slot p % (sliding_window - 1). Rows share `length`,
+    the number of tokens encoded (positions count from 0)."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, device, dtype):
+        g = cfg.gemma
+        self.ring, self.length, self.keys, self.values = g.sliding_window - 1, 0, [], []
+        self.slot_positions = torch.full((self.ring,), -1, dtype=torch.long, device=device)  # -1: empty
+        self.sliding = [g.is_sliding(layer) for layer in range(cfg.num_layers)]
+        for sliding in self.sliding:
+            kv_heads, head_dim = (cfg.num_kv_heads, cfg.head_dim) if sliding else (g.global_kv_heads, g.global_head_dim)
+            shape = (batch, kv_heads, self.ring if sliding else 0, head_dim)
+            self.keys.append(torch.zeros(shape, device=device, dtype=dtype))
+            self.values.append(torch.zeros(shape, device=device, dtype=dtype))
+
+    def stored(self, layer: int):
+        """(keys, values, positions [n]) held for `layer`, a ring in slot order."""
+        if not self.sliding[layer]:
+            return self.keys[layer], self.values[layer], torch.arange(self.length, device=self.slot_positions.device)
+        filled = min(self.length, self.ring)  # positions 0 .. filled - 1 sit in slots 0 .. filled - 1
+        return self.keys[layer][:, :, :filled], self.values[layer][:, :, :filled], self.slot_positions[:filled]
+
+    def in_order(self, layer: int):
+        """(keys, values) held for `layer`, by position."""
+        keys, values, positions = self.stored(layer)
+        order = positions.argsort()
+        return keys[:, :, order], values[:, :, order]
+
+    def tail(self, t: int):
+        """(positions, slots) of what a ring keeps of t new tokens: the last min(t, ring)."""
+        kept = min(t, self.ring)
+        positions = self.length + t - kept + torch.arange(kept, device=self.slot_positions.device)
+        return positions, positions % self.ring
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v [batch, kv_heads, t, head_dim] of the t tokens after `length` (which advance() then moves)."""
+        if not self.sliding[layer]:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+            return
+        t = k.shape[2]
+        positions, slots = self.tail(t)
+        self.keys[layer][:, :, slots] = k[:, :, t - len(positions):]
+        self.values[layer][:, :, slots] = v[:, :, t - len(positions):]
+
+    def advance(self, t: int):
+        positions, slots = self.tail(t)
+        self.slot_positions[slots] = positions
+        self.length += t
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # also the (tied) LM head
+        self.self_conditioning = SelfConditioning(cfg)
+        self.layers = nn.ModuleList(GemmaLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def empty_cache(self, batch: int) -> GemmaCache:
+        weight = self.embed_tokens.weight
+        return GemmaCache(self.cfg, batch, weight.device, weight.dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """E[ids] * sqrt(hidden), the factor rounded to the weights' dtype."""
+        weight = self.embed_tokens.weight
+        return self.embed_tokens(ids) * torch.tensor(self.cfg.hidden_size**0.5).to(weight.dtype)
+
+    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
+        """softmax(logits) E * sqrt(hidden): the embedding of a token distribution [b, t, vocab]."""
+        weight = self.embed_tokens.weight
+        probs = fp32_or_wider(logits).softmax(dim=-1).to(weight.dtype)
+        return probs @ weight * torch.tensor(self.cfg.hidden_size**0.5).to(weight.dtype)
+
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, GemmaRope]:
+        """RoPE of sliding (True) and full (False) layers at positions [t]."""
+        cfg, g = self.cfg, self.cfg.gemma
+        return {True: GemmaRope(positions, cfg.head_dim, cfg.rope_theta, cfg.head_dim // 2, dtype),
+                False: GemmaRope(positions, g.global_head_dim, g.global_rope_theta, g.global_rotated_pairs, dtype)}
+
+    def positions(self, cache: GemmaCache, t: int) -> torch.Tensor:
+        return cache.length + torch.arange(t, device=self.embed_tokens.weight.device)
+
+    def encode(self, ids: torch.Tensor, cache: GemmaCache) -> torch.Tensor:
+        """ids [b, t] at the positions after the cache's: every layer's K/V appended. Returns the last
+        hidden state (no use in decoding)."""
+        positions = self.positions(cache, ids.shape[1])
+        x = self.embed(ids)
+        ropes = self.ropes(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ropes[layer.sliding], partial(self.attend_encoding, cache, i, positions), layer.encoder_scalar)
+        cache.advance(ids.shape[1])
+        return x
+
+    def attend_encoding(self, cache: GemmaCache, layer: int, positions: torch.Tensor, q, k, v) -> torch.Tensor:
+        """The new tokens against the cached ones and themselves, causally (a sliding layer: within the
+        window); then their K/V join the cache."""
+        cached_k, cached_v, cached_positions = cache.stored(layer)
+        key_positions = torch.cat([cached_positions, positions])
+        visible = key_positions[None, :] <= positions[:, None]
+        if self.cfg.gemma.is_sliding(layer):
+            visible &= key_positions[None, :] > positions[:, None] - self.cfg.gemma.sliding_window
+        out = attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2), visible)
+        cache.append(layer, k, v)
+        return out
+
+    def denoise(self, canvas: torch.Tensor, cache: GemmaCache, last_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, t, vocab] (fp32, softcapped) for canvas [b, t] at the positions after the cache's,
+        self-conditioned on the last step's logits (None at a canvas' first step). The cache is only read."""
+        positions = self.positions(cache, canvas.shape[1])
+        embedded = self.embed(canvas)
+        soft = torch.zeros_like(embedded) if last_logits is None else self.soft_embedding(last_logits)
+        x = self.self_conditioning(embedded, soft)
+        ropes = self.ropes(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ropes[layer.sliding], partial(self.attend_denoising, cache, i), layer.denoiser_scalar)
+        return self.head(x)
+
+    @staticmethod
+    def attend_denoising(cache: GemmaCache, layer: int, q, k, v) -> torch.Tensor:
+        """The canvas against everything the cache holds for the layer and itself, unmasked."""
+        cached_k, cached_v, _ = cache.stored(layer)
+        return attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """cap * tanh(logits / cap), in fp32, the logits from the final norm and the tied embedding."""
+        cap = self.cfg.gemma.logit_softcap
+        logits = F.linear(self.norm(hidden), self.embed_tokens.weight)
+        return torch.tanh(fp32_or_wider(logits) / cap) * cap

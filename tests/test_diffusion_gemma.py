@@ -1,0 +1,235 @@
+"""DiffusionGemma (nanodllm/gemma.py): parity with transformers on tests/fixtures/diffusion_gemma_tiny,
+its config and loader. The fixture and its goldens come from transformers' own classes
+(`PYTHONPATH=<transformers 5.24> python scripts/make_fixtures.py diffusion_gemma`): random weights with
+norms, router scales and both sets of layer scalars away from 1, a prompt longer than the sliding window,
+full layers of another head_dim and KV head count; float32 logits of a prefill + first denoising step,
+a self-conditioned step and a step after a commit, and every layer's cache after the prefill and the
+commit. These tests need only torch + safetensors. Run with `pytest -s` to see the max differences.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from nanodllm.config import ModelConfig
+from nanodllm.fused import FusedModel
+from nanodllm.gemma import DiffusionGemma, GemmaCache
+from nanodllm.generation import generate
+from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, load_reference
+from nanodllm.parallel import Group
+
+FIXTURE = Path(__file__).parent / "fixtures" / "diffusion_gemma_tiny"
+RAW = json.loads((FIXTURE / "config.json").read_text())
+GOLDEN = load_file(str(FIXTURE / "golden.safetensors"))
+MODEL = load_reference(FIXTURE, dtype=torch.float32)
+LOGITS_TOLERANCE = 2e-4  # float32 noise on logits of scale ~20 (transformers' own eager and sdpa differ ~1e-4)
+CACHE_TOLERANCE = 1e-5
+
+
+def close(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
+    assert got.dtype == torch.float32 and got.shape == expected.shape, (name, got.shape, expected.shape)
+    diff = (got - expected).abs().max().item()
+    print(f"\n{name}: max |nanodllm - transformers| = {diff:.2e} (scale {expected.abs().max():.1f})")
+    assert diff < tolerance, f"{name}: {diff:.2e} >= {tolerance}"
+
+
+@torch.no_grad()
+def first_step(model: DiffusionGemma = MODEL) -> tuple[torch.Tensor, GemmaCache]:
+    cache = model.empty_cache(GOLDEN["prompt"].shape[0])
+    model.encode(GOLDEN["prompt"], cache)
+    return model.denoise(GOLDEN["canvas"], cache), cache
+
+
+def check_cache(cache: GemmaCache, when: str) -> None:
+    cfg = MODEL.cfg
+    for layer in range(cfg.num_layers):
+        keys, values = cache.in_order(layer)
+        close(f"{when} keys {layer}", keys, GOLDEN[f"{when}.keys.{layer}"], CACHE_TOLERANCE)
+        close(f"{when} values {layer}", values, GOLDEN[f"{when}.values.{layer}"], CACHE_TOLERANCE)
+        if cfg.gemma.is_sliding(layer):
+            assert keys.shape[2] == cfg.gemma.sliding_window - 1 < cache.length
+
+
+# ------------------------------------------------------------------------------------------------
+# parity with transformers
+
+
+def test_the_fixture_has_the_shapes_the_parity_needs():
+    g = MODEL.cfg.gemma
+    assert GOLDEN["prompt"].shape[1] > g.sliding_window and g.global_head_dim != MODEL.cfg.head_dim
+    assert g.global_kv_heads != MODEL.cfg.num_kv_heads and 0 < g.global_rotated_pairs < g.global_head_dim // 2
+    for layer in MODEL.layers:
+        assert (layer.encoder_scalar != layer.denoiser_scalar).all() and (layer.input_layernorm.weight != 1).any()
+
+
+def test_prefill_and_first_step_match_transformers():
+    logits, cache = first_step()
+    close("first step logits", logits, GOLDEN["first_step"], LOGITS_TOLERANCE)
+    assert torch.equal(logits.argmax(-1), GOLDEN["first_step"].argmax(-1))
+    check_cache(cache, "prefill")
+
+
+@torch.no_grad()
+def test_self_conditioned_step_matches_transformers():
+    _, cache = first_step()
+    logits = MODEL.denoise(GOLDEN["renoised"], cache, GOLDEN["first_step"])
+    close("self-conditioned step logits", logits, GOLDEN["self_conditioned_step"], LOGITS_TOLERANCE)
+    assert torch.equal(logits.argmax(-1), GOLDEN["committed"])
+    unconditioned = MODEL.denoise(GOLDEN["renoised"], cache)
+    assert (unconditioned - GOLDEN["self_conditioned_step"]).abs().max() > 1e-2, "self-conditioning takes effect"
+
+
+@torch.no_grad()
+def test_commit_and_next_step_match_transformers():
+    _, cache = first_step()
+    MODEL.encode(GOLDEN["committed"], cache)
+    assert cache.length == GOLDEN["prompt"].shape[1] + GOLDEN["committed"].shape[1]
+    check_cache(cache, "commit")
+    close("step after commit logits", MODEL.denoise(GOLDEN["next_canvas"], cache), GOLDEN["step_after_commit"],
+          LOGITS_TOLERANCE)
+
+
+@torch.no_grad()
+def test_a_row_decodes_as_it_would_alone():
+    """In float64, where the other row's presence could show above the rounding."""
+    model = load_reference(FIXTURE, dtype=torch.float64)
+    logits, _ = first_step(model)
+    cache = model.empty_cache(1)
+    model.encode(GOLDEN["prompt"][1:], cache)
+    assert (model.denoise(GOLDEN["canvas"][1:], cache) - logits[1:]).abs().max() < 1e-9
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("pieces", [(1,) * 21, (3, 5, 2, 11), (13, 8)])
+def test_encoding_in_pieces_equals_encoding_at_once(pieces):
+    """The ring of a sliding layer, written a few tokens at a time (wrapping around), holds what one pass
+    leaves, and the denoiser reads the same from it (float64)."""
+    model = load_reference(FIXTURE, dtype=torch.float64)
+    tokens = torch.cat([GOLDEN["prompt"], GOLDEN["committed"]], dim=1)
+    whole, pieced = model.empty_cache(2), model.empty_cache(2)
+    model.encode(tokens, whole)
+    for start, length in zip(torch.tensor((0,) + pieces).cumsum(0).tolist(), pieces):
+        model.encode(tokens[:, start:start + length], pieced)
+    for layer in range(model.cfg.num_layers):
+        for got, expected in zip(pieced.in_order(layer), whole.in_order(layer)):
+            assert (got - expected).abs().max() < 1e-10
+    canvas = GOLDEN["next_canvas"]
+    assert (model.denoise(canvas, pieced) - model.denoise(canvas, whole)).abs().max() < 1e-9
+
+
+@torch.no_grad()
+def test_the_fixture_catches_each_mistake():
+    """Swapped encoder and denoiser scalars, a sliding layer reading the last W (not W - 1) cached tokens,
+    a norm of x * (1 + w), a router on the normed residual: each misses the goldens by far."""
+    expected = GOLDEN["first_step"]
+    wrong_window = dataclasses.replace(MODEL.cfg.gemma, sliding_window=MODEL.cfg.gemma.sliding_window + 1)
+    cache = GemmaCache(dataclasses.replace(MODEL.cfg, gemma=wrong_window), 2, "cpu", torch.float32)
+    MODEL.encode(GOLDEN["prompt"], cache)
+    assert (MODEL.denoise(GOLDEN["canvas"], cache) - expected).abs().max() > 1e-2
+    mistakes = {
+        "scalars": lambda layer: setattr(layer, "encoder_scalar", layer.denoiser_scalar),
+        "norm": lambda layer: layer.post_attention_layernorm.weight.add_(1.0),
+        "router": lambda layer: setattr(layer.router, "norm", layer.pre_feedforward_layernorm_2),
+    }
+    for name, mistake in mistakes.items():
+        model = copy.deepcopy(MODEL)
+        for layer in model.layers:
+            mistake(layer)
+        assert (first_step(model)[0] - expected).abs().max() > 1e-2, name
+
+
+# ------------------------------------------------------------------------------------------------
+# config and loader
+
+
+def test_the_config_reads_the_released_fields_and_transformers_saved_ones():
+    cfg = ModelConfig.from_dict(RAW)
+    assert (cfg.model_type, cfg.attention, cfg.mask_token_id, cfg.eos_token_ids) == (
+        "diffusion_gemma", "encoder_decoder", None, (1, 106))
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.rope_theta) == (8, 2, 1e4)
+    assert cfg.gemma.layer_types == ("sliding_attention", "full_attention") * 2
+    assert (cfg.gemma.global_head_dim, cfg.gemma.global_kv_heads, cfg.gemma.global_rotated_pairs) == (16, 1, 2)
+    assert (cfg.gemma.logit_softcap, cfg.gemma.canvas_length, cfg.moe.experts_per_token) == (30.0, 8, 2)
+    saved = copy.deepcopy(RAW)  # what transformers' save_pretrained writes instead of the two global fields
+    text = saved["text_config"]
+    del text["global_head_dim"], text["num_global_key_value_heads"], text["final_logit_softcapping"]
+    text["per_layer_config"] = {"1": {"head_dim": 16, "num_key_value_heads": 1}, "3": {"head_dim": 16,
+                                                                                       "num_key_value_heads": 1}}
+    assert ModelConfig.from_dict(saved) == cfg
+
+
+@pytest.mark.parametrize("field, value", [
+    ("sliding_window", 1), ("top_k_experts", 9), ("num_global_key_value_heads", 3), ("global_head_dim", 15),
+    ("final_logit_softcapping", 0), ("use_bidirectional_attention", "all"), ("hidden_activation", "silu"),
+    ("layer_types", ["sliding_attention"] * 3), ("per_layer_config", {"0": {"head_dim": 16}}),
+    ("rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6}}),
+])
+def test_a_field_out_of_range_is_refused_by_name(field, value):
+    raw = copy.deepcopy(RAW)
+    raw["text_config"][field] = value
+    with pytest.raises(ValueError, match=field) as excinfo:
+        ModelConfig.from_dict(raw, source="config.json")
+    assert len(str(excinfo.value).splitlines()) == 1
+
+
+def test_without_text_config_or_tied_embeddings_it_is_refused():
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_dict({"model_type": "diffusion_gemma"})
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        ModelConfig.from_dict({**RAW, "tie_word_embeddings": False})
+
+
+def test_every_text_tensor_loads_once_and_the_vision_tower_is_skipped(capsys):
+    model = load_reference(FIXTURE, dtype=torch.float32)
+    assert "16 vision tensors skipped" in capsys.readouterr().err
+    with safe_open(str(FIXTURE / "model.safetensors"), "pt") as f:
+        stored = {name: f.get_tensor(name).float() for name in f.keys()}
+    params = dict(model.named_parameters())
+    text = {name: t for name, t in stored.items() if not name.startswith("model.encoder.") or "layer_scalar" in name}
+    assert len(text) == len(params) and not any("lm_head" in name for name in stored)
+    layer = model.layers[1]
+    assert torch.equal(layer.encoder_scalar, stored["model.encoder.language_model.layers.1.layer_scalar"])
+    assert torch.equal(layer.denoiser_scalar, stored["model.decoder.layers.1.layer_scalar"])
+    assert torch.equal(layer.experts.gate_up_proj, stored["model.decoder.layers.1.experts.gate_up_proj"])
+    assert layer.self_attn.v_proj is None and model.layers[0].self_attn.v_proj is not None  # K = V: full layers
+    assert torch.equal(model.embed_tokens.weight, stored["model.decoder.embed_tokens.weight"])
+
+
+def test_a_missing_encoder_scalar_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.encoder.language_model.layers.2.layer_scalar"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.encoder\.language_model\.layers\.2\.layer_scalar"):
+        load_reference(path)
+
+
+def test_the_fused_path_and_the_loops_are_not_used_for_it(capsys):
+    model = load_model(FIXTURE, dtype=torch.float32)
+    assert isinstance(model, DiffusionGemma) and not isinstance(model, FusedModel)
+    assert "reference model" in capsys.readouterr().err
+    with pytest.raises(NotImplementedError, match="diffusion_gemma"):
+        generate(model, [[5, 6, 7]], None)
+
+
+def test_random_weights_keep_scales_at_one_and_a_split_is_refused(capsys):
+    model = build_random(MODEL.cfg, dtype=torch.float32)
+    assert isinstance(model, DiffusionGemma) and "reference model" in capsys.readouterr().err
+    for name, param in model.named_parameters():
+        if name.endswith(("scale", "scalar", "norm.weight")):
+            assert (param == 1).all(), name
+    with pytest.raises(NotImplementedError, match="not split over ranks"):
+        build_empty(MODEL.cfg, "meta", group=Group(0, 2))
