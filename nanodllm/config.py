@@ -467,7 +467,7 @@ def _from_diffusion_gemma_fields(raw: dict, source: str) -> ModelConfig:
         attention="encoder_decoder",
         block_size=gemma.canvas_length,
         mask_token_id=None,
-        eos_token_ids=_stop_ids(stops, default=(1, 106)),
+        eos_token_ids=_stop_ids(stops, source, default=(1, 106)),
         qk_norm="head",
         tie_word_embeddings=True,
         moe=MoEConfig(num_experts=experts, experts_per_token=top_k, score="softmax", normalize=True,

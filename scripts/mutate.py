@@ -462,7 +462,7 @@ CONFIGS = [
              "if self.groups > 1 and per_group < 2:", "if self.groups > 1 and per_group < 1:",
              "test_config.py::test_llada2_routing_fields_are_refused_exactly_past_their_bounds"),
     mutation("loader-mask-id-equal-to-the-vocabulary", "nanodllm/loader.py",
-             "if not 0 <= cfg.mask_token_id < cfg.vocab_size:", "if not 0 <= cfg.mask_token_id <= cfg.vocab_size:",
+             "not 0 <= cfg.mask_token_id < cfg.vocab_size:", "not 0 <= cfg.mask_token_id <= cfg.vocab_size:",
              "test_loader.py::test_the_mask_id_is_refused_exactly_outside_the_vocabulary"),
     mutation("eval-agreement-over-the-shorter-run", "nanodllm/eval.py",
              "total += max(len(x), len(y))", "total += min(len(x), len(y))",
