@@ -400,6 +400,9 @@ PARALLEL = [
     mutation("parallel-drift-of-this-ranks-heads-only", "nanodllm/methods/dllm_cache.py",
              "group.all_gather(values, dim=1), group.all_gather(cached_values, dim=1)", "values, cached_values.clone()",
              "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
+    mutation("parallel-dyllm-salient-from-this-ranks-heads-only", "nanodllm/methods/dyllm.py",
+             "dots = self.group.all_gather(dots, dim=1).sum(dim=1)", "dots = dots.sum(dim=1)",
+             "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
 ]
 
 MUTATIONS = [SANITY, *ENGINES, *METHODS, *KERNELS, *PARALLEL]

@@ -7,9 +7,9 @@ on exactly one rank, and each rank reads from the checkpoint no more than what i
 Across CPU processes on gloo (spawned here once per size, 2 and 4 ranks, every rank running every
 case): the logits of a ragged batch equal one process's (float64 within 1e-10, float32 within its
 noise) on every fixture and on random models, dense and mixture of experts; each family's loop decodes
-one process's tokens on every rank, dense and with the head-local methods (block engine: MAGE, Quest,
-SparseD, MOMO at their defaults and at a tiny budget; masked engine: Fast-dLLM, dLLM-Cache, SnapKV, Sparse-dLLM per
-head), with each rank's KV cache holding its share of the KV heads; the methods that compare heads
+one process's tokens on every rank, dense and with the methods that run split (block engine: MAGE, Quest,
+SparseD, MOMO at their defaults and at a tiny budget; masked engine: Fast-dLLM, dLLM-Cache, SnapKV, DyLLM,
+Sparse-dLLM per head), with each rank's KV cache holding its share of the KV heads; the methods that compare heads
 are refused by name. Where 4 ranks do not divide a fixture's KV heads its cases check the refusal.
 Under torchrun (2 CPU processes): the demo split over both reports one process's answers once, and
 eval writes one process's table whether the ranks hold two replicas or one split model.
@@ -53,8 +53,9 @@ SPAWN_TIMEOUT = 300  # seconds for one spawned group to run every case
 BLOCK_METHODS = {"mage": dict(k=1, exact_layers=0), "quest": dict(k=2, page_size=2, exact_layers=0),
                  "sparsed": dict(k=1, exact_layers=0, exact_fraction=0.5), "momo": dict(MOMO_GRID, k=1)}
 MASKED_METHODS = {"fast_dllm": {}, "sparse_dllm": dict(per_head=True, ratio=0.1, delay=1), "dllm_cache": {},
-                  "dllm_cache-tiny": dict(rho=0.5, response_interval=8), "snapkv": {}, "snapkv-tiny": dict(budget=2)}
-CROSS_HEAD = {"maskkv": dict(budget=2), "dyllm": {}, "sparse_dllm": {}}
+                  "dllm_cache-tiny": dict(rho=0.5, response_interval=8), "snapkv": {}, "snapkv-tiny": dict(budget=2),
+                  "dyllm": {}, "dyllm-tiny": dict(tau=0.5, full_steps=1, list_all_rows=0)}
+CROSS_HEAD = {"maskkv": dict(budget=2), "sparse_dllm": {}}
 
 
 def random_config(name: str) -> ModelConfig:
