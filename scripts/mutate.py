@@ -403,6 +403,9 @@ PARALLEL = [
     mutation("parallel-dyllm-salient-from-this-ranks-heads-only", "nanodllm/methods/dyllm.py",
              "dots = self.group.all_gather(dots, dim=1).sum(dim=1)", "dots = dots.sum(dim=1)",
              "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
+    mutation("parallel-sparse-dllm-scores-of-this-ranks-heads-only", "nanodllm/methods/sparse_dllm.py",
+             "group.all_gather(scores, dim=1).mean(dim=1, keepdim=True)", "scores.mean(dim=1, keepdim=True)",
+             "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
 ]
 
 MUTATIONS = [SANITY, *ENGINES, *METHODS, *KERNELS, *PARALLEL]

@@ -9,7 +9,7 @@ case): the logits of a ragged batch equal one process's (float64 within 1e-10, f
 noise) on every fixture and on random models, dense and mixture of experts; each family's loop decodes
 one process's tokens on every rank, dense and with the methods that run split (block engine: MAGE, Quest,
 SparseD, MOMO at their defaults and at a tiny budget; masked engine: Fast-dLLM, dLLM-Cache, SnapKV, DyLLM,
-Sparse-dLLM per head), with each rank's KV cache holding its share of the KV heads; the methods that compare heads
+Sparse-dLLM), with each rank's KV cache holding its share of the KV heads; the methods that compare heads
 are refused by name. Where 4 ranks do not divide a fixture's KV heads its cases check the refusal.
 Under torchrun (2 CPU processes): the demo split over both reports one process's answers once, and
 eval writes one process's table whether the ranks hold two replicas or one split model.
@@ -52,10 +52,12 @@ SPAWN_TIMEOUT = 300  # seconds for one spawned group to run every case
 # tiny budgets on every layer, as tests/test_contract.py's (the masked engine's: one head-local method each)
 BLOCK_METHODS = {"mage": dict(k=1, exact_layers=0), "quest": dict(k=2, page_size=2, exact_layers=0),
                  "sparsed": dict(k=1, exact_layers=0, exact_fraction=0.5), "momo": dict(MOMO_GRID, k=1)}
-MASKED_METHODS = {"fast_dllm": {}, "sparse_dllm": dict(per_head=True, ratio=0.1, delay=1), "dllm_cache": {},
-                  "dllm_cache-tiny": dict(rho=0.5, response_interval=8), "snapkv": {}, "snapkv-tiny": dict(budget=2),
-                  "dyllm": {}, "dyllm-tiny": dict(tau=0.5, full_steps=1, list_all_rows=0)}
-CROSS_HEAD = {"maskkv": dict(budget=2), "sparse_dllm": {}}
+MASKED_METHODS = {"fast_dllm": {}, "dllm_cache": {}, "dllm_cache-tiny": dict(rho=0.5, response_interval=8),
+                  "snapkv": {}, "snapkv-tiny": dict(budget=2),
+                  "dyllm": {}, "dyllm-tiny": dict(tau=0.5, full_steps=1, list_all_rows=0), "sparse_dllm": {},
+                  "sparse_dllm-tiny": dict(ratio=0.1, delay=1),
+                  "sparse_dllm-per_head": dict(per_head=True, ratio=0.1, delay=1)}
+CROSS_HEAD = {"maskkv": dict(budget=2)}
 
 
 def random_config(name: str) -> ModelConfig:
@@ -252,17 +254,16 @@ def test_a_q_k_norm_over_the_whole_projection_is_refused_under_a_split_only():
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_a_method_is_refused_under_a_split_exactly_where_it_compares_heads(name):
-    """CROSS_HEAD's methods choose across heads (Sparse-dLLM unless per_head): refused by name with the
-    heads split; every other method runs."""
+    """CROSS_HEAD's methods choose across heads: refused by name with the heads split; every other
+    method runs."""
     cfg, engine = tiny_config("llada"), METHODS[name].engines[0]
-    for knobs in ({}, {"per_head": True}) if name == "sparse_dllm" else ({},):
-        method = get_method(name, **knobs)
-        check_method(method, cfg, engine, world=1)
-        if name in CROSS_HEAD and not knobs:
-            with pytest.raises(ValueError, match=f"method '{name}' .*; this model's heads are split over 2 ranks"):
-                check_method(method, cfg, engine, world=2)
-        else:
+    method = get_method(name)
+    check_method(method, cfg, engine, world=1)
+    if name in CROSS_HEAD:
+        with pytest.raises(ValueError, match=f"method '{name}' .*; this model's heads are split over 2 ranks"):
             check_method(method, cfg, engine, world=2)
+    else:
+        check_method(method, cfg, engine, world=2)
 
 
 # ------------------------------------------------------------------------------------------------
