@@ -24,7 +24,6 @@ from .decoding import (GenerationResult, MasksLeft, check_method, check_prompts,
                        prompts_then_masks, refuse_shifted_logits, split_evenly, top_confident, without_token)
 from .methods.base import Dense, Method, StepContext
 from .model import fp32_or_wider
-from .parallel import group_of
 
 REMASKING = ("low_confidence", "low_confidence_static", "low_confidence_dynamic", "sequential")
 
@@ -62,7 +61,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              mask_id: int | None = None, stop_ids=None) -> GenerationResult:
     cfg = model.cfg
     method = method or Dense()
-    check_method(method, cfg, "block", group_of(model).world)
+    check_method(method, cfg, "block")
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     stop_ids = cfg.eos_token_ids if stop_ids is None else tuple(stop_ids)
     refuse_shifted_logits(cfg)

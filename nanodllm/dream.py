@@ -25,7 +25,6 @@ from .attention import CanvasMask
 from .config import GenerationConfig
 from .decoding import GenerationResult, check_method, check_prompts, filtered, left_padded_canvas
 from .methods.base import Dense, Method, StepContext
-from .parallel import group_of
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -109,7 +108,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              pad_id: int | None = None, sampling: DreamSampling | None = None) -> GenerationResult:
     """Decode gen.gen_length tokens per prompt in gen.steps steps, as Dream's diffusion_generate."""
     cfg, method, sampling = model.cfg, method or Dense(), sampling or DreamSampling()
-    check_method(method, cfg, "masked", group_of(model).world)
+    check_method(method, cfg, "masked")
     if gen.block_length != gen.gen_length:
         raise ValueError(f"Dream decodes the whole response as one block: block_length ({gen.block_length}) "
                          f"must equal gen_length ({gen.gen_length})")

@@ -25,7 +25,6 @@ from .config import GenerationConfig
 from .decoding import (GenerationResult, check_method, check_prompts, filtered, prefill_complete_blocks,
                        prompts_then_masks, without_token)
 from .methods.base import Dense, Method, StepContext
-from .parallel import group_of
 
 
 def sample_with_top_p(logits: torch.Tensor, temperature: float, top_p: float, mask_id: int):
@@ -62,7 +61,7 @@ def stopped(block: torch.Tensor, begin: torch.Tensor, mask_id: int, stops: torch
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None, mask_id: int | None = None,
              stop_ids=None, sub_block: int = 8, top_p: float = 0.95) -> GenerationResult:
     cfg, method = model.cfg, method or Dense()
-    check_method(method, cfg, "block", group_of(model).world)
+    check_method(method, cfg, "block")
     size = cfg.block_size
     sub_block = min(sub_block, size)  # a block smaller than the default sub-block is one sub-block
     if gen.block_length != size:

@@ -24,7 +24,6 @@ from .config import GenerationConfig
 from .decoding import (GenerationResult, check_method, check_prompts, left_padded_canvas, refuse_shifted_logits,
                        split_evenly, threshold_transfer, top_confident, without_token)
 from .methods.base import Dense, Method, StepContext
-from .parallel import group_of
 
 
 def gumbel_max_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -41,7 +40,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              mask_id: int | None = None, pad_id: int | None = None) -> GenerationResult:
     cfg = model.cfg
     method = method or Dense()
-    check_method(method, cfg, "masked", group_of(model).world)
+    check_method(method, cfg, "masked")
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     pad_id = cfg.eos_token_ids[0] if pad_id is None else pad_id
     refuse_shifted_logits(cfg)
