@@ -69,7 +69,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     cfg = model.cfg
     method = method or Dense()
     group = group_of(model)
-    check_method(method, cfg, "block", group.world)
+    check_method(method, cfg, "block")
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     stop_ids = cfg.eos_token_ids if stop_ids is None else tuple(stop_ids)
     refuse_shifted_logits(cfg)

@@ -36,16 +36,12 @@ def engine_of(cfg) -> str:
     return "block" if cfg.attention == "block_causal" else "masked"
 
 
-def check_method(method: Method, cfg, engine: str | None = None, world: int = 1):
-    """A clear error where the method does not run on the engine (by default, the model's), or compares
-    heads (Method.cross_head) on a model split over `world` ranks."""
+def check_method(method: Method, cfg, engine: str | None = None):
+    """A clear error where the method does not run on the engine (by default, the model's)."""
     engine = engine or engine_of(cfg)
     if engine not in method.engines:
         raise ValueError(f"method {method.name!r} runs on the {' and '.join(method.engines)} engine; this "
                          f"{cfg.model_type} model decodes with the {engine} engine")
-    if world > 1 and method.cross_head:
-        raise ValueError(f"method {method.name!r} {method.cross_head}; this model's heads are split over {world} "
-                         "ranks, and tensor parallelism for it comes later")
 
 
 def refuse_shifted_logits(cfg):

@@ -128,7 +128,7 @@ def main(argv=None, prog=None) -> int:
         )
         check_steps(gen, is_block)
         group = tensor_parallel(args.tp)[0]
-        check_method(get_method(args.method, **knobs), cfg, world=group.world)
+        check_method(get_method(args.method, **knobs), cfg)
         tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
         prompt, answer = args.prompt, None
         if args.prompt_file is not None:

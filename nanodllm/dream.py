@@ -110,7 +110,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     """Decode gen.gen_length tokens per prompt in gen.steps steps, as Dream's diffusion_generate."""
     cfg, method, sampling = model.cfg, method or Dense(), sampling or DreamSampling()
     group = group_of(model)
-    check_method(method, cfg, "masked", group.world)
+    check_method(method, cfg, "masked")
     if gen.block_length != gen.gen_length:
         raise ValueError(f"Dream decodes the whole response as one block: block_length ({gen.block_length}) "
                          f"must equal gen_length ({gen.gen_length})")

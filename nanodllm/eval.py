@@ -36,7 +36,7 @@ from .generation import generate
 from .loader import load_model
 from .methods import METHODS, get_method, parse_knobs
 from .methods.maskkv import PROFILE_NAME, layer_importance
-from .parallel import SINGLE, Group, group_of
+from .parallel import SINGLE, Group
 from .tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -123,7 +123,7 @@ class Runner:
 
     def check_engine(self, method_name: str):
         """A clear error when the method does not run on this model's engine."""
-        check_method(METHODS[method_name], self.model.cfg, world=group_of(self.model).world)
+        check_method(METHODS[method_name], self.model.cfg)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))

@@ -69,7 +69,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              stop_ids=None, sub_block: int = 8, top_p: float = 0.95) -> GenerationResult:
     cfg, method = model.cfg, method or Dense()
     group = group_of(model)
-    check_method(method, cfg, "block", group.world)
+    check_method(method, cfg, "block")
     size = cfg.block_size
     sub_block = min(sub_block, size)  # a block smaller than the default sub-block is one sub-block
     if gen.block_length != size:

@@ -42,7 +42,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     cfg = model.cfg
     method = method or Dense()
     group = group_of(model)
-    check_method(method, cfg, "masked", group.world)
+    check_method(method, cfg, "masked")
     mask_id = cfg.mask_token_id if mask_id is None else mask_id
     pad_id = cfg.eos_token_ids[0] if pad_id is None else pad_id
     refuse_shifted_logits(cfg)

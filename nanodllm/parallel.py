@@ -49,12 +49,16 @@ class Group:
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """x of n along dim on each rank -> world * n along dim, the ranks' parts in rank order."""
+        """x of n along dim on each rank -> world * n along dim, the ranks' parts in rank order (one rank: x)."""
         if self.world == 1:
             return x
         parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=dim)
+
+    def share(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """This rank's part of x (whole and the same on every rank) along dim: all_gather undone, no collective."""
+        return x if self.world == 1 else x.chunk(self.world, dim=dim)[self.rank]
 
 
 SINGLE = Group()

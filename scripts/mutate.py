@@ -263,7 +263,7 @@ METHODS = [
              "real = columns[None, :] > (width - prompt_lengths)[:, None]",
              "test_maskkv.py::test_keep_top_respects_counts_padding_and_order"),
     mutation("maskkv-evicts-a-prompt-exactly-its-budget", "nanodllm/methods/maskkv.py",
-             "fits = ctx.prompt_lengths <= self.budget", "fits = ctx.prompt_lengths < self.budget",
+             "ctx.prompt_lengths[:, None] <= self.budget", "ctx.prompt_lengths[:, None] < self.budget",
              "test_maskkv.py::test_a_row_whose_prompt_fits_the_budget_equals_dllm_cache_in_any_batch"),
     mutation("maskkv-boundary-layers-off-by-one", "nanodllm/methods/maskkv.py",
              "set(range(num_layers - boundary_layers, num_layers))",
@@ -446,6 +446,16 @@ PARALLEL = [
              "winner = ranks[:, 0].argmax(dim=0, keepdim=True)",
              "winner = len(ranks) - 1 - ranks[:, 0].flip(0).argmax(dim=0, keepdim=True)",
              "test_parallel.py::test_greedy_decisions_from_the_ranks_columns_are_the_whole_rows"),
+    mutation("parallel-maskkv-budgets-from-this-ranks-heads-only", "nanodllm/methods/maskkv.py",
+             "head_budgets(votes, self.budgets[i], self.alpha, self.group)",
+             "head_budgets(votes, self.budgets[i], self.alpha)",
+             "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
+    mutation("parallel-dyllm-salient-from-this-ranks-heads-only", "nanodllm/methods/dyllm.py",
+             "dots = self.group.all_gather(dots, dim=1).sum(dim=1)", "dots = dots.sum(dim=1)",
+             "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
+    mutation("parallel-sparse-dllm-scores-of-this-ranks-heads-only", "nanodllm/methods/sparse_dllm.py",
+             "group.all_gather(scores, dim=1).mean(dim=1, keepdim=True)", "scores.mean(dim=1, keepdim=True)",
+             "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
 ]
 
 CONFIGS = [

@@ -29,7 +29,8 @@ def test_demo_runs_dense_on_a_checkpoint(name, extra):
                 "--gen-length", "8", "--block-length", "4", "--dtype", "float32", *extra)
     assert done.returncode == 0, done.stderr
     assert "[dense] 8 tokens" in done.stdout
-    assert "decoding: 8 tokens, blocks of 4" in done.stdout and " gave " not in done.stdout  # nothing to compare
+    whole_blocks = " or more (whole blocks)" if name == "sdar_tiny" else ""  # the block engine fills whole blocks
+    assert f"decoding: 8 tokens{whole_blocks}, blocks of 4" in done.stdout and " gave " not in done.stdout
 
 
 def test_demo_defaults_to_the_tiny_model_and_a_passkey_prompt():

@@ -87,7 +87,6 @@ class Method:
     name = "dense"
     engines = ("masked", "block")  # the loops it runs in: masked (LLaDA, Dream), block (SDAR, LLaDA2, Fast-dLLM v2)
     needs_bidirectional = False  # True: it caches a bidirectional canvas (no block-causal model)
-    cross_head = None  # what it compares across heads (None: each head alone); refused with heads split over ranks
 
     def prefill(self, model, ctx: StepContext) -> torch.Tensor:
         """Forward the prompt's complete blocks (ctx.counts real per row) and write their K/V into

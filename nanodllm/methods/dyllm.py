@@ -11,7 +11,7 @@ log-sum-exp, and each row's FFN output, steps are sparse: they feed the whole ca
     every other row: C = C_old + sum over j in S of min(exp(scale q k_j - lse_old), 1) dV_j, with its
         cached normaliser, no score matrix formed (kernels/approx_attention.py; the clamp at 1, a
         softmax weight's bound, keeps a stale normaliser from blowing a column up);
-    the next S: the fed rows whose C has cosine similarity to C_old below tau (all heads together);
+    the next S: the fed rows with cos(C, C_old) < tau over all heads (heads split: one all-gather a layer);
     every fed row adds o_proj(C); only the next S run the FFN, the others add their cached output.
 A layer's S is the one the layer before chose (Algorithm 3); S entering layer 1 is the last layer's S
 of the previous step plus the tokens unmasked since (assumed: Algorithm 1 does not say). With tau
@@ -38,6 +38,7 @@ from kernels.row_scatter import put_rows_where, put_rows_where_reference
 from kernels.salient_rows import WHOLE_ROW_MAX, salient_rows, salient_rows_reference, slot_map
 
 from ..attention import attention_on_kernels, attention_with_lse, use_kernels
+from ..parallel import group_of
 from .base import Method, StepContext
 from .common import check_int, flat_rows, overwrite, take_heads, take_rows
 
@@ -129,7 +130,6 @@ class DyLLM(Method):
     name = "dyllm"
     engines = ("masked",)
     needs_bidirectional = True
-    cross_head = "picks salient rows by how far their attention context moved over all heads together"
 
     def __init__(self, tau: float | None = None, full_steps: int = 4, full_period: int = 4,
                  salient_fraction: float | None = None, salient_cap: float | None = None, list_all_rows: int = 256):
@@ -180,6 +180,7 @@ class DyLLM(Method):
         return ctx.t < self.full_steps
 
     def step(self, model, ctx: StepContext) -> torch.Tensor:
+        self.group = group_of(model)  # the ranks, if split: next_salient sums the cosine terms of every head
         if ctx.t == 0 and self.tau is None:
             self.threshold = DREAM_TAU if model.cfg.model_type == "Dream" else LLADA_TAU
         if self.full(ctx):
@@ -257,7 +258,7 @@ class DyLLM(Method):
         context = state.context[:, :, fed.offset:]
         dots = approximate(q, state.keys, dv, columns, state.lse[:, :, fed.offset:], context,
                            (exact, lse, selected.slots))
-        selected = Salient.listed(*self.next_salient(dots.sum(dim=1), fed, use_kernels(q)))
+        selected = Salient.listed(*self.next_salient(dots, fed, use_kernels(q)))
 
         x = layer.add_out(x, context)
         cached = state.mlp_out[:, fed.offset:]
@@ -268,8 +269,10 @@ class DyLLM(Method):
     def next_salient(self, dots, fed: Fed, on_kernels: bool):
         """Rows whose context moved: cos(C, C_old) < tau; or the lowest-cosine salient_fraction; or,
         listed at a fixed fraction (salient_cap, or every fed row), those below tau among the
-        lowest-cosine fraction's worth (listed without a host sync). Returns (mask, rows, ok, slots)
-        as Salient holds them."""
+        lowest-cosine fraction's worth (listed without a host sync). dots: per head [new.old, new.new,
+        old.old], summed over every head (gathered in order where ranks split them). Returns (mask,
+        rows, ok, slots) as Salient holds them."""
+        dots = self.group.all_gather(dots, dim=1).sum(dim=1)
         if fed.list_fraction is None:
             cos = dots[..., 0] / (dots[..., 1] * dots[..., 2]).sqrt().clamp(min=1e-30)
             return list_rows((cos < self.threshold) & fed.valid)

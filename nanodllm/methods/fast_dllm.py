@@ -17,6 +17,7 @@ Hooks: begin_block (drop the cache), step (full or cached), logits, step_kind (a
 cache), kv_kept (at a build).
 Equals dense: refresh = 1 (a full forward every step). A cached step on the canvas its cache was
 built from gives the full forward's logits (test).
+Heads split over ranks: each rank keeps its heads' K/V; nothing is communicated.
 Knobs: mode = "dual" | "prefix" (default dual), delay = 0, refresh = 0 (0: the cache lives for the
 whole block; n: a full forward every n steps from `delay` on).
 """

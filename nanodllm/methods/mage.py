@@ -16,6 +16,7 @@ Hooks: begin_block (a new generation drops the selection), attend (exact, select
 stage), step_kind (the stage), selection (what a layer read or chose).
 Equals dense: k >= every row's prefix: each step attends to every key (up to rounding: the gathered
 keys are multiplied in another layout); the same tokens.
+Heads split over ranks: each KV head selects its own keys; nothing is communicated.
 Knobs (paper defaults): k = 1024 keys per KV head (256 / 512 in its accuracy tables; scale it to the
 context), exact_layers = 2 (the first layers always attend exactly), sparse_commit = False (the
 commit forward attends to the selection instead of the whole cache).

@@ -17,6 +17,7 @@ whole canvas (eq. 6-7), averaged over each KV head's query group. Budgets:
 Each head keeps its top-k_h prompt tokens; later steps attend to them plus the response.
 Hooks: dLLM-Cache's; step (the layer budgets, before step 0), prompt_kept (the voting and budgets).
 Equals dllm_cache (same intervals and rho) on every row whose prompt is at most the budget long.
+Heads split over ranks: step 0 all-gathers each layer's vote sums per KV head; drift tests as dllm_cache's.
 Knobs (paper defaults): budget = 256 KV pairs per head on average (paper sweeps 16..512), alpha =
 0.1, beta = 0.4, boundary_layers = layers at each end counted as boundary (default max(1, L // 8), an
 assumption: the paper does not say where the groups split), profile = None (a JSON {"layer_importance":
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..attention import CanvasMask, attention
+from ..parallel import SINGLE, Group
 from .common import attention_mass, check_int, keep_top
 from .dllm_cache import DllmCache
 
@@ -54,15 +56,15 @@ def layer_budgets(budget: int, importance, beta: float, boundary_layers: int) ->
     return [base + share[l in boundary] for l in range(num_layers)]
 
 
-def head_budgets(mass, layer_budget, alpha: float):
+def head_budgets(mass, layer_budget, alpha: float, group: Group = SINGLE):
     """Algorithm 3: [batch, kv_heads] = floor(alpha B_l) + floor(pool * prompt preference); B_l one for
-    every row or [batch], each row's."""
-    kv_heads = mass.shape[1]
-    per_head = mass.sum(dim=-1)
+    every row or [batch], each row's. Heads split over ranks: every head's mass gathered, this rank's budgets."""
+    per_head = group.all_gather(mass.sum(dim=-1), dim=1)  # [batch, every KV head]
+    kv_heads = per_head.shape[1]
     preference = per_head / per_head.sum(dim=1, keepdim=True).clamp(min=1e-30)
     budget = torch.as_tensor(layer_budget, device=mass.device).reshape(-1, 1)
     base = (alpha * budget.double()).floor().long()
-    return base + (preference * (budget - base) * kv_heads).floor().long()
+    return group.share(base + (preference * (budget - base) * kv_heads).floor().long(), dim=1)
 
 
 @torch.no_grad()
@@ -83,7 +85,6 @@ class MaskKV(DllmCache):
     """Builds on dLLM-Cache: its cached steps, over the prompt K/V that mask voting keeps."""
 
     name = "maskkv"
-    cross_head = "shares each layer's budget out between heads by their attention mass"
 
     def __init__(self, budget: int = 256, alpha: float = 0.1, beta: float = 0.4, boundary_layers: int | None = None,
                  profile: str | None = None, prompt_interval: int = 50, response_interval: int = 5, rho: float = 0.25):
@@ -126,6 +127,6 @@ class MaskKV(DllmCache):
             return None
         is_mask = ctx.tokens[:, cache.prompt_slots:] == ctx.mask_id
         votes = attention_mass(q_r, cache.keys, cache.key_mask, is_mask, cache.prompt_slots)
-        fits = ctx.prompt_lengths <= self.budget
-        counts = torch.where(fits[:, None], ctx.prompt_lengths[:, None], head_budgets(votes, self.budgets[i], self.alpha))
+        budgets = head_budgets(votes, self.budgets[i], self.alpha, self.group)
+        counts = torch.where(ctx.prompt_lengths[:, None] <= self.budget, ctx.prompt_lengths[:, None], budgets)
         return keep_top(votes, counts, ctx.prompt_lengths)

@@ -19,6 +19,7 @@ trim in torch; elsewhere all in torch, densely. Ragged rows: each row's grid sta
 token (row_alignment) and padded rows choose no blocks, so a row's result does not depend on its batch.
 Hooks: attend (the block engine's prefill; canvas=True: every masked-engine step), step_kind.
 Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant and trim).
+Heads split over ranks: each head chooses its own key blocks; nothing is communicated.
 Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
 top_k = "exact" | "tree" | "estimated", trim = "mean" (Algorithm 2) | "mass", canvas = False.
 """

@@ -20,6 +20,7 @@ sparse attention per step; the commit exact by default, with sparse_commit selec
 queries), step_kind (every step of one kind), selection (the pages a layer read).
 On CUDA (bf16/fp16) the pages go to kernels/sparse_decode_attention as key blocks of p tokens.
 Equals dense: k >= every row's prefix rounded up to whole pages (test).
+Heads split over ranks: each KV head selects its own pages; nothing is communicated.
 Knobs: k = 1024 keys per KV head (k / p pages), page_size p = 16, exact_layers = 2, sparse_commit False.
 """
 

@@ -16,6 +16,7 @@ before the block and keeps the whole suffix.
 Hooks: Fast-dLLM's (methods/fast_dllm.py) in dual mode; Sparse-dLLM's are when the cache is built
 (cache_state, Algorithm 4) and what each layer keeps of it (keep, Algorithms 1 and 5).
 Equals fast_dllm mode=dual with the same delay when ratio = 1; a small ratio differs (tests).
+Heads split over ranks: a build all-gathers each layer's key scores per KV head (per_head: nothing).
 Knobs (paper defaults): ratio r = 0.5, kernel = 3, delay = 1, per_head = False, prefix_sparse = False.
 """
 
@@ -24,19 +25,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..parallel import SINGLE, Group, group_of
 from .common import check_int, take_heads
 from .fast_dllm import FastDllm, KeptKV, outside_block
 
 
-def attention_scores(q_mean, candidates, per_head: bool) -> torch.Tensor:
+def attention_scores(q_mean, candidates, per_head: bool, group: Group = SINGLE) -> torch.Tensor:
     """Algorithm 1 lines 5-6: [batch, 1 or kv_heads, n] float32, the dot product of the block's mean
     query (q_mean [batch, heads, d]) with each candidate key (candidates [batch, kv_heads, n, d]),
-    averaged over each KV head's query group and, unless per_head, over the KV heads."""
+    averaged over each KV head's query group and, unless per_head, over every KV head (gathered in
+    order where ranks split them)."""
     batch, kv_heads, _, head_dim = candidates.shape
-    group = q_mean.shape[1] // kv_heads
-    grouped = q_mean.float().view(batch, kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bhnd->bhn", grouped, candidates.float()) / group  # mean over the group
-    return scores if per_head else scores.mean(dim=1, keepdim=True)
+    group_size = q_mean.shape[1] // kv_heads
+    grouped = q_mean.float().view(batch, kv_heads, group_size, head_dim)
+    scores = torch.einsum("bhgd,bhnd->bhn", grouped, candidates.float()) / group_size  # mean over the group
+    return scores if per_head else group.all_gather(scores, dim=1).mean(dim=1, keepdim=True)
 
 
 def importance(scores, valid, kernel: int) -> torch.Tensor:
@@ -63,7 +66,7 @@ def top_positions(scores: torch.Tensor, width: int, counts: torch.Tensor):
     return positions, (ranks < counts[..., None]).expand_as(ranked).gather(-1, order)
 
 
-def pivotal_tokens(q_mean, candidates, valid, ratio: float, kernel: int, per_head: bool):
+def pivotal_tokens(q_mean, candidates, valid, ratio: float, kernel: int, per_head: bool, group: Group = SINGLE):
     """Algorithm 1 lines 5-10. q_mean [batch, heads, d] (the block's mean query), candidates
     [batch, kv_heads, n, d], valid [batch, n]. Returns (indices [batch, 1 or kv_heads, int(ratio * n)]
     in token order, keep [batch, 1 or kv_heads, 1, int(ratio * n)]).
@@ -71,7 +74,7 @@ def pivotal_tokens(q_mean, candidates, valid, ratio: float, kernel: int, per_hea
     Each row keeps floor(ratio * its own valid candidates), its own count (line 9), so its selection
     does not depend on the batch: every row lists as many top-ranked slots as an unpadded row keeps,
     and keep is False past a row's own count. Ties go to the lower position, alike in any batch."""
-    scores = importance(attention_scores(q_mean, candidates, per_head), valid, kernel)
+    scores = importance(attention_scores(q_mean, candidates, per_head, group), valid, kernel)
     own_count = (valid.sum(dim=1, dtype=torch.float64) * ratio).floor()  # int(ratio * n) of an unpadded row
     indices, keep = top_positions(scores, int(ratio * candidates.shape[2]), own_count[:, None])
     return indices, keep[:, :, None, :]
@@ -81,7 +84,6 @@ class SparseDllm(FastDllm):
     """Builds on Fast-dLLM's dual cache: what each layer keeps of it is pruned."""
 
     name = "sparse_dllm"
-    cross_head = "scores keys averaged over the KV heads (per_head=False)"
 
     def __init__(self, ratio: float = 0.5, kernel: int = 3, delay: int = 1, per_head: bool = False,
                  prefix_sparse: bool = False):
@@ -90,8 +92,10 @@ class SparseDllm(FastDllm):
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         check_int(1, odd=True, kernel=kernel)
         self.ratio, self.kernel, self.per_head, self.prefix_sparse = ratio, kernel, per_head, prefix_sparse
-        if per_head:
-            self.cross_head = None  # each KV head keeps its own keys
+
+    def step(self, model, ctx):
+        self.group = group_of(model)  # the ranks, if split: keep averages the scores of every KV head
+        return super().step(model, ctx)
 
     def cache_state(self, ctx) -> int:
         """Algorithm 4: 0 before the block's step `delay` (the full canvas, no cache: its K/V are not
@@ -120,7 +124,7 @@ class SparseDllm(FastDllm):
         then the suffix where prefix_sparse keeps it whole."""
         k_f, v_f, valid, suffix = self.candidates(k, v, ctx)
         q_mean = q[:, :, ctx.logits_start : ctx.logits_stop].mean(dim=2)  # line 5
-        indices, keep = pivotal_tokens(q_mean, k_f, valid, self.ratio, self.kernel, self.per_head)
+        indices, keep = pivotal_tokens(q_mean, k_f, valid, self.ratio, self.kernel, self.per_head, self.group)
         keys, values = take_heads(k_f, indices), take_heads(v_f, indices)  # lines 12-13
         if suffix is not None:  # Algorithm 5 lines 15-16
             keys, values = torch.cat([keys, suffix[0]], dim=2), torch.cat([values, suffix[1]], dim=2)

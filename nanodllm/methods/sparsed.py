@@ -14,6 +14,7 @@ before its capture step runs exact throughout.
 
 Hooks: MAGE's; capture_step is SparseD's.
 Equals dense: k >= every row's prefix, or exact_fraction = 1 with sparse_commit off.
+Heads split over ranks: each KV head selects its own keys, as MAGE's; nothing is communicated.
 Knobs: k (1024), exact_fraction (0.2 of the block's steps, at least one exact step), exact_layers (2),
 sparse_commit (False).
 """
