@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import nanodllm.graphs as graphs_module
-from harness import QUICK_LLADA, canvas_context, eager_us, generation_seconds, logits, peak_gib, step_floor
+from harness import QUICK_LLADA, canvas_context, generation_seconds, logits, peak_gib, step_floor, wall_us
 from nanodllm.config import GenerationConfig
 from nanodllm.graphs import Replayed
 from nanodllm.loader import build_random
@@ -51,13 +51,13 @@ def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, fl
     engine = Replayed(method)
     pinned = lambda t: logits(engine, model, replace(ctx, t=t))
     first_peak = peak_gib(lambda: pinned(0), device)  # t = 0 starts the caches afresh
-    gpu = {"first": eager_us(lambda: pinned(0), device, tries=1)}
+    gpu = {"first": wall_us(lambda: pinned(0), device, tries=1)}
     eager = dict(gpu)
     for t in range(1, steps):
         kind = step_kind(t, method)
         if kind in gpu:
             continue
-        eager[kind] = gpu[kind] = eager_us(lambda t=t: pinned(t), device)
+        eager[kind] = gpu[kind] = wall_us(lambda t=t: pinned(t), device)
         if kind in ("drift", "response refresh") and device.type == "cuda":  # no host syncs in these
             graphs_module.GRAPHS_ENABLED = False  # the timer records the step itself
             gpu[kind] = timer(lambda t=t: pinned(t))
@@ -96,7 +96,7 @@ def maskkv(setup):
         width, budget = context + gen, min(shapes["budget"], context)
         dense = Dense()
         vanilla = Replayed(dense)
-        vanilla_us = eager_us(lambda: logits(vanilla, model, ctx), device)
+        vanilla_us = wall_us(lambda: logits(vanilla, model, ctx), device)
         vanilla_peak = peak_gib(lambda: logits(vanilla, model, ctx), device)
         reference_peak = peak_gib(lambda: model.head(model.hidden(ctx.tokens, ctx.positions,
                                                                   lambda i, q, k, v: dense.attend(i, q, k, v, ctx))

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from harness import QUICK_LLADA, canvas_context, eager_us, generation_seconds, logits, peak_gib, step_floor
+from harness import QUICK_LLADA, canvas_context, generation_seconds, logits, peak_gib, step_floor, wall_us
 from nanodllm.config import GenerationConfig
 from nanodllm.graphs import Replayed
 from nanodllm.loader import build_random
@@ -35,10 +35,10 @@ def method_block(model, ctx, steps, device):
     method.begin_block(building)
     build = lambda: (method.begin_block(building), logits(steps, model, building))
     peak = peak_gib(build, device)
-    build_us = eager_us(build, device, tries=1)
+    build_us = wall_us(build, device, tries=1)
     cached = lambda: logits(steps, model, cached_ctx)
     peak = max(peak, peak_gib(cached, device))
-    return build_us, eager_us(cached, device), peak
+    return build_us, wall_us(cached, device), peak
 
 
 @torch.no_grad()
@@ -58,7 +58,7 @@ def sparse_dllm(setup):
     for length in shapes["lengths"]:
         middle = context_of(length, blocks // 2)
         vanilla = Replayed(Dense())
-        full_us = eager_us(lambda: logits(vanilla, model, middle), device)
+        full_us = wall_us(lambda: logits(vanilla, model, middle), device)
         vanilla_peak = peak_gib(lambda: logits(vanilla, model, middle), device)
         full_floor = floor_us(length, length * length)
         totals = {"vanilla": (gen * full_us, gen * full_floor, vanilla_peak)}
