@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from statistics import median
 
 import torch
@@ -207,29 +206,20 @@ def in_new_process(run: Run, generations: int, timeout: float | None = None) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def weights_and_flops(run: Run) -> tuple[int, int, float]:
-    """(bytes the weights a forward reads, matmul parameters per token, attention FLOPs of the prompt
-    per row): the embedding table is looked up, not read; of a mixture of experts, a forward reads at
-    least the experts one token is routed to."""
-    shapes = build(run, torch.device("meta"))
-    params = sum(p.numel() for name, p in shapes.named_parameters() if not name.startswith("embed_tokens"))
-    cfg = shapes.cfg
-    if cfg.moe:
-        moe_layers = cfg.num_layers - len(cfg.moe.dense_layers)
-        unread = cfg.moe.num_experts - cfg.moe.experts_per_token
-        params -= moe_layers * unread * 3 * cfg.hidden_size * cfg.moe.expert_size
-    attention = 4 * run.prompt**2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    return 2 * params, params, attention / (2 if run.engine == "block" else 1)
-
-
 def floor_seconds(run: Run, bandwidth: float, matmul_rate: float) -> float:
     """One pass over the prompt plus, at every step, the larger of one read of the weights and the step's
-    matmuls over its block of tokens (GB/s, TFLOP/s)."""
-    weight_bytes, params, attention = weights_and_flops(run)
+    matmuls over its block of tokens (GB/s, TFLOP/s). The embedding table is looked up, not read; of a
+    mixture of experts, a forward reads at least the experts one token is routed to."""
+    shapes = build(run, torch.device("meta"))
+    cfg = shapes.cfg
+    params = sum(p.numel() for name, p in shapes.named_parameters() if not name.startswith("embed_tokens"))
+    if cfg.moe:
+        unread = (cfg.num_layers - len(cfg.moe.dense_layers)) * (cfg.moe.num_experts - cfg.moe.experts_per_token)
+        params -= unread * 3 * cfg.hidden_size * cfg.moe.expert_size
+    attention = 4 * run.prompt**2 * cfg.num_heads * cfg.head_dim * cfg.num_layers / (2 if run.engine == "block" else 1)
     prefill = run.batch * (2 * params * run.prompt + attention) / (matmul_rate * 1e12)
-    blocks = run.gen // run.block
-    steps = run.steps if run.engine == "masked" else run.steps * blocks
-    step = max(weight_bytes / (bandwidth * 1e9), 2 * params * run.batch * run.block / (matmul_rate * 1e12))
+    steps = run.steps if run.engine == "masked" else run.steps * (run.gen // run.block)
+    step = max(2 * params / (bandwidth * 1e9), 2 * params * run.batch * run.block / (matmul_rate * 1e12))
     return prefill + steps * step
 
 

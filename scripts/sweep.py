@@ -26,8 +26,8 @@ from nanodllm import tasks  # noqa: E402
 from nanodllm.cli import (available_device, check_fits, output_file, positive_int, positive_ints,  # noqa: E402
                           run_main, write_whole)
 from nanodllm.config import GenerationConfig, ModelConfig  # noqa: E402
-from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, plot, require_matplotlib,  # noqa: E402
-                           resolve_model, time_left)
+from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, label, plot,  # noqa: E402
+                           require_matplotlib, resolve_model, time_left)
 from nanodllm.methods import get_method, knob_defaults, parse_knobs, parse_value  # noqa: E402
 
 
@@ -57,10 +57,6 @@ def parse_sweep(text: str) -> tuple[str, list]:
     if not equals or not knob or not values or "" in values.split(","):
         raise ValueError(f"--knob must be name=v1,v2,... (e.g. budget=16,64), got {text!r}")
     return knob, [parse_value(v) for v in values.split(",")]
-
-
-def label(name: str, knobs: dict) -> str:
-    return name + "".join(f" {k}={v}" for k, v in knobs.items())
 
 
 def run(runner: Runner, samples, plan, batch: int, journal: Journal):
