@@ -26,7 +26,6 @@ from nanodllm import tasks
 from nanodllm.cli import write_whole
 from nanodllm.eval import Runner, resolve_model
 from nanodllm.graphs import Replayed
-from nanodllm.loader import build_random
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
 
@@ -53,12 +52,10 @@ def graphs_on_and_off(name):
 
 @torch.no_grad()
 def dyllm(setup):
-    device, shapes = setup.device, QUICK if setup.quick else FULL
-    fractions = tuple(setup.args.fractions) if setup.args.fractions else shapes["fractions"]
-    cfg = setup.model_config(QUICK_LLADA, "llada-8b")
-    bandwidth, matmul_rate = setup.ceilings
-    setup.meta.update(shapes=shapes, fractions=fractions)
-    model = build_random(cfg, device=device, dtype=setup.dtype)
+    device, shapes = setup.device, setup.shapes(QUICK, FULL)
+    fractions = setup.meta["fractions"] = tuple(setup.args.fractions or shapes["fractions"])
+    model = setup.random_model(QUICK_LLADA, "llada-8b")
+    cfg, (bandwidth, matmul_rate) = model.cfg, setup.ceilings
     weight_bytes, flops = read_bytes(model), linear_flops(cfg)
     width, response, block = shapes["prompt"] + shapes["gen_length"], shapes["gen_length"], shapes["block_length"]
     attention_flops = lambda rows, keys: 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * rows * keys

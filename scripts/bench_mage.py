@@ -27,7 +27,6 @@ from harness import (GENERATION_BLOCKS, QUICK_SDAR, logits, random_prompts, read
 from kernels.top_k import top_k_positions
 from nanodllm.cache import KVCache
 from nanodllm.graphs import Replayed
-from nanodllm.loader import build_random
 from nanodllm.methods import Dense, Mage, Quest, get_method
 from nanodllm.methods.base import StepContext
 
@@ -118,14 +117,11 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
 
 
 def mage(setup):
-    device, dtype = setup.device, setup.dtype
-    shapes = QUICK if setup.quick else FULL
-    cfg = setup.model_config(QUICK_SDAR, "sdar-8b", context=max(shapes["contexts"]) + 2 * shapes["block"],
-                             block_size=shapes["block"])
-    knobs = dict(k=shapes["k"], exact_layers=2)
-    bandwidth, _ = setup.ceilings
-    setup.meta.update(shapes=shapes, knobs=knobs)
-    model = build_random(cfg, device=device, dtype=dtype)
+    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK, FULL)
+    knobs = setup.meta["knobs"] = dict(k=shapes["k"], exact_layers=2)
+    model = setup.random_model(QUICK_SDAR, "sdar-8b", context=max(shapes["contexts"]) + 2 * shapes["block"],
+                               block_size=shapes["block"])
+    cfg, (bandwidth, _) = model.cfg, setup.ceilings
     weight_bytes, weights_read = sum(p.numel() * p.element_size() for p in model.parameters()), read_bytes(model)
     setup.report.say(f"{cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads, d = "
                      f"{cfg.head_dim}, random weights {weight_bytes / 1e9:.2f} GB; copy bandwidth {bandwidth:.0f} "

@@ -132,9 +132,8 @@ def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict
 
 
 def moe_mlp(setup):
-    device, dtype, shapes = setup.device, setup.dtype, QUICK if setup.quick else FULL
+    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK, FULL)
     bandwidth, matmul_rate = setup.ceilings
-    setup.meta.update(shapes=shapes)
     setup.report.say(f"Copy bandwidth {bandwidth:.0f} GB/s, matmul {matmul_rate:.0f} TFLOP/s (measured now).\n")
     rows = []
     for name in shapes["presets"]:

@@ -66,10 +66,9 @@ def sdpa_causal(q, k, v):
 
 @torch.no_grad()
 def momo(setup):
-    device, dtype, shapes = setup.device, setup.dtype, QUICK if setup.quick else FULL
+    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK, FULL, knobs=KNOBS)
     _, matmul_rate = setup.ceilings
     knobs = QUICK_KNOBS if setup.quick else KNOBS
-    setup.meta.update(shapes=shapes, knobs=KNOBS)
     heads, kv_heads, d = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
     ms = lambda fn: wall_us(fn, device) / 1e3
     floor_ms = lambda flops: flops / matmul_rate / 1e9

@@ -15,10 +15,10 @@ from dataclasses import replace
 
 import torch
 
-from harness import QUICK_LLADA, canvas_context, generation_seconds, logits, peak_gib, step_floor, wall_us
+from harness import QUICK_LLADA, canvas_context, logits, peak_gib, random_prompts, step_floor, wall_us
 from nanodllm.config import GenerationConfig
+from nanodllm.generation import generate
 from nanodllm.graphs import Replayed
-from nanodllm.loader import build_random
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
 
@@ -43,13 +43,11 @@ def method_block(model, ctx, steps, device):
 
 @torch.no_grad()
 def sparse_dllm(setup):
-    device, shapes = setup.device, QUICK if setup.quick else FULL
+    device, shapes = setup.device, setup.shapes(QUICK, FULL)
     gen, block = shapes["gen_length"], shapes["block_length"]
     blocks = gen // block
-    cfg = setup.model_config(QUICK_LLADA, "llada-8b", context=max(shapes["lengths"]))
-    ceilings = setup.ceilings
-    setup.meta.update(shapes=shapes)
-    model = build_random(cfg, device=device, dtype=setup.dtype)
+    model = setup.random_model(QUICK_LLADA, "llada-8b", context=max(shapes["lengths"]))
+    cfg, ceilings = model.cfg, setup.ceilings
     floor_us = step_floor(cfg, model, ceilings)
     setup.report.say(f"Copy {ceilings[0]:.0f} GB/s, matmul {ceilings[1]:.0f} TFLOP/s. {gen} generated tokens in "
                      f"{blocks} blocks of {block}, {block} steps per block; sparse_dllm at the paper's defaults.\n")
@@ -94,11 +92,11 @@ def sparse_dllm(setup):
                          "speedup vs vanilla": totals["vanilla"][0] / total, "x floor": total / floor,
                          "peak GiB": peak, "peak vs vanilla": peak / vanilla_peak})
         if length == min(shapes["lengths"]):  # a real generation per method, host overhead included
-            prompt = torch.randint(0, cfg.mask_token_id, (length - gen,),
-                                   generator=torch.Generator().manual_seed(1)).tolist()
+            prompt = random_prompts(cfg, length - gen, seed=1)[0]
             config = GenerationConfig(gen_length=gen, block_length=block, steps=gen)
             for label, (name, knobs) in METHODS.items():
-                seconds = generation_seconds(model, prompt, config, get_method(name, **knobs), device)
+                method = get_method(name, **knobs)  # timed: its second generation (the first compiles)
+                seconds = wall_us(lambda: generate(model, [prompt], config, method), device, tries=1) / 1e6
                 rows.append({"length": length, "method": f"{label}, a real generation", "tokens/s": gen / seconds,
                              "speedup vs vanilla": totals["vanilla"][0] / (seconds * 1e6),
                              **dict.fromkeys(("x floor", "peak GiB", "peak vs vanilla"), float("nan"))})

@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 from nanodllm.cli import write_whole  # noqa: E402
 from nanodllm.config import GenerationConfig, ModelConfig, preset  # noqa: E402
 from nanodllm.generation import generate  # noqa: E402
+from nanodllm.loader import build_random  # noqa: E402
 from nanodllm.methods.base import StepContext  # noqa: E402
 from nanodllm.mlp import MoE  # noqa: E402
 
@@ -217,11 +218,16 @@ class Setup:
         self.meta.update(copy_GBps=2 * copy_bytes / copy_us / 1e3, matmul_TFLOPs=2 * n**3 / matmul_us / 1e6)
         return self.meta["copy_GBps"], self.meta["matmul_TFLOPs"]
 
-    def model_config(self, quick_fields: dict, name: str, **preset_knobs) -> ModelConfig:
-        """A tiny config with --quick, else the named preset."""
-        if self.quick:
-            return ModelConfig.from_dict(quick_fields, source="bench --quick")
-        return preset(name, **preset_knobs)
+    def shapes(self, quick: dict, full: dict, **recorded) -> dict:
+        """The section's shapes (--quick: the tiny ones), recorded in the metadata with `recorded`."""
+        self.meta.update(shapes=quick if self.quick else full, **recorded)
+        return self.meta["shapes"]
+
+    def random_model(self, quick_fields: dict, name: str, **preset_knobs):
+        """Random weights of a tiny model with --quick, else of the named preset's shape."""
+        cfg = (ModelConfig.from_dict(quick_fields, source="bench --quick") if self.quick
+               else preset(name, **preset_knobs))
+        return build_random(cfg, device=self.device, dtype=self.dtype)
 
     def free(self):
         if self.device.type == "cuda":
@@ -349,15 +355,3 @@ def timed_generation(model, prompts, method, block: int, steps: int, blocks: int
     clock.mark()
     spans = clock.between()
     return sorted(spans[2:]), spans[0] / 1e3, result
-
-
-def generation_seconds(model, prompt, gen, method, device) -> float:
-    """Wall time of the second of two generations by one method object: the first compiles and
-    autotunes; the timed one records its CUDA graphs again (each generation records its own)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    generate(model, [prompt], gen, method)
-    sync()
-    start = time.perf_counter()
-    generate(model, [prompt], gen, method)
-    sync()
-    return time.perf_counter() - start
