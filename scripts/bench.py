@@ -25,38 +25,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # where the sections a
 from harness import REPO, Setup  # noqa: E402
 from nanodllm.cli import help_text, output_file, output_folder, positive_int, run_main, unit_fraction  # noqa: E402
 
-SECTIONS = {  # name: (module, the title of its Markdown file, what --help says of it)
-    "kernels": ("bench_kernels", "Attention, norm and RoPE kernels against their floors and torch",
-                "attention, norm and RoPE kernels vs torch and their floors"),
-    "mage": ("bench_mage", "MAGE, Quest and SparseD on the block engine (sdar-8b shapes)",
-             "time per output block: exact, MAGE, Quest, SparseD (sdar-8b preset)"),
-    "maskkv": ("bench_maskkv", "MaskKV, dLLM-Cache and vanilla on the masked engine (llada-8b shapes)",
-               "tokens/s and peak memory: vanilla, dllm_cache, MaskKV (llada-8b preset)"),
+SECTIONS = {  # name: (module, the title of its Markdown file, also what --help says of it)
+    "kernels": ("bench_kernels", "Attention, norm and RoPE kernels against their floors and torch"),
+    "mage": ("bench_mage", "MAGE, Quest and SparseD on the block engine (sdar-8b shapes)"),
+    "maskkv": ("bench_maskkv", "MaskKV, dLLM-Cache and vanilla on the masked engine (llada-8b shapes)"),
     "sparse_dllm": ("bench_sparse_dllm", "Sparse-dLLM, Fast-dLLM's prefix and dual caches and vanilla on the "
-                    "masked engine (llada-8b shapes)", "tokens/s and peak memory at 1K-32K: vanilla, fast_dllm "
-                    "prefix / dual, sparse_dllm (llada-8b preset)"),
-    "dyllm": ("bench_dyllm", "DyLLM's sparse steps vs vanilla and Fast-dLLM's dual cache (llada-8b shapes)",
-              "DyLLM sparse steps at fixed salient fractions vs vanilla and fast_dllm dual (llada-8b preset)"),
-    "dyllm_salient": ("bench_dyllm", "DyLLM's salient tokens per layer across the steps",
-                      "DyLLM's salient fraction per layer and step on tiny-llada (CPU), for plot_results.py"),
-    "momo": ("bench_momo", "MOMO's prefill attention vs SDPA and our dense kernel",
-             "MOMO prefill attention vs SDPA and the dense kernel at 32K-128K"),
-    "moe": ("bench_moe", "The mixture-of-experts MLP", "MoE MLP grouped vs per-expert loop vs floor"),
-    "routing": ("bench_routing", "Which attention kernel nanodllm/attention.py picks",
-                "flash vs split-KV decode vs SDPA on the shapes attention() routes"),
-    "e2e": ("bench_e2e", "Generations as a user runs them",
-            "generate() in new processes, every method, beside dense and transformers"),
-    "parallel": ("bench_parallel", "Tensor and expert parallelism", "llada2-flash split over torchrun's ranks; "
-                 "sdar-8b and llada2-mini over 1, 2 and 4 (python -m torch.distributed.run --nproc-per-node 4 ...)"),
+                    "masked engine (llada-8b shapes)"),
+    "dyllm": ("bench_dyllm", "DyLLM's sparse steps vs vanilla and Fast-dLLM's dual cache (llada-8b shapes)"),
+    "dyllm_salient": ("bench_dyllm", "DyLLM's salient tokens per layer across the steps"),
+    "momo": ("bench_momo", "MOMO's prefill attention vs SDPA and our dense kernel"),
+    "moe": ("bench_moe", "The mixture-of-experts MLP"),
+    "routing": ("bench_routing", "Which attention kernel nanodllm/attention.py picks"),
+    "e2e": ("bench_e2e", "Generations as a user runs them"),
+    "parallel": ("bench_parallel", "Tensor and expert parallelism"),
 }
 
 
 def parser_of_sections() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=help_text(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     command = {}
-    for name, (_, _, summary) in SECTIONS.items():
-        command[name] = commands.add_parser(name, help=summary)
+    for name, (_, title) in SECTIONS.items():
+        command[name] = commands.add_parser(name, help=title)
         command[name].add_argument("--quick", action="store_true", help="tiny shapes or a tiny model, on any machine "
                                    "(a CPU runs the kernels through TRITON_INTERPRET=1): a smoke test")
         command[name].add_argument("--out", type=output_folder, help="the folder to write the results into "
@@ -111,7 +102,7 @@ def main():
         parser.error(f"{args.command} --generate runs on a GPU only (CUDA events and graphs), and torch sees none here")
     if not (args.quick or cuda or args.command == "dyllm_salient"):
         sys.exit(f"bench.py {args.command}: the full run times 8B shapes on a GPU; on a CPU run it with --quick")
-    module, title, _ = SECTIONS[args.command]
+    module, title = SECTIONS[args.command]
     setup = Setup(args, f"Real generations on {args.generate}" if getattr(args, "generate", None) else title)
     if args.command not in ("e2e", "dyllm_salient", "parallel"):  # e2e's header follows its journal's machine record
         setup.header(command_line(sys.argv[1:]))

@@ -21,12 +21,11 @@ from dataclasses import replace
 import torch
 
 import nanodllm.graphs as graphs_module
-from harness import QUICK_LLADA, canvas_context, eager_us, logits, read_bytes
+from harness import QUICK_LLADA, canvas_context, logits, read_bytes, wall_us
 from nanodllm import tasks
 from nanodllm.cli import write_whole
 from nanodllm.eval import Runner, resolve_model
 from nanodllm.graphs import Replayed
-from nanodllm.loader import build_random
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
 
@@ -51,22 +50,12 @@ def graphs_on_and_off(name):
     graphs_module.GRAPHS_ENABLED = True
 
 
-def timed_twice_warm(fn, device) -> float:
-    """eager_us after two more calls: a graphed step records once per capacity of its first layer's
-    salient set (all rows right after a full step, then the fixed fraction)."""
-    fn()
-    fn()
-    return eager_us(fn, device)
-
-
 @torch.no_grad()
 def dyllm(setup):
-    device, shapes = setup.device, QUICK if setup.quick else FULL
-    fractions = tuple(setup.args.fractions) if setup.args.fractions else shapes["fractions"]
-    cfg = setup.model_config(QUICK_LLADA, "llada-8b")
-    bandwidth, matmul_rate = setup.ceilings
-    setup.meta.update(shapes=shapes, fractions=fractions)
-    model = build_random(cfg, device=device, dtype=setup.dtype)
+    device, shapes = setup.device, setup.shapes(QUICK, FULL)
+    fractions = setup.meta["fractions"] = tuple(setup.args.fractions or shapes["fractions"])
+    model = setup.random_model(QUICK_LLADA, "llada-8b")
+    cfg, (bandwidth, matmul_rate) = model.cfg, setup.ceilings
     weight_bytes, flops = read_bytes(model), linear_flops(cfg)
     width, response, block = shapes["prompt"] + shapes["gen_length"], shapes["gen_length"], shapes["block_length"]
     attention_flops = lambda rows, keys: 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * rows * keys
@@ -87,11 +76,11 @@ def dyllm(setup):
     for batch in shapes["batches"]:
         ctx = canvas_context(cfg, shapes["prompt"], response, block, device, batch=batch)
         dense = Replayed(Dense())
-        full_us = eager_us(lambda: logits(dense, model, ctx), device)
+        full_us = wall_us(lambda: logits(dense, model, ctx), device)
         full_floor = floor_us(batch, width, width, width)
         dual = Replayed(get_method("fast_dllm", mode="dual"))
         dual.begin_block(ctx)
-        build_us = eager_us(lambda: (dual.begin_block(ctx), logits(dual, model, ctx)), device)
+        build_us = wall_us(lambda: (dual.begin_block(ctx), logits(dual, model, ctx)), device)
         times, floors = {"vanilla": steps * full_us}, {"vanilla": steps * full_floor}
         step_rows += [{"batch": batch, "method": "vanilla", "step": "full", "us": full_us, "floor us": full_floor},
                       {"batch": batch, "method": "fast_dllm dual", "step": "build", "us": build_us,
@@ -99,7 +88,7 @@ def dyllm(setup):
         cached = replace(ctx, step=1)
         cached_floor = floor_us(batch, block, block, block)
         for name in graphs_on_and_off("fast_dllm dual"):
-            cached_us = timed_twice_warm(lambda: logits(dual, model, cached), device)
+            cached_us = wall_us(lambda: logits(dual, model, cached), device, warmups=3)
             times[name] = steps // block * (build_us + (block - 1) * cached_us)
             step_rows.append({"batch": batch, "method": name, "step": "cached", "us": cached_us,
                               "floor us": cached_floor})
@@ -113,7 +102,8 @@ def dyllm(setup):
                 times[name], floors[name] = FULL_STEPS * full_us, FULL_STEPS * full_floor
                 for label, t, fed, count in (("whole canvas", 8, width, canvas_steps),
                                              ("response only", 5, response, response_steps)):
-                    us = timed_twice_warm(lambda t=t: logits(dyllm_steps, model, replace(ctx, t=t)), device)
+                    # 3 warm-ups: a graphed step records once per capacity of its first layer's salient set
+                    us = wall_us(lambda t=t: logits(dyllm_steps, model, replace(ctx, t=t)), device, warmups=3)
                     salient = int(fraction * fed + 0.999)
                     floor = floor_us(batch, fed, salient, salient)
                     step_rows.append({"batch": batch, "method": name, "step": label, "us": us, "floor us": floor})

@@ -21,20 +21,17 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from statistics import median
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from nanodllm.attention import CanvasMask, attention  # noqa: E402
-from nanodllm.config import GenerationConfig, ModelConfig, preset  # noqa: E402
-from nanodllm.eval import Journal, journal_path, time_left  # noqa: E402
-from nanodllm.loader import build_empty, build_random  # noqa: E402
-from nanodllm.generation import generate  # noqa: E402
-from nanodllm.methods import get_method  # noqa: E402
+from harness import QUICK_LLADA, QUICK_SDAR, REPO, random_prompts
+from nanodllm.attention import CanvasMask, attention
+from nanodllm.config import GenerationConfig, ModelConfig, preset
+from nanodllm.eval import Journal, journal_path, time_left
+from nanodllm.generation import generate
+from nanodllm.loader import build_empty, build_random
+from nanodllm.methods import get_method
 
 PEER = "transformers"
 
@@ -42,7 +39,7 @@ PEER = "transformers"
 @dataclass
 class Run:
     engine: str  # "masked" or "block"
-    model: str  # a preset, or "quick" (QUICK_MODELS)
+    model: str  # a preset, or "quick" (harness's tiny LLaDA or SDAR)
     method: str  # a registered method, or PEER
     prompt: int
     gen: int
@@ -64,55 +61,42 @@ class Run:
         return f"{self.engine} {self.model} {self.method} b{self.batch} {self.prompt}+{self.gen}/{self.steps}"
 
 
+def group(engine, model, prompt, gen, steps, methods, batch=1, block=32) -> list[Run]:
+    """A setting's rows; the masked engine's whole-canvas loops (dense, the peer) projected."""
+    whole_canvas = ("dense", PEER) if engine == "masked" else ()
+    return [Run(engine, model, m, prompt, gen, steps, block, batch, projected=m in whole_canvas) for m in methods]
+
+
 MASKED = ("dense", "fast_dllm", "dllm_cache", "maskkv", "snapkv", "sparse_dllm", "dyllm")
 BLOCK = ("dense", "mage", "quest", "sparsed", "momo")
-
-
-def masked_group(model, prompt, gen, steps, methods, batch=1, block=32):
-    """A setting of the masked engine: its whole-canvas loops (dense, the peer) projected."""
-    return [Run("masked", model, m, prompt, gen, steps, block, batch, projected=m in ("dense", PEER))
-            for m in methods]
-
-
-def block_group(model, prompt, gen, steps, methods, batch=1, block=32):
-    return [Run("block", model, m, prompt, gen, steps, block, batch) for m in methods]
-
-
 PAPER_MASKED = ("dense", PEER, "fast_dllm", "dllm_cache", "maskkv", "snapkv")
 PAPER_BLOCK = ("dense", PEER, "mage", "quest", "sparsed", "momo")
 SETTINGS = {
     "warm_start": [Run("masked", "llada-8b", m, 4095, 64, 64) for m in MASKED]
                   + [Run("block", "sdar-8b", m, 8191, 64, 32) for m in BLOCK],
-    "paper": masked_group("llada-8b", 8191, 256, 256, PAPER_MASKED)
-             + masked_group("llada-8b", 32767, 256, 256, PAPER_MASKED)
-             + masked_group("llada-8b", 4095, 256, 256, ("dense", PEER, "fast_dllm", "sparse_dllm"))
-             + masked_group("llada-8b", 511, 256, 256, ("dense", PEER, "fast_dllm", "dllm_cache", "dyllm"), batch=16)
-             + masked_group("llada-8b", 511, 256, 128, ("dense", "fast_dllm", "dllm_cache", "dyllm"), batch=16)
-             + masked_group("llada-8b", 511, 256, 64, ("dense", "fast_dllm", "dllm_cache", "dyllm"), batch=16)
-             + block_group("sdar-8b", 32767, 128, 32, PAPER_BLOCK)
-             + block_group("sdar-8b", 32767, 128, 32, PAPER_BLOCK[:-1], batch=4)
-             + block_group("sdar-8b", 131071, 128, 32, ("dense", PEER, "mage", "sparsed", "momo"))
-             + block_group("llada2-mini", 32767, 128, 32, ("dense", "mage", "quest", "sparsed"))
-             + block_group("sdar-30b-a3b", 32767, 128, 32, ("dense", "mage", "quest", "sparsed")),
+    "paper": group("masked", "llada-8b", 8191, 256, 256, PAPER_MASKED)
+             + group("masked", "llada-8b", 32767, 256, 256, PAPER_MASKED)
+             + group("masked", "llada-8b", 4095, 256, 256, ("dense", PEER, "fast_dllm", "sparse_dllm"))
+             + group("masked", "llada-8b", 511, 256, 256, ("dense", PEER, "fast_dllm", "dllm_cache", "dyllm"), batch=16)
+             + group("masked", "llada-8b", 511, 256, 128, ("dense", "fast_dllm", "dllm_cache", "dyllm"), batch=16)
+             + group("masked", "llada-8b", 511, 256, 64, ("dense", "fast_dllm", "dllm_cache", "dyllm"), batch=16)
+             + group("block", "sdar-8b", 32767, 128, 32, PAPER_BLOCK)
+             + group("block", "sdar-8b", 32767, 128, 32, PAPER_BLOCK[:-1], batch=4)
+             + group("block", "sdar-8b", 131071, 128, 32, ("dense", PEER, "mage", "sparsed", "momo"))
+             + group("block", "llada2-mini", 32767, 128, 32, ("dense", "mage", "quest", "sparsed"))
+             + group("block", "sdar-30b-a3b", 32767, 128, 32, ("dense", "mage", "quest", "sparsed")),
     "quick": [Run("masked", "quick", m, 47, 16, 8, block=8) for m in MASKED]
              + [Run("block", "quick", m, 47, 16, 4, block=8) for m in BLOCK],
-    "paper_quick": masked_group("quick", 47, 16, 8, ("dense", PEER, "fast_dllm", "maskkv"), block=8)
-                   + masked_group("quick", 23, 16, 8, ("dense", PEER, "dyllm"), batch=4, block=8)
-                   + block_group("quick", 47, 16, 4, ("dense", PEER, "mage", "momo"), block=8),
-}
-QUICK_MODELS = {  # a tiny LLaDA (OLMo fields) and a tiny SDAR (Qwen3 fields)
-    "masked": dict(model_type="llada", d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=128,
-                   vocab_size=256, mask_token_id=255, eos_token_id=254, max_sequence_length=1024),
-    "block": dict(model_type="sdar", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, intermediate_size=128, vocab_size=256, mask_token_id=255, block_size=8,
-                  max_position_embeddings=1024),
+    "paper_quick": group("masked", "quick", 47, 16, 8, ("dense", PEER, "fast_dllm", "maskkv"), block=8)
+                   + group("masked", "quick", 23, 16, 8, ("dense", PEER, "dyllm"), batch=4, block=8)
+                   + group("block", "quick", 47, 16, 4, ("dense", PEER, "mage", "momo"), block=8),
 }
 
 
 def build(run: Run, device):
     """The run's model with random weights; on the meta device, its shapes only."""
     if run.model == "quick":
-        cfg = ModelConfig.from_dict(QUICK_MODELS[run.engine], source="e2e --quick")
+        cfg = ModelConfig.from_dict(QUICK_LLADA if run.engine == "masked" else QUICK_SDAR, source="e2e --quick")
     else:
         cfg = preset(run.model, context=run.prompt + run.gen + run.block, block_size=run.block)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -124,7 +108,7 @@ def check_peer_agrees(model, peer, e2e_peer, length: int = 256):
     """Refuse to time a peer whose logits over a random canvas differ from our model's: the same weights
     under the same mask (bidirectional, or block-causal) give the same logits up to rounding."""
     cfg, device = model.cfg, model.embed_tokens.weight.device
-    ids = torch.randint(0, cfg.mask_token_id, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.tensor(random_prompts(cfg, length), device=device)
     positions = torch.arange(length, device=device)[None]
     if cfg.attention == "block_causal":
         mask = CanvasMask(block_size=cfg.block_size)
@@ -139,14 +123,11 @@ def check_peer_agrees(model, peer, e2e_peer, length: int = 256):
     return error
 
 
-def generator(run: Run, model, sync, logits_error: list):
+def generation(run: Run, model, sync, logits_error: list):
     """A function that runs one generation and returns when its first block was final (perf_counter)."""
-    cfg = model.cfg
-    prompts = torch.stack([torch.randint(0, cfg.mask_token_id, (run.prompt,), generator=torch.Generator().manual_seed(row))
-                           for row in range(run.batch)])
-    first_block = []
+    cfg, prompts, first_block = model.cfg, torch.tensor(random_prompts(model.cfg, run.prompt, run.batch)), []
 
-    def note_first_block():
+    def first_block_done():
         sync()
         first_block.append(time.perf_counter())
 
@@ -155,12 +136,9 @@ def generator(run: Run, model, sync, logits_error: list):
 
         peer, ids = e2e_peer.hf_model(model), prompts.to(model.embed_tokens.weight.device)
         logits_error.append(check_peer_agrees(model, peer, e2e_peer))
-        if run.engine == "masked":
-            loop = lambda: e2e_peer.llada_generate(peer, ids, run.gen, run.block, run.timed_steps, cfg.mask_token_id,
-                                                   note_first_block)
-        else:
-            loop = lambda: e2e_peer.sdar_generate(peer, ids, run.gen, run.block, run.timed_steps, cfg.mask_token_id,
-                                                  first_block_done=note_first_block)
+        reference = e2e_peer.llada_generate if run.engine == "masked" else e2e_peer.sdar_generate
+        loop = lambda: reference(peer, ids, run.gen, run.block, run.timed_steps, cfg.mask_token_id,
+                                 first_block_done=first_block_done)
     else:
         gen = GenerationConfig(gen_length=run.gen, block_length=run.block, steps=run.timed_steps)
 
@@ -171,7 +149,7 @@ def generator(run: Run, model, sync, logits_error: list):
             def noted(ctx):  # the second block begins: the first one's tokens are final
                 blocks_begun.append(ctx)
                 if len(blocks_begun) == 2:
-                    note_first_block()
+                    first_block_done()
                 return begin_block(ctx)
 
             method.begin_block = noted
@@ -179,14 +157,12 @@ def generator(run: Run, model, sync, logits_error: list):
                 generate(model, prompts.tolist(), gen, method, stop_ids=())
             finally:
                 del method.begin_block  # no cycle through noted: the method's tensors go with the generation
-            if len(blocks_begun) < 2:
-                note_first_block()
 
     def once():
         first_block.clear()
         loop()
         sync()
-        return first_block[0] if first_block else time.perf_counter()
+        return first_block[0] if first_block else time.perf_counter()  # one block: final at the end
 
     return once
 
@@ -202,7 +178,7 @@ def one_process(run: Run, generations: int) -> dict:
     model = build(run, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     logits_error = []
-    once = generator(run, model, sync, logits_error)
+    once = generation(run, model, sync, logits_error)
     seconds, first_block = [], []
     try:
         for _ in range(generations):
@@ -230,29 +206,20 @@ def in_new_process(run: Run, generations: int, timeout: float | None = None) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def weights_and_flops(run: Run) -> tuple[int, int, float]:
-    """(bytes the weights a forward reads, matmul parameters per token, attention FLOPs of the prompt
-    per row): the embedding table is looked up, not read; of a mixture of experts, a forward reads at
-    least the experts one token is routed to."""
-    shapes = build(run, torch.device("meta"))
-    params = sum(p.numel() for name, p in shapes.named_parameters() if not name.startswith("embed_tokens"))
-    cfg = shapes.cfg
-    if cfg.moe:
-        moe_layers = cfg.num_layers - len(cfg.moe.dense_layers)
-        unread = cfg.moe.num_experts - cfg.moe.experts_per_token
-        params -= moe_layers * unread * 3 * cfg.hidden_size * cfg.moe.expert_size
-    attention = 4 * run.prompt**2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    return 2 * params, params, attention / (2 if run.engine == "block" else 1)
-
-
 def floor_seconds(run: Run, bandwidth: float, matmul_rate: float) -> float:
     """One pass over the prompt plus, at every step, the larger of one read of the weights and the step's
-    matmuls over its block of tokens (GB/s, TFLOP/s)."""
-    weight_bytes, params, attention = weights_and_flops(run)
+    matmuls over its block of tokens (GB/s, TFLOP/s). The embedding table is looked up, not read; of a
+    mixture of experts, a forward reads at least the experts one token is routed to."""
+    shapes = build(run, torch.device("meta"))
+    cfg = shapes.cfg
+    params = sum(p.numel() for name, p in shapes.named_parameters() if not name.startswith("embed_tokens"))
+    if cfg.moe:
+        unread = (cfg.num_layers - len(cfg.moe.dense_layers)) * (cfg.moe.num_experts - cfg.moe.experts_per_token)
+        params -= unread * 3 * cfg.hidden_size * cfg.moe.expert_size
+    attention = 4 * run.prompt**2 * cfg.num_heads * cfg.head_dim * cfg.num_layers / (2 if run.engine == "block" else 1)
     prefill = run.batch * (2 * params * run.prompt + attention) / (matmul_rate * 1e12)
-    blocks = run.gen // run.block
-    steps = run.steps if run.engine == "masked" else run.steps * blocks
-    step = max(weight_bytes / (bandwidth * 1e9), 2 * params * run.batch * run.block / (matmul_rate * 1e12))
+    steps = run.steps if run.engine == "masked" else run.steps * (run.gen // run.block)
+    step = max(2 * params / (bandwidth * 1e9), 2 * params * run.batch * run.block / (matmul_rate * 1e12))
     return prefill + steps * step
 
 
@@ -298,24 +265,24 @@ def machine_record(journal: Journal, setup) -> dict:
     return {k: v for k, v in journal.done["machine"].items() if k not in ("key", "date")}
 
 
-def open_journal(path: Path, key: dict) -> Journal:
-    """The journal at path of a run with these settings; one of other settings (another GPU's included)
-    ends the run with a line naming them."""
+def journaled(setup, key: dict, runs: list[Run], measure) -> tuple[list[tuple[Run, dict]], list[str], Journal]:
+    """Every run with its result, from the journal (--journal, or runs/e2e-<hash of key>.jsonl) or
+    measure(run); the labels of the runs that failed (not journaled: a rerun tries them again); the
+    journal. A journal of other settings (another GPU's included) ends the run with a line naming them."""
     try:
-        return Journal(path, key)
+        journal = Journal(setup.args.journal or journal_path("e2e", key), key)
     except ValueError as error:
         sys.exit(f"bench.py e2e: {error}")
-
-
-def run_rows(runs: list[Run], journal: Journal, measure) -> list[str]:
-    """measure(run) for every configuration the journal lacks; returns the labels of those that failed."""
+    if key["settings"].startswith("paper"):  # its table quotes the rates the journal's first call measured
+        setup.meta.update(machine_record(journal, setup))
+    setup.meta["settings"] = key["settings"]
     started, computed, failed = time.perf_counter(), 0, []
     for i, run in enumerate(runs):
         if run.label() in journal.done:
             continue
         try:
             result = measure(run)
-        except RuntimeError as error:  # not journaled: a rerun tries it again
+        except RuntimeError as error:
             result = {"skipped": f"failed: {str(error).strip().splitlines()[-1][:200]}"}
             failed.append(run.label())
             print(error, file=sys.stderr, flush=True)
@@ -325,6 +292,16 @@ def run_rows(runs: list[Run], journal: Journal, measure) -> list[str]:
         computed += 1
         print(f"[{i + 1}/{len(runs)}] {run.label()}: {result}{time_left(started, computed, len(runs) - i - 1)}",
               flush=True)
+    return [(run, journal.done[run.label()]["result"]) for run in runs], failed, journal
+
+
+def close(report, done, failed: list[str], journal: Journal) -> list[str]:
+    """Names the rows not run; deletes the journal once every row ran. Returns the failed rows."""
+    skipped = [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]
+    if skipped:
+        report.say("Not run: " + "; ".join(skipped) + "\n")
+    if not failed:
+        journal.finish()
     return failed
 
 
@@ -332,13 +309,8 @@ def paper(setup) -> list[str]:
     """The paper settings' table; returns the rows that failed (they are retried by a rerun)."""
     args, meta, report = setup.args, setup.meta, setup.report
     settings = "paper_quick" if args.quick else "paper"
-    runs = SETTINGS[settings]
-    path = args.journal or journal_path("e2e", {"settings": settings, "meta": meta["device"]})
     key = {"settings": settings, "device": meta["device"]}  # rows of another GPU are never mixed in
-    journal = open_journal(path, key)
-    meta.update(machine_record(journal, setup), settings=settings)
-    failed = run_rows(runs, journal, lambda run: in_new_process(run, 2, args.timeout))
-    done = [(run, journal.done[run.label()]["result"]) for run in runs]
+    done, failed, journal = journaled(setup, key, SETTINGS[settings], lambda run: in_new_process(run, 2, args.timeout))
     bandwidth, matmul_rate = meta["copy_GBps"], meta["matmul_TFLOPs"]
     ran = [(run, paper_row(run, result, bandwidth, matmul_rate)) for run, result in done if "skipped" not in result]
     add_ratios([row for _, row in ran], [run for run, _ in ran])
@@ -351,13 +323,9 @@ def paper(setup) -> list[str]:
                  "at its defaults.")
     errors = [f"{run.label()}: {max(result['logits error']):.3f}" for run, result in done if result.get("logits error")]
     if errors:
-        report.say("The peer's logits against ours over a 256-token canvas (relative error): " + "; ".join(errors) + "\n")
-    skipped = [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]
-    if skipped:
-        report.say("Not run: " + "; ".join(skipped) + "\n")
-    if not failed:
-        journal.finish()
-    return failed
+        report.say("The peer's logits against ours over a 256-token canvas (relative error): " + "; ".join(errors)
+                   + "\n")
+    return close(report, done, failed, journal)
 
 
 def warm_start_processes(run: Run, repeats: int) -> dict:
@@ -390,11 +358,7 @@ def warm_start(setup) -> list[str]:
                  f"({', '.join(dict.fromkeys(run.method for run in SETTINGS[settings]))})")
     runs = [run for run in SETTINGS[settings] if not args.methods or run.method in args.methods]
     key = {"settings": settings, "repeats": args.repeats, "methods": args.methods, "device": meta["device"]}
-    path = args.journal or journal_path("e2e", key)
-    journal = open_journal(path, key)
-    meta.update(settings=settings)
-    failed = run_rows(runs, journal, lambda run: warm_start_processes(run, args.repeats))
-    done = [(run, journal.done[run.label()]["result"]) for run in runs]
+    done, failed, journal = journaled(setup, key, runs, lambda run: warm_start_processes(run, args.repeats))
     ran = [run for run, result in done if "skipped" not in result]
     rows = [warm_start_row(run, result) for run, result in done if "skipped" not in result]
     add_ratios(rows, ran, (("vs dense", "dense"),) if any(run.method == "dense" for run in ran) else ())
@@ -406,12 +370,7 @@ def warm_start(setup) -> list[str]:
                  "generating three times: its first generation (what every later process pays; the bar: at most 1 s "
                  "over a warm one) and its warm time (the faster of the other two). The row gives medians over the "
                  "later processes, and the range of their first-minus-warm differences. Every method at its defaults.")
-    skipped = [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]
-    if skipped:
-        report.say("Not run: " + "; ".join(skipped) + "\n")
-    if not failed:
-        journal.finish()
-    return failed
+    return close(report, done, failed, journal)
 
 
 def e2e(setup) -> str:

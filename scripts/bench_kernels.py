@@ -16,14 +16,13 @@ import itertools
 import json
 import os
 import tempfile
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from harness import kilo
+from harness import kilo, wall_us
 from kernels.decode_attention import decode_attention
 from kernels.key_scores import key_scores
 from kernels.rmsnorm import rms_norm, rms_norm_reference
@@ -188,25 +187,6 @@ def bench_prefill(setup, shapes, matmul_rate):
                        f"B = {b}, compared with SDPA's causal mask (its FLOPs counted for causal).")
 
 
-def back_to_back_us(fn, device, calls) -> float:
-    """Mean microseconds per call over `calls` calls in a row, after 5 warm-ups (CUDA events on a GPU)."""
-    for _ in range(5):
-        fn()
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls * 1e3
-
-
 def bench_norm_rope(setup, shapes):
     """The fused RMSNorm and RoPE kernels against the model's torch form; GB/s of the bytes that must move
     (input, output, the weight or tables once)."""
@@ -226,8 +206,8 @@ def bench_norm_rope(setup, shapes):
     rows = []
     for name, nbytes, fused, reference, args in cases:
         out, expected = fused(*args), reference(*args)
-        fused_us = back_to_back_us(lambda: fused(*args), device, calls)
-        torch_us = back_to_back_us(lambda: reference(*args), device, calls)
+        fused_us = wall_us(lambda: fused(*args), device, tries=1, calls=calls, warmups=5)
+        torch_us = wall_us(lambda: reference(*args), device, tries=1, calls=calls, warmups=5)
         rows.append({"op": name, "fused us": fused_us, "fused GB/s": nbytes / fused_us / 1e3, "torch us": torch_us,
                      "torch GB/s": nbytes / torch_us / 1e3,
                      "max abs diff": (out.float() - expected.float()).abs().max().item(),

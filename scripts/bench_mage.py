@@ -22,20 +22,16 @@ import torch
 
 import nanodllm.attention as attention_module
 import nanodllm.graphs as graphs_module
-from harness import GENERATION_BLOCKS, logits, read_bytes, timed_generation, too_big
+from harness import (GENERATION_BLOCKS, QUICK_SDAR, logits, random_prompts, read_bytes, timed_generation,
+                     too_big)
 from kernels.top_k import top_k_positions
 from nanodllm.cache import KVCache
-from nanodllm.config import GenerationConfig
 from nanodllm.graphs import Replayed
-from nanodllm.loader import build_random
 from nanodllm.methods import Dense, Mage, Quest, get_method
 from nanodllm.methods.base import StepContext
 
 FULL = dict(contexts=(32768, 65536, 131072), batches=(1, 4), block=32, steps=32, k=1024)
 QUICK = dict(contexts=(96, 200), batches=(1, 2), block=8, steps=4, k=32)
-QUICK_SDAR = dict(model_type="sdar", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, intermediate_size=256, vocab_size=256, mask_token_id=255,
-                  block_size=8, max_position_embeddings=1024)
 
 
 def block_context(cfg, batch, context, block, steps, device, dtype) -> StepContext:
@@ -101,17 +97,12 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
     """Milliseconds per block of block.generate at batch 1 (random prompt, temperature 0, no stop token)
     inside one generation of GENERATION_BLOCKS blocks, after a warm-up generation that compiles and
     autotunes; their median and range. Graphed: every method; eager: exact and MAGE."""
-    prompt = torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    size, steps = shapes["block"], shapes["steps"]
+    prompts, steps = random_prompts(cfg, context), shapes["steps"]
     methods = [("exact", "dense", {}), ("MAGE", "mage", knobs), ("Quest", "quest", knobs),
                ("SparseD", "sparsed", knobs)]
     runs = [(*method, True) for method in methods] + [(*method, False) for method in methods[:2]]
-
-    def run(name, method_knobs, blocks):
-        gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=steps, temperature=0.0,
-                               threshold=None)
-        return timed_generation(model, [prompt], gen, get_method(name, **method_knobs))[0]
-
+    run = lambda name, method_knobs, blocks: timed_generation(model, prompts, get_method(name, **method_knobs),
+                                                              shapes["block"], steps, blocks)[0]
     rows = []
     for label, name, method_knobs, graphed in runs:
         graphs_module.GRAPHS_ENABLED = graphed
@@ -126,14 +117,11 @@ def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> lis
 
 
 def mage(setup):
-    device, dtype = setup.device, setup.dtype
-    shapes = QUICK if setup.quick else FULL
-    cfg = setup.model_config(QUICK_SDAR, "sdar-8b", context=max(shapes["contexts"]) + 2 * shapes["block"],
-                             block_size=shapes["block"])
-    knobs = dict(k=shapes["k"], exact_layers=2)
-    bandwidth, _ = setup.ceilings
-    setup.meta.update(shapes=shapes, knobs=knobs)
-    model = build_random(cfg, device=device, dtype=dtype)
+    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK, FULL)
+    knobs = setup.meta["knobs"] = dict(k=shapes["k"], exact_layers=2)
+    model = setup.random_model(QUICK_SDAR, "sdar-8b", context=max(shapes["contexts"]) + 2 * shapes["block"],
+                               block_size=shapes["block"])
+    cfg, (bandwidth, _) = model.cfg, setup.ceilings
     weight_bytes, weights_read = sum(p.numel() * p.element_size() for p in model.parameters()), read_bytes(model)
     setup.report.say(f"{cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads, d = "
                      f"{cfg.head_dim}, random weights {weight_bytes / 1e9:.2f} GB; copy bandwidth {bandwidth:.0f} "

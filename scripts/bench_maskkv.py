@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 import nanodllm.graphs as graphs_module
-from harness import QUICK_LLADA, canvas_context, eager_us, generation_seconds, logits, peak_gib, step_floor
+from harness import QUICK_LLADA, canvas_context, logits, peak_gib, random_prompts, step_floor, wall_us
 from nanodllm.config import GenerationConfig
+from nanodllm.generation import generate
 from nanodllm.graphs import Replayed
-from nanodllm.loader import build_random
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
 from nanodllm.methods.maskkv import PROFILE_NAME, layer_importance
@@ -51,13 +51,13 @@ def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, fl
     engine = Replayed(method)
     pinned = lambda t: logits(engine, model, replace(ctx, t=t))
     first_peak = peak_gib(lambda: pinned(0), device)  # t = 0 starts the caches afresh
-    gpu = {"first": eager_us(lambda: pinned(0), device, tries=1)}
+    gpu = {"first": wall_us(lambda: pinned(0), device, tries=1)}
     eager = dict(gpu)
     for t in range(1, steps):
         kind = step_kind(t, method)
         if kind in gpu:
             continue
-        eager[kind] = gpu[kind] = eager_us(lambda t=t: pinned(t), device)
+        eager[kind] = gpu[kind] = wall_us(lambda t=t: pinned(t), device)
         if kind in ("drift", "response refresh") and device.type == "cuda":  # no host syncs in these
             graphs_module.GRAPHS_ENABLED = False  # the timer records the step itself
             gpu[kind] = timer(lambda t=t: pinned(t))
@@ -80,12 +80,10 @@ def measured_profile(model, ctx) -> str:
 
 @torch.no_grad()
 def maskkv(setup):
-    device, shapes = setup.device, QUICK if setup.quick else FULL
+    device, shapes = setup.device, setup.shapes(QUICK, FULL)
     steps = gen = shapes["gen_length"]
-    cfg = setup.model_config(QUICK_LLADA, "llada-8b", context=max(shapes["contexts"]) + gen)
-    ceilings = setup.ceilings
-    setup.meta.update(shapes=shapes)
-    model = build_random(cfg, device=device, dtype=setup.dtype)
+    model = setup.random_model(QUICK_LLADA, "llada-8b", context=max(shapes["contexts"]) + gen)
+    cfg, ceilings = model.cfg, setup.ceilings
     floor_us = step_floor(cfg, model, ceilings)
     setup.report.say(f"Copy {ceilings[0]:.0f} GB/s, matmul {ceilings[1]:.0f} TFLOP/s. {gen} tokens in {steps} steps, "
                      f"block length {shapes['block_length']}; MaskKV budget {shapes['budget']} per head, its layer "
@@ -96,7 +94,7 @@ def maskkv(setup):
         width, budget = context + gen, min(shapes["budget"], context)
         dense = Dense()
         vanilla = Replayed(dense)
-        vanilla_us = eager_us(lambda: logits(vanilla, model, ctx), device)
+        vanilla_us = wall_us(lambda: logits(vanilla, model, ctx), device)
         vanilla_peak = peak_gib(lambda: logits(vanilla, model, ctx), device)
         reference_peak = peak_gib(lambda: model.head(model.hidden(ctx.tokens, ctx.positions,
                                                                   lambda i, q, k, v: dense.attend(i, q, k, v, ctx))
@@ -139,12 +137,12 @@ def maskkv(setup):
             "peak GiB": reference_peak, "peak vs vanilla": reference_peak / vanilla_peak,
             "peak vs reference vanilla": 1.0}))
         if context == min(shapes["contexts"]):  # a real generation per method, host overhead included
-            prompt = torch.randint(0, cfg.mask_token_id, (context,),
-                                   generator=torch.Generator().manual_seed(1)).tolist()
+            prompt = random_prompts(cfg, context, seed=1)[0]
             config = GenerationConfig(gen_length=gen, block_length=shapes["block_length"], steps=gen)
             for name in ("dllm_cache", "maskkv"):
                 method = get_method(name, **(maskkv_knobs if name == "maskkv" else {}))
-                seconds = generation_seconds(model, prompt, config, method, device)
+                # the second of two generations: the first compiles and autotunes; each records its own graphs
+                seconds = wall_us(lambda: generate(model, [prompt], config, method), device, tries=1) / 1e6
                 gen_rows.append(generation_row(context, f"{name}, end to end", **{
                     "ms / generation": seconds * 1e3, "eager tokens/s": gen / seconds,
                     "eager speedup": totals["vanilla"][0] / (seconds * 1e6)}))

@@ -21,9 +21,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from harness import GENERATION_BLOCKS, timed_generation, too_big
 import nanodllm.graphs as graphs_module
-from nanodllm.config import GenerationConfig, ModelConfig, preset
+from harness import (GENERATION_BLOCKS, QUICK_MOE, block_floor_ms, count_touched_experts, kv_bytes,
+                     random_prompts, timed_generation, too_big)
+from nanodllm.config import ModelConfig, preset
 from nanodllm.loader import build_random
 from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
@@ -32,16 +33,11 @@ FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128), prefil
 QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64)
 GENERATE = {"llada2-mini": dict(contexts=(32768, 65536, 131072), batches=(1, 4), ks=(1024, 512), block=32, steps=32),
             "sdar-30b-a3b": dict(contexts=(32768, 65536), batches=(1, 4), ks=(1024, 512), block=32, steps=32)}
-QUICK_MODEL = dict(model_type="llada2_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                   num_experts=16, num_experts_per_tok=4, num_shared_experts=1, n_group=4, topk_group=2,
-                   routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True, partial_rotary_factor=0.5,
-                   vocab_size=256, mask_token_id=255, block_size=8, max_position_embeddings=1024)
 
 
 def moe_config(name: str, context: int | None = None, block: int | None = None) -> ModelConfig:
     if name == "quick":
-        return ModelConfig.from_dict(QUICK_MODEL, source="bench moe --quick")
+        return ModelConfig.from_dict(QUICK_MOE, source="bench moe --quick")
     return preset(name, context=context, block_size=block)
 
 
@@ -93,36 +89,6 @@ def methods_to_run(ks) -> list[tuple[str, Callable]]:
     return runs
 
 
-def count_touched_experts(model, rows: int) -> tuple[list[int], Callable]:
-    """Hooks on every router that record, for each eager forward over `rows` tokens (a block step or a
-    commit, not the prefill; recorded graph replays run no Python), how many distinct experts its
-    tokens chose. Returns (the counts, a function removing the hooks)."""
-    counts = []
-
-    def record(router, inputs, output):
-        if inputs[0].shape[0] == rows and not torch.cuda.is_current_stream_capturing():
-            counts.append(int(output[0].unique().numel()))
-
-    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in model.layers if isinstance(layer.mlp, MoE)]
-    return counts, lambda: [hook.remove() for hook in hooks]
-
-
-def block_floor_ms(model, context, batch, shapes, touched: float, kv_fraction: float, bandwidth) -> float:
-    """Milliseconds a block cannot beat: its steps + 1 commit forward each read every weight except the
-    routed experts (the embedding's rows aside) plus `touched` experts per MoE layer and the KV
-    cache's kv_fraction (1 at the exact commit); the steps also read the LM head. Over copy bandwidth."""
-    cfg, steps = model.cfg, shapes["steps"]
-    element = next(model.parameters()).element_size()
-    fixed = sum(p.numel() * element for name, p in model.named_parameters()
-                if ".experts." not in name and not name.startswith(("embed_tokens.", "lm_head.")))
-    moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.layers)
-    experts = moe_layers * touched * 3 * cfg.hidden_size * cfg.moe.expert_size * element
-    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
-    head = model.lm_head.weight.numel() * element
-    total = (steps + 1) * (fixed + experts) + steps * head + (steps * kv_fraction + 1) * kv
-    return total / bandwidth / 1e6
-
-
 def kv_fraction_read(label: str, method, stats: dict, cfg) -> float:
     """The KV share a step reads: the generation's kv_kept (1 for exact), plus Quest's page bounds (a min
     and a max of K per page_size keys in each sparse layer = (K + V) / page_size)."""
@@ -137,18 +103,11 @@ def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict
     per row: ms/block, the median of the blocks after the first. A warm-up generation of the exact
     engine, eager, first compiles and tunes every shape the prefill and the exact steps use and counts
     the experts each step touches."""
-    cfg = model.cfg
-    prompts = [torch.randint(0, cfg.mask_token_id, (context,), generator=torch.Generator().manual_seed(row)).tolist()
-               for row in range(batch)]
-    size, warm_blocks = shapes["block"], 2
-
-    def run(method, blocks):
-        gen = GenerationConfig(gen_length=blocks * size, block_length=size, steps=shapes["steps"], threshold=None)
-        return timed_generation(model, prompts, gen, method)
-
-    touched, remove_hooks = count_touched_experts(model, batch * size)
+    cfg, prompts = model.cfg, random_prompts(model.cfg, context, batch)
+    run = lambda method, blocks: timed_generation(model, prompts, method, shapes["block"], shapes["steps"], blocks)
+    touched, remove_hooks = count_touched_experts(model, batch * shapes["block"])
     graphs_module.GRAPHS_ENABLED = False
-    run(Dense(), warm_blocks)
+    run(Dense(), 2)
     graphs_module.GRAPHS_ENABLED = True
     remove_hooks()
     touched_mean = statistics.mean(touched)
@@ -156,10 +115,10 @@ def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict
     for label, make in methods_to_run(shapes["ks"]):
         method = make()
         torch.cuda.reset_peak_memory_stats()
-        block_ms, prefill_s, stats = run(method, GENERATION_BLOCKS)
+        block_ms, prefill_s, result = run(method, GENERATION_BLOCKS)
         ms = statistics.median(block_ms)
-        kv_fraction = kv_fraction_read(label, method, stats, cfg)
-        floor = block_floor_ms(model, context, batch, shapes, touched_mean, kv_fraction, bandwidth)
+        kv_fraction = kv_fraction_read(label, method, result.stats, cfg)
+        floor = block_floor_ms(model, context, batch, shapes["steps"], touched_mean, kv_fraction, bandwidth)
         rows.append({"model": name, "context": context, "batch": batch, "method": label, "ms/block": ms,
                      "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}", "floor ms/block": floor,
                      "ms / floor": ms / floor, "prefill s": prefill_s,
@@ -172,17 +131,9 @@ def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict
     return rows
 
 
-def kv_cache_bytes(model, context, batch, shapes) -> int:
-    """A KV cache for a generation of GENERATION_BLOCKS + 1 blocks after `context` tokens."""
-    cfg, element = model.cfg, next(model.parameters()).element_size()
-    tokens = batch * (context + (GENERATION_BLOCKS + 1) * shapes["block"])
-    return tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
-
-
 def moe_mlp(setup):
-    device, dtype, shapes = setup.device, setup.dtype, QUICK if setup.quick else FULL
+    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK, FULL)
     bandwidth, matmul_rate = setup.ceilings
-    setup.meta.update(shapes=shapes)
     setup.report.say(f"Copy bandwidth {bandwidth:.0f} GB/s, matmul {matmul_rate:.0f} TFLOP/s (measured now).\n")
     rows = []
     for name in shapes["presets"]:
@@ -213,7 +164,8 @@ def moe_generation(setup):
     for context in shapes["contexts"]:
         rows = []
         for batch in shapes["batches"]:
-            if why := too_big(setup.device, weight_bytes, kv_cache_bytes(model, context, batch, shapes)):
+            tokens = batch * (context + (GENERATION_BLOCKS + 1) * shapes["block"])
+            if why := too_big(setup.device, weight_bytes, kv_bytes(cfg, tokens, 2)):
                 report.say(f"- {context} tokens x batch {batch}: skipped, {why}\n")
                 continue
             try:

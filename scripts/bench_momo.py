@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from harness import eager_us, kilo
+from harness import kilo, wall_us
 from kernels.block_sparse_attention import block_sparse_attention
 from kernels.flash_attention import flash_attention
 from kernels.qsa_attention import qsa_attention
@@ -66,12 +66,11 @@ def sdpa_causal(q, k, v):
 
 @torch.no_grad()
 def momo(setup):
-    device, dtype, shapes = setup.device, setup.dtype, QUICK if setup.quick else FULL
+    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK, FULL, knobs=KNOBS)
     _, matmul_rate = setup.ceilings
     knobs = QUICK_KNOBS if setup.quick else KNOBS
-    setup.meta.update(shapes=shapes, knobs=KNOBS)
     heads, kv_heads, d = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
-    ms = lambda fn: eager_us(fn, device) / 1e3
+    ms = lambda fn: wall_us(fn, device) / 1e3
     floor_ms = lambda flops: flops / matmul_rate / 1e9
     momo_call = lambda q, k, v, mask, k_blocks, variant: momo_attention(
         q, k, v, mask, knobs["gamma"], knobs["chi"], knobs["beta"], k_blocks, min(knobs["k_exact"], k_blocks), None,

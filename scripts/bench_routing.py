@@ -28,9 +28,8 @@ def random_qkv(heads, kv_heads, n_q, n_k, head_dim, device, dtype):
 
 @torch.no_grad()
 def routing(setup):
-    shapes, timer, report = QUICK if setup.quick else FULL, setup.timer, setup.report
+    shapes, timer, report = setup.shapes(QUICK, FULL), setup.timer, setup.report
     device, dtype = setup.device, setup.dtype
-    setup.meta.update(shapes=shapes)
     rows = []
     for heads, kv_heads in shapes["heads"]:
         for n_q in shapes["queries"]:

@@ -15,10 +15,10 @@ from dataclasses import replace
 
 import torch
 
-from harness import QUICK_LLADA, canvas_context, eager_us, generation_seconds, logits, peak_gib, step_floor
+from harness import QUICK_LLADA, canvas_context, logits, peak_gib, random_prompts, step_floor, wall_us
 from nanodllm.config import GenerationConfig
+from nanodllm.generation import generate
 from nanodllm.graphs import Replayed
-from nanodllm.loader import build_random
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
 
@@ -35,21 +35,19 @@ def method_block(model, ctx, steps, device):
     method.begin_block(building)
     build = lambda: (method.begin_block(building), logits(steps, model, building))
     peak = peak_gib(build, device)
-    build_us = eager_us(build, device, tries=1)
+    build_us = wall_us(build, device, tries=1)
     cached = lambda: logits(steps, model, cached_ctx)
     peak = max(peak, peak_gib(cached, device))
-    return build_us, eager_us(cached, device), peak
+    return build_us, wall_us(cached, device), peak
 
 
 @torch.no_grad()
 def sparse_dllm(setup):
-    device, shapes = setup.device, QUICK if setup.quick else FULL
+    device, shapes = setup.device, setup.shapes(QUICK, FULL)
     gen, block = shapes["gen_length"], shapes["block_length"]
     blocks = gen // block
-    cfg = setup.model_config(QUICK_LLADA, "llada-8b", context=max(shapes["lengths"]))
-    ceilings = setup.ceilings
-    setup.meta.update(shapes=shapes)
-    model = build_random(cfg, device=device, dtype=setup.dtype)
+    model = setup.random_model(QUICK_LLADA, "llada-8b", context=max(shapes["lengths"]))
+    cfg, ceilings = model.cfg, setup.ceilings
     floor_us = step_floor(cfg, model, ceilings)
     setup.report.say(f"Copy {ceilings[0]:.0f} GB/s, matmul {ceilings[1]:.0f} TFLOP/s. {gen} generated tokens in "
                      f"{blocks} blocks of {block}, {block} steps per block; sparse_dllm at the paper's defaults.\n")
@@ -58,7 +56,7 @@ def sparse_dllm(setup):
     for length in shapes["lengths"]:
         middle = context_of(length, blocks // 2)
         vanilla = Replayed(Dense())
-        full_us = eager_us(lambda: logits(vanilla, model, middle), device)
+        full_us = wall_us(lambda: logits(vanilla, model, middle), device)
         vanilla_peak = peak_gib(lambda: logits(vanilla, model, middle), device)
         full_floor = floor_us(length, length * length)
         totals = {"vanilla": (gen * full_us, gen * full_floor, vanilla_peak)}
@@ -94,11 +92,11 @@ def sparse_dllm(setup):
                          "speedup vs vanilla": totals["vanilla"][0] / total, "x floor": total / floor,
                          "peak GiB": peak, "peak vs vanilla": peak / vanilla_peak})
         if length == min(shapes["lengths"]):  # a real generation per method, host overhead included
-            prompt = torch.randint(0, cfg.mask_token_id, (length - gen,),
-                                   generator=torch.Generator().manual_seed(1)).tolist()
+            prompt = random_prompts(cfg, length - gen, seed=1)[0]
             config = GenerationConfig(gen_length=gen, block_length=block, steps=gen)
             for label, (name, knobs) in METHODS.items():
-                seconds = generation_seconds(model, prompt, config, get_method(name, **knobs), device)
+                method = get_method(name, **knobs)  # timed: its second generation (the first compiles)
+                seconds = wall_us(lambda: generate(model, [prompt], config, method), device, tries=1) / 1e6
                 rows.append({"length": length, "method": f"{label}, a real generation", "tokens/s": gen / seconds,
                              "speedup vs vanilla": totals["vanilla"][0] / (seconds * 1e6),
                              **dict.fromkeys(("x floor", "peak GiB", "peak vs vanilla"), float("nan"))})

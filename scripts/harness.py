@@ -1,5 +1,6 @@
-"""What bench.py's sections share: the Timer, the Report of tables they write, the Setup each one is
-given (flags, device, dtype, metadata, measured ceilings) and the measurements several of them make."""
+"""What bench.py's sections share: the Timer and Clock, the Report of tables they write, the Setup each
+one is given (flags, device, dtype, metadata, measured ceilings), the tiny models of --quick and the
+measurements and floors several of them make."""
 
 from __future__ import annotations
 
@@ -23,12 +24,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanodllm.cli import write_whole  # noqa: E402
-from nanodllm.config import ModelConfig, preset  # noqa: E402
+from nanodllm.config import GenerationConfig, ModelConfig, preset  # noqa: E402
 from nanodllm.generation import generate  # noqa: E402
+from nanodllm.loader import build_random  # noqa: E402
 from nanodllm.methods.base import StepContext  # noqa: E402
+from nanodllm.mlp import MoE  # noqa: E402
 
 QUICK_LLADA = dict(model_type="llada", d_model=128, n_layers=3, n_heads=4, n_kv_heads=4, mlp_hidden_size=256,
                    vocab_size=256, mask_token_id=255, eos_token_id=254, max_sequence_length=1024)
+QUICK_SDAR = dict(model_type="sdar", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, intermediate_size=256, vocab_size=256, mask_token_id=255,
+                  block_size=8, max_position_embeddings=1024)
+QUICK_MOE = dict(model_type="llada2_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                 num_experts=16, num_experts_per_tok=4, num_shared_experts=1, n_group=4, topk_group=2,
+                 routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True, partial_rotary_factor=0.5,
+                 vocab_size=256, mask_token_id=255, block_size=8, max_position_embeddings=1024)
 
 
 class Timer:
@@ -82,13 +93,42 @@ class Timer:
         if self.device.type == "cuda":
             return triton.testing.do_bench(fn, warmup=25, rep=100 if not self.quick else 10,
                                            return_mode=return_mode) * 1e3
+        return wall_us(fn, self.device, tries=2)
+
+
+class Clock:
+    """Marks in time (CUDA events on a GPU, the host's clock on a CPU) and the milliseconds between them."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, []
+
+    def mark(self):
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def between(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [a.elapsed_time(b) if self.cuda else (b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def wall_us(fn, device, tries=3, calls=1, warmups=1) -> float:
+    """After `warmups` calls, the median over `tries` of the microseconds per call of `calls` calls in a
+    row (CUDA events on a GPU), host overhead included."""
+    for _ in range(warmups):
         fn()
-        times = []
-        for _ in range(2):
-            start = time.perf_counter()
+    times = []
+    for _ in range(tries):
+        clock = Clock(device.type == "cuda")
+        clock.mark()
+        for _ in range(calls):
             fn()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2] * 1e6
+        clock.mark()
+        times.append(clock.between()[0] * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
 
 
 class Report:
@@ -178,11 +218,16 @@ class Setup:
         self.meta.update(copy_GBps=2 * copy_bytes / copy_us / 1e3, matmul_TFLOPs=2 * n**3 / matmul_us / 1e6)
         return self.meta["copy_GBps"], self.meta["matmul_TFLOPs"]
 
-    def model_config(self, quick_fields: dict, name: str, **preset_knobs) -> ModelConfig:
-        """A tiny config with --quick, else the named preset."""
-        if self.quick:
-            return ModelConfig.from_dict(quick_fields, source="bench --quick")
-        return preset(name, **preset_knobs)
+    def shapes(self, quick: dict, full: dict, **recorded) -> dict:
+        """The section's shapes (--quick: the tiny ones), recorded in the metadata with `recorded`."""
+        self.meta.update(shapes=quick if self.quick else full, **recorded)
+        return self.meta["shapes"]
+
+    def random_model(self, quick_fields: dict, name: str, **preset_knobs):
+        """Random weights of a tiny model with --quick, else of the named preset's shape."""
+        cfg = (ModelConfig.from_dict(quick_fields, source="bench --quick") if self.quick
+               else preset(name, **preset_knobs))
+        return build_random(cfg, device=self.device, dtype=self.dtype)
 
     def free(self):
         if self.device.type == "cuda":
@@ -200,6 +245,12 @@ def logits(steps, model, ctx):
     return steps.logits(model, steps.step(model, ctx), ctx)
 
 
+def random_prompts(cfg, length: int, batch: int = 1, seed: int = 0) -> list[list[int]]:
+    """`batch` prompts of `length` random tokens (below the mask id), row r drawn from seed + r."""
+    return [torch.randint(0, cfg.mask_token_id, (length,), generator=torch.Generator().manual_seed(seed + row)).tolist()
+            for row in range(batch)]
+
+
 def canvas_context(cfg, prompt, gen_length, block_length, device, batch=1, block=0) -> StepContext:
     """The masked engine's step context for `block` of a canvas of random prompt tokens + masks."""
     width = prompt + gen_length
@@ -211,26 +262,6 @@ def canvas_context(cfg, prompt, gen_length, block_length, device, batch=1, block
                        torch.ones_like(tokens, dtype=torch.bool), torch.full((batch,), prompt, device=device),
                        prompt_width=prompt, block=block, steps_per_block=block_length, mask_id=cfg.mask_token_id,
                        logits_start=start, logits_stop=start + block_length, block_length=block_length)
-
-
-def eager_us(fn, device, tries=3) -> float:
-    """After one call, the median of `tries` calls, each timed alone (CUDA events on a GPU), host
-    overhead included."""
-    fn()
-    times = []
-    for _ in range(tries):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e6)
-    return sorted(times)[len(times) // 2]
 
 
 def peak_gib(fn, device) -> float:
@@ -254,6 +285,11 @@ def step_floor(cfg, model, ceilings):
     return lambda rows, keys: max(weights / bandwidth / 1e3, flops(rows, keys) / matmul_rate / 1e6)
 
 
+def kv_bytes(cfg, tokens: int, element: int) -> int:
+    """Bytes of the keys and values of `tokens` tokens in every layer."""
+    return tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
+
+
 def too_big(device, weight_bytes: int, kv_bytes: int) -> str | None:
     """Why the weights, a KV cache and headroom for activations, graph pools and the allocator's slack do
     not fit the GPU; None if they do (or on a CPU)."""
@@ -264,39 +300,58 @@ def too_big(device, weight_bytes: int, kv_bytes: int) -> str | None:
     return None
 
 
+def count_touched_experts(model, rows: int) -> tuple[list[int], callable]:
+    """Hooks on every router recording, for each eager forward over `rows` tokens (a step or a commit, not
+    the prefill; graph replays run no Python), how many of this rank's experts its tokens chose; and a
+    function removing them."""
+    counts = []
+
+    def recorder(held: range):
+        def record(router, inputs, output):
+            capturing = inputs[0].is_cuda and torch.cuda.is_current_stream_capturing()
+            if inputs[0].shape[0] == rows and not capturing:
+                counts.append(sum(int(e) in held for e in output[0].unique()))
+        return record
+
+    moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+    hooks = [moe.gate.register_forward_hook(recorder(moe.experts.held)) for moe in moe_layers]
+    return counts, lambda: [hook.remove() for hook in hooks]
+
+
+def block_floor_ms(model, context: int, batch: int, steps: int, touched: float, kv_fraction: float,
+                   bandwidth: float) -> float:
+    """Milliseconds a block of the block engine cannot beat on this rank: its steps and commit each read
+    the weights but the embedding, the LM head and the routed experts, `touched` experts per MoE layer
+    and the rank's KV heads' cache (kv_fraction of it at a step, all of it at the commit); the steps
+    also read the LM head. Over copy bandwidth (GB/s)."""
+    cfg, element = model.layers[0].cfg, model.embed_tokens.weight.element_size()
+    fixed = sum(p.numel() for name, p in model.named_parameters()
+                if ".experts." not in name and not name.startswith(("embed_tokens.", "lm_head.")))
+    moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+    expert = moe_layers[0].experts.gate_up_proj[0].numel() * 3 // 2 if moe_layers else 0
+    weights = (fixed + len(moe_layers) * touched * expert) * element
+    kv = kv_bytes(cfg, batch * context, element)
+    head = model.lm_head.weight.numel() * element
+    return ((steps + 1) * weights + steps * head + (steps * kv_fraction + 1) * kv) / bandwidth / 1e6
+
+
 GENERATION_BLOCKS = 7  # a timed generation: the first block (where the engine records its graphs), six timed
 
 
-def timed_generation(model, prompts, gen, method) -> tuple[list[float], float, dict]:
-    """block.generate with CUDA events before the call, as each block begins and after the call: the
-    milliseconds of each block after the first (where the engine records its graphs), sorted; the
-    seconds before the first block (the prefill); the generation's stats."""
-    events, begin = [], method.begin_block
-
-    def mark():
-        events.append(torch.cuda.Event(enable_timing=True))
-        events[-1].record()
+def timed_generation(model, prompts, method, block: int, steps: int, blocks: int = GENERATION_BLOCKS):
+    """block.generate of `blocks` blocks (temperature 0, no stop token) with a mark before the call, as
+    each block begins and after it: the milliseconds of each block after the first (where the engine
+    records its graphs), sorted; the seconds before the first block (the prefill); the GenerationResult."""
+    clock, begin = Clock(model.embed_tokens.weight.is_cuda), method.begin_block
 
     def begin_timed(ctx):
-        mark()
+        clock.mark()
         begin(ctx)
 
     method.begin_block = begin_timed
-    mark()
-    stats = generate(model, prompts, gen, method, stop_ids=()).stats
-    mark()
-    torch.cuda.synchronize()
-    block_ms = sorted(a.elapsed_time(b) for a, b in zip(events[2:-1], events[3:]))
-    return block_ms, events[0].elapsed_time(events[1]) / 1e3, stats
-
-
-def generation_seconds(model, prompt, gen, method, device) -> float:
-    """Wall time of the second of two generations by one method object: the first compiles and
-    autotunes; the timed one records its CUDA graphs again (each generation records its own)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    generate(model, [prompt], gen, method)
-    sync()
-    start = time.perf_counter()
-    generate(model, [prompt], gen, method)
-    sync()
-    return time.perf_counter() - start
+    clock.mark()
+    gen = GenerationConfig(gen_length=blocks * block, block_length=block, steps=steps)
+    result = generate(model, prompts, gen, method, stop_ids=())
+    clock.mark()
+    spans = clock.between()
+    return sorted(spans[2:]), spans[0] / 1e3, result

@@ -291,58 +291,60 @@ def block_causal_allowed(batch: int, length: int, block: int) -> torch.Tensor:
     return allowed[None, None].expand(batch, 1, length, length).clone()
 
 
-def hf_llama(weights: dict[str, torch.Tensor]):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_causal_lm(name: str, state: dict[str, torch.Tensor], rotary_dim: int, **shape):
+    """transformers' <name>ForCausalLM in float32, eager attention (and experts), holding state (in its
+    names); shape: its config's fields, rope_theta among them (checked to give plain RoPE over rotary_dim)."""
+    import transformers
 
-    c = LLADA_CONFIG
-    config = LlamaConfig(
-        vocab_size=c["embedding_size"], hidden_size=c["d_model"], intermediate_size=c["mlp_hidden_size"],
-        num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"],
-        head_dim=c["d_model"] // c["n_heads"], hidden_act="silu", max_position_embeddings=c["max_sequence_length"],
-        rms_norm_eps=c["rms_norm_eps"], rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
-        attention_bias=False, mlp_bias=False, tie_word_embeddings=False, use_cache=False)
+    theta = float(shape.pop("rope_theta"))
+    config = getattr(transformers, f"{name}Config")(
+        hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": theta}, tie_word_embeddings=False,
+        use_cache=False, **shape)
     config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config).float().eval()
+    config._experts_implementation = "eager"
+    model = getattr(transformers, f"{name}ForCausalLM")(config).float().eval()
+    model.load_state_dict({k: t.float() for k, t in state.items()}, strict=True)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr(), "head got tied"
+    expected = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    got = model.model.rotary_emb.inv_freq
+    assert torch.allclose(got, expected), f"transformers built RoPE with another theta: {got} vs {expected}"
+    assert model.model.rotary_emb.attention_scaling == 1.0
+    return model
+
+
+def qwen_shape(c: dict) -> dict:
+    """A Qwen-style config.json's shape fields, which transformers' Qwen configs name alike."""
+    return {k: c[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                              "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                              "rms_norm_eps", "rope_theta")}
+
+
+def hf_llama(weights: dict[str, torch.Tensor]):
+    """LlamaForCausalLM holding the LLaDA weights (every attention layer made bidirectional by the mask)."""
+    c = LLADA_CONFIG
     renames = {"attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
                "v_proj": "self_attn.v_proj", "attn_out": "self_attn.o_proj", "ff_norm": "post_attention_layernorm",
                "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "ff_out": "mlp.down_proj"}
+    outside = {"wte": "model.embed_tokens", "ln_f": "model.norm", "ff_out": "lm_head"}  # model.transformer.<name>
     state = {}
     for name, tensor in weights.items():
-        parts = name.split(".")
-        if name == "model.transformer.wte.weight":
-            target = "model.embed_tokens.weight"
-        elif name == "model.transformer.ln_f.weight":
-            target = "model.norm.weight"
-        elif name == "model.transformer.ff_out.weight":
-            target = "lm_head.weight"
-        else:
-            assert parts[:3] == ["model", "transformer", "blocks"], name
-            target = f"model.layers.{parts[3]}.{renames[parts[4]]}.weight"
-        state[target] = tensor.float()
-    model.load_state_dict(state, strict=True)
-    _check_rope(model, c["rope_theta"], c["d_model"] // c["n_heads"])
-    return model
+        parts = name.split(".")  # model.transformer.blocks.<layer>.<module>.weight, or model.transformer.<name>.weight
+        target = f"model.layers.{parts[3]}.{renames[parts[4]]}" if parts[2] == "blocks" else outside[parts[2]]
+        state[target + ".weight"] = tensor
+    head_dim = c["d_model"] // c["n_heads"]
+    return hf_causal_lm("Llama", state, head_dim, vocab_size=c["embedding_size"], hidden_size=c["d_model"],
+                        intermediate_size=c["mlp_hidden_size"], num_hidden_layers=c["n_layers"],
+                        num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"], head_dim=head_dim,
+                        max_position_embeddings=c["max_sequence_length"], rms_norm_eps=c["rms_norm_eps"],
+                        rope_theta=c["rope_theta"], attention_bias=False, mlp_bias=False)
 
 
 def hf_qwen(weights: dict[str, torch.Tensor], c: dict, qwen3: bool):
     """transformers' Qwen3ForCausalLM (q/k norm) or Qwen2ForCausalLM (q/k/v biases) holding weights."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     extra = {"head_dim": head_dim, "attention_bias": False} if qwen3 else {}
-    config = (Qwen3Config if qwen3 else Qwen2Config)(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"], hidden_act="silu",
-        max_position_embeddings=c["max_position_embeddings"], rms_norm_eps=c["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": float(c["rope_theta"])}, use_sliding_window=False,
-        tie_word_embeddings=False, use_cache=False, **extra)
-    config._attn_implementation = "eager"
-    model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config).float().eval()
-    model.load_state_dict({k: t.float() for k, t in weights.items()}, strict=True)
-    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr(), "head got tied"
-    _check_rope(model, float(c["rope_theta"]), head_dim)
-    return model
+    return hf_causal_lm("Qwen3" if qwen3 else "Qwen2", weights, head_dim, use_sliding_window=False,
+                        **qwen_shape(c), **extra)
 
 
 def fused_experts(weights: dict[str, torch.Tensor], prefix: str, count: int) -> dict[str, torch.Tensor]:
@@ -356,33 +358,17 @@ def fused_experts(weights: dict[str, torch.Tensor], prefix: str, count: int) -> 
 
 
 def hf_qwen3_moe(weights: dict[str, torch.Tensor]):
-    """transformers' Qwen3MoeForCausalLM holding the SDAR-MoE weights."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
+    """transformers' Qwen3MoeForCausalLM holding the SDAR-MoE weights, each layer's experts fused."""
     c = SDAR_MOE_CONFIG
-    config = Qwen3MoeConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"], hidden_act="silu",
-        max_position_embeddings=c["max_position_embeddings"], rms_norm_eps=c["rms_norm_eps"],
-        rope_parameters={"rope_type": "default", "rope_theta": float(c["rope_theta"])},
-        decoder_sparse_step=c["decoder_sparse_step"], moe_intermediate_size=c["moe_intermediate_size"],
-        num_experts_per_tok=c["num_experts_per_tok"], num_experts=c["num_experts"],
-        norm_topk_prob=c["norm_topk_prob"], mlp_only_layers=c["mlp_only_layers"],
-        tie_word_embeddings=False, use_cache=False,
-    )
-    config._attn_implementation = "eager"
-    config._experts_implementation = "eager"
-    model = Qwen3MoeForCausalLM(config).float().eval()
-    state = {k: t.float() for k, t in weights.items() if ".experts." not in k}
+    state = {k: t for k, t in weights.items() if ".experts." not in k}
     for i in range(c["num_hidden_layers"]):
         if i not in c["mlp_only_layers"]:
             prefix = f"model.layers.{i}.mlp."
             fused = fused_experts(weights, prefix, c["num_experts"])
             state.update({prefix + "experts." + name: t for name, t in fused.items()})
-    model.load_state_dict(state, strict=True)
-    _check_rope(model, float(c["rope_theta"]), c["head_dim"])
-    return model
+    return hf_causal_lm("Qwen3Moe", state, c["head_dim"], head_dim=c["head_dim"], **qwen_shape(c),
+                        **{k: c[k] for k in ("decoder_sparse_step", "moe_intermediate_size", "num_experts_per_tok",
+                                             "num_experts", "norm_topk_prob", "mlp_only_layers")})
 
 
 def hf_deepseek_v3_moe(weights: dict[str, torch.Tensor], layer: int, group_limit: bool = True, bias: bool = True):
@@ -465,13 +451,6 @@ def verify_llada2_router(weights, ids, allowed, logits) -> None:
 def shifted(logits: torch.Tensor) -> torch.Tensor:
     """Dream / Fast-dLLM v2 decoding: position i takes the logits of position i - 1 (0 keeps its own)."""
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-
-
-def _check_rope(model, theta: float, head_dim: int) -> None:
-    expected = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    got = model.model.rotary_emb.inv_freq
-    assert torch.allclose(got, expected), f"transformers built RoPE with another theta: {got} vs {expected}"
-    assert model.model.rotary_emb.attention_scaling == 1.0
 
 
 @torch.no_grad()
@@ -853,7 +832,8 @@ def gemma_golden(model, cache_class, gen, ids: dict | None = None) -> dict[str, 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=help_text(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", nargs="?", choices=("models", "moe", "qwen2_bpe", "diffusion_gemma"), default="models",
                         help="models: the four dense tiny checkpoints; moe: llada2_tiny and sdar_moe_tiny "
                              "(both transformers 5.x); qwen2_bpe: the tokenizer goldens (transformers 4.x); "

@@ -6,20 +6,12 @@
     python scripts/mutate.py --jobs 2         two at a time, each worker in a copy of its own
     python scripts/mutate.py --baseline       the same test selections on the unmutated code
 
-Each mutation is a bug a developer could plausibly write (an off-by-one, another layer's state, a
-flipped comparison, a missing mask, a forgotten scale, state not reset across blocks or generations)
-given as an exact snippet of a file and its replacement, with the few tests that should notice. The
-repository is copied (without .git, the venv, caches and large untracked folders) to a scratch folder
-per worker; a mutation rewrites one file there, runs its tests with that copy first on PYTHONPATH,
-and puts the file back. pytest's exit status decides: 1 (a test failed) is caught, 0 is survived,
-anything else (collection or usage errors, a crash) counts as caught but is reported as an error; a
-run past the timeout is caught by timeout. A survivor means the tests miss that bug: add a test that
-fails on it, or drop the mutation if it changes nothing observable.
-
-Before anything runs, every snippet must occur exactly once in its file and every named test must
-exist, so the list fails loudly when the code moves instead of silently testing nothing. The first
-mutation, always run, breaks the package's import: if the tests do not fail on it, they are not
-reading the scratch copy and every result would be meaningless.
+A mutation is a plausible bug (an off-by-one, another layer's state, a flipped comparison, a missing
+mask or scale, state not reset) as an exact snippet of a file, its replacement and the tests that
+should notice. Each worker tests in its own copy of the repository (no .git, venv or caches): pytest
+exit 1 is caught, 0 survived (add a test that fails on it), anything else an error. Every snippet
+must occur exactly once and every named test exist, so the list fails loudly when the code moves;
+the first mutation, always run, breaks the package's import to prove the tests read the copy.
 """
 
 from __future__ import annotations
@@ -229,10 +221,12 @@ METHODS = [
              "return since > 0",
              "test_fast_dllm.py::test_a_full_forward_every_step_equals_dense"),
     mutation("fast-dllm-refresh-out-of-phase", "nanodllm/methods/fast_dllm.py",
-             "not (self.refresh and since % self.refresh == 0)", "not (self.refresh and (since + 1) % self.refresh == 0)",
+             "not (self.refresh and since % self.refresh == 0)",
+             "not (self.refresh and (since + 1) % self.refresh == 0)",
              "test_fast_dllm.py::test_fast_dllm_matches_its_reference"),
     mutation("fast-dllm-built-a-step-late", "nanodllm/methods/fast_dllm.py",
-             "return ctx.step >= self.delay and not self.cached(ctx)", "return ctx.step > self.delay and not self.cached(ctx)",
+             "return ctx.step >= self.delay and not self.cached(ctx)",
+             "return ctx.step > self.delay and not self.cached(ctx)",
              "test_fast_dllm.py::test_fast_dllm_matches_its_reference"),
     mutation("fast-dllm-kept-padding-visible", "nanodllm/methods/fast_dllm.py",
              "mask = None if all_valid else valid[:, None, None, :]", "mask = None",
@@ -428,7 +422,8 @@ PARALLEL = [
              "layer_cfg = model.layers[0].cfg", "layer_cfg = model.cfg",
              "test_parallel.py::test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads"),
     mutation("parallel-grouped-experts-of-another-rank-kept", "nanodllm/fused.py",
-             "        if len(held) < count:  # rows past the last group", "        if False:  # rows past the last group",
+             "        if len(held) < count:  # rows past the last group",
+             "        if False:  # rows past the last group",
              "test_parallel.py::test_the_ranks_grouped_experts_sum_to_the_whole_layer"),
     mutation("parallel-grouped-experts-numbered-from-zero", "nanodllm/fused.py",
              "experts = (chosen.flatten() - held.start) % count", "experts = chosen.flatten() % count",
@@ -618,7 +613,8 @@ def summary(results, wall: float, mutate: bool) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=help_text(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", action="append", metavar="NAME",
                         help="run the mutations whose name contains NAME (repeatable; the sanity check always runs)")
     parser.add_argument("--list", action="store_true", help="print the mutations and their tests, run nothing")
@@ -632,19 +628,16 @@ def main(argv=None) -> int:
         wrong = problems(MUTATIONS, ROOT)
         for m in MUTATIONS:
             print(f"{m.name:<52} {m.path:<38} {' '.join(m.tests)}")
-        print(f"\n{len(MUTATIONS) - 1} mutations and the sanity check" + ("" if not wrong else "; the list no longer fits the code:\n  "
-                                                   + "\n  ".join(wrong)))
+        problems_line = "; the list no longer fits the code:\n  " + "\n  ".join(wrong) if wrong else ""
+        print(f"\n{len(MUTATIONS) - 1} mutations and the sanity check{problems_line}")
         return 1 if wrong else 0
     if not chosen:
         sys.exit(f"no mutation name contains {' or '.join(args.only)}")
-    start = time.monotonic()
-    if args.baseline:
-        results = run_all(chosen, args.jobs, args.timeout, mutate=False)
-        print(summary(results, time.monotonic() - start, mutate=False))
-        return 0 if all(result == "survived" for _, result, _ in results) else 1
-    results = run_all(chosen, args.jobs, args.timeout, mutate=True)
-    print(summary(results, time.monotonic() - start, mutate=True))
-    return 1 if any(result == "survived" for _, result, _ in results) else 0
+    start, mutate = time.monotonic(), not args.baseline
+    results = run_all(chosen, args.jobs, args.timeout, mutate)
+    print(summary(results, time.monotonic() - start, mutate))
+    survived = [result == "survived" for _, result, _ in results]  # unmutated: the selection passed
+    return int(any(survived)) if mutate else int(not all(survived))
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ FIGURES = {"momo_latency_vs_k.png": ("bench_momo.json", momo_latency_vs_k),
 
 
 def main():
-    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=help_text(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results")
     args = parser.parse_args()
     missing = [source for source, _ in FIGURES.values() if not (args.results / source).is_file()]

@@ -3,17 +3,12 @@
     python scripts/sweep.py --model tiny-llada --methods dllm_cache,maskkv,snapkv --knob budget=16,32,64,128,256 \
         --lengths 2048,4096,8192 --n 40 --device cuda --dtype bfloat16 --out maskkv_sweep.md
 
-Every method in --methods that takes the swept knob runs once per value; a method without it runs
-once with its defaults. Prints (and writes with --out) one table of accuracy per context length,
-with agreement with dense and KV kept alongside, and per variant a depth x length accuracy grid
-(the NIAH heatmap, as a table: no plotting library needed; --plot FILE.png also draws them, with the
-optional matplotlib).
-
-Progress goes to stderr after every batch (samples done, accuracy so far, time left). Each finished
-(variant, batch) run is appended to a journal, one JSON line, as it finishes (--journal, default
-runs/sweep-<hash of the flags>.jsonl, deleted once the sweep completes): the same command run again
-after an interruption reads it back and runs only what is missing. Every flag is checked before
-the model loads.
+Every method that takes the swept knob runs once per value, the others once with their defaults.
+Prints (and writes with --out) a table of accuracy per context length, agreement with dense and KV
+kept, and per variant a depth x length accuracy grid (--plot FILE.png also draws them: matplotlib).
+Progress goes to stderr after every batch. Each finished (variant, batch) run is journaled (--journal,
+default runs/sweep-<hash of the flags>.jsonl, deleted when the sweep completes): the same command
+resumes there. Every flag is checked before the model loads.
 """
 
 from __future__ import annotations
@@ -31,8 +26,8 @@ from nanodllm import tasks  # noqa: E402
 from nanodllm.cli import (available_device, check_fits, output_file, positive_int, positive_ints,  # noqa: E402
                           run_main, write_whole)
 from nanodllm.config import GenerationConfig, ModelConfig  # noqa: E402
-from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, plot, require_matplotlib,  # noqa: E402
-                           resolve_model, time_left)
+from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, label, plot,  # noqa: E402
+                           require_matplotlib, resolve_model, time_left)
 from nanodllm.methods import get_method, knob_defaults, parse_knobs, parse_value  # noqa: E402
 
 
@@ -64,16 +59,10 @@ def parse_sweep(text: str) -> tuple[str, list]:
     return knob, [parse_value(v) for v in values.split(",")]
 
 
-def label(name: str, knobs: dict) -> str:
-    return name + "".join(f" {k}={v}" for k, v in knobs.items())
-
-
 def run(runner: Runner, samples, plan, batch: int, journal: Journal):
-    """({label: {(length, depth): [(score, tokens, kv_kept)]}}, {label: {length: [method stats per
-    batch]}}), every variant on the same chunks (a batch's stats are filed under its first sample's
-    length). Runs in the journal are read back, not run again."""
+    """{label: {(length, depth): [(score, tokens, kv_kept)]}}, every variant on the same chunks. Runs in
+    the journal are read back, not run again."""
     results = {label(*v): defaultdict(list) for v in plan}
-    stats = {label(*v): defaultdict(list) for v in plan}
     starts = range(0, len(samples), batch)
     if journal.done:
         print(f"resuming from {journal.path}: {len(journal.done)} of {len(starts) * len(plan)} runs done",
@@ -87,41 +76,22 @@ def run(runner: Runner, samples, plan, batch: int, journal: Journal):
             if record is None:
                 runner.knobs = knobs
                 outcome = runner.generate(chunk, name)
-                record = {"key": key, "scores": outcome.scores, "tokens": outcome.tokens, "kv_kept": outcome.kv_kept,
-                          "stats": outcome.stats}
+                record = {"key": key, "scores": outcome.scores, "tokens": outcome.tokens, "kv_kept": outcome.kv_kept}
                 journal.add(record)
                 computed += 1
             for sample, score, tokens, kept in zip(chunk, record["scores"], record["tokens"], record["kv_kept"]):
                 results[label(name, knobs)][(sample.length, sample.depth)].append((score, tokens, kept))
-            stats[label(name, knobs)][chunk[0].length].append(record["stats"])
         done = start + len(chunk)
         runs_left = (len(samples) - done + batch - 1) // batch * len(plan)
         left = time_left(clock, computed, runs_left)
         accuracy = ", ".join(f"{name} {mean_score(cells):.2f}" for name, cells in results.items())
         print(f"  {done}/{len(samples)} samples, accuracy so far: {accuracy}{left}", file=sys.stderr, flush=True)
-    return results, stats
+    return results
 
 
 def mean_score(cells) -> float:
     scores = [record[0] for records in cells.values() for record in records]
     return sum(scores) / len(scores)
-
-
-def per_layer_table(stats, key: str) -> str:
-    """A method statistic that is a list per layer (e.g. dyllm's salient_per_layer), averaged over
-    the batches of each context length; '' if no variant reports it."""
-    rows = []
-    for name, by_length in stats.items():
-        for length, records in sorted(by_length.items()):
-            lists = [r[key] for r in records if key in r]
-            if lists:
-                mean = [sum(values) / len(values) for values in zip(*lists)]
-                rows.append(f"| {name} | {length} | " + " | ".join(f"{v:.3f}" for v in mean) + " |")
-    if not rows:
-        return ""
-    layers = rows[0].count("|") - 3
-    head = "| variant | length | " + " | ".join(f"layer {i}" for i in range(layers)) + " |"
-    return "\n".join([f"{key} (mean over batches):\n", head, "|" + "---|" * (layers + 2), *rows])
 
 
 def length_table(results, lengths) -> str:
@@ -213,15 +183,12 @@ def main(argv=None) -> int:
     print(f"finished runs are kept in {journal.path}: the same command resumes there", file=sys.stderr)
     if not runner.is_block:
         runner.gen = GenerationConfig(gen_length=32, block_length=32, steps=32)
-    samples = [s for length in lengths
-               for s in tasks.make_samples(args.task, length, args.n, args.seed + length, count_tokens=runner.count_tokens)]
-    results, stats = run(runner, samples, plan, args.batch, journal)
+    samples = [sample for length in lengths
+               for sample in tasks.make_samples(args.task, length, args.n, args.seed + length,
+                                                count_tokens=runner.count_tokens)]
+    results = run(runner, samples, plan, args.batch, journal)
     text = [f"{args.model}, task {args.task}, {runner.gen}, {args.n} samples per length, {args.device} {args.dtype}\n",
-            length_table(results, lengths), ""]
-    for key in ("salient_per_layer",):
-        table = per_layer_table(stats, key)
-        text += [table, ""] if table else []
-    text += ["Accuracy by needle depth x context length:\n"]
+            length_table(results, lengths), "", "Accuracy by needle depth x context length:\n"]
     text += [depth_grid(name, cells, lengths) + "\n" for name, cells in results.items()]
     print("\n".join(text))
     if args.out:

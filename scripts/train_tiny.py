@@ -34,7 +34,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nanodllm.cli import help_text, run_main  # noqa: E402
+from nanodllm.cli import help_text, run_main, unit_fraction  # noqa: E402
 from nanodllm import tasks  # noqa: E402
 from nanodllm.attention import attention, block_causal_mask, key_padding_mask  # noqa: E402
 from nanodllm.config import ModelConfig  # noqa: E402
@@ -80,14 +80,13 @@ def train_tokenizer(seed: int) -> Path:
     return path
 
 
-def family_config(family: str, vocab: dict, vocab_size: int, qk_norm: bool = False) -> dict:
-    """config.json in the family's real field names; qk_norm: LLaDA's attention_layer_norm (sdar always has
-    its per-head q/k norm)."""
+def family_config(family: str, vocab: dict, vocab_size: int) -> dict:
+    """config.json in the family's real field names (llada without q/k norm, sdar with its per-head one)."""
     if family == "llada":
         return dict(model_type="llada", architectures=["LLaDAModelLM"], d_model=256, n_layers=4, n_heads=4,
                     n_kv_heads=4, mlp_hidden_size=704, mlp_ratio=4, vocab_size=vocab_size,
                     embedding_size=vocab_size, rope_theta=500000.0, rms_norm_eps=1e-5, include_bias=False,
-                    attention_layer_norm=qk_norm, attention_layer_norm_with_affine=True, layer_norm_type="rms",
+                    attention_layer_norm=False, attention_layer_norm_with_affine=True, layer_norm_type="rms",
                     weight_tying=False, block_type="llama", rope=True,
                     rope_full_precision=True, max_sequence_length=2 * MAX_LENGTH,
                     mask_token_id=vocab["<|mdm_mask|>"],
@@ -409,7 +408,7 @@ def llada_from_sdar(sdar: Model, llada_config: dict) -> Model:
 
 def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int,
           init: str | None, task_names: tuple[str, ...], peak_lr: float = 1e-3, ladder: tuple[int, ...] = tuple(STAGES),
-          drill: float = 0.0, full_mask: float = 0.0, qk_norm: bool = False):
+          drill: float = 0.0, full_mask: float = 0.0):
     """ladder: the curriculum's lengths, shortest first."""
     torch.manual_seed(seed)
     work = out / f"tiny-{family}"
@@ -417,7 +416,7 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
 
     bpe = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
     vocab = {token: bpe.token_to_id(token) for token in SPECIAL_TOKENS}
-    config = family_config(family, vocab, -(-bpe.get_vocab_size() // 128) * 128, qk_norm)
+    config = family_config(family, vocab, -(-bpe.get_vocab_size() // 128) * 128)
     source = json.loads((Path(init) / "config.json").read_text()) if init else None
     converting = source is not None and source.get("model_type") != config["model_type"]
     if converting:
@@ -495,7 +494,8 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
 
 
 def main():
-    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=help_text(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["tokenizer", "llada", "sdar"])
     parser.add_argument("--minutes", type=float, default=4.0)
     parser.add_argument("--max-steps", type=int, default=4000)
@@ -503,20 +503,18 @@ def main():
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(ROOT / "runs"))
-    parser.add_argument("--init", help="continue from this checkpoint directory (for llada also an sdar one: "
-                                           "its weights converted, see llada_from_sdar)")
+    parser.add_argument("--init", help="continue from this checkpoint directory (for llada also an sdar one, "
+                        "converted: llada_from_sdar)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warmup 200 steps, cosine to 0.1x)")
     parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated tasks to train on")
     parser.add_argument("--first-length", type=int, default=STAGES[0],
                         help=f"the curriculum's first length (default {STAGES[0]}; then the doublings above it)")
     parser.add_argument("--last-length", type=int, default=MAX_LENGTH,
                         help=f"the curriculum's last length (default {MAX_LENGTH})")
-    parser.add_argument("--drill", type=float, default=0.0,
+    parser.add_argument("--drill", type=unit_fraction, default=0.0,
                         help="fraction of multikey and kv samples that are recall drills (several keys each)")
-    parser.add_argument("--full-mask", type=float, default=0.0,
+    parser.add_argument("--full-mask", type=unit_fraction, default=0.0,
                         help="fraction of samples trained fully masked (t = 1, the canvas decoding starts from)")
-    parser.add_argument("--qk-norm", action="store_true",
-                        help="llada: RMSNorm over the q and k projections (OLMo's attention_layer_norm)")
     args = parser.parse_args()
     task_names = tuple(args.tasks.split(","))
     if not tasks.MIN_LENGTH <= args.first_length <= args.last_length <= MAX_LENGTH:
@@ -525,16 +523,11 @@ def main():
     ladder = (args.first_length, *(n for n in STAGES if args.first_length < n <= args.last_length))
     if not set(task_names) <= set(tasks.TASKS) or len(set(task_names)) != len(task_names):
         parser.error(f"--tasks must name distinct tasks among {', '.join(tasks.TASKS)}, got {args.tasks!r}")
-    for name in ("drill", "full_mask"):
-        if not 0.0 <= getattr(args, name) <= 1.0:
-            parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    if args.qk_norm and (args.what != "llada" or args.init):
-        parser.error("--qk-norm is for a new llada model (sdar always has q/k norm; --init keeps its architecture)")
     if args.what == "tokenizer":
         print(f"wrote {train_tokenizer(args.seed)}")
         return
     train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers,
-          args.init, task_names, args.lr, ladder, args.drill, args.full_mask, args.qk_norm)
+          args.init, task_names, args.lr, ladder, args.drill, args.full_mask)
 
 
 if __name__ == "__main__":
