@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nanodllm.cli import help_text, run_main  # noqa: E402
+from nanodllm.cli import help_text, positive_int, run_main  # noqa: E402
 
 NOT_COPIED = (".git", ".venv", "venv", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info", "build", "runs",
               ".whl", "*.whl", "_orig", "_golden")
@@ -618,8 +618,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", metavar="NAME",
                         help="run the mutations whose name contains NAME (repeatable; the sanity check always runs)")
     parser.add_argument("--list", action="store_true", help="print the mutations and their tests, run nothing")
-    parser.add_argument("--jobs", type=int, default=1, help="mutations tested at once (default 1)")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds a mutation's tests may take (default 600)")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="mutations tested at once (default 1)")
+    parser.add_argument("--timeout", type=seconds, default=600, help="seconds a mutation's tests may take (default 600)")
     parser.add_argument("--baseline", action="store_true",
                         help="run each selection on the unmutated code instead (every one should pass)")
     args = parser.parse_args(argv)
@@ -637,7 +637,18 @@ def main(argv=None) -> int:
     results = run_all(chosen, args.jobs, args.timeout, mutate)
     print(summary(results, time.monotonic() - start, mutate))
     survived = [result == "survived" for _, result, _ in results]  # unmutated: the selection passed
-    return int(any(survived)) if mutate else int(not all(survived))
+    return int(any(result != "caught" for _, result, _ in results)) if mutate else int(not all(survived))
+
+
+def seconds(text: str) -> float:
+    """argparse type: a time limit of at least a second (less times out before pytest has started)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (seconds), got {text!r}")
+    return value
 
 
 if __name__ == "__main__":

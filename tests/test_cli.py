@@ -337,6 +337,8 @@ def test_no_command_is_named_on_stderr():
     (["scripts/momo_mass.py", "--synthetic", "--mask", "causal,diag"],
      "argument --mask: diag is not a mask; choose from causal, block, none"),
     (["scripts/bench.py", "dyllm_salient", "--n", "0"], "argument --n: must be a positive integer, got '0'"),
+    (["scripts/mutate.py", "--timeout", "0.001"], "argument --timeout: must be at least 1 (seconds), got '0.001'"),
+    (["scripts/mutate.py", "--timeout", "-5"], "argument --timeout: must be at least 1 (seconds), got '-5'"),
     (["scripts/bench.py", "dyllm_salient", "--out", "README.md"], "argument --out: README.md is a file, not a folder"),
 ])
 def test_an_output_path_or_value_that_would_fail_late_is_refused_first(args, last_line):
@@ -562,3 +564,9 @@ def test_a_run_refused_midway_leaves_no_empty_journal(tmp_path, monkeypatch, cap
     journal = tmp_path / "eval.jsonl"
     assert evaluation.main(["--lengths", "256", "--n", "1", "--journal", str(journal)]) == 2
     assert capsys.readouterr().err.strip().endswith("error: refused by the method") and not journal.exists()
+
+
+def test_a_mutation_check_that_times_out_is_not_a_pass():
+    """A plant whose tests run out of time was not shown caught: the check exits 1."""
+    done = script("scripts/mutate.py", "--only", "config-norm-topk-prob-always-on", "--timeout", "1", timeout=300)
+    assert done.returncode == 1 and "timeout" in done.stdout, done.stdout + done.stderr
