@@ -175,13 +175,14 @@ def moe_configs(draw) -> ModelConfig:
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cfg=moe_configs(), seed=st.integers(0, 2**16))
 def test_the_fused_moe_model_gives_the_reference_logits_across_shapes(kernels_on, cfg, seed):
-    """float32 on the kernels (here Triton's interpreter and torch's grouped_mm): the fused model (stacked
-    experts in grouped matmuls, fused norms and RoPE) against the reference model it was built from."""
+    """float32 on the kernels (compiled on a GPU, else Triton's interpreter) and torch's grouped_mm: the
+    fused model (stacked experts in grouped matmuls, fused norms and RoPE) against its reference model."""
     reference = random_weights(build_empty(cfg, dtype=torch.float32), seed)
-    model = fuse(copy.deepcopy(reference))
+    model = fuse(copy.deepcopy(reference)).to(DEVICE)
+    reference = reference.to(DEVICE)
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=generator)
-    positions = torch.arange(11).expand(2, 11)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=generator).to(DEVICE)
+    positions = torch.arange(11, device=DEVICE).expand(2, 11)
     with torch.no_grad():
         fast = model(ids, positions, lambda layer, q, k, v: attention(q, k, v))
         slow = reference(ids, positions, lambda layer, q, k, v: attention(q, k, v))
