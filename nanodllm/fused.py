@@ -1,13 +1,12 @@
 """model.py's model built for the GPU kernels: the same primitives and signatures, tested against it.
 
 fuse() converts a reference model once (the loader calls it), layer by layer, stacking its weights: q/k/v's
-rows (and biases) in qkv_proj, each SwiGLU's gate and up rows in gate_up_proj, a mixture of experts' gate/ups
-and downs in two Parameters [experts, ...]. Where use_kernels(x) holds (CUDA, float16 / bfloat16, no autograd):
-- each stacked group is one matmul, the experts' one grouped matmul per projection (no host sync);
-- RMSNorm (with the residual add before it), RoPE (q and k at once, with the per-head q/k norm) and
-  silu(gate) * up are one-pass kernels; o_proj adds into the residual in its matmul's epilogue, and
-  each layer's MLP output is added in the next layer's norm;
-- over a decode step's few rows (kernels/norm_linear.py) the norms and SwiGLU ride inside the matmuls.
+rows (and biases) in qkv_proj, each SwiGLU's gate and up rows in gate_up_proj, a mixture of experts' in two
+Parameters [experts, ...]. Where use_kernels(x) holds (CUDA, float16 / bfloat16, no autograd) a stacked group
+is one matmul, the experts' one grouped matmul per projection (kernels/expert_linear.py over a step's few
+tokens); RMSNorm (with the residual add before it), RoPE (q and k at once, with the per-head q/k norm) and
+silu(gate) * up are one-pass kernels; o_proj and the MLP add into the residual in an epilogue or the next
+norm; over a decode step's few rows the norms and SwiGLU ride inside the matmuls (kernels/norm_linear.py).
 Elsewhere each primitive runs the reference's own ops on row slices of the stacked weights, bit for bit.
 Split over ranks (parallel.py), a FusedMoE holds its rank's experts; the summing linears stay as they are.
 """
@@ -21,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.expert_linear import expert_linear
 from kernels.norm_linear import MAX_ROWS, norm_linear
 from kernels.rmsnorm import rms_norm
 from kernels.rope import apply_rope, rope_qk
@@ -33,6 +33,7 @@ from .model import Attend, Layer, Model, RMSNorm, Rope
 from .parallel import SINGLE, Group, RowParallelLinear, expert_range, group_of
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+FEW_TOKENS = 128  # up to this many tokens the experts run on expert_linear, faster there (docs/results/bench_moe.md)
 CHUNK_TOKENS = 8192  # a long prefill's MLPs run on this many tokens at a time: their wide activations stay small
 
 
@@ -133,15 +134,14 @@ class FusedMoE(MoE):
         chosen, routing = self.gate(flat)
         held, count = self.experts.held, self.gate.moe.num_experts
         experts = (chosen.flatten() - held.start) % count
-        order = experts.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.zeros(count, dtype=torch.int32, device=flat.device)  # bincount would sync
-        counts.index_add_(0, experts, torch.ones_like(experts, dtype=torch.int32))
-        group_ends = counts.cumsum(0, dtype=torch.int32)[: len(held)]
+        by_expert, order = experts.sort(stable=True)  # (token, slot) pairs grouped by expert
+        ends = torch.searchsorted(by_expert, torch.arange(1, len(held) + 1, device=flat.device), out_int32=True)
         rows = flat[order // chosen.shape[1]]
-        hidden = silu_mul(GROUPED_MM(rows, self.experts.gate_up_proj.transpose(1, 2), offs=group_ends))
-        grouped = GROUPED_MM(hidden, self.experts.down_proj.transpose(1, 2), offs=group_ends)
+        gate_up, down, few = self.experts.gate_up_proj, self.experts.down_proj, len(flat) <= FEW_TOKENS
+        hidden = expert_linear(rows, gate_up, ends, True) if few else silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends))
+        grouped = expert_linear(hidden, down, ends) if few else GROUPED_MM(hidden, down.mT, offs=ends)
         if len(held) < count:  # rows past the last group are left unwritten
-            grouped.masked_fill_(torch.arange(len(rows), device=flat.device)[:, None] >= group_ends[-1], 0.0)
+            grouped.masked_fill_(torch.arange(len(rows), device=flat.device)[:, None] >= ends[-1], 0.0)
         outputs = torch.empty_like(grouped).index_copy_(0, order, grouped).view(*chosen.shape, -1)
         y = self.combine(outputs, routing, flat.dtype)
         return y if self.shared_expert is None else y + self.shared_expert(flat)

@@ -1,8 +1,9 @@
 """`python scripts/bench.py moe`: one layer's mixture-of-experts MLP on the llada2-mini and
-sdar-30b-a3b presets (random bf16 weights), for a block step's rows (32 x batch 1 and 4) and a
-32K-token prefill: the grouped path (nanodllm/fused.py FusedMoE; CUDA graph, L2 flushed) against
-the per-expert loop (nanodllm/mlp.py MoE, which asks the host which experts were chosen: eager),
-next to the floor: max(the bytes of the touched experts, the shared expert and the router / copy
+sdar-30b-a3b presets (random bf16 weights), for a block step's rows (32 x batch 1, 4 and 16) and a
+32K-token prefill: the fused layer (nanodllm/fused.py FusedMoE; CUDA graph, L2 flushed) with its
+experts on kernels/expert_linear.py (block steps only) and on torch's grouped matmuls, and the
+per-expert loop (nanodllm/mlp.py MoE, which asks the host which experts were chosen: eager), next
+to the floor: max(the bytes of the touched experts, the shared expert and the router / copy
 bandwidth, FLOPs / matmul rate). docs/results/bench_moe.md.
 
 `--generate MODEL`: block.generate on that preset at 32K-128K, batch 1 and 4, CUDA graphs on: ms
@@ -21,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+import nanodllm.fused as fused_module
 import nanodllm.graphs as graphs_module
 from harness import (GENERATION_BLOCKS, QUICK_MOE, block_floor_ms, count_touched_experts, kv_bytes,
                      random_prompts, timed_generation, too_big)
@@ -29,7 +31,7 @@ from nanodllm.loader import build_random
 from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
 
-FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128), prefill_rows=32768)
+FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128, 512), prefill_rows=32768)
 QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64)
 GENERATE = {"llada2-mini": dict(contexts=(32768, 65536, 131072), batches=(1, 4), ks=(1024, 512), block=32, steps=32),
             "sdar-30b-a3b": dict(contexts=(32768, 65536), batches=(1, 4), ks=(1024, 512), block=32, steps=32)}
@@ -48,21 +50,37 @@ def one_moe_layer(cfg: ModelConfig, device, dtype) -> MoE:
     return model.layers[first_moe].mlp
 
 
-def mlp_rows(cfg, moe_layer, rows, device, dtype, timer, bandwidth, matmul_rate) -> dict:
+def timed_path(timer, moe_layer, x, few_tokens: int) -> float:
+    """Microseconds of the fused layer with fused.FEW_TOKENS set: x's tokens on expert_linear if they are
+    at most that many, else on torch's grouped matmuls."""
+    saved, fused_module.FEW_TOKENS = fused_module.FEW_TOKENS, few_tokens
+    try:
+        return timer(lambda: moe_layer(x))
+    finally:
+        fused_module.FEW_TOKENS = saved
+
+
+def mlp_rows(cfg, moe_layer, rows, step, device, dtype, timer, bandwidth, matmul_rate) -> dict:
     x = torch.randn(1, rows, cfg.hidden_size, device=device, dtype=dtype)
     with torch.no_grad():
         chosen, _ = moe_layer.gate(x.view(rows, -1))
         touched = int(chosen.unique().numel())
-        grouped_us = timer(lambda: moe_layer(x))
+        on_kernel = step or rows <= fused_module.FEW_TOKENS  # a long prefill's rows: grouped_mm's only
+        expert_us = timed_path(timer, moe_layer, x, rows) if on_kernel else None
+        grouped_mm_us = timed_path(timer, moe_layer, x, 0)
         loop_us = timer.eager(lambda: MoE.forward(moe_layer, x))
+    path = "expert_linear" if rows <= fused_module.FEW_TOKENS else "grouped_mm"
+    model_us = expert_us if path == "expert_linear" else grouped_mm_us
     moe, h, element = cfg.moe, cfg.hidden_size, torch.finfo(dtype).bits // 8
     read = (touched * 3 * h * moe.expert_size + 3 * h * moe.shared_size + moe.num_experts * h) * element
     flops = 2 * rows * (moe.experts_per_token * 3 * h * moe.expert_size + 3 * h * moe.shared_size + moe.num_experts * h)
     bytes_us, flops_us = read / bandwidth / 1e3, flops / matmul_rate / 1e6
     floor_us = max(bytes_us, flops_us)
-    return {"rows": rows, "experts touched": f"{touched}/{moe.num_experts}", "grouped us": grouped_us,
-            "per-expert loop us": loop_us, "loop / grouped": loop_us / grouped_us, "floor us": floor_us,
-            "grouped / floor": grouped_us / floor_us, "floor bound": "bytes" if bytes_us >= flops_us else "FLOPs"}
+    return {"rows": rows, "experts touched": f"{touched}/{moe.num_experts}", "expert_linear us": expert_us or "-",
+            "grouped_mm us": grouped_mm_us, "grouped_mm / expert_linear": grouped_mm_us / expert_us if on_kernel else "-",
+            "model runs": path, "per-expert loop us": loop_us, "loop / model's": loop_us / model_us,
+            "floor us": floor_us, "model's / floor": model_us / floor_us,
+            "floor bound": "bytes" if bytes_us >= flops_us else "FLOPs"}
 
 
 class TorchSdpa(Dense):
@@ -140,13 +158,15 @@ def moe_mlp(setup):
         cfg = moe_config(name)
         moe_layer = one_moe_layer(cfg, device, dtype)
         for count in (*shapes["step_rows"], shapes["prefill_rows"]):
-            rows.append({"model": name, **mlp_rows(cfg, moe_layer, count, device, dtype, setup.timer, bandwidth,
-                                                   matmul_rate)})
+            step = count in shapes["step_rows"]
+            rows.append({"model": name, **mlp_rows(cfg, moe_layer, count, step, device, dtype, setup.timer,
+                                                   bandwidth, matmul_rate)})
         del moe_layer
         setup.free()
     setup.report.table("The MoE MLP of one layer", rows,
                        "Microseconds per call for `rows` tokens (a block step is 32 x batch; the last row is a "
-                       "prefill). Grouped: CUDA graph, L2 flushed. Loop: the reference, eager (it syncs the host per "
+                       "prefill). The fused layer with its experts on kernels/expert_linear.py or torch's grouped "
+                       "matmuls (the model runs the first up to fused.FEW_TOKENS tokens), CUDA graph, L2 flushed. Loop: the reference, eager (it syncs the host per "
                        "call). Floor: max(bytes of touched experts + shared expert + router / copy bandwidth, FLOPs "
                        "/ matmul rate).")
     return "bench_moe"

@@ -14,12 +14,14 @@ import dataclasses
 import pytest
 import torch
 
+import kernels.expert_linear as expert_module
 import kernels.first_use as first_use
 import kernels.norm_linear as norm_linear_module
 import kernels.rmsnorm as rmsnorm_module
 import kernels.rope as rope_module
 import kernels.silu_mul as silu_mul_module
 import nanodllm.fused as fused_module
+from kernels.expert_linear import expert_linear
 from kernels.norm_linear import MAX_ROWS, norm_linear
 from kernels.rmsnorm import rms_norm
 from kernels.rope import apply_rope, rope_qk
@@ -214,12 +216,12 @@ def test_the_few_row_step_needs_few_rows_a_dense_mlp_and_weights_of_the_stream_d
     ("llada", {}, {"rms_norm", "rope_qk", "silu_mul"}),  # no q/k norm
     ("llada", {"attention_layer_norm": True}, {"rms_norm", "apply_rope", "silu_mul"}),  # norm over the projection
     # a dense layer (the few-row step), then experts; LLaDA2 rotates half of each head (RoPE in torch)
-    ("llada2_moe", {}, {"rms_norm", "norm_linear", "silu_mul"}),
-    ("sdar_moe", {}, {"rms_norm", "rope_qk", "norm_linear", "silu_mul"}),
+    ("llada2_moe", {}, {"rms_norm", "norm_linear", "silu_mul", "expert_linear"}),
+    ("sdar_moe", {}, {"rms_norm", "rope_qk", "norm_linear", "expert_linear"}),
 ])
 def test_engines_decode_the_same_tokens_on_the_fused_kernels(kernels_on, monkeypatch, model_type, overrides, kernels):
     """Tiny models (q/k norm on transposed views, block cache with gathered positions; the MoE models'
-    dense layer in the few-row step, their experts as themselves, LLaDA2's half-rotated heads off the
+    dense layer in the few-row step, their experts on expert_linear, LLaDA2's half-rotated heads off the
     whole-head RoPE kernel), float32 so that the interpreter's results are exact but for the RMS sums'
     order and exp's last bit."""
     model = tiny_model(model_type, dtype=torch.float32, block_size=4, **overrides).to(DEVICE)
@@ -230,7 +232,7 @@ def test_engines_decode_the_same_tokens_on_the_fused_kernels(kernels_on, monkeyp
     calls = []
     counted = lambda fn: lambda *args, **kwargs: calls.append(fn.__name__) or fn(*args, **kwargs)
     for module, fn in ((rmsnorm_module, rms_norm), (rope_module, apply_rope), (rope_module, rope_qk),
-                       (silu_mul_module, silu_mul), (norm_linear_module, norm_linear)):
+                       (silu_mul_module, silu_mul), (norm_linear_module, norm_linear), (expert_module, expert_linear)):
         monkeypatch.setattr(fused_module, fn.__name__, counted(fn))
     monkeypatch.setattr("nanodllm.attention.KERNELS_ENABLED", False)
     torch_tokens = decode()

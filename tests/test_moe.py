@@ -25,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
+from kernels.expert_linear import expert_linear
 from nanodllm import block, fused
 from nanodllm.config import GenerationConfig, ModelConfig
 from nanodllm.fused import fuse
@@ -216,13 +217,17 @@ def test_the_router_in_float32_chooses_as_in_float64_across_shapes(cfg, seed):
     torch.testing.assert_close(weights[clear].double(), expected_weights[clear], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("path", ["expert_linear", "grouped_mm"])
 @pytest.mark.parametrize("family", ["llada2_moe", "sdar_moe"])
-def test_grouped_experts_equal_the_per_expert_loop(family, kernels_on, monkeypatch):
-    """On the CPU in float32 (torch's grouped_mm, the SwiGLU kernel in Triton's interpreter), on a GPU in
-    bfloat16 (its grouped GEMM takes nothing else), to the dtype's rounding."""
+def test_grouped_experts_equal_the_per_expert_loop(family, path, kernels_on, monkeypatch):
+    """A step's few tokens on kernels/expert_linear.py, more on torch's grouped_mm: on the CPU in float32
+    (Triton's interpreter), on a GPU in bfloat16 (its grouped GEMM takes nothing else), to the dtype's
+    rounding; a prefill's tokens in chunks."""
     calls = []
     monkeypatch.setattr(fused, "GROUPED_MM",
                         lambda *args, **kwargs: calls.append(kwargs["offs"].dtype) or torch_grouped_mm(*args, **kwargs))
+    monkeypatch.setattr(fused, "expert_linear", lambda *args, **kwargs: calls.append(path) or expert_linear(*args, **kwargs))
+    monkeypatch.setattr(fused, "FEW_TOKENS", 21 if path == "expert_linear" else 0)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     model = build_random(tiny_config(family), device=DEVICE, dtype=dtype, seed=3)
     moe = model.layers[1].mlp
@@ -232,7 +237,8 @@ def test_grouped_experts_equal_the_per_expert_loop(family, kernels_on, monkeypat
         reference = MoE.forward(moe, x)
         monkeypatch.setattr(fused, "CHUNK_TOKENS", 5)  # a prefill's tokens go through in chunks
         chunked = moe(x)
-    assert calls == [torch.int32] * 2 * (1 + 5), "one grouped matmul for gate/up, one for down; CUDA takes int32 offsets only"
+    kind = path if path == "expert_linear" else torch.int32  # CUDA's grouped GEMM takes int32 offsets only
+    assert calls == [kind] * 2 * (1 + 5), "one call for gate/up, one for down, per chunk"
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     for fast in (grouped, chunked):  # a matmul's blocking may follow its rows: equal to rounding
         assert (fast.float() - reference.float()).abs().max() <= tolerance * reference.float().abs().max()
@@ -343,6 +349,7 @@ def test_the_stacked_experts_hold_each_experts_rows_and_cast_as_one(kernels_on, 
     x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
     calls = []
     monkeypatch.setattr(fused, "GROUPED_MM", lambda *args, **kwargs: calls.append(1) or torch_grouped_mm(*args, **kwargs))
+    monkeypatch.setattr(fused, "FEW_TOKENS", 0)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # what the grouped GEMM takes there
     with torch.no_grad():
         assert torch.equal(moe(x), moe_ref(x)) and not calls

@@ -1,0 +1,103 @@
+"""Each expert's linear layer over its own rows, for the few rows per expert of a decode step.
+
+    out[rows of e] = x[rows of e] @ W[e]^T                       for every expert e
+    out[rows of e] = silu(x @ W_gate[e]^T) * (x @ W_up[e]^T)     with swiglu=True
+
+The rows come grouped by expert (group_ends[e] is where expert e's rows end). At a block step each
+expert gets a row or two, so the product is pure weight streaming: a program owns BLOCK_N output
+columns of one expert and walks that expert's rows in tiles of 16, computing the product transposed
+(W tile @ x tile^T) with kernels/norm_linear.py's tiles, so the weight tile fills the tensor cores'
+wide side. An expert with no rows costs an empty program; every chosen expert's weights are
+read once. Rounding as torch's grouped matmul and kernels/silu_mul.py (fp32 accumulation, the
+gate and up rounded before the activation). Rows past the last group are not written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.norm_linear import launch_shape, shared_memory_limit
+from kernels.silu_mul import silu_mul_reference
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TILE_ROWS = 16  # rows of one expert per tile: the tensor cores' narrow side
+
+
+@triton.jit
+def expert_linear_kernel(
+    x_ptr, w_ptr, ends_ptr, out_ptr,
+    out_width, dim, stride_x, stride_we, stride_wn, stride_out,
+    SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    expert = tl.program_id(0)
+    first = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
+    last = tl.load(ends_ptr + expert)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < out_width
+    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    up_ptrs = gate_ptrs + out_width * stride_wn  # read only with SWIGLU: the up half of [gate; up]
+    dtype = w_ptr.dtype.element_ty
+    precision: tl.constexpr = "ieee" if dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+    for start in range(first, last, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < last
+        x_ptrs = x_ptr + rows[None, :].to(tl.int64) * stride_x
+        gate_acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # transposed: [columns, rows]
+        up_acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for k in range(0, dim, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            k_ok = ks < dim
+            x_t = tl.load(x_ptrs + ks[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            gate_acc = tl.dot(tl.load(gate_ptrs + ks[None, :], mask=w_mask, other=0.0), x_t, gate_acc,
+                              input_precision=precision)
+            if SWIGLU:
+                up_acc = tl.dot(tl.load(up_ptrs + ks[None, :], mask=w_mask, other=0.0), x_t, up_acc,
+                                input_precision=precision)
+        out_dtype = out_ptr.dtype.element_ty
+        out = gate_acc.to(out_dtype)
+        if SWIGLU:
+            gate = out.to(tl.float32)
+            up = up_acc.to(out_dtype).to(tl.float32)
+            out = ((gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32) * up).to(out_dtype)
+        out_ptrs = out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None]
+        tl.store(out_ptrs, out, mask=col_ok[:, None] & row_ok[None, :])
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """x [R, K] rows grouped by expert; weight [E, N, K] (each expert's nn.Linear weight; N = 2I,
+    [gate; up], with swiglu); group_ends [E] int32, non-decreasing, at most R. Returns [R, N] (or
+    [R, I]) of x's dtype, rows past group_ends[-1] unwritten."""
+    if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1] or group_ends.shape != weight.shape[:1]:
+        raise ValueError(f"need x [R, K], weight [E, N, K] and group_ends [E]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(group_ends.shape)}")
+    if x.dtype != weight.dtype or x.dtype not in DTYPES or group_ends.dtype != torch.int32:
+        raise ValueError(f"x and weight must share one of {DTYPES} and group_ends be int32; got {x.dtype}, "
+                         f"{weight.dtype} and {group_ends.dtype}")
+    if x.stride(1) != 1 or weight.stride(2) != 1 or not group_ends.is_contiguous():
+        raise ValueError(f"the last dims must be contiguous, got strides {x.stride()} and {weight.stride()}")
+    if swiglu and weight.shape[1] % 2:
+        raise ValueError(f"swiglu needs stacked [gate; up] weights (an even N), got N = {weight.shape[1]}")
+    width = weight.shape[1] // 2 if swiglu else weight.shape[1]
+    out = torch.empty((x.shape[0], width), device=x.device, dtype=x.dtype)
+    if out.numel() and weight.shape[0]:
+        shape = launch_shape(TILE_ROWS, x.shape[1], swiglu, x.element_size(), shared_memory_limit(x.device))
+        grid = (weight.shape[0], triton.cdiv(width, shape["BLOCK_N"]))
+        expert_linear_kernel[grid](x, weight, group_ends, out, width, x.shape[1], x.stride(0), weight.stride(0),
+                                   weight.stride(1), out.stride(0), SWIGLU=swiglu, **shape, enable_fp_fusion=False)
+    return out
+
+
+def expert_linear_reference(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor,
+                            swiglu: bool = False) -> torch.Tensor:
+    """One F.linear per expert over its rows (then silu(gate) * up); rows past the last group zero."""
+    width = weight.shape[1] // 2 if swiglu else weight.shape[1]
+    out = x.new_zeros(x.shape[0], width)
+    first = 0
+    for expert, last in enumerate(group_ends.tolist()):
+        product = torch.nn.functional.linear(x[first:last], weight[expert])
+        out[first:last] = silu_mul_reference(product) if swiglu else product
+        first = last
+    return out
