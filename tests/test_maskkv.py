@@ -181,6 +181,15 @@ def test_keep_top_respects_counts_padding_and_order():
     assert indices[1, 0][keep[1, 0, 0]].tolist() == [2, 3, 4]  # row 1: 2 pad columns, count clamped to 3
 
 
+def test_keep_top_breaks_ties_to_the_lower_position_whatever_the_other_heads_keep():
+    """A head's choice among equal scores must not depend on the largest count over the heads (a rank
+    holding only some heads, tensor parallel, sees a different largest count)."""
+    scores = torch.tensor([[[0.5, 0.5, 0.5, 0.5, 0.9, 0.5, 0.5, 0.5], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]]])
+    for other in (2, 3, 7):
+        indices, keep = keep_top(scores, torch.tensor([[2, other]]), prompt_lengths=torch.tensor([8]))
+        assert indices[0, 0][keep[0, 0, 0]].tolist() == [0, 4]
+
+
 def first_canvas_importance(model, prompts, gen=GEN):
     """maskkv.layer_importance on the masked engine's first canvas of the prompts (left-padded, padding
     hidden): what MaskKV measures online."""

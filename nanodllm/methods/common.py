@@ -80,7 +80,8 @@ def put_heads(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor):
 
 
 def keep_top(scores, counts, prompt_lengths):
-    """Per (row, KV head) the counts[b, h] best prompt positions, in prompt order, padded.
+    """Per (row, KV head) the counts[b, h] best prompt positions, in prompt order, padded; ties go to the
+    lower position whatever the other heads' counts (so a rank holding some of the heads chooses alike).
 
     scores [batch, kv_heads, P] (left-padded prompts: row b's tokens are its last prompt_lengths[b]
     columns), counts [batch, kv_heads]. Returns (indices [batch, kv_heads, kmax], keep [batch,
@@ -91,7 +92,7 @@ def keep_top(scores, counts, prompt_lengths):
     scores = scores.masked_fill(~real[:, None, :], float("-inf"))
     counts = torch.minimum(counts, prompt_lengths[:, None])
     kmax = max(int(counts.max()), 1)
-    top = scores.topk(kmax, dim=-1).indices
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :kmax]  # topk's ties depend on kmax
     slots = torch.arange(kmax, device=scores.device)
     indices = torch.where(slots < counts[..., None], top, width).sort(dim=-1).values
     keep = indices < width
