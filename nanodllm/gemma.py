@@ -59,18 +59,21 @@ class GemmaRope:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T) v, unscaled, where visible ([b, q_len, k_len] bool; None: everywhere). q [b, heads, t, d],
-    k and v [b, kv_heads, n, d]: query head h reads KV head h // (heads / kv_heads). Scores in fp32 or wider."""
-    visible = None if visible is None else visible[:, None]  # [b, 1, t, n]: every head
-    if q.is_cuda:
-        grouped = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=1.0, enable_gqa=grouped)
+    """softmax(q k^T + bias) v, unscaled, the bias the dtype's lowest number where not visible ([b, q_len,
+    k_len] bool; None: everywhere), so a query seeing nothing (a pad's) reads every key alike, as transformers'
+    eager attention. q [b, heads, t, d], k and v [b, kv_heads, n, d]: query head h reads KV head
+    h // (heads / kv_heads). Scores in fp32 or wider."""
     b, heads, t, d = q.shape
     kv_heads, compute = k.shape[1], torch.promote_types(q.dtype, torch.float32)
+    bias_dtype = q.dtype if q.is_cuda else compute
+    bias = None if visible is None else torch.zeros(visible.shape, dtype=bias_dtype, device=q.device).masked_fill(
+        ~visible, torch.finfo(bias_dtype).min)[:, None]  # [b, 1, t, n]: every head
+    if q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0, enable_gqa=heads != kv_heads)
     grouped = q.to(compute).view(b, kv_heads, heads // kv_heads, t, d)
     scores = grouped @ k.to(compute)[:, :, None].transpose(-1, -2)  # [b, kv_heads, group, t, n]
-    if visible is not None:
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    if bias is not None:
+        scores = scores + bias[:, None]
     return (scores.softmax(dim=-1) @ v.to(compute)[:, :, None]).view(b, heads, t, d).to(q.dtype)
 
 
@@ -301,15 +304,14 @@ class DiffusionGemma(nn.Module):
 
     def attend_encoding(self, cache: GemmaCache, layer: int, positions, valid, q, k, v) -> torch.Tensor:
         """The new tokens against the cached ones and themselves, causally (a sliding layer: within the
-        window), pads seen by themselves only; then their K/V join the cache."""
+        window), pads seen by none; then their K/V join the cache."""
         cached_k, cached_v, cached_positions = cache.stored(layer)
         key_positions = torch.cat([cached_positions, positions])
         visible = key_positions[None, :] <= positions[:, None]
         if self.cfg.gemma.is_sliding(layer):
             visible &= key_positions[None, :] > positions[:, None] - self.cfg.gemma.sliding_window
-        itself = key_positions[None, :] == positions[:, None]
         key_valid = torch.cat([cache.valid[:, cached_positions], valid], dim=1)  # [b, n]
-        visible = visible & (key_valid[:, None, :] | itself)  # [b, t, n]
+        visible = visible & key_valid[:, None, :]  # [b, t, n]
         out = attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2), visible)
         cache.append(layer, k, v)
         return out

@@ -73,11 +73,12 @@ def accepted(entropies: torch.Tensor, bound: float) -> torch.Tensor:
     return torch.zeros_like(kept).scatter(-1, order, kept)
 
 
-def stable(history: torch.Tensor, argmax: torch.Tensor):
-    """(bool [b]: argmax [b, t] equals every canvas of history [k, b, t] (-1: none yet), the history
-    with argmax in place of its oldest)."""
-    same = (history == argmax[None]).all(dim=-1).all(dim=0)
-    return same, torch.cat([history, argmax[None]])[1:]
+def stopping(history: torch.Tensor, argmax: torch.Tensor, entropies: torch.Tensor, sampling: GemmaSampling):
+    """(bool [b]: argmax [b, t] equals every canvas of history [k, b, t] (-1: none yet) and the mean of
+    entropies [b, t] is below confidence_threshold; the history with argmax in place of its oldest)."""
+    stable = (history == argmax[None]).all(dim=-1).all(dim=0)
+    confident = entropies.mean(dim=-1) < sampling.confidence_threshold
+    return stable & confident, torch.cat([history, argmax[None]])[1:]
 
 
 def finish(canvas: torch.Tensor, finished: torch.Tensor, stops: torch.Tensor, pad_id: int):
@@ -141,8 +142,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             argmax = torch.where(done[:, None], argmax, z.argmax(dim=-1))
             entropies = entropy(z)
             x = torch.where(accepted(entropies, sampling.entropy_bound), drawn, noise())
-            same, history = stable(history, argmax)
-            done |= same & (entropies.mean(dim=-1) < sampling.confidence_threshold)
+            stop, history = stopping(history, argmax, entropies, sampling)
+            done |= stop
             self_conditioning = z.to(model.embed_tokens.weight.dtype)
             forwards, steps = forwards + 1, steps + 1
             if done.all():
