@@ -557,9 +557,9 @@ def preset(name: str, context: int | None = None, block_size: int | None = None)
 
 def default_block_length(cfg: ModelConfig, gen_length: int) -> int:
     """The block length a model decodes with unless told otherwise: the config's block size on the
-    block engine (SDAR, Fast-dLLM v2), the whole response for Dream (its loop decodes one block), else
-    LLaDA's 32 tokens (at most gen_length)."""
-    if cfg.attention == "block_causal":
+    block engine (SDAR, Fast-dLLM v2) and DiffusionGemma's canvas, the whole response for Dream (its loop
+    decodes one block), else LLaDA's 32 tokens (at most gen_length)."""
+    if cfg.attention in ("block_causal", "encoder_decoder"):
         return cfg.block_size
     return gen_length if cfg.model_type == "Dream" else min(32, gen_length)
 

@@ -186,3 +186,5 @@ def test_bad_knobs_are_refused_in_one_line(knobs, match):
     assert len(str(excinfo.value).splitlines()) == 1
     with pytest.raises(ValueError, match="temperature"):
         generate(MODEL, [[5, 6, 7]], GenerationConfig(gen_length=8, block_length=8, steps=2, temperature=0.5))
+    with pytest.raises(ValueError, match="block_length"):
+        generate(MODEL, [[5, 6, 7]], GenerationConfig(gen_length=8, block_length=4, steps=2))
