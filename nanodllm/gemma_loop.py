@@ -112,7 +112,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                          "is GemmaSampling's t_max .. t_min); leave them unset")
     size = cfg.gemma.canvas_length
     if gen.block_length != size:
-        raise ValueError(f"{cfg.model_type} decodes canvases of {size}: block_length ({gen.block_length}) must be {size}")
+        raise ValueError(f"{cfg.model_type} decodes canvases of {size} tokens: block_length ({gen.block_length}) "
+                         f"must be {size}")
     canvases = -(-gen.gen_length // size)
     prompts = check_prompts(prompts, cfg.vocab_size, cfg.context_length, canvases * size)
     pad_id = cfg.gemma.pad_token_id if pad_id is None else pad_id

@@ -860,9 +860,10 @@ def gemma_generations(model, prompts: list[list[int]]) -> dict:
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         noise = torch.Generator().manual_seed(seed)
+        mixin = hf.DiffusionGemmaGenerationMixin
         patches = [mock.patch.object(hf.EntropyBoundSampler, "accept_canvas", recorded_accept),
                    mock.patch.object(hf.StableAndConfidentStoppingCriteria, "__call__", recorded_stop),
-                   mock.patch.object(hf.DiffusionGemmaGenerationMixin, "_finalize_canvas", staticmethod(recorded_finish))]
+                   mock.patch.object(mixin, "_finalize_canvas", staticmethod(recorded_finish))]
         decoder_mask = hf_model.DiffusionGemmaDecoderModel.create_diffusion_decoder_attention_mask
         float_mask = lambda config, inputs_embeds, **kwargs: decoder_mask(config, inputs_embeds.float(), **kwargs)
         patches.append(mock.patch.object(hf_model.DiffusionGemmaDecoderModel, "create_diffusion_decoder_attention_mask",
