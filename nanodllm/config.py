@@ -79,6 +79,7 @@ class GemmaConfig:
     # int(fraction * global_head_dim // 2) frequency pairs rotate, the others stay still
     logit_softcap: float  # logits = softcap * tanh(logits / softcap)
     canvas_length: int  # the tokens one denoising pass refines (a block)
+    pad_token_id: int = 0  # what follows a stop token in a finished row's canvases
 
     @property
     def global_rotated_pairs(self) -> int:
@@ -442,7 +443,7 @@ def _from_diffusion_gemma_fields(raw: dict, source: str) -> ModelConfig:
                         global_rotary_fraction=float(rope["full_attention"].get("partial_rotary_factor", 1.0)),
                         logit_softcap=float(30.0 if text.get("final_logit_softcapping") is None
                                             else text["final_logit_softcapping"]),
-                        canvas_length=raw.get("canvas_length", 256))
+                        canvas_length=raw.get("canvas_length", 256), pad_token_id=text.get("pad_token_id") or 0)
     for name, value, least in (("sliding_window", gemma.sliding_window, 2), ("global_head_dim", global_head_dim, 2),
                                ("canvas_length", gemma.canvas_length, 1), ("final_logit_softcapping",
                                                                            gemma.logit_softcap, 1e-9)):
@@ -556,9 +557,9 @@ def preset(name: str, context: int | None = None, block_size: int | None = None)
 
 def default_block_length(cfg: ModelConfig, gen_length: int) -> int:
     """The block length a model decodes with unless told otherwise: the config's block size on the
-    block engine (SDAR, Fast-dLLM v2), the whole response for Dream (its loop decodes one block), else
-    LLaDA's 32 tokens (at most gen_length)."""
-    if cfg.attention == "block_causal":
+    block engine (SDAR, Fast-dLLM v2) and DiffusionGemma's canvas, the whole response for Dream (its loop
+    decodes one block), else LLaDA's 32 tokens (at most gen_length)."""
+    if cfg.attention in ("block_causal", "encoder_decoder"):
         return cfg.block_size
     return gen_length if cfg.model_type == "Dream" else min(32, gen_length)
 

@@ -59,17 +59,21 @@ class GemmaRope:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T) v, unscaled, where visible ([q_len, k_len] bool; None: everywhere). q [b, heads, t, d],
-    k and v [b, kv_heads, n, d]: query head h reads KV head h // (heads / kv_heads). Scores in fp32 or wider."""
-    if q.is_cuda:
-        grouped = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=1.0, enable_gqa=grouped)
+    """softmax(q k^T + bias) v, unscaled, the bias the dtype's lowest number where not visible ([b, q_len,
+    k_len] bool; None: everywhere), so a query seeing nothing (a pad's) reads every key alike, as transformers'
+    eager attention. q [b, heads, t, d], k and v [b, kv_heads, n, d]: query head h reads KV head
+    h // (heads / kv_heads). Scores in fp32 or wider."""
     b, heads, t, d = q.shape
     kv_heads, compute = k.shape[1], torch.promote_types(q.dtype, torch.float32)
+    bias_dtype = q.dtype if q.is_cuda else compute
+    bias = None if visible is None else torch.zeros(visible.shape, dtype=bias_dtype, device=q.device).masked_fill(
+        ~visible, torch.finfo(bias_dtype).min)[:, None]  # [b, 1, t, n]: every head
+    if q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0, enable_gqa=heads != kv_heads)
     grouped = q.to(compute).view(b, kv_heads, heads // kv_heads, t, d)
     scores = grouped @ k.to(compute)[:, :, None].transpose(-1, -2)  # [b, kv_heads, group, t, n]
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
+    if bias is not None:
+        scores = scores + bias[:, None]
     return (scores.softmax(dim=-1) @ v.to(compute)[:, :, None]).view(b, heads, t, d).to(q.dtype)
 
 
@@ -142,7 +146,7 @@ class GemmaExperts(nn.Module):
         in x's dtype (transformers' order)."""
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
-            rows, slots = (chosen == expert).nonzero(as_tuple=True)
+            slots, rows = (chosen == expert).T.nonzero(as_tuple=True)
             gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
             out.index_add_(0, rows, (y * weights[rows, slots, None]).to(x.dtype))
@@ -199,12 +203,13 @@ class GemmaCache:
     """The encoder's K/V per layer, [batch, kv_heads, n, head_dim] (keys after k_norm and RoPE, values
     after v_norm): a full layer's grow by every token encoded; a sliding layer's are a ring of the last
     sliding_window - 1, the token at position p in slot p % (sliding_window - 1). Rows share `length`,
-    the number of tokens encoded (positions count from 0)."""
+    the number of tokens encoded (positions count from 0); valid [batch, length] is False at left pads."""
 
     def __init__(self, cfg: ModelConfig, batch: int, device, dtype):
         g = cfg.gemma
         self.ring, self.length, self.keys, self.values = g.sliding_window - 1, 0, [], []
         self.slot_positions = torch.full((self.ring,), -1, dtype=torch.long, device=device)  # -1: empty
+        self.valid = torch.ones(batch, 0, dtype=torch.bool, device=device)
         self.sliding = [g.is_sliding(layer) for layer in range(cfg.num_layers)]
         for sliding in self.sliding:
             kv_heads, head_dim = (cfg.num_kv_heads, cfg.head_dim) if sliding else (g.global_kv_heads, g.global_head_dim)
@@ -213,17 +218,17 @@ class GemmaCache:
             self.values.append(torch.zeros(shape, device=device, dtype=dtype))
 
     def stored(self, layer: int):
-        """(keys, values, positions [n]) held for `layer`, a ring in slot order."""
+        """(keys, values, positions [n]) held for `layer`, by position: a ring is read from its oldest slot,
+        so that attention adds its terms in transformers' order (the sampler needs the same bits)."""
         if not self.sliding[layer]:
             return self.keys[layer], self.values[layer], torch.arange(self.length, device=self.slot_positions.device)
         filled = min(self.length, self.ring)  # positions 0 .. filled - 1 sit in slots 0 .. filled - 1
-        return self.keys[layer][:, :, :filled], self.values[layer][:, :, :filled], self.slot_positions[:filled]
+        order = self.slot_positions[:filled].argsort()
+        return self.keys[layer][:, :, order], self.values[layer][:, :, order], self.slot_positions[order]
 
     def in_order(self, layer: int):
         """(keys, values) held for `layer`, by position."""
-        keys, values, positions = self.stored(layer)
-        order = positions.argsort()
-        return keys[:, :, order], values[:, :, order]
+        return self.stored(layer)[:2]
 
     def tail(self, t: int):
         """(positions, slots) of what a ring keeps of t new tokens: the last min(t, ring)."""
@@ -242,7 +247,10 @@ class GemmaCache:
         self.keys[layer][:, :, slots] = k[:, :, t - len(positions):]
         self.values[layer][:, :, slots] = v[:, :, t - len(positions):]
 
-    def advance(self, t: int):
+    def advance(self, valid: torch.Tensor):
+        """valid [batch, t]: which of the t tokens just appended are not padding."""
+        t = valid.shape[1]
+        self.valid = torch.cat([self.valid, valid], dim=1)
         positions, slots = self.tail(t)
         self.slot_positions[slots] = positions
         self.length += t
@@ -281,25 +289,29 @@ class DiffusionGemma(nn.Module):
     def positions(self, cache: GemmaCache, t: int) -> torch.Tensor:
         return cache.length + torch.arange(t, device=self.embed_tokens.weight.device)
 
-    def encode(self, ids: torch.Tensor, cache: GemmaCache) -> torch.Tensor:
-        """ids [b, t] at the positions after the cache's: every layer's K/V appended. Returns the last
-        hidden state (no use in decoding)."""
+    def encode(self, ids: torch.Tensor, cache: GemmaCache, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [b, t] at the positions after the cache's: every layer's K/V appended. valid [b, t]: False
+        at left pads, which no other token sees. Returns the last hidden state (no use in decoding)."""
         positions = self.positions(cache, ids.shape[1])
+        valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
         x = self.embed(ids)
         ropes = self.ropes(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ropes[layer.sliding], partial(self.attend_encoding, cache, i, positions), layer.encoder_scalar)
-        cache.advance(ids.shape[1])
+            attend_here = partial(self.attend_encoding, cache, i, positions, valid)
+            x = layer(x, ropes[layer.sliding], attend_here, layer.encoder_scalar)
+        cache.advance(valid)
         return x
 
-    def attend_encoding(self, cache: GemmaCache, layer: int, positions: torch.Tensor, q, k, v) -> torch.Tensor:
+    def attend_encoding(self, cache: GemmaCache, layer: int, positions, valid, q, k, v) -> torch.Tensor:
         """The new tokens against the cached ones and themselves, causally (a sliding layer: within the
-        window); then their K/V join the cache."""
+        window), pads seen by none; then their K/V join the cache."""
         cached_k, cached_v, cached_positions = cache.stored(layer)
         key_positions = torch.cat([cached_positions, positions])
         visible = key_positions[None, :] <= positions[:, None]
         if self.cfg.gemma.is_sliding(layer):
             visible &= key_positions[None, :] > positions[:, None] - self.cfg.gemma.sliding_window
+        key_valid = torch.cat([cache.valid[:, cached_positions], valid], dim=1)  # [b, n]
+        visible = visible & key_valid[:, None, :]  # [b, t, n]
         out = attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2), visible)
         cache.append(layer, k, v)
         return out
@@ -318,9 +330,14 @@ class DiffusionGemma(nn.Module):
 
     @staticmethod
     def attend_denoising(cache: GemmaCache, layer: int, q, k, v) -> torch.Tensor:
-        """The canvas against everything the cache holds for the layer and itself, unmasked."""
-        cached_k, cached_v, _ = cache.stored(layer)
-        return attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2))
+        """The canvas against everything the cache holds for the layer but pads, and itself."""
+        cached_k, cached_v, cached_positions = cache.stored(layer)
+        cached_valid = cache.valid[:, cached_positions]
+        visible = None
+        if not cached_valid.all():
+            key_valid = F.pad(cached_valid, (0, q.shape[2]), value=True)  # the canvas is never padding
+            visible = key_valid[:, None, :].expand(-1, q.shape[2], -1)  # [b, t, n]
+        return attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2), visible)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """cap * tanh(logits / cap), in fp32, the logits from the final norm and the tied embedding."""

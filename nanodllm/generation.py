@@ -4,17 +4,19 @@
     Dream                            its own loop over the whole response at once (dream.py)
     SDAR, LLaDA2 (block-causal)      the block engine: an exact KV cache, block by block (block.py)
     Fast-dLLM v2                     its own loop of sub-blocks against the KV cache (fast_dllm_v2.py)
+    DiffusionGemma                   its own loop of canvases against its encoder's cache (gemma_loop.py)
 
 A method runs in the loops of its engines (Method.engines: masked for the first two, block for the
-others). Here, once for every loop, its steps are wrapped to be replayed where they repeat and to
-count what they read (nanodllm/graphs.py); the result carries those counts as stats.
+next two; DiffusionGemma's loop is dense only). Here, once for every other loop, its steps are
+wrapped to be replayed where they repeat and to count what they read (nanodllm/graphs.py); the
+result carries those counts as stats.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from . import block, dream, fast_dllm_v2, masked
+from . import block, dream, fast_dllm_v2, gemma_loop, masked
 from .config import GenerationConfig
 from .decoding import GenerationResult, engine_of
 from .graphs import Replayed
@@ -25,11 +27,11 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
              stop_ids=None, pad_id: int | None = None, **options) -> GenerationResult:
     """Decode gen.gen_length tokens per prompt (token-id lists). stop_ids: the block loops stop a row
     after them (the others decode gen_length; cut at a stop token); pad_id: the masked loops' left pad;
-    options: a family loop's own knobs (Dream's sampling, Fast-dLLM v2's sub_block and top_p)."""
+    options: a family loop's own knobs (Dream's and DiffusionGemma's sampling, Fast-dLLM v2's sub_block and
+    top_p)."""
     cfg = model.cfg
     if cfg.gemma is not None:
-        raise NotImplementedError(f"{cfg.model_type}'s own decoding loop is not written yet; nanodllm/gemma.py "
-                                  "runs its passes (encode, denoise) one at a time")
+        return gemma_loop.generate(model, prompts, gen, method, stop_ids=stop_ids, pad_id=pad_id, **options)
     steps = Replayed(method or Dense())
     if cfg.model_type == "Dream":
         result = dream.generate(model, prompts, gen, steps, mask_id=mask_id, pad_id=pad_id, **options)

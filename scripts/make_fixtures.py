@@ -18,6 +18,7 @@ the slow Qwen2Tokenizer makes of varied strings and of ids ending inside a UTF-8
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -740,6 +741,7 @@ def golden_case(slow, ids: list[int], **fields) -> dict:
 # DiffusionGemma: transformers' own classes (5.24's models/diffusion_gemma), their logits and KV cache
 
 GEMMA_WINDOW, GEMMA_CANVAS, GEMMA_PROMPT = 8, 8, 13  # a prompt longer than the sliding window
+GEMMA_STEPS = 12  # the most denoising steps per canvas in the generation goldens
 GEMMA_CONFIG = {  # the released config.json's fields (global_head_dim, not transformers' per_layer_config)
     "architectures": ["DiffusionGemmaForBlockDiffusion"], "boi_token_id": 255999, "canvas_length": GEMMA_CANVAS,
     "dtype": "bfloat16", "eoi_token_id": 258882, "eos_token_id": [1, 106], "image_token_id": 258880,
@@ -807,7 +809,97 @@ def write_diffusion_gemma() -> int:
     assert golden["commit.keys.1"].shape[2] == GEMMA_PROMPT + GEMMA_CANVAS
     golden = {name: tensor.contiguous() for name, tensor in golden.items()}
     save_file(golden, str(out / "golden.safetensors"), metadata={"format": "pt"})
+    model.set_attn_implementation("eager")  # the path whose logits nanodllm's equal bit for bit
+    model.set_experts_implementation("eager")
+    runs = gemma_generations(model, golden["prompt"].tolist())
+    (out / "generate.json").write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
     return report_sizes(["diffusion_gemma_tiny"])
+
+
+GEMMA_SAMPLER_DEFAULTS = {"entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1,
+                          "confidence_threshold": 0.005}  # the released generation_config.json
+
+
+def gemma_generations(model, prompts: list[list[int]]) -> dict:
+    """What generate() makes of the two golden prompts (13 tokens, over the sliding window of 8), 12 steps at
+    most per canvas: its tokens, tokens per forward, each row's steps per canvas, and its sampler's units:
+    each step's temperature, accepted positions and stop decisions (the stable-and-confident rule's, before
+    a done row's are discarded). Runs: `sampled` (torch.manual_seed), `deterministic` (torch.multinomial
+    patched to an argmax, the canvas noise drawn from a seeded generator), `early_stop` (no stability wait,
+    a confidence every row meets within a few steps, a stop token inside row 0's second canvas), `ragged`
+    (row 1 cut to 10 tokens, left-padded). `stop_rule`: the rule itself on a made-up argmax sequence."""
+    from unittest import mock
+
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as hf_model
+
+    def run(prompts, seed, canvases, deterministic=False, stop_ids=(1, 106), **sampler):
+        knobs = {**GEMMA_SAMPLER_DEFAULTS, **sampler}
+        trace = {"temperatures": [], "accepted": [], "stops": [], "finished": []}
+        accept, stop, finish = (hf.EntropyBoundSampler.accept_canvas, hf.StableAndConfidentStoppingCriteria.__call__,
+                                hf.DiffusionGemmaGenerationMixin._finalize_canvas)
+
+        def recorded_accept(self, current, drawn, logits, step):
+            temperature = knobs["t_min"] + (knobs["t_max"] - knobs["t_min"]) * (step / GEMMA_STEPS)  # float32
+            trace["temperatures"].append(float(temperature))
+            out = accept(self, current, drawn, logits, step)
+            trace["accepted"].append(["".join(map(str, row)) for row in self.accepted_token_mask.int().tolist()])
+            return out
+
+        def recorded_stop(self, argmax, logits, **kwargs):
+            decision = stop(self, argmax, logits, **kwargs)
+            trace["stops"].append(decision.tolist())
+            return decision
+
+        def recorded_finish(*args, **kwargs):
+            ids, finished = finish(*args, **kwargs)
+            trace["finished"].append(finished.tolist())
+            return ids, finished
+
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        noise = torch.Generator().manual_seed(seed)
+        mixin = hf.DiffusionGemmaGenerationMixin
+        patches = [mock.patch.object(hf.EntropyBoundSampler, "accept_canvas", recorded_accept),
+                   mock.patch.object(hf.StableAndConfidentStoppingCriteria, "__call__", recorded_stop),
+                   mock.patch.object(mixin, "_finalize_canvas", staticmethod(recorded_finish))]
+        decoder_mask = hf_model.DiffusionGemmaDecoderModel.create_diffusion_decoder_attention_mask
+        float_mask = lambda config, inputs_embeds, **kwargs: decoder_mask(config, inputs_embeds.float(), **kwargs)
+        patches.append(mock.patch.object(hf_model.DiffusionGemmaDecoderModel, "create_diffusion_decoder_attention_mask",
+                                         staticmethod(float_mask)))  # 5.24 asks an integer dtype of the eager mask
+        if deterministic:
+            patches += [mock.patch.object(torch, "multinomial", lambda p, *n, **k: p.argmax(-1, keepdim=True)),
+                        mock.patch.object(hf.EntropyBoundSampler, "initialize_canvas", lambda self, batch_size, device:
+                                          torch.randint(0, self.vocab_size, (batch_size, self.canvas_length),
+                                                        generator=noise, device=device))]
+        torch.manual_seed(seed)
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=canvases * GEMMA_CANVAS,
+                                 max_denoising_steps=GEMMA_STEPS, eos_token_id=list(stop_ids), pad_token_id=0,
+                                 sampler_config=hf.EntropyBoundSamplerConfig(entropy_bound=knobs["entropy_bound"]),
+                                 **{k: v for k, v in knobs.items() if k != "entropy_bound"})
+        return {"prompts": prompts, "seed": seed, "canvases": canvases, "deterministic": deterministic,
+                "stop_ids": list(stop_ids), "sampler": knobs, "sequences": out.sequences[:, width:].tolist(),
+                "tokens_per_forward": out.tokens_per_forward.tolist(), **trace}
+
+    runs = {"sampled": run(prompts, 0, 3), "deterministic": run(prompts, 1, 3, deterministic=True)}
+    early = dict(seed=3, canvases=4, stability_threshold=0, confidence_threshold=0.6)
+    free = run(prompts, stop_ids=(), **early)["sequences"]  # a stop token inside row 0's second canvas, nowhere else
+    stop = next(t for t in free[0][GEMMA_CANVAS + 3:2 * GEMMA_CANVAS]
+                if t not in free[0][:GEMMA_CANVAS + 3] and t not in free[1])
+    runs["early_stop"] = run(prompts, stop_ids=(stop,), **early)
+    runs["ragged"] = run([prompts[0], prompts[1][3:]], 4, 3)
+    sequence = torch.tensor([[[1, 2], [3, 4]], [[1, 2], [3, 5]], [[1, 2], [3, 5]], [[1, 2], [3, 5]], [[1, 2], [6, 5]]])
+    logits = torch.zeros(2, 2, VOCAB)  # uniform: every row confident under a threshold above log(VOCAB)
+    rule = {}
+    for threshold in (0, 1, 2):
+        criterion = hf.StableAndConfidentStoppingCriteria(stability_threshold=threshold, confidence_threshold=6.0)
+        rule[str(threshold)] = [criterion(argmax, logits).tolist() for argmax in sequence]
+    runs["stop_rule"] = {"argmax": sequence.tolist(), "stops": rule}
+    return runs
 
 
 def gemma_golden(model, cache_class, gen, ids: dict | None = None) -> dict[str, torch.Tensor]:

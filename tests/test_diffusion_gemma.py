@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
 from nanodllm.gemma import DiffusionGemma, GemmaCache
-from nanodllm.generation import generate
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, load_reference
 from nanodllm.parallel import Group
 
@@ -217,12 +216,10 @@ def test_a_missing_encoder_scalar_is_named(tmp_path):
         load_reference(path)
 
 
-def test_the_fused_path_and_the_loops_are_not_used_for_it(capsys):
+def test_the_fused_path_is_not_used_for_it(capsys):
     model = load_model(FIXTURE, dtype=torch.float32)
     assert isinstance(model, DiffusionGemma) and not isinstance(model, FusedModel)
     assert "reference model" in capsys.readouterr().err
-    with pytest.raises(NotImplementedError, match="diffusion_gemma"):
-        generate(model, [[5, 6, 7]], None)
 
 
 def test_random_weights_keep_scales_at_one_and_a_split_is_refused(capsys):

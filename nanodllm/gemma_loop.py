@@ -1,0 +1,174 @@
+"""DiffusionGemma's decoding (transformers' DiffusionGemmaGenerationMixin.generate): canvas by canvas.
+
+The prompt is encoded (causal; its K/V join the cache, nanodllm/gemma.py). Each canvas of
+canvas_length tokens starts as uniform noise and is denoised against the cache for at most N =
+gen.steps steps, n = N .. 1 counting the steps left: z = logits / T with T = t_min + (t_max - t_min)
+n / N; each position draws a token from softmax(z); the lowest-entropy positions whose summed entropy,
+less the largest, stays within entropy_bound keep their draws and the others take fresh noise
+(https://arxiv.org/abs/2505.24857); z self-conditions the next step. A row is done with the canvas
+once its argmax canvas equals the last stability_threshold ones and its mean entropy is below
+confidence_threshold; its argmax stays while the others go on. The argmax canvas is committed: encoded
+where it stood. A stop token finishes a row: pads after it and in its later canvases, which it still
+computes, as transformers does. Left-padded prompts: pads are keys no token reads. The random calls
+are transformers', in its order: under torch.manual_seed on the CPU the tokens equal its generate()'s.
+sample=False is deterministic: the most probable token instead of a draw, noise from a seeded generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import GenerationConfig
+from .decoding import GenerationResult, check_prompts
+from .methods.base import Method
+
+
+@dataclass
+class GemmaSampling:
+    """The sampler's knobs beyond GenerationConfig's (gen_length, steps = the most denoising steps per
+    canvas); defaults as the released generation_config.json."""
+
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    sample: bool = True  # False: argmax tokens and noise from torch.Generator().manual_seed(seed)
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.t_max > self.t_min >= 0:
+            raise ValueError(f"need t_max > t_min >= 0, got t_min={self.t_min}, t_max={self.t_max}")
+        if self.entropy_bound <= 0 or self.confidence_threshold <= 0:
+            raise ValueError(f"entropy_bound ({self.entropy_bound}) and confidence_threshold "
+                             f"({self.confidence_threshold}) must be > 0")
+        if self.stability_threshold < 0:
+            raise ValueError(f"stability_threshold must be >= 0, got {self.stability_threshold}")
+
+
+@dataclass
+class CanvasResult(GenerationResult):
+    steps_per_canvas: list[list[int]] = field(default_factory=list)  # per row, its denoising steps per canvas
+    tokens_per_forward: list[float] = field(default_factory=list)  # per row, its tokens / its denoising steps
+
+
+def temperature(left: int, steps: int, sampling: GemmaSampling) -> torch.Tensor:
+    """T with `left` of `steps` steps to go: t_max at the first, just above t_min at the last. A float32
+    tensor, as transformers computes it (the bits of z depend on it)."""
+    return sampling.t_min + (sampling.t_max - sampling.t_min) * (torch.tensor(left, dtype=torch.int32) / steps)
+
+
+def entropy(z: torch.Tensor) -> torch.Tensor:
+    """[..., vocab] -> [...] nats of softmax(z)."""
+    return torch.distributions.Categorical(logits=z).entropy()
+
+
+def accepted(entropies: torch.Tensor, bound: float) -> torch.Tensor:
+    """Bool [b, t]: the lowest-entropy positions whose entropies, all but the largest, sum to at most
+    bound (the lowest is always among them)."""
+    ascending, order = torch.sort(entropies, dim=-1)
+    kept = ascending.cumsum(dim=-1) - ascending <= bound
+    return torch.zeros_like(kept).scatter(-1, order, kept)
+
+
+def stopping(history: torch.Tensor, argmax: torch.Tensor, entropies: torch.Tensor, sampling: GemmaSampling):
+    """(bool [b]: argmax [b, t] equals every canvas of history [k, b, t] (-1: none yet) and the mean of
+    entropies [b, t] is below confidence_threshold; the history with argmax in place of its oldest)."""
+    stable = (history == argmax[None]).all(dim=-1).all(dim=0)
+    confident = entropies.mean(dim=-1) < sampling.confidence_threshold
+    return stable & confident, torch.cat([history, argmax[None]])[1:]
+
+
+def finish(canvas: torch.Tensor, finished: torch.Tensor, stops: torch.Tensor, pad_id: int):
+    """(canvas [b, t] with pads after each row's first stop token and in rows finished before, the
+    rows finished now or before)."""
+    is_stop = torch.isin(canvas, stops)
+    after_stop = is_stop.cumsum(dim=-1) - is_stop.long() > 0
+    padded = canvas.masked_fill(after_stop | finished[:, None], pad_id)
+    return padded, finished | is_stop.any(dim=-1)
+
+
+def left_padded(prompts: list[list[int]], pad_id: int, device):
+    """(ids [b, width], valid [b, width]) of the prompts right-aligned, pads on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    columns = torch.arange(width, device=device)
+    valid = columns[None, :] >= torch.tensor([width - len(p) for p in prompts], device=device)[:, None]
+    return ids, valid
+
+
+@torch.no_grad()
+def generate(model, prompts, gen: GenerationConfig, method: Method | None = None, stop_ids=None,
+             pad_id: int | None = None, sampling: GemmaSampling | None = None) -> CanvasResult:
+    """Decode ceil(gen.gen_length / canvas_length) canvases per prompt, at most gen.steps steps each."""
+    cfg, sampling = model.cfg, sampling or GemmaSampling()
+    if method is not None and method.name != "dense":
+        raise ValueError(f"method {method.name!r} has no {cfg.model_type} loop yet (nanodllm/gemma_loop.py "
+                         "decodes dense only)")
+    if gen.threshold is not None or gen.cfg_scale > 0 or gen.temperature > 0:
+        raise ValueError(f"{cfg.model_type}'s loop has no threshold, guidance or fixed temperature (its schedule "
+                         "is GemmaSampling's t_max .. t_min); leave them unset")
+    size = cfg.gemma.canvas_length
+    if gen.block_length != size:
+        raise ValueError(f"{cfg.model_type} decodes canvases of {size} tokens: block_length ({gen.block_length}) "
+                         f"must be {size}")
+    canvases = -(-gen.gen_length // size)
+    prompts = check_prompts(prompts, cfg.vocab_size, cfg.context_length, canvases * size)
+    pad_id = cfg.gemma.pad_token_id if pad_id is None else pad_id
+    device, batch = model.embed_tokens.weight.device, len(prompts)
+    stops = torch.tensor(cfg.eos_token_ids if stop_ids is None else tuple(stop_ids), dtype=torch.long, device=device)
+    generator = None if sampling.sample else torch.Generator(device).manual_seed(sampling.seed)
+    noise = lambda: torch.randint(0, cfg.vocab_size, (batch, size), device=device, generator=generator)
+
+    cache = model.empty_cache(batch)
+    to_encode, valid = left_padded(prompts, pad_id, device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)  # a stop token in an earlier canvas
+    committed, steps_per_canvas, passes, forwards, steps = [], [[] for _ in prompts], 0, 0, 0
+    for _ in range(canvases):
+        model.encode(to_encode, cache, valid)
+        forwards += 1
+        x = argmax = noise()  # [b, size]
+        self_conditioning = None
+        history = torch.full((sampling.stability_threshold, batch, size), -1, dtype=torch.long, device=device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)  # this canvas needs no more steps
+        counted = torch.zeros(batch, dtype=torch.long, device=device)
+        for left in range(gen.steps, 0, -1):
+            counted += ~(done | finished)
+            z = model.denoise(x, cache, self_conditioning) / temperature(left, gen.steps, sampling)  # [b, size, V]
+            probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+            if sampling.sample:
+                drawn = torch.multinomial(probs.view(-1, cfg.vocab_size), 1, generator=generator).view(batch, size)
+            else:
+                drawn = probs.argmax(dim=-1)
+            argmax = torch.where(done[:, None], argmax, z.argmax(dim=-1))
+            entropies = entropy(z)
+            x = torch.where(accepted(entropies, sampling.entropy_bound), drawn, noise())
+            stop, history = stopping(history, argmax, entropies, sampling)
+            done |= stop
+            self_conditioning = z.to(model.embed_tokens.weight.dtype)
+            forwards, steps = forwards + 1, steps + 1
+            if done.all():
+                break
+        for row in range(batch):
+            if not finished[row]:
+                steps_per_canvas[row].append(int(counted[row]))
+        passes = passes + counted
+        to_encode, finished = finish(argmax, finished, stops, pad_id)
+        valid = torch.ones_like(to_encode, dtype=torch.bool)
+        committed.append(to_encode)
+        if finished.all():
+            break
+
+    sequences = torch.cat(committed, dim=1).tolist()
+    tokens = [until_first_stop(row, stops.tolist()) for row in sequences]
+    per_forward = [len(row) / max(int(n), 1) for row, n in zip(tokens, passes.tolist())]
+    return CanvasResult(tokens, forwards, steps, cache, steps_per_canvas=steps_per_canvas,
+                        tokens_per_forward=per_forward)
+
+
+def until_first_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
+    """The tokens up to and with the first stop token."""
+    stop_at = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+    return tokens if stop_at is None else tokens[: stop_at + 1]

@@ -1,0 +1,190 @@
+"""DiffusionGemma's decoding loop (nanodllm/gemma_loop.py) against transformers 5.24's generate() on
+tests/fixtures/diffusion_gemma_tiny: generate.json holds what generate() made of two prompts longer than
+the sliding window, 12 steps at most per canvas (eager attention and experts, whose logits nanodllm's
+equal bit for bit): tokens, tokens per forward, and each step's temperature, accepted positions and stop
+decisions, for a seeded run, a deterministic one, one with early stops and a stop token inside a canvas,
+and a left-padded one (`PYTHONPATH=<transformers 5.24> python scripts/make_fixtures.py diffusion_gemma`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanodllm import gemma_loop
+from nanodllm.config import GenerationConfig
+from nanodllm.gemma_loop import GemmaSampling
+from nanodllm.generation import generate
+from nanodllm.loader import load_reference
+from nanodllm.methods import get_method
+
+FIXTURE = Path(__file__).parent / "fixtures" / "diffusion_gemma_tiny"
+RUNS = json.loads((FIXTURE / "generate.json").read_text())
+MODEL = load_reference(FIXTURE, dtype=torch.float32)
+STEPS = 12
+PAD = 0
+
+
+def decode(run: dict, monkeypatch=None):
+    """(result, trace) of nanodllm decoding `run` as transformers did: each step's temperature, accepted
+    positions and stop decisions, recorded where the loop calls its units."""
+    trace = {"temperatures": [], "accepted": [], "stops": []}
+    if monkeypatch is not None:
+        recorded = lambda unit, keep: lambda *args: keep(unit(*args))
+        for name, keep in (("temperature", lambda t: trace["temperatures"].append(float(t)) or t),
+                           ("accepted", lambda a: trace["accepted"].append(bits(a)) or a),
+                           ("stopping", lambda s: trace["stops"].append(s[0].tolist()) or s)):
+            monkeypatch.setattr(gemma_loop, name, recorded(getattr(gemma_loop, name), keep))
+    knobs = {k: v for k, v in run["sampler"].items()}
+    sampling = GemmaSampling(**knobs, sample=not run["deterministic"], seed=run["seed"])
+    torch.manual_seed(run["seed"])
+    result = generate(MODEL, run["prompts"], GenerationConfig(gen_length=run["canvases"] * 8, block_length=8,
+                                                              steps=STEPS), stop_ids=run["stop_ids"], sampling=sampling)
+    return result, trace
+
+
+def bits(mask: torch.Tensor) -> list[str]:
+    return ["".join(map(str, row)) for row in mask.int().tolist()]
+
+
+def padded(tokens: list[int], width: int) -> list[int]:
+    return tokens + [PAD] * (width - len(tokens))
+
+
+# ------------------------------------------------------------------------------------------------
+# against transformers
+
+
+def test_the_runs_have_the_paths_the_parity_needs():
+    early, sampled, ragged = RUNS["early_stop"], RUNS["sampled"], RUNS["ragged"]
+    assert all(len(p) > MODEL.cfg.gemma.sliding_window for run in RUNS.values() if "prompts" in run
+               for p in run["prompts"])
+    assert early["finished"][1] == [True, False] and early["finished"][-1] == [True, False]  # stops a canvas apart
+    assert len(early["temperatures"]) < early["canvases"] * STEPS  # canvases cut short by the stop rule
+    assert sampled["finished"][1] == [False, True] and len({len(p) for p in ragged["prompts"]}) == 2
+
+
+@pytest.mark.parametrize("name", ["sampled", "deterministic", "early_stop", "ragged"])
+def test_generation_matches_transformers_token_for_token(name):
+    run = RUNS[name]
+    result, _ = decode(run)
+    width = run["canvases"] * 8
+    assert [padded(tokens, width) for tokens in result.tokens] == run["sequences"]
+    for tokens, expected in zip(result.tokens, run["sequences"]):
+        assert tokens[-1] in run["stop_ids"] or len(tokens) == width and not set(tokens) & set(run["stop_ids"])
+    for row, (steps, expected) in enumerate(zip(result.steps_per_canvas, run["tokens_per_forward"])):
+        real = sum(token != PAD for token in run["sequences"][row])  # transformers counts all but pads
+        assert real / sum(steps) == pytest.approx(expected, rel=1e-6)
+        assert result.tokens_per_forward[row] == len(result.tokens[row]) / sum(steps)
+
+
+@pytest.mark.parametrize("name", ["sampled", "early_stop", "ragged"])
+def test_each_step_of_the_sampler_matches_transformers(name, monkeypatch):
+    """The temperature; the accepted positions and the stop decision of each row still denoising (a done
+    row's are computed and dropped: transformers feeds it its last canvas again, nanodllm its new one)."""
+    run = RUNS[name]
+    _, trace = decode(run, monkeypatch)
+    assert trace["temperatures"] == run["temperatures"]
+    done = None
+    for step, temperature in enumerate(run["temperatures"]):
+        if temperature == run["temperatures"][0]:
+            done = [False] * len(run["prompts"])  # a new canvas
+        for key in ("accepted", "stops"):
+            assert [got for got, d in zip(trace[key][step], done) if not d] == [
+                expected for expected, d in zip(run[key][step], done) if not d], (key, step)
+        done = [d or stop for d, stop in zip(done, run["stops"][step])]
+    assert len(trace["stops"]) == len(run["stops"])
+
+
+@pytest.mark.parametrize("threshold", ["0", "1", "2"])
+def test_the_stop_rule_matches_transformers(threshold):
+    rule = RUNS["stop_rule"]
+    sampling = GemmaSampling(stability_threshold=int(threshold), confidence_threshold=6.0)
+    history = torch.full((int(threshold), 2, 2), -1)
+    entropies = torch.full((2, 2), float(torch.log(torch.tensor(256.0))))  # uniform: under 6
+    for argmax, expected in zip(rule["argmax"], rule["stops"][threshold], strict=True):
+        stop, history = gemma_loop.stopping(history, torch.tensor(argmax), entropies, sampling)
+        assert stop.tolist() == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# against a plain loop
+
+
+@torch.no_grad()
+def plain_argmax_loop(prompts, canvases: int, seed: int, sampling: GemmaSampling) -> list[list[int]]:
+    """The deterministic mode spelled out: argmax tokens, noise from one seeded generator, positions
+    accepted lowest entropy first while the entropies before them sum to at most the bound, a row done
+    once its argmax canvas repeats (stability 1; 0: at once) with a mean entropy under the threshold."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, vocab = len(prompts), MODEL.cfg.vocab_size
+    cache = MODEL.empty_cache(batch)
+    MODEL.encode(torch.tensor(prompts), cache)
+    generated = [[] for _ in prompts]
+    for _ in range(canvases):
+        x = torch.randint(0, vocab, (batch, 8), generator=generator)
+        logits, previous, done, committed = None, None, [False] * batch, [None] * batch
+        for left in range(STEPS, 0, -1):
+            temperature = sampling.t_min + (sampling.t_max - sampling.t_min) * torch.tensor(left / STEPS)
+            z = MODEL.denoise(x, cache, logits) / temperature
+            entropy = torch.distributions.Categorical(logits=z).entropy()
+            noise = torch.randint(0, vocab, (batch, 8), generator=generator)
+            for row in range(batch):
+                before = torch.tensor(0.0)
+                for position in entropy[row].argsort().tolist():
+                    if before > sampling.entropy_bound:
+                        x[row, position] = noise[row, position]
+                    else:
+                        x[row, position] = z[row, position].softmax(-1).argmax()
+                    before = before + entropy[row, position]
+                argmax = z[row].argmax(-1)
+                if not done[row]:
+                    committed[row] = argmax
+                    repeated = sampling.stability_threshold == 0 or previous is not None and torch.equal(
+                        argmax, previous[row])
+                    done[row] = repeated and entropy[row].mean() < sampling.confidence_threshold
+            previous, logits = z.argmax(-1), z
+            if all(done):
+                break
+        cache_input = torch.stack(committed)
+        MODEL.encode(cache_input, cache)
+        for row in range(batch):
+            generated[row] += cache_input[row].tolist()
+    return generated
+
+
+@pytest.mark.parametrize("knobs", [{}, {"stability_threshold": 0, "confidence_threshold": 0.6}])
+def test_the_deterministic_mode_equals_a_plain_argmax_loop(knobs):
+    sampling = GemmaSampling(**knobs, sample=False, seed=7)
+    prompts = RUNS["sampled"]["prompts"]
+    result = generate(MODEL, prompts, GenerationConfig(gen_length=24, block_length=8, steps=STEPS), stop_ids=(),
+                      sampling=sampling)
+    assert result.tokens == plain_argmax_loop(prompts, 3, 7, sampling)
+    assert (max(map(sum, result.steps_per_canvas)) < 3 * STEPS) == bool(knobs)
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_a_method_other_than_dense_is_refused_by_name():
+    gen = GenerationConfig(gen_length=8, block_length=8, steps=2)
+    assert generate(MODEL, [[5, 6, 7]], gen, get_method("dense")).steps == 2
+    with pytest.raises(ValueError, match="'mage'.*diffusion_gemma") as excinfo:
+        generate(MODEL, [[5, 6, 7]], gen, get_method("mage"))
+    assert len(str(excinfo.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("knobs, match", [({"t_min": 0.8, "t_max": 0.4}, "t_max"), ({"entropy_bound": 0}, "entropy"),
+                                          ({"stability_threshold": -1}, "stability")])
+def test_bad_knobs_are_refused_in_one_line(knobs, match):
+    with pytest.raises(ValueError, match=match) as excinfo:
+        GemmaSampling(**knobs)
+    assert len(str(excinfo.value).splitlines()) == 1
+    with pytest.raises(ValueError, match="temperature"):
+        generate(MODEL, [[5, 6, 7]], GenerationConfig(gen_length=8, block_length=8, steps=2, temperature=0.5))
+    with pytest.raises(ValueError, match="block_length"):
+        generate(MODEL, [[5, 6, 7]], GenerationConfig(gen_length=8, block_length=4, steps=2))
