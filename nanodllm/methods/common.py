@@ -81,9 +81,8 @@ def put_heads(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor):
 
 def keep_top(scores, counts, prompt_lengths):
     """Per (row, KV head) the counts[b, h] best prompt positions, in prompt order, padded; ties go to the
-    lower position whatever the other heads' counts (so a rank holding some of the heads chooses alike).
-
-    scores [batch, kv_heads, P] (left-padded prompts: row b's tokens are its last prompt_lengths[b]
+    lower position whatever the other heads' counts (a rank holding some heads chooses alike). scores
+    [batch, kv_heads, P] (left-padded prompts: row b's tokens are its last prompt_lengths[b]
     columns), counts [batch, kv_heads]. Returns (indices [batch, kv_heads, kmax], keep [batch,
     kv_heads, 1, kmax]: False at padding slots)."""
     width = scores.shape[2]
