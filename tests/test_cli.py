@@ -430,10 +430,10 @@ def test_running_out_of_memory_is_one_line_and_exit_1(where, allocation):
 FAILING_PREFILL = """
 import runpy, sys
 bench = runpy.run_path("scripts/bench.py")
-import kernels.flash_attention
+import nanodllm.kernels.flash_attention
 def fails(*args, **kwargs):
     raise RuntimeError("no kernel for this GPU")
-kernels.flash_attention.flash_attention = fails
+nanodllm.kernels.flash_attention.flash_attention = fails
 sys.argv = ["scripts/bench.py", "kernels", "--quick", "--out", sys.argv[1]]
 sys.exit(bench["run_main"](bench["main"]))
 """
