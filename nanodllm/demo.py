@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from . import tasks
-from .cli import HelpFormatter, available_device, check_fits, check_steps, positive_int, run_main, tensor_parallel
+from .cli import (HelpFormatter, available_device, check_fits, check_steps, positive_int, read_text, run_main,
+                  tensor_parallel)
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import check_method, engine_of, until_stop
 from .eval import with_profile
@@ -186,10 +187,7 @@ def read_prompt(path: Path) -> str:
     """The text of a prompt file (UTF-8), refused if missing or empty."""
     if not path.is_file():
         raise FileNotFoundError(f"--prompt-file {path}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--prompt-file {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    text = read_text(path, "--prompt-file")
     if not text.strip():
         raise ValueError(f"--prompt-file {path}: the file is empty")
     return text

@@ -566,6 +566,27 @@ def test_a_run_refused_midway_leaves_no_empty_journal(tmp_path, monkeypatch, cap
     assert capsys.readouterr().err.strip().endswith("error: refused by the method") and not journal.exists()
 
 
+def test_a_refused_sweep_leaves_nothing_behind(tmp_path):
+    """Refused after its journal was opened (a method of the other engine), in a folder of its own."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep.py"), "--model", "tiny-sdar", "--methods",
+                           "maskkv", "--knob", "budget=16", "--lengths", "256", "--n", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(
+        "error: method 'maskkv' runs on the masked engine; this sdar model"), done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--data", "--journal"])
+def test_a_data_file_or_journal_that_is_not_utf8_is_named_and_kept(tmp_path, flag):
+    path = tmp_path / "file.jsonl"
+    path.write_bytes(b'{"settings": "caf\xe9"}\n')
+    task = ["--task", "longbench"] if flag == "--data" else []
+    done = entry("eval", *task, flag, str(path), "--lengths", "256", "--n", "1", "--gen-length", "8")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"error: {path}: not UTF-8 text (invalid continuation byte at byte 17)"
+    assert path.read_bytes() == b'{"settings": "caf\xe9"}\n' and list(tmp_path.iterdir()) == [path]
+
+
 def test_a_mutation_check_that_times_out_is_not_a_pass():
     """A plant whose tests run out of time was not shown caught: the check exits 1."""
     done = script("scripts/mutate.py", "--only", "config-norm-topk-prob-always-on", "--timeout", "1", timeout=300)
