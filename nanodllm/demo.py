@@ -37,7 +37,7 @@ from .tokenizer import Tokenizer
 ASSETS = Path(__file__).resolve().parent / "assets"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_LENGTH = 1024
-BUDGETS = {"maskkv": "budget", "snapkv": "budget", "mage": "k", "quest": "k", "sparsed": "k"}  # prompt keys per head
+BUDGETS = {"maskkv": "budget", "snapkv": "budget", "mage": "k", "quest": "k", "sparsed": "k"}  # prompt keys kept
 UNCOUNTED = {"momo": "momo sparsifies the prefill's attention, which 'KV kept' (what the denoising steps read) "
                      "leaves out; it selects only in prompts longer than k x beta tokens"}
 
@@ -118,9 +118,10 @@ def demo_budget(name: str, knobs: dict, prompt_tokens: int) -> tuple[dict, str |
     so that little or nothing is left out, the budget set to about a quarter of the prompt (whole
     pages of 16) and a note saying so; otherwise knobs as given (a budget in --knobs is kept), None."""
     knob = BUDGETS.get(name)
-    if knob is None or knob in knobs or 2 * knob_defaults(name)[knob] <= prompt_tokens:
+    default = knob_defaults(name)[knob] if knob else None
+    if knob is None or knob in knobs or 2 * default <= prompt_tokens:
         return knobs, None
-    budget, default = max(16, prompt_tokens // 4 // 16 * 16), knob_defaults(name)[knob]
+    budget = max(16, prompt_tokens // 4 // 16 * 16)
     return {**knobs, knob: budget}, (f"{knob}={budget} is the demo's, about a quarter of the prompt: the default "
                                      f"{knob}={default} keeps {min(default, prompt_tokens)} of its {prompt_tokens} "
                                      f"tokens (--knobs {knob}=N sets it)")
