@@ -159,7 +159,11 @@ class Journal:
     def __init__(self, path: Path, settings: dict, writes: bool = True):
         self.path, self.done, self.writes = path, {}, writes  # writes: False on every rank but the first
         lines = read_text(path).splitlines() if path.exists() else []
-        held = json.loads(lines[0]).get("settings", {}) if lines else settings
+        try:
+            held = json.loads(lines[0])["settings"] if lines else settings
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path} is not a journal (its first line holds no settings); remove it or pass "
+                             "another --journal") from None
         if held != settings:
             differing = sorted(k for k in held.keys() | settings.keys() if held.get(k) != settings.get(k))
             raise ValueError(f"{path} holds a run with other settings ({', '.join(differing)}); remove it or pass "

@@ -576,15 +576,20 @@ def test_a_refused_sweep_leaves_nothing_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("flag", ["--data", "--journal"])
-def test_a_data_file_or_journal_that_is_not_utf8_is_named_and_kept(tmp_path, flag):
+@pytest.mark.parametrize("flag, held, message", [
+    ("--data", b'{"settings": "caf\xe9"}\n', ": not UTF-8 text (invalid continuation byte at byte 17)"),
+    ("--journal", b'{"settings": "caf\xe9"}\n', ": not UTF-8 text (invalid continuation byte at byte 17)"),
+    ("--journal", b'["a list"]\n', " is not a journal (its first line holds no settings); remove it or pass another "
+                                   "--journal"),
+])
+def test_a_data_file_or_journal_that_cannot_be_read_is_named_and_kept(tmp_path, flag, held, message):
     path = tmp_path / "file.jsonl"
-    path.write_bytes(b'{"settings": "caf\xe9"}\n')
+    path.write_bytes(held)
     task = ["--task", "longbench"] if flag == "--data" else []
     done = entry("eval", *task, flag, str(path), "--lengths", "256", "--n", "1", "--gen-length", "8")
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == f"error: {path}: not UTF-8 text (invalid continuation byte at byte 17)"
-    assert path.read_bytes() == b'{"settings": "caf\xe9"}\n' and list(tmp_path.iterdir()) == [path]
+    assert done.stderr.strip().splitlines()[-1] == f"error: {path}{message}"
+    assert path.read_bytes() == held and list(tmp_path.iterdir()) == [path]
 
 
 def test_a_mutation_check_that_times_out_is_not_a_pass():
