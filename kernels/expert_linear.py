@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm_linear import launch_shape, shared_memory_limit
-from kernels.silu_mul import silu_mul_reference
+from nanodllm.kernels.norm_linear import launch_shape, shared_memory_limit
+from nanodllm.kernels.silu_mul import silu_mul_reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE_ROWS = 16  # rows of one expert per tile: the tensor cores' narrow side

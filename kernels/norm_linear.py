@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rmsnorm import rms_norm_reference
-from kernels.silu_mul import silu_mul_reference
+from nanodllm.kernels.rmsnorm import rms_norm_reference
+from nanodllm.kernels.silu_mul import silu_mul_reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 32  # every row lives in each program; at 64 rows cuBLAS wins (docs/results/bench_kernels.md)

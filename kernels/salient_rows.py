@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.top_k import WHOLE_ROW_MAX, ordered_keys, top_of_row, whole_row_warps
+from nanodllm.kernels.top_k import WHOLE_ROW_MAX, ordered_keys, top_of_row, whole_row_warps
 
 
 @triton.jit

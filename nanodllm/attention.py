@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import decode_attention
-from kernels.flash_attention import flash_attention
+from nanodllm.kernels.decode_attention import decode_attention
+from nanodllm.kernels.flash_attention import flash_attention
 
 KERNELS_ENABLED = os.environ.get("NANODLLM_KERNELS", "1") != "0"
 KERNEL_DEVICES = ("cuda",)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cache_write import cache_write, cache_write_reference
+from nanodllm.kernels.cache_write import cache_write, cache_write_reference
 
 from .attention import attention_on_kernels, cache_attention
 

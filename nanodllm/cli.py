@@ -1,8 +1,8 @@
 """What the command lines (demo, eval, the scripts) share: flag types that refuse a bad value with
 the flag's name before anything loads, the checks of a device, a step count and whether a run fits
-the device's memory, writing an output file whole or not at all, and run_main, which turns what a
-user can meet mid-run (Ctrl-C, out of memory, a file that cannot be written) into an exit status and
-one line on stderr."""
+the device's memory, reading a text file (one that is not UTF-8 named), writing an output file whole
+or not at all, and run_main, which turns what a user can meet mid-run (Ctrl-C, out of memory, a file
+that cannot be written) into an exit status and one line on stderr."""
 
 from __future__ import annotations
 
@@ -31,6 +31,16 @@ def write_whole(path, write) -> None:
         partial.replace(path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def read_text(path, flag: str = "") -> str:
+    """A text file's contents; one that is not UTF-8 is a ValueError naming it (after `flag`, e.g.
+    --prompt-file, when a flag gave it) and where its first undecodable byte is."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        named = f"{flag} {path}" if flag else path
+        raise ValueError(f"{named}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
 def run_main(main, *args, **kwargs) -> int:

@@ -4,12 +4,14 @@
     python -m nanodllm demo --method maskkv --knobs budget=64
     python -m nanodllm demo --model DIR --method dense --prompt "..."
 
-Prints both outputs, how many generated tokens agree, tokens/s of each run and, on a GPU, its peak
-memory. On the block engine the tokens fill whole blocks, at least --gen-length of them. Without
---model the demo uses the tiny trained model shipped in nanodllm/assets for the method's first engine
-(tiny-llada for masked diffusion, tiny-sdar for block diffusion; MOMO, which serves both, is shown on
-the block engine's prefill) and, without --prompt, a built-in long-context passkey prompt whose
-answer it prints.
+Prints both outputs, how many generated tokens agree, tokens/s of each run, the share of the prompt's
+KV it kept (and of canvas rows it computed, where counted) and, on a GPU, its peak memory. Where a
+method's default budget would keep most of the prompt, the demo sets it to about a quarter of the
+prompt and says so (--knobs overrides). On the block engine the tokens fill whole blocks, at least
+--gen-length. Without --model the demo uses the tiny trained model in nanodllm/assets of the method's
+first engine (tiny-llada: masked diffusion, tiny-sdar: block diffusion; MOMO, which serves both, is
+shown on the block engine's prefill) and, without --prompt, a built-in long-context passkey prompt
+whose answer it prints.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 import torch
 
 from . import tasks
-from .cli import HelpFormatter, available_device, check_fits, check_steps, positive_int, run_main, tensor_parallel
+from .cli import (HelpFormatter, available_device, check_fits, check_steps, positive_int, read_text, run_main,
+                  tensor_parallel)
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import check_method, engine_of, until_stop
 from .eval import with_profile
@@ -34,6 +37,9 @@ from .tokenizer import Tokenizer
 ASSETS = Path(__file__).resolve().parent / "assets"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_LENGTH = 1024
+BUDGETS = {"maskkv": "budget", "snapkv": "budget", "mage": "k", "quest": "k", "sparsed": "k"}  # prompt keys kept
+UNCOUNTED = {"momo": "momo sparsifies the prefill's attention, which 'KV kept' (what the denoising steps read) "
+                     "leaves out; it selects only in prompts longer than k x beta tokens"}
 
 
 def parse_args(argv, prog=None):
@@ -96,13 +102,29 @@ def warm_up_gpu(model, prompt_ids, gen, settings: dict, stop_ids, device) -> flo
 
 
 def kv_summary(stats: dict, prompt_tokens: int) -> str:
-    """What the method kept or read of the KV: 'KV kept 100%', or 'KV kept 25% (256 of 1042 prompt
-    tokens per head on average)'."""
+    """What the method kept or read of the KV and, where it counts them, the canvas rows it computed:
+    'KV kept 100%', or 'KV kept 25% (256 of 1042 prompt tokens per head on average), rows computed 9%'."""
     kept = stats.get("kv_kept", 1.0)
     text = f"KV kept {kept:.0%}"
     if kept < 1:
         text += f" ({kept * prompt_tokens:.0f} of {prompt_tokens} prompt tokens per head on average)"
+    if "rows_computed" in stats:
+        text += f", rows computed {stats['rows_computed']:.0%}"
     return text
+
+
+def demo_budget(name: str, knobs: dict, prompt_tokens: int) -> tuple[dict, str | None]:
+    """(knobs, a note): where the method's default budget (BUDGETS) keeps more than half the prompt,
+    so that little or nothing is left out, the budget set to about a quarter of the prompt (whole
+    pages of 16) and a note saying so; otherwise knobs as given (a budget in --knobs is kept), None."""
+    knob = BUDGETS.get(name)
+    default = knob_defaults(name)[knob] if knob else None
+    if knob is None or knob in knobs or 2 * default <= prompt_tokens:
+        return knobs, None
+    budget = max(16, prompt_tokens // 4 // 16 * 16)
+    return {**knobs, knob: budget}, (f"{knob}={budget} is the demo's, about a quarter of the prompt: the default "
+                                     f"{knob}={default} keeps {min(default, prompt_tokens)} of its {prompt_tokens} "
+                                     f"tokens (--knobs {knob}=N sets it)")
 
 
 def main(argv=None, prog=None) -> int:
@@ -138,6 +160,7 @@ def main(argv=None, prog=None) -> int:
                                        count_tokens=lambda text: len(tokenizer.encode(text)))
             prompt, answer = sample.prompt, sample.answer
         prompt_ids = tokenizer.encode_prompt(prompt, chat=not args.no_chat)
+        knobs, budget_note = demo_budget(args.method, knobs, len(prompt_ids))
         device, context = args.device, len(prompt_ids) + 2 * args.gen_length
         note = check_fits(cfg, context, 1, device, DTYPES[args.dtype], group.world)
         if note and group.rank == 0:
@@ -166,6 +189,9 @@ def main(argv=None, prog=None) -> int:
     if defaults:
         settings = (f"{knob}={knobs.get(knob, default)}" for knob, default in defaults.items())
         print(f"{args.method} knobs: " + ", ".join(settings))
+    for note in (budget_note, UNCOUNTED.get(args.method)):
+        if note:
+            print(f"  {note}")
     if answer is not None:
         print(f"built-in prompt: find the pass key hidden halfway through {args.length} tokens; the answer is {answer}")
     answers = {}
@@ -186,10 +212,7 @@ def read_prompt(path: Path) -> str:
     """The text of a prompt file (UTF-8), refused if missing or empty."""
     if not path.is_file():
         raise FileNotFoundError(f"--prompt-file {path}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--prompt-file {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    text = read_text(path, "--prompt-file")
     if not text.strip():
         raise ValueError(f"--prompt-file {path}: the file is empty")
     return text

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from . import recall, tasks
 from .attention import CanvasMask
-from .cli import (HelpFormatter, available_device, check_fits, check_steps, output_file, positive_int, positive_ints, run_main,
-                  tensor_parallel, write_whole)
+from .cli import (HelpFormatter, available_device, check_fits, check_steps, output_file, positive_int, positive_ints,
+                  read_text, run_main, tensor_parallel, write_whole)
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import check_method, engine_of, until_stop
 from .generation import generate
@@ -158,8 +158,12 @@ class Journal:
 
     def __init__(self, path: Path, settings: dict, writes: bool = True):
         self.path, self.done, self.writes = path, {}, writes  # writes: False on every rank but the first
-        lines = path.read_text().splitlines() if path.exists() else []
-        held = json.loads(lines[0]).get("settings", {}) if lines else settings
+        lines = read_text(path).splitlines() if path.exists() else []
+        try:
+            held = json.loads(lines[0])["settings"] if lines else settings
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path} is not a journal (its first line holds no settings); remove it or pass "
+                             "another --journal") from None
         if held != settings:
             differing = sorted(k for k in held.keys() | settings.keys() if held.get(k) != settings.get(k))
             raise ValueError(f"{path} holds a run with other settings ({', '.join(differing)}); remove it or pass "
@@ -170,6 +174,7 @@ class Journal:
             except ValueError:
                 break
             self.done[record["key"]] = record
+        self.made_folder = writes and not path.parent.exists()  # removed with the journal when left empty
         if writes:
             path.parent.mkdir(parents=True, exist_ok=True)
             kept = [json.dumps({"settings": settings})] + [json.dumps(record) for record in self.done.values()]
@@ -181,14 +186,16 @@ class Journal:
                 file.write(json.dumps(record, default=str) + "\n")
 
     def forget_unless_resumable(self):
-        """A run refused midway leaves no journal behind unless it holds finished runs to resume."""
+        """A run refused midway leaves nothing behind unless its journal holds finished runs to resume."""
         if self.writes and self.path.exists() and len(self.path.read_text().splitlines()) <= 1:
-            self.path.unlink()
+            self.finish()
 
     def finish(self):
         """The run completed and its results are out: a rerun starts afresh (the code may have changed)."""
         if self.writes:
             self.path.unlink(missing_ok=True)
+            if self.made_folder and not any(self.path.parent.iterdir()):
+                self.path.parent.rmdir()
 
 
 def label(name: str, knobs: dict) -> str:
@@ -433,8 +440,12 @@ def main(argv=None, prog=None) -> int:
             get_method(name, **knobs)
         if args.plot:
             require_matplotlib()
-        if args.task == "longbench" and not args.data:
-            raise ValueError("--task longbench needs --data FILE.jsonl")
+        if args.task == "longbench":  # read before the model loads: a bad file fails at once
+            if not args.data:
+                raise ValueError("--task longbench needs --data FILE.jsonl")
+            samples = tasks.load_longbench(args.data)[: args.n]
+            if not samples:
+                raise ValueError(f"--data {args.data}: the file holds no samples")
         lengths = args.lengths
         model_dir = resolve_model(args.model)
         if args.calibrate:
@@ -460,11 +471,7 @@ def main(argv=None, prog=None) -> int:
                                       steps=steps, threshold=default_threshold(runner.model.cfg) if args.threshold is None
                                       else args.threshold)
         check_steps(runner.gen, runner.is_block)
-        if args.task == "longbench":
-            samples = tasks.load_longbench(args.data)[: args.n]
-            if not samples:
-                raise ValueError(f"--data {args.data}: the file holds no samples")
-        else:
+        if args.task != "longbench":
             samples = [s for length in lengths
                        for s in tasks.make_samples(args.task, length, args.n, args.seed + length,
                                                    count_tokens=runner.count_tokens)]

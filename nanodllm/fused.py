@@ -20,11 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.expert_linear import expert_linear
-from kernels.norm_linear import MAX_ROWS, norm_linear
-from kernels.rmsnorm import rms_norm
-from kernels.rope import apply_rope, rope_qk
-from kernels.silu_mul import silu_mul
+from nanodllm.kernels.expert_linear import expert_linear
+from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
+from nanodllm.kernels.rmsnorm import rms_norm
+from nanodllm.kernels.rope import apply_rope, rope_qk
+from nanodllm.kernels.silu_mul import silu_mul
 
 from .attention import use_kernels
 from .config import ModelConfig

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kernels import first_use
+from nanodllm.kernels import first_use
 
 from .config import ModelConfig
 from .fused import FusedModel, fuse

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, replace
 from difflib import SequenceMatcher
 from typing import Callable, Iterator
 
+from .cli import read_text
+
 TASKS = ("passkey", "multikey", "kv")
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MIN_LENGTH = 64
@@ -395,9 +397,8 @@ LONGBENCH_FIELDS = {"input": str, "context": str, "answers": list, "length": int
 
 def load_longbench(path) -> list[Sample]:
     """Samples from a LongBench JSONL file; prompt = context + "\\n\\n" + input. Blank lines are skipped."""
-    with open(path, encoding="utf-8") as file:
-        return [_longbench_sample(line, f"{path} line {number}")
-                for number, line in enumerate(file, 1) if line.strip()]
+    lines = read_text(path).split("\n")  # not splitlines: a JSON string may hold a raw U+2028
+    return [_longbench_sample(line, f"{path} line {number}") for number, line in enumerate(lines, 1) if line.strip()]
 
 
 def _longbench_sample(line, where):

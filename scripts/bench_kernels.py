@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from harness import kilo, wall_us
-from kernels.decode_attention import decode_attention
-from kernels.key_scores import key_scores
-from kernels.rmsnorm import rms_norm, rms_norm_reference
-from kernels.rope import apply_rope, apply_rope_reference
-from kernels.sparse_decode_attention import sparse_decode_attention
+from nanodllm.kernels.decode_attention import decode_attention
+from nanodllm.kernels.key_scores import key_scores
+from nanodllm.kernels.rmsnorm import rms_norm, rms_norm_reference
+from nanodllm.kernels.rope import apply_rope, apply_rope_reference
+from nanodllm.kernels.sparse_decode_attention import sparse_decode_attention
 from nanodllm.model import Rope
 
 
@@ -162,7 +162,7 @@ def visible_fraction(n, block_size):
 
 
 def bench_prefill(setup, shapes, matmul_rate):
-    from kernels.flash_attention import flash_attention  # late: a test replaces it
+    from nanodllm.kernels.flash_attention import flash_attention  # late: a test replaces it
 
     rows, b, device = [], shapes.prefill_block_size, setup.device
     for n in shapes.prefill_lengths:
@@ -246,8 +246,8 @@ HEAD_DIMS, LENGTHS = (64, 128), (1024, 2048, 4096, 8192, 16384, 32768)
 def tune(out):
     """Measure every flash_attention tuner key on this GPU and merge the choices into `out`."""
     os.environ["NANODLLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="nanodllm-tune-")  # measure afresh, cache nothing
-    import kernels.flash_attention as fa
-    from kernels.tuning import key_name, read_settings, write_settings
+    import nanodllm.kernels.flash_attention as fa
+    from nanodllm.kernels.tuning import key_name, read_settings, write_settings
 
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name(device)

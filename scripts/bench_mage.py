@@ -24,7 +24,7 @@ import nanodllm.attention as attention_module
 import nanodllm.graphs as graphs_module
 from harness import (GENERATION_BLOCKS, QUICK_SDAR, logits, random_prompts, read_bytes, timed_generation,
                      too_big)
-from kernels.top_k import top_k_positions
+from nanodllm.kernels.top_k import top_k_positions
 from nanodllm.cache import KVCache
 from nanodllm.graphs import Replayed
 from nanodllm.methods import Dense, Mage, Quest, get_method

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from harness import kilo, wall_us
-from kernels.block_sparse_attention import block_sparse_attention
-from kernels.flash_attention import flash_attention
-from kernels.qsa_attention import qsa_attention
+from nanodllm.kernels.block_sparse_attention import block_sparse_attention
+from nanodllm.kernels.flash_attention import flash_attention
+from nanodllm.kernels.qsa_attention import qsa_attention
 from nanodllm.attention import CanvasMask
 from nanodllm.methods.momo import kept_lists, momo_attention
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import decode_attention
-from kernels.flash_attention import flash_attention
+from nanodllm.kernels.decode_attention import decode_attention
+from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.attention import SPLIT_MAX_QUERIES, SPLIT_MIN_KEYS
 
 FULL = dict(heads=((32, 32), (32, 8)), queries=(8, 32, 64, 128, 256), keys=(256, 512, 1024, 2048, 4096, 8192, 32768),

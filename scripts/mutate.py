@@ -552,6 +552,7 @@ def scratch_copy(into: Path) -> Path:
     """A copy of the repository without what the tests do not read, and the pytest plugin."""
     copy = into / ROOT.name
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(*NOT_COPIED), symlinks=True)
+    (copy / "nanodllm" / "kernels").symlink_to("../kernels")  # nanodllm.kernels: the copy's, not the installed one
     (copy / f"{PLUGIN}.py").write_text(PLUGIN_SOURCE)
     return copy
 
@@ -566,7 +567,7 @@ def environment(copy: Path) -> dict:
 
 def imported_from(copy: Path) -> list[str]:
     """The packages a test process would import from outside the copy (none, or the results lie)."""
-    probe = "import kernels, nanodllm; print(nanodllm.__file__); print(kernels.__file__)"
+    probe = "import nanodllm.kernels; print(nanodllm.__file__); print(nanodllm.kernels.__file__)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=copy, env=environment(copy), capture_output=True,
                          text=True, check=True).stdout.split()
     return [path for path in out if not Path(path).resolve().is_relative_to(copy.resolve())]

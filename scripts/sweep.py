@@ -163,6 +163,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     lengths = args.lengths
     settings = {name: str(value) for name, value in vars(args).items() if name not in ("out", "plot", "journal")}
+    journal = None
     try:
         knob, values = parse_sweep(args.knob)
         plan = variants(args.methods.split(","), knob, values, parse_knobs(args.knobs))
@@ -177,16 +178,18 @@ def main(argv=None) -> int:
         runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
         for name, _ in plan:
             runner.check_engine(name)
+        print(f"finished runs are kept in {journal.path}: the same command resumes there", file=sys.stderr)
+        if not runner.is_block:
+            runner.gen = GenerationConfig(gen_length=32, block_length=32, steps=32)
+        samples = [sample for length in lengths
+                   for sample in tasks.make_samples(args.task, length, args.n, args.seed + length,
+                                                    count_tokens=runner.count_tokens)]
+        results = run(runner, samples, plan, args.batch, journal)
     except (ValueError, FileNotFoundError) as err:
+        if journal is not None:
+            journal.forget_unless_resumable()
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"finished runs are kept in {journal.path}: the same command resumes there", file=sys.stderr)
-    if not runner.is_block:
-        runner.gen = GenerationConfig(gen_length=32, block_length=32, steps=32)
-    samples = [sample for length in lengths
-               for sample in tasks.make_samples(args.task, length, args.n, args.seed + length,
-                                                count_tokens=runner.count_tokens)]
-    results = run(runner, samples, plan, args.batch, journal)
     text = [f"{args.model}, task {args.task}, {runner.gen}, {args.n} samples per length, {args.device} {args.dtype}\n",
             length_table(results, lengths), "", "Accuracy by needle depth x context length:\n"]
     text += [depth_grid(name, cells, lengths) + "\n" for name, cells in results.items()]

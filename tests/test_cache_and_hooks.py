@@ -45,7 +45,7 @@ def test_cache_write_kernel_writes_exactly_the_block_slots(lengths, heads, token
     """kernels/cache_write.py (the block engine's per-layer K/V write on CUDA) against its torch
     reference: the t slots after each row's length get the block, every other slot keeps its value;
     k and v come in as the model hands them over (views with a transposed layout)."""
-    from kernels.cache_write import cache_write, cache_write_reference
+    from nanodllm.kernels.cache_write import cache_write, cache_write_reference
     from tests.device import DEVICE
 
     generator = torch.Generator().manual_seed(seed)
@@ -64,7 +64,7 @@ def test_cache_write_kernel_writes_exactly_the_block_slots(lengths, heads, token
 
 
 def test_cache_write_kernel_refuses_mismatched_shapes():
-    from kernels.cache_write import cache_write
+    from nanodllm.kernels.cache_write import cache_write
 
     cache = torch.zeros(2, 16, 2, 8)
     block = torch.zeros(2, 2, 4, 8)

@@ -430,10 +430,10 @@ def test_running_out_of_memory_is_one_line_and_exit_1(where, allocation):
 FAILING_PREFILL = """
 import runpy, sys
 bench = runpy.run_path("scripts/bench.py")
-import kernels.flash_attention
+import nanodllm.kernels.flash_attention
 def fails(*args, **kwargs):
     raise RuntimeError("no kernel for this GPU")
-kernels.flash_attention.flash_attention = fails
+nanodllm.kernels.flash_attention.flash_attention = fails
 sys.argv = ["scripts/bench.py", "kernels", "--quick", "--out", sys.argv[1]]
 sys.exit(bench["run_main"](bench["main"]))
 """
@@ -564,6 +564,32 @@ def test_a_run_refused_midway_leaves_no_empty_journal(tmp_path, monkeypatch, cap
     journal = tmp_path / "eval.jsonl"
     assert evaluation.main(["--lengths", "256", "--n", "1", "--journal", str(journal)]) == 2
     assert capsys.readouterr().err.strip().endswith("error: refused by the method") and not journal.exists()
+
+
+def test_a_refused_sweep_leaves_nothing_behind(tmp_path):
+    """Refused after its journal was opened (a method of the other engine), in a folder of its own."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep.py"), "--model", "tiny-sdar", "--methods",
+                           "maskkv", "--knob", "budget=16", "--lengths", "256", "--n", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(
+        "error: method 'maskkv' runs on the masked engine; this sdar model"), done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag, held, message", [
+    ("--data", b'{"settings": "caf\xe9"}\n', ": not UTF-8 text (invalid continuation byte at byte 17)"),
+    ("--journal", b'{"settings": "caf\xe9"}\n', ": not UTF-8 text (invalid continuation byte at byte 17)"),
+    ("--journal", b'["a list"]\n', " is not a journal (its first line holds no settings); remove it or pass another "
+                                   "--journal"),
+])
+def test_a_data_file_or_journal_that_cannot_be_read_is_named_and_kept(tmp_path, flag, held, message):
+    path = tmp_path / "file.jsonl"
+    path.write_bytes(held)
+    task = ["--task", "longbench"] if flag == "--data" else []
+    done = entry("eval", *task, flag, str(path), "--lengths", "256", "--n", "1", "--gen-length", "8")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"error: {path}{message}"
+    assert path.read_bytes() == held and list(tmp_path.iterdir()) == [path]
 
 
 def test_a_mutation_check_that_times_out_is_not_a_pass():

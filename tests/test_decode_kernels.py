@@ -24,11 +24,12 @@ import pytest  # noqa: E402
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels import decode_attention as decode_module  # noqa: E402
-from kernels.decode_attention import (decode_attention, decode_attention_reference, decode_partials,  # noqa: E402
-                                      merge_splits)
-from kernels.key_scores import key_scores, key_scores_reference  # noqa: E402
-from kernels.sparse_decode_attention import sparse_decode_attention, sparse_decode_attention_reference  # noqa: E402
+from nanodllm.kernels import decode_attention as decode_module  # noqa: E402
+from nanodllm.kernels.decode_attention import (decode_attention, decode_attention_reference,  # noqa: E402
+                                               decode_partials, merge_splits)
+from nanodllm.kernels.key_scores import key_scores, key_scores_reference  # noqa: E402
+from nanodllm.kernels.sparse_decode_attention import (sparse_decode_attention,  # noqa: E402
+                                                      sparse_decode_attention_reference)
 from tests.device import DEVICE
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

@@ -93,13 +93,37 @@ def test_the_readme_demo_command_runs():
 def test_demo_maskkv_on_the_default_model():
     done = demo("--method", "maskkv", "--length", "512")
     assert done.returncode == 0, done.stderr
-    assert "[maskkv] 32 tokens" in done.stdout
-    assert ("peak GPU memory" in done.stdout) == torch.cuda.is_available()  # on a CPU one run's memory is unknown
+    assert "[maskkv] 32 tokens" in done.stdout and "is the demo's" not in done.stdout  # 256 of 527: its own budget
     average, prompt = kept_per_head(done.stdout, "maskkv")
     assert 252 <= average <= 256 < prompt  # the budget of 256, less what the layer and head shares floor away
+    computed = int(re.search(r"rows computed (\d+)%", done.stdout.split("[maskkv]")[1])[1])
+    assert 0 < computed < 100  # dLLM-Cache's steps between refreshes compute a few rows
     answers = {name: done.stdout.split(f"[{name}]")[1].splitlines()[1] for name in ("dense", "maskkv")}
     verdict = "the same answer as dense" if answers["dense"] == answers["maskkv"] else "an answer that differs from dense"
     assert f"maskkv gave {verdict}: " in done.stdout
+
+
+@pytest.mark.parametrize("method, knobs", [("mage", []), ("quest", []), ("sparsed", []), ("mage", ["--knobs", "k=1024"])])
+def test_demo_shows_a_selecting_method_leave_keys_out(method, knobs):
+    """The paper's k = 1024 would keep all of a 527-token prompt: unless --knobs sets k, the demo picks
+    a quarter of the prompt and says so, and the method reads less than all of it (more than half: the
+    first 2 of the tiny model's 4 layers read every key, and SparseD every key for a block's first fifth)."""
+    done = demo("--method", method, "--length", "512", *knobs)
+    assert done.returncode == 0, done.stderr
+    prompt = int(re.search(r"prompt (\d+) tokens", done.stdout)[1])
+    kept = int(re.search(r"KV kept (\d+)%", done.stdout.split(f"[{method}]")[1])[1])
+    if knobs:
+        assert "is the demo's" not in done.stdout and f"{method} knobs: k=1024," in done.stdout and kept == 100
+        return
+    budget = prompt // 4 // 16 * 16
+    assert f"{method} knobs: k={budget}," in done.stdout and f"  k={budget} is the demo's" in done.stdout
+    assert 50 <= kept < 100
+
+
+def test_demo_says_why_momo_shows_no_keys_left_out():
+    done = demo("--method", "momo", "--length", "512", "--gen-length", "8")
+    assert done.returncode == 0, done.stderr
+    assert "  momo sparsifies the prefill's attention, which 'KV kept'" in done.stdout
 
 
 def test_demo_reads_a_prompt_file_and_names_a_missing_one(tmp_path):

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nanodllm.methods.dyllm as dyllm_module
-from kernels.approx_attention import approximate_attention, approximate_attention_reference
-from kernels.row_scatter import put_rows_where, put_rows_where_reference
+from nanodllm.kernels.approx_attention import approximate_attention, approximate_attention_reference
+from nanodllm.kernels.row_scatter import put_rows_where, put_rows_where_reference
 from nanodllm.attention import attention_with_lse
 from nanodllm.config import GenerationConfig
 from nanodllm.loader import load_model

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels.expert_linear import expert_linear, expert_linear_reference  # noqa: E402
+from nanodllm.kernels.expert_linear import expert_linear, expert_linear_reference  # noqa: E402
 from tests.device import DEVICE  # noqa: E402
 from tests.test_norm_linear import nan_empty, within  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 
-import kernels.first_use as first_use
+import nanodllm.kernels.first_use as first_use
 
 
 @pytest.fixture

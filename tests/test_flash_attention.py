@@ -16,8 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kernels.flash_attention as fa
-from kernels.flash_attention import flash_attention, flash_attention_reference
+import nanodllm.kernels.flash_attention as fa
+from nanodllm.kernels.flash_attention import flash_attention, flash_attention_reference
 from tests.device import DEVICE
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

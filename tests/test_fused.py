@@ -14,18 +14,18 @@ import dataclasses
 import pytest
 import torch
 
-import kernels.expert_linear as expert_module
-import kernels.first_use as first_use
-import kernels.norm_linear as norm_linear_module
-import kernels.rmsnorm as rmsnorm_module
-import kernels.rope as rope_module
-import kernels.silu_mul as silu_mul_module
+import nanodllm.kernels.expert_linear as expert_module
+import nanodllm.kernels.first_use as first_use
+import nanodllm.kernels.norm_linear as norm_linear_module
+import nanodllm.kernels.rmsnorm as rmsnorm_module
+import nanodllm.kernels.rope as rope_module
+import nanodllm.kernels.silu_mul as silu_mul_module
 import nanodllm.fused as fused_module
-from kernels.expert_linear import expert_linear
-from kernels.norm_linear import MAX_ROWS, norm_linear
-from kernels.rmsnorm import rms_norm
-from kernels.rope import apply_rope, rope_qk
-from kernels.silu_mul import silu_mul
+from nanodllm.kernels.expert_linear import expert_linear
+from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
+from nanodllm.kernels.rmsnorm import rms_norm
+from nanodllm.kernels.rope import apply_rope, rope_qk
+from nanodllm.kernels.silu_mul import silu_mul
 from nanodllm import block, masked
 from nanodllm.attention import attention
 from nanodllm.config import GenerationConfig, ModelConfig

@@ -59,10 +59,10 @@ def spy_on_kernels(monkeypatch, *names):
 
     called = []
     for name in names:
-        kernel = getattr(importlib.import_module(f"kernels.{name}"), name)
+        kernel = getattr(importlib.import_module(f"nanodllm.kernels.{name}"), name)
         spy = lambda *a, kernel=kernel, name=name, **kw: called.append(name) or kernel(*a, **kw)
         for module in list(sys.modules.values()):
-            if getattr(module, "__name__", "").startswith(("nanodllm", "kernels")) and getattr(module, name, None) is kernel:
+            if getattr(module, "__name__", "").startswith("nanodllm") and getattr(module, name, None) is kernel:
                 monkeypatch.setattr(module, name, spy)
     return called
 
@@ -100,8 +100,8 @@ def test_attention_routes_and_equals_reference(attention_kernels_on, monkeypatch
 def test_routing_limits_stay_within_the_kernels():
     """attention() and MaskKV's vote size their calls by their own copies of the kernels' limits:
     past a limit a call would raise instead of routing."""
-    from kernels import decode_attention as decode_module
-    from kernels import decode_inputs
+    from nanodllm.kernels import decode_attention as decode_module
+    from nanodllm.kernels import decode_inputs
     from nanodllm.methods import common
 
     assert attention_module.SPLIT_MAX_QUERIES <= decode_module.DENSE_MAX_QUERIES

@@ -14,17 +14,19 @@ import pytest
 from nanodllm.methods import METHODS, Method, StepContext
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("nanodllm", "kernels")
+FOLDERS = ("nanodllm", "kernels")  # kernels/ is the package nanodllm.kernels
 METHOD_FILES = sorted({Path(METHODS[name].__module__.replace(".", "/") + ".py") for name in METHODS if name != "dense"})
 
 
 def module_name(path: Path) -> str:
+    """The dotted name a file is imported by (kernels/ installs as nanodllm.kernels: pyproject.toml)."""
     parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = ("nanodllm", *parts) if parts[0] == "kernels" else parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports(path: Path) -> set[str]:
-    """The modules of PACKAGES a file imports, anywhere in it (inside functions too), resolved."""
+    """The modules of nanodllm a file imports, anywhere in it (inside functions too), resolved."""
     tree = ast.parse(path.read_text())
     package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path)
     found = set()
@@ -40,11 +42,11 @@ def imports(path: Path) -> set[str]:
             names = submodules if node.module is None else [base] + submodules  # from . import x: x alone
         else:
             continue
-        found |= {name for name in names if name.split(".")[0] in PACKAGES}
+        found |= {name for name in names if name.split(".")[0] == "nanodllm"}
     return found
 
 
-FILES = {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+FILES = {module_name(p): p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")}
 GRAPH = {name: {imported for imported in imports(path) if imported in FILES and imported != name}
          for name, path in FILES.items()}
 
@@ -166,10 +168,21 @@ def test_the_fast_model_is_built_once():
         assert not re.search(pattern, text), pattern
 
 
+def test_the_kernels_are_imported_as_installed():
+    """kernels/ installs as nanodllm.kernels (pyproject.toml); `import kernels` would work only from a
+    checkout, and there load a second copy of each kernel beside nanodllm's."""
+    for path in [*FILES.values(), *(ROOT / "scripts").glob("*.py"), *(ROOT / "tests").glob("*.py"),
+                 ROOT / "train_free_demo.py"]:
+        tree = ast.parse(path.read_text())
+        top = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        top |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and not node.level}
+        assert not {name for name in top if name.split(".")[0] == "kernels"}, path
+
+
 def test_kernels_import_only_torch_triton_and_each_other():
     for name, path in FILES.items():
-        if name.startswith("kernels"):
-            assert not {m for m in imports(path) if m.startswith("nanodllm")}, name
+        if name.startswith("nanodllm.kernels"):
+            assert not {m for m in imports(path) if not m.startswith("nanodllm.kernels")}, name
 
 
 @pytest.mark.parametrize("name", ["model", "mlp"])

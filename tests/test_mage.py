@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.decode_attention import decode_attention_reference, decode_partials
-from kernels.key_scores import key_scores, key_scores_reference
-from kernels.sparse_decode_attention import sparse_decode_attention
+from nanodllm.kernels.decode_attention import decode_attention_reference, decode_partials
+from nanodllm.kernels.key_scores import key_scores, key_scores_reference
+from nanodllm.kernels.sparse_decode_attention import sparse_decode_attention
 from nanodllm.cache import KVCache
 from nanodllm.config import GenerationConfig
 from nanodllm.eval import agreement

@@ -25,10 +25,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
-from kernels.expert_linear import expert_linear
 from nanodllm import block, fused
 from nanodllm.config import GenerationConfig, ModelConfig
 from nanodllm.fused import fuse
+from nanodllm.kernels.expert_linear import expert_linear
 from nanodllm.attention import attention
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, random_weights
 from nanodllm.mlp import MoE, Router, within_best_groups

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.qsa_estimate import golden_strides
+from nanodllm.kernels.qsa_estimate import golden_strides
 from nanodllm.attention import CanvasMask, attention_reference
 from nanodllm.methods import get_method
 from nanodllm.methods.momo import (block_lists, delta_corrected, dense_mask, diagonal_blocks,

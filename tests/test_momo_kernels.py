@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.block_sparse_attention import CUDA_TILES, block_sparse_attention, block_sparse_attention_reference
-from kernels.qsa_attention import qsa_attention, qsa_attention_reference
+from nanodllm.kernels.block_sparse_attention import CUDA_TILES, block_sparse_attention, block_sparse_attention_reference
+from nanodllm.kernels.qsa_attention import qsa_attention, qsa_attention_reference
 from nanodllm.methods.momo import block_scores, scaled_scores
 from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 

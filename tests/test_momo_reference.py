@@ -39,7 +39,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nanodllm.methods.momo as momo
-from kernels.qsa_estimate import ORDER_ROWS
+from nanodllm.kernels.qsa_estimate import ORDER_ROWS
 from nanodllm import block, masked
 from nanodllm.attention import CanvasMask
 from nanodllm.config import GenerationConfig

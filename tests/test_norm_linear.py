@@ -21,8 +21,8 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import kernels.norm_linear as norm_linear_module  # noqa: E402
-from kernels.norm_linear import MAX_ROWS, norm_linear, norm_linear_reference  # noqa: E402
+import nanodllm.kernels.norm_linear as norm_linear_module  # noqa: E402
+from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear, norm_linear_reference  # noqa: E402
 from tests.device import DEVICE  # noqa: E402
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

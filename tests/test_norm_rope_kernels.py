@@ -20,10 +20,10 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import kernels.rope as rope_module  # noqa: E402
-from kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
-from kernels.rope import apply_rope, apply_rope_reference, rope_qk  # noqa: E402
-from kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
+import nanodllm.kernels.rope as rope_module  # noqa: E402
+from nanodllm.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
+from nanodllm.kernels.rope import apply_rope, apply_rope_reference, rope_qk  # noqa: E402
+from nanodllm.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
 from nanodllm.model import Rope  # noqa: E402
 from tests.device import DEVICE
 

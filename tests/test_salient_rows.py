@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.salient_rows import salient_rows, salient_rows_reference
+from nanodllm.kernels.salient_rows import salient_rows, salient_rows_reference
 from tests.device import DEVICE
 
 

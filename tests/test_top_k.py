@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels.top_k import top_k_positions, top_k_positions_reference  # noqa: E402
+from nanodllm.kernels.top_k import top_k_positions, top_k_positions_reference  # noqa: E402
 from nanodllm.methods.common import select_top_k  # noqa: E402
 from tests.device import DEVICE
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import triton
 
-import kernels.tuning as tuning
-from kernels.tuning import Tuner, cache_path
+import nanodllm.kernels.tuning as tuning
+from nanodllm.kernels.tuning import Tuner, cache_path
 from tests.device import DEVICE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
 
 FLASH_IN_A_PROCESS = """
 import torch
-import kernels.flash_attention as fa
+import nanodllm.kernels.flash_attention as fa
 for n_q, n_k, causal in ((64, 3000, False), (2000, 2000, True)):
     q = torch.randn(1, 4, n_q, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, n_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))

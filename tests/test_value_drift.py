@@ -6,8 +6,8 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-import kernels.value_drift as vd
-from kernels.value_drift import most_drifted, most_drifted_reference, value_drift, value_drift_reference
+import nanodllm.kernels.value_drift as vd
+from nanodllm.kernels.value_drift import most_drifted, most_drifted_reference, value_drift, value_drift_reference
 from tests.device import DEVICE
 
 

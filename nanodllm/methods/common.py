@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.flash_attention import flash_attention
-from kernels.key_scores import key_scores
-from kernels.sparse_decode_attention import sparse_decode_attention
-from kernels.top_k import top_k_positions, top_k_positions_reference
+from nanodllm.kernels.flash_attention import flash_attention
+from nanodllm.kernels.key_scores import key_scores
+from nanodllm.kernels.sparse_decode_attention import sparse_decode_attention
+from nanodllm.kernels.top_k import top_k_positions, top_k_positions_reference
 
 from ..attention import as_kernel_mask, attention, attention_on_kernels
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import value_drift
+from nanodllm.kernels import value_drift
 
 from ..attention import attention, use_kernels
 from ..parallel import SINGLE, Group, group_of

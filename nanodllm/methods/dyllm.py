@@ -33,9 +33,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.approx_attention import approximate_attention, approximate_attention_reference
-from kernels.row_scatter import put_rows_where, put_rows_where_reference
-from kernels.salient_rows import WHOLE_ROW_MAX, salient_rows, salient_rows_reference, slot_map
+from nanodllm.kernels.approx_attention import approximate_attention, approximate_attention_reference
+from nanodllm.kernels.row_scatter import put_rows_where, put_rows_where_reference
+from nanodllm.kernels.salient_rows import WHOLE_ROW_MAX, salient_rows, salient_rows_reference, slot_map
 
 from ..attention import attention_on_kernels, attention_with_lse, use_kernels
 from ..parallel import group_of

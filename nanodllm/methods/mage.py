@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode_attention import decode_partials, merge_splits
-from kernels.key_scores import key_scores
+from nanodllm.kernels.decode_attention import decode_partials, merge_splits
+from nanodllm.kernels.key_scores import key_scores
 
 from ..attention import attention_on_kernels
 from .base import Method, Selection, StepContext

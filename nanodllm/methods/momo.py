@@ -30,10 +30,10 @@ import math
 
 import torch
 
-from kernels.block_sparse_attention import CUDA_TILES as SPARSE_TILES
-from kernels.block_sparse_attention import block_sparse_attention
-from kernels.qsa_attention import qsa_attention
-from kernels.qsa_estimate import estimated_top_k
+from nanodllm.kernels.block_sparse_attention import CUDA_TILES as SPARSE_TILES
+from nanodllm.kernels.block_sparse_attention import block_sparse_attention
+from nanodllm.kernels.qsa_attention import qsa_attention
+from nanodllm.kernels.qsa_estimate import estimated_top_k
 
 from ..attention import CanvasMask, attention_on_kernels
 from .base import Method
