@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanodllm.kernels.norm_linear import launch_shape, shared_memory_limit
+from nanodllm.kernels.norm_linear import launch_shape, shared_memory_limit, store_transposed
 from nanodllm.kernels.silu_mul import silu_mul_reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -56,14 +56,7 @@ def expert_linear_kernel(
             if SWIGLU:
                 up_acc = tl.dot(tl.load(up_ptrs + ks[None, :], mask=w_mask, other=0.0), x_t, up_acc,
                                 input_precision=precision)
-        out_dtype = out_ptr.dtype.element_ty
-        out = gate_acc.to(out_dtype)
-        if SWIGLU:
-            gate = out.to(tl.float32)
-            up = up_acc.to(out_dtype).to(tl.float32)
-            out = ((gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32) * up).to(out_dtype)
-        out_ptrs = out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None]
-        tl.store(out_ptrs, out, mask=col_ok[:, None] & row_ok[None, :])
+        store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, SWIGLU)
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, swiglu: bool = False) -> torch.Tensor:

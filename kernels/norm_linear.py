@@ -75,6 +75,13 @@ def norm_linear_kernel(
         gate_acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
         if SWIGLU:
             up_acc += tl.load(bias_ptr + out_width + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, SWIGLU)
+
+
+@triton.jit
+def store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, SWIGLU: tl.constexpr):
+    """Write the fp32 accumulators [BLOCK_N, BLOCK_M] (columns, rows) to out [rows, N] in out's dtype;
+    with SWIGLU silu(gate) * up, gate and up rounded first, silu rounded, the product rounded."""
     out_dtype = out_ptr.dtype.element_ty
     out = gate_acc.to(out_dtype)
     if SWIGLU:
