@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import GenerationConfig
-from .decoding import GenerationResult, check_prompts
+from .decoding import GenerationResult, check_prompts, left_padded_canvas, until_stop
 from .methods.base import Method
 
 
@@ -90,15 +90,6 @@ def finish(canvas: torch.Tensor, finished: torch.Tensor, stops: torch.Tensor, pa
     return padded, finished | is_stop.any(dim=-1)
 
 
-def left_padded(prompts: list[list[int]], pad_id: int, device):
-    """(ids [b, width], valid [b, width]) of the prompts right-aligned, pads on the left."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-    columns = torch.arange(width, device=device)
-    valid = columns[None, :] >= torch.tensor([width - len(p) for p in prompts], device=device)[:, None]
-    return ids, valid
-
-
 @torch.no_grad()
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None, stop_ids=None,
              pad_id: int | None = None, sampling: GemmaSampling | None = None) -> CanvasResult:
@@ -123,7 +114,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     noise = lambda: torch.randint(0, cfg.vocab_size, (batch, size), device=device, generator=generator)
 
     cache = model.empty_cache(batch)
-    to_encode, valid = left_padded(prompts, pad_id, device)
+    prompt = left_padded_canvas(prompts, 0, pad_id, pad_id, device)  # no masks: the prompt alone
+    to_encode, valid = prompt.tokens, prompt.valid
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # a stop token in an earlier canvas
     committed, steps_per_canvas, passes, forwards, steps = [], [[] for _ in prompts], 0, 0, 0
     for _ in range(canvases):
@@ -162,13 +154,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             break
 
     sequences = torch.cat(committed, dim=1).tolist()
-    tokens = [until_first_stop(row, stops.tolist()) for row in sequences]
+    tokens = [row[: len(until_stop(row, stops.tolist())) + 1] for row in sequences]  # with the stop token
     per_forward = [len(row) / max(int(n), 1) for row, n in zip(tokens, passes.tolist())]
     return CanvasResult(tokens, forwards, steps, cache, steps_per_canvas=steps_per_canvas,
                         tokens_per_forward=per_forward)
-
-
-def until_first_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
-    """The tokens up to and with the first stop token."""
-    stop_at = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
-    return tokens if stop_at is None else tokens[: stop_at + 1]
