@@ -102,8 +102,9 @@ def key_padding_mask(k_valid: torch.Tensor, q_valid: torch.Tensor | None = None)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | CanvasMask | None = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) masked) v, with GQA. Returns [batch, num_heads, q_len, head_dim].
+              mask: torch.Tensor | CanvasMask | None = None, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T scale masked) v, with GQA (scale None: 1 / sqrt(d)). Returns [batch, num_heads,
+    q_len, head_dim].
 
     On the kernels: decode_attention for at most SPLIT_MAX_QUERIES queries against SPLIT_MIN_KEYS or
     more unmasked keys (it splits the keys over the SMs, where flash_attention would run one program
@@ -114,15 +115,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if kernel_mask is not None:
         block_size, k_valid = kernel_mask
         if block_size is None and k_valid is None and q.shape[2] <= SPLIT_MAX_QUERIES and k.shape[2] >= SPLIT_MIN_KEYS:
-            return decode_attention(q, k.transpose(1, 2), v.transpose(1, 2), k.shape[2], return_lse=False)
-        return flash_attention(q, k, v, block_size=block_size, k_valid=k_valid)
+            return decode_attention(q, k.transpose(1, 2), v.transpose(1, 2), k.shape[2], scale=scale, return_lse=False)
+        return flash_attention(q, k, v, block_size=block_size, k_valid=k_valid, scale=scale)
     if isinstance(mask, CanvasMask):
         mask = mask.dense(q.shape[2], k.shape[2], q.device)
     if q.is_cuda:
         if mask is not None and 1 < mask.shape[1] < q.shape[1]:  # per KV head -> per query head for SDPA
             mask = mask.repeat_interleave(q.shape[1] // mask.shape[1], dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    return attention_reference(q, k, v, mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return attention_reference(q, k, v, mask, scale)
 
 
 def as_kernel_mask(mask, q: torch.Tensor, k: torch.Tensor) -> tuple | None:
@@ -143,23 +144,24 @@ def as_kernel_mask(mask, q: torch.Tensor, k: torch.Tensor) -> tuple | None:
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                    max_length: int, ragged: bool, launch_length: int | None = None) -> torch.Tensor:
+                    max_length: int, ragged: bool, launch_length: int | None = None,
+                    scale: float | None = None) -> torch.Tensor:
     """The active block's queries against each row's cached keys, read in place.
 
     k_cache, v_cache: [batch, capacity, num_kv_heads, head_dim] (token-major, as KVCache keeps them);
     row b attends to slots 0 .. lengths[b]-1, which end with the block's own keys; max_length =
     max(lengths), known on the host; ragged: whether rows differ in length (padding to hide);
     launch_length: a bound >= max_length that sizes the kernel's launch (KVCache.launch_length; default
-    max_length). Returns [batch, num_heads, q_len, head_dim]."""
+    max_length); scale: as attention's. Returns [batch, num_heads, q_len, head_dim]."""
     if attention_on_kernels(q):
-        return decode_attention(q, k_cache, v_cache, lengths, max_length=launch_length or max_length,
+        return decode_attention(q, k_cache, v_cache, lengths, max_length=launch_length or max_length, scale=scale,
                                 return_lse=False)
     keys, values = k_cache[:, :max_length].transpose(1, 2), v_cache[:, :max_length].transpose(1, 2)
     mask = None
     if ragged:
         slots = torch.arange(max_length, device=q.device)
         mask = key_padding_mask(slots[None, :] < lengths[:, None])
-    return attention(q, keys, values, mask)
+    return attention(q, keys, values, mask, scale)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_valid: torch.Tensor | None = None):
@@ -181,14 +183,14 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_vali
             lse.view(batch, num_heads, q_len).to(torch.promote_types(compute, torch.float32)))
 
 
-def attention_reference(q, k, v, mask=None):
+def attention_reference(q, k, v, mask=None, scale=None):
     """Plain torch, scores and softmax in fp32 (float64 for float64 inputs), cast back to q's dtype."""
     batch, num_heads, q_len, head_dim = q.shape
     group = num_heads // k.shape[1]
     compute, out_dtype = torch.promote_types(q.dtype, torch.float32), q.dtype
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
     qg = q.reshape(batch, k.shape[1], group * q_len, head_dim)
-    scores = (qg @ k.transpose(-1, -2)) * head_dim**-0.5  # [batch, kv_heads, group*q_len, k_len]
+    scores = (qg @ k.transpose(-1, -2)) * (head_dim**-0.5 if scale is None else scale)  # [b, kv, group*q_len, k_len]
     scores = scores.view(batch, k.shape[1], group, q_len, -1)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))

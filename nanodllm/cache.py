@@ -23,10 +23,14 @@ from .attention import attention_on_kernels, cache_attention
 
 
 class KVCache:
-    def __init__(self, num_layers, batch, capacity, num_kv_heads, head_dim, device, dtype):
+    def __init__(self, num_layers, batch, capacity, num_kv_heads, head_dim, device, dtype, held=None, scale=None):
+        """held: the layers it keeps (default all; the others' entries are None); scale: the attention's
+        score scale (None: head_dim^-1/2)."""
         shape = (batch, capacity, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        held = range(num_layers) if held is None else held
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) if i in held else None for i in range(num_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) if i in held else None for i in range(num_layers)]
+        self.scale = scale
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.host_lengths = [0] * batch  # the same numbers on the host: no device sync per layer
         self.capacity = capacity
@@ -90,4 +94,4 @@ class KVCache:
         self.write(layer, k, v)
         block = k.shape[2]
         return cache_attention(q, self.keys[layer], self.values[layer], self.lengths + block, self.max_length + block,
-                               ragged=not self.uniform, launch_length=self.launch_length(block))
+                               ragged=not self.uniform, launch_length=self.launch_length(block), scale=self.scale)

@@ -540,6 +540,17 @@ _PRESETS = {
     "sdar-30b-a3b": dict(model_type="sdar_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936),
+    # DiffusionGemma 26B-A4B: the released config.json's text fields (docs/formats.md, DiffusionGemma)
+    "diffusiongemma-26b-a4b": dict(model_type="diffusion_gemma", canvas_length=256, eos_token_id=[1, 106],
+                                   text_config=dict(
+        vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704, num_hidden_layers=30,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, num_global_key_value_heads=2, global_head_dim=512,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5, sliding_window=1024, num_experts=128,
+        top_k_experts=8, rms_norm_eps=1e-6, final_logit_softcapping=30.0, max_position_embeddings=262144,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}},
+        hidden_activation="gelu_pytorch_tanh", pad_token_id=0, bos_token_id=2, eos_token_id=1)),
 }
 PRESETS = tuple(_PRESETS)
 

@@ -32,16 +32,20 @@ def until_stop(tokens: list[int], stop_ids) -> list[int]:
 
 
 def engine_of(cfg) -> str:
-    """'block' for block-causal models (SDAR, LLaDA2, Fast-dLLM v2), else 'masked' (LLaDA, Dream)."""
-    return "block" if cfg.attention == "block_causal" else "masked"
+    """'block' for block-causal models (SDAR, LLaDA2, Fast-dLLM v2), 'gemma' for DiffusionGemma's loop of
+    canvases, else 'masked' (LLaDA, Dream)."""
+    return {"block_causal": "block", "encoder_decoder": "gemma"}.get(cfg.attention, "masked")
 
 
 def check_method(method: Method, cfg, engine: str | None = None):
     """A clear error where the method does not run on the engine (by default, the model's)."""
     engine = engine or engine_of(cfg)
     if engine not in method.engines:
-        raise ValueError(f"method {method.name!r} runs on the {' and '.join(method.engines)} engine; this "
-                         f"{cfg.model_type} model decodes with the {engine} engine")
+        engines = " and ".join(method.engines) + " engine" + "s" * (len(method.engines) > 1)
+        masks = engine == "gemma" and engines == "masked engine"
+        why = " (it needs a [MASK] token, which DiffusionGemma has not)" if masks else ""
+        raise ValueError(f"method {method.name!r} runs on the {engines}{why}; this {cfg.model_type} model decodes with "
+                         f"the {engine} engine")
 
 
 def refuse_shifted_logits(cfg):

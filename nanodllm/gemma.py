@@ -10,8 +10,8 @@ the raw residual, each post-normed, summed, normed and added; the stream times t
 Sliding layers see the last sliding_window positions when encoding, the last sliding_window - 1 cached
 ones when denoising; full layers see everything, have global_head_dim and global_kv_heads, values that
 are their raw keys (K = V) and proportional RoPE. Attention scale 1 (q_norm and k_norm carry it);
-RMSNorm is x * w in fp32; logits are softcapped in fp32. Plain torch (SDPA on CUDA): the kernels and
-the fused model are built for the other families' shapes and scales.
+RMSNorm is x * w in fp32; logits are softcapped in fp32. Plain torch (SDPA on CUDA, the experts in grouped
+matmuls): the kernels and the fused model are built for the other families' shapes and scales.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .cache import KVCache
 from .config import ModelConfig
 from .mlp import MLP, fp32_or_wider
+
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -68,8 +71,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     bias_dtype = q.dtype if q.is_cuda else compute
     bias = None if visible is None else torch.zeros(visible.shape, dtype=bias_dtype, device=q.device).masked_fill(
         ~visible, torch.finfo(bias_dtype).min)[:, None]  # [b, 1, t, n]: every head
-    if q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0, enable_gqa=heads != kv_heads)
+    if q.is_cuda:  # a KV head's group as one head of group * t queries: SDPA's fused kernels take no GQA at D 512
+        group = heads // kv_heads
+        if bias is not None:
+            bias = bias[:, :, None].expand(-1, -1, group, -1, -1).reshape(b, 1, group * t, -1)
+        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, group * t, d), k, v, attn_mask=bias, scale=1.0)
+        return out.reshape(b, heads, t, d)
     grouped = q.to(compute).view(b, kv_heads, heads // kv_heads, t, d)
     scores = grouped @ k.to(compute)[:, :, None].transpose(-1, -2)  # [b, kv_heads, group, t, n]
     if bias is not None:
@@ -143,7 +150,9 @@ class GemmaExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [n, hidden]: each token's chosen experts' outputs times their weights, added expert by expert
-        in x's dtype (transformers' order)."""
+        in x's dtype (transformers' eager order; on a GPU, `grouped`)."""
+        if x.is_cuda and GROUPED_MM is not None:
+            return self.grouped(x, chosen, weights)
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
             slots, rows = (chosen == expert).T.nonzero(as_tuple=True)
@@ -151,6 +160,19 @@ class GemmaExperts(nn.Module):
             y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
             out.index_add_(0, rows, (y * weights[rows, slots, None]).to(x.dtype))
         return out
+
+
+    def grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward with no loop: the (token, slot) rows sorted by expert for two grouped matmuls, each
+        token's k outputs weighted and summed in fp32."""
+        flat = chosen.flatten()
+        by_expert, order = flat.sort(stable=True)
+        experts = torch.arange(1, self.gate_up_proj.shape[0] + 1, device=x.device)
+        ends = torch.searchsorted(by_expert, experts, out_int32=True)
+        gate, up = GROUPED_MM(x[order // chosen.shape[1]], self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)
+        y = GROUPED_MM(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, offs=ends)
+        outputs = torch.empty_like(y).index_copy_(0, order, y).view(*chosen.shape, -1)
+        return (fp32_or_wider(outputs) * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
 class GemmaLayer(nn.Module):
@@ -200,35 +222,47 @@ class SelfConditioning(GeluMLP):
 
 
 class GemmaCache:
-    """The encoder's K/V per layer, [batch, kv_heads, n, head_dim] (keys after k_norm and RoPE, values
-    after v_norm): a full layer's grow by every token encoded; a sliding layer's are a ring of the last
-    sliding_window - 1, the token at position p in slot p % (sliding_window - 1). Rows share `length`,
-    the number of tokens encoded (positions count from 0); valid [batch, length] is False at left pads."""
+    """The encoder's K/V per layer (keys after k_norm and RoPE, values after v_norm). A sliding layer's are a
+    ring [batch, kv_heads, sliding_window - 1, head_dim], the token at position p in slot p % (window - 1);
+    the full layers' live in `full`, a KVCache of `capacity` tokens (token-major, each row its own tokens
+    without its left pads, scale 1: the layout the methods select from). Rows share `length`, the tokens
+    encoded, pads included (positions count from 0); valid [batch, length] is False at left pads."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, device, dtype):
+    def __init__(self, cfg: ModelConfig, batch: int, capacity: int, device, dtype):
         g = cfg.gemma
-        self.ring, self.length, self.keys, self.values = g.sliding_window - 1, 0, [], []
+        self.ring, self.length = g.sliding_window - 1, 0
         self.slot_positions = torch.full((self.ring,), -1, dtype=torch.long, device=device)  # -1: empty
         self.valid = torch.ones(batch, 0, dtype=torch.bool, device=device)
         self.sliding = [g.is_sliding(layer) for layer in range(cfg.num_layers)]
-        for sliding in self.sliding:
-            kv_heads, head_dim = (cfg.num_kv_heads, cfg.head_dim) if sliding else (g.global_kv_heads, g.global_head_dim)
-            shape = (batch, kv_heads, self.ring if sliding else 0, head_dim)
-            self.keys.append(torch.zeros(shape, device=device, dtype=dtype))
-            self.values.append(torch.zeros(shape, device=device, dtype=dtype))
+        ring = lambda: torch.zeros(batch, cfg.num_kv_heads, self.ring, cfg.head_dim, device=device, dtype=dtype)
+        self.keys = [ring() if sliding else None for sliding in self.sliding]
+        self.values = [ring() if sliding else None for sliding in self.sliding]
+        full_layers = [layer for layer, sliding in enumerate(self.sliding) if not sliding]
+        self.full = KVCache(cfg.num_layers, batch, capacity, g.global_kv_heads, g.global_head_dim, device, dtype,
+                            held=full_layers, scale=1.0)
 
-    def stored(self, layer: int):
-        """(keys, values, positions [n]) held for `layer`, by position: a ring is read from its oldest slot,
-        so that attention adds its terms in transformers' order (the sampler needs the same bits)."""
-        if not self.sliding[layer]:
-            return self.keys[layer], self.values[layer], torch.arange(self.length, device=self.slot_positions.device)
+    def ring_in_order(self, layer: int):
+        """(keys, values, positions [n]) a sliding layer holds, by position: read from the oldest slot, so that
+        attention adds its terms in transformers' order (the sampler needs the same bits)."""
         filled = min(self.length, self.ring)  # positions 0 .. filled - 1 sit in slots 0 .. filled - 1
         order = self.slot_positions[:filled].argsort()
         return self.keys[layer][:, :, order], self.values[layer][:, :, order], self.slot_positions[order]
 
+    def full_in_place(self, layer: int, extra: int = 0):
+        """(keys, values) [batch, kv_heads, length + extra, head_dim] of a full layer, by position, with the
+        `extra` slots written after each row's tokens: a left-padded row's tokens where transformers holds
+        them, so that attention adds its terms in its order (its pads' slots repeat a token none reads)."""
+        keys, values = self.full.view(layer, extra)
+        if self.full.max_length == self.length and self.full.uniform:  # no row has pads
+            return keys, values
+        pads = self.length - self.full.lengths  # [batch]
+        slots = (torch.arange(self.length + extra, device=pads.device)[None, :] - pads[:, None]).clamp(min=0)
+        index = slots[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+        return keys.gather(2, index), values.gather(2, index)
+
     def in_order(self, layer: int):
-        """(keys, values) held for `layer`, by position."""
-        return self.stored(layer)[:2]
+        """(keys, values) [batch, kv_heads, n, head_dim] held for `layer`, by position."""
+        return self.ring_in_order(layer)[:2] if self.sliding[layer] else self.full_in_place(layer)
 
     def tail(self, t: int):
         """(positions, slots) of what a ring keeps of t new tokens: the last min(t, ring)."""
@@ -236,13 +270,14 @@ class GemmaCache:
         positions = self.length + t - kept + torch.arange(kept, device=self.slot_positions.device)
         return positions, positions % self.ring
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """k, v [batch, kv_heads, t, head_dim] of the t tokens after `length` (which advance() then moves)."""
-        if not self.sliding[layer]:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-            return
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
+        """k, v [batch, kv_heads, t, head_dim] of the t tokens after `length` (which advance() then moves);
+        valid [batch, t]: a full layer keeps each row's valid ones, in order."""
         t = k.shape[2]
+        if not self.sliding[layer]:
+            order = (~valid).long().argsort(dim=1, stable=True)[:, None, :, None].expand_as(k)  # valid tokens first
+            self.full.write(layer, k.gather(2, order), v.gather(2, order), valid.sum(dim=1))
+            return
         positions, slots = self.tail(t)
         self.keys[layer][:, :, slots] = k[:, :, t - len(positions):]
         self.values[layer][:, :, slots] = v[:, :, t - len(positions):]
@@ -253,6 +288,7 @@ class GemmaCache:
         self.valid = torch.cat([self.valid, valid], dim=1)
         positions, slots = self.tail(t)
         self.slot_positions[slots] = positions
+        self.full.advance(valid.sum(dim=1))
         self.length += t
 
 
@@ -265,9 +301,10 @@ class DiffusionGemma(nn.Module):
         self.layers = nn.ModuleList(GemmaLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def empty_cache(self, batch: int) -> GemmaCache:
+    def empty_cache(self, batch: int, capacity: int | None = None) -> GemmaCache:
+        """A cache for `capacity` tokens per row (default: the model's context)."""
         weight = self.embed_tokens.weight
-        return GemmaCache(self.cfg, batch, weight.device, weight.dtype)
+        return GemmaCache(self.cfg, batch, capacity or self.cfg.context_length, weight.device, weight.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """E[ids] * sqrt(hidden), the factor rounded to the weights' dtype."""
@@ -305,42 +342,63 @@ class DiffusionGemma(nn.Module):
     def attend_encoding(self, cache: GemmaCache, layer: int, positions, valid, q, k, v) -> torch.Tensor:
         """The new tokens against the cached ones and themselves, causally (a sliding layer: within the
         window), pads seen by none; then their K/V join the cache."""
-        cached_k, cached_v, cached_positions = cache.stored(layer)
-        key_positions = torch.cat([cached_positions, positions])
-        visible = key_positions[None, :] <= positions[:, None]
-        if self.cfg.gemma.is_sliding(layer):
-            visible &= key_positions[None, :] > positions[:, None] - self.cfg.gemma.sliding_window
-        key_valid = torch.cat([cache.valid[:, cached_positions], valid], dim=1)  # [b, n]
-        visible = visible & key_valid[:, None, :]  # [b, t, n]
+        g = self.cfg.gemma
+        new_visible = (positions[None, :] <= positions[:, None])[None] & valid[:, None, :]  # [b, t, t]
+        if cache.sliding[layer]:
+            cached_k, cached_v, cached_positions = cache.ring_in_order(layer)
+            in_window = lambda key_positions: key_positions[None, :] > positions[:, None] - g.sliding_window
+            cached_visible = in_window(cached_positions)[None] & cache.valid[:, None, cached_positions]
+            new_visible &= in_window(positions)[None]
+        else:
+            cached_k, cached_v = cache.full_in_place(layer)
+            cached_visible = cache.valid[:, None, :].expand(-1, q.shape[2], -1)
+        visible = torch.cat([cached_visible, new_visible], dim=2)
         out = attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2), visible)
-        cache.append(layer, k, v)
+        cache.append(layer, k, v, valid)
         return out
 
     def denoise(self, canvas: torch.Tensor, cache: GemmaCache, last_logits: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, t, vocab] (fp32, softcapped) for canvas [b, t] at the positions after the cache's,
         self-conditioned on the last step's logits (None at a canvas' first step). The cache is only read."""
+        return self.head(self.denoised(canvas, cache, last_logits))
+
+    def denoised(self, canvas: torch.Tensor, cache: GemmaCache, last_logits: torch.Tensor | None = None,
+                 attend_full=None) -> torch.Tensor:
+        """denoise's hidden states, before the head. attend_full(layer, q, k, v): the full layers' attention
+        over cache.full and the canvas (a method's; default: exact, as attend_denoising)."""
         positions = self.positions(cache, canvas.shape[1])
         embedded = self.embed(canvas)
         soft = torch.zeros_like(embedded) if last_logits is None else self.soft_embedding(last_logits)
         x = self.self_conditioning(embedded, soft)
         ropes = self.ropes(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ropes[layer.sliding], partial(self.attend_denoising, cache, i), layer.denoiser_scalar)
-        return self.head(x)
+            exact = layer.sliding or attend_full is None
+            attend_here = partial(self.attend_denoising, cache, i) if exact else partial(attend_full, i)
+            x = layer(x, ropes[layer.sliding], attend_here, layer.denoiser_scalar)
+        return x
 
     @staticmethod
     def attend_denoising(cache: GemmaCache, layer: int, q, k, v) -> torch.Tensor:
-        """The canvas against everything the cache holds for the layer but pads, and itself."""
-        cached_k, cached_v, cached_positions = cache.stored(layer)
-        cached_valid = cache.valid[:, cached_positions]
+        """The canvas against everything the cache holds for the layer but pads, and itself. A full layer's
+        canvas K/V go to the scratch slots after each row's tokens (nothing copied); a ring is read in order."""
+        t = q.shape[2]
+        if cache.sliding[layer]:
+            cached_k, cached_v, cached_positions = cache.ring_in_order(layer)
+            keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
+            cached_valid = cache.valid[:, cached_positions]
+        else:
+            cache.full.write(layer, k, v)
+            keys, values = cache.full_in_place(layer, t)
+            cached_valid = cache.valid
         visible = None
         if not cached_valid.all():
-            key_valid = F.pad(cached_valid, (0, q.shape[2]), value=True)  # the canvas is never padding
-            visible = key_valid[:, None, :].expand(-1, q.shape[2], -1)  # [b, t, n]
-        return attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2), visible)
+            key_valid = F.pad(cached_valid, (0, t), value=True)  # the canvas is never padding
+            visible = key_valid[:, None, :].expand(-1, t, -1)  # [b, t, n]
+        return attend(q, keys, values, visible)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """cap * tanh(logits / cap), in fp32, the logits from the final norm and the tied embedding."""
+    def head(self, hidden: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """cap * tanh(logits / cap), in fp32, the logits of columns start:stop from the final norm and the
+        tied embedding."""
         cap = self.cfg.gemma.logit_softcap
-        logits = F.linear(self.norm(hidden), self.embed_tokens.weight)
+        logits = F.linear(self.norm(hidden[:, start:stop]), self.embed_tokens.weight)
         return torch.tanh(fp32_or_wider(logits) / cap) * cap

@@ -12,17 +12,19 @@ where it stood. A stop token finishes a row: pads after it and in its later canv
 computes, as transformers does. Left-padded prompts: pads are keys no token reads. The random calls
 are transformers', in its order: under torch.manual_seed on the CPU the tokens equal its generate()'s.
 sample=False is deterministic: the most probable token instead of a draw, noise from a seeded generator.
+A method (engine "gemma") sees each canvas as a block: begin_block, then attend on the full layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from .config import GenerationConfig
-from .decoding import GenerationResult, check_prompts, left_padded_canvas, until_stop
-from .methods.base import Method
+from .decoding import GenerationResult, check_method, check_prompts, left_padded_canvas, until_stop
+from .methods.base import Dense, Method, StepContext
 
 
 @dataclass
@@ -94,10 +96,13 @@ def finish(canvas: torch.Tensor, finished: torch.Tensor, stops: torch.Tensor, pa
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None, stop_ids=None,
              pad_id: int | None = None, sampling: GemmaSampling | None = None) -> CanvasResult:
     """Decode ceil(gen.gen_length / canvas_length) canvases per prompt, at most gen.steps steps each."""
-    cfg, sampling = model.cfg, sampling or GemmaSampling()
-    if method is not None and method.name != "dense":
-        raise ValueError(f"method {method.name!r} has no {cfg.model_type} loop yet (nanodllm/gemma_loop.py "
-                         "decodes dense only)")
+    cfg, sampling, method = model.cfg, sampling or GemmaSampling(), method or Dense()
+    check_method(method, cfg)
+    if getattr(method, "sparse_commit", False):  # MAGE's, Quest's and SparseD's knob
+        raise ValueError(f"{method.name}: sparse_commit has no {cfg.model_type} counterpart (a canvas is committed "
+                         "by the encoder pass, which attends exactly)")
+    # a method with Method's exact attention reads the model's own, which adds in transformers' order
+    exact = type(method).attend is Method.attend
     if gen.threshold is not None or gen.cfg_scale > 0 or gen.temperature > 0:
         raise ValueError(f"{cfg.model_type}'s loop has no threshold, guidance or fixed temperature (its schedule "
                          "is GemmaSampling's t_max .. t_min); leave them unset")
@@ -113,12 +118,17 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     generator = None if sampling.sample else torch.Generator(device).manual_seed(sampling.seed)
     noise = lambda: torch.randint(0, cfg.vocab_size, (batch, size), device=device, generator=generator)
 
-    cache = model.empty_cache(batch)
     prompt = left_padded_canvas(prompts, 0, pad_id, pad_id, device)  # no masks: the prompt alone
+    cache = model.empty_cache(batch, prompt.tokens.shape[1] + canvases * size)
+    prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
+    context = lambda canvas, step, x: StepContext(  # what a method's hooks read of a denoising step
+        x, model.positions(cache, size).expand(batch, -1), torch.ones_like(x, dtype=torch.bool), prompt_lengths,
+        block=canvas, step=step, steps_per_block=gen.steps, t=steps, logits_stop=size, block_length=size,
+        cache=cache.full)
     to_encode, valid = prompt.tokens, prompt.valid
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # a stop token in an earlier canvas
     committed, steps_per_canvas, passes, forwards, steps = [], [[] for _ in prompts], 0, 0, 0
-    for _ in range(canvases):
+    for canvas in range(canvases):
         model.encode(to_encode, cache, valid)
         forwards += 1
         x = argmax = noise()  # [b, size]
@@ -126,9 +136,12 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         history = torch.full((sampling.stability_threshold, batch, size), -1, dtype=torch.long, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)  # this canvas needs no more steps
         counted = torch.zeros(batch, dtype=torch.long, device=device)
-        for left in range(gen.steps, 0, -1):
+        method.begin_block(context(canvas, 0, x))
+        for step, left in enumerate(range(gen.steps, 0, -1)):
             counted += ~(done | finished)
-            z = model.denoise(x, cache, self_conditioning) / temperature(left, gen.steps, sampling)  # [b, size, V]
+            ctx = context(canvas, step, x)
+            hidden = model.denoised(x, cache, self_conditioning, None if exact else partial(method.attend, ctx=ctx))
+            z = method.logits(model, hidden, ctx) / temperature(left, gen.steps, sampling)  # [b, size, V]
             probs = torch.softmax(z, dim=-1, dtype=torch.float32)
             if sampling.sample:
                 drawn = torch.multinomial(probs.view(-1, cfg.vocab_size), 1, generator=generator).view(batch, size)

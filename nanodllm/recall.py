@@ -73,8 +73,8 @@ def attach(method) -> list[Record]:
         if q.is_cuda:
             torch.cuda.synchronize(q.device)  # a side-stream selection is complete
         prefix = cache.max_length
-        oracle = select_top_k(block_probabilities(q, cache.keys[layer], cache.lengths), cache.lengths, method.k,
-                              on_kernels=use_kernels(q))
+        probabilities = block_probabilities(q, cache.keys[layer], cache.lengths, cache.scale)
+        oracle = select_top_k(probabilities, cache.lengths, method.k, on_kernels=use_kernels(q))
         oracle_mask = token_mask(*oracle, cache.lengths, prefix, 1)
         chosen_mask = token_mask(chosen.indices, chosen.counts, cache.lengths, prefix, chosen.index_block)
         hits = (oracle_mask & chosen_mask).sum(-1).float()  # [batch, kv_heads]

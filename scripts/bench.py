@@ -6,6 +6,7 @@ Triton kernels through TRITON_INTERPRET=1): a smoke test whose numbers mean noth
     python scripts/bench.py kernels | mage | maskkv | sparse_dllm | dyllm | momo | routing [--quick] [--out DIR]
     python scripts/bench.py moe [--generate llada2-mini | sdar-30b-a3b]
     python scripts/bench.py e2e [--settings paper | warm_start] [--repeats N] [--methods M ...]
+    PYTHONPATH=<transformers 5.24> python scripts/bench.py diffusiongemma
     python scripts/bench.py dyllm_salient [--length 1024] [--n 8] [--tau 0.99]    # tiny-llada, on a CPU
     python scripts/bench.py tune [--out kernels/tuned.json]    # flash_attention's settings for this GPU
     python -m torch.distributed.run --nproc-per-node 4 scripts/bench.py parallel [--only flash | scaling]
@@ -38,6 +39,7 @@ SECTIONS = {  # name: (module, the title of its Markdown file, also what --help 
     "routing": ("bench_routing", "Which attention kernel nanodllm/attention.py picks"),
     "e2e": ("bench_e2e", "Generations as a user runs them"),
     "parallel": ("bench_parallel", "Tensor and expert parallelism"),
+    "diffusiongemma": ("bench_gemma", "DiffusionGemma's denoising step against its floor and transformers"),
 }
 
 

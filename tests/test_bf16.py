@@ -49,7 +49,8 @@ TOKENS_AGREE = 0.5
 GENS = {"masked": GenerationConfig(gen_length=16, block_length=4, steps=16),  # 4 blocks of 4 steps
         "block": GenerationConfig(gen_length=12, block_length=4, steps=4)}
 PROMPTS = [random_prompt(30, seed=1), random_prompt(21, seed=2)]  # ragged: one row padded
-PAIRS = [(name, engine) for name, cls in METHODS.items() for engine in cls.engines]
+# DiffusionGemma's loop (engine "gemma") is not here: these bounds were measured on the two tiny models
+PAIRS = [(name, engine) for name, cls in METHODS.items() for engine in cls.engines if engine in GENS]
 
 
 @cache

@@ -19,7 +19,7 @@ from tiny_models import tiny_config, tiny_model
 # Qwen3-30B-A3B's (30.5B).
 EXPECTED_PARAMS = {"llada-8b": 8.02e9, "sdar-8b": 8.19e9, "sdar-4b": 4.41e9, "sdar-1.7b": 2.03e9,
                    "dream-7b": 7.62e9, "fast-dllm-v2-7b": 7.62e9, "llada2-mini": 16.26e9, "llada2-flash": 102.9e9,
-                   "sdar-30b-a3b": 30.5e9}
+                   "sdar-30b-a3b": 30.5e9, "diffusiongemma-26b-a4b": 25.25e9}  # DiffusionGemma: its text model
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -28,8 +28,9 @@ def test_presets_have_the_released_shapes(name):
     model = build_empty(cfg, device="meta")  # no memory: the GPU path allocates exactly once the same way
     params = sum(p.numel() for p in model.parameters())
     assert abs(params - EXPECTED_PARAMS[name]) / EXPECTED_PARAMS[name] < 0.01, params
-    assert cfg.head_dim == 128
-    assert cfg.attention == ("bidirectional" if name in ("llada-8b", "dream-7b") else "block_causal")
+    assert cfg.head_dim == (256 if cfg.gemma else 128)  # DiffusionGemma's sliding layers; its full ones 512
+    kinds = {"llada-8b": "bidirectional", "dream-7b": "bidirectional", "diffusiongemma-26b-a4b": "encoder_decoder"}
+    assert cfg.attention == kinds.get(name, "block_causal")
 
 
 def test_ntk_scaling_stretches_the_rope_base():

@@ -21,14 +21,18 @@ from functools import cache
 import pytest
 import torch
 
-from nanodllm import block, masked
+from nanodllm import block, gemma_loop, masked
 from nanodllm.config import GenerationConfig
+from nanodllm.loader import load_reference
 from nanodllm.methods import METHODS, get_method
-from tests.tiny_models import random_prompt, tiny_model
+from tests.tiny_models import GEMMA_FIXTURE, random_prompt, tiny_model
 
-MODELS = {"masked": tiny_model("llada"), "block": tiny_model("sdar", block_size=4)}
+MODELS = {"masked": tiny_model("llada"), "block": tiny_model("sdar", block_size=4),
+          "gemma": load_reference(GEMMA_FIXTURE, dtype=torch.float64)}  # one full layer, a window of 8
 GENS = {"masked": GenerationConfig(gen_length=16, block_length=4, steps=16),  # 4 blocks of 4 steps
-        "block": GenerationConfig(gen_length=12, block_length=4, steps=4)}  # 3+ blocks, one token per step
+        "block": GenerationConfig(gen_length=12, block_length=4, steps=4),  # 3+ blocks, one token per step
+        "gemma": GenerationConfig(gen_length=24, block_length=8, steps=4)}  # 3 canvases of 8, 4 steps each
+GEMMA_SAMPLING = gemma_loop.GemmaSampling(sample=False, seed=0)  # argmax tokens, seeded noise
 # Long enough that k = 1-2 or budget = 2 drops most of the prefix; 30 and 21 are not multiples of the
 # block (4), so the block engine's first block holds each prompt's tail and the masked engine's
 # canvas left-pads row 1 by 9 columns.
@@ -81,6 +85,14 @@ CONTRACT: dict[tuple[str, str], Contract] = {
         why="k >= every prefix; exact_fraction 0.5 captures at step 1 of 4 (not MAGE's step 0)"),
     ("quest", "block"): Contract(dict(k=64, page_size=2, exact_layers=0), dict(k=2, page_size=2, exact_layers=0),
                                  why="k >= every prefix rounded up to pages; k = one page of 2 keys"),
+    ("dense", "gemma"): Contract(None, {}),
+    ("mage", "gemma"): Contract(dict(k=64, exact_layers=0), dict(k=1, exact_layers=0),
+                                why="k >= every prefix: the full layer reads every cached key"),
+    ("sparsed", "gemma"): Contract(
+        dict(k=64, exact_layers=0, exact_fraction=0.5), dict(k=1, exact_layers=0, exact_fraction=0.5),
+        why="k >= every prefix; exact_fraction 0.5 captures at step 1 of 4"),
+    ("quest", "gemma"): Contract(dict(k=64, page_size=2, exact_layers=0), dict(k=2, page_size=2, exact_layers=0),
+                                 why="k >= every prefix rounded up to pages; k = one page of 2 keys"),
     ("maskkv", "masked"): Contract(
         dict(budget=64, prompt_interval=1, response_interval=1),
         dict(budget=2, prompt_interval=1, response_interval=1),
@@ -106,6 +118,10 @@ CONTRACT: dict[tuple[str, str], Contract] = {
 
 PAIRS = [(name, engine) for name, cls in METHODS.items() for engine in cls.engines]
 PAIR_IDS = [f"{name}-{engine}" for name, engine in PAIRS]
+# (3) holds where a row's noise is its own: DiffusionGemma's loop draws each canvas's noise for the whole
+# batch, as transformers' does, so its rows decode otherwise alone; (1) and (2) run its ragged PROMPTS.
+ALONE_PAIRS = [pair for pair in PAIRS if pair[1] != "gemma"]
+ALONE_IDS = [f"{name}-{engine}" for name, engine in ALONE_PAIRS]
 METHOD_PAIRS = [pair for pair in PAIRS if pair[0] != "dense"]  # dense is (1)'s and (2)'s reference
 METHOD_IDS = [f"{name}-{engine}" for name, engine in METHOD_PAIRS]
 
@@ -127,6 +143,8 @@ def run(engine: str, method, prompts=PROMPTS, model=None) -> list[list[int]]:
     model = MODELS[engine] if model is None else model
     if engine == "masked":
         return masked.generate(model, prompts, GENS[engine], method).tokens
+    if engine == "gemma":
+        return gemma_loop.generate(model, prompts, GENS[engine], method, stop_ids=(), sampling=GEMMA_SAMPLING).tokens
     return block.generate(model, prompts, GENS[engine], method, stop_ids=()).tokens
 
 
@@ -169,7 +187,7 @@ def differing(a, b) -> int:
 
 def test_the_contract_table_lists_exactly_the_registered_methods_and_engines():
     assert PAIRS, "no method registered"
-    assert {engine for _, engine in PAIRS} <= {"masked", "block"}
+    assert {engine for _, engine in PAIRS} <= {"masked", "block", "gemma"}
     missing = sorted(set(PAIRS) - set(CONTRACT))
     assert not missing, f"{missing}: add them to the contract table"
     stale = sorted(set(CONTRACT) - set(PAIRS))
@@ -195,7 +213,7 @@ def test_tiny_budget_differs(name, engine):
         f"{name} {entry.tiny} decodes exactly what {entry.reference[0]} does: the budget changed nothing"
 
 
-@pytest.mark.parametrize("name,engine", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("name,engine", ALONE_PAIRS, ids=ALONE_IDS)
 def test_a_ragged_batch_equals_its_rows_run_alone(name, engine):
     entry = contract(name, engine)
     batched = decode(engine, name, entry.tiny)
@@ -204,7 +222,7 @@ def test_a_ragged_batch_equals_its_rows_run_alone(name, engine):
         assert got == expected, f"row {row} (prompt of {len(PROMPTS[row])} tokens) in the batch: {got}, alone: {expected}"
 
 
-@pytest.mark.parametrize("name,engine", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("name,engine", ALONE_PAIRS, ids=ALONE_IDS)
 def test_a_row_between_a_longer_and_a_shorter_one_decodes_as_alone(name, engine):
     """Every row of BETWEEN (the shortest first, so row 0 is not the longest, and a row padded by 3,
     less than a block) decodes what it decodes alone at the tiny knobs."""

@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
-from nanodllm.gemma import DiffusionGemma, GemmaCache
+from nanodllm.gemma import DiffusionGemma, GemmaCache, attend
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, load_reference
 from nanodllm.parallel import Group
+from tests.device import DEVICE
 
 FIXTURE = Path(__file__).parent / "fixtures" / "diffusion_gemma_tiny"
 RAW = json.loads((FIXTURE / "config.json").read_text())
@@ -125,13 +126,42 @@ def test_encoding_in_pieces_equals_encoding_at_once(pieces):
     assert (model.denoise(canvas, pieced) - model.denoise(canvas, whole)).abs().max() < 1e-9
 
 
+@pytest.mark.parametrize("head_dim", [16, 512])
+def test_attention_of_grouped_heads_with_and_without_a_mask(head_dim):
+    """attend on the test device (SDPA over each KV head's group on a GPU) against softmax(q k^T + mask) v
+    in float64, GQA 8:1 as the full layers', a pad key hidden from every query and a query seeing one key."""
+    generator = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(2, heads, 5, head_dim, generator=generator) for heads in (16, 2, 2))
+    visible = torch.ones(2, 5, 5, dtype=torch.bool)
+    visible[1, :, 0], visible[0, 2] = False, torch.arange(5) == 3
+    for mask in (None, visible):
+        scores = q.double().view(2, 2, 8, 5, head_dim) @ k.double()[:, :, None].transpose(-1, -2)
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        expected = (scores.softmax(-1) @ v.double()[:, :, None]).view(2, 16, 5, head_dim)
+        got = attend(*(x.to(DEVICE) for x in (q, k, v)), None if mask is None else mask.to(DEVICE))
+        assert (got.cpu().double() - expected).abs().max() < 2e-3  # TF32 dots on a GPU
+
+
+@torch.no_grad()
+def test_the_grouped_experts_equal_the_per_expert_loop():
+    """The GPU's path (two grouped matmuls over the rows sorted by expert) against transformers' order, in
+    float32 on the fixture's experts: many tokens, every expert chosen, and a few, some experts idle."""
+    layer = MODEL.layers[1]
+    for tokens in (200, 3):
+        x = torch.randn(tokens, MODEL.cfg.hidden_size, generator=torch.Generator().manual_seed(tokens))
+        chosen, weights = layer.router(x)
+        expected = layer.experts(x, chosen, weights)
+        assert (layer.experts.grouped(x, chosen, weights) - expected).abs().max() < 1e-5 * expected.abs().max()
+
+
 @torch.no_grad()
 def test_the_fixture_catches_each_mistake():
     """Swapped encoder and denoiser scalars, a sliding layer reading the last W (not W - 1) cached tokens,
     a norm of x * (1 + w), a router on the normed residual: each misses the goldens by far."""
     expected = GOLDEN["first_step"]
     wrong_window = dataclasses.replace(MODEL.cfg.gemma, sliding_window=MODEL.cfg.gemma.sliding_window + 1)
-    cache = GemmaCache(dataclasses.replace(MODEL.cfg, gemma=wrong_window), 2, "cpu", torch.float32)
+    cache = GemmaCache(dataclasses.replace(MODEL.cfg, gemma=wrong_window), 2, 64, "cpu", torch.float32)
     MODEL.encode(GOLDEN["prompt"], cache)
     assert (MODEL.denoise(GOLDEN["canvas"], cache) - expected).abs().max() > 1e-2
     mistakes = {

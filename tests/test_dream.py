@@ -101,7 +101,7 @@ def test_generate_picks_dreams_loop_and_the_masked_engine_refuses_dream():
     assert generate(MODEL, PROMPTS, gen).tokens == reference(PROMPTS, 8, 4, "entropy")
     with pytest.raises(ValueError, match="one block"):
         generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=4, steps=4))
-    with pytest.raises(ValueError, match="runs on the block engine"):
+    with pytest.raises(ValueError, match="runs on the block and gemma engines"):
         generate(MODEL, PROMPTS, gen, get_method("mage"))
     with pytest.raises(NotImplementedError, match="shifted logits"):
         masked.generate(MODEL, PROMPTS, gen)

@@ -64,7 +64,7 @@ def test_longbench_file_is_scored(capsys, tmp_path):
     (["--method", "nope"], "unknown method 'nope'; valid methods: dense"),
     (["--task", "longbench"], "--task longbench needs --data"),
     (["--model", "/nowhere"], "model not found: /nowhere"),
-    (["--model", "tiny-llada", "--method", "mage"], "method 'mage' runs on the block engine; this llada model"),
+    (["--model", "tiny-llada", "--method", "mage"], "method 'mage' runs on the block and gemma engines; this llada model"),
     (["--method", "mage", "--knobs", "budget=64"], "method 'mage' has no knob 'budget'; its knobs (defaults): k=1024"),
 ])
 def test_bad_arguments_are_named(capsys, args, message):

@@ -170,11 +170,14 @@ def test_the_deterministic_mode_equals_a_plain_argmax_loop(knobs):
 # bad input
 
 
-def test_a_method_other_than_dense_is_refused_by_name():
+@pytest.mark.parametrize("name, knobs, match", [
+    ("maskkv", {}, "'maskkv'.*MASK.*diffusion_gemma"), ("dyllm", {}, "'dyllm'.*MASK"),
+    ("momo", {}, "'momo' runs on the block and masked engines; this diffusion_gemma model .* gemma engine"),
+    ("mage", {"sparse_commit": True}, "mage: sparse_commit.*encoder pass")])
+def test_a_method_without_a_diffusion_gemma_meaning_is_refused_by_name(name, knobs, match):
     gen = GenerationConfig(gen_length=8, block_length=8, steps=2)
-    assert generate(MODEL, [[5, 6, 7]], gen, get_method("dense")).steps == 2
-    with pytest.raises(ValueError, match="'mage'.*diffusion_gemma") as excinfo:
-        generate(MODEL, [[5, 6, 7]], gen, get_method("mage"))
+    with pytest.raises(ValueError, match=match) as excinfo:
+        generate(MODEL, [[5, 6, 7]], gen, get_method(name, **knobs))
     assert len(str(excinfo.value).splitlines()) == 1
 
 

@@ -1,6 +1,8 @@
 """Small random models for engine and method tests (float64 so that cached and uncached paths agree
 to ~1e-15 and confidence ties cannot flip a top-k)."""
 
+from pathlib import Path
+
 import torch
 
 from nanodllm import masked
@@ -10,6 +12,7 @@ from nanodllm.generation import generate
 from nanodllm.loader import build_empty, random_weights
 
 VOCAB = 64
+GEMMA_FIXTURE = Path(__file__).parent / "fixtures" / "diffusion_gemma_tiny"  # DiffusionGemma, real format
 MASK_ID = 63
 EOS_ID = 62
 

@@ -85,7 +85,7 @@ class Method:
     """The exact reference computation. Subclass and override hooks for a sparse method."""
 
     name = "dense"
-    engines = ("masked", "block")  # the loops it runs in: masked (LLaDA, Dream), block (SDAR, LLaDA2, Fast-dLLM v2)
+    engines = ("masked", "block", "gemma")  # its loops: masked (LLaDA, Dream), block (SDAR, LLaDA2), DiffusionGemma's
     needs_bidirectional = False  # True: it caches a bidirectional canvas (no block-causal model)
 
     def prefill(self, model, ctx: StepContext) -> torch.Tensor:

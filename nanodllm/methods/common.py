@@ -118,14 +118,14 @@ def listed_tokens(indices, counts, prefix_lengths, index_block: int = 1):
     return tokens, listed & (tokens < prefix_lengths[:, None, None])
 
 
-def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, counts, index_block=1):
+def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, counts, index_block=1, scale=None):
     """The block's queries against the selected prefix keys plus the block's own keys k, v ([batch,
     kv_heads, L, D], already written after each row's prefix in the cache [batch, capacity, kv_heads,
     D]). indices / counts as kernels/sparse_decode_attention takes them: token indices, or key blocks
-    of index_block tokens (clipped to the prefix)."""
+    of index_block tokens (clipped to the prefix); scale: the scores' (None: D^-1/2)."""
     if attention_on_kernels(q):
         return sparse_decode_attention(q, k_cache, v_cache, prefix_lengths, indices, counts, index_block=index_block,
-                                       return_lse=False)
+                                       scale=scale, return_lse=False)
     batch, num_kv_heads, _ = indices.shape
     tokens, selected = listed_tokens(indices, counts, prefix_lengths, index_block)
     rows = torch.arange(batch, device=q.device)[:, None, None]
@@ -138,7 +138,7 @@ def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, c
         mask = torch.cat([selected, selected.new_ones(batch, num_kv_heads, k.shape[2])], dim=2)[:, :, None]
         if q.is_cuda:  # SDPA broadcasts a mask over query heads, not KV heads
             mask = mask.repeat_interleave(q.shape[1] // num_kv_heads, dim=1)
-    return attention(q, keys, values, mask)
+    return attention(q, keys, values, mask, scale)
 
 
 def attention_mass(q, keys, key_mask, query_weight, prompt_width):

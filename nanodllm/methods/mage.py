@@ -13,7 +13,8 @@ On the kernels the selecting step's decode keeps the block's keys in a slice of 
 (kernels/decode_attention block_apart), kernels/key_scores normalises by the prefix-only log-sum-exp
 those partials give, and the scoring and top-k overlap the rest of the step (Algorithm 1: ctx.aside).
 Hooks: begin_block (a new generation drops the selection), attend (exact, selecting or sparse, by
-stage), step_kind (the stage), selection (what a layer read or chose).
+stage), step_kind (the stage), selection (what a layer read or chose). On DiffusionGemma a block is a
+canvas and only its full layers select (cache.full, scale 1; sliding layers read a window anyway).
 Equals dense: k >= every row's prefix: each step attends to every key (up to rounding: the gathered
 keys are multiplied in another layout); the same tokens.
 Heads split over ranks: each KV head selects its own keys; nothing is communicated.
@@ -34,34 +35,34 @@ from .base import Method, Selection, StepContext
 from .common import check_int, select_top_k, sparse_cache_attention
 
 
-def block_scores(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
-    """Scaled scores, fp32, [batch, kv_heads, G*L, max prefix + L], of every query row of the group
-    against each row's prefix and the block's keys (right after the prefix in the cache); -inf at slots
-    a row does not have. q: [batch, heads, L, D]; k_cache: [batch, capacity, kv_heads, D]."""
+def block_scores(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor, scale=None) -> torch.Tensor:
+    """Scaled scores (scale None: D^-1/2), fp32, [batch, kv_heads, G*L, max prefix + L], of every query row
+    of the group against each row's prefix and the block's keys (right after the prefix in the cache);
+    -inf at slots a row does not have. q: [batch, heads, L, D]; k_cache: [batch, capacity, kv_heads, D]."""
     batch, num_heads, block, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     n = int(prefix_lengths.max()) + block
     keys = k_cache[:, :n].transpose(1, 2).float()  # [batch, kv_heads, n, D]
     queries = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)
-    scores = (queries @ keys.transpose(-1, -2)) * head_dim**-0.5
+    scores = (queries @ keys.transpose(-1, -2)) * (head_dim**-0.5 if scale is None else scale)
     visible = torch.arange(n, device=q.device)[None, :] < (prefix_lengths + block)[:, None]  # [batch, n]
     return scores.masked_fill(~visible[:, None, None], float("-inf"))
 
 
-def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor) -> torch.Tensor:
+def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor, scale=None) -> torch.Tensor:
     """Eq. 3 in torch: [batch, kv_heads, max prefix], the mean probability of each prefix key under the
     block's queries, the softmax over the row's prefix alone; 0 past a row's prefix."""
     prefix = int(prefix_lengths.max())
     in_prefix = torch.arange(prefix, device=q.device)[None, :] < prefix_lengths[:, None]  # [batch, prefix]
     visible = in_prefix[:, None, None]
-    scores = block_scores(q, k_cache, prefix_lengths)[..., :prefix].masked_fill(~visible, float("-inf"))
+    scores = block_scores(q, k_cache, prefix_lengths, scale)[..., :prefix].masked_fill(~visible, float("-inf"))
     probs = torch.where(visible, scores.softmax(-1), 0.0)  # an empty prefix's NaNs dropped
     return probs.mean(2)
 
 
 class Mage(Method):
     name = "mage"
-    engines = ("block",)
+    engines = ("block", "gemma")
 
     def __init__(self, k: int = 1024, exact_layers: int = 2, sparse_commit: bool = False):
         check_int(1, k=k)
@@ -107,16 +108,17 @@ class Mage(Method):
         cache = ctx.cache
         if not attention_on_kernels(q):
             out = cache.attend(layer, q, k, v)
-            scores = block_probabilities(q, cache.keys[layer], cache.lengths)
+            scores = block_probabilities(q, cache.keys[layer], cache.lengths, cache.scale)
             self.keep(layer, *select_top_k(scores, cache.lengths, self.k, on_kernels=False))
             return out
         cache.write(layer, k, v)
         block = k.shape[2]
         out_parts, lse_parts = decode_partials(q, cache.keys[layer], cache.values[layer], cache.lengths + block,
-                                               max_length=cache.launch_length(block), block_apart=True)
+                                               max_length=cache.launch_length(block), scale=cache.scale, block_apart=True)
         out, _ = merge_splits(out_parts, lse_parts, q)
         width = cache.launch_length(block)  # >= the longest prefix, a shape that lasts many blocks
-        scores = lambda: key_scores(q, cache.keys[layer], cache.lengths, part_lse=lse_parts, max_length=width)
+        scores = lambda: key_scores(q, cache.keys[layer], cache.lengths, part_lse=lse_parts, scale=cache.scale,
+                                    max_length=width)
         ctx.aside(lambda: self.keep(layer, *select_top_k(scores(), cache.lengths, self.k, on_kernels=True)),
                   q, lse_parts, cache.lengths)
         return out
@@ -136,7 +138,8 @@ class Mage(Method):
         cache = ctx.cache
         cache.write(layer, k, v)
         indices, counts = self.chosen[layer]
-        return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices, counts)
+        return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices, counts,
+                                      scale=cache.scale)
 
     def selection(self, layer: int, ctx: StepContext) -> Selection | None:
         stage = self.stage(ctx)

@@ -19,6 +19,7 @@ Hooks: begin_block (new bounds for a new generation, else brought up to date), a
 sparse attention per step; the commit exact by default, with sparse_commit selecting from its own
 queries), step_kind (every step of one kind), selection (the pages a layer read).
 On CUDA (bf16/fp16) the pages go to kernels/sparse_decode_attention as key blocks of p tokens.
+On DiffusionGemma: per canvas, on its full layers only (as MAGE).
 Equals dense: k >= every row's prefix rounded up to whole pages (test).
 Heads split over ranks: each KV head selects its own pages; nothing is communicated.
 Knobs: k = 1024 keys per KV head (k / p pages), page_size p = 16, exact_layers = 2, sparse_commit False.
@@ -69,11 +70,11 @@ def page_scores(q: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch
 class PageBounds:
     """One layer's page bounds over a KVCache, brought up to date from the first changed page."""
 
-    def __init__(self, cache: KVCache, page_size: int):
+    def __init__(self, keys: torch.Tensor, cache: KVCache, page_size: int):
+        """keys: the layer's cache keys [batch, capacity, kv_heads, D]."""
         pages = -(-cache.capacity // page_size)
-        shape = (len(cache.host_lengths), cache.keys[0].shape[2], pages, cache.keys[0].shape[3])
-        self.low = cache.keys[0].new_zeros(shape)
-        self.high = cache.keys[0].new_zeros(shape)
+        shape = (len(cache.host_lengths), keys.shape[2], pages, keys.shape[3])
+        self.low, self.high = keys.new_zeros(shape), keys.new_zeros(shape)
         self.page_size = page_size
         self.summarised = [0] * len(cache.host_lengths)  # per row, keys the bounds include
 
@@ -95,7 +96,7 @@ class PageBounds:
 
 class Quest(Method):
     name = "quest"
-    engines = ("block",)
+    engines = ("block", "gemma")
 
     def __init__(self, k: int = 1024, page_size: int = 16, exact_layers: int = 2, sparse_commit: bool = False):
         check_int(1, page_size=page_size)
@@ -131,7 +132,7 @@ class Quest(Method):
         if exact or (ctx.phase == "commit" and not self.sparse_commit):
             return cache.attend(layer, q, k, v)
         if layer not in self.bounds:
-            self.bounds[layer] = PageBounds(cache, self.page_size)
+            self.bounds[layer] = PageBounds(cache.keys[layer], cache, self.page_size)
             self.bounds[layer].update(cache.keys[layer], cache)
         bounds = self.bounds[layer]
         num_pages = -(-cache.lengths // self.page_size)
@@ -142,4 +143,4 @@ class Quest(Method):
         self.pages[layer] = (indices, counts)
         cache.write(layer, k, v)
         return sparse_cache_attention(q, k, v, cache.keys[layer], cache.values[layer], cache.lengths, indices, counts,
-                                      index_block=self.page_size)
+                                      index_block=self.page_size, scale=cache.scale)

@@ -1,0 +1,153 @@
+"""bench.py diffusiongemma: DiffusionGemma's denoising step (diffusiongemma-26b-a4b, random bf16 weights).
+
+Per context and batch: ms of one denoising step (a canvas of 256 against a cache filled with random K/V,
+self-conditioned), exact and MAGE's sparse step (k = 1024 keys per KV head on the 5 full layers), ms of
+the encoder pass that commits a canvas, and ms per canvas at the released generation_config's 48 steps
+at most. Floor: the bytes a step reads (every weight but the embedding, which it reads twice: the
+self-conditioning's soft embedding and the tied head; the experts the step's tokens route to; every
+cached K/V of the full layers and the sliding rings) over the measured copy bandwidth. transformers: the
+same step through DiffusionGemmaModel's decoder (5.24, SDPA, its default experts), its cache filled the
+same way, when `transformers` imports (PYTHONPATH) and fits beside nothing else: it runs after ours.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from harness import REPO, kilo, wall_us
+from nanodllm.config import ModelConfig, _PRESETS
+from nanodllm.loader import build_random, load_reference
+from nanodllm.methods.base import StepContext
+from nanodllm.methods.mage import Mage
+
+PRESET = "diffusiongemma-26b-a4b"
+FIXTURE = REPO / "tests" / "fixtures" / "diffusion_gemma_tiny"
+STEPS_PER_CANVAS = 48
+
+
+def filled_cache(model, batch: int, context: int, room: int = 1):
+    """A cache of `context` random tokens per row (no pads), room for `room` canvases more."""
+    cache = model.empty_cache(batch, context + room * model.cfg.gemma.canvas_length)
+    for layer, sliding in enumerate(cache.sliding):
+        buffers = (cache.keys[layer], cache.values[layer]) if sliding else (cache.full.keys[layer], cache.full.values[layer])
+        for buffer in buffers:
+            buffer.normal_(0, 1)
+    cache.full.advance(torch.full((batch,), context, device=cache.full.lengths.device))
+    cache.length = context
+    cache.valid = torch.ones(batch, context, dtype=torch.bool, device=cache.valid.device)
+    positions = torch.arange(max(0, context - cache.ring), context, device=cache.valid.device)
+    cache.slot_positions[positions % cache.ring] = positions
+    return cache
+
+
+def step_bytes(model, batch: int, context: int, touched: float) -> int:
+    """What one denoising step reads: weights (touched of the experts, the embedding twice), KV."""
+    cfg, g = model.cfg, model.cfg.gemma
+    element = model.embed_tokens.weight.element_size()
+    weights = sum(p.numel() for name, p in model.named_parameters() if ".experts." not in name)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name) * touched
+    full = sum(not s for s in (g.is_sliding(i) for i in range(cfg.num_layers)))
+    kv = 2 * batch * (full * context * g.global_kv_heads * g.global_head_dim
+                      + (cfg.num_layers - full) * (g.sliding_window - 1) * cfg.num_kv_heads * cfg.head_dim)
+    return int((weights + model.embed_tokens.weight.numel() + experts + kv) * element)
+
+
+def touched_experts(model, canvas, cache, logits) -> float:
+    """The fraction of experts the step's tokens route to, over the layers."""
+    counts = []
+    hooks = [layer.router.register_forward_hook(lambda _, __, out: counts.append(out[0].unique().numel()))
+             for layer in model.layers]
+    model.denoise(canvas, cache, logits)
+    for hook in hooks:
+        hook.remove()
+    return sum(counts) / len(counts) / model.cfg.moe.num_experts
+
+
+def mage_step(model, canvas, cache, logits, k: int):
+    """MAGE's sparse step: the selection made at a first step, then one step over it (timed)."""
+    mage, size = Mage(k=k, exact_layers=0), canvas.shape[1]
+    context = lambda step: StepContext(canvas, model.positions(cache, size).expand(canvas.shape[0], -1),
+                                       torch.ones_like(canvas, dtype=torch.bool), cache.full.lengths, step=step,
+                                       steps_per_block=STEPS_PER_CANVAS, logits_stop=size, cache=cache.full)
+    mage.begin_block(context(0))
+    model.head(model.denoised(canvas, cache, None, lambda *a: mage.attend(*a, ctx=context(0))))
+    return lambda: model.head(model.denoised(canvas, cache, logits, lambda *a: mage.attend(*a, ctx=context(1))))
+
+
+def hf_step(raw: dict, cfg, batch: int, contexts: list[int], device, dtype, quick: bool) -> dict:
+    """ms of transformers' denoising step per context, its cache filled with random K/V."""
+    from transformers import DynamicCache
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as hf
+    if quick:
+        model = hf.DiffusionGemmaForBlockDiffusion.from_pretrained(FIXTURE, dtype=dtype).to(device)
+    else:
+        config = hf.DiffusionGemmaConfig.from_dict(raw)
+        with torch.device(device):  # built in dtype: an fp32 copy of 25B weights would not fit beside it
+            model = hf.DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
+    model.eval()
+    times, g = {}, cfg.gemma
+    size, vocab = g.canvas_length, cfg.vocab_size
+    canvas = torch.randint(0, vocab, (batch, size), device=device)
+    logits = torch.randn(batch, size, vocab, device=device, dtype=dtype)
+    for context in contexts:
+        cache = DynamicCache(config=model.config)
+        for layer in range(cfg.num_layers):  # a sliding layer holds its last window - 1 tokens
+            sliding = g.is_sliding(layer)
+            heads, dim = (cfg.num_kv_heads, cfg.head_dim) if sliding else (g.global_kv_heads, g.global_head_dim)
+            held = min(context, g.sliding_window - 1) if sliding else context
+            cache.update(*(torch.randn(batch, heads, held, dim, device=device, dtype=dtype) for _ in range(2)), layer)
+        positions = torch.arange(context, context + size, device=device)[None].expand(batch, -1)
+        with torch.no_grad():
+            step = lambda: model(decoder_input_ids=canvas, cache=cache, self_conditioning_logits=logits,
+                                 decoder_position_ids=positions)
+            times[context] = wall_us(step, device, tries=3) / 1e3
+        del cache
+    return times
+
+
+def diffusiongemma(setup):
+    quick, device, dtype = setup.quick, setup.device, setup.dtype
+    raw = _PRESETS[PRESET]
+    contexts, batches = ([64, 128], [1, 2]) if quick else ([8192, 32768, 131072], [1, 4])
+    model = load_reference(FIXTURE, device=device, dtype=dtype) if quick else \
+        build_random(ModelConfig.from_dict(raw, source=f"preset {PRESET}"), device=device, dtype=dtype)
+    bandwidth, _ = setup.ceilings
+    cfg, rows = model.cfg, []
+    size, vocab = cfg.gemma.canvas_length, cfg.vocab_size
+    setup.meta.update(preset=PRESET, contexts=contexts, batches=batches)
+    for batch in batches:
+        canvas = torch.randint(0, vocab, (batch, size), device=device)
+        logits = torch.randn(batch, size, vocab, device=device)
+        for context in contexts:
+            cache = filled_cache(model, batch, context)
+            with torch.no_grad():
+                exact = wall_us(lambda: model.denoise(canvas, cache, logits), device, tries=3) / 1e3
+                sparse = wall_us(mage_step(model, canvas, cache, logits, k=64 if quick else 1024), device) / 1e3
+                floor = step_bytes(model, batch, context, touched_experts(model, canvas, cache, logits)) / bandwidth / 1e6
+                growing = filled_cache(model, batch, context, room=4)  # a commit per call: 1 + 3 timed
+                commit = wall_us(lambda: model.encode(canvas, growing), device) / 1e3
+            rows.append({"context": kilo(context), "batch": batch, "exact step ms": exact, "floor ms": floor,
+                         "exact / floor": exact / floor, "MAGE step ms": sparse, "commit ms": commit,
+                         f"canvas ms ({STEPS_PER_CANVAS} steps)": STEPS_PER_CANVAS * exact + commit})
+            del cache, growing
+            setup.free()
+    del model
+    setup.free()
+    try:
+        for batch in batches:
+            for context, ms in hf_step(raw, cfg, batch, contexts, device, dtype, quick).items():
+                row = next(r for r in rows if r["context"] == kilo(context) and r["batch"] == batch)
+                row.update({"transformers step ms": ms, "transformers / exact": ms / row["exact step ms"]})
+            setup.free()
+    except (ImportError, torch.OutOfMemoryError) as error:
+        setup.report.failure("transformers' step", error)
+    for row in rows:  # what transformers did not run
+        row.setdefault("transformers step ms", "-")
+        row.setdefault("transformers / exact", "-")
+    setup.report.table(f"One denoising step, {PRESET}", rows,
+                       f"random weights, {dtype}; floor: bytes read / {bandwidth:.0f} GB/s (copy)")
+    return "bench_diffusiongemma"
