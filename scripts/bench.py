@@ -54,38 +54,26 @@ def parser_of_sections() -> argparse.ArgumentParser:
                                    "(a CPU runs the kernels through TRITON_INTERPRET=1): a smoke test")
         command[name].add_argument("--out", type=output_folder, help="the folder to write the results into "
                                    "(default: docs/results, or a new temporary folder with --quick)")
-    command["dyllm"].add_argument("--fractions", type=unit_fraction, nargs="+",
-                                  help="salient fractions (default 0.1 0.25 0.5)")
-    command["dyllm_salient"].add_argument("--length", type=positive_int, default=1024)
-    command["dyllm_salient"].add_argument("--n", type=positive_int, default=8, help="passkey prompts (a batch)")
-    command["dyllm_salient"].add_argument("--tau", type=float, default=0.99)
-    command["dyllm_salient"].add_argument("--seed", type=int, default=1234)
-    command["momo"].add_argument("--lengths", type=positive_int, nargs="+",
-                                 help="sequence lengths (default 32768 65536 131072)")
+    command["dyllm"].add_argument("--fractions", type=unit_fraction, nargs="+", help="default 0.1 0.25 0.5")
+    salient = command["dyllm_salient"]
+    salient.add_argument("--length", type=positive_int, default=1024)
+    salient.add_argument("--n", type=positive_int, default=8, help="passkey prompts (a batch)")
+    salient.add_argument("--tau", type=float, default=0.99)
+    command["momo"].add_argument("--lengths", type=positive_int, nargs="+", help="default 32768 65536 131072")
     command["moe"].add_argument("--generate", choices=("llada2-mini", "sdar-30b-a3b"),
                                 help="time real generations on this preset instead (GPU), written to bench_moe_MODEL")
     command["parallel"].add_argument("--only", choices=("flash", "scaling"), help="one of the two tables")
     e2e = command["e2e"]
-    e2e.add_argument("--settings", choices=("paper", "warm_start"), default="paper",
-                     help="paper: every method at its paper's setting, beside transformers (default); warm_start: "
-                     "short settings, a first and a later process each")
-    e2e.add_argument("--repeats", type=positive_int, default=3, help="warm_start: later processes per configuration "
-                     "(default 3)")
-    e2e.add_argument("--methods", nargs="+", help="warm_start: only these methods' rows, written to "
-                     "bench_e2e_warm_start_METHODS")
-    e2e.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration's process may take "
-                     "before its row is given up (default 900)")
+    e2e.add_argument("--settings", choices=("paper", "warm_start"), default="paper", help="paper: every method at "
+                     "its paper's setting, beside transformers; warm_start: a first and later processes each")
+    e2e.add_argument("--repeats", type=positive_int, default=3, help="warm_start: later processes per configuration")
+    e2e.add_argument("--methods", nargs="+", help="warm_start: only these methods' rows, to bench_e2e_warm_start_M")
+    e2e.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration's process may take")
     e2e.add_argument("--journal", type=Path, help="the journal of finished rows (default: runs/e2e-<hash>.jsonl)")
     tune = commands.add_parser("tune", help="measure flash_attention's launch settings on this GPU")
     tune.add_argument("--out", type=output_file, default=REPO / "kernels" / "tuned.json",
                       help="the settings file to merge this GPU's choices into (default: kernels/tuned.json)")
     return parser
-
-
-def command_line(argv: list[str]) -> str:
-    """The command as the results file quotes it: without --out and its folder."""
-    kept = [arg for i, arg in enumerate(argv) if arg != "--out" and (i == 0 or argv[i - 1] != "--out")]
-    return " ".join(kept)
 
 
 def main():
@@ -107,7 +95,8 @@ def main():
     module, title = SECTIONS[args.command]
     setup = Setup(args, f"Real generations on {args.generate}" if getattr(args, "generate", None) else title)
     if args.command not in ("e2e", "dyllm_salient", "parallel"):  # e2e's header follows its journal's machine record
-        setup.header(command_line(sys.argv[1:]))
+        argv = sys.argv[1:]  # the command as the results file quotes it: without --out and its folder
+        setup.header(" ".join(a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")))
     stem = getattr(importlib.import_module(module), args.command)(setup)
     if stem:
         setup.report.write(args.out, f"{stem}_quick" if args.quick else stem, setup.meta)

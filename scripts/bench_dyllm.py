@@ -34,14 +34,6 @@ QUICK = dict(prompt=48, gen_length=16, block_length=4, batches=(1, 2), fractions
 FULL_STEPS = 4  # DyLLM's dense steps before the sparse ones
 
 
-def linear_flops(cfg) -> dict:
-    """FLOPs per row of each projection group, all layers."""
-    h, d, kv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
-    per_layer = {"q": 2 * h * cfg.num_heads * d, "kv": 4 * h * kv * d, "o": 2 * cfg.num_heads * d * h,
-                 "ffn": 6 * h * cfg.intermediate_size}
-    return {name: flops * cfg.num_layers for name, flops in per_layer.items()}
-
-
 def graphs_on_and_off(name):
     """Yields the row name with CUDA graphs on, then off ('<name> eager'); leaves them on."""
     for enabled in (True, False):
@@ -55,29 +47,27 @@ def dyllm(setup):
     device, shapes = setup.device, setup.shapes(QUICK, FULL)
     fractions = setup.meta["fractions"] = tuple(setup.args.fractions or shapes["fractions"])
     model = setup.random_model(QUICK_LLADA, "llada-8b")
-    cfg, (bandwidth, matmul_rate) = model.cfg, setup.ceilings
-    weight_bytes, flops = read_bytes(model), linear_flops(cfg)
+    cfg, (bandwidth, matmul_rate), weight_bytes = model.cfg, setup.ceilings, read_bytes(model)
+    h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers  # FLOPs per row, all layers:
+    q_and_o = 4 * layers * h * cfg.num_heads * d
+    kv_and_ffn = layers * (4 * h * cfg.num_kv_heads * d + 6 * h * cfg.intermediate_size)
     width, response, block = shapes["prompt"] + shapes["gen_length"], shapes["gen_length"], shapes["block_length"]
-    attention_flops = lambda rows, keys: 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * rows * keys
 
     def floor_us(batch, fed, salient, attended_rows):
-        total = batch * (fed * (flops["q"] + flops["o"]) + salient * (flops["kv"] + flops["ffn"])
-                         + attention_flops(attended_rows, width))
-        return max(weight_bytes / bandwidth / 1e3, total / matmul_rate / 1e6)
+        flops = batch * (fed * q_and_o + salient * kv_and_ffn + 4 * layers * cfg.num_heads * d * attended_rows * width)
+        return max(weight_bytes / bandwidth / 1e3, flops / matmul_rate / 1e6)
 
-    steps = shapes["gen_length"]
+    steps = response
     canvas_steps = sum(t >= FULL_STEPS and t % 4 == 0 for t in range(steps))  # feed the whole canvas
     response_steps = steps - FULL_STEPS - canvas_steps
-    setup.report.say(f"Copy {bandwidth:.0f} GB/s, matmul {matmul_rate:.0f} TFLOP/s. Prompt {shapes['prompt']} + "
-                     f"{response} generated tokens, {steps} steps, blocks of {block}. DyLLM: {FULL_STEPS} full "
-                     f"steps, then {canvas_steps} sparse steps over the whole canvas and {response_steps} over the "
-                     "response.\n")
+    setup.say_ceilings(f"Prompt {shapes['prompt']} + {response} generated tokens, {steps} steps, blocks of {block}. "
+                       f"DyLLM: {FULL_STEPS} full steps, then {canvas_steps} sparse steps over the whole canvas and "
+                       f"{response_steps} over the response.")
     step_rows, rows = [], []
     for batch in shapes["batches"]:
         ctx = canvas_context(cfg, shapes["prompt"], response, block, device, batch=batch)
         dense = Replayed(Dense())
-        full_us = wall_us(lambda: logits(dense, model, ctx), device)
-        full_floor = floor_us(batch, width, width, width)
+        full_us, full_floor = wall_us(lambda: logits(dense, model, ctx), device), floor_us(batch, width, width, width)
         dual = Replayed(get_method("fast_dllm", mode="dual"))
         dual.begin_block(ctx)
         build_us = wall_us(lambda: (dual.begin_block(ctx), logits(dual, model, ctx)), device)
@@ -85,8 +75,7 @@ def dyllm(setup):
         step_rows += [{"batch": batch, "method": "vanilla", "step": "full", "us": full_us, "floor us": full_floor},
                       {"batch": batch, "method": "fast_dllm dual", "step": "build", "us": build_us,
                        "floor us": float("nan")}]
-        cached = replace(ctx, step=1)
-        cached_floor = floor_us(batch, block, block, block)
+        cached, cached_floor = replace(ctx, step=1), floor_us(batch, block, block, block)
         for name in graphs_on_and_off("fast_dllm dual"):
             cached_us = wall_us(lambda: logits(dual, model, cached), device, warmups=3)
             times[name] = steps // block * (build_us + (block - 1) * cached_us)
@@ -94,25 +83,24 @@ def dyllm(setup):
                               "floor us": cached_floor})
         for fraction in fractions:
             method = get_method("dyllm", salient_fraction=fraction)
-            dyllm_steps = Replayed(method)
+            sparse = Replayed(method)
             method.begin_block(ctx)
             for t in range(FULL_STEPS):
-                logits(dyllm_steps, model, replace(ctx, t=t))
+                logits(sparse, model, replace(ctx, t=t))
             for name in graphs_on_and_off(f"dyllm {fraction:.0%}"):
                 times[name], floors[name] = FULL_STEPS * full_us, FULL_STEPS * full_floor
                 for label, t, fed, count in (("whole canvas", 8, width, canvas_steps),
                                              ("response only", 5, response, response_steps)):
                     # 3 warm-ups: a graphed step records once per capacity of its first layer's salient set
-                    us = wall_us(lambda t=t: logits(dyllm_steps, model, replace(ctx, t=t)), device, warmups=3)
+                    us = wall_us(lambda t=t: logits(sparse, model, replace(ctx, t=t)), device, warmups=3)
                     salient = int(fraction * fed + 0.999)
                     floor = floor_us(batch, fed, salient, salient)
                     step_rows.append({"batch": batch, "method": name, "step": label, "us": us, "floor us": floor})
                     times[name] += count * us
                     floors[name] += count * floor
-        for name, us in times.items():
-            rows.append({"batch": batch, "method": name, "tokens/s": batch * response / (us / 1e6),
-                         "speedup vs vanilla": times["vanilla"] / us, "vs fast_dllm dual": times["fast_dllm dual"] / us,
-                         "x floor": us / floors[name] if name in floors else float("nan")})
+        rows += [{"batch": batch, "method": name, "tokens/s": batch * response / (us / 1e6),
+                  "speedup vs vanilla": times["vanilla"] / us, "vs fast_dllm dual": times["fast_dllm dual"] / us,
+                  "x floor": us / floors[name] if name in floors else float("nan")} for name, us in times.items()]
         setup.free()
     setup.report.table("Steps", step_rows, "Microseconds per step of the whole model, host overhead included; "
                        "'eager' rows: CUDA graphs off. Floors: max(weight bytes / copy bandwidth, FLOPs of the rows "
@@ -129,7 +117,7 @@ def dyllm_salient(setup):
     length, n = (256, 2) if setup.quick else (args.length, args.n)
     runner = Runner(resolve_model("tiny-llada"), "cpu", torch.float32, None)
     runner.knobs = {"tau": args.tau}
-    samples = tasks.make_samples("passkey", length, n, seed=args.seed, count_tokens=runner.count_tokens)
+    samples = tasks.make_samples("passkey", length, n, seed=1234, count_tokens=runner.count_tokens)
     methods, history = [], []  # history: (step, each layer's salient fraction of the fed rows) per sparse step
 
     def record(method):
@@ -144,18 +132,16 @@ def dyllm_salient(setup):
         return computed
 
     outcome = runner.generate(samples, "dyllm", prepare=record)
-    accuracy = sum(outcome.scores) / len(outcome.scores)
+    accuracy, period = sum(outcome.scores) / len(outcome.scores), methods[0].full_period
     result = {"model": "tiny-llada", "length": length, "n": n, "tau": args.tau, "accuracy": accuracy,
-              "full_period": methods[0].full_period, "steps": [t for t, _ in history],
-              "per_layer": [fractions for _, fractions in history]}
+              "full_period": period, "steps": [t for t, _ in history], "per_layer": [f for _, f in history]}
     out = args.out / ("dyllm_salient_quick.json" if setup.quick else "dyllm_salient.json")
     args.out.mkdir(parents=True, exist_ok=True)
     write_whole(out, lambda partial: partial.write_text(json.dumps(result, indent=1) + "\n"))
     layers = len(result["per_layer"][0])
     print(f"tiny-llada, passkey {length}, n {n}, tau {args.tau}: accuracy {accuracy:.3f}\n")
-    print("| step | fed | " + " | ".join(f"layer {i}" for i in range(layers)) + " |")
-    print("|---|---|" + "---|" * layers)
+    print("| step | fed | " + " | ".join(f"layer {i}" for i in range(layers)) + " |\n|---|---|" + "---|" * layers)
     for t, fractions in history:
-        fed = "canvas" if t % result["full_period"] == 0 else "response"
-        print(f"| {t} | {fed} | " + " | ".join(f"{f:.2f}" for f in fractions) + " |")
+        print(f"| {t} | {'canvas' if t % period == 0 else 'response'} | " + " | ".join(f"{f:.2f}" for f in fractions)
+              + " |")
     print(f"\nwrote {out}")

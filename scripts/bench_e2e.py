@@ -104,19 +104,17 @@ def build(run: Run, device):
 
 
 @torch.no_grad()
-def check_peer_agrees(model, peer, e2e_peer, length: int = 256):
+def peer_logits_error(model, peer, e2e_peer, length: int = 256) -> float:
     """Refuse to time a peer whose logits over a random canvas differ from our model's: the same weights
     under the same mask (bidirectional, or block-causal) give the same logits up to rounding."""
     cfg, device = model.cfg, model.embed_tokens.weight.device
     ids = torch.tensor(random_prompts(cfg, length), device=device)
-    positions = torch.arange(length, device=device)[None]
-    if cfg.attention == "block_causal":
-        mask = CanvasMask(block_size=cfg.block_size)
-        theirs = peer(input_ids=ids, attention_mask=e2e_peer.block_causal(length, cfg.block_size, device)).logits
-    else:
-        mask, theirs = CanvasMask(), peer(input_ids=ids).logits
-    ours = model(ids, positions, lambda layer, q, k, v: attention(q, k, v, mask)).float()
-    error = ((ours - theirs.float()).norm() / ours.norm()).item()
+    causal = cfg.attention == "block_causal"
+    mask = CanvasMask(block_size=cfg.block_size) if causal else CanvasMask()
+    theirs = peer(input_ids=ids, **({"attention_mask": e2e_peer.block_causal(length, cfg.block_size, device)}
+                                    if causal else {})).logits
+    ours = model(ids, torch.arange(length, device=device)[None], lambda layer, q, k, v: attention(q, k, v, mask))
+    error = ((ours.float() - theirs.float()).norm() / ours.float().norm()).item()
     tolerance = 1e-3 if model.embed_tokens.weight.dtype == torch.float32 else 0.15  # bf16: rounding in every layer
     if not error < tolerance:
         raise RuntimeError(f"transformers' logits differ from ours by {error:.3f} (relative): not the same model")
@@ -125,7 +123,7 @@ def check_peer_agrees(model, peer, e2e_peer, length: int = 256):
 
 def generation(run: Run, model, sync, logits_error: list):
     """A function that runs one generation and returns when its first block was final (perf_counter)."""
-    cfg, prompts, first_block = model.cfg, torch.tensor(random_prompts(model.cfg, run.prompt, run.batch)), []
+    prompts, first_block = torch.tensor(random_prompts(model.cfg, run.prompt, run.batch)), []
 
     def first_block_done():
         sync()
@@ -135,26 +133,25 @@ def generation(run: Run, model, sync, logits_error: list):
         import e2e_peer
 
         peer, ids = e2e_peer.hf_model(model), prompts.to(model.embed_tokens.weight.device)
-        logits_error.append(check_peer_agrees(model, peer, e2e_peer))
+        logits_error.append(peer_logits_error(model, peer, e2e_peer))
         reference = e2e_peer.llada_generate if run.engine == "masked" else e2e_peer.sdar_generate
-        loop = lambda: reference(peer, ids, run.gen, run.block, run.timed_steps, cfg.mask_token_id,
+        loop = lambda: reference(peer, ids, run.gen, run.block, run.timed_steps, model.cfg.mask_token_id,
                                  first_block_done=first_block_done)
     else:
-        gen = GenerationConfig(gen_length=run.gen, block_length=run.block, steps=run.timed_steps)
-
         def loop():
             method = get_method(run.method, **run.knobs)
             begin_block, blocks_begun = method.begin_block, []
 
             def noted(ctx):  # the second block begins: the first one's tokens are final
-                blocks_begun.append(ctx)
+                blocks_begun.append(1)
                 if len(blocks_begun) == 2:
                     first_block_done()
                 return begin_block(ctx)
 
             method.begin_block = noted
             try:
-                generate(model, prompts.tolist(), gen, method, stop_ids=())
+                generate(model, prompts.tolist(), GenerationConfig(run.gen, run.block, run.timed_steps), method,
+                         stop_ids=())
             finally:
                 del method.begin_block  # no cycle through noted: the method's tensors go with the generation
 
@@ -174,15 +171,14 @@ def one_process(run: Run, generations: int) -> dict:
 
         if why := e2e_peer.missing():
             return {"skipped": why}
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build(run, device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    logits_error = []
+    cuda = torch.cuda.is_available()
+    model = build(run, torch.device("cuda" if cuda else "cpu"))
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    logits_error, seconds, first_block = [], [], []
     once = generation(run, model, sync, logits_error)
-    seconds, first_block = [], []
     try:
         for _ in range(generations):
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             start = time.perf_counter()
@@ -191,7 +187,7 @@ def one_process(run: Run, generations: int) -> dict:
             first_block.append(first_done - start)
     except torch.OutOfMemoryError as error:
         return {"skipped": f"out of memory ({str(error).splitlines()[0][:120]})"}
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return {"seconds": seconds, "first block": first_block, "peak GiB": peak, "logits error": logits_error}
 
 
@@ -224,11 +220,10 @@ def floor_seconds(run: Run, bandwidth: float, matmul_rate: float) -> float:
 
 
 def paper_row(run: Run, result: dict, bandwidth: float, matmul_rate: float) -> dict:
-    scale = run.steps / run.timed_steps
+    scale, blocks = run.steps / run.timed_steps, run.gen // run.block
     warm = result["seconds"][-1] * scale
     first = warm + result["seconds"][0] - result["seconds"][-1]  # what the first pays over a warm one, once
     first_block = result["first block"][-1] * scale
-    blocks = run.gen // run.block
     return {"engine": run.engine, "model": run.model, "batch": run.batch, "prompt": run.prompt,
             "tokens / steps": f"{run.gen} / {run.steps}" + (" per block" if run.engine == "block" else ""),
             "method": run.method + (" (projected)" if run.projected else ""),
@@ -248,33 +243,27 @@ def add_ratios(rows: list[dict], runs: list[Run], against=(("vs dense", "dense")
             row[name] = other / row["warm s"] if other else float("nan")
 
 
-def machine_record(journal: Journal, setup) -> dict:
-    """The machine, versions and rates of the run the journal holds: measured by its first call, so that
-    rows resumed in a later call (or a report rebuilt from the journal) stay with the first numbers."""
-    if "machine" not in journal.done:
-        bandwidth, matmul_rate = setup.ceilings
-        try:
-            import transformers
-            peer = transformers.__version__
-        except ImportError:
-            peer = None
-        record = {"key": "machine", **setup.meta, "transformers": peer, "copy_GBps": bandwidth,
-                  "matmul_TFLOPs": matmul_rate}
-        journal.add(record)
-        journal.done["machine"] = record
-    return {k: v for k, v in journal.done["machine"].items() if k not in ("key", "date")}
-
-
 def journaled(setup, key: dict, runs: list[Run], measure) -> tuple[list[tuple[Run, dict]], list[str], Journal]:
     """Every run with its result, from the journal (--journal, or runs/e2e-<hash of key>.jsonl) or
     measure(run); the labels of the runs that failed (not journaled: a rerun tries them again); the
-    journal. A journal of other settings (another GPU's included) ends the run with a line naming them."""
+    journal. A journal of other settings (another GPU's included) ends the run with a line naming them.
+    The paper settings' journal keeps the machine, versions and rates its first call measured: rows
+    resumed in a later call (or a report rebuilt from the journal) stay with the first numbers."""
     try:
         journal = Journal(setup.args.journal or journal_path("e2e", key), key)
     except ValueError as error:
         sys.exit(f"bench.py e2e: {error}")
-    if key["settings"].startswith("paper"):  # its table quotes the rates the journal's first call measured
-        setup.meta.update(machine_record(journal, setup))
+    if key["settings"].startswith("paper"):
+        if "machine" not in journal.done:
+            try:
+                from transformers import __version__ as peer_version
+            except ImportError:
+                peer_version = None
+            bandwidth, matmul_rate = setup.ceilings
+            journal.done["machine"] = {"key": "machine", **setup.meta, "transformers": peer_version,
+                                       "copy_GBps": bandwidth, "matmul_TFLOPs": matmul_rate}
+            journal.add(journal.done["machine"])
+        setup.meta.update({k: v for k, v in journal.done["machine"].items() if k not in ("key", "date")})
     setup.meta["settings"] = key["settings"]
     started, computed, failed = time.perf_counter(), 0, []
     for i, run in enumerate(runs):
@@ -297,8 +286,7 @@ def journaled(setup, key: dict, runs: list[Run], measure) -> tuple[list[tuple[Ru
 
 def close(report, done, failed: list[str], journal: Journal) -> list[str]:
     """Names the rows not run; deletes the journal once every row ran. Returns the failed rows."""
-    skipped = [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]
-    if skipped:
+    if skipped := [f"{run.label()}: {result['skipped']}" for run, result in done if "skipped" in result]:
         report.say("Not run: " + "; ".join(skipped) + "\n")
     if not failed:
         journal.finish()
@@ -321,8 +309,8 @@ def paper(setup) -> list[str]:
                  "One new process per row: its first generation, then a warm one. First block: the time until "
                  "the first block's tokens are final (the prefill included). Random bf16 weights, every method "
                  "at its defaults.")
-    errors = [f"{run.label()}: {max(result['logits error']):.3f}" for run, result in done if result.get("logits error")]
-    if errors:
+    if errors := [f"{run.label()}: {max(result['logits error']):.3f}" for run, result in done
+                  if result.get("logits error")]:
         report.say("The peer's logits against ours over a 256-token canvas (relative error): " + "; ".join(errors)
                    + "\n")
     return close(report, done, failed, journal)
@@ -330,8 +318,7 @@ def paper(setup) -> list[str]:
 
 def warm_start_processes(run: Run, repeats: int) -> dict:
     """One configuration's first process (one generation) and `repeats` later ones (three each)."""
-    first = in_new_process(run, 1)
-    later = [in_new_process(run, 3) for _ in range(repeats)]
+    first, later = in_new_process(run, 1), [in_new_process(run, 3) for _ in range(repeats)]
     return {"first": first["seconds"][0], "later": [p["seconds"] for p in later],
             "peak GiB": max(p["peak GiB"] for p in later)}
 
@@ -350,27 +337,27 @@ def warm_start_row(run: Run, result: dict) -> dict:
 
 def warm_start(setup) -> list[str]:
     """The warm-start table; returns the rows that failed (they are retried by a rerun)."""
-    args, meta, report = setup.args, setup.meta, setup.report
+    args, meta = setup.args, setup.meta
     settings = "quick" if args.quick else "warm_start"
-    unknown = sorted(set(args.methods or ()) - {run.method for run in SETTINGS[settings]})
-    if unknown:
+    if unknown := sorted(set(args.methods or ()) - {run.method for run in SETTINGS[settings]}):
         sys.exit(f"bench.py e2e --methods: {', '.join(unknown)} not among the warm_start rows' methods "
                  f"({', '.join(dict.fromkeys(run.method for run in SETTINGS[settings]))})")
     runs = [run for run in SETTINGS[settings] if not args.methods or run.method in args.methods]
     key = {"settings": settings, "repeats": args.repeats, "methods": args.methods, "device": meta["device"]}
     done, failed, journal = journaled(setup, key, runs, lambda run: warm_start_processes(run, args.repeats))
-    ran = [run for run, result in done if "skipped" not in result]
-    rows = [warm_start_row(run, result) for run, result in done if "skipped" not in result]
-    add_ratios(rows, ran, (("vs dense", "dense"),) if any(run.method == "dense" for run in ran) else ())
+    ran = [(run, warm_start_row(run, result)) for run, result in done if "skipped" not in result]
+    add_ratios([row for _, row in ran], [run for run, _ in ran],
+               (("vs dense", "dense"),) if any(run.method == "dense" for run, _ in ran) else ())
     setup.header("e2e --settings warm_start" + (" --quick" if args.quick else "")
                  + (f" --repeats {args.repeats}" if args.repeats != 3 else "")
                  + (f" --methods {' '.join(args.methods)}" if args.methods else ""))
-    report.table("Generations in new processes", rows,
-                 f"First process: its one generation. Then {args.repeats} later processes, one after another, each "
-                 "generating three times: its first generation (what every later process pays; the bar: at most 1 s "
-                 "over a warm one) and its warm time (the faster of the other two). The row gives medians over the "
-                 "later processes, and the range of their first-minus-warm differences. Every method at its defaults.")
-    return close(report, done, failed, journal)
+    setup.report.table("Generations in new processes", [row for _, row in ran],
+                       f"First process: its one generation. Then {args.repeats} later processes, one after another, "
+                       "each generating three times: its first generation (what every later process pays; the bar: at "
+                       "most 1 s over a warm one) and its warm time (the faster of the other two). The row gives "
+                       "medians over the later processes, and the range of their first-minus-warm differences. Every "
+                       "method at its defaults.")
+    return close(setup.report, done, failed, journal)
 
 
 def e2e(setup) -> str:

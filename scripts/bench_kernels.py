@@ -17,7 +17,7 @@ import json
 import os
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -30,71 +30,38 @@ from nanodllm.kernels.rope import apply_rope, apply_rope_reference
 from nanodllm.kernels.sparse_decode_attention import sparse_decode_attention
 from nanodllm.model import Rope
 
-
-@dataclass
-class Shapes:
-    heads: int
-    kv_heads: int
-    head_dim: int
-    block: int  # L, the active block's queries
-    batches: tuple
-    prefixes: tuple  # cached keys P
-    sparse_prefix: int
-    sparse_ks: tuple  # selected tokens per KV head
-    key_block: int  # tokens per key block in the blocked sparse rows
-    prefill_lengths: tuple
-    prefill_block_size: int  # block-causal B of the prefill rows (SDAR-8B's config default)
-    norm_rows: tuple  # (batch, rows) of the norm and RoPE rows
-    norm_hidden: int
+# block: L, the active block's queries; prefixes: P cached keys; sparse_ks: selected tokens per KV head; key_block:
+# tokens per key block of the blocked sparse rows; prefill_block_size: block-causal B of the prefill rows (SDAR-8B's
+# default); norm_rows: (batch, rows) of the norm and RoPE rows
+FULL = SimpleNamespace(heads=32, kv_heads=8, head_dim=128, block=32, batches=(1, 4), prefixes=(8192, 32768, 131072),
+                       sparse_prefix=131072, sparse_ks=(1024, 8192), key_block=64, prefill_lengths=(8192, 32768),
+                       prefill_block_size=4, norm_rows=(16, 768), norm_hidden=4096)
+QUICK = SimpleNamespace(heads=4, kv_heads=2, head_dim=64, block=8, batches=(1, 2), prefixes=(96, 200),
+                        sparse_prefix=200, sparse_ks=(32,), key_block=16, prefill_lengths=(64,), prefill_block_size=4,
+                        norm_rows=(2, 32), norm_hidden=256)
 
 
-FULL = Shapes(heads=32, kv_heads=8, head_dim=128, block=32, batches=(1, 4), prefixes=(8192, 32768, 131072),
-              sparse_prefix=131072, sparse_ks=(1024, 8192), key_block=64, prefill_lengths=(8192, 32768),
-              prefill_block_size=4, norm_rows=(16, 768), norm_hidden=4096)
-QUICK = Shapes(heads=4, kv_heads=2, head_dim=64, block=8, batches=(1, 2), prefixes=(96, 200), sparse_prefix=200,
-               sparse_ks=(32,), key_block=16, prefill_lengths=(64,), prefill_block_size=4, norm_rows=(2, 32),
-               norm_hidden=256)
-
-
-def sdpa_on_cache(q, k_cache, v_cache, n_keys):
-    """What a user has: SDPA with GQA on the [batch, kv_heads, n_keys, D] view of the cache."""
-    keys, values = k_cache[:, :n_keys].transpose(1, 2), v_cache[:, :n_keys].transpose(1, 2)
-    return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-
-
-def bench_decode(setup, shapes, caches, bandwidth):
+def bench_decode(setup, shapes, inputs, bandwidth):
     """Block decode against the whole cache; returns {(batch, P): our microseconds} for later ratios."""
     timer, rows, ours = setup.timer, [], {}
-    bytes_per_key = 2 * shapes.kv_heads * shapes.head_dim * caches[shapes.batches[0]][0].element_size()
-    for batch in shapes.batches:
-        k_cache, v_cache = caches[batch]
-        q = torch.randn(batch, shapes.heads, shapes.block, shapes.head_dim, device=setup.device, dtype=setup.dtype)
-        for prefix in shapes.prefixes:
-            n_keys = prefix + shapes.block
-            lengths = torch.full((batch,), n_keys, device=setup.device, dtype=torch.int32)
-            kv_bytes = batch * n_keys * bytes_per_key
-            call = lambda: decode_attention(q, k_cache, v_cache, lengths, max_length=n_keys)
-            us, eager_us = timer(call), timer.eager(call)
-            sdpa_us = timer(lambda: sdpa_on_cache(q, k_cache, v_cache, n_keys))
-            ours[batch, prefix] = us
-            rows.append({"batch": batch, "P": kilo(prefix), "ours us": us, "SDPA us": sdpa_us,
-                         "floor us": kv_bytes / bandwidth / 1e3, "ours GB/s": kv_bytes / us / 1e3,
-                         "% of copy BW": 100 * kv_bytes / us / 1e3 / bandwidth, "SDPA GB/s": kv_bytes / sdpa_us / 1e3,
-                         "speedup vs SDPA": sdpa_us / us, "ours eager us": eager_us})
+    for (batch, (q, k_cache, v_cache)), prefix in itertools.product(inputs.items(), shapes.prefixes):
+        n_keys = prefix + shapes.block
+        lengths = torch.full((batch,), n_keys, device=setup.device, dtype=torch.int32)
+        kv_bytes = batch * n_keys * 2 * shapes.kv_heads * shapes.head_dim * k_cache.element_size()
+        call = lambda: decode_attention(q, k_cache, v_cache, lengths, max_length=n_keys)
+        keys, values = k_cache[:, :n_keys].transpose(1, 2), v_cache[:, :n_keys].transpose(1, 2)  # a user's view
+        us, eager_us = timer(call), timer.eager(call)
+        sdpa_us = timer(lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True))
+        ours[batch, prefix] = us
+        rows.append({"batch": batch, "P": kilo(prefix), "ours us": us, "SDPA us": sdpa_us,
+                     "floor us": kv_bytes / bandwidth / 1e3, "ours GB/s": kv_bytes / us / 1e3,
+                     "% of copy BW": 100 * kv_bytes / us / 1e3 / bandwidth, "SDPA GB/s": kv_bytes / sdpa_us / 1e3,
+                     "speedup vs SDPA": sdpa_us / us, "ours eager us": eager_us})
     setup.report.table("Block decode (dense)", rows,
                        f"L = {shapes.block} queries vs P cached keys + the block's L keys; floor = K + V bytes / "
                        "copy bandwidth; SDPA(enable_gqa=True) reads the cache through a transposed view. 'eager' = "
                        "one call from Python (do_bench), host launch overhead included.")
     return ours
-
-
-def random_index_lists(batch, shapes, prefix, count, unit, device):
-    """Sorted duplicate-free random selections of count/unit units (tokens or key blocks) per (row, KV head)."""
-    units, picks = prefix // unit, count // unit
-    scores = torch.rand(batch, shapes.kv_heads, units, device=device)
-    indices = scores.topk(picks, dim=-1).indices.sort(dim=-1).values
-    counts = torch.full((batch, shapes.kv_heads), picks, device=device, dtype=torch.int32)
-    return indices.to(torch.int32), counts
 
 
 def gather_then_sdpa(q, k_cache, v_cache, tokens):
@@ -105,49 +72,44 @@ def gather_then_sdpa(q, k_cache, v_cache, tokens):
     return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
 
 
-def bench_sparse(setup, shapes, caches, bandwidth, dense_us):
+def bench_sparse(setup, shapes, inputs, bandwidth, dense_us):
     rows, prefix, device = [], shapes.sparse_prefix, setup.device
-    for batch in shapes.batches:
-        k_cache, v_cache = caches[batch]
-        q = torch.randn(batch, shapes.heads, shapes.block, shapes.head_dim, device=device, dtype=setup.dtype)
+    for (batch, (q, k_cache, v_cache)), count, unit in itertools.product(inputs.items(), shapes.sparse_ks,
+                                                                         (1, shapes.key_block)):
         cache_lengths = torch.full((batch,), prefix, device=device, dtype=torch.int32)
+        # sorted duplicate-free random selections of count / unit units (tokens or key blocks) per (row, KV head)
+        scores = torch.rand(batch, shapes.kv_heads, prefix // unit, device=device)
+        indices = scores.topk(count // unit, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+        counts = torch.full((batch, shapes.kv_heads), count // unit, device=device, dtype=torch.int32)
+        tokens = (indices[..., None].long() * unit + torch.arange(unit, device=device)).flatten(2)
         block_tokens = torch.arange(prefix, prefix + shapes.block, device=device).expand(batch, shapes.kv_heads, -1)
-        for count, unit in itertools.product(shapes.sparse_ks, (1, shapes.key_block)):
-            indices, counts = random_index_lists(batch, shapes, prefix, count, unit, device)
-            tokens = (indices[..., None].long() * unit + torch.arange(unit, device=device)).flatten(2)
-            tokens = torch.cat([tokens, block_tokens], dim=-1)
-            read_bytes = tokens.numel() * 2 * shapes.head_dim * k_cache.element_size()
-            us = setup.timer(lambda: sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts,
-                                                             index_block=unit))
-            torch_us = setup.timer(lambda: gather_then_sdpa(q, k_cache, v_cache, tokens))
-            rows.append({"batch": batch, "k": count, "index_block": unit, "ours us": us, "gather+SDPA us": torch_us,
-                         "floor us": read_bytes / bandwidth / 1e3,
-                         "% of copy BW": 100 * read_bytes / us / 1e3 / bandwidth,
-                         "speedup vs gather+SDPA": torch_us / us,
-                         "speedup vs dense decode": dense_us.get((batch, prefix), float("nan")) / us})
+        tokens = torch.cat([tokens, block_tokens], dim=-1)
+        read_bytes = tokens.numel() * 2 * shapes.head_dim * k_cache.element_size()
+        us = setup.timer(lambda: sparse_decode_attention(q, k_cache, v_cache, cache_lengths, indices, counts,
+                                                         index_block=unit))
+        torch_us = setup.timer(lambda: gather_then_sdpa(q, k_cache, v_cache, tokens))
+        rows.append({"batch": batch, "k": count, "index_block": unit, "ours us": us, "gather+SDPA us": torch_us,
+                     "floor us": read_bytes / bandwidth / 1e3, "% of copy BW": 100 * read_bytes / us / 1e3 / bandwidth,
+                     "speedup vs gather+SDPA": torch_us / us,
+                     "speedup vs dense decode": dense_us.get((batch, prefix), float("nan")) / us})
     setup.report.table(f"Sparse block decode (P = {kilo(prefix)})", rows,
                        f"k selected prefix tokens per KV head (sorted random; as tokens or as {shapes.key_block}-token "
                        f"key blocks) + the block's {shapes.block} keys; floor = selected K + V bytes / copy bandwidth; "
                        "dense decode = our decode_attention over the whole prefix, same run.")
 
 
-def bench_key_scores(setup, shapes, caches, bandwidth, dense_us):
-    rows, device = [], setup.device
-    for batch in shapes.batches:
-        k_cache, v_cache = caches[batch]
-        q = torch.randn(batch, shapes.heads, shapes.block, shapes.head_dim, device=device, dtype=setup.dtype)
-        for prefix in shapes.prefixes:
-            cache_lengths = torch.full((batch,), prefix, device=device, dtype=torch.int32)
-            _, lse = decode_attention(q, k_cache, v_cache, cache_lengths + shapes.block,
-                                      max_length=prefix + shapes.block)
-            k_bytes = batch * prefix * shapes.kv_heads * shapes.head_dim * k_cache.element_size()
-            for with_dots in (False, True):
-                us = setup.timer(lambda: key_scores(q, k_cache, cache_lengths, lse, with_dots=with_dots,
-                                                    max_length=prefix))
-                rows.append({"batch": batch, "P": kilo(prefix), "dots": with_dots, "us": us,
-                             "floor us (K bytes)": k_bytes / bandwidth / 1e3,
-                             "% of copy BW": 100 * k_bytes / us / 1e3 / bandwidth,
-                             "ratio to one decode pass": us / dense_us[batch, prefix]})
+def bench_key_scores(setup, shapes, inputs, bandwidth, dense_us):
+    rows = []
+    for (batch, (q, k_cache, v_cache)), prefix in itertools.product(inputs.items(), shapes.prefixes):
+        cache_lengths = torch.full((batch,), prefix, device=setup.device, dtype=torch.int32)
+        _, lse = decode_attention(q, k_cache, v_cache, cache_lengths + shapes.block, max_length=prefix + shapes.block)
+        k_bytes = batch * prefix * shapes.kv_heads * shapes.head_dim * k_cache.element_size()
+        for with_dots in (False, True):
+            us = setup.timer(lambda: key_scores(q, k_cache, cache_lengths, lse, with_dots=with_dots, max_length=prefix))
+            rows.append({"batch": batch, "P": kilo(prefix), "dots": with_dots, "us": us,
+                         "floor us (K bytes)": k_bytes / bandwidth / 1e3,
+                         "% of copy BW": 100 * k_bytes / us / 1e3 / bandwidth,
+                         "ratio to one decode pass": us / dense_us[batch, prefix]})
     setup.report.table("Key scores (MAGE / MaskKV / Sparse-dLLM selection pass)", rows,
                        "Probabilities of the block's queries over every prefix key, reduced over the GQA group and "
                        "the L queries, from the decode pass's LSE; one read of K, no V. Ideal ratio to a decode "
@@ -156,8 +118,7 @@ def bench_key_scores(setup, shapes, caches, bandwidth, dense_us):
 
 def visible_fraction(n, block_size):
     """Fraction of the n x n score matrix a block-causal(B) mask keeps (B = 1: causal)."""
-    blocks = -(-n // block_size)
-    seen = sum(min((i + 1) * block_size, n) * min(block_size, n - i * block_size) for i in range(blocks))
+    seen = sum(min((i + 1) * block_size, n) * min(block_size, n - i * block_size) for i in range(-(-n // block_size)))
     return seen / n**2
 
 
@@ -170,14 +131,12 @@ def bench_prefill(setup, shapes, matmul_rate):
         k = torch.randn(1, shapes.kv_heads, n, shapes.head_dim, device=device, dtype=setup.dtype)
         v = torch.randn_like(k)
         full_flops = 4 * n * n * shapes.heads * shapes.head_dim
-        cases = [("bidirectional", lambda: flash_attention(q, k, v), 1.0,
-                  lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 1.0),
+        sdpa = lambda causal: lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        cases = [("bidirectional", lambda: flash_attention(q, k, v), 1.0, sdpa(False), 1.0),
                  (f"block-causal B={b} (SDPA: causal)", lambda: flash_attention(q, k, v, block_size=b),
-                  visible_fraction(n, b),
-                  lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-                  visible_fraction(n, 1))]
-        for name, ours, fraction, sdpa, sdpa_fraction in cases:
-            us, sdpa_us = setup.timer(ours), setup.timer(sdpa)
+                  visible_fraction(n, b), sdpa(True), visible_fraction(n, 1))]
+        for name, ours, fraction, torch_form, sdpa_fraction in cases:
+            us, sdpa_us = setup.timer(ours), setup.timer(torch_form)
             rate, sdpa_rate = full_flops * fraction / us / 1e6, full_flops * sdpa_fraction / sdpa_us / 1e6
             rows.append({"N": kilo(n), "mask": name, "ours ms": us / 1e3, "SDPA ms": sdpa_us / 1e3,
                          "ours TFLOP/s": rate, "SDPA TFLOP/s": sdpa_rate, "% of SDPA": 100 * rate / sdpa_rate,
@@ -206,8 +165,8 @@ def bench_norm_rope(setup, shapes):
     rows = []
     for name, nbytes, fused, reference, args in cases:
         out, expected = fused(*args), reference(*args)
-        fused_us = wall_us(lambda: fused(*args), device, tries=1, calls=calls, warmups=5)
-        torch_us = wall_us(lambda: reference(*args), device, tries=1, calls=calls, warmups=5)
+        fused_us, torch_us = (wall_us(lambda: fn(*args), device, tries=1, calls=calls, warmups=5)
+                              for fn in (fused, reference))
         rows.append({"op": name, "fused us": fused_us, "fused GB/s": nbytes / fused_us / 1e3, "torch us": torch_us,
                      "torch GB/s": nbytes / torch_us / 1e3,
                      "max abs diff": (out.float() - expected.float()).abs().max().item(),
@@ -219,18 +178,18 @@ def bench_norm_rope(setup, shapes):
 
 def kernels(setup):
     shapes = QUICK if setup.quick else FULL
-    setup.meta.update(shapes=asdict(shapes))
-    bandwidth, matmul_rate = setup.ceilings
+    setup.meta.update(shapes=vars(shapes))
+    (bandwidth, matmul_rate), device, dtype = setup.ceilings, setup.device, setup.dtype
     setup.report.table("Ceilings", [{"copy bandwidth GB/s": bandwidth, "matmul TFLOP/s": matmul_rate}],
                        f"copy: device-to-device, read + written bytes; matmul: {setup.meta['dtype']}; best of several.")
-    capacity = max(max(shapes.prefixes), shapes.sparse_prefix) + shapes.block
-    cache_shape = (capacity, shapes.kv_heads, shapes.head_dim)
-    caches = {batch: tuple(torch.randn(batch, *cache_shape, device=setup.device, dtype=setup.dtype) for _ in "kv")
-              for batch in shapes.batches}
-    dense_us = bench_decode(setup, shapes, caches, bandwidth)
-    bench_sparse(setup, shapes, caches, bandwidth, dense_us)
-    bench_key_scores(setup, shapes, caches, bandwidth, dense_us)
-    del caches
+    cache_shape = (max(*shapes.prefixes, shapes.sparse_prefix) + shapes.block, shapes.kv_heads, shapes.head_dim)
+    inputs = {batch: (torch.randn(batch, shapes.heads, shapes.block, shapes.head_dim, device=device, dtype=dtype),
+                      *(torch.randn(batch, *cache_shape, device=device, dtype=dtype) for _ in "kv"))
+              for batch in shapes.batches}  # the block's queries, the K and V caches
+    dense_us = bench_decode(setup, shapes, inputs, bandwidth)
+    bench_sparse(setup, shapes, inputs, bandwidth, dense_us)
+    bench_key_scores(setup, shapes, inputs, bandwidth, dense_us)
+    del inputs
     for name, part in (("Dense prefill (flash_attention)", lambda: bench_prefill(setup, shapes, matmul_rate)),
                        ("Fused RMSNorm and RoPE", lambda: bench_norm_rope(setup, shapes))):
         try:  # other files' kernels: a failure there must not lose the tables above

@@ -22,11 +22,10 @@ import torch
 
 import nanodllm.attention as attention_module
 import nanodllm.graphs as graphs_module
-from harness import (GENERATION_BLOCKS, QUICK_SDAR, logits, random_prompts, read_bytes, timed_generation,
-                     too_big)
-from nanodllm.kernels.top_k import top_k_positions
+from harness import GENERATION_BLOCKS, QUICK_SDAR, logits, random_prompts, read_bytes, timed_generation, too_big
 from nanodllm.cache import KVCache
 from nanodllm.graphs import Replayed
+from nanodllm.kernels.top_k import top_k_positions
 from nanodllm.methods import Dense, Mage, Quest, get_method
 from nanodllm.methods.base import StepContext
 
@@ -70,15 +69,17 @@ def step_times(model, ctx, timer, knobs) -> dict:
     return times
 
 
-def selection_times(batch, num_kv_heads, context, k, timer, device) -> dict:
+def selection_row(context, batch, num_kv_heads, k, timer, device) -> dict:
     """One layer's top-k over probability-like scores (skewed, all distinct) of every prefix key: torch's
     topk then a sort of the positions, against kernels/top_k.py, which must pick the same positions."""
     generator = torch.Generator(device=device).manual_seed(context + batch)
     scores = torch.rand(batch, num_kv_heads, context, device=device, generator=generator).pow(8) / context
     lengths = torch.full((batch,), context, device=device)
     torch_top_k = lambda: scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-    return {"torch": timer(torch_top_k), "kernel": timer(lambda: top_k_positions(scores, lengths, k)),
-            "same picks": torch.equal(top_k_positions(scores, lengths, k)[0], torch_top_k().to(torch.int32))}
+    torch_us, kernel_us = timer(torch_top_k), timer(lambda: top_k_positions(scores, lengths, k))
+    return {"context": context, "batch": batch, "torch topk + sort us": torch_us, "kernels/top_k.py us": kernel_us,
+            "speedup": torch_us / kernel_us,
+            "same positions": torch.equal(top_k_positions(scores, lengths, k)[0], torch_top_k().to(torch.int32))}
 
 
 def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
@@ -93,18 +94,17 @@ def block_times(times: dict, steps: int, exact_fraction: float) -> dict:
     }
 
 
-def generation_times(model, cfg, context, shapes, knobs, assembled: dict) -> list[dict]:
+def generation_times(model, context, shapes, knobs, assembled: dict) -> list[dict]:
     """Milliseconds per block of block.generate at batch 1 (random prompt, temperature 0, no stop token)
     inside one generation of GENERATION_BLOCKS blocks, after a warm-up generation that compiles and
     autotunes; their median and range. Graphed: every method; eager: exact and MAGE."""
-    prompts, steps = random_prompts(cfg, context), shapes["steps"]
+    prompts, steps = random_prompts(model.cfg, context), shapes["steps"]
     methods = [("exact", "dense", {}), ("MAGE", "mage", knobs), ("Quest", "quest", knobs),
                ("SparseD", "sparsed", knobs)]
-    runs = [(*method, True) for method in methods] + [(*method, False) for method in methods[:2]]
     run = lambda name, method_knobs, blocks: timed_generation(model, prompts, get_method(name, **method_knobs),
                                                               shapes["block"], steps, blocks)[0]
     rows = []
-    for label, name, method_knobs, graphed in runs:
+    for (label, name, method_knobs), graphed in [*((m, True) for m in methods), *((m, False) for m in methods[:2])]:
         graphs_module.GRAPHS_ENABLED = graphed
         run(name, method_knobs, 2)  # a compile in a later block would show in the range, not the median
         block_ms = run(name, method_knobs, GENERATION_BLOCKS)
@@ -130,44 +130,38 @@ def mage(setup):
     sparse_layers = cfg.num_layers - knobs["exact_layers"]
     steps, rows, step_rows, selection_rows, first_blocks = shapes["steps"], [], [], [], None
     graphs_module.GRAPHS_ENABLED = False  # each step is timed as the Timer's graph (no graph inside a graph)
-    for context in shapes["contexts"]:
-        for batch in shapes["batches"]:
-            kv_bytes = batch * (context + shapes["block"]) * per_key * cfg.num_layers
-            kv_bytes += kv_bytes // 16  # Quest's page bounds: min and max of K per 16 keys = (K + V) / 16
-            if why := too_big(device, weight_bytes, kv_bytes):
-                setup.report.say(f"- context {context}, batch {batch}: skipped, {why}")
-                continue
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            ctx = block_context(cfg, batch, context, shapes["block"], steps, device, dtype)
-            times = step_times(model, ctx, setup.timer, knobs)
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-            if device.type == "cuda":
-                chosen = selection_times(batch, cfg.num_kv_heads, context, knobs["k"], setup.timer, device)
-                selection_rows.append({"context": context, "batch": batch, "torch topk + sort us": chosen["torch"],
-                                       "kernels/top_k.py us": chosen["kernel"],
-                                       "speedup": chosen["torch"] / chosen["kernel"],
-                                       "same positions": chosen["same picks"]})
-            blocks = block_times(times, steps, 0.2)
-            if first_blocks is None and batch == 1:
-                first_blocks = (context, blocks)
-            exact_floor = (weights_read + batch * context * per_key * cfg.num_layers) / bandwidth / 1e3  # us
-            sparse_kv = batch * per_key * (context * knobs["exact_layers"] + min(knobs["k"], context) * sparse_layers)
-            sparse_floor = (weights_read + sparse_kv) / bandwidth / 1e3
-            step_rows.append({"context": context, "batch": batch, "SDPA step us": times["sdpa"],
-                              "exact step us": times["exact"], "exact floor us": exact_floor,
-                              "exact / floor": times["exact"] / exact_floor, "MAGE step 1 us": times["select"],
-                              "step-1 overhead %": 100 * (times["select"] / times["exact"] - 1),
-                              "step-1 overhead, one stream %": 100 * (times["select one stream"] / times["exact"] - 1),
-                              "MAGE step 2..T us": times["sparse"], "sparse floor us": sparse_floor,
-                              "MAGE 2..T / floor": times["sparse"] / sparse_floor, "Quest step us": times["quest"],
-                              "peak GiB": peak})
-            rows.append({"context": context, "batch": batch,
-                         **{f"{name} ms/block": us / 1e3 for name, us in blocks.items()},
-                         **{f"MAGE vs {name}": blocks[name] / blocks["MAGE"]
-                            for name in ("SDPA exact", "exact", "Quest", "SparseD")}})
-            del ctx
-            setup.free()
+    for context, batch in ((context, batch) for context in shapes["contexts"] for batch in shapes["batches"]):
+        kv_bytes = batch * (context + shapes["block"]) * per_key * cfg.num_layers
+        kv_bytes += kv_bytes // 16  # Quest's page bounds: min and max of K per 16 keys = (K + V) / 16
+        if why := too_big(device, weight_bytes, kv_bytes):
+            setup.report.say(f"- context {context}, batch {batch}: skipped, {why}")
+            continue
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        ctx = block_context(cfg, batch, context, shapes["block"], steps, device, dtype)
+        times = step_times(model, ctx, setup.timer, knobs)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        if device.type == "cuda":
+            selection_rows.append(selection_row(context, batch, cfg.num_kv_heads, knobs["k"], setup.timer, device))
+        blocks = block_times(times, steps, 0.2)
+        if first_blocks is None and batch == 1:
+            first_blocks = (context, blocks)
+        exact_floor = (weights_read + batch * context * per_key * cfg.num_layers) / bandwidth / 1e3  # us
+        sparse_kv = batch * per_key * (context * knobs["exact_layers"] + min(knobs["k"], context) * sparse_layers)
+        sparse_floor = (weights_read + sparse_kv) / bandwidth / 1e3
+        step_rows.append({"context": context, "batch": batch, "SDPA step us": times["sdpa"],
+                          "exact step us": times["exact"], "exact floor us": exact_floor,
+                          "exact / floor": times["exact"] / exact_floor, "MAGE step 1 us": times["select"],
+                          "step-1 overhead %": 100 * (times["select"] / times["exact"] - 1),
+                          "step-1 overhead, one stream %": 100 * (times["select one stream"] / times["exact"] - 1),
+                          "MAGE step 2..T us": times["sparse"], "sparse floor us": sparse_floor,
+                          "MAGE 2..T / floor": times["sparse"] / sparse_floor, "Quest step us": times["quest"],
+                          "peak GiB": peak})
+        rows.append({"context": context, "batch": batch, **{f"{n} ms/block": us / 1e3 for n, us in blocks.items()},
+                     **{f"MAGE vs {n}": blocks[n] / blocks["MAGE"] for n in ("SDPA exact", "exact", "Quest",
+                                                                              "SparseD")}})
+        del ctx
+        setup.free()
     setup.report.table("Steps", step_rows,
                        f"Microseconds per denoising step of the whole model (CUDA graph, L2 flushed), k = "
                        f"{knobs['k']}, {knobs['exact_layers']} exact layers. 'step-1 overhead' = MAGE's first step "
@@ -182,7 +176,7 @@ def mage(setup):
     graphs_module.GRAPHS_ENABLED = True
     if device.type == "cuda" and first_blocks is not None:
         context, blocks = first_blocks
-        setup.report.table("A real generation", generation_times(model, cfg, context, shapes, knobs, blocks),
+        setup.report.table("A real generation", generation_times(model, context, shapes, knobs, blocks),
                            f"block.generate at {context} tokens of prompt, batch 1: the median ms per block of blocks "
                            f"2-{GENERATION_BLOCKS} of one generation, host loop and sampling included; 'graphs' = "
                            "every forward replays a CUDA graph (the default on a GPU). 'assembled': the table above.")

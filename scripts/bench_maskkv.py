@@ -22,9 +22,7 @@ from pathlib import Path
 import torch
 
 import nanodllm.graphs as graphs_module
-from harness import QUICK_LLADA, canvas_context, logits, peak_gib, random_prompts, step_floor, wall_us
-from nanodllm.config import GenerationConfig
-from nanodllm.generation import generate
+from harness import QUICK_LLADA, canvas_context, generation_seconds, logits, peak_gib, step_floor, wall_us
 from nanodllm.graphs import Replayed
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
@@ -37,11 +35,9 @@ GENERATION_COLUMNS = ("ms / generation", "tokens/s", "speedup vs vanilla", "eage
 
 
 def step_kind(t: int, method) -> str:
-    if t == 0:
-        return "first"
     prompt, response = t % method.prompt_interval == 0, t % method.response_interval == 0
-    return {(True, True): "full refresh", (True, False): "prompt refresh", (False, True): "response refresh",
-            (False, False): "drift"}[(prompt, response)]
+    return "first" if t == 0 else {(True, True): "full refresh", (True, False): "prompt refresh",
+                                   (False, True): "response refresh", (False, False): "drift"}[(prompt, response)]
 
 
 def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, float]:
@@ -65,10 +61,6 @@ def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, fl
     return gpu, eager, first_peak
 
 
-def generation_row(context, method, **values) -> dict:
-    return {"context": context, "method": method, **dict.fromkeys(GENERATION_COLUMNS, float("nan")), **values}
-
-
 def measured_profile(model, ctx) -> str:
     """MaskKV's layer importance measured once on this canvas (its online variant) as a profile file, so
     the timed steps and generations reuse it, as runs of a calibrated model do."""
@@ -83,67 +75,59 @@ def maskkv(setup):
     device, shapes = setup.device, setup.shapes(QUICK, FULL)
     steps = gen = shapes["gen_length"]
     model = setup.random_model(QUICK_LLADA, "llada-8b", context=max(shapes["contexts"]) + gen)
-    cfg, ceilings = model.cfg, setup.ceilings
-    floor_us = step_floor(cfg, model, ceilings)
-    setup.report.say(f"Copy {ceilings[0]:.0f} GB/s, matmul {ceilings[1]:.0f} TFLOP/s. {gen} tokens in {steps} steps, "
-                     f"block length {shapes['block_length']}; MaskKV budget {shapes['budget']} per head, its layer "
-                     "profile measured once per context on its canvas.\n")
+    floor_us = step_floor(model.cfg, model, setup.ceilings)
+    setup.say_ceilings(f"{gen} tokens in {steps} steps, block length {shapes['block_length']}; MaskKV budget "
+                       f"{shapes['budget']} per head, its layer profile measured once per context on its canvas.")
     step_rows, gen_rows = [], []
+    row = lambda context, method, **values: {"context": context, "method": method,
+                                             **dict.fromkeys(GENERATION_COLUMNS, float("nan")), **values}
     for context in shapes["contexts"]:
-        ctx = canvas_context(cfg, context, gen, shapes["block_length"], device)
-        width, budget = context + gen, min(shapes["budget"], context)
-        dense = Dense()
+        ctx = canvas_context(model.cfg, context, gen, shapes["block_length"], device)
+        width, dense = context + gen, Dense()
         vanilla = Replayed(dense)
         vanilla_us = wall_us(lambda: logits(vanilla, model, ctx), device)
         vanilla_peak = peak_gib(lambda: logits(vanilla, model, ctx), device)
-        reference_peak = peak_gib(lambda: model.head(model.hidden(ctx.tokens, ctx.positions,
-                                                                  lambda i, q, k, v: dense.attend(i, q, k, v, ctx))
-                                                     ).softmax(dim=-1), device)
-        kept = {"dllm_cache": width, "maskkv": budget + gen}  # keys a refreshed row attends
-        rows_of = {"full refresh": width, "prompt refresh": context, "response refresh": gen, "drift": gen // 4}
-        floors = {"vanilla": floor_us(width, width * width), "first": floor_us(width, width * width),
-                  **{kind: {name: floor_us(rows, rows * keys) for name, keys in kept.items()}
-                     for kind, rows in rows_of.items()}}
-        totals = {"vanilla": (steps * vanilla_us, steps * vanilla_us, steps * floors["vanilla"], vanilla_peak)}
+        whole_logits = lambda: model.head(model.hidden(ctx.tokens, ctx.positions,
+                                                       lambda i, q, k, v: dense.attend(i, q, k, v, ctx)))
+        reference_peak = peak_gib(lambda: whole_logits().softmax(dim=-1), device)
+        kept = {"dllm_cache": width, "maskkv": min(shapes["budget"], context) + gen}  # keys a refreshed row attends
+        rows_of = {"first": width, "full refresh": width, "prompt refresh": context, "response refresh": gen,
+                   "drift": gen // 4}
+        floors = {kind: {name: floor_us(rows, rows * (width if kind == "first" else keys))
+                         for name, keys in kept.items()} for kind, rows in rows_of.items()}
+        vanilla_floor = floor_us(width, width * width)
+        totals = {"vanilla": (steps * vanilla_us, steps * vanilla_us, steps * vanilla_floor, vanilla_peak, None)}
         step_rows.append({"context": context, "method": "vanilla", "kind": "every step", "count": steps,
-                          "us": vanilla_us, "eager us": vanilla_us, "floor us": floors["vanilla"],
-                          "x floor": vanilla_us / floors["vanilla"]})
-        maskkv_knobs = {"budget": shapes["budget"], "profile": measured_profile(model, ctx)}
-        for name in ("dllm_cache", "maskkv"):
-            method = get_method(name, **(maskkv_knobs if name == "maskkv" else {}))
+                          "us": vanilla_us, "eager us": vanilla_us, "floor us": vanilla_floor,
+                          "x floor": vanilla_us / vanilla_floor})
+        knobs = {"dllm_cache": {}, "maskkv": {"budget": shapes["budget"], "profile": measured_profile(model, ctx)}}
+        for name in knobs:
+            method = get_method(name, **knobs[name])
             gpu, eager, first_peak = time_kinds(model, ctx, method, steps, setup.timer, device)
             counts = {kind: sum(step_kind(t, method) == kind for t in range(steps)) for kind in gpu}
-            total = eager_total = floor_total = 0.0
             for kind, us in gpu.items():
-                floor = floors[kind] if kind == "first" else floors[kind][name]
-                total += counts[kind] * us
-                eager_total += counts[kind] * eager[kind]
-                floor_total += counts[kind] * floor
                 step_rows.append({"context": context, "method": name, "kind": kind, "count": counts[kind], "us": us,
-                                  "eager us": eager[kind], "floor us": floor, "x floor": us / floor})
+                                  "eager us": eager[kind], "floor us": floors[kind][name],
+                                  "x floor": us / floors[kind][name]})
             cache_gib = sum(c.keys.numel() * c.keys.element_size() * 2 for c in method.layers) / 2**30
-            totals[name] = (total, eager_total, floor_total, first_peak, cache_gib)
+            totals[name] = (*(sum(counts[kind] * times[kind] for kind in gpu) for times in (gpu, eager)),
+                            sum(counts[kind] * floors[kind][name] for kind in gpu), first_peak, cache_gib)
             del method
-        for name, (total, eager_total, floor_total, peak, *cache) in totals.items():
-            gen_rows.append(generation_row(
-                context, name, **{"ms / generation": total / 1e3, "tokens/s": gen / (total / 1e6),
-                                  "speedup vs vanilla": totals["vanilla"][0] / total,
-                                  "eager tokens/s": gen / (eager_total / 1e6),
-                                  "eager speedup": totals["vanilla"][1] / eager_total, "x floor": total / floor_total,
-                                  "peak GiB": peak, "peak vs vanilla": peak / vanilla_peak,
-                                  "peak vs reference vanilla": peak / reference_peak, "KV GiB": cache[0] if cache
-                                  else float("nan")}))
-        gen_rows.append(generation_row(context, "reference vanilla (full logits)", **{
+        for name, (total, eager_total, floor_total, peak, cache_gib) in totals.items():
+            gen_rows.append(row(context, name, **{
+                "ms / generation": total / 1e3, "tokens/s": gen / (total / 1e6),
+                "speedup vs vanilla": totals["vanilla"][0] / total, "eager tokens/s": gen / (eager_total / 1e6),
+                "eager speedup": totals["vanilla"][1] / eager_total, "x floor": total / floor_total, "peak GiB": peak,
+                "peak vs vanilla": peak / vanilla_peak, "peak vs reference vanilla": peak / reference_peak,
+                "KV GiB": float("nan") if cache_gib is None else cache_gib}))
+        gen_rows.append(row(context, "reference vanilla (full logits)", **{
             "peak GiB": reference_peak, "peak vs vanilla": reference_peak / vanilla_peak,
             "peak vs reference vanilla": 1.0}))
         if context == min(shapes["contexts"]):  # a real generation per method, host overhead included
-            prompt = random_prompts(cfg, context, seed=1)[0]
-            config = GenerationConfig(gen_length=gen, block_length=shapes["block_length"], steps=gen)
-            for name in ("dllm_cache", "maskkv"):
-                method = get_method(name, **(maskkv_knobs if name == "maskkv" else {}))
-                # the second of two generations: the first compiles and autotunes; each records its own graphs
-                seconds = wall_us(lambda: generate(model, [prompt], config, method), device, tries=1) / 1e6
-                gen_rows.append(generation_row(context, f"{name}, end to end", **{
+            for name in knobs:
+                seconds = generation_seconds(model, context, gen, shapes["block_length"],
+                                             get_method(name, **knobs[name]), device)
+                gen_rows.append(row(context, f"{name}, end to end", **{
                     "ms / generation": seconds * 1e3, "eager tokens/s": gen / seconds,
                     "eager speedup": totals["vanilla"][0] / (seconds * 1e6)}))
         setup.free()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +42,6 @@ def moe_config(name: str, context: int | None = None, block: int | None = None) 
     return preset(name, context=context, block_size=block)
 
 
-def one_moe_layer(cfg: ModelConfig, device, dtype) -> MoE:
-    """The first MoE layer of a random model of cfg's shape cut after that layer."""
-    first_moe = next(i for i in range(cfg.num_layers) if i not in cfg.moe.dense_layers)
-    model = build_random(dataclasses.replace(cfg, num_layers=first_moe + 1), device=device, dtype=dtype)
-    return model.layers[first_moe].mlp
-
-
 def timed_path(timer, moe_layer, x, few_tokens: int) -> float:
     """Microseconds of the fused layer with fused.FEW_TOKENS set: x's tokens on expert_linear if they are
     at most that many, else on torch's grouped matmuls."""
@@ -60,27 +52,27 @@ def timed_path(timer, moe_layer, x, few_tokens: int) -> float:
         fused_module.FEW_TOKENS = saved
 
 
-def mlp_rows(cfg, moe_layer, rows, step, device, dtype, timer, bandwidth, matmul_rate) -> dict:
-    x = torch.randn(1, rows, cfg.hidden_size, device=device, dtype=dtype)
-    with torch.no_grad():
-        chosen, _ = moe_layer.gate(x.view(rows, -1))
-        touched = int(chosen.unique().numel())
-        on_kernel = step or rows <= fused_module.FEW_TOKENS  # a long prefill's rows: grouped_mm's only
-        expert_us = timed_path(timer, moe_layer, x, rows) if on_kernel else None
-        grouped_mm_us = timed_path(timer, moe_layer, x, 0)
-        loop_us = timer.eager(lambda: MoE.forward(moe_layer, x))
+@torch.no_grad()
+def mlp_row(cfg, moe_layer, rows, step, setup) -> dict:
+    (bandwidth, matmul_rate), dtype = setup.ceilings, setup.dtype
+    x = torch.randn(1, rows, cfg.hidden_size, device=setup.device, dtype=dtype)
+    touched = int(moe_layer.gate(x.view(rows, -1))[0].unique().numel())
+    on_kernel = step or rows <= fused_module.FEW_TOKENS  # a long prefill's rows: grouped_mm's only
+    expert_us = timed_path(setup.timer, moe_layer, x, rows) if on_kernel else None
+    grouped_mm_us = timed_path(setup.timer, moe_layer, x, 0)
+    loop_us = setup.timer.eager(lambda: MoE.forward(moe_layer, x))
     path = "expert_linear" if rows <= fused_module.FEW_TOKENS else "grouped_mm"
     model_us = expert_us if path == "expert_linear" else grouped_mm_us
     moe, h, element = cfg.moe, cfg.hidden_size, torch.finfo(dtype).bits // 8
-    read = (touched * 3 * h * moe.expert_size + 3 * h * moe.shared_size + moe.num_experts * h) * element
-    flops = 2 * rows * (moe.experts_per_token * 3 * h * moe.expert_size + 3 * h * moe.shared_size + moe.num_experts * h)
-    bytes_us, flops_us = read / bandwidth / 1e3, flops / matmul_rate / 1e6
+    shared_and_router = 3 * h * moe.shared_size + moe.num_experts * h
+    bytes_us = (touched * 3 * h * moe.expert_size + shared_and_router) * element / bandwidth / 1e3
+    flops_us = 2 * rows * (moe.experts_per_token * 3 * h * moe.expert_size + shared_and_router) / matmul_rate / 1e6
     floor_us = max(bytes_us, flops_us)
     return {"rows": rows, "experts touched": f"{touched}/{moe.num_experts}", "expert_linear us": expert_us or "-",
-            "grouped_mm us": grouped_mm_us, "grouped_mm / expert_linear": grouped_mm_us / expert_us if on_kernel else "-",
-            "model runs": path, "per-expert loop us": loop_us, "loop / model's": loop_us / model_us,
-            "floor us": floor_us, "model's / floor": model_us / floor_us,
-            "floor bound": "bytes" if bytes_us >= flops_us else "FLOPs"}
+            "grouped_mm us": grouped_mm_us,
+            "grouped_mm / expert_linear": grouped_mm_us / expert_us if on_kernel else "-", "model runs": path,
+            "per-expert loop us": loop_us, "loop / model's": loop_us / model_us, "floor us": floor_us,
+            "model's / floor": model_us / floor_us, "floor bound": "bytes" if bytes_us >= flops_us else "FLOPs"}
 
 
 class TorchSdpa(Dense):
@@ -99,83 +91,71 @@ class TorchSdpa(Dense):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None, None, :], enable_gqa=True)
 
 
-def methods_to_run(ks) -> list[tuple[str, Callable]]:
-    runs = [("exact", Dense), ("exact, torch SDPA", TorchSdpa)]
-    runs += [(f"MAGE k={k}", partial(get_method, "mage", k=k, exact_layers=2)) for k in ks]
-    runs += [(f"Quest k={ks[0]}", partial(get_method, "quest", k=ks[0], exact_layers=2)),
-             (f"SparseD k={ks[0]}", partial(get_method, "sparsed", k=ks[0], exact_layers=2))]
-    return runs
-
-
-def kv_fraction_read(label: str, method, stats: dict, cfg) -> float:
-    """The KV share a step reads: the generation's kv_kept (1 for exact), plus Quest's page bounds (a min
-    and a max of K per page_size keys in each sparse layer = (K + V) / page_size)."""
-    fraction = stats.get("kv_kept", 1.0)
-    if label.startswith("Quest"):
-        fraction += (cfg.num_layers - method.exact_layers) / cfg.num_layers / method.page_size
-    return fraction
-
-
 def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict]:
     """block.generate for each method (harness.timed_generation), one random prompt of `context` tokens
     per row: ms/block, the median of the blocks after the first. A warm-up generation of the exact
     engine, eager, first compiles and tunes every shape the prefill and the exact steps use and counts
     the experts each step touches."""
-    cfg, prompts = model.cfg, random_prompts(model.cfg, context, batch)
+    cfg, prompts, ks = model.cfg, random_prompts(model.cfg, context, batch), shapes["ks"]
     run = lambda method, blocks: timed_generation(model, prompts, method, shapes["block"], shapes["steps"], blocks)
     touched, remove_hooks = count_touched_experts(model, batch * shapes["block"])
     graphs_module.GRAPHS_ENABLED = False
     run(Dense(), 2)
     graphs_module.GRAPHS_ENABLED = True
     remove_hooks()
-    touched_mean = statistics.mean(touched)
+    touched = statistics.mean(touched)
+    sparse = lambda method, k: partial(get_method, method, k=k, exact_layers=2)
+    methods = [("exact", Dense), ("exact, torch SDPA", TorchSdpa), *((f"MAGE k={k}", sparse("mage", k)) for k in ks),
+               (f"Quest k={ks[0]}", sparse("quest", ks[0])), (f"SparseD k={ks[0]}", sparse("sparsed", ks[0]))]
     rows = []
-    for label, make in methods_to_run(shapes["ks"]):
+    for label, make in methods:
         method = make()
         torch.cuda.reset_peak_memory_stats()
         block_ms, prefill_s, result = run(method, GENERATION_BLOCKS)
         ms = statistics.median(block_ms)
-        kv_fraction = kv_fraction_read(label, method, result.stats, cfg)
-        floor = block_floor_ms(model, context, batch, shapes["steps"], touched_mean, kv_fraction, bandwidth)
+        kv_fraction = result.stats.get("kv_kept", 1.0)  # plus Quest's page bounds: a min and a max of K per page
+        if label.startswith("Quest"):
+            kv_fraction += (cfg.num_layers - method.exact_layers) / cfg.num_layers / method.page_size
+        floor = block_floor_ms(model, context, batch, shapes["steps"], touched, kv_fraction, bandwidth)
         rows.append({"model": name, "context": context, "batch": batch, "method": label, "ms/block": ms,
                      "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}", "floor ms/block": floor,
                      "ms / floor": ms / floor, "prefill s": prefill_s,
                      "peak GiB": torch.cuda.max_memory_allocated() / 2**30})
     for row in rows:
-        row["vs exact"] = rows[0]["ms/block"] / row["ms/block"]
-        row["vs torch SDPA"] = rows[1]["ms/block"] / row["ms/block"]
-        row["experts touched per layer"] = f"{touched_mean:.0f}/{cfg.moe.num_experts}"
+        row.update({"vs exact": rows[0]["ms/block"] / row["ms/block"], "vs torch SDPA": rows[1]["ms/block"] /
+                    row["ms/block"], "experts touched per layer": f"{touched:.0f}/{cfg.moe.num_experts}"})
     torch.cuda.empty_cache()
     return rows
 
 
-def moe_mlp(setup):
-    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK, FULL)
-    bandwidth, matmul_rate = setup.ceilings
-    setup.report.say(f"Copy bandwidth {bandwidth:.0f} GB/s, matmul {matmul_rate:.0f} TFLOP/s (measured now).\n")
+def moe(setup):
+    if setup.args.generate is not None:  # bench.py: --generate on a GPU
+        return moe_generation(setup)
+    shapes = setup.shapes(QUICK, FULL)
+    setup.report.say(f"Copy bandwidth {setup.ceilings[0]:.0f} GB/s, matmul {setup.ceilings[1]:.0f} TFLOP/s "
+                     "(measured now).\n")
     rows = []
     for name in shapes["presets"]:
         cfg = moe_config(name)
-        moe_layer = one_moe_layer(cfg, device, dtype)
+        first_moe = next(i for i in range(cfg.num_layers) if i not in cfg.moe.dense_layers)  # the model cut after it
+        model = build_random(dataclasses.replace(cfg, num_layers=first_moe + 1), device=setup.device, dtype=setup.dtype)
         for count in (*shapes["step_rows"], shapes["prefill_rows"]):
-            step = count in shapes["step_rows"]
-            rows.append({"model": name, **mlp_rows(cfg, moe_layer, count, step, device, dtype, setup.timer,
-                                                   bandwidth, matmul_rate)})
-        del moe_layer
+            rows.append({"model": name, **mlp_row(cfg, model.layers[first_moe].mlp, count,
+                                                  count in shapes["step_rows"], setup)})
+        del model
         setup.free()
     setup.report.table("The MoE MLP of one layer", rows,
                        "Microseconds per call for `rows` tokens (a block step is 32 x batch; the last row is a "
                        "prefill). The fused layer with its experts on kernels/expert_linear.py or torch's grouped "
-                       "matmuls (the model runs the first up to fused.FEW_TOKENS tokens), CUDA graph, L2 flushed. Loop: the reference, eager (it syncs the host per "
-                       "call). Floor: max(bytes of touched experts + shared expert + router / copy bandwidth, FLOPs "
-                       "/ matmul rate).")
+                       "matmuls (the model runs the first up to fused.FEW_TOKENS tokens), CUDA graph, L2 flushed. "
+                       "Loop: the reference, eager (it syncs the host per call). Floor: max(bytes of touched experts + "
+                       "shared expert + router / copy bandwidth, FLOPs / matmul rate).")
     return "bench_moe"
 
 
 def moe_generation(setup):
     name, report = setup.args.generate, setup.report
-    shapes = GENERATE[name]
-    bandwidth, _ = setup.ceilings
+    shapes, bandwidth = GENERATE[name], setup.ceilings[0]
     setup.meta.update(shapes=shapes)
     report.say(f"Copy bandwidth {bandwidth:.0f} GB/s (measured now).\n")
     cfg = moe_config(name, max(shapes["contexts"]) + (GENERATION_BLOCKS + 2) * shapes["block"], shapes["block"])
@@ -201,7 +181,3 @@ def moe_generation(setup):
                      "the exact warm-up), the LM head at each step and the KV share the method reads, over copy "
                      "bandwidth.")
     return f"bench_moe_{name}"
-
-
-def moe(setup):
-    return moe_mlp(setup) if setup.args.generate is None else moe_generation(setup)  # bench.py: --generate on a GPU

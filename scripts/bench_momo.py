@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from harness import kilo, wall_us
+from nanodllm.attention import CanvasMask
 from nanodllm.kernels.block_sparse_attention import block_sparse_attention
 from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.qsa_attention import qsa_attention
-from nanodllm.attention import CanvasMask
 from nanodllm.methods.momo import kept_lists, momo_attention
 
 FULL = dict(lengths=(32768, 65536, 131072), heads=32, kv_heads=8, head_dim=128, block_size=4, k_length=65536,
@@ -57,24 +57,16 @@ def momo_stages(q, k, v, block_size, knobs):
     return (measure, trim, attend), int((state["lists"] >= 0).sum())
 
 
-def sdpa_causal(q, k, v):
-    """SDPA as a user calls it, K / V expanded to the query heads."""
-    group = q.shape[1] // k.shape[1]
-    wide_k, wide_v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return lambda: F.scaled_dot_product_attention(q, wide_k, wide_v, is_causal=True)
-
-
 @torch.no_grad()
 def momo(setup):
     device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK, FULL, knobs=KNOBS)
     _, matmul_rate = setup.ceilings
     knobs = QUICK_KNOBS if setup.quick else KNOBS
-    heads, kv_heads, d = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
+    heads, kv_heads, d, gamma = shapes["heads"], shapes["kv_heads"], shapes["head_dim"], knobs["gamma"]
     ms = lambda fn: wall_us(fn, device) / 1e3
     floor_ms = lambda flops: flops / matmul_rate / 1e9
     momo_call = lambda q, k, v, mask, k_blocks, variant: momo_attention(
-        q, k, v, mask, knobs["gamma"], knobs["chi"], knobs["beta"], k_blocks, min(knobs["k_exact"], k_blocks), None,
-        variant)
+        q, k, v, mask, gamma, knobs["chi"], knobs["beta"], k_blocks, min(knobs["k_exact"], k_blocks), None, variant)
     generator = torch.Generator(device=device).manual_seed(0)
     random_qkv = lambda n: (torch.randn(1, heads, n, d, device=device, dtype=dtype, generator=generator),
                             *(torch.randn(1, kv_heads, n, d, device=device, dtype=dtype, generator=generator)
@@ -82,42 +74,41 @@ def momo(setup):
     rows, stage_rows = [], []
     for n in setup.args.lengths or shapes["lengths"]:
         q, k, v = random_qkv(n)
-        sdpa_ms = ms(sdpa_causal(q, k, v))
+        wide_k, wide_v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))  # SDPA as a user calls it
+        sdpa_ms = ms(lambda: F.scaled_dot_product_attention(q, wide_k, wide_v, is_causal=True))
         for mask_name, block_size in (("causal", 1), (f"block-causal B={shapes['block_size']}", shapes["block_size"])):
-            canvas = CanvasMask(block_size=block_size)
-            dense_flops = 4 * d * heads * visible_pairs(n, block_size)
+            canvas, dense_flops = CanvasMask(block_size=block_size), 4 * d * heads * visible_pairs(n, block_size)
             row = {"N": kilo(n), "mask": mask_name, "SDPA causal ms": sdpa_ms,
                    "ours dense ms": ms(lambda: flash_attention(q, k, v, block_size=block_size)),
                    "dense floor ms": floor_ms(dense_flops)}
             for variant in VARIANTS:
                 row[f"MOMO {variant} ms"] = ms(lambda: momo_call(q, k, v, canvas, knobs["k_blocks"], variant))
-                if variant == "exact":
-                    (measure, trim, attend), kept_pairs = momo_stages(q, k, v, block_size, knobs)
-                    sampled_pairs = visible_pairs(n, block_size) / knobs["gamma"]
-                    momo_flops = 4 * d * (heads * sampled_pairs + kept_pairs * knobs["chi"] * knobs["beta"])
-                    row["MOMO floor ms"] = floor_ms(momo_flops)
-                    stage_rows.append({"N": kilo(n), "mask": mask_name, "QSA + top-k ms": ms(measure),
-                                       "union + trim ms": ms(trim), "block-sparse ms": ms(attend),
-                                       "total ms": row["MOMO exact ms"],
-                                       "kept keys / row": kept_pairs * knobs["chi"] * knobs["beta"] / (heads * n),
-                                       "FLOPs vs dense": momo_flops / dense_flops})
+                if variant != "exact":
+                    continue
+                (measure, trim, attend), kept_pairs = momo_stages(q, k, v, block_size, knobs)
+                kept_keys = kept_pairs * knobs["chi"] * knobs["beta"]
+                momo_flops = 4 * d * (heads * visible_pairs(n, block_size) / gamma + kept_keys)
+                row["MOMO floor ms"] = floor_ms(momo_flops)
+                stage_rows.append({"N": kilo(n), "mask": mask_name, "QSA + top-k ms": ms(measure),
+                                   "union + trim ms": ms(trim), "block-sparse ms": ms(attend),
+                                   "total ms": row["MOMO exact ms"], "kept keys / row": kept_keys / (heads * n),
+                                   "FLOPs vs dense": momo_flops / dense_flops})
             row["SDPA / MOMO exact"] = sdpa_ms / row["MOMO exact ms"]
             rows.append(row)
-        del q, k, v
+        del q, k, v, wide_k, wide_v
     setup.report.table("Prefill attention: MOMO vs SDPA and our dense kernel", rows,
                        f"batch 1, {heads} heads ({kv_heads} KV), d {d}, {setup.meta['dtype']}; MOMO gamma "
-                       f"{knobs['gamma']}, chi {knobs['chi']}, beta {knobs['beta']}, k = k_trim = {knobs['k_blocks']} "
+                       f"{gamma}, chi {knobs['chi']}, beta {knobs['beta']}, k = k_trim = {knobs['k_blocks']} "
                        f"blocks, k_exact {knobs['k_exact']} (estimated only); matmul rate {matmul_rate:.0f} TFLOP/s. "
                        "SDPA runs causal for both masks.")
     setup.report.table("MOMO's stages (exact top-k)", stage_rows,
                        "Each stage timed alone on the same inputs; 'kept keys / row' = chi x beta x kept block pairs "
                        "per query row and head (the block-sparse stage's work).")
     n = shapes["k_length"]
-    q, k, v = random_qkv(n)
-    causal = CanvasMask(block_size=1)
+    (q, k, v), causal = random_qkv(n), CanvasMask(block_size=1)
     k_rows = [{"k blocks": k_blocks, "keys per sampled row": k_blocks * knobs["beta"],
-               **{f"{variant} ms": ms(lambda: momo_call(q, k, v, causal, k_blocks, variant)) for variant in VARIANTS}}
-              for k_blocks in shapes["ks"]]
+               **{f"{variant} ms": ms(lambda: momo_call(q, k, v, causal, k_blocks, variant))
+                  for variant in VARIANTS}} for k_blocks in shapes["ks"]]
     setup.report.table(f"MOMO latency vs k at {kilo(n)} causal (Fig. 4 analogue)", k_rows,
                        "k = k_trim; the estimated variant keeps k_exact exact slots, the rest by threshold.")
     return "bench_momo"

@@ -15,9 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from harness import QUICK_LLADA, canvas_context, logits, peak_gib, random_prompts, step_floor, wall_us
-from nanodllm.config import GenerationConfig
-from nanodllm.generation import generate
+from harness import QUICK_LLADA, canvas_context, generation_seconds, logits, peak_gib, step_floor, wall_us
 from nanodllm.graphs import Replayed
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Dense
@@ -34,11 +32,10 @@ def method_block(model, ctx, steps, device):
     building, cached_ctx = replace(ctx, step=method.delay), replace(ctx, step=method.delay + 1)
     method.begin_block(building)
     build = lambda: (method.begin_block(building), logits(steps, model, building))
+    cached = lambda: logits(steps, model, cached_ctx)
     peak = peak_gib(build, device)
     build_us = wall_us(build, device, tries=1)
-    cached = lambda: logits(steps, model, cached_ctx)
-    peak = max(peak, peak_gib(cached, device))
-    return build_us, wall_us(cached, device), peak
+    return build_us, wall_us(cached, device), max(peak, peak_gib(cached, device))
 
 
 @torch.no_grad()
@@ -47,11 +44,10 @@ def sparse_dllm(setup):
     gen, block = shapes["gen_length"], shapes["block_length"]
     blocks = gen // block
     model = setup.random_model(QUICK_LLADA, "llada-8b", context=max(shapes["lengths"]))
-    cfg, ceilings = model.cfg, setup.ceilings
-    floor_us = step_floor(cfg, model, ceilings)
-    setup.report.say(f"Copy {ceilings[0]:.0f} GB/s, matmul {ceilings[1]:.0f} TFLOP/s. {gen} generated tokens in "
-                     f"{blocks} blocks of {block}, {block} steps per block; sparse_dllm at the paper's defaults.\n")
-    context_of = lambda length, b: canvas_context(cfg, length - gen, gen, block, device, block=b)
+    floor_us = step_floor(model.cfg, model, setup.ceilings)
+    setup.say_ceilings(f"{gen} generated tokens in {blocks} blocks of {block}, {block} steps per block; "
+                       "sparse_dllm at the paper's defaults.")
+    context_of = lambda length, b: canvas_context(model.cfg, length - gen, gen, block, device, block=b)
     rows, step_rows = [], []
     for length in shapes["lengths"]:
         middle = context_of(length, blocks // 2)
@@ -63,12 +59,12 @@ def sparse_dllm(setup):
         step_rows.append({"length": length, "method": "vanilla", "step": "full", "us": full_us, "floor us": full_floor})
         for label, (name, knobs) in METHODS.items():
             method = get_method(name, **knobs)
-            steps = Replayed(method)
-            timed = [0] if label != "fast_dllm prefix" else range(blocks)  # dual caches cost the same in every block
+            steps, prefix = Replayed(method), label == "fast_dllm prefix"
+            timed = range(blocks) if prefix else [0]  # dual caches cost the same in every block
             total = floor = 0.0
             peaks = []
             for b in timed:
-                ctx = middle if label != "fast_dllm prefix" else context_of(length, b)
+                ctx = context_of(length, b) if prefix else middle
                 build_us, cached_us, block_peak = method_block(model, ctx, steps, device)
                 fed = block if method.mode == "dual" else length - ctx.logits_start
                 if name == "sparse_dllm":
@@ -81,22 +77,17 @@ def sparse_dllm(setup):
                 total += share * (method.delay * full_us + build_us + cached_steps * cached_us)
                 floor += share * ((method.delay + 1) * full_floor + cached_steps * cached_floor)
                 peaks.append(block_peak)
-                step_rows += [{"length": length, "method": label, "step": f"block {ctx.block}: build", "us": build_us,
-                               "floor us": full_floor},
-                              {"length": length, "method": label, "step": f"block {ctx.block}: cached",
-                               "us": cached_us, "floor us": cached_floor}]
+                step_rows += [{"length": length, "method": label, "step": f"block {ctx.block}: {kind}", "us": us,
+                               "floor us": kind_floor} for kind, us, kind_floor in
+                              (("build", build_us, full_floor), ("cached", cached_us, cached_floor))]
             totals[label] = (total, floor, max(peaks))  # nan on a CPU
             del method, steps
-        for label, (total, floor, peak) in totals.items():
-            rows.append({"length": length, "method": label, "tokens/s": gen / (total / 1e6),
-                         "speedup vs vanilla": totals["vanilla"][0] / total, "x floor": total / floor,
-                         "peak GiB": peak, "peak vs vanilla": peak / vanilla_peak})
+        rows += [{"length": length, "method": label, "tokens/s": gen / (total / 1e6),
+                  "speedup vs vanilla": totals["vanilla"][0] / total, "x floor": total / floor, "peak GiB": peak,
+                  "peak vs vanilla": peak / vanilla_peak} for label, (total, floor, peak) in totals.items()]
         if length == min(shapes["lengths"]):  # a real generation per method, host overhead included
-            prompt = random_prompts(cfg, length - gen, seed=1)[0]
-            config = GenerationConfig(gen_length=gen, block_length=block, steps=gen)
             for label, (name, knobs) in METHODS.items():
-                method = get_method(name, **knobs)  # timed: its second generation (the first compiles)
-                seconds = wall_us(lambda: generate(model, [prompt], config, method), device, tries=1) / 1e6
+                seconds = generation_seconds(model, length - gen, gen, block, get_method(name, **knobs), device)
                 rows.append({"length": length, "method": f"{label}, a real generation", "tokens/s": gen / seconds,
                              "speedup vs vanilla": totals["vanilla"][0] / (seconds * 1e6),
                              **dict.fromkeys(("x floor", "peak GiB", "peak vs vanilla"), float("nan"))})

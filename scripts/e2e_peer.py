@@ -27,7 +27,8 @@ def missing() -> str | None:
 
 
 def hf_model(model):
-    """transformers' model of our model's architecture, its parameters our model's tensors."""
+    """transformers' model of our model's architecture, its parameters our model's tensors: the fused
+    qkv_proj's rows as q/k/v_proj, gate_up_proj's as gate/up_proj (views). Dense layers only."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     cfg = model.cfg
@@ -48,7 +49,15 @@ def hf_model(model):
     with torch.device("meta"):  # allocates nothing: the parameters are ours, assigned below
         peer = build(config)
     peer.model.rotary_emb = type(peer.model.rotary_emb)(config).to(model.embed_tokens.weight.device)
-    state = {name if name == "lm_head.weight" else f"model.{name}": p for name, p in reference_state(model).items()}
+    state = {}
+    for name, p in model.named_parameters():
+        if ".qkv_proj." in name:  # weight and bias
+            parts = zip((name.replace("qkv", part) for part in "qkv"), p.split(model.layers[0].self_attn.widths))
+        elif name.endswith("gate_up_proj.weight"):
+            parts = zip((name.replace("gate_up", part) for part in ("gate", "up")), p.chunk(2))
+        else:
+            parts = [(name, p)]
+        state.update({part if part == "lm_head.weight" else f"model.{part}": tensor for part, tensor in parts})
     peer.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         peer.tie_weights()
@@ -56,20 +65,6 @@ def hf_model(model):
         for layer in peer.model.layers:
             layer.self_attn.is_causal = False
     return peer.eval()
-
-
-def reference_state(model) -> dict:
-    """The fused model's parameters under model.py's names: qkv_proj's rows as q/k/v_proj, gate_up_proj's
-    as gate/up_proj (views: the peer shares our tensors). Dense layers only, as the peer."""
-    state = {}
-    for name, p in model.named_parameters():
-        if ".qkv_proj." in name:  # weight and bias
-            state.update(zip((name.replace("qkv", part) for part in "qkv"), p.split(model.layers[0].self_attn.widths)))
-        elif name.endswith("gate_up_proj.weight"):
-            state.update(zip((name.replace("gate_up", part) for part in ("gate", "up")), p.chunk(2)))
-        else:
-            state[name] = p
-    return state
 
 
 def transfer_schedule(masks: torch.Tensor, steps: int) -> torch.Tensor:
@@ -113,11 +108,6 @@ def llada_generate(peer, prompts: torch.Tensor, gen_length: int, block_length: i
     return x[:, prompt:]
 
 
-def cache_keyword(peer) -> str:
-    """Later transformers 5 releases rename forward's past_key_values to cache (the old name warns)."""
-    return "cache" if "cache" in inspect.signature(peer.forward).parameters else "past_key_values"
-
-
 def block_causal(length: int, block: int, device) -> torch.Tensor:
     """[1, 1, length, length] bool, True where query q may see key k: k // block <= q // block."""
     blocks = torch.arange(length, device=device) // block
@@ -130,36 +120,34 @@ def sdar_generate(peer, prompts: torch.Tensor, gen_length: int, block: int, step
     """SDAR's block_diffusion_generate at temperature 0: low_confidence_static, or _dynamic with a threshold."""
     from transformers import DynamicCache
 
-    batch, prompt = prompts.shape
-    device = prompts.device
+    (batch, prompt), device = prompts.shape, prompts.device
     total = -(-(prompt + gen_length) // block) * block
     x = torch.full((batch, total), mask_id, dtype=torch.long, device=device)
     x[:, :prompt] = prompts
     cache = DynamicCache(config=peer.config)
-    with_cache = {cache_keyword(peer): cache}
+    # later transformers 5 releases rename forward's past_key_values to cache (the old name warns)
+    with_cache = {"cache" if "cache" in inspect.signature(peer.forward).parameters else "past_key_values": cache,
+                  "use_cache": True}
     prefilled = prompt // block * block
     if prefilled:
-        peer(input_ids=x[:, :prefilled], attention_mask=block_causal(prefilled, block, device),
-             **with_cache, use_cache=True, logits_to_keep=1)
+        peer(input_ids=x[:, :prefilled], attention_mask=block_causal(prefilled, block, device), **with_cache,
+             logits_to_keep=1)
     schedule = transfer_schedule(torch.tensor([block], device=device), steps)[0]
     for start in range(prefilled, total, block):
         window = x[:, start:start + block]
-        positions = torch.arange(start, start + block, device=device)[None].expand(batch, -1)
-        sees_all = torch.ones(1, 1, block, start + block, dtype=torch.bool, device=device)
+        step_inputs = dict(attention_mask=torch.ones(1, 1, block, start + block, dtype=torch.bool, device=device),
+                           position_ids=torch.arange(start, start + block, device=device)[None].expand(batch, -1))
         for step in range(steps + 1):
             masked = window == mask_id
             if not masked.any():
-                peer(input_ids=window, attention_mask=sees_all, position_ids=positions, **with_cache,
-                     use_cache=True, logits_to_keep=1)
+                peer(input_ids=window, **step_inputs, **with_cache, logits_to_keep=1)
                 break
-            logits = peer(input_ids=window, attention_mask=sees_all, position_ids=positions, **with_cache,
-                          use_cache=True).logits
+            logits = peer(input_ids=window, **step_inputs, **with_cache).logits
             cache.crop(-block)
             x0 = logits.argmax(-1)
             p = torch.softmax(logits.float(), dim=-1).gather(-1, x0[..., None]).squeeze(-1)
             confidence = torch.where(masked, p, float("-inf"))
-            wanted = int(schedule[min(step, steps - 1)])
-            counts = torch.minimum(masked.sum(1), torch.full_like(masked.sum(1), wanted))
+            counts = masked.sum(1).clamp(max=int(schedule[min(step, steps - 1)]))
             if threshold is not None:
                 sure = (confidence > threshold).sum(1)
                 counts = torch.where(sure >= counts, sure, counts)

@@ -43,20 +43,16 @@ QUICK_MOE = dict(model_type="llada2_moe", hidden_size=64, num_hidden_layers=2, n
 
 
 class Timer:
-    """Microseconds of one call of fn(), as the GPU sees it. On a GPU fn is captured `repeats` times
-    into a CUDA graph, each call after a read of a 256 MiB buffer that evicts the L2 (a read leaves it
-    clean, as a real step finds it); the graph of the reads alone is timed too and subtracted; the
-    median of several replays. A graph replays kernels back to back, so the host's launch overhead is
-    left out; `eager(fn)` is do_bench's wall clock per call, host overhead included. On a CPU
-    (--quick) both are a plain wall-clock median, whose numbers mean nothing."""
-
-    FLUSH_BYTES = 256 << 20
+    """Microseconds of one call of fn() as the GPU sees it: fn captured `repeats` times into a CUDA graph,
+    each call after a read of 256 MiB that evicts the L2 (a read leaves it clean, as a real step finds it);
+    the graph of the reads alone is subtracted; the median of several replays. Host launch overhead is left
+    out; `eager(fn)` is do_bench's wall clock per call, overhead included. On a CPU (--quick) both are a
+    wall-clock median whose numbers mean nothing."""
 
     def __init__(self, device, quick):
-        self.device, self.quick = device, quick
-        self.repeats = 5 if quick else 20
+        self.device, self.quick, self.repeats = device, quick, 5 if quick else 20
         if device.type == "cuda":
-            self.flush = torch.ones(self.FLUSH_BYTES, dtype=torch.uint8, device=device)
+            self.flush = torch.ones(256 << 20, dtype=torch.uint8, device=device)
             self.flush_max = torch.empty((), dtype=torch.uint8, device=device)
             self.flush_us = self.replay(self.capture(lambda: None))
 
@@ -82,18 +78,15 @@ class Timer:
         return sorted(times)[len(times) // 2]
 
     def __call__(self, fn) -> float:
-        if self.device.type == "cuda":
-            graph = self.capture(fn)
-            us = self.replay(graph) - self.flush_us
-            del graph
-            return us
-        return self.eager(fn)
+        if self.device.type != "cuda":
+            return self.eager(fn)
+        graph = self.capture(fn)
+        return self.replay(graph) - self.flush_us
 
     def eager(self, fn, return_mode="median") -> float:
-        if self.device.type == "cuda":
-            return triton.testing.do_bench(fn, warmup=25, rep=100 if not self.quick else 10,
-                                           return_mode=return_mode) * 1e3
-        return wall_us(fn, self.device, tries=2)
+        if self.device.type != "cuda":
+            return wall_us(fn, self.device, tries=2)
+        return triton.testing.do_bench(fn, warmup=25, rep=10 if self.quick else 100, return_mode=return_mode) * 1e3
 
 
 class Clock:
@@ -153,11 +146,10 @@ class Report:
         if note:
             self.say(note + "\n")
         if rows:
-            columns = list(rows[0])
-            self.say("| " + " | ".join(columns) + " |")
-            self.say("|" + "---|" * len(columns))
+            self.say("| " + " | ".join(rows[0]) + " |")
+            self.say("|" + "---|" * len(rows[0]))
             for row in rows:
-                self.say("| " + " | ".join(fmt(row[c]) for c in columns) + " |")
+                self.say("| " + " | ".join(fmt(row[c]) for c in rows[0]) + " |")
         self.say()
         self.sections.append({"title": title, "note": note, "rows": rows})
 
@@ -218,6 +210,10 @@ class Setup:
         self.meta.update(copy_GBps=2 * copy_bytes / copy_us / 1e3, matmul_TFLOPs=2 * n**3 / matmul_us / 1e6)
         return self.meta["copy_GBps"], self.meta["matmul_TFLOPs"]
 
+    def say_ceilings(self, then: str = ""):
+        """The measured ceilings as the line opening a section's report, then more of it."""
+        self.report.say(f"Copy {self.ceilings[0]:.0f} GB/s, matmul {self.ceilings[1]:.0f} TFLOP/s. {then}\n")
+
     def shapes(self, quick: dict, full: dict, **recorded) -> dict:
         """The section's shapes (--quick: the tiny ones), recorded in the metadata with `recorded`."""
         self.meta.update(shapes=quick if self.quick else full, **recorded)
@@ -253,11 +249,10 @@ def random_prompts(cfg, length: int, batch: int = 1, seed: int = 0) -> list[list
 
 def canvas_context(cfg, prompt, gen_length, block_length, device, batch=1, block=0) -> StepContext:
     """The masked engine's step context for `block` of a canvas of random prompt tokens + masks."""
-    width = prompt + gen_length
-    generator = torch.Generator(device=device).manual_seed(0)
-    tokens = torch.randint(0, cfg.mask_token_id, (batch, width), device=device, generator=generator)
+    width, start = prompt + gen_length, prompt + block * block_length
+    tokens = torch.randint(0, cfg.mask_token_id, (batch, width), device=device,
+                           generator=torch.Generator(device=device).manual_seed(0))
     tokens[:, prompt:] = cfg.mask_token_id
-    start = prompt + block * block_length
     return StepContext(tokens, torch.arange(width, device=device)[None].expand(batch, -1),
                        torch.ones_like(tokens, dtype=torch.bool), torch.full((batch,), prompt, device=device),
                        prompt_width=prompt, block=block, steps_per_block=block_length, mask_id=cfg.mask_token_id,
@@ -283,6 +278,13 @@ def step_floor(cfg, model, ceilings):
     params = weights // model.embed_tokens.weight.element_size()
     flops = lambda rows, keys: 2 * params * rows + 4 * cfg.num_layers * cfg.hidden_size * keys
     return lambda rows, keys: max(weights / bandwidth / 1e3, flops(rows, keys) / matmul_rate / 1e6)
+
+
+def generation_seconds(model, prompt: int, gen: int, block: int, method, device) -> float:
+    """Seconds of one masked.generate of a random prompt (seed 1), host overhead included: the second of two
+    generations with one method object (the first compiles and autotunes; each records its own graphs)."""
+    prompts, config = random_prompts(model.cfg, prompt, seed=1), GenerationConfig(gen, block, steps=gen)
+    return wall_us(lambda: generate(model, prompts, config, method), device, tries=1) / 1e6
 
 
 def kv_bytes(cfg, tokens: int, element: int) -> int:
@@ -313,8 +315,8 @@ def count_touched_experts(model, rows: int) -> tuple[list[int], callable]:
                 counts.append(sum(int(e) in held for e in output[0].unique()))
         return record
 
-    moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
-    hooks = [moe.gate.register_forward_hook(recorder(moe.experts.held)) for moe in moe_layers]
+    hooks = [layer.mlp.gate.register_forward_hook(recorder(layer.mlp.experts.held))
+             for layer in model.layers if isinstance(layer.mlp, MoE)]
     return counts, lambda: [hook.remove() for hook in hooks]
 
 
@@ -350,8 +352,7 @@ def timed_generation(model, prompts, method, block: int, steps: int, blocks: int
 
     method.begin_block = begin_timed
     clock.mark()
-    gen = GenerationConfig(gen_length=blocks * block, block_length=block, steps=steps)
-    result = generate(model, prompts, gen, method, stop_ids=())
+    result = generate(model, prompts, GenerationConfig(blocks * block, block, steps=steps), method, stop_ids=())
     clock.mark()
     spans = clock.between()
     return sorted(spans[2:]), spans[0] / 1e3, result

@@ -3,16 +3,15 @@ format of each real family (the names nanodllm/loader.py maps), each with golden
 fixed input ids and the float32 logits Hugging Face transformers (an independent implementation)
 computes for them under the family's mask; and the Qwen2 tokenizer goldens. Seeded, rerunnable.
 
-    python scripts/make_fixtures.py             # llada, sdar, dream, fast_dllm_v2 tiny (transformers 5.x)
-    python scripts/make_fixtures.py moe         # llada2_tiny and sdar_moe_tiny (transformers 5.x)
-    python scripts/make_fixtures.py qwen2_bpe   # tokenizers/qwen2_bpe/ (transformers 4.x's slow tokenizer)
+    python scripts/make_fixtures.py                   # llada, sdar, dream, fast_dllm_v2 tiny (transformers 5.x)
+    python scripts/make_fixtures.py moe               # llada2_tiny and sdar_moe_tiny (transformers 5.x)
+    python scripts/make_fixtures.py qwen2_bpe         # tokenizers/qwen2_bpe/ (transformers 4.x's slow tokenizer)
+    python scripts/make_fixtures.py diffusion_gemma   # diffusion_gemma_tiny (transformers 5.24)
 
-Golden models run in float32, eager attention, on the bf16 weights upcast, positions 0..T-1 with
-T = 13 (not a multiple of the block size); custom masks go in as 4D additive float masks, and each
-mask is checked to take effect before anything is written. Norm weights are random (not ones) so a
-mis-mapped norm shows. Dream and Fast-dLLM v2 goldens are shifted as both decode (position i takes
-the logits of i - 1). qwen2_bpe: a byte-level BPE trained here with Qwen2's pre-tokenizer, and what
-the slow Qwen2Tokenizer makes of varied strings and of ids ending inside a UTF-8 character.
+Golden models run in float32, eager attention, on the bf16 weights upcast, positions 0..T-1 with T = 13
+(not a multiple of the block size); custom masks go in as 4D additive float masks, each checked to take
+effect before anything is written. Norm weights are random (not ones) so a mis-mapped norm shows. Dream
+and Fast-dLLM v2 goldens are shifted as both decode (position i takes the logits of i - 1).
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ VOCAB = 256
 STORAGE_DTYPE = torch.bfloat16  # released LLaDA/SDAR checkpoints are bf16
 MAX_FIXTURE_BYTES = 300 * 1024
 
-# ----------------------------------------------------------------------------------------------
 # configs (real field names and the usual extra fields of the released config.json files)
 
 LLADA_CONFIG = {
@@ -119,7 +117,6 @@ SDAR_MOE_CONFIG = {
     "num_experts_per_tok": 4, "num_hidden_layers": 3, "output_router_logits": False, "router_aux_loss_coef": 0.001,
 }
 
-# ----------------------------------------------------------------------------------------------
 # random weights
 
 
@@ -156,10 +153,6 @@ def llada_weights(gen) -> dict[str, torch.Tensor]:
     w["model.transformer.ln_f.weight"] = _norm(gen, d)
     w["model.transformer.ff_out.weight"] = _linear(gen, v, d)
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
-
-
-def sdar_weights(gen) -> dict[str, torch.Tensor]:
-    return qwen_weights(gen, SDAR_CONFIG, qk_norm=True, qkv_bias=False)
 
 
 def qwen_weights(gen, c: dict, qk_norm: bool, qkv_bias: bool) -> dict[str, torch.Tensor]:
@@ -239,7 +232,6 @@ def sdar_moe_weights(gen) -> dict[str, torch.Tensor]:
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
 
 
-# ----------------------------------------------------------------------------------------------
 # writing
 
 
@@ -273,7 +265,6 @@ def fresh_dir(name: str) -> Path:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
 # golden logits with transformers
 
 
@@ -549,7 +540,8 @@ def write_models() -> int:
                             partial(hf_qwen, c=config, qwen3=False))
     families = [  # (folder, config, seed, weights, transformers' model, block (None: bidirectional), tokenizer)
         ("llada_tiny", LLADA_CONFIG, 1234, llada_weights, hf_llama, None, "llada"),
-        ("sdar_tiny", SDAR_CONFIG, 5678, sdar_weights, partial(hf_qwen, c=SDAR_CONFIG, qwen3=True), BLOCK, "sdar"),
+        ("sdar_tiny", SDAR_CONFIG, 5678, partial(qwen_weights, c=SDAR_CONFIG, qk_norm=True, qkv_bias=False),
+         partial(hf_qwen, c=SDAR_CONFIG, qwen3=True), BLOCK, "sdar"),
         ("dream_tiny", DREAM_CONFIG, 91011, *qwen2(DREAM_CONFIG), None, None),
         ("fast_dllm_v2_tiny", FAST_DLLM_V2_CONFIG, 121314, *qwen2(FAST_DLLM_V2_CONFIG), BLOCK, None),
     ]
@@ -564,20 +556,28 @@ def write_models() -> int:
         else:
             logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, block))
             verify_block_causal(model, ids, logits)
-        out = fresh_dir(name)
-        write_config(out, config)
-        if name == "llada_tiny":  # sharded, and read back
-            write_sharded(out, weights)
-            reloaded = {}
-            for file in sorted(out.glob("model-*.safetensors")):
-                reloaded.update(load_file(str(file)))
-            assert reloaded.keys() == weights.keys() and all(torch.equal(reloaded[k], weights[k]) for k in weights)
-        else:
-            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-        if family:
-            write_tokenizer(out, family, config["mask_token_id"], config["eos_token_id"])
-        write_golden(out, ids, shifted(logits) if config["model_type"] in ("Dream", "Fast_dLLM_Qwen") else logits)
+        shift = config["model_type"] in ("Dream", "Fast_dLLM_Qwen")
+        write_checkpoint(name, config, weights, family, ids, shifted(logits) if shift else logits,
+                         sharded=name == "llada_tiny")
     return report_sizes([name for name, *_ in families])
+
+
+def write_checkpoint(name: str, config: dict, weights: dict, family: str | None, ids, logits, sharded=False):
+    """A fixture folder: config.json, the weights (sharded: in two files, read back), the word-level
+    tokenizer of the family (None: none) and golden.safetensors."""
+    out = fresh_dir(name)
+    write_config(out, config)
+    if sharded:
+        write_sharded(out, weights)
+        reloaded = {}
+        for file in sorted(out.glob("model-*.safetensors")):
+            reloaded.update(load_file(str(file)))
+        assert reloaded.keys() == weights.keys() and all(torch.equal(reloaded[k], weights[k]) for k in weights)
+    else:
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if family:
+        write_tokenizer(out, family, config["mask_token_id"], config["eos_token_id"])
+    write_golden(out, ids, logits)
 
 
 def report_sizes(names) -> int:
@@ -601,11 +601,7 @@ def write_moe_models() -> int:
     logits = llada2_logits(weights, ids, allowed)
     verify_llada2_router(weights, ids, allowed, logits)
     assert (llada2_logits(weights, ids, bidirectional_allowed(*ids.shape)) - logits).abs().max() > 1e-2
-    out = fresh_dir("llada2_tiny")
-    write_config(out, LLADA2_CONFIG)
-    write_sharded(out, weights)
-    write_tokenizer(out, "llada2_moe", LLADA2_CONFIG["mask_token_id"], LLADA2_CONFIG["eos_token_id"])
-    write_golden(out, ids, logits)
+    write_checkpoint("llada2_tiny", LLADA2_CONFIG, weights, "llada2_moe", ids, logits, sharded=True)
 
     gen = torch.Generator().manual_seed(1357)
     weights = sdar_moe_weights(gen)
@@ -613,15 +609,10 @@ def write_moe_models() -> int:
     model = hf_qwen3_moe(weights)
     logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, BLOCK))
     verify_block_causal(model, ids, logits)
-    out = fresh_dir("sdar_moe_tiny")
-    write_config(out, SDAR_MOE_CONFIG)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(out, "sdar", SDAR_MOE_CONFIG["mask_token_id"], SDAR_MOE_CONFIG["eos_token_id"])
-    write_golden(out, ids, logits)
+    write_checkpoint("sdar_moe_tiny", SDAR_MOE_CONFIG, weights, "sdar", ids, logits)
     return report_sizes(("llada2_tiny", "sdar_moe_tiny"))
 
 
-# ----------------------------------------------------------------------------------------------
 # Qwen2 vocabulary (Dream, Fast-dLLM v2, SDAR) from vocab.json + merges.txt: golden encodings of the
 # slow transformers tokenizer
 
@@ -662,7 +653,9 @@ QWEN2_GOLDEN_BYTES = [b"\xf0\x9f", b"ab\xe4\xb8", b"\xff\xfe", b"\xe4\xb8\xad\xf
 
 
 def write_qwen2_bpe() -> int:
-    """tokenizers/qwen2_bpe/: the vocabulary files and the slow tokenizer's golden.json."""
+    """tokenizers/qwen2_bpe/: a byte-level BPE trained here with Qwen2's pre-tokenizer (its vocabulary
+    files) and golden.json: what the slow Qwen2Tokenizer makes of varied strings and of ids ending inside
+    a UTF-8 character."""
     import transformers
     from transformers import PreTrainedTokenizer, Qwen2Tokenizer
 
@@ -737,7 +730,6 @@ def golden_case(slow, ids: list[int], **fields) -> dict:
             "decoded_skip_special": slow.decode(ids, skip_special_tokens=True)}
 
 
-# ----------------------------------------------------------------------------------------------
 # DiffusionGemma: transformers' own classes (5.24's models/diffusion_gemma), their logits and KV cache
 
 GEMMA_WINDOW, GEMMA_CANVAS, GEMMA_PROMPT = 8, 8, 13  # a prompt longer than the sliding window

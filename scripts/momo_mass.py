@@ -6,10 +6,10 @@ and the tables: docs/results/momo_mass.md).
     python scripts/momo_mass.py --synthetic --lengths 32768,65536,131072 --mask causal,block --k 128
 
 Model mode: every layer and head of a prefill over passkey prompts, on the CPU. Synthetic mode
-(structured_qk) on --device (CUDA: bfloat16, MOMO's mask from
-the Triton kernels; CPU: float32, small lengths only); its rows add the seconds taken (the first
-includes Triton's compile). The dense probabilities are never formed whole: their block masses are
-summed over chunks of query rows (chunked_block_mass).
+(structured_qk: sink 10, slash 8, noise 1, blocks of 4 for --mask block) on --device (CUDA: bfloat16,
+MOMO's mask from the Triton kernels; CPU: float32, small lengths only); its rows add the seconds taken
+(the first includes Triton's compile). The dense probabilities are never formed whole: their block
+masses are summed over chunks of query rows (chunked_block_mass).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from nanodllm.methods.momo import (dense_mask, diagonal_blocks, kept_blocks, mea
 ANCHORS, ANCHOR_DIMS = 32, 16
 COLUMNS = ("| MOMO / oracle | mean pooling / oracle | MOMO / oracle with diagonals | mean pooling / oracle with "
            "diagonals | oracle mass | blocks kept per query block |")
-MASKS = {"causal": lambda args: 1, "block": lambda args: args.block_size, "none": lambda args: None}
+MASKS = {"causal": 1, "block": 4, "none": None}  # the block size B of each --mask: key j // B <= query p // B
+SEED = 4321
 
 
 def rope(vector, positions, base=10000.0):
@@ -71,12 +72,12 @@ def structured_qk(n, heads, kv_heads, head_dim, seed, sink_logit=10.0, slash_log
     return q, k
 
 
-def momo_keep(q, k, mask_block, args, on_kernels=None):
+def momo_keep(q, k, mask_block, args):
     """MOMO's keep [batch, heads, query blocks, key blocks] as momo_attention builds it: on CUDA
     momo_on_kernels' steps 1-2 (QSA kernel, union and trim, diagonal blocks: nothing n x n), else
     measure_and_mask (forms the [n, n] mask: small n only)."""
     n = q.shape[2]
-    if q.is_cuda if on_kernels is None else on_kernels:
+    if q.is_cuda:
         k_exact = args.k_exact if args.top_k == "estimated" else args.k
         _, chosen, values, summed = measure_on_kernels(q, k, k, args.gamma, args.beta, args.k, k_exact,
                                                        args.top_k == "tree", args.trim, block_size=mask_block)
@@ -94,7 +95,7 @@ def sees(query_positions, key_positions, mask_block):
 
 
 def block_mass(probs, chi, beta):
-    """[..., row blocks, key blocks]: the probability mass of each (chi rows, beta keys) block of probs [..., rows, keys]."""
+    """[..., row blocks, key blocks]: the mass of each (chi rows, beta keys) block of probs [..., rows, keys]."""
     rows, keys = probs.shape[-2:]
     row_blocks, key_blocks = -(-rows // chi), -(-keys // beta)
     padded = torch.nn.functional.pad(probs, (0, key_blocks * beta - keys, 0, row_blocks * chi - rows))
@@ -176,21 +177,9 @@ def table_row(first_columns, results, n, beta):
             f"{mean('kept'):.1f} of {-(-n // beta)} |")
 
 
-def layer_queries_and_keys(model, ids, positions, mask):
-    captured_qk = []
-
-    def attend(layer, q, k, v):
-        captured_qk.append((q, k))
-        from nanodllm.attention import attention
-
-        return attention(q, k, v, mask)
-
-    model.hidden(ids, positions, attend)
-    return captured_qk
-
-
 def model_table(args):
     from nanodllm import tasks
+    from nanodllm.attention import attention
     from nanodllm.eval import resolve_model
     from nanodllm.loader import load_model
     from nanodllm.tokenizer import Tokenizer
@@ -205,39 +194,42 @@ def model_table(args):
     yield "|---|---|---|---|---|---|---|---|"
     for length in args.lengths:
         results = []
-        samples = tasks.make_samples("passkey", length, args.n, args.seed + length,
+        samples = tasks.make_samples("passkey", length, args.n, SEED + length,
                                      count_tokens=lambda text: len(tokenizer.encode(text)))
         for sample in samples:
             ids = torch.tensor([tokenizer.chat([{"role": "user", "content": sample.prompt}])])
-            n = ids.shape[1]
-            mask = CanvasMask(block_size=block_size) if block_size else None
-            for q, k in layer_queries_and_keys(model, ids, torch.arange(n)[None], mask):
+            n, mask = ids.shape[1], CanvasMask(block_size=block_size) if block_size else None
+
+            def attend(layer, q, k, v):  # each layer's prefill, measured
                 results.append(measure(q, k, block_size, args))
+                return attention(q, k, v, mask)
+
+            model.hidden(ids, torch.arange(n)[None], attend)
         yield table_row([length, len(samples)], results, n, args.beta)
 
 
 def synthetic_table(args):
-    yield (f"synthetic (sink {args.sink_logit}, slash {args.slash_logit}, noise {args.noise}), {args.device} "
-           f"{args.dtype}: heads {args.heads} (KV {args.kv_heads}), d {args.head_dim}, gamma {args.gamma}, "
+    yield (f"synthetic (sink 10.0, slash 8.0, noise 1.0), {args.device} "
+           f"{args.dtype}: heads {args.heads} (KV {args.heads}), d {args.head_dim}, gamma {args.gamma}, "
            f"chi {args.chi}, beta {args.beta}, k = {args.k}, k_trim = {args.k_trim} key blocks, top-k {args.top_k}, "
            f"trim {args.trim}\n")
     yield f"| length | mask {COLUMNS} seconds |"
     yield "|---|---|---|---|---|---|---|---|---|"
     for length in args.lengths:
-        q, k = structured_qk(length, args.heads, args.kv_heads, args.head_dim, args.seed + length,
-                             args.sink_logit, args.slash_logit, args.noise)
-        q, k = (x.to(args.device, getattr(torch, args.dtype)) for x in (q, k))
+        q, k = (x.to(args.device, getattr(torch, args.dtype))
+                for x in structured_qk(length, args.heads, args.heads, args.head_dim, SEED + length))
         for mask in args.mask.split(","):
             start = time.perf_counter()
-            result = measure(q, k, MASKS[mask](args), args)
-            label = f"block-causal ({args.block_size})" if mask == "block" else mask
+            result = measure(q, k, MASKS[mask], args)
+            label = f"block-causal ({MASKS[mask]})" if mask == "block" else mask
             yield table_row([length, label], [result], length, args.beta) + f" {time.perf_counter() - start:.1f} |"
 
 
 @torch.no_grad()
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=help_text(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synthetic", action="store_true", help="structured synthetic q/k instead of a model's")
     parser.add_argument("--model", default="tiny-sdar")
     parser.add_argument("--lengths", type=positive_ints, default=None, help="default 2048; synthetic 32768,65536,131072")
@@ -251,29 +243,20 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", default="exact", choices=["exact", "tree", "estimated"])
     parser.add_argument("--trim", default="mean", choices=["mean", "mass"], help="MOMO's trim: mean = Algorithm 2")
     parser.add_argument("--k-exact", type=int, default=8, help="exact slots of the estimated top-k")
-    parser.add_argument("--seed", type=int, default=4321)
     synthetic = parser.add_argument_group("synthetic mode")
-    synthetic.add_argument("--heads", type=positive_int, default=4)
-    synthetic.add_argument("--kv-heads", type=positive_int, default=None,
-                           help="default: --heads (each head its own pattern)")
+    synthetic.add_argument("--heads", type=positive_int, default=4, help="each its own KV head and pattern")
     synthetic.add_argument("--head-dim", type=positive_int, default=128)
-    synthetic.add_argument("--mask", default="causal", help="comma list of causal, block (block-causal), none")
-    synthetic.add_argument("--block-size", type=positive_int, default=4)
-    synthetic.add_argument("--sink-logit", type=float, default=10.0)
-    synthetic.add_argument("--slash-logit", type=float, default=8.0)
-    synthetic.add_argument("--noise", type=float, default=1.0)
+    synthetic.add_argument("--mask", default="causal", help="comma list of causal, block (block-causal, B = 4), none")
     synthetic.add_argument("--device", type=available_device, default="cuda" if cuda else "cpu")
     synthetic.add_argument("--dtype", default="bfloat16" if cuda else "float32",
                            choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--out", type=output_file, default=None, help="also write the table to this Markdown file")
     args = parser.parse_args(argv)
-    unknown = set(args.mask.split(",")) - set(MASKS)
-    if unknown:
+    if unknown := set(args.mask.split(",")) - set(MASKS):
         parser.error(f"argument --mask: {', '.join(sorted(unknown))} is not a mask; choose from {', '.join(MASKS)}")
     args.lengths = args.lengths or ([32768, 65536, 131072] if args.synthetic else [2048])
     args.k = (128 if args.synthetic else 4) if args.k is None else args.k
     args.k_trim = args.k if args.k_trim is None else args.k_trim
-    args.kv_heads = args.kv_heads or args.heads
     lines = []
     for line in synthetic_table(args) if args.synthetic else model_table(args):
         print(line, flush=True)

@@ -2,9 +2,7 @@
 
     python scripts/mutate.py                  every mutation, one pytest run each
     python scripts/mutate.py --only quest     the mutations whose name contains "quest"
-    python scripts/mutate.py --list           the mutations and their tests, nothing run
     python scripts/mutate.py --jobs 2         two at a time, each worker in a copy of its own
-    python scripts/mutate.py --baseline       the same test selections on the unmutated code
 
 A mutation is a plausible bug (an off-by-one, another layer's state, a flipped comparison, a missing
 mask or scale, state not reset) as an exact snippet of a file, its replacement and the tests that
@@ -583,14 +581,12 @@ def imported_from(copy: Path) -> list[str]:
     return [path for path in out if not Path(path).resolve().is_relative_to(copy.resolve())]
 
 
-def run_tests(copy: Path, m: Mutation, timeout: float, mutate: bool) -> tuple[str, float]:
-    """(result, seconds) of m's tests in the copy, with m applied when mutate; the file is put back.
-    A result is what pytest's exit status says of the mutation: caught, survived, error or timeout
-    (unmutated: survived means the tests passed)."""
+def run_tests(copy: Path, m: Mutation, timeout: float) -> tuple[str, float]:
+    """(result, seconds) of m's tests in the copy with m applied; the file is put back. A result is what
+    pytest's exit status says of the mutation: caught, survived, error or timeout."""
     path = copy / m.path
     original = path.read_text()
-    if mutate:
-        path.write_text(original.replace(m.old, m.new, 1))
+    path.write_text(original.replace(m.old, m.new, 1))
     start = time.monotonic()
     command = [sys.executable, "-m", "pytest", *PYTEST, *(f"tests/{test}" for test in m.tests)]
     try:
@@ -604,85 +600,32 @@ def run_tests(copy: Path, m: Mutation, timeout: float, mutate: bool) -> tuple[st
     return result, time.monotonic() - start
 
 
-def shown(result: str, mutate: bool) -> str:
-    """A result as the table shows it: of a mutation, or of the unmutated code (passed, failed)."""
-    return result if mutate else {"survived": "passed", "caught": "failed"}.get(result, result)
-
-
-def run_all(mutations: list[Mutation], jobs: int, timeout: float, mutate: bool) -> list[tuple[Mutation, str, float]]:
-    """Every mutation's result, jobs at a time, each worker in a scratch copy of its own. With mutate,
-    the sanity mutation runs first, alone: if it survives nothing else is worth running (it is not
-    among the results)."""
+def run_all(mutations: list[Mutation], jobs: int, timeout: float) -> list[tuple[Mutation, str, float]]:
+    """Every mutation's result, jobs at a time, each worker in a scratch copy of its own. The sanity
+    mutation runs first, alone: if it survives nothing else is worth running (it is not among the results)."""
     with tempfile.TemporaryDirectory(prefix="mutate-") as scratch:
         copies = [scratch_copy(Path(scratch) / str(worker)) for worker in range(max(1, min(jobs, len(mutations))))]
-        wrong = problems([SANITY, *mutations], copies[0])
-        if wrong:
+        if wrong := problems([SANITY, *mutations], copies[0]):
             sys.exit("the mutation list no longer fits the code:\n  " + "\n  ".join(wrong))
-        outside = imported_from(copies[0])
-        if outside:
+        if outside := imported_from(copies[0]):
             sys.exit(f"the tests would import {', '.join(outside)}, not the scratch copy")
+        result, _ = run_tests(copies[0], SANITY, timeout)
+        if result == "survived":
+            sys.exit("the sanity mutation survived: the tests do not read the scratch copy")
+        print(f"sanity: a package that cannot be imported fails the tests ({result}): they read the copy")
         free = list(copies)
 
         def one(m: Mutation):
             copy = free.pop()
             try:
-                result, seconds = run_tests(copy, m, timeout, mutate)
+                result, seconds = run_tests(copy, m, timeout)
             finally:
                 free.append(copy)
-            print(f"{shown(result, mutate):<12} {seconds:6.1f}s  {m.name}", flush=True)
+            print(f"{result:<12} {seconds:6.1f}s  {m.name}", flush=True)
             return m, result, seconds
 
-        if mutate:
-            result, _ = run_tests(copies[0], SANITY, timeout, mutate=True)
-            if result == "survived":
-                sys.exit("the sanity mutation survived: the tests do not read the scratch copy")
-            print(f"sanity: a package that cannot be imported fails the tests ({result}): they read the copy")
         with ThreadPoolExecutor(max_workers=len(copies)) as pool:
             return list(pool.map(one, mutations))
-
-
-def summary(results, wall: float, mutate: bool) -> str:
-    """The table of results and the count of each kind."""
-    kinds = ("caught", "survived", "error", "timeout")
-    counts = {kind: sum(result.startswith(kind) for _, result, _ in results) for kind in kinds}
-    lines = ["", f"{'result':<12} {'time':>7}  {'mutation':<52} file"]
-    lines += [f"{shown(result, mutate):<12} {seconds:6.1f}s  {m.name:<52} {m.path}" for m, result, seconds in results]
-    lines.append("")
-    if mutate:
-        lines.append(", ".join(f"{counts[kind]} {kind}" for kind in kinds) + f" of {len(results)} in {wall:.0f}s")
-    else:
-        failed = len(results) - counts["survived"]
-        lines.append(f"baseline: {counts['survived']} selections passed, {failed} did not, of {len(results)} "
-                     f"in {wall:.0f}s")
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=help_text(__doc__),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", action="append", metavar="NAME",
-                        help="run the mutations whose name contains NAME (repeatable; the sanity check always runs)")
-    parser.add_argument("--list", action="store_true", help="print the mutations and their tests, run nothing")
-    parser.add_argument("--jobs", type=positive_int, default=1, help="mutations tested at once (default 1)")
-    parser.add_argument("--timeout", type=seconds, default=600, help="seconds a mutation's tests may take (default 600)")
-    parser.add_argument("--baseline", action="store_true",
-                        help="run each selection on the unmutated code instead (every one should pass)")
-    args = parser.parse_args(argv)
-    chosen = [m for m in MUTATIONS[1:] if not args.only or any(part in m.name for part in args.only)]
-    if args.list:
-        wrong = problems(MUTATIONS, ROOT)
-        for m in MUTATIONS:
-            print(f"{m.name:<52} {m.path:<38} {' '.join(m.tests)}")
-        problems_line = "; the list no longer fits the code:\n  " + "\n  ".join(wrong) if wrong else ""
-        print(f"\n{len(MUTATIONS) - 1} mutations and the sanity check{problems_line}")
-        return 1 if wrong else 0
-    if not chosen:
-        sys.exit(f"no mutation name contains {' or '.join(args.only)}")
-    start, mutate = time.monotonic(), not args.baseline
-    results = run_all(chosen, args.jobs, args.timeout, mutate)
-    print(summary(results, time.monotonic() - start, mutate))
-    survived = [result == "survived" for _, result, _ in results]  # unmutated: the selection passed
-    return int(any(result != "caught" for _, result, _ in results)) if mutate else int(not all(survived))
 
 
 def seconds(text: str) -> float:
@@ -694,6 +637,28 @@ def seconds(text: str) -> float:
     if not value >= 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 (seconds), got {text!r}")
     return value
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=help_text(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", metavar="NAME",
+                        help="run the mutations whose name contains NAME (repeatable; the sanity check always runs)")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="mutations tested at once (default 1)")
+    parser.add_argument("--timeout", type=seconds, default=600, help="seconds a mutation's tests may take (default 600)")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS[1:] if not args.only or any(part in m.name for part in args.only)]
+    if not chosen:
+        sys.exit(f"no mutation name contains {' or '.join(args.only)}")
+    start = time.monotonic()
+    results = run_all(chosen, args.jobs, args.timeout)
+    kinds = ("caught", "survived", "error", "timeout")
+    counts = {kind: sum(result.startswith(kind) for _, result, _ in results) for kind in kinds}
+    print(f"\n{'result':<12} {'time':>7}  {'mutation':<52} file")
+    print("\n".join(f"{result:<12} {secs:6.1f}s  {m.name:<52} {m.path}" for m, result, secs in results))
+    print("\n" + ", ".join(f"{counts[kind]} {kind}" for kind in kinds)
+          + f" of {len(results)} in {time.monotonic() - start:.0f}s")
+    return int(any(result != "caught" for _, result, _ in results))
 
 
 if __name__ == "__main__":

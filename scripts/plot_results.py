@@ -39,6 +39,12 @@ def section(results: dict, title_start: str) -> list[dict]:
     raise ValueError(f"no table titled {title_start!r}... in the results")
 
 
+def save(fig, out: Path):
+    fig.tight_layout()
+    write_whole(out, lambda partial: fig.savefig(partial, dpi=120))
+    plt.close(fig)
+
+
 def momo_latency_vs_k(results: dict, out: Path):
     rows = section(results, "MOMO latency vs k")
     ks = [row["k blocks"] for row in rows]
@@ -47,53 +53,41 @@ def momo_latency_vs_k(results: dict, out: Path):
         ax.plot(ks, [row[f"{variant} ms"] for row in rows], marker="o", label=variant)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("k (key blocks of 64 per sampled query)")
-    ax.set_ylabel("prefill attention ms")
+    ax.set(xlabel="k (key blocks of 64 per sampled query)", ylabel="prefill attention ms")
     ax.set_title(f"MOMO at 64K causal, 32 heads, d 128 ({results['meta']['device']})", fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    write_whole(out, lambda partial: fig.savefig(partial, dpi=120))
-    plt.close(fig)
+    save(fig, out)
 
 
 def sparse_dllm_scaling(results: dict, out: Path):
     rows = [row for row in section(results, "Per generation") if "real generation" not in row["method"]]
-    methods = list(dict.fromkeys(row["method"] for row in rows))
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for method in methods:
+    for method in dict.fromkeys(row["method"] for row in rows):
         mine = [row for row in rows if row["method"] == method]
-        lengths = [row["length"] for row in mine]
-        speed.plot(lengths, [row["tokens/s"] for row in mine], marker="o", label=method)
-        memory.plot(lengths, [row["peak GiB"] for row in mine], marker="o", label=method)
+        for ax, column in ((speed, "tokens/s"), (memory, "peak GiB")):
+            ax.plot([row["length"] for row in mine], [row[column] for row in mine], marker="o", label=method)
     for ax, label in ((speed, "tokens/s"), (memory, "peak GiB (weights included)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel(label)
+        ax.set(xlabel="sequence length", ylabel=label)
     speed.set_yscale("log")
     speed.legend(fontsize=8)
     fig.suptitle(f"llada-8b shapes, 256 generated tokens ({results['meta']['device']})", fontsize=9)
-    fig.tight_layout()
-    write_whole(out, lambda partial: fig.savefig(partial, dpi=120))
-    plt.close(fig)
+    save(fig, out)
 
 
 def dyllm_salient(results: dict, out: Path):
     steps, per_layer = results["steps"], results["per_layer"]
-    canvas = [t % results["full_period"] == 0 for t in steps]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for layer in range(len(per_layer[0])):
         ax.plot(steps, [fractions[layer] for fractions in per_layer], marker=".", label=f"layer {layer}")
-    for t, whole in zip(steps, canvas):
-        if whole:
+    for t in steps:
+        if t % results["full_period"] == 0:
             ax.axvline(t, color="0.85", linewidth=0.8, zorder=0)
-    ax.set_xlabel("denoising step (grey: steps that feed the whole canvas)")
-    ax.set_ylabel("salient fraction of the fed rows")
+    ax.set(xlabel="denoising step (grey: steps that feed the whole canvas)", ylabel="salient fraction of the fed rows")
     ax.set_title(f"DyLLM on {results['model']}, passkey {results['length']}, tau {results['tau']} "
                  f"(accuracy {results['accuracy']:.2f})", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    write_whole(out, lambda partial: fig.savefig(partial, dpi=120))
-    plt.close(fig)
+    save(fig, out)
 
 
 def tiny_models_heatmap(results: dict, out: Path):
@@ -126,8 +120,7 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results")
     args = parser.parse_args()
-    missing = [source for source, _ in FIGURES.values() if not (args.results / source).is_file()]
-    if missing:
+    if missing := [source for source, _ in FIGURES.values() if not (args.results / source).is_file()]:
         sys.exit(f"plot_results.py: {args.results} lacks {', '.join(missing)} (--results names the folder "
                  "scripts/bench.py wrote)")
     if plt is None:

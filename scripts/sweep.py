@@ -19,8 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanodllm import tasks  # noqa: E402
 from nanodllm.cli import (available_device, check_fits, output_file, positive_int, positive_ints,  # noqa: E402
@@ -31,10 +30,13 @@ from nanodllm.eval import (DTYPES, Journal, Runner, agreement, journal_path, lab
 from nanodllm.methods import get_method, knob_defaults, parse_knobs, parse_value  # noqa: E402
 
 
-def variants(methods: list[str], knob: str, values: list, fixed: dict) -> list[tuple[str, dict]]:
-    """dense, then each method once per value of the swept knob (once if it has no such knob), with
-    the fixed knobs it accepts. Every variant is built once here, so a bad value fails before any
-    model loads; a knob no method takes is an error listing theirs."""
+def variants(methods: list[str], sweep: str, fixed: dict) -> list[tuple[str, dict]]:
+    """dense, then each method once per value of the swept knob (--knob 'name=v1,v2'; once if it has no
+    such knob), with the fixed knobs it accepts. Every variant is built once here, so a bad value fails
+    before any model loads; a knob no method takes is an error listing theirs."""
+    knob, equals, values = sweep.partition("=")
+    if not equals or not knob or not values or "" in values.split(","):
+        raise ValueError(f"--knob must be name=v1,v2,... (e.g. budget=16,64), got {sweep!r}")
     accepted = {name: knob_defaults(name) for name in methods}  # an unknown name is an error listing the valid ones
     if not any(knob in knobs for knobs in accepted.values()):
         listed = "; ".join(f"{name}: {', '.join(knobs) or 'none'}" for name, knobs in accepted.items())
@@ -42,21 +44,14 @@ def variants(methods: list[str], knob: str, values: list, fixed: dict) -> list[t
     out = [("dense", {})]
     for name in methods:
         base = {k: v for k, v in fixed.items() if k in accepted[name]}
-        out += [(name, {**base, knob: v}) for v in values] if knob in accepted[name] else [(name, base)]
+        swept = [{**base, knob: parse_value(v)} for v in values.split(",")] if knob in accepted[name] else [base]
+        out += [(name, knobs) for knobs in swept]
     for name, knobs in out:
         try:
             get_method(name, **knobs)
         except (ValueError, TypeError) as error:
             raise ValueError(f"--knob / --knobs give {label(name, knobs)}: {error}")
     return out
-
-
-def parse_sweep(text: str) -> tuple[str, list]:
-    """--knob 'name=v1,v2' -> (name, [v1, v2])."""
-    knob, equals, values = text.partition("=")
-    if not equals or not knob or not values or "" in values.split(","):
-        raise ValueError(f"--knob must be name=v1,v2,... (e.g. budget=16,64), got {text!r}")
-    return knob, [parse_value(v) for v in values.split(",")]
 
 
 def run(runner: Runner, samples, plan, batch: int, journal: Journal):
@@ -79,36 +74,30 @@ def run(runner: Runner, samples, plan, batch: int, journal: Journal):
                 record = {"key": key, "scores": outcome.scores, "tokens": outcome.tokens, "kv_kept": outcome.kv_kept}
                 journal.add(record)
                 computed += 1
-            for sample, score, tokens, kept in zip(chunk, record["scores"], record["tokens"], record["kv_kept"]):
-                results[label(name, knobs)][(sample.length, sample.depth)].append((score, tokens, kept))
+            for sample, *kept in zip(chunk, record["scores"], record["tokens"], record["kv_kept"]):
+                results[label(name, knobs)][(sample.length, sample.depth)].append(tuple(kept))
         done = start + len(chunk)
-        runs_left = (len(samples) - done + batch - 1) // batch * len(plan)
-        left = time_left(clock, computed, runs_left)
-        accuracy = ", ".join(f"{name} {mean_score(cells):.2f}" for name, cells in results.items())
+        left = time_left(clock, computed, (len(samples) - done + batch - 1) // batch * len(plan))
+        accuracy = ", ".join(f"{name} {mean(cells, 0):.2f}" for name, cells in results.items())
         print(f"  {done}/{len(samples)} samples, accuracy so far: {accuracy}{left}", file=sys.stderr, flush=True)
     return results
 
 
-def mean_score(cells) -> float:
-    scores = [record[0] for records in cells.values() for record in records]
-    return sum(scores) / len(scores)
+def mean(cells, field: int) -> float:
+    """The mean of one field (0: score, 2: KV kept) of every record in the cells."""
+    values = [record[field] for records in cells.values() for record in records]
+    return sum(values) / len(values)
 
 
 def length_table(results, lengths) -> str:
-    dense = results["dense"]
-    head = ["variant", *(f"{l} acc" for l in lengths), "all acc", "agree with dense", "KV kept"]
+    head = ["variant", *(f"{length} acc" for length in lengths), "all acc", "agree with dense", "KV kept"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, cells in results.items():
-        by_length = defaultdict(list)
-        for (length, _), records in cells.items():
-            by_length[length] += [r[0] for r in records]
-        everything = [r for records in cells.values() for r in records]
-        ours = [r[1] for cell in sorted(cells) for r in cells[cell]]
-        theirs = [r[1] for cell in sorted(cells) for r in dense[cell]]
-        accs = [f"{sum(by_length[l]) / len(by_length[l]):.3f}" for l in lengths]
-        rows.append("| " + " | ".join([name, *accs, f"{sum(r[0] for r in everything) / len(everything):.3f}",
-                                       f"{agreement(ours, theirs):.3f}",
-                                       f"{sum(r[2] for r in everything) / len(everything):.3f}"]) + " |")
+        accs = [mean({cell: records for cell, records in cells.items() if cell[0] == length}, 0) for length in lengths]
+        tokens = lambda of: [r[1] for cell in sorted(cells) for r in of[cell]]
+        rows.append("| " + " | ".join([name, *(f"{a:.3f}" for a in accs), f"{mean(cells, 0):.3f}",
+                                       f"{agreement(tokens(cells), tokens(results['dense'])):.3f}",
+                                       f"{mean(cells, 2):.3f}"]) + " |")
     return "\n".join(rows)
 
 
@@ -161,29 +150,25 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", type=output_file, help="also draw the depth x length heatmaps into this PNG")
     parser.add_argument("--journal", type=Path, help="finished runs, for resuming (default: runs/sweep-<hash>.jsonl)")
     args = parser.parse_args(argv)
-    lengths = args.lengths
+    lengths, dtype, context = args.lengths, DTYPES[args.dtype], max(args.lengths) + 256
     settings = {name: str(value) for name, value in vars(args).items() if name not in ("out", "plot", "journal")}
     journal = None
     try:
-        knob, values = parse_sweep(args.knob)
-        plan = variants(args.methods.split(","), knob, values, parse_knobs(args.knobs))
+        plan = variants(args.methods.split(","), args.knob, parse_knobs(args.knobs))
         if args.plot:
             require_matplotlib()
         model_dir = resolve_model(args.model)
-        note = check_fits(ModelConfig.from_dir(model_dir), max(lengths) + 256, args.batch, args.device,
-                          DTYPES[args.dtype])
-        if note:
+        if note := check_fits(ModelConfig.from_dir(model_dir), context, args.batch, args.device, dtype):
             print(note, file=sys.stderr)
         journal = Journal(args.journal or journal_path("sweep", settings), settings)
-        runner = Runner(model_dir, args.device, DTYPES[args.dtype], None, context=max(lengths) + 256)
+        runner = Runner(model_dir, args.device, dtype, None, context=context)
         for name, _ in plan:
             runner.check_engine(name)
         print(f"finished runs are kept in {journal.path}: the same command resumes there", file=sys.stderr)
         if not runner.is_block:
             runner.gen = GenerationConfig(gen_length=32, block_length=32, steps=32)
-        samples = [sample for length in lengths
-                   for sample in tasks.make_samples(args.task, length, args.n, args.seed + length,
-                                                    count_tokens=runner.count_tokens)]
+        samples = [sample for length in lengths for sample in tasks.make_samples(
+            args.task, length, args.n, args.seed + length, count_tokens=runner.count_tokens)]
         results = run(runner, samples, plan, args.batch, journal)
     except (ValueError, FileNotFoundError) as err:
         if journal is not None:
@@ -197,9 +182,9 @@ def main(argv=None) -> int:
     if args.out:
         write_whole(args.out, lambda partial: partial.write_text("\n".join(text) + "\n"))
     if args.plot:
-        grids = {name: {cell: sum(r[0] for r in records) / len(records) for cell, records in cells.items()}
-                 for name, cells in results.items()}
-        plot(grids, args.plot, f"{args.model}, {args.task}, {args.n} samples per length, {args.device} {args.dtype}")
+        plot({name: {cell: sum(r[0] for r in records) / len(records) for cell, records in cells.items()}
+              for name, cells in results.items()},
+             args.plot, f"{args.model}, {args.task}, {args.n} samples per length, {args.device} {args.dtype}")
     journal.finish()
     return 0
 

@@ -60,7 +60,6 @@ TOKENS_PER_BATCH = int(os.environ.get("TINY_TOKENS_PER_BATCH", 65536))
 EVAL_EVERY = int(os.environ.get("TINY_EVAL_EVERY", 100))
 
 
-# ------------------------------------------------------------------------------------------------
 # tokenizer and configs
 
 def train_tokenizer(seed: int) -> Path:
@@ -101,15 +100,13 @@ def family_config(family: str, vocab: dict, vocab_size: int) -> dict:
                 pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|endoftext|>"])
 
 
-# ------------------------------------------------------------------------------------------------
 # data
 
 class PieceCache:
     """The tokenizer's ids for task text, cached per whitespace-led piece: each piece is looked up with
     its digits read as 0 (the tokenizer splits digits one by one, so the ids do not depend on which
     digits they are) and the digits are put back. Equal to encoding the whole text when the tokenizer's
-    pre-tokenization splits at whitespace, as the tiny models' does (a test checks it on task
-    samples); it makes the data workers about three times faster."""
+    pre-tokenization splits at whitespace, as the tiny models' does (a test checks it on task samples)."""
 
     PIECE = re.compile(r"\s*\S+|\s+$")
     AS_ZERO = str.maketrans("0123456789", "0000000000")
@@ -141,13 +138,11 @@ class Encoder:
     mask (all of them, except in a drill: its digits only)."""
 
     def __init__(self, directory: Path, family: str):
-        self.tokenizer = Tokenizer.from_dir(directory, family)
-        self.pieces = PieceCache(self.tokenizer.hf)
+        self.tokenizer, self.family = Tokenizer.from_dir(directory, family), family
+        self.pieces, self.mask_id = PieceCache(self.tokenizer.hf), self.tokenizer.mask_id
         vocab = self.tokenizer.hf.get_vocab()
-        end_of_turn = "<|eot_id|>" if family == "llada" else "<|im_end|>"
-        self.end_of_turn, self.pad = vocab[end_of_turn], vocab["<|endoftext|>"]
-        self.mask_id = self.tokenizer.mask_id
-        self.family = family
+        self.end_of_turn = vocab["<|eot_id|>" if family == "llada" else "<|im_end|>"]
+        self.pad = vocab["<|endoftext|>"]
 
     def count_tokens(self, text: str) -> int:
         return self.pieces.count(text)
@@ -217,16 +212,11 @@ class Stages:
         return [self.ladder[stage] for stage in self.cells]
 
 
-def micro_batch_size(length: int) -> int:
-    """Samples per micro-batch at a curriculum length: TOKENS_PER_BATCH tokens, 8 to MAX_BATCH samples."""
-    return min(MAX_BATCH, max(8, TOKENS_PER_BATCH // (length + 64)))
-
-
 class TaskStream(torch.utils.data.IterableDataset):
     """Endless micro-batches of (prompt, response, mask groups), each of one task (cycling over the tasks)
-    at that task's curriculum length or a shorter one, sized by its length: a task still at 128 tokens
-    keeps its batch when another has reached 4096. With probability `drill` a multikey or kv sample is
-    a recall drill (Encoder.drill). Each worker has its own seed."""
+    at that task's curriculum length or a shorter one, sized by its length (TOKENS_PER_BATCH tokens, 8 to
+    MAX_BATCH samples): a task still at 128 tokens keeps its batch when another has reached 4096. With
+    probability `drill` a multikey or kv sample is a recall drill (Encoder.drill). Each worker has its own seed."""
 
     def __init__(self, directory: Path, family: str, seed: int, stages: Stages, task_names: tuple[str, ...],
                  drill: float):
@@ -243,7 +233,7 @@ class TaskStream(torch.utils.data.IterableDataset):
             ladder = self.stages.ladder
             length = ladder[self.stages[task_index]]
             triples = []
-            for _ in range(micro_batch_size(length)):
+            for _ in range(min(MAX_BATCH, max(8, TOKENS_PER_BATCH // (length + 64)))):
                 target = rng.choice([length] * len(ladder) + [s for s in ladder if s < length])
                 target = max(tasks.MIN_LENGTH, int(target * rng.uniform(0.75, 1.0)))
                 task = self.task_names[task_index]
@@ -270,7 +260,6 @@ def collate(triples, pad_id):
     return ids, lengths, valid, groups
 
 
-# ------------------------------------------------------------------------------------------------
 # objectives
 
 def draw_masked(groups, t):
@@ -281,22 +270,17 @@ def draw_masked(groups, t):
 
 def llada_batch(ids, lengths, valid, groups, mask_id, t):
     """Noisy canvas, positions, attention mask and the loss targets for masked diffusion."""
-    columns = torch.arange(ids.shape[1], device=ids.device)[None, :]
     masked = draw_masked(groups, t)
-    noisy = torch.where(masked, mask_id, ids)
-    positions = columns.expand(ids.shape[0], -1)
-    return noisy, positions, key_padding_mask(valid, valid), masked, ids
+    positions = torch.arange(ids.shape[1], device=ids.device)[None, :].expand(ids.shape[0], -1)
+    return torch.where(masked, mask_id, ids), positions, key_padding_mask(valid, valid), masked, ids
 
 
 def sdar_batch(ids, lengths, valid, groups, mask_id, t):
     """Clean sequence ++ noisy copy of the blocks holding the response (block diffusion)."""
-    batch, width = ids.shape
-    device = ids.device
-    starts = lengths // BLOCK * BLOCK
-    ends = valid.sum(1)  # responses are padded to a block boundary
+    (batch, width), device = ids.shape, ids.device
+    starts, ends = lengths // BLOCK * BLOCK, valid.sum(1)  # responses are padded to a block boundary
     noisy_width = int((ends - starts).max())
-    offsets = torch.arange(noisy_width, device=device)[None, :]
-    noisy_columns = starts[:, None] + offsets  # the column each noisy token copies
+    noisy_columns = starts[:, None] + torch.arange(noisy_width, device=device)[None, :]  # the column each copies
     noisy_valid = noisy_columns < ends[:, None]
     copied = ids.gather(1, noisy_columns.clamp(max=width - 1))
     masked = draw_masked(groups.gather(1, noisy_columns.clamp(max=width - 1)) * noisy_valid, t)
@@ -311,11 +295,8 @@ def sdar_batch(ids, lengths, valid, groups, mask_id, t):
     bottom = torch.cat([noisy_sees_clean, noisy_sees_noisy], -1)
     all_valid = torch.cat([valid, noisy_valid], 1)
     mask = torch.cat([top, bottom], 2) & key_padding_mask(all_valid, all_valid)
-    tokens = torch.cat([ids, noisy], 1)
-    positions = torch.cat([columns, noisy_columns], 1)
-    targets = torch.cat([ids, copied], 1)
-    loss_at = torch.cat([torch.zeros_like(valid), masked], 1)
-    return tokens, positions, mask, loss_at, targets
+    return (torch.cat([ids, noisy], 1), torch.cat([columns, noisy_columns], 1), mask,
+            torch.cat([torch.zeros_like(valid), masked], 1), torch.cat([ids, copied], 1))
 
 
 def loss_and_accuracy(model, family, ids, lengths, valid, groups, mask_id, t):
@@ -325,22 +306,16 @@ def loss_and_accuracy(model, family, ids, lengths, valid, groups, mask_id, t):
     logits = model(tokens, positions, lambda layer, q, k, v: attention(q, k, v, mask)).float()
     per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     per_sample = (per_token * loss_at).sum(1) / (t * (groups > 0).sum(1))
-    predicted = logits.argmax(-1)
-    return per_sample.mean(), predicted, targets, loss_at
+    return per_sample.mean(), logits.argmax(-1), targets, loss_at
 
 
-# ------------------------------------------------------------------------------------------------
 # training
 
-def held_out(encoder, length, n, seed, task_names):
-    """n (prompt, response, mask groups) triples cycling over task_names: the fixed set a stage is judged on."""
+def held_out(encoder, task, length, n, seed):
+    """n (prompt, response, mask groups) triples of the task: the fixed set a stage is judged on."""
     rng = random.Random(seed)
-    triples = []
-    for i in range(n):
-        task = task_names[i % len(task_names)]
-        sample = tasks.make_sample(task, length, rng.random(), rng.randrange(2**31), encoder.count_tokens)
-        triples.append(encoder.encode(sample))
-    return triples
+    return [encoder.encode(tasks.make_sample(task, length, rng.random(), rng.randrange(2**31), encoder.count_tokens))
+            for _ in range(n)]
 
 
 @torch.no_grad()
@@ -349,12 +324,10 @@ def one_step_accuracy(model, family, triples, encoder, device):
     fully masked response in one forward."""
     correct = 0
     for chunk in range(0, len(triples), 16):
-        batch = (x.to(device) for x in collate(triples[chunk : chunk + 16], encoder.pad))
-        ids, lengths, valid, groups = batch
-        t = torch.ones(ids.shape[0], device=device)
+        ids, lengths, valid, groups = (x.to(device) for x in collate(triples[chunk : chunk + 16], encoder.pad))
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
             _, predicted, targets, loss_at = loss_and_accuracy(model, family, ids, lengths, valid, groups,
-                                                               encoder.mask_id, t)
+                                                               encoder.mask_id, torch.ones(ids.shape[0], device=device))
         for row in range(ids.shape[0]):
             answer_length = triples[chunk + row][1].index(encoder.end_of_turn) + 1
             where = loss_at[row].nonzero().flatten()[:answer_length]
@@ -406,14 +379,13 @@ def llada_from_sdar(sdar: Model, llada_config: dict) -> Model:
     return model
 
 
-def train(family: str, minutes: float, seed: int, device: torch.device, out: Path, max_steps: int, workers: int,
-          init: str | None, task_names: tuple[str, ...], peak_lr: float = 1e-3, ladder: tuple[int, ...] = tuple(STAGES),
-          drill: float = 0.0, full_mask: float = 0.0):
-    """ladder: the curriculum's lengths, shortest first."""
-    torch.manual_seed(seed)
-    work = out / f"tiny-{family}"
+def train(args, ladder: tuple[int, ...]):
+    """main's flags; ladder: the curriculum's lengths, shortest first."""
     from tokenizers import Tokenizer as HFTokenizer
 
+    family, init, device, out, task_names = args.what, args.init, torch.device(args.device), Path(args.out), tasks.TASKS
+    torch.manual_seed(args.seed)
+    work = out / f"tiny-{family}"
     bpe = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
     vocab = {token: bpe.token_to_id(token) for token in SPECIAL_TOKENS}
     config = family_config(family, vocab, -(-bpe.get_vocab_size() // 128) * 128)
@@ -437,19 +409,17 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
             for name, p in model.named_parameters():
                 if not name.endswith("norm.weight"):
                     p.normal_(0.0, 0.02)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"tiny-{family}: {params / 1e6:.2f}M parameters", flush=True)
+    print(f"tiny-{family}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
 
-    stages = Stages(len(task_names), workers > 0, list(ladder))
-    stream = TaskStream(work, family, seed, stages, task_names, drill)
-    loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = 200
-    checks = {}  # (task, stage) -> held-out triples
+    stages = Stages(len(task_names), args.workers > 0, list(ladder))
+    stream = TaskStream(work, family, args.seed, stages, task_names, args.drill)
+    loader = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup, checks = 200, {}  # checks: (task, stage) -> held-out triples
     best, start, step, log = -1.0, time.perf_counter(), 0, []
-    while step < max_steps and time.perf_counter() - start < minutes * 60:
-        progress = max(step / max_steps, (time.perf_counter() - start) / (minutes * 60))
-        lr = peak_lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+    while step < args.max_steps and time.perf_counter() - start < args.minutes * 60:
+        progress = max(step / args.max_steps, (time.perf_counter() - start) / (args.minutes * 60))
+        lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
@@ -458,7 +428,7 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
             task_index, triples = next(loader)
             ids, lengths, valid, groups = (x.to(device) for x in collate(triples, encoder.pad))
             t = torch.rand(ids.shape[0], device=device).clamp(min=0.05)
-            t = torch.where(torch.rand(ids.shape[0], device=device) < full_mask, 1.0, t)
+            t = torch.where(torch.rand(ids.shape[0], device=device) < args.full_mask, 1.0, t)
             with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
                 loss, *_ = loss_and_accuracy(model, family, ids, lengths, valid, groups, encoder.mask_id, t)
             (loss / len(task_names)).backward()
@@ -471,7 +441,7 @@ def train(family: str, minutes: float, seed: int, device: torch.device, out: Pat
             for index, task in enumerate(task_names):
                 key = (task, stages[index])
                 if key not in checks:
-                    checks[key] = held_out(encoder, stages.ladder[key[1]], 48, seed + 7919 * index + key[1], (task,))
+                    checks[key] = held_out(encoder, task, stages.ladder[key[1]], 48, args.seed + 7919 * index + key[1])
                 accuracy[task] = one_step_accuracy(model, family, checks[key], encoder, device)
             entry = dict(step=step, seconds=round(time.perf_counter() - start, 1), loss=losses, lr=lr,
                          length=dict(zip(task_names, stages.lengths())), accuracy=accuracy)
@@ -506,7 +476,6 @@ def main():
     parser.add_argument("--init", help="continue from this checkpoint directory (for llada also an sdar one, "
                         "converted: llada_from_sdar)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warmup 200 steps, cosine to 0.1x)")
-    parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated tasks to train on")
     parser.add_argument("--first-length", type=int, default=STAGES[0],
                         help=f"the curriculum's first length (default {STAGES[0]}; then the doublings above it)")
     parser.add_argument("--last-length", type=int, default=MAX_LENGTH,
@@ -516,18 +485,13 @@ def main():
     parser.add_argument("--full-mask", type=unit_fraction, default=0.0,
                         help="fraction of samples trained fully masked (t = 1, the canvas decoding starts from)")
     args = parser.parse_args()
-    task_names = tuple(args.tasks.split(","))
     if not tasks.MIN_LENGTH <= args.first_length <= args.last_length <= MAX_LENGTH:
         parser.error(f"--first-length and --last-length must satisfy {tasks.MIN_LENGTH} <= first <= last <= "
                      f"{MAX_LENGTH}, got {args.first_length} and {args.last_length}")
-    ladder = (args.first_length, *(n for n in STAGES if args.first_length < n <= args.last_length))
-    if not set(task_names) <= set(tasks.TASKS) or len(set(task_names)) != len(task_names):
-        parser.error(f"--tasks must name distinct tasks among {', '.join(tasks.TASKS)}, got {args.tasks!r}")
     if args.what == "tokenizer":
         print(f"wrote {train_tokenizer(args.seed)}")
         return
-    train(args.what, args.minutes, args.seed, torch.device(args.device), Path(args.out), args.max_steps, args.workers,
-          args.init, task_names, args.lr, ladder, args.drill, args.full_mask)
+    train(args, (args.first_length, *(n for n in STAGES if args.first_length < n <= args.last_length)))
 
 
 if __name__ == "__main__":
