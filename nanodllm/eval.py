@@ -443,6 +443,8 @@ def main(argv=None, prog=None) -> int:
         if args.task == "longbench":  # read before the model loads: a bad file fails at once
             if not args.data:
                 raise ValueError("--task longbench needs --data FILE.jsonl")
+            if not Path(args.data).is_file():
+                raise FileNotFoundError(f"--data {args.data}: no such file")
             samples = tasks.load_longbench(args.data)[: args.n]
             if not samples:
                 raise ValueError(f"--data {args.data}: the file holds no samples")

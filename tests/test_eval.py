@@ -63,6 +63,7 @@ def test_longbench_file_is_scored(capsys, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--method", "nope"], "unknown method 'nope'; valid methods: dense"),
     (["--task", "longbench"], "--task longbench needs --data"),
+    (["--task", "longbench", "--data", "/nowhere.jsonl"], "error: --data /nowhere.jsonl: no such file"),
     (["--model", "/nowhere"], "model not found: /nowhere"),
     (["--model", "tiny-llada", "--method", "mage"], "method 'mage' runs on the block and gemma engines; this llada model"),
     (["--method", "mage", "--knobs", "budget=64"], "method 'mage' has no knob 'budget'; its knobs (defaults): k=1024"),
