@@ -85,14 +85,6 @@ CONTRACT: dict[tuple[str, str], Contract] = {
         why="k >= every prefix; exact_fraction 0.5 captures at step 1 of 4 (not MAGE's step 0)"),
     ("quest", "block"): Contract(dict(k=64, page_size=2, exact_layers=0), dict(k=2, page_size=2, exact_layers=0),
                                  why="k >= every prefix rounded up to pages; k = one page of 2 keys"),
-    ("dense", "gemma"): Contract(None, {}),
-    ("mage", "gemma"): Contract(dict(k=64, exact_layers=0), dict(k=1, exact_layers=0),
-                                why="k >= every prefix: the full layer reads every cached key"),
-    ("sparsed", "gemma"): Contract(
-        dict(k=64, exact_layers=0, exact_fraction=0.5), dict(k=1, exact_layers=0, exact_fraction=0.5),
-        why="k >= every prefix; exact_fraction 0.5 captures at step 1 of 4"),
-    ("quest", "gemma"): Contract(dict(k=64, page_size=2, exact_layers=0), dict(k=2, page_size=2, exact_layers=0),
-                                 why="k >= every prefix rounded up to pages; k = one page of 2 keys"),
     ("maskkv", "masked"): Contract(
         dict(budget=64, prompt_interval=1, response_interval=1),
         dict(budget=2, prompt_interval=1, response_interval=1),
@@ -115,6 +107,9 @@ CONTRACT: dict[tuple[str, str], Contract] = {
     ("sparse_dllm", "masked"): Contract(dict(ratio=1.0, delay=1), dict(ratio=0.1, delay=1), reference=DUAL_DELAY_1,
                                         why="ratio 1 keeps every key the dual cache keeps"),
 }
+
+# DiffusionGemma's loop: the block engine's knobs, selecting on its full layers (4 steps a canvas, as a block)
+CONTRACT.update({(name, "gemma"): CONTRACT[name, "block"] for name in ("dense", "mage", "sparsed", "quest")})
 
 PAIRS = [(name, engine) for name, cls in METHODS.items() for engine in cls.engines]
 PAIR_IDS = [f"{name}-{engine}" for name, engine in PAIRS]
