@@ -42,7 +42,7 @@ def test_tiny_models_are_in_the_real_formats(name):
         assert "model.layers.0.self_attn.q_norm.weight" in keys and "lm_head.weight" in keys
 
 
-@pytest.mark.parametrize("name,extra", [("tiny-sdar", []), ("tiny-llada", ["--gen-length", "16"])])
+@pytest.mark.parametrize("name,extra", [("tiny-sdar", []), ("tiny-llada", ["--gen-length", "8"])])
 def test_passkey_at_1k_on_the_cpu(capsys, name, extra):
     code, out, err = run_eval(capsys, "--model", name, "--task", "passkey", "--lengths", "1024", "--n", "10",
                               "--batch", "10", *extra)
