@@ -119,11 +119,11 @@ def test_an_interrupted_sweep_resumes_from_its_journal(tmp_path, monkeypatch, ca
     from nanodllm.eval import Runner
 
     journal = tmp_path / "sweep.jsonl"
-    flags = ["--methods", "snapkv", "--knob", "budget=16,64", "--lengths", "256", "--n", "4", "--batch", "2",
+    flags = ["--methods", "snapkv", "--knob", "budget=16,64", "--lengths", "256", "--n", "2", "--batch", "1",
              "--journal", str(journal)]
     assert sweep.main(flags) == 0
     whole = capsys.readouterr()
-    assert "4/4 samples, accuracy so far: dense " in whole.err and not journal.exists()
+    assert "2/2 samples, accuracy so far: dense " in whole.err and not journal.exists()
     generate, calls = Runner.generate, []
 
     def interrupted_after_four(self, *args, **kwargs):
@@ -154,7 +154,8 @@ def test_an_interrupted_eval_resumes_from_its_journal(tmp_path, monkeypatch, cap
     from nanodllm import eval as evaluation
 
     journal = tmp_path / "eval.jsonl"
-    flags = ["--method", "snapkv", "--lengths", "256", "--n", "4", "--batch", "2", "--journal", str(journal)]
+    flags = ["--method", "snapkv", "--lengths", "256", "--n", "4", "--batch", "2", "--gen-length", "8", "--journal",
+             str(journal)]  # 8 tokens: snapkv scores 0 on one depth, 1 on the others, dense 1 on all
     assert evaluation.main(flags) == 0
     whole = capsys.readouterr()
     assert "eval: 4/4 samples, accuracy so far: dense " in whole.err and not journal.exists()

@@ -42,12 +42,12 @@ def test_tiny_models_are_in_the_real_formats(name):
         assert "model.layers.0.self_attn.q_norm.weight" in keys and "lm_head.weight" in keys
 
 
-@pytest.mark.parametrize("name,extra", [("tiny-sdar", []), ("tiny-llada", ["--gen-length", "16"])])
+@pytest.mark.parametrize("name,extra", [("tiny-sdar", []), ("tiny-llada", ["--gen-length", "8"])])
 def test_passkey_at_1k_on_the_cpu(capsys, name, extra):
-    code, out, err = run_eval(capsys, "--model", name, "--task", "passkey", "--lengths", "1024", "--n", "20",
-                              "--batch", "20", *extra)
+    code, out, err = run_eval(capsys, "--model", name, "--task", "passkey", "--lengths", "1024", "--n", "10",
+                              "--batch", "10", *extra)
     assert code == 0, err
-    assert float(accuracy(out, "dense", 1024)) >= 0.95, out
+    assert float(accuracy(out, "dense", 1024)) >= 0.95, out  # 10 of 10: two at each of the 5 depths
 
 
 def test_longbench_file_is_scored(capsys, tmp_path):

@@ -75,10 +75,11 @@ def test_qsa_matches_the_reference(n, gamma, beta, top_k, head_dim, group, mask,
 
 
 @settings(max_examples=15, deadline=None)
-@given(n=st.integers(16, 300), gamma=st.sampled_from([2, 4]), top_k=st.integers(2, 10), group=st.sampled_from([1, 2]),
+@given(n=st.integers(16, 200), gamma=st.sampled_from([2, 4]), top_k=st.integers(2, 10), group=st.sampled_from([1, 2]),
        mask=st.sampled_from(["none", "causal", "padding", "padded rows"]), seed=st.integers(0, 999), data=st.data())
 def test_estimated_top_k_in_the_kernel_matches_its_torch_form(n, gamma, top_k, group, mask, seed, data):
-    """With "padded rows" (q_valid) the sampled rows at padded columns choose nothing, in both."""
+    """With "padded rows" (q_valid) the sampled rows at padded columns choose nothing, in both. Up to
+    100 sampled rows: two scan-order groups at gamma 2 (the test below holds four)."""
     k_exact = data.draw(st.integers(0, top_k - 1))
     generator = torch.Generator().manual_seed(seed)
     q = randn(2, 2 * group, n, 16, generator=generator)
@@ -102,14 +103,15 @@ def test_estimated_top_k_in_the_kernel_matches_its_torch_form(n, gamma, top_k, g
 
 @pytest.mark.parametrize("mask", ["causal", "padding"])
 def test_the_estimate_scans_each_row_group_in_one_order_across_programs(mask):
-    # 200 sampled rows: 4 scan-order groups of 64 rows, each held by 4 programs of 16 rows in the
-    # interpreter (1 of 64 on a GPU); every program must scan its group's order and count its own rows
+    # 132 sampled rows: scan-order groups of 64, 64 and 4 rows, the first two each held by 4 programs of
+    # 16 rows in the interpreter (1 of 64 on a GPU); every program must scan its group's order and count
+    # its own rows. Padding from column 200: the second group's later rows and all the third's see less
     generator = torch.Generator().manual_seed(7)
-    n, gamma = 400, 2
+    n, gamma = 264, 2
     q = randn(1, 2, n, 16, generator=generator)
     k, v = (randn(1, 1, n, 16, generator=generator) for _ in range(2))
     valid = torch.ones(1, n, dtype=torch.bool, device=DEVICE)
-    valid[0, 300:] = False
+    valid[0, 200:] = False
     masks = {"causal": True} if mask == "causal" else {"k_valid": valid, "block_size": 8}
     _, _, got, _ = qsa_attention(q, k, v, gamma=gamma, beta=16, top_k=8, k_exact=2, **masks)
     _, _, expected, _ = qsa_attention_reference(q, k, v, gamma=gamma, beta=16, top_k=8, k_exact=2, **masks)
@@ -118,7 +120,7 @@ def test_the_estimate_scans_each_row_group_in_one_order_across_programs(mask):
 
 
 @settings(max_examples=10, deadline=None)
-@given(n=st.integers(1, 300), gamma=st.sampled_from([1, 4]), top_k=st.integers(1, 20), mask=st.sampled_from(["none", "causal"]),
+@given(n=st.integers(1, 200), gamma=st.sampled_from([1, 4]), top_k=st.integers(1, 20), mask=st.sampled_from(["none", "causal"]),
        seed=st.integers(0, 999))
 def test_the_tournament_tree_keeps_the_exact_top_k(n, gamma, top_k, mask, seed):
     generator = torch.Generator().manual_seed(seed)

@@ -429,7 +429,7 @@ def answers(output: str) -> list[str]:
 
 
 def test_the_demo_split_over_two_processes_reports_one_process_answers_once():
-    flags = ("--method", "mage", "--gen-length", "16", "--length", "256")
+    flags = ("--method", "mage", "--gen-length", "16", "--steps", "8", "--length", "256")
     single, split = demo(*flags), demo(*flags, "--tp", "2", ranks=2)
     assert single.returncode == 0 and split.returncode == 0, split.stderr[-2000:]
     expected = answers(single.stdout)
@@ -468,7 +468,7 @@ def test_closing_the_group_ends_its_threads(tmp_path):
 
 
 EVAL_FLAGS = ("--model", "tiny-sdar", "--method", "quest", "--n", "4", "--batch", "1", "--lengths", "128",
-              "--gen-length", "8")
+              "--gen-length", "8", "--steps", "8")  # 8 steps for the block of 32: 4 tokens a step
 
 
 def evaluated(*flags: str, ranks: int = 0, tmp: Path) -> list[str]:
@@ -482,9 +482,15 @@ def evaluated(*flags: str, ranks: int = 0, tmp: Path) -> list[str]:
     return [" | ".join(line.split(" | ")[:6]) if line.startswith("|") else line for line in done.stdout.splitlines()]
 
 
+@pytest.fixture(scope="module")
+def one_process_table(tmp_path_factory) -> list[str]:
+    """The table eval writes in one process: the same for both splits below, so run once."""
+    return evaluated(tmp=tmp_path_factory.mktemp("one-process-eval"))
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["two replicas", "one model over two ranks"])
-def test_eval_over_two_processes_writes_one_process_table(tp, tmp_path):
-    assert evaluated("--tp", str(tp), ranks=2, tmp=tmp_path) == evaluated(tmp=tmp_path)
+def test_eval_over_two_processes_writes_one_process_table(tp, tmp_path, one_process_table):
+    assert evaluated("--tp", str(tp), ranks=2, tmp=tmp_path) == one_process_table
 
 
 def test_a_world_that_tp_does_not_divide_is_refused(monkeypatch):
