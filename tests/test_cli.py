@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import functools
 import json
 import re
 import shutil
@@ -53,6 +54,49 @@ print(json.dumps(shown))
 """
 INTERNAL = {"scripts/bench_e2e.py"}  # bench.py e2e's worker process, not run by hand
 
+BATCH_PROBE = """
+import contextlib, io, json, runpy, sys, traceback
+sys.path.insert(0, "scripts")  # as `python scripts/X.py` would have it
+done = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if argv[0] == "-m":
+                sys.argv = argv[1:]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = argv
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as stop:  # as the interpreter exits: None is 0, a number itself, else printed and 1
+            code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+            if not isinstance(stop.code, (int, type(None))):
+                print(stop.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()  # what the interpreter prints of an uncaught exception
+            code = 1
+    done.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(done))
+"""
+
+
+@functools.cache
+def batched(commands: tuple) -> list[subprocess.CompletedProcess]:
+    """What `script(*command)` returns for each command line, run one after another in one Python
+    process (BATCH_PROBE): for flags refused as they are read, where a process each spends nearly all
+    its time importing torch. Exit code, stdout and stderr as a process of its own would give them."""
+    done = script("-c", BATCH_PROBE, json.dumps(commands))
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return [subprocess.CompletedProcess(list(argv), *result) for argv, result in zip(commands, results)]
+
+
+def run_together(commands: list, command: list) -> subprocess.CompletedProcess:
+    """command's outcome, run in one process with the other commands (lists of arguments) of its test."""
+    commands = tuple(tuple(c) for c in commands)
+    return batched(commands)[commands.index(tuple(command))]
+
 
 def test_every_entry_point_shows_an_example_in_its_help():
     """--help of every script and `python -m nanodllm` command exits 0 and shows a command line to copy."""
@@ -66,7 +110,7 @@ def test_every_entry_point_shows_an_example_in_its_help():
     assert without == []
 
 
-@pytest.mark.parametrize("command, args, first_line", [
+BAD_FLAGS = [
     ("eval", ["--n", "0"], "argument --n: must be a positive integer, got '0'"),
     ("eval", ["--batch", "0"], "argument --batch: must be a positive integer, got '0'"),
     ("eval", ["--lengths", "abc"], "argument --lengths: must be comma-separated positive integers, e.g. 1024,2048; got 'abc'"),
@@ -74,9 +118,13 @@ def test_every_entry_point_shows_an_example_in_its_help():
     ("demo", ["--block-length", "0"], "argument --block-length: must be a positive integer, got '0'"),
     ("demo", ["--steps", "-3"], "argument --steps: must be a positive integer, got '-3'"),
     ("demo", ["--device", "tpu9"], "argument --device: 'tpu9' is not a device"),
-])
+]
+
+
+@pytest.mark.parametrize("command, args, first_line", BAD_FLAGS)
 def test_a_bad_flag_is_named_before_anything_loads(command, args, first_line):
-    done = entry(command, *args)
+    entries = [["-m", "nanodllm", c, *a] for c, a, _ in BAD_FLAGS]
+    done = run_together(entries, ["-m", "nanodllm", command, *args])
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert first_line in done.stderr.splitlines()[-1]
 
@@ -87,27 +135,35 @@ def test_cuda_without_a_gpu_is_refused():
     assert done.returncode == 2 and "torch sees no CUDA GPU here" in done.stderr.splitlines()[-1]
 
 
-@pytest.mark.parametrize("command, args, message", [
+HARMFUL_SETTINGS = [
     ("demo", ["--steps", "100"], "error: --steps 100 exceeds --gen-length 32: at most 32 steps unmask anything"),
     ("demo", ["--method", "mage", "--steps", "9", "--block-length", "8"],
      "error: --steps 9 exceeds --block-length 8 (steps are per block): at most 8 steps unmask anything"),
     ("eval", ["--model", "tiny-sdar", "--calibrate"], "error: --calibrate writes MaskKV's profile, and MaskKV runs on the "
      "masked engine;"),
-])
+]
+
+
+@pytest.mark.parametrize("command, args, message", HARMFUL_SETTINGS)
 def test_settings_that_would_do_nothing_or_harm_are_refused(command, args, message):
-    done = entry(command, *args)
+    entries = [["-m", "nanodllm", c, *a] for c, a, _ in HARMFUL_SETTINGS]
+    done = run_together(entries, ["-m", "nanodllm", command, *args])
     assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+SWEEP_FLAGS = [
     (["--knob", "kk=16,64"], "error: --knob kk: no method in --methods takes it (maskkv: budget, alpha,"),
     (["--knob", "k"], "error: --knob must be name=v1,v2,... (e.g. budget=16,64), got 'k'"),
     (["--knob", "budget=16,-1"], "error: --knob / --knobs give maskkv budget=-1: budget must be an integer >= 1, got -1"),
     (["--knob", "budget=16", "--lengths", "10000000", "--model", "tiny-llada"],
      "error: 10000256 tokens x batch 8 need about"),
-])
+]
+
+
+@pytest.mark.parametrize("args, message", SWEEP_FLAGS)
 def test_sweep_checks_its_flags_before_loading_a_model(args, message):
-    done = script("scripts/sweep.py", "--methods", "maskkv", "--model", "/no/model/here", *args)
+    sweep = ["scripts/sweep.py", "--methods", "maskkv", "--model", "/no/model/here"]
+    done = run_together([sweep + a for a, _ in SWEEP_FLAGS], sweep + args)
     assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
 
 
@@ -320,7 +376,7 @@ def test_no_command_is_named_on_stderr():
                                   "(python -m nanodllm --help lists them)")
 
 
-@pytest.mark.parametrize("args, last_line", [
+FAILING_LATE = [
     (["scripts/sweep.py", "--methods", "maskkv", "--knob", "budget=16", "--out", "no-such-folder/sweep.md"],
      "argument --out: the folder no-such-folder of no-such-folder/sweep.md does not exist"),
     (["scripts/sweep.py", "--methods", "maskkv", "--knob", "budget=16", "--plot", "docs"],
@@ -341,10 +397,13 @@ def test_no_command_is_named_on_stderr():
     (["scripts/mutate.py", "--timeout", "0.001"], "argument --timeout: must be at least 1 (seconds), got '0.001'"),
     (["scripts/mutate.py", "--timeout", "-5"], "argument --timeout: must be at least 1 (seconds), got '-5'"),
     (["scripts/bench.py", "dyllm_salient", "--out", "README.md"], "argument --out: README.md is a file, not a folder"),
-])
+]
+
+
+@pytest.mark.parametrize("args, last_line", FAILING_LATE)
 def test_an_output_path_or_value_that_would_fail_late_is_refused_first(args, last_line):
     """Checked as the flags are read, not when the run ends and writes (or a benchmark reaches the value)."""
-    done = script(*args, timeout=120)
+    done = run_together([a for a, _ in FAILING_LATE], args)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.splitlines()[-1].endswith(last_line), done.stderr
 
