@@ -775,6 +775,9 @@ def write_diffusion_gemma() -> int:
         std = 1.0 if "embed_tokens" in name else param.shape[-1] ** -0.5  # logits of scale ~20 (cap 30)
         drawn = torch.randn(param.shape, generator=gen)
         param.copy_(1 + 0.3 * drawn if param.dim() == 1 or "scale" in name else std * drawn)
+    # a contracting self-conditioning loop: at full gain float32 rounding grows tenfold a step and decides the
+    # tokens, so that another CPU's BLAS would decode others; at a tenth it stays in the logits' last digits
+    model.model.decoder.self_conditioning.down_proj.weight.mul_(0.1)
     for name, buffer in sorted(model.named_buffers()):
         if name.endswith("layer_scalar"):
             buffer.copy_(0.5 + torch.rand(buffer.shape, generator=gen))
@@ -816,7 +819,8 @@ def gemma_generations(model, prompts: list[list[int]]) -> dict:
     """What generate() makes of the two golden prompts (13 tokens, over the sliding window of 8), 12 steps at
     most per canvas: its tokens, tokens per forward, each row's steps per canvas, and its sampler's units:
     each step's temperature, accepted positions and stop decisions (the stable-and-confident rule's, before
-    a done row's are discarded). Runs: `sampled` (torch.manual_seed), `deterministic` (torch.multinomial
+    a done row's are discarded). Runs: `sampled` (torch.manual_seed: the first seed where one row stops a
+    canvas before the other), `deterministic` (torch.multinomial
     patched to an argmax, the canvas noise drawn from a seeded generator), `early_stop` (no stability wait,
     a confidence every row meets within a few steps, a stop token inside row 0's second canvas), `ragged`
     (row 1 cut to 10 tokens, left-padded). `stop_rule`: the rule itself on a made-up argmax sequence."""
@@ -877,7 +881,9 @@ def gemma_generations(model, prompts: list[list[int]]) -> dict:
                 "stop_ids": list(stop_ids), "sampler": knobs, "sequences": out.sequences[:, width:].tolist(),
                 "tokens_per_forward": out.tokens_per_forward.tolist(), **trace}
 
-    runs = {"sampled": run(prompts, 0, 3), "deterministic": run(prompts, 1, 3, deterministic=True)}
+    one_row_stops = lambda r: any(sum(finished) == 1 for finished in r["finished"][:-1])
+    sampled = next(r for r in (run(prompts, seed, 3) for seed in range(100)) if one_row_stops(r))
+    runs = {"sampled": sampled, "deterministic": run(prompts, 1, 3, deterministic=True)}
     early = dict(seed=3, canvases=4, stability_threshold=0, confidence_threshold=0.6)
     free = run(prompts, stop_ids=(), **early)["sequences"]  # a stop token inside row 0's second canvas, nowhere else
     stop = next(t for t in free[0][GEMMA_CANVAS + 3:2 * GEMMA_CANVAS]

@@ -64,7 +64,8 @@ def test_the_runs_have_the_paths_the_parity_needs():
                for p in run["prompts"])
     assert early["finished"][1] == [True, False] and early["finished"][-1] == [True, False]  # stops a canvas apart
     assert len(early["temperatures"]) < early["canvases"] * STEPS  # canvases cut short by the stop rule
-    assert sampled["finished"][1] == [False, True] and len({len(p) for p in ragged["prompts"]}) == 2
+    assert any(sum(finished) == 1 for finished in sampled["finished"][:-1])  # a row done, the other not
+    assert len({len(p) for p in ragged["prompts"]}) == 2
 
 
 @pytest.mark.parametrize("name", ["sampled", "deterministic", "early_stop", "ragged"])
@@ -79,6 +80,18 @@ def test_generation_matches_transformers_token_for_token(name):
         real = sum(token != PAD for token in run["sequences"][row])  # transformers counts all but pads
         assert real / sum(steps) == pytest.approx(expected, rel=1e-6)
         assert result.tokens_per_forward[row] == len(result.tokens[row]) / sum(steps)
+
+
+@pytest.mark.parametrize("name", ["sampled", "deterministic", "early_stop", "ragged"])
+def test_the_tokens_outlast_float32_rounding(name, monkeypatch):
+    """The parity above holds on any CPU: logits moved by 3e-5 (about what another CPU's float32 matmuls
+    change) decode the same tokens, as the fixture's contracting self-conditioning keeps them."""
+    head, generator = MODEL.head, torch.Generator().manual_seed(0)
+    shaken = lambda *args: (lambda z: z + 3e-5 * (2 * torch.rand(z.shape, generator=generator) - 1))(head(*args))
+    monkeypatch.setattr(MODEL, "head", shaken)
+    result, _ = decode(RUNS[name])
+    width = RUNS[name]["canvases"] * 8
+    assert [padded(tokens, width) for tokens in result.tokens] == RUNS[name]["sequences"]
 
 
 @pytest.mark.parametrize("name", ["sampled", "early_stop", "ragged"])
