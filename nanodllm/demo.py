@@ -8,7 +8,8 @@ Prints both outputs, how many generated tokens agree, tokens/s of each run, the 
 KV it kept (and of canvas rows it computed, where counted) and, on a GPU, its peak memory. Where a
 method's default budget would keep most of the prompt, the demo sets it to about a quarter of the
 prompt and says so (--knobs overrides). On the block engine the tokens fill whole blocks, at least
---gen-length. Without --model the demo uses the tiny trained model in nanodllm/assets of the method's
+--gen-length; DiffusionGemma fills whole canvases, its sampler in the deterministic mode, and reports
+its denoising steps per canvas and tokens per step. Without --model the demo uses the tiny trained model in nanodllm/assets of the method's
 first engine (tiny-llada: masked diffusion, tiny-sdar: block diffusion; MOMO, which serves both, is
 shown on the block engine's prefill) and, without --prompt, a built-in long-context passkey prompt
 whose answer it prints.
@@ -29,6 +30,7 @@ from .cli import (HelpFormatter, available_device, check_fits, check_steps, posi
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import check_method, engine_of, until_stop
 from .eval import with_profile
+from .gemma_loop import RELEASED_STEPS, GemmaSampling
 from .generation import generate
 from .loader import CheckpointError, load_model
 from .methods import METHODS, get_method, knob_defaults, parse_knobs
@@ -76,13 +78,20 @@ def parse_args(argv, prog=None):
 
 
 def run(model, prompt_ids, gen, method, stop_ids, device):
-    """Generate once; returns (tokens, seconds, what the run used: GPU memory and the share of KV kept)."""
+    """Generate once; returns (tokens, seconds, what the run used: GPU memory, the share of KV kept and, for
+    DiffusionGemma, what its sampler did). DiffusionGemma decodes in its deterministic mode (argmax tokens,
+    seeded renoise), so that dense and the method differ only by what the method reads."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    result = generate(model, [prompt_ids], gen, method, stop_ids=stop_ids)
+    options = {"sampling": GemmaSampling(sample=False)} if model.cfg.gemma is not None else {}
+    result = generate(model, [prompt_ids], gen, method, stop_ids=stop_ids, **options)
     used = kv_summary(result.stats, len(prompt_ids))
+    if options:
+        steps = result.steps_per_canvas[0]
+        used += (f"; sampler: {sum(steps)} denoising steps over {len(steps)} canvases ({', '.join(map(str, steps))}), "
+                 f"{result.tokens_per_forward[0]:.2f} tokens per step")
     if device.type == "cuda":  # on a CPU only the process's peak is known, which one run cannot be told by
         torch.cuda.synchronize()
         used = f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB, {used}"
@@ -139,16 +148,19 @@ def main(argv=None, prog=None) -> int:
     knobs = with_profile(args.method, knobs, model_dir)  # MaskKV: the checkpoint's layer profile, if it has one
     try:
         cfg = ModelConfig.from_dir(model_dir)
-        is_block = engine_of(cfg) == "block"
+        engine = engine_of(cfg)
+        is_block = engine in ("block", "gemma")  # whole blocks (DiffusionGemma: canvases)
         block_length = args.block_length or default_block_length(cfg, args.gen_length)
+        default_steps = RELEASED_STEPS if engine == "gemma" else block_length if is_block else args.gen_length
         gen = GenerationConfig(
             gen_length=args.gen_length,
             block_length=block_length,
-            steps=args.steps or (block_length if is_block else args.gen_length),
+            steps=args.steps or default_steps,
             temperature=args.temperature,
             threshold=default_threshold(cfg) if args.threshold is None else args.threshold,
         )
-        check_steps(gen, is_block)
+        if engine != "gemma":  # a canvas's steps renoise what they reject: more steps than tokens can help
+            check_steps(gen, is_block)
         group = tensor_parallel(args.tp)[0]
         check_method(get_method(args.method, **knobs), cfg)
         tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
@@ -181,8 +193,13 @@ def main(argv=None, prog=None) -> int:
     split = f", split over {group.world} ranks" if group.world > 1 else ""
     print(f"model: {model_dir} ({cfg.model_type}, {engine_of(cfg)} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}{split}")
-    print(f"decoding: {gen.gen_length} tokens{' or more (whole blocks)' if is_block else ''}, blocks of {gen.block_length}, {gen.steps} steps"
-          f"{' per block' if is_block else ''}, temperature {gen.temperature}, threshold {gen.threshold}")
+    if engine == "gemma":
+        print(f"decoding: {gen.gen_length} tokens or more (whole canvases of {gen.block_length}), at most {gen.steps} "
+              "denoising steps per canvas, the entropy-bound sampler in its deterministic mode (argmax, seeded renoise)")
+    else:
+        print(f"decoding: {gen.gen_length} tokens{' or more (whole blocks)' if is_block else ''}, blocks of "
+              f"{gen.block_length}, {gen.steps} steps{' per block' if is_block else ''}, temperature {gen.temperature}, "
+              f"threshold {gen.threshold}")
     if warm_up is not None:
         print(f"warm-up, not timed below (kernels compiled or loaded, launch settings looked up): {warm_up:.1f}s")
     defaults = knob_defaults(args.method)

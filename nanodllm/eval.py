@@ -32,6 +32,7 @@ from .cli import (HelpFormatter, available_device, check_fits, check_steps, outp
                   read_text, run_main, tensor_parallel, write_whole)
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
 from .decoding import check_method, engine_of, until_stop
+from .gemma_loop import RELEASED_STEPS, GemmaSampling
 from .generation import generate
 from .loader import load_model
 from .methods import METHODS, get_method, parse_knobs
@@ -100,6 +101,7 @@ class Outcome:
     tokens: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
     kv_kept: list[float] = field(default_factory=list)
+    tokens_per_step: list[float] = field(default_factory=list)  # DiffusionGemma's sampler, per sample
     stats: dict = field(default_factory=dict)  # what its steps kept, read and computed (nanodllm/meter.py)
 
 
@@ -114,6 +116,8 @@ class Runner:
         self.tokenizer = Tokenizer.from_dir(model_dir, cfg.model_type)
         self.is_block = engine_of(cfg) == "block"
         self.gen = gen or GenerationConfig(gen_length=32, block_length=default_block_length(cfg, 32), steps=32)
+        # DiffusionGemma decodes in its deterministic mode: a rerun (or a resumed journal) scores the same
+        self.options = {"sampling": GemmaSampling(sample=False)} if cfg.gemma is not None else {}
         self.device = torch.device(device)
         self.knobs: dict = {}  # the evaluated method's knobs (dense takes none)
 
@@ -138,7 +142,7 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = generate(self.model, prompts, self.gen, method, stop_ids=self.tokenizer.stop_ids)
+        result = generate(self.model, prompts, self.gen, method, stop_ids=self.tokenizer.stop_ids, **self.options)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         outcome = Outcome(seconds=time.perf_counter() - start)
@@ -147,6 +151,7 @@ class Runner:
             outcome.scores.append(tasks.score(sample, text))
             outcome.tokens.append(tokens)
             outcome.kv_kept.append(result.stats.get("kv_kept", 1.0))
+        outcome.tokens_per_step = list(getattr(result, "tokens_per_forward", []))
         outcome.stats = result.stats
         return outcome
 
@@ -257,6 +262,7 @@ def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], ba
                     cell.scores.append(record["scores"][i])
                     cell.tokens.append(record["tokens"][i])
                     cell.kv_kept.append(record["kv_kept"][i])
+                    cell.tokens_per_step += record.get("tokens_per_step", [])[i : i + 1]
                     cell.seconds += record["seconds"] / len(chunks[index])
             left = (len(chunks) - index - 1) * len(methods)
             eta = time_left(clock, computed, left)
@@ -270,7 +276,7 @@ def run_record(runner: Runner, chunk: list[tasks.Sample], name: str, key: str) -
     """A (method, batch) run as the journal keeps it."""
     outcome = runner.generate(chunk, name)
     return {"key": key, "scores": outcome.scores, "tokens": outcome.tokens, "kv_kept": outcome.kv_kept,
-            "seconds": outcome.seconds}
+            "tokens_per_step": outcome.tokens_per_step, "seconds": outcome.seconds}
 
 
 def every_replicas(records: dict, replicas: int) -> dict:
@@ -296,10 +302,13 @@ def accuracy_so_far(cells: dict) -> float:
 
 
 def table(results, methods: list[str]) -> str:
+    """One row per cell; DiffusionGemma's adds each method's tokens per denoising step (its sampler's)."""
     dense = results["dense"]
     others = [m for m in methods if m != "dense"]
+    sampled = any(outcome.tokens_per_step for outcome in dense.values())
     header = ["cell", "depth", "n", *(f"{m} acc" for m in methods),
-              *(f"{m} {what}" for m in others for what in ("agree", "tok/s", "KV kept")), "dense tok/s"]
+              *(f"{m} {what}" for m in others for what in ("agree", "tok/s", "KV kept")), "dense tok/s",
+              *(f"{m} tok/step" for m in methods if sampled)]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(dense, key=lambda c: (str(c[0]), c[1])):
         n = len(dense[cell].scores)
@@ -308,7 +317,10 @@ def table(results, methods: list[str]) -> str:
             outcome = results[m][cell]
             columns += [f"{agreement(outcome.tokens, dense[cell].tokens):.3f}", f"{tokens_per_second(outcome):.1f}",
                         f"{sum(outcome.kv_kept) / n:.3f}"]
-        rows.append("| " + " | ".join(columns + [f"{tokens_per_second(dense[cell]):.1f}"]) + " |")
+        columns.append(f"{tokens_per_second(dense[cell]):.1f}")
+        if sampled:
+            columns += [f"{sum(results[m][cell].tokens_per_step) / n:.2f}" for m in methods]
+        rows.append("| " + " | ".join(columns) + " |")
     return "\n".join(rows)
 
 
@@ -403,9 +415,9 @@ def parse_args(argv, prog=None):
 def print_recall(runner: Runner, samples: list[tasks.Sample], methods: list[str], args) -> int:
     """--recall: one table per method of estimation accuracy per step bucket and layer."""
     selecting = [m for m in methods if hasattr(get_method(m), "k")]
-    if not runner.is_block or not selecting:
-        raise ValueError("--recall needs the block engine (an SDAR-format model) and a selecting method "
-                         "(mage, quest, sparsed, or all)")
+    if runner.engine_name not in ("block", "gemma") or not selecting:
+        raise ValueError("--recall needs the block engine (an SDAR-format model) or DiffusionGemma's and a "
+                         "selecting method (mage, quest, sparsed, or all)")
     print(f"\n{args.model}: recall, task {args.task}, {runner.gen}, knobs {runner.knobs}, {len(samples)} prompts\n")
     for name in selecting:
         records = []
@@ -467,12 +479,14 @@ def main(argv=None, prog=None) -> int:
             methods = [m for m in methods if runner.engine_name in METHODS[m].engines]
         else:
             runner.check_engine(args.method)
-        steps = args.steps or (runner.gen.block_length if runner.is_block else args.gen_length)
+        gemma = runner.engine_name == "gemma"
+        steps = args.steps or (RELEASED_STEPS if gemma else runner.gen.block_length if runner.is_block else args.gen_length)
         runner.gen = GenerationConfig(gen_length=args.gen_length,
                                       block_length=default_block_length(runner.model.cfg, args.gen_length),
                                       steps=steps, threshold=default_threshold(runner.model.cfg) if args.threshold is None
                                       else args.threshold)
-        check_steps(runner.gen, runner.is_block)
+        if not gemma:  # a canvas's steps renoise what they reject: more steps than tokens can help
+            check_steps(runner.gen, runner.is_block)
         if args.task != "longbench":
             samples = [s for length in lengths
                        for s in tasks.make_samples(args.task, length, args.n, args.seed + length,

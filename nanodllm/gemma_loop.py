@@ -24,7 +24,11 @@ import torch
 
 from .config import GenerationConfig
 from .decoding import GenerationResult, check_method, check_prompts, left_padded_canvas, until_stop
+from .meter import Meter
 from .methods.base import Dense, Method, StepContext
+
+
+RELEASED_STEPS = 48  # the released generation_config.json's max_denoising_steps: gen.steps' default
 
 
 @dataclass
@@ -128,6 +132,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     to_encode, valid = prompt.tokens, prompt.valid
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # a stop token in an earlier canvas
     committed, steps_per_canvas, passes, forwards, steps = [], [[] for _ in prompts], 0, 0, 0
+    meter = Meter()  # what the method's steps read of the full layers' cache
     for canvas in range(canvases):
         model.encode(to_encode, cache, valid)
         forwards += 1
@@ -142,6 +147,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             ctx = context(canvas, step, x)
             hidden = model.denoised(x, cache, self_conditioning, None if exact else partial(method.attend, ctx=ctx))
             z = method.logits(model, hidden, ctx) / temperature(left, gen.steps, sampling)  # [b, size, V]
+            meter.count(method, ctx)
             probs = torch.softmax(z, dim=-1, dtype=torch.float32)
             if sampling.sample:
                 drawn = torch.multinomial(probs.view(-1, cfg.vocab_size), 1, generator=generator).view(batch, size)
@@ -169,5 +175,5 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     sequences = torch.cat(committed, dim=1).tolist()
     tokens = [row[: len(until_stop(row, stops.tolist())) + 1] for row in sequences]  # with the stop token
     per_forward = [len(row) / max(int(n), 1) for row, n in zip(tokens, passes.tolist())]
-    return CanvasResult(tokens, forwards, steps, cache, steps_per_canvas=steps_per_canvas,
+    return CanvasResult(tokens, forwards, steps, cache, stats=meter.stats(), steps_per_canvas=steps_per_canvas,
                         tokens_per_forward=per_forward)

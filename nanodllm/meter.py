@@ -2,8 +2,9 @@
 selection, kv_kept, rows_computed), summed over its denoising steps (prefills and commits are not
 counted) and given as a fraction:
 
-    kv_kept        K/V entries kept or read / of how many; on the block engine, where a method states
-                   nothing, the prefix keys each layer's attention read (its selection) / the prefix
+    kv_kept        K/V entries kept or read / of how many; on the block and gemma engines, where a method
+                   states nothing, the cached keys each layer's attention read (its selection) / the cache
+                   (DiffusionGemma: its full layers; the sliding ones read a window)
     rows_computed  canvas rows computed / of how many, with rows_computed_per_layer where a method
                    states one number per layer
 
@@ -16,14 +17,15 @@ import torch
 
 
 def prefix_keys_read(method, ctx) -> tuple[int, int]:
-    """(prefix keys this step's attention read, of how many), over layers and rows: a layer whose
-    selection was read reads at most its `most` keys of a row. Host lengths: no device sync."""
-    lengths, layers = ctx.cache.host_lengths, len(ctx.cache.keys)
+    """(prefix keys this step's attention read, of how many), over the layers the cache holds and the
+    rows: a layer whose selection was read reads at most its `most` keys of a row. Host lengths: no
+    device sync."""
+    lengths, layers = ctx.cache.host_lengths, [i for i, keys in enumerate(ctx.cache.keys) if keys is not None]
     read = 0
-    for layer in range(layers):
+    for layer in layers:
         chosen = method.selection(layer, ctx)
         read += sum(n if chosen is None or chosen.chosen_now else min(chosen.most, n) for n in lengths)
-    return read, layers * sum(lengths)
+    return read, len(layers) * sum(lengths)
 
 
 class Meter:

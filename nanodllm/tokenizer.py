@@ -1,8 +1,8 @@
 """Tokenizer: a checkpoint's tokenizer files, its special ids, and its chat template.
 
 `Tokenizer.from_dir(path, family)` builds a `tokenizers` tokenizer (no transformers needed). `family`
-is the config's model_type: "llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe" or "sdar_moe"
-(which is SDAR's vocabulary and chat template). It loads `<path>/tokenizer.json`, else, for the
+is the config's model_type: "llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe", "sdar_moe"
+(which is SDAR's vocabulary and chat template) or "diffusion_gemma" (Gemma 4's turns; no mask token). It loads `<path>/tokenizer.json`, else, for the
 Qwen2-vocabulary families, `vocab.json` + `merges.txt` built as transformers' Qwen2 tokenizer does.
 
 Special ids (mask_id, eos_id, pad_id, bos_id) are resolved field by field, first hit wins:
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
-SUPPORTED_FAMILIES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe", "sdar_moe")
+SUPPORTED_FAMILIES = ("llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe", "sdar_moe", "diffusion_gemma")
 QWEN2_VOCAB_FAMILIES = ("sdar", "Dream", "Fast_dLLM_Qwen", "sdar_moe")
 QWEN25_CHAT_FAMILIES = ("Dream", "Fast_dLLM_Qwen")
 CHAT_ROLES = ("system", "user", "assistant")
@@ -65,6 +65,12 @@ SPECIAL_TOKENS = {
         "pad_token_id": ("<|endoftext|>", 156892),
         "bos_token_id": ("<|startoftext|>", 156891),
     },
+    "diffusion_gemma": {
+        "mask_token_id": (None, None),  # uniform-state diffusion: none
+        "eos_token_id": ("<eos>", 1),
+        "pad_token_id": ("<pad>", 0),
+        "bos_token_id": ("<bos>", 2),
+    },
 }
 SPECIAL_TOKENS["sdar_moe"] = SPECIAL_TOKENS["sdar"]
 QWEN_STOP_TOKENS = (("<|im_end|>", 151645), ("<|endoftext|>", 151643))
@@ -75,6 +81,7 @@ STOP_TOKENS = {
     "Fast_dLLM_Qwen": QWEN_STOP_TOKENS,
     "sdar_moe": QWEN_STOP_TOKENS,
     "llada2_moe": (("<|endoftext|>", 156892),),
+    "diffusion_gemma": (("<eos>", 1), ("<turn|>", 106)),
 }
 # special-id field -> the tokenizer_config.json entry naming its token
 TOKENIZER_CONFIG_NAMES = {
@@ -150,6 +157,8 @@ class Tokenizer:
             return _qwen3_chat_text(messages, add_generation_prompt)
         if self.family == "llada2_moe":
             return _llada2_chat_text(messages, add_generation_prompt)
+        if self.family == "diffusion_gemma":
+            return _gemma_chat_text(messages, add_generation_prompt)
         return _qwen25_chat_text(messages, add_generation_prompt, self.default_system_prompt)
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -326,3 +335,15 @@ def _qwen25_chat_text(messages, add_generation_prompt, default_system_prompt):
         messages = [{"role": "system", "content": default_system_prompt}, *messages]
     text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+GEMMA_ROLES = {"system": "system", "user": "user", "assistant": "model"}
+
+
+def _gemma_chat_text(messages, add_generation_prompt):
+    """DiffusionGemma (Gemma 4's turns), thinking off: '<bos>', each message as '<|turn>ROLE\n...<turn|>\n'
+    (the assistant's role is "model"; content stripped, as Gemma's templates trim it), then the model's turn
+    with an empty thought channel, as transformers' test of the template spells its ids. ASSUMED from
+    Gemma 4's turn format, not checked against the released template: the system turn."""
+    turns = "".join(f"<|turn>{GEMMA_ROLES[m['role']]}\n{m['content'].strip()}<turn|>\n" for m in messages)
+    return "<bos>" + turns + ("<|turn>model\n<|channel>thought\n<channel|>" if add_generation_prompt else "")

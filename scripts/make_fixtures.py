@@ -527,6 +527,22 @@ def write_tokenizer(out: Path, family: str, mask_id: int, eos_id: int) -> None:
     tokenizer.save(str(out / "tokenizer.json"))
 
 
+GEMMA_TOKENS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<|channel>": 100, "<channel|>": 101, "<|turn>": 105,
+                "<turn|>": 106}  # Gemma 4's ids
+
+
+def write_gemma_tokenizer(out: Path) -> None:
+    """write_tokenizer's word-level vocabulary after Gemma 4's special tokens, at their ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = WORDS + ["model", "thought", ".", ",", "?", "!"]
+    free = (i for i in range(len(GEMMA_TOKENS), VOCAB) if i not in GEMMA_TOKENS.values())
+    tokenizer = Tokenizer(models.WordLevel({**GEMMA_TOKENS, **dict(zip(words, free))}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    tokenizer.add_special_tokens(list(GEMMA_TOKENS))
+    tokenizer.save(str(out / "tokenizer.json"))
+
+
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
@@ -763,8 +779,8 @@ def write_diffusion_gemma() -> int:
     sets of layer scalars away from their initial ones), saved by save_pretrained in bf16 beside the released
     config.json, reloaded from there; golden.safetensors holds what it computes in float32 (eager attention and
     experts): the logits of a prefill + denoise step, a self-conditioned step, and a step after an encoder pass
-    over a committed canvas, and every layer's cache after the prefill and after the commit.
-    Run with transformers 5.24 outside the venv: PYTHONPATH=<its --target folder>."""
+    over a committed canvas, and every layer's cache after the prefill and after the commit; a word-level
+    tokenizer in Gemma 4's special ids. Run with transformers 5.24 outside the venv: PYTHONPATH=<its --target folder>."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
     torch.manual_seed(0)
@@ -785,6 +801,7 @@ def write_diffusion_gemma() -> int:
     model.to(STORAGE_DTYPE).save_pretrained(out)
     write_config(out, GEMMA_CONFIG)
     (out / "generation_config.json").unlink()  # transformers' all-null one; the released defaults are the loop's
+    write_gemma_tokenizer(out)
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(out, dtype=torch.float32).eval()
     text, layers = model.config.text_config, model.model.decoder.layers
     assert text.per_layer_config[1].head_dim == 16 and text.per_layer_config[1].num_key_value_heads == 1

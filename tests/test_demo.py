@@ -33,6 +33,28 @@ def test_demo_runs_dense_on_a_checkpoint(name, extra):
     assert f"decoding: 8 tokens{whole_blocks}, blocks of 4" in done.stdout and " gave " not in done.stdout
 
 
+def test_demo_on_diffusion_gemma_reports_its_sampler_and_what_mage_read():
+    """A DiffusionGemma checkpoint directory: its chat template (16 tokens: the specials recognised), whole
+    canvases, each run's denoising steps per canvas and tokens per step, and MAGE reading part of the full
+    layers' cache where dense reads all of it."""
+    done = demo("--model", str(FIXTURES / "diffusion_gemma_tiny"), "--method", "mage", "--knobs", "k=8", "--prompt",
+                "what is the capital of france ?", "--gen-length", "16", "--steps", "6")
+    assert done.returncode == 0, done.stderr
+    assert "(diffusion_gemma, gemma engine), prompt 16 tokens" in done.stdout
+    assert "decoding: 16 tokens or more (whole canvases of 8), at most 6 denoising steps per canvas" in done.stdout
+    kept = {}
+    for name in ("dense", "mage"):
+        report = done.stdout.split(f"[{name}] ")[1].splitlines()[0]
+        found = re.search(r"^(\d+) tokens .* KV kept (\d+)%.*sampler: (\d+) denoising steps over (\d+) canvases "
+                          r"\(([\d, ]+)\), ([\d.]+) tokens per step$", report)
+        assert found, report
+        tokens, kept[name], steps, canvases = map(int, found.groups()[:4])
+        per_canvas = [int(n) for n in found[5].split(", ")]
+        assert sum(per_canvas) == steps and len(per_canvas) == canvases <= 2 and max(per_canvas) <= 6
+        assert float(found[6]) == pytest.approx(tokens / steps, abs=0.005)
+    assert kept["dense"] == 100 and kept["mage"] < 100
+
+
 def test_demo_defaults_to_the_tiny_model_and_a_passkey_prompt():
     done = demo("--method", "dense", "--length", "512")
     assert done.returncode == 0, done.stderr

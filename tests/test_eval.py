@@ -10,6 +10,7 @@ from nanodllm import eval as evaluation
 from nanodllm.config import ModelConfig
 
 ASSETS = Path(evaluation.__file__).resolve().parent / "assets"
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def run_eval(capsys, *args):
@@ -170,3 +171,19 @@ def test_on_a_gpu_eval_warms_each_method_up_before_timing(capsys):
 ])
 def test_agreement_counts_every_position_either_run_generated(a, b, expected):
     assert evaluation.agreement(a, b) == pytest.approx(expected) == pytest.approx(evaluation.agreement(b, a))
+
+
+def test_diffusion_gemma_is_evaluated_with_its_sampler_and_recall(capsys):
+    """eval on a DiffusionGemma checkpoint: the table adds each method's tokens per denoising step; --recall
+    records its full layers only (layer 3 of the fixture: layer 1, the other full one, is exact)."""
+    flags = ["--model", str(FIXTURES / "diffusion_gemma_tiny"), "--task", "passkey", "--lengths", "128", "--n", "2",
+             "--batch", "2", "--method", "mage", "--knobs", "k=16", "--gen-length", "16", "--steps", "6"]
+    code, out, err = run_eval(capsys, *flags)
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("| cell"))
+    assert header.endswith("| dense tok/s | dense tok/step | mage tok/step |"), header
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 128 ")]
+    assert len(rows) == 2 and all(0 < float(row[-1].strip(" |")) <= 8 for row in rows)  # a canvas of 8 at most a step
+    code, out, err = run_eval(capsys, *flags, "--recall")
+    assert code == 0, err
+    assert "| steps | layer 3 |" in out and "layer 1" not in out and "| 3 | " in out

@@ -534,3 +534,19 @@ def test_a_shipped_models_config_stops_where_its_tokenizer_does(name, family):
     cfg = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()), source=name)
     assert cfg.eos_token_ids == Tokenizer.from_dir(folder, family).stop_ids
     assert all(i < cfg.vocab_size for i in cfg.eos_token_ids)
+
+
+def test_diffusion_gemma_chat_spells_transformers_ids():
+    """transformers' test of DiffusionGemma's template: one user message -> ids 2, 105, user, \\n, ..., 106, \\n,
+    105, model, \\n, 100, thought, \\n, 101 (<bos><|turn>user\\n...<turn|>\\n<|turn>model\\n<|channel>thought\\n
+    <channel|>); the fixture's word-level tokenizer holds Gemma 4's special tokens at those ids."""
+    tok = Tokenizer.from_dir(Path(__file__).parent / "fixtures" / "diffusion_gemma_tiny", "diffusion_gemma")
+    message = [{"role": "user", "content": " Write a long essay about Portugal. "}]
+    assert tok.chat_text(message) == ("<bos><|turn>user\nWrite a long essay about Portugal.<turn|>\n<|turn>model\n"
+                                      "<|channel>thought\n<channel|>")
+    word = tok.hf.token_to_id
+    ids = tok.chat([{"role": "user", "content": "hello"}])
+    assert ids == [2, 105, word("user"), word("hello"), 106, 105, word("model"), 100, word("thought"), 101]
+    assert tok.stop_ids == (1, 106) and tok.mask_id is None and (tok.bos_id, tok.pad_id, tok.eos_id) == (2, 0, 1)
+    answered = tok.chat_text([*message, {"role": "assistant", "content": "Portugal is"}], add_generation_prompt=False)
+    assert answered.endswith("<turn|>\n<|turn>model\nPortugal is<turn|>\n")
