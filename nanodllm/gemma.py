@@ -161,7 +161,6 @@ class GemmaExperts(nn.Module):
             out.index_add_(0, rows, (y * weights[rows, slots, None]).to(x.dtype))
         return out
 
-
     def grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward with no loop: the (token, slot) rows sorted by expert for two grouped matmuls, each
         token's k outputs weighted and summed in fp32."""
@@ -248,12 +247,17 @@ class GemmaCache:
         order = self.slot_positions[:filled].argsort()
         return self.keys[layer][:, :, order], self.values[layer][:, :, order], self.slot_positions[order]
 
+    @property
+    def has_pads(self) -> bool:
+        """Some row holds left pads: fewer tokens in its full layers than were encoded (host numbers)."""
+        return not (self.full.uniform and self.full.max_length == self.length)
+
     def full_in_place(self, layer: int, extra: int = 0):
         """(keys, values) [batch, kv_heads, length + extra, head_dim] of a full layer, by position, with the
         `extra` slots written after each row's tokens: a left-padded row's tokens where transformers holds
         them, so that attention adds its terms in its order (its pads' slots repeat a token none reads)."""
         keys, values = self.full.view(layer, extra)
-        if self.full.max_length == self.length and self.full.uniform:  # no row has pads
+        if not self.has_pads:
             return keys, values
         pads = self.length - self.full.lengths  # [batch]
         slots = (torch.arange(self.length + extra, device=pads.device)[None, :] - pads[:, None]).clamp(min=0)
@@ -323,6 +327,13 @@ class DiffusionGemma(nn.Module):
         return {True: GemmaRope(positions, cfg.head_dim, cfg.rope_theta, cfg.head_dim // 2, dtype),
                 False: GemmaRope(positions, g.global_head_dim, g.global_rope_theta, g.global_rotated_pairs, dtype)}
 
+    @property
+    def replayable(self) -> bool:
+        """A denoising step asks the host nothing, so a CUDA graph can record it: on a GPU in bfloat16 (in
+        other dtypes torch's grouped matmul reads its offsets on the host)."""
+        weight = self.embed_tokens.weight
+        return weight.is_cuda and weight.dtype == torch.bfloat16 and GROUPED_MM is not None
+
     def positions(self, cache: GemmaCache, t: int) -> torch.Tensor:
         return cache.length + torch.arange(t, device=self.embed_tokens.weight.device)
 
@@ -391,7 +402,7 @@ class DiffusionGemma(nn.Module):
             keys, values = cache.full_in_place(layer, t)
             cached_valid = cache.valid
         visible = None
-        if not cached_valid.all():
+        if cache.has_pads:  # no device sync (where a window holds no pad, its mask adds zeros: the same sums)
             key_valid = F.pad(cached_valid, (0, t), value=True)  # the canvas is never padding
             visible = key_valid[:, None, :].expand(-1, t, -1)  # [b, t, n]
         return attend(q, keys, values, visible)

@@ -24,6 +24,7 @@ import torch
 
 from .config import GenerationConfig
 from .decoding import GenerationResult, check_method, check_prompts, left_padded_canvas, until_stop
+from .graphs import GRAPHS_ENABLED, Recordings
 from .meter import Meter
 from .methods.base import Dense, Method, StepContext
 
@@ -133,6 +134,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # a stop token in an earlier canvas
     committed, steps_per_canvas, passes, forwards, steps = [], [[] for _ in prompts], 0, 0, 0
     meter = Meter()  # what the method's steps read of the full layers' cache
+    # exact steps after a canvas's first repeat one computation (the cache is only read): where the model
+    # allows, the second is recorded as a CUDA graph (nanodllm/graphs.py) and the others replay it
+    recordings = Recordings(size=1) if exact and GRAPHS_ENABLED and model.replayable else None
     for canvas in range(canvases):
         model.encode(to_encode, cache, valid)
         forwards += 1
@@ -145,8 +149,14 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         for step, left in enumerate(range(gen.steps, 0, -1)):
             counted += ~(done | finished)
             ctx = context(canvas, step, x)
-            hidden = model.denoised(x, cache, self_conditioning, None if exact else partial(method.attend, ctx=ctx))
-            z = method.logits(model, hidden, ctx) / temperature(left, gen.steps, sampling)  # [b, size, V]
+            attend_full = None if exact else partial(method.attend, ctx=ctx)
+            step_logits = lambda x, conditioning: method.logits(model, model.denoised(x, cache, conditioning,
+                                                                                      attend_full), ctx)
+            if recordings is not None and self_conditioning is not None:
+                logits = recordings(cache.length, step_logits, x, self_conditioning)
+            else:
+                logits = step_logits(x, self_conditioning)
+            z = logits / temperature(left, gen.steps, sampling)  # [b, size, V]
             meter.count(method, ctx)
             probs = torch.softmax(z, dim=-1, dtype=torch.float32)
             if sampling.sample:
@@ -175,5 +185,5 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     sequences = torch.cat(committed, dim=1).tolist()
     tokens = [row[: len(until_stop(row, stops.tolist())) + 1] for row in sequences]  # with the stop token
     per_forward = [len(row) / max(int(n), 1) for row, n in zip(tokens, passes.tolist())]
-    return CanvasResult(tokens, forwards, steps, cache, stats=meter.stats(), steps_per_canvas=steps_per_canvas,
-                        tokens_per_forward=per_forward)
+    return CanvasResult(tokens, forwards, steps, cache, replays=recordings.replays if recordings else 0,
+                        stats=meter.stats(), steps_per_canvas=steps_per_canvas, tokens_per_forward=per_forward)

@@ -204,3 +204,20 @@ def test_bad_knobs_are_refused_in_one_line(knobs, match):
         generate(MODEL, [[5, 6, 7]], GenerationConfig(gen_length=8, block_length=8, steps=2, temperature=0.5))
     with pytest.raises(ValueError, match="block_length"):
         generate(MODEL, [[5, 6, 7]], GenerationConfig(gen_length=8, block_length=4, steps=2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_replayed_steps_decode_what_eager_steps_decode(monkeypatch):
+    """On a GPU (bfloat16) the exact steps after each canvas's first replay a CUDA graph: the same tokens
+    and steps per canvas as eager steps, in a ragged batch over several canvases."""
+    from nanodllm.loader import load_model
+
+    model, run = load_model(FIXTURE, "cuda", torch.bfloat16), RUNS["ragged"]
+    gen = GenerationConfig(gen_length=run["canvases"] * 8, block_length=8, steps=STEPS)
+    decode_here = lambda: generate(model, run["prompts"], gen, stop_ids=run["stop_ids"],
+                                   sampling=GemmaSampling(**run["sampler"], sample=False, seed=run["seed"]))
+    replayed = decode_here()
+    monkeypatch.setattr(gemma_loop, "GRAPHS_ENABLED", False)
+    eager = decode_here()
+    assert replayed.replays > 0 and eager.replays == 0
+    assert (replayed.tokens, replayed.steps_per_canvas) == (eager.tokens, eager.steps_per_canvas)
