@@ -9,7 +9,8 @@ bandwidth, FLOPs / matmul rate). docs/results/bench_moe.md.
 `--generate MODEL`: block.generate on that preset at 32K-128K, batch 1 and 4, CUDA graphs on: ms
 per block (CUDA events as each block begins; the median of the blocks after the first) of the exact
 engine, the exact engine on torch SDPA, MAGE at k = 1024 and 512, Quest and SparseD at k = 1024,
-each next to its floor (block_floor_ms). docs/results/bench_moe_MODEL.md.
+each next to its floor (block_floor_ms); with --quick one 4K prompt, 8 steps a block (the preset's
+weights all the same). docs/results/bench_moe_MODEL.md.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128, 512), p
 QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64)
 GENERATE = {"llada2-mini": dict(contexts=(32768, 65536, 131072), batches=(1, 4), ks=(1024, 512), block=32, steps=32),
             "sdar-30b-a3b": dict(contexts=(32768, 65536), batches=(1, 4), ks=(1024, 512), block=32, steps=32)}
+QUICK_GENERATE = dict(contexts=(4096,), batches=(1,), ks=(1024,), block=32, steps=8)  # the preset's weights
 
 
 def moe_config(name: str, context: int | None = None, block: int | None = None) -> ModelConfig:
@@ -155,8 +157,7 @@ def moe(setup):
 
 def moe_generation(setup):
     name, report = setup.args.generate, setup.report
-    shapes, bandwidth = GENERATE[name], setup.ceilings[0]
-    setup.meta.update(shapes=shapes)
+    shapes, bandwidth = setup.shapes(QUICK_GENERATE, GENERATE[name]), setup.ceilings[0]
     report.say(f"Copy bandwidth {bandwidth:.0f} GB/s (measured now).\n")
     cfg = moe_config(name, max(shapes["contexts"]) + (GENERATION_BLOCKS + 2) * shapes["block"], shapes["block"])
     model = build_random(cfg, device=setup.device, dtype=torch.bfloat16)
