@@ -38,7 +38,9 @@ LN_2 = tl.constexpr(math.log(2.0))  # kernel side: lse back from base 2 (kernels
 # under sm_90's 227 KB limit, just; that tile wins at 8K-32K prefills and ties under key padding
 # (docs/results/bench_kernels.md). At D = 64 everything halves, and 128 x 64 tiles win. Float32
 # inputs (tests) double the bytes: of the D = 128 tiles only 128 x 64 with 2 stages fits them, and
-# the tuner skips those that do not.
+# the tuner skips those that do not. DiffusionGemma's D = 256 and 512 (sliding and full layers) take
+# fewer rows and keys: at D = 512 a 64-row Q tile alone is 64 KB and its fp32 accumulator 128
+# registers a thread at 8 warps; 16 x 16 fits float32.
 def _tiles(block_m, block_n, warps, stages) -> dict:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
 
@@ -46,6 +48,8 @@ def _tiles(block_m, block_n, warps, stages) -> dict:
 _TUNING_SPACE = {
     128: [_tiles(128, 64, 8, 2), _tiles(128, 128, 8, 2), _tiles(128, 128, 8, 3)],
     64: [_tiles(128, 64, 4, 3), _tiles(128, 64, 8, 3)],
+    256: [_tiles(128, 64, 8, 2), _tiles(64, 64, 4, 2), _tiles(64, 32, 4, 3), _tiles(16, 16, 4, 1)],
+    512: [_tiles(64, 32, 8, 2), _tiles(64, 64, 8, 1), _tiles(32, 32, 4, 2), _tiles(16, 16, 4, 1)],
 }
 
 # A few query rows against many keys (DyLLM's salient rows: 64-192 per sequence and head against the
@@ -53,6 +57,8 @@ _TUNING_SPACE = {
 # also tries 64-row tiles (one warpgroup), keyed on a query-row bucket so prefill keeps its own choice.
 FEW_ROWS = 256
 _FEW_ROW_TILES = {head_dim: [_tiles(64, 64, 4, 3), _tiles(64, 128, 4, 3)] for head_dim in (128, 64)}
+_FEW_ROW_TILES.update({256: [], 512: []})  # their spaces are all of few rows
+HEAD_DIMS = tuple(sorted(_TUNING_SPACE))
 TUNER = Tuner("flash_attention")
 
 # Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), where timing means
@@ -313,8 +319,8 @@ def _check_inputs(q, k, v, causal, block_size, k_valid, scale):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch or head_dim")
-    if head_dim not in (64, 128):
-        raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}, got {head_dim}")
     if k.shape[1] == 0 or num_heads % k.shape[1]:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({k.shape[1]})")
     if batch == 0 or num_heads == 0 or n_q == 0 or k.shape[2] == 0:

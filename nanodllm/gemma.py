@@ -10,8 +10,9 @@ the raw residual, each post-normed, summed, normed and added; the stream times t
 Sliding layers see the last sliding_window positions when encoding, the last sliding_window - 1 cached
 ones when denoising; full layers see everything, have global_head_dim and global_kv_heads, values that
 are their raw keys (K = V) and proportional RoPE. Attention scale 1 (q_norm and k_norm carry it);
-RMSNorm is x * w in fp32; logits are softcapped in fp32. Plain torch (SDPA on CUDA, the experts in grouped
-matmuls): the kernels and the fused model are built for the other families' shapes and scales.
+RMSNorm is x * w in fp32; logits are softcapped in fp32. Plain torch (the experts in grouped matmuls on CUDA)
+and, in 16 bits on a GPU, the flash kernel for the denoiser's attention (SDPA for the encoder's, whose
+window no kernel mask takes); the fused model is built for the other families' shapes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanodllm.kernels.flash_attention import HEAD_DIMS, flash_attention
+
+from .attention import use_kernels
 from .cache import KVCache
 from .config import ModelConfig
 from .mlp import MLP, fp32_or_wider
@@ -82,6 +86,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     if bias is not None:
         scores = scores + bias[:, None]
     return (scores.softmax(dim=-1) @ v.to(compute)[:, :, None]).view(b, heads, t, d).to(q.dtype)
+
+
+def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """attend with only keys hidden: key_valid [b, n] (None: all seen). Where the kernels run (16-bit on a
+    GPU, at a head_dim it takes) the flash kernel (kernels/flash_attention.py: GQA in place, scale 1)."""
+    if use_kernels(q) and q.shape[-1] in HEAD_DIMS:
+        return flash_attention(q, k, v, k_valid=key_valid, scale=1.0)
+    return attend(q, k, v, None if key_valid is None else key_valid[:, None, :].expand(-1, q.shape[2], -1))
 
 
 class GemmaAttention(nn.Module):
@@ -401,11 +413,10 @@ class DiffusionGemma(nn.Module):
             cache.full.write(layer, k, v)
             keys, values = cache.full_in_place(layer, t)
             cached_valid = cache.valid
-        visible = None
+        key_valid = None
         if cache.has_pads:  # no device sync (where a window holds no pad, its mask adds zeros: the same sums)
             key_valid = F.pad(cached_valid, (0, t), value=True)  # the canvas is never padding
-            visible = key_valid[:, None, :].expand(-1, t, -1)  # [b, t, n]
-        return attend(q, keys, values, visible)
+        return attend_keys(q, keys, values, key_valid)
 
     def head(self, hidden: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """cap * tanh(logits / cap), in fp32, the logits of columns start:stop from the final norm and the

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
-from nanodllm.gemma import DiffusionGemma, GemmaCache, attend
+from nanodllm.gemma import DiffusionGemma, GemmaCache, attend, attend_keys
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, load_reference
 from nanodllm.parallel import Group
 from tests.device import DEVICE
@@ -141,6 +141,24 @@ def test_attention_of_grouped_heads_with_and_without_a_mask(head_dim):
         expected = (scores.softmax(-1) @ v.double()[:, :, None]).view(2, 16, 5, head_dim)
         got = attend(*(x.to(DEVICE) for x in (q, k, v)), None if mask is None else mask.to(DEVICE))
         assert (got.cpu().double() - expected).abs().max() < 2e-3  # TF32 dots on a GPU
+
+
+@torch.no_grad()  # the kernels run outside autograd
+@pytest.mark.parametrize("head_dim", [256, 512])
+def test_the_denoisers_attention_on_the_kernel_equals_attend(head_dim, monkeypatch):
+    """attend_keys where the kernels run (float16; Triton's interpreter on a CPU): the flash kernel at scale 1,
+    GQA 8:1 and one row's first keys hidden, against attend's float64 sums."""
+    import nanodllm.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "KERNEL_DEVICES", ("cuda", "cpu"))
+    generator = torch.Generator().manual_seed(head_dim)
+    q, k, v = (0.5 * torch.randn(2, heads, n, head_dim, generator=generator) for heads, n in ((16, 8), (2, 20), (2, 20)))
+    key_valid = torch.ones(2, 20, dtype=torch.bool)
+    key_valid[1, :4] = False
+    q, k, v = (x.half() for x in (q, k, v))
+    got = attend_keys(*(x.to(DEVICE) for x in (q, k, v)), key_valid.to(DEVICE))
+    expected = attend(q.double(), k.double(), v.double(), key_valid[:, None, :].expand(-1, 8, -1))
+    assert (got.cpu().double() - expected).abs().max() < 2e-3
 
 
 @torch.no_grad()

@@ -148,8 +148,20 @@ def test_matches_reference_with_gpu_tiles(mask, tiles):
     check_against_reference(q, k, v, tiles, k_valid=k_valid, **mask)
 
 
+@pytest.mark.parametrize("head_dim", [256, 512])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_diffusion_gemmas_head_dims_at_scale_one(head_dim, dtype):
+    """DiffusionGemma's denoiser: head_dim 256 (sliding layers) and 512 (full: 8 query heads per KV head),
+    scale 1, a canvas of queries against more keys, one row's first keys hidden."""
+    generator = torch.Generator().manual_seed(head_dim)
+    q = random_heads(2, 16, 24, head_dim, dtype, "contiguous", generator).mul_(0.5)  # scale 1: scores of a few units
+    k, v = (random_heads(2, 2, 40, head_dim, dtype, "seq_major", generator).mul_(0.5) for _ in range(2))  # a cache's
+    check_against_reference(q, k, v, (16, 16), k_valid=padded_keys([5, 0], ["left", "right"], 40, sliced=False),
+                            scale=1.0)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tuner's tiles compile for the GPU only")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
 @pytest.mark.parametrize("mask", MASKS)
 def test_every_tile_of_the_tuning_space_matches_reference(mask, head_dim):
     q, k, v, k_valid = gpu_tile_case(head_dim)
@@ -203,7 +215,7 @@ def _inputs(n_q=4, n_k=6, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16)
 
 BAD_CALLS = [
     ("3-d q", lambda q, k, v: (q[0], k, v), {}, "4-d tensor"),
-    ("head_dim 96", lambda q, k, v: _inputs(head_dim=96), {}, "head_dim must be 64 or 128"),
+    ("head_dim 96", lambda q, k, v: _inputs(head_dim=96), {}, "head_dim must be one of 64, 128, 256, 512, got 96"),
     ("k and v differ", lambda q, k, v: (q, k, k[:, :, :5]), {}, "same shape"),
     ("batch differs", lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])), {}, "batch or head_dim"),
     ("heads not a multiple", lambda q, k, v: _inputs(heads=3, kv_heads=2), {}, "multiple of num_kv_heads"),
