@@ -150,8 +150,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             counted += ~(done | finished)
             ctx = context(canvas, step, x)
             attend_full = None if exact else partial(method.attend, ctx=ctx)
-            step_logits = lambda x, conditioning: method.logits(model, model.denoised(x, cache, conditioning,
-                                                                                      attend_full), ctx)
+            step_logits = lambda tokens, conditioning: method.logits(
+                model, model.denoised(tokens, cache, conditioning, attend_full), ctx)
             if recordings is not None and self_conditioning is not None:
                 logits = recordings(cache.length, step_logits, x, self_conditioning)
             else:
