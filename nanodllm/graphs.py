@@ -55,6 +55,8 @@ class Recordings:
     def capture(self, key, fn, inputs):
         while len(self.recorded) >= self.size:  # the least recently used goes first, with its memory
             del self.recorded[next(iter(self.recorded))]
+        if not self.recorded:  # the pool went with its last graph: a capture into it would fail
+            self.pool = None
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         static_inputs = [x.clone() for x in inputs]
