@@ -28,8 +28,8 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """For a module of tiny float64 models: a second thread only waits for the first (and, on a busy
-    machine, for a core), which costs more than the work."""
+    """For a module of tiny models (or small kernel inputs): a second thread only waits for the first
+    (and, on a busy machine, for a core), which costs more than the work."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

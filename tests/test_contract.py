@@ -27,6 +27,8 @@ from nanodllm.loader import load_reference
 from nanodllm.methods import METHODS, get_method
 from tests.tiny_models import GEMMA_FIXTURE, random_prompt, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 MODELS = {"masked": tiny_model("llada"), "block": tiny_model("sdar", block_size=4),
           "gemma": load_reference(GEMMA_FIXTURE, dtype=torch.float64)}  # one full layer, a window of 8
 GENS = {"masked": GenerationConfig(gen_length=16, block_length=4, steps=16),  # 4 blocks of 4 steps
