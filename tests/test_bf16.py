@@ -43,6 +43,8 @@ from nanodllm.config import GenerationConfig
 from nanodllm.methods import METHODS, get_method
 from tests.tiny_models import random_prompt, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 LOGITS_RTOL = 4e-2
 TOKENS_AGREE = 0.5
 

@@ -15,6 +15,8 @@ from nanodllm.loader import load_model
 from nanodllm.tokenizer import Tokenizer
 from tiny_models import EOS_ID, MASK_ID, VOCAB, random_prompt, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 MODEL = tiny_model("sdar")
 
 

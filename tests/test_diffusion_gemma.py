@@ -27,6 +27,8 @@ from nanodllm.loader import CheckpointError, build_empty, build_random, load_mod
 from nanodllm.parallel import Group
 from tests.device import DEVICE
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 FIXTURE = Path(__file__).parent / "fixtures" / "diffusion_gemma_tiny"
 RAW = json.loads((FIXTURE / "config.json").read_text())
 GOLDEN = load_file(str(FIXTURE / "golden.safetensors"))

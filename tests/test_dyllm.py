@@ -25,6 +25,8 @@ from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differi
                                masked_decode as decode, masked_tokens as generate)
 from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 MODEL, GEN, PROMPTS = MASKED_MODEL, MASKED_GEN, RAGGED_PROMPTS
 
 

@@ -18,6 +18,8 @@ from nanodllm.loader import load_model
 from nanodllm.methods import get_method
 from tests.tiny_models import random_prompt
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 MODEL = load_model(Path(__file__).parent / "fixtures" / "fast_dllm_v2_tiny", dtype=torch.float32)
 SIZE, MASK = MODEL.cfg.block_size, MODEL.cfg.mask_token_id
 PROMPTS = [random_prompt(n, seed=n) for n in (3, 6, 8, 9)]  # inside the first block, inside, on a boundary, inside

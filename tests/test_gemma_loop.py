@@ -21,6 +21,8 @@ from nanodllm.generation import generate
 from nanodllm.loader import load_reference
 from nanodllm.methods import get_method
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 FIXTURE = Path(__file__).parent / "fixtures" / "diffusion_gemma_tiny"
 RUNS = json.loads((FIXTURE / "generate.json").read_text())
 MODEL = load_reference(FIXTURE, dtype=torch.float32)

@@ -15,6 +15,8 @@ from nanodllm.config import GenerationConfig
 from tests.tiny_models import random_prompt, tiny_model
 from tests.device import DEVICE
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 CALLS = []
 
 

@@ -17,6 +17,8 @@ from nanodllm.loader import load_model
 from nanodllm.tokenizer import Tokenizer
 from tiny_models import MASK_ID, random_prompt, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 MODEL = tiny_model("llada")
 
 

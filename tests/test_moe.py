@@ -38,6 +38,8 @@ from tests.device import DEVICE
 from tests.test_parity import golden, mask_for, run
 from tests.tiny_models import MASK_ID, random_prompt, tiny_config, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 FIXTURES = Path(__file__).parent / "fixtures"
 LLADA2 = FIXTURES / "llada2_tiny"
 SDAR_MOE = FIXTURES / "sdar_moe_tiny"

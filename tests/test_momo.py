@@ -20,6 +20,8 @@ from nanodllm.methods.momo import (block_lists, delta_corrected, dense_mask, dia
                                    scaled_scores, trim_values, union_and_trim)
 from tests.device import DEVICE, TF32_DOTS, FP32_OUT_TOLERANCE
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 MASKS = ["bidirectional", "padding", "block-causal", "causal"]
 
 

@@ -1,6 +1,7 @@
 """nanodllm/recall.py: the estimation accuracy and union diagnostics of selecting methods, recorded at
 the denoising steps' layers that read or chose a selection (Method.selection), never at a commit."""
 
+import pytest
 import torch
 
 from nanodllm import block, recall
@@ -8,6 +9,8 @@ from nanodllm.config import GenerationConfig
 from nanodllm.eval import main as eval_main
 from nanodllm.methods import get_method
 from tests.tiny_models import random_prompt, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 GEN = GenerationConfig(gen_length=12, block_length=4, steps=4, remasking="low_confidence_static")
 
