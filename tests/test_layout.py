@@ -243,8 +243,8 @@ def test_the_readme_quotes_the_generation_table():
 
 
 def test_the_mutation_list_fits_the_code(monkeypatch):
-    """scripts/mutate.py's every snippet occurs once in its file and every test it names exists, so the
-    mutation check never silently tests nothing after the code moves."""
+    """tests/plants.py's every snippet occurs once in its file and every test it names exists, so
+    scripts/mutate.py never silently tests nothing after the code moves."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     mutate = importlib.import_module("mutate")
     assert len(mutate.MUTATIONS) > 60
