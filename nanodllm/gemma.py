@@ -349,15 +349,22 @@ class DiffusionGemma(nn.Module):
     def positions(self, cache: GemmaCache, t: int) -> torch.Tensor:
         return cache.length + torch.arange(t, device=self.embed_tokens.weight.device)
 
-    def encode(self, ids: torch.Tensor, cache: GemmaCache, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, ids: torch.Tensor, cache: GemmaCache, valid: torch.Tensor | None = None,
+               attend_full=None) -> torch.Tensor:
         """ids [b, t] at the positions after the cache's: every layer's K/V appended. valid [b, t]: False
-        at left pads, which no other token sees. Returns the last hidden state (no use in decoding)."""
+        at left pads, which no other token sees. attend_full(layer, q, k, v): the full layers' causal
+        attention among the ids, where the cache is empty (a method's prefill; default: exact). Returns
+        the last hidden state (no use in decoding)."""
+        if attend_full is not None and cache.length:
+            raise ValueError("a method's prefill attention runs on the first encoder pass only (the cache is empty)")
         positions = self.positions(cache, ids.shape[1])
         valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
         x = self.embed(ids)
         ropes = self.ropes(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             attend_here = partial(self.attend_encoding, cache, i, positions, valid)
+            if attend_full is not None and not layer.sliding:
+                attend_here = partial(self.attend_prefill, cache, i, valid, attend_full)
             x = layer(x, ropes[layer.sliding], attend_here, layer.encoder_scalar)
         cache.advance(valid)
         return x
@@ -377,6 +384,13 @@ class DiffusionGemma(nn.Module):
             cached_visible = cache.valid[:, None, :].expand(-1, q.shape[2], -1)
         visible = torch.cat([cached_visible, new_visible], dim=2)
         out = attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2), visible)
+        cache.append(layer, k, v, valid)
+        return out
+
+    @staticmethod
+    def attend_prefill(cache: GemmaCache, layer: int, valid, attend_full, q, k, v) -> torch.Tensor:
+        """A full layer's attention at the first encoder pass by attend_full; then its K/V join the cache."""
+        out = attend_full(layer, q, k, v)
         cache.append(layer, k, v, valid)
         return out
 

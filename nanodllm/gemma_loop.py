@@ -9,11 +9,10 @@ less the largest, stays within entropy_bound keep their draws and the others tak
 once its argmax canvas equals the last stability_threshold ones and its mean entropy is below
 confidence_threshold; its argmax stays while the others go on. The argmax canvas is committed: encoded
 where it stood. A stop token finishes a row: pads after it and in its later canvases, which it still
-computes, as transformers does. Left-padded prompts: pads are keys no token reads. The random calls
-are transformers', in its order: under torch.manual_seed on the CPU the tokens equal its generate()'s.
-sample=False is deterministic: the most probable token instead of a draw, noise from a seeded generator.
-A method (engine "gemma") sees each canvas as a block: begin_block, then attend on the full layers.
-"""
+computes, as transformers does. Left-padded prompts: pads are keys no token reads. The random calls are
+transformers', in its order: under torch.manual_seed on the CPU the tokens equal its generate()'s;
+sample=False is deterministic (argmax, seeded noise). A method (engine "gemma") sees each canvas as a
+block: begin_block, then attend on the full layers (with sparse_prefill, the prompt's pass too: MOMO)."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from functools import partial
 
 import torch
 
+from .attention import CanvasMask
 from .config import GenerationConfig
 from .decoding import GenerationResult, check_method, check_prompts, left_padded_canvas, until_stop
 from .graphs import GRAPHS_ENABLED, Recordings
@@ -137,8 +137,12 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     # exact steps after a canvas's first repeat one computation (the cache is only read): where the model
     # allows, the second is recorded as a CUDA graph (nanodllm/graphs.py) and the others replay it
     recordings = Recordings(size=1) if exact and GRAPHS_ENABLED and model.replayable else None
+    prefill = StepContext(prompt.tokens, model.positions(cache, prompt.tokens.shape[1]).expand(batch, -1), prompt.valid,
+                          prompt_lengths, attn_mask=CanvasMask(prompt.valid, block_size=1), cache=cache.full,
+                          phase="prefill")  # the prompt's encoder pass: causal
+    prefill_full = partial(method.attend, ctx=prefill) if method.sparse_prefill else None
     for canvas in range(canvases):
-        model.encode(to_encode, cache, valid)
+        model.encode(to_encode, cache, valid, prefill_full if canvas == 0 else None)
         forwards += 1
         x = argmax = noise()  # [b, size]
         self_conditioning = None

@@ -112,6 +112,8 @@ CONTRACT: dict[tuple[str, str], Contract] = {
 
 # DiffusionGemma's loop: the block engine's knobs, selecting on its full layers (4 steps a canvas, as a block)
 CONTRACT.update({(name, "gemma"): CONTRACT[name, "block"] for name in ("dense", "mage", "sparsed", "quest")})
+CONTRACT["momo", "gemma"] = Contract(dict(MOMO_GRID, k=64), dict(MOMO_GRID, k=1),
+                                     why="the prompt's encoder pass attends through MOMO on the full layers, scale 1")
 
 PAIRS = [(name, engine) for name, cls in METHODS.items() for engine in cls.engines]
 PAIR_IDS = [f"{name}-{engine}" for name, engine in PAIRS]

@@ -187,7 +187,7 @@ def test_the_deterministic_mode_equals_a_plain_argmax_loop(knobs):
 
 @pytest.mark.parametrize("name, knobs, match", [
     ("maskkv", {}, "'maskkv'.*MASK.*diffusion_gemma"), ("dyllm", {}, "'dyllm'.*MASK"),
-    ("momo", {}, "'momo' runs on the block and masked engines; this diffusion_gemma model .* gemma engine"),
+    ("fast_dllm", {}, "'fast_dllm' runs on the masked engine .*MASK.*; this diffusion_gemma model .* gemma engine"),
     ("mage", {"sparse_commit": True}, "mage: sparse_commit.*encoder pass")])
 def test_a_method_without_a_diffusion_gemma_meaning_is_refused_by_name(name, knobs, match):
     gen = GenerationConfig(gen_length=8, block_length=8, steps=2)

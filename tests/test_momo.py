@@ -34,8 +34,8 @@ def make_mask(kind, valid):
 @given(n=st.integers(8, 120), gamma=st.sampled_from([1, 2, 4]), per_block=st.sampled_from([1, 2, 4]),
        beta=st.sampled_from([4, 8, 16]), kind=st.sampled_from(MASKS),
        top_k=st.sampled_from(["exact", "tree", "estimated"]), trim=st.sampled_from(["mean", "mass"]),
-       group=st.sampled_from([1, 2]), seed=st.integers(0, 999))
-def test_k_covering_every_block_equals_dense(n, gamma, per_block, beta, kind, top_k, trim, group, seed):
+       group=st.sampled_from([1, 2]), scale=st.sampled_from([None, 1.0]), seed=st.integers(0, 999))
+def test_k_covering_every_block_equals_dense(n, gamma, per_block, beta, kind, top_k, trim, group, scale, seed):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 2 * group, n, 8, generator=generator, dtype=torch.float64)
     k, v = (torch.randn(2, 2, n, 8, generator=generator, dtype=torch.float64) for _ in range(2))
@@ -45,8 +45,8 @@ def test_k_covering_every_block_equals_dense(n, gamma, per_block, beta, kind, to
     dense_mask = None if mask is None else mask.dense(n, n, q.device)
     blocks = -(-n // beta)
     out = momo_attention(q, k, v, mask, gamma=gamma, chi=gamma * per_block, beta=beta, k_blocks=blocks,
-                         k_exact=min(2, blocks), top_k=top_k, trim=trim)
-    expected = attention_reference(q, k, v, dense_mask)
+                         k_exact=min(2, blocks), top_k=top_k, trim=trim, scale=scale)
+    expected = attention_reference(q, k, v, dense_mask, scale)
     real = valid if kind in ("padding", "block-causal") else torch.ones_like(valid)
     torch.testing.assert_close(out[real[:, None].expand(-1, q.shape[1], -1)],
                                expected[real[:, None].expand(-1, q.shape[1], -1)], atol=1e-10, rtol=1e-10)
@@ -177,10 +177,11 @@ def test_kept_lists_are_the_lists_of_kept_blocks(n, gamma, chi, beta, k, k_trim,
     assert torch.equal(kept_lists(chosen, scores, n, gamma, chi, beta, k_trim, summed), expected)
 
 
-@pytest.mark.parametrize("kind,top_k,trim", [("bidirectional", "exact", "mean"), ("padding", "exact", "mean"),
-                                             ("block-causal", "exact", "mean"), ("padding", "tree", "mean"),
-                                             ("block-causal", "estimated", "mean"), ("padding", "exact", "mass")])
-def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypatch, kind, top_k, trim):
+@pytest.mark.parametrize("kind,top_k,trim,scale", [
+    ("bidirectional", "exact", "mean", None), ("padding", "exact", "mean", None), ("block-causal", "exact", "mean", None),
+    ("padding", "tree", "mean", None), ("block-causal", "estimated", "mean", None), ("padding", "exact", "mass", None),
+    ("causal", "exact", "mass", 0.5)])  # DiffusionGemma's prefill: causal, its own scale (1: too peaked for 16 dims)
+def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypatch, kind, top_k, trim, scale):
     import nanodllm.methods.momo as momo
 
     # 136 columns: query blocks of 64, 64 and 8 rows, 9 key blocks (the last of 8 keys); row 1 padded from
@@ -191,7 +192,7 @@ def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypat
     k, v = (on_grid(torch.randn(2, 2, 136, 16, generator=generator)).to(DEVICE) for _ in range(2))
     valid = torch.ones(2, 136, dtype=torch.bool, device=DEVICE)
     valid[1, 100:] = False
-    knobs = dict(gamma=4, chi=64, beta=16, k_blocks=4, k_exact=2, top_k=top_k, trim=trim)
+    knobs = dict(gamma=4, chi=64, beta=16, k_blocks=4, k_exact=2, top_k=top_k, trim=trim, scale=scale)
     expected = momo_attention(q, k, v, make_mask(kind, valid), **knobs)  # float32: torch on a GPU too
     # k_blocks = 4 of 9 leaves blocks out (in torch: the kernels would take as long again)
     assert (expected - momo_attention(q, k, v, make_mask(kind, valid), **{**knobs, "k_blocks": 9})).abs().max() > 1e-3

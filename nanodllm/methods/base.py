@@ -87,10 +87,10 @@ class Method:
     name = "dense"
     engines = ("masked", "block", "gemma")  # its loops: masked (LLaDA, Dream), block (SDAR, LLaDA2), DiffusionGemma's
     needs_bidirectional = False  # True: it caches a bidirectional canvas (no block-causal model)
+    sparse_prefill = False  # True: attend computes a prefill's attention its own way (DiffusionGemma's prompt pass)
 
     def prefill(self, model, ctx: StepContext) -> torch.Tensor:
-        """Forward the prompt's complete blocks (ctx.counts real per row) and write their K/V into
-        ctx.cache; returns the last hidden states (Fast-dLLM v2 predicts from them)."""
+        """Forward the prompt's whole blocks (ctx.counts real per row), K/V into ctx.cache; the last hidden states."""
 
         def attend_and_store(layer, q, k, v):
             ctx.cache.write(layer, k, v, ctx.counts)

@@ -17,7 +17,8 @@ exactly, the rest by a Gaussian threshold from Welford statistics (eq. 6-7, kern
 On the kernels qsa_attention (step 1, top-k fused) and block_sparse_attention (step 3) run, union and
 trim in torch; elsewhere all in torch, densely. Ragged rows: each row's grid starts at its first real
 token (row_alignment) and padded rows choose no blocks, so a row's result does not depend on its batch.
-Hooks: attend (the block engine's prefill; canvas=True: every masked-engine step), step_kind.
+Hooks: attend (the block engine's prefill; DiffusionGemma's prompt pass on its full layers, scale 1,
+in torch: the kernels take head_dim <= 128; canvas=True: every masked-engine step), step_kind.
 Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant and trim).
 Heads split over ranks: each head chooses its own key blocks; nothing is communicated.
 Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
@@ -51,13 +52,13 @@ def dense_mask(mask, n, device):
     return dense
 
 
-def scaled_scores(q, k, mask):
-    """[batch, heads, q_len, n] scores in fp32 or wider (GQA), -inf where mask [batch, 1 or heads,
-    q_len, n] is False."""
+def scaled_scores(q, k, mask, scale=None):
+    """[batch, heads, q_len, n] scores in fp32 or wider (GQA), times scale (None: head_dim^-1/2), -inf
+    where mask [batch, 1 or heads, q_len, n] is False."""
     group = q.shape[1] // k.shape[1]
     compute = torch.promote_types(q.dtype, torch.float32)
     keys = k.to(compute).repeat_interleave(group, dim=1)
-    scores = q.to(compute) @ keys.transpose(-1, -2) * q.shape[-1] ** -0.5
+    scores = q.to(compute) @ keys.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
 
 
@@ -190,12 +191,12 @@ def block_lists(keep):
 
 
 def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128, k_exact=8, k_trim=None,
-                   top_k="exact", trim="mean", alignment=None):
+                   top_k="exact", trim="mean", alignment=None, scale=None):
     """Algorithm 1: q [batch, heads, n, d], k/v [batch, kv_heads, n, d], mask a CanvasMask, a bool
     [batch, 1, n, n] or None (bidirectional). Returns [batch, heads, n, d] in q's dtype. On the
     Triton kernels (kernels/qsa_attention.py, block_sparse_attention.py) when use_kernels(q) and the
     mask is structured; else in torch, forming the scores densely. alignment: row_alignment(mask, n),
-    where the caller computed it once for all layers."""
+    where the caller computed it once for all layers; scale: the scores' (None: head_dim^-1/2)."""
     if chi % gamma:
         raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
     n, k_trim = q.shape[2], k_trim or k_blocks
@@ -204,12 +205,13 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
     structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
     if attention_on_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % SPARSE_TILES["BLOCK_M"] == 0:
         out = momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact if top_k == "estimated" else k_blocks,
-                              k_trim, top_k == "tree", trim)
+                              k_trim, top_k == "tree", trim, scale)
     else:
         full = dense_mask(mask, n, q.device)
         real = mask.valid[:, -n:] if isinstance(mask, CanvasMask) and mask.valid is not None else None
-        o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k, trim, real)
-        o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full)), v)
+        o_gamma, keep = measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k, trim, real,
+                                         scale)
+        o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full), scale), v)
         out = delta_corrected(o_sparse, o_gamma, gamma).to(q.dtype)
     return rolled(out, back)
 
@@ -240,13 +242,14 @@ def rolled(x, index):
     return x if index is None else x.gather(2, index[:, None, :, None].expand(*x.shape[:2], -1, x.shape[3]))
 
 
-def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k, trim="mean", real=None):
+def measure_and_mask(q, k, v, full, gamma, chi, beta, k_blocks, k_exact, k_trim, top_k, trim="mean", real=None,
+                     scale=None):
     """Steps 1-2 in torch: (O_gamma [batch, heads, sampled rows, d], keep [batch, heads, query
     blocks, key blocks] bool, the trimmed union with the diagonal blocks). full: dense_mask's; real
     [batch, n] bool (or None): the padded sampled rows (False) choose no blocks."""
     n = q.shape[2]
     sampled = torch.arange(0, n, gamma, device=q.device)
-    sampled_scores = scaled_scores(q[:, :, sampled], k, None if full is None else full[:, :, sampled])
+    sampled_scores = scaled_scores(q[:, :, sampled], k, None if full is None else full[:, :, sampled], scale)
     o_gamma = softmax_out(sampled_scores, v)
     scores = block_scores(sampled_scores, beta)
     if real is not None:
@@ -279,11 +282,11 @@ def measure_on_kernels(q, k, v, gamma, beta, k_blocks, k_exact, tree, trim, **ma
     return (o_gamma, chosen, *trim_values(chosen, chosen_scores, lse, trim))
 
 
-def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, tree, trim="mean"):
+def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, tree, trim="mean", scale=None):
     """The same pipeline without an [n, n] tensor: QSA kernel -> union and trim -> block-sparse kernel."""
-    masking = {}
+    masking = {"scale": scale}
     if mask is not None:
-        masking = {"block_size": mask.block_size, "k_valid": None if mask.valid is None else mask.valid[:, -q.shape[2]:]}
+        masking.update(block_size=mask.block_size, k_valid=None if mask.valid is None else mask.valid[:, -q.shape[2]:])
     o_gamma, chosen, values, summed = measure_on_kernels(q, k, v, gamma, beta, k_blocks, k_exact, tree, trim,
                                                          q_valid=masking.get("k_valid"), **masking)
     lists = kept_lists(chosen, values, q.shape[2], gamma, chi, beta, k_trim, summed)
@@ -293,7 +296,8 @@ def momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact, k_trim, 
 
 class Momo(Method):
     name = "momo"
-    engines = ("block", "masked")
+    engines = ("block", "masked", "gemma")
+    sparse_prefill = True
 
     def __init__(self, gamma: int = 16, chi: int = 128, beta: int = 64, k: int = 128, k_exact: int = 8,
                  k_trim: int | None = None, top_k: str = "exact", trim: str = "mean", canvas: bool = False):
@@ -315,7 +319,8 @@ class Momo(Method):
         if ctx.phase == "prefill" or (ctx.cache is None and self.canvas):
             if self.aligned[0] is not ctx.attn_mask:
                 self.aligned = (ctx.attn_mask, row_alignment(ctx.attn_mask, q.shape[2]))
-            return momo_attention(q, k, v, ctx.attn_mask, alignment=self.aligned[1], **self.knobs)
+            return momo_attention(q, k, v, ctx.attn_mask, alignment=self.aligned[1], **self.knobs,
+                                  scale=None if ctx.cache is None else ctx.cache.scale)
         return super().attend(layer, q, k, v, ctx)
 
     def step_kind(self, ctx):
