@@ -22,8 +22,28 @@ import triton.language as tl
 
 LOG2_E = math.log2(math.e)
 # Rows per program and launch settings on a GPU (the interpreter uses 16 rows); chi must be a
-# multiple of BLOCK_M.
+# multiple of BLOCK_M. Heads wider than 128 (DiffusionGemma's 256 and 512) take fewer rows and stages:
+# a stage holds a K and a V tile of beta x head_dim, and one of at most WIDE_TILE elements fits once.
 CUDA_TILES = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
+HEAD_DIMS = (16, 32, 64, 128, 256, 512)
+WIDE_TILE = 64 * 512
+
+
+def launch_tiles(q: torch.Tensor, beta: int) -> dict:
+    """BLOCK_M and the launch settings for q's head_dim and device (the interpreter: 16 rows)."""
+    head_dim = q.shape[-1]
+    if not q.is_cuda:
+        return {"BLOCK_M": 16, "num_warps": 4, "num_stages": 1}
+    if head_dim <= 128:
+        return dict(CUDA_TILES)
+    return {"BLOCK_M": 32 if head_dim == 256 else 16, "num_warps": 8, "num_stages": 2 if beta * head_dim < WIDE_TILE else 1}
+
+
+def check_head_dim(head_dim: int, beta: int):
+    if head_dim not in HEAD_DIMS or beta not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} and beta 16, 32, 64 or 128, got {head_dim} and {beta}")
+    if head_dim > 128 and beta * head_dim > WIDE_TILE:
+        raise ValueError(f"beta x head_dim must be at most {WIDE_TILE} at head_dim > 128, got {beta} x {head_dim}")
 LN_2 = tl.constexpr(math.log(2.0))
 
 
@@ -123,9 +143,8 @@ def block_sparse_attention(q, k, v, blocks, *, chi: int, beta: int, causal=False
     batch, heads, n, head_dim = q.shape
     if k.shape != v.shape or k.shape[0] != batch or k.shape[2] != n or k.shape[3] != head_dim or heads % k.shape[1]:
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
-    if head_dim not in (16, 32, 64, 128) or beta not in (16, 32, 64, 128):
-        raise ValueError(f"head_dim and beta must each be 16, 32, 64 or 128, got {head_dim} and {beta}")
-    tiles = CUDA_TILES if q.is_cuda else {"BLOCK_M": 16, "num_warps": 4, "num_stages": 1}
+    check_head_dim(head_dim, beta)
+    tiles = launch_tiles(q, beta)
     block_m = tiles["BLOCK_M"]
     if chi % block_m:
         raise ValueError(f"chi must be a multiple of {block_m}, got {chi}")

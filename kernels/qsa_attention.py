@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_attention import key_tile, online_softmax, store_rows
+from .block_sparse_attention import check_head_dim, key_tile, launch_tiles, online_softmax, store_rows
 from .qsa_estimate import ORDER_ROWS, estimated_top_k, golden_strides, group_maxima, last_blocks
 
 LOG2_E = math.log2(math.e)
@@ -207,10 +207,7 @@ def check_inputs(q, k, v, gamma, beta, top_k, causal, block_size, k_valid, q_val
     batch, heads, n, head_dim = q.shape
     if k.shape[0] != batch or k.shape[2] != n or k.shape[3] != head_dim or heads % k.shape[1]:
         raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}")
-    if head_dim not in (16, 32, 64, 128):
-        raise ValueError(f"head_dim must be 16, 32, 64 or 128, got {head_dim}")
-    if beta not in (16, 32, 64, 128):
-        raise ValueError(f"beta (key block size) must be 16, 32, 64 or 128, got {beta}")
+    check_head_dim(head_dim, beta)
     if gamma < 1 or top_k < 1:
         raise ValueError(f"gamma and top_k must be >= 1, got {gamma} and {top_k}")
     if causal and block_size is not None:
@@ -271,14 +268,14 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
     leaves = triton.next_power_of_2(top_k) if tree else 1
     tree_score, tree_index, tree_leaf = new_tree((batch, heads, sampled), leaves, top_k if tree else 1, q.device)
     register_slots = 0 if tree else k_exact
-    tiles = dict(CUDA_TILES) if q.is_cuda else {"BLOCK_M": 16, "num_warps": 4, "num_stages": 1}
+    tiles = dict(CUDA_TILES) if q.is_cuda and head_dim <= 128 else launch_tiles(q, beta)  # wide heads: as step 3's
     k_slots = triton.next_power_of_2(max(register_slots, 1))
     g_slots = triton.next_power_of_2(max(top_k - k_exact, 1))
     if max(k_slots, g_slots) > WIDE_BUFFER:
         tiles["BLOCK_M"] = 16
     estimated = k_exact < top_k
     if estimated and q.is_cuda:  # with its greedy slots and Welford state, 2 K/V stages beat 3 (bench_momo.md)
-        tiles["num_stages"] = 2
+        tiles["num_stages"] = min(tiles["num_stages"], 2)
     assert ORDER_ROWS % tiles["BLOCK_M"] == 0, "a program's rows must lie in one scan-order group"
     last = last_blocks(n, gamma, beta, causal, block_size, k_valid, batch, q.device, q_valid) if estimated else lse
     scans = group_maxima(last) if estimated else lse  # int32, as last_blocks gives it

@@ -3,7 +3,8 @@ and writes them there as JSON + Markdown (scripts/bench_<module>.py says how; th
 what the numbers mean). Full runs need a GPU; --quick runs tiny shapes on any machine (a CPU runs the
 Triton kernels through TRITON_INTERPRET=1): a smoke test whose numbers mean nothing.
 
-    python scripts/bench.py kernels | mage | maskkv | sparse_dllm | dyllm | momo | routing [--quick] [--out DIR]
+    python scripts/bench.py kernels | mage | maskkv | sparse_dllm | dyllm | momo | momo_gemma | routing
+        [--quick] [--out DIR]
     python scripts/bench.py moe [--generate llada2-mini | sdar-30b-a3b]
     python scripts/bench.py e2e [--settings paper | warm_start] [--repeats N] [--methods M ...]
     PYTHONPATH=<transformers 5.24> python scripts/bench.py diffusiongemma
@@ -35,6 +36,7 @@ SECTIONS = {  # name: (module, the title of its Markdown file, also what --help 
     "dyllm": ("bench_dyllm", "DyLLM's sparse steps vs vanilla and Fast-dLLM's dual cache (llada-8b shapes)"),
     "dyllm_salient": ("bench_dyllm", "DyLLM's salient tokens per layer across the steps"),
     "momo": ("bench_momo", "MOMO's prefill attention vs SDPA and our dense kernel"),
+    "momo_gemma": ("bench_momo", "MOMO's prefill attention on DiffusionGemma's full layers"),
     "moe": ("bench_moe", "The mixture-of-experts MLP"),
     "routing": ("bench_routing", "Which attention kernel nanodllm/attention.py picks"),
     "e2e": ("bench_e2e", "Generations as a user runs them"),

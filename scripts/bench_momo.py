@@ -8,6 +8,9 @@ vs k at 64K causal (the paper's Fig. 4). Times are eager (CUDA events, median of
 MOMO's middle stage is torch ops and a host sync. Floors = FLOPs / the measured matmul rate, FLOPs
 = 4 d heads x the (query, key) pairs computed. Random q / k make every block about as good as
 another: the speed, not the mask, is measured here (scripts/momo_mass.py measures the masks).
+
+`python scripts/bench.py momo_gemma`: the same on a full layer of DiffusionGemma's prompt pass (16
+query heads, 2 KV heads, head_dim 512, scale 1, causal; docs/results/bench_momo_gemma.md).
 """
 
 from __future__ import annotations
@@ -112,3 +115,36 @@ def momo(setup):
     setup.report.table(f"MOMO latency vs k at {kilo(n)} causal (Fig. 4 analogue)", k_rows,
                        "k = k_trim; the estimated variant keeps k_exact exact slots, the rest by threshold.")
     return "bench_momo"
+
+
+GEMMA = dict(lengths=(8192, 32768, 131072), heads=16, kv_heads=2, head_dim=512)
+QUICK_GEMMA = dict(lengths=(256,), heads=4, kv_heads=1, head_dim=512)
+
+
+@torch.no_grad()
+def momo_gemma(setup):
+    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK_GEMMA, GEMMA, knobs=KNOBS)
+    _, matmul_rate = setup.ceilings
+    knobs = QUICK_KNOBS if setup.quick else KNOBS
+    heads, kv_heads, d, gamma = shapes["heads"], shapes["kv_heads"], shapes["head_dim"], knobs["gamma"]
+    ms = lambda fn: wall_us(fn, device) / 1e3
+    generator = torch.Generator(device=device).manual_seed(0)
+    causal, rows = CanvasMask(block_size=1), []
+    for n in shapes["lengths"]:
+        q = torch.randn(1, heads, n, d, device=device, dtype=dtype, generator=generator)
+        k, v = (torch.randn(1, kv_heads, n, d, device=device, dtype=dtype, generator=generator) for _ in range(2))
+        dense_flops = 4 * d * heads * visible_pairs(n, 1)
+        row = {"N": kilo(n), "ours dense ms": ms(lambda: flash_attention(q, k, v, causal=True, scale=1.0)),
+               "dense floor ms": dense_flops / matmul_rate / 1e9}
+        for variant in ("exact", "estimated"):
+            row[f"MOMO {variant} ms"] = ms(lambda: momo_attention(
+                q, k, v, causal, gamma, knobs["chi"], knobs["beta"], knobs["k_blocks"], knobs["k_exact"], None, variant,
+                scale=1.0))
+        row["dense / MOMO exact"] = row["ours dense ms"] / row["MOMO exact ms"]
+        rows.append(row)
+        del q, k, v
+    setup.report.table("A full layer's prompt attention: MOMO vs our dense kernel", rows,
+                       f"batch 1, {heads} heads ({kv_heads} KV), d {d}, scale 1, causal, {setup.meta['dtype']}; MOMO "
+                       f"gamma {gamma}, chi {knobs['chi']}, beta {knobs['beta']}, k = k_trim = {knobs['k_blocks']} "
+                       f"blocks, k_exact {knobs['k_exact']} (estimated only); matmul rate {matmul_rate:.0f} TFLOP/s.")
+    return "bench_momo_gemma"

@@ -202,6 +202,28 @@ def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypat
     torch.testing.assert_close(got[real], expected[real], atol=FP32_OUT_TOLERANCE, rtol=FP32_OUT_TOLERANCE)
 
 
+def test_the_kernel_pipeline_takes_diffusion_gemmas_wide_heads(monkeypatch):
+    """Its full layers' prefill: head_dim 512, GQA 4, causal with a left-padded row, scale 1, on the
+    kernels (fewer rows per program) as in torch."""
+    import nanodllm.methods.momo as momo
+
+    generator = torch.Generator().manual_seed(2)
+    on_grid = (lambda x: x.half().float()) if TF32_DOTS else (lambda x: x)
+    q = on_grid(torch.randn(2, 8, 136, 512, generator=generator) * 0.2).to(DEVICE)
+    k, v = (on_grid(torch.randn(2, 2, 136, 512, generator=generator) * 0.2).to(DEVICE) for _ in range(2))
+    valid = torch.ones(2, 136, dtype=torch.bool, device=DEVICE)
+    valid[1, :40] = False
+    knobs = dict(gamma=4, chi=64, beta=32, k_blocks=3, k_exact=3, scale=1.0)
+    expected = momo_attention(q, k, v, CanvasMask(valid, block_size=1), **knobs)  # float32: torch
+    monkeypatch.setattr(momo, "use_kernels", lambda q: True)  # the Triton kernels (interpreted on a CPU)
+    on_kernels, calls = momo.momo_on_kernels, []
+    monkeypatch.setattr(momo, "momo_on_kernels", lambda *args: calls.append(1) or on_kernels(*args))
+    got = momo_attention(q, k, v, CanvasMask(valid, block_size=1), **knobs)
+    assert calls == [1]
+    real = valid[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], expected[real], atol=FP32_OUT_TOLERANCE, rtol=FP32_OUT_TOLERANCE)
+
+
 def test_bad_knobs_are_named():
     with pytest.raises(ValueError, match="multiple of gamma"):
         get_method("momo", gamma=16, chi=100)

@@ -188,3 +188,37 @@ def test_block_sparse_gaps_read_nothing_and_empty_lists_see_nothing():
     empty = lists[..., :0]
     out, lse = block_sparse_attention(q, k, v, empty, chi=BLOCK_M, beta=16)
     assert bool((out == 0).all()) and bool((lse == float("-inf")).all())
+
+
+@pytest.mark.parametrize("head_dim", [256, 512])
+@pytest.mark.parametrize("mask", ["causal", "padding"])
+def test_wide_heads_at_scale_one_match_the_references(head_dim, mask):
+    """DiffusionGemma's full-layer heads (512; its sliding layers' 256) at its scale 1, GQA 4: each
+    kernel against its reference, with fewer rows per program on a GPU (BLOCK_M 16 or 32)."""
+    generator = torch.Generator().manual_seed(head_dim)
+    n, gamma, beta, chi = 150, 4, 32, 64
+    q = randn(1, 8, n, head_dim, generator=generator, dtype=torch.float16) * 0.2  # scores of unit spread at scale 1
+    k, v = (randn(1, 2, n, head_dim, generator=generator, dtype=torch.float16) * 0.2 for _ in range(2))
+    valid = torch.ones(1, n, dtype=torch.bool, device=DEVICE)
+    valid[0, :30] = False  # a left-padded prompt
+    masks = {"causal": {"causal": True}, "padding": {"k_valid": valid, "block_size": 1}}[mask]
+    out, lse, top_index, _ = qsa_attention(q, k, v, gamma=gamma, beta=beta, top_k=3, scale=1.0, **masks)
+    ref_out, ref_lse, ref_index, _ = qsa_attention_reference(q, k, v, gamma=gamma, beta=beta, top_k=3, scale=1.0,
+                                                             **masks)
+    seen = ref_lse > float("-inf")
+    torch.testing.assert_close(out.float()[seen], ref_out.float()[seen], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=2e-3, rtol=2e-3)
+    assert top_index.sort(dim=-1).values[seen].tolist() == ref_index.sort(dim=-1).values[seen].tolist()
+    lists = top_index[:, :, :: chi // gamma].contiguous()  # each query block's first sampled row's blocks
+    sparse_masks = {"causal": True} if mask == "causal" else {"k_valid": valid, "block_size": 1}
+    out, lse = block_sparse_attention(q, k, v, lists, chi=chi, beta=beta, scale=1.0, **sparse_masks)
+    ref_out, ref_lse = block_sparse_attention_reference(q, k, v, lists, chi=chi, beta=beta, scale=1.0, **sparse_masks)
+    seen = ref_lse > float("-inf")
+    torch.testing.assert_close(out.float()[seen], ref_out.float()[seen], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=2e-3, rtol=2e-3)
+
+
+def test_a_wide_head_with_a_key_block_too_big_for_shared_memory_is_named():
+    q = torch.randn(1, 2, 8, 512)
+    with pytest.raises(ValueError, match="beta x head_dim must be at most 32768 at head_dim > 128, got 128 x 512"):
+        qsa_attention(q, q, q, gamma=2, beta=128, top_k=2)

@@ -17,8 +17,8 @@ exactly, the rest by a Gaussian threshold from Welford statistics (eq. 6-7, kern
 On the kernels qsa_attention (step 1, top-k fused) and block_sparse_attention (step 3) run, union and
 trim in torch; elsewhere all in torch, densely. Ragged rows: each row's grid starts at its first real
 token (row_alignment) and padded rows choose no blocks, so a row's result does not depend on its batch.
-Hooks: attend (the block engine's prefill; DiffusionGemma's prompt pass on its full layers, scale 1,
-in torch: the kernels take head_dim <= 128; canvas=True: every masked-engine step), step_kind.
+Hooks: attend (the block engine's prefill; DiffusionGemma's prompt pass on its full layers, scale 1;
+canvas=True: every masked-engine step), step_kind.
 Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant and trim).
 Heads split over ranks: each head chooses its own key blocks; nothing is communicated.
 Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
@@ -31,12 +31,11 @@ import math
 
 import torch
 
-from nanodllm.kernels.block_sparse_attention import CUDA_TILES as SPARSE_TILES
-from nanodllm.kernels.block_sparse_attention import block_sparse_attention
+from nanodllm.kernels.block_sparse_attention import HEAD_DIMS, WIDE_TILE, block_sparse_attention, launch_tiles
 from nanodllm.kernels.qsa_attention import qsa_attention
 from nanodllm.kernels.qsa_estimate import estimated_top_k
 
-from ..attention import CanvasMask, attention_on_kernels
+from ..attention import CanvasMask, attention_on_kernels, use_kernels
 from .base import Method
 from .common import check_int
 
@@ -203,7 +202,7 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
     mask, index, back = alignment or row_alignment(mask, n)
     q, k, v = (rolled(x, index) for x in (q, k, v))
     structured = mask is None or (isinstance(mask, CanvasMask) and mask.positions is None)
-    if attention_on_kernels(q) and structured and beta in (16, 32, 64, 128) and chi % SPARSE_TILES["BLOCK_M"] == 0:
+    if structured and kernels_take(q, chi, beta):
         out = momo_on_kernels(q, k, v, mask, gamma, chi, beta, k_blocks, k_exact if top_k == "estimated" else k_blocks,
                               k_trim, top_k == "tree", trim, scale)
     else:
@@ -214,6 +213,14 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
         o_sparse = softmax_out(scaled_scores(q, k, expand_blocks(keep, n, chi, beta, full), scale), v)
         out = delta_corrected(o_sparse, o_gamma, gamma).to(q.dtype)
     return rolled(out, back)
+
+
+def kernels_take(q, chi, beta) -> bool:
+    """Whether MOMO's kernels run q: where the attention kernels run, at a head_dim, key block and
+    query block they take (heads wider than 128, as DiffusionGemma's, included)."""
+    head_dim = q.shape[-1]
+    wide = head_dim > 128 and use_kernels(q) and head_dim in HEAD_DIMS and beta * head_dim <= WIDE_TILE
+    return (attention_on_kernels(q) or wide) and beta in (16, 32, 64, 128) and chi % launch_tiles(q, beta)["BLOCK_M"] == 0
 
 
 def row_alignment(mask, n):
@@ -231,7 +238,7 @@ def row_alignment(mask, n):
     columns = torch.arange(n, device=shift.device).expand(shift.shape[0], -1)
     index = (columns + shift) % n
     valid, positions = mask.valid[:, -n:].gather(1, index), None
-    if mask.block_size is not None:
+    if mask.block_size not in (None, 1):  # causal (blocks of 1) holds among the rolled columns as it was
         positions = (columns if mask.positions is None else mask.positions[:, -n:]).gather(1, index)
         positions = None if bool(((positions == columns) | ~valid).all()) else positions
     return CanvasMask(valid, mask.block_size, positions), index, (columns - shift) % n
