@@ -106,8 +106,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     if getattr(method, "sparse_commit", False):  # MAGE's, Quest's and SparseD's knob
         raise ValueError(f"{method.name}: sparse_commit has no {cfg.model_type} counterpart (a canvas is committed "
                          "by the encoder pass, which attends exactly)")
-    # a method with Method's exact attention reads the model's own, which adds in transformers' order
-    exact = type(method).attend is Method.attend
+    # a method whose steps attend exactly reads the model's own attention, which adds in transformers' order
+    exact = type(method).attend is Method.attend or method.sparse_prefill
     if gen.threshold is not None or gen.cfg_scale > 0 or gen.temperature > 0:
         raise ValueError(f"{cfg.model_type}'s loop has no threshold, guidance or fixed temperature (its schedule "
                          "is GemmaSampling's t_max .. t_min); leave them unset")

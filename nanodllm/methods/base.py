@@ -87,7 +87,7 @@ class Method:
     name = "dense"
     engines = ("masked", "block", "gemma")  # its loops: masked (LLaDA, Dream), block (SDAR, LLaDA2), DiffusionGemma's
     needs_bidirectional = False  # True: it caches a bidirectional canvas (no block-causal model)
-    sparse_prefill = False  # True: attend computes a prefill's attention its own way (DiffusionGemma's prompt pass)
+    sparse_prefill = False  # True: attend computes a prefill its own way, cached steps exactly (MOMO)
 
     def prefill(self, model, ctx: StepContext) -> torch.Tensor:
         """Forward the prompt's whole blocks (ctx.counts real per row), K/V into ctx.cache; the last hidden states."""
