@@ -31,6 +31,7 @@ from .config import ModelConfig
 from .mlp import MLP, fp32_or_wider
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+ENCODE_CHUNK = 4096  # query rows an encoder pass attends at once off the kernels: masks grow with it, not the prompt
 
 
 class GemmaRMSNorm(nn.Module):
@@ -371,19 +372,32 @@ class DiffusionGemma(nn.Module):
 
     def attend_encoding(self, cache: GemmaCache, layer: int, positions, valid, q, k, v) -> torch.Tensor:
         """The new tokens against the cached ones and themselves, causally (a sliding layer: within the
-        window), pads seen by none; then their K/V join the cache."""
-        g = self.cfg.gemma
-        new_visible = (positions[None, :] <= positions[:, None])[None] & valid[:, None, :]  # [b, t, t]
+        window), pads seen by none; then their K/V join the cache. A full layer on the kernels runs
+        flash_attention; otherwise ENCODE_CHUNK queries at a time attend to the keys they may see."""
         if cache.sliding[layer]:
             cached_k, cached_v, cached_positions = cache.ring_in_order(layer)
-            in_window = lambda key_positions: key_positions[None, :] > positions[:, None] - g.sliding_window
-            cached_visible = in_window(cached_positions)[None] & cache.valid[:, None, cached_positions]
-            new_visible &= in_window(positions)[None]
+            cached_valid, window = cache.valid[:, cached_positions], self.cfg.gemma.sliding_window
         else:
-            cached_k, cached_v = cache.full_in_place(layer)
-            cached_visible = cache.valid[:, None, :].expand(-1, q.shape[2], -1)
-        visible = torch.cat([cached_visible, new_visible], dim=2)
-        out = attend(q, torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2), visible)
+            (cached_k, cached_v), cached_valid, window = cache.full_in_place(layer), cache.valid, None
+        keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
+        key_valid = torch.cat([cached_valid, valid], dim=1)
+        if window is None and use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # the new tokens are the last keys
+            out = flash_attention(q, keys, values, causal=True, k_valid=key_valid, scale=1.0)
+        else:
+            # cached keys hold the positions just before the new ones: key j sits at position j + first
+            first, cached = cache.length - cached_k.shape[2], cached_k.shape[2]
+            key_positions = first + torch.arange(keys.shape[2], device=q.device)
+            chunks = []
+            for start in range(0, q.shape[2], ENCODE_CHUNK):
+                rows = positions[start : start + ENCODE_CHUNK]
+                lo = 0 if window is None else max(0, cached + start - window + 1)  # keys before are out of reach
+                hi = cached + start + len(rows)
+                seen = key_positions[None, lo:hi] <= rows[:, None]
+                if window is not None:
+                    seen &= key_positions[None, lo:hi] > rows[:, None] - window
+                chunks.append(attend(q[:, :, start : start + len(rows)], keys[:, :, lo:hi], values[:, :, lo:hi],
+                                     seen[None] & key_valid[:, None, lo:hi]))
+            out = torch.cat(chunks, dim=2)
         cache.append(layer, k, v, valid)
         return out
 

@@ -8,22 +8,24 @@ self-conditioning's soft embedding and the tied head; the experts the step's tok
 cached K/V of the full layers and the sliding rings) over the measured copy bandwidth. transformers: the
 same step through DiffusionGemmaModel's decoder (5.24, SDPA, its default experts), its cache filled the
 same way, when `transformers` imports (PYTHONPATH) and fits beside nothing else: it runs after ours.
+Then, batch 1, seconds of the prompt's encoder pass into an empty cache, exact and with MOMO's
+prefill on the full layers (its defaults).
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
-from pathlib import Path
+from functools import partial
 
 import torch
 
 from harness import REPO, kilo, wall_us
+from nanodllm.attention import CanvasMask
 from nanodllm.config import ModelConfig, _PRESETS
 from nanodllm.graphs import Recordings
 from nanodllm.loader import build_random, load_reference
 from nanodllm.methods.base import StepContext
 from nanodllm.methods.mage import Mage
+from nanodllm.methods.momo import Momo
 
 PRESET = "diffusiongemma-26b-a4b"
 FIXTURE = REPO / "tests" / "fixtures" / "diffusion_gemma_tiny"
@@ -79,6 +81,27 @@ def mage_step(model, canvas, cache, logits, k: int):
     return lambda: model.head(model.denoised(canvas, cache, logits, lambda *a: mage.attend(*a, ctx=context(1))))
 
 
+def prompt_passes(model, contexts: list[int], device) -> list[dict]:
+    """Seconds of one prompt's encoder pass (batch 1, random tokens, an empty cache), exact and with
+    MOMO's prefill attention on the full layers, as the loop runs them."""
+    rows = []
+    for context in contexts:
+        ids = torch.randint(0, model.cfg.vocab_size, (1, context), device=device)
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        row = {"prompt": kilo(context)}
+        for name, method in (("exact", None), ("MOMO", Momo())):
+            def encode():
+                cache = model.empty_cache(1, context)
+                ctx = StepContext(ids, model.positions(cache, context)[None], valid, torch.tensor([context], device=device),
+                                  attn_mask=CanvasMask(valid, block_size=1), cache=cache.full, phase="prefill")
+                model.encode(ids, cache, valid, None if method is None else partial(method.attend, ctx=ctx))
+            with torch.no_grad():
+                row[f"{name} s"] = wall_us(encode, device, tries=1) / 1e6
+        row["exact / MOMO"] = row["exact s"] / row["MOMO s"]
+        rows.append(row)
+    return rows
+
+
 def hf_step(raw: dict, cfg, batch: int, contexts: list[int], device, dtype, quick: bool) -> dict:
     """ms of transformers' denoising step per context, its cache filled with random K/V."""
     from transformers import DynamicCache
@@ -120,6 +143,7 @@ def diffusiongemma(setup):
     cfg, rows = model.cfg, []
     size, vocab = cfg.gemma.canvas_length, cfg.vocab_size
     setup.meta.update(preset=PRESET, contexts=contexts, batches=batches)
+    passes = prompt_passes(model, contexts, device)
     for batch in batches:
         canvas = torch.randint(0, vocab, (batch, size), device=device)
         logits = torch.randn(batch, size, vocab, device=device)
@@ -155,4 +179,7 @@ def diffusiongemma(setup):
         row.setdefault("transformers / exact", "-")
     setup.report.table(f"One denoising step, {PRESET}", rows,
                        f"random weights, {dtype}; floor: bytes read / {bandwidth:.0f} GB/s (copy)")
+    setup.report.table("The prompt's encoder pass, batch 1", passes,
+                       "seconds, host included; MOMO at its defaults (gamma 16, chi 128, beta 64, k 128) on the full "
+                       "layers, the sliding layers exact")
     return "bench_diffusiongemma"

@@ -128,6 +128,62 @@ def test_encoding_in_pieces_equals_encoding_at_once(pieces):
     assert (model.denoise(canvas, pieced) - model.denoise(canvas, whole)).abs().max() < 1e-9
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_encoding_a_few_queries_at_a_time_equals_all_at_once(chunk, monkeypatch):
+    """ENCODE_CHUNK query rows at a time, each against the keys in its reach (a sliding layer's window,
+    reaching back into the ring of an earlier pass; a left-padded row): the caches and the denoiser's
+    logits of one pass (float64)."""
+    import nanodllm.gemma as gemma_module
+
+    model = load_reference(FIXTURE, dtype=torch.float64)
+    valid = torch.ones_like(GOLDEN["prompt"], dtype=torch.bool)
+    valid[1, :4] = False
+
+    def encoded():
+        cache = model.empty_cache(2)
+        model.encode(GOLDEN["prompt"], cache, valid)
+        model.encode(GOLDEN["committed"], cache)
+        return cache
+
+    whole = encoded()
+    monkeypatch.setattr(gemma_module, "ENCODE_CHUNK", chunk)
+    chunked = encoded()
+    for layer in range(model.cfg.num_layers):
+        for got, expected in zip(chunked.in_order(layer), whole.in_order(layer)):
+            assert (got - expected).abs().max() < 1e-10
+    canvas = GOLDEN["next_canvas"]
+    assert (model.denoise(canvas, chunked) - model.denoise(canvas, whole)).abs().max() < 1e-9
+
+
+@torch.no_grad()  # the kernels run outside autograd
+def test_the_encoders_full_layers_on_the_kernel_equal_attend(monkeypatch):
+    """flash_attention (causal, scale 1, a left-padded row's pads hidden) in a prompt's pass and in a
+    commit's (new keys after the cached ones), float16 (Triton's interpreter on a CPU), against attend:
+    every layer's cache after both, on random weights with full layers of head_dim 64."""
+    import nanodllm.attention as attention_module
+
+    raw = copy.deepcopy(RAW)
+    raw["text_config"]["global_head_dim"] = 64
+    torch.manual_seed(0)
+    model = build_random(ModelConfig.from_dict(raw, source="test"), device=DEVICE, dtype=torch.float16)
+    prompt, committed = GOLDEN["prompt"].to(DEVICE), GOLDEN["committed"].to(DEVICE)
+    valid = torch.ones_like(prompt, dtype=torch.bool)
+    valid[1, :4] = False
+
+    def encoded():
+        cache = model.empty_cache(2)
+        model.encode(prompt, cache, valid)
+        model.encode(committed, cache)
+        return [cache.in_order(layer) for layer in range(model.cfg.num_layers)]
+
+    expected = encoded()
+    monkeypatch.setattr(attention_module, "KERNEL_DEVICES", ("cuda", "cpu"))
+    for layer, (got, want) in enumerate(zip(encoded(), expected)):
+        for a, b in zip(got, want):
+            assert (a.float() - b.float()).abs().max() < 2e-2 * b.float().abs().max(), layer
+
+
 @pytest.mark.parametrize("head_dim", [16, 512])
 def test_attention_of_grouped_heads_with_and_without_a_mask(head_dim):
     """attend on the test device (SDPA over each KV head's group on a GPU) against softmax(q k^T + mask) v
