@@ -55,6 +55,16 @@ def test_demo_on_diffusion_gemma_reports_its_sampler_and_what_mage_read():
     assert kept["dense"] == 100 and kept["mage"] < 100
 
 
+def test_demo_refuses_a_diffusion_gemma_context_past_its_positions_before_loading():
+    """Its RoPE is not stretched: a default passkey prompt longer than the fixture's 512 positions is one
+    error, with no note promising a stretch and nothing loaded (no vision-tensor notice)."""
+    done = demo("--model", str(FIXTURES / "diffusion_gemma_tiny"), "--method", "dense")
+    assert done.returncode != 0 and "note:" not in done.stdout + done.stderr and "vision" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: diffusion_gemma: 1098 tokens exceed max_position_embeddings 512, and its RoPE is not stretched: use "
+        "a shorter prompt (--length, --context)"]
+
+
 def test_demo_defaults_to_the_tiny_model_and_a_passkey_prompt():
     done = demo("--method", "dense", "--length", "512")
     assert done.returncode == 0, done.stderr
