@@ -237,6 +237,11 @@ def test_bad_knobs_are_named():
         get_method("momo", k_trim=0)
 
 
+def test_a_budget_below_eight_blocks_takes_them_all_exactly():
+    """k_exact defaults to the paper's 8, or k where k is smaller (no knob to set alongside a small k)."""
+    assert get_method("momo", k=3).knobs["k_exact"] == 3 and get_method("momo").knobs["k_exact"] == 8
+
+
 def load_mass_script():
     spec = importlib.util.spec_from_file_location("momo_mass", Path(__file__).resolve().parents[1] / "scripts" / "momo_mass.py")
     momo_mass = importlib.util.module_from_spec(spec)

@@ -21,7 +21,7 @@ Hooks: attend (the block engine's prefill; DiffusionGemma's prompt pass on its f
 canvas=True: every masked-engine step), step_kind.
 Equals dense: k covering every key block (delta = 0 then; tested for each top-k variant and trim).
 Heads split over ranks: each head chooses its own key blocks; nothing is communicated.
-Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = 8, k_trim = k,
+Knobs (paper defaults): gamma = 16, chi = 128, beta = 64, k = 128, k_exact = min(8, k), k_trim = k,
 top_k = "exact" | "tree" | "estimated", trim = "mean" (Algorithm 2) | "mass", canvas = False.
 """
 
@@ -306,9 +306,10 @@ class Momo(Method):
     engines = ("block", "masked", "gemma")
     sparse_prefill = True
 
-    def __init__(self, gamma: int = 16, chi: int = 128, beta: int = 64, k: int = 128, k_exact: int = 8,
+    def __init__(self, gamma: int = 16, chi: int = 128, beta: int = 64, k: int = 128, k_exact: int | None = None,
                  k_trim: int | None = None, top_k: str = "exact", trim: str = "mean", canvas: bool = False):
         check_int(1, gamma=gamma, chi=chi, beta=beta, k=k, **({} if k_trim is None else {"k_trim": k_trim}))
+        k_exact = min(8, k) if k_exact is None else k_exact
         if chi % gamma:
             raise ValueError(f"chi ({chi}) must be a multiple of gamma ({gamma})")
         if top_k not in ("exact", "tree", "estimated"):
