@@ -7,9 +7,9 @@
     DiffusionGemma                   its own loop of canvases against its encoder's cache (gemma_loop.py)
 
 A method runs in the loops of its engines (Method.engines: masked for the first two, block for the
-next two, gemma for DiffusionGemma's, where MAGE, Quest and SparseD select on the full layers). Here, once for every other loop, its steps are
-wrapped to be replayed where they repeat and to count what they read (nanodllm/graphs.py); the
-result carries those counts as stats.
+next two, gemma for DiffusionGemma's, where MAGE, Quest and SparseD select on the full layers and MOMO
+prefills them). Here, once for every other loop, its steps are wrapped to be replayed where they
+repeat and to count what they read (nanodllm/graphs.py); the result carries those counts as stats.
 """
 
 from __future__ import annotations
