@@ -39,10 +39,15 @@ def launch_tiles(q: torch.Tensor, beta: int) -> dict:
     return {"BLOCK_M": 32 if head_dim == 256 else 16, "num_warps": 8, "num_stages": 2 if beta * head_dim < WIDE_TILE else 1}
 
 
+def takes(head_dim: int, beta: int) -> bool:
+    """Whether the MOMO kernels (this one and qsa_attention.py) take this head_dim and key block."""
+    return head_dim in HEAD_DIMS and beta in (16, 32, 64, 128) and (head_dim <= 128 or beta * head_dim <= WIDE_TILE)
+
+
 def check_head_dim(head_dim: int, beta: int):
     if head_dim not in HEAD_DIMS or beta not in (16, 32, 64, 128):
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} and beta 16, 32, 64 or 128, got {head_dim} and {beta}")
-    if head_dim > 128 and beta * head_dim > WIDE_TILE:
+    if not takes(head_dim, beta):
         raise ValueError(f"beta x head_dim must be at most {WIDE_TILE} at head_dim > 128, got {beta} x {head_dim}")
 LN_2 = tl.constexpr(math.log(2.0))
 

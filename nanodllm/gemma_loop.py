@@ -97,6 +97,13 @@ def finish(canvas: torch.Tensor, finished: torch.Tensor, stops: torch.Tensor, pa
     return padded, finished | is_stop.any(dim=-1)
 
 
+def prompt_context(model, cache, tokens: torch.Tensor, valid: torch.Tensor, prompt_lengths: torch.Tensor) -> StepContext:
+    """What a sparse_prefill method reads of the prompt's encoder pass into the empty cache: causal, pads hidden."""
+    positions = model.positions(cache, tokens.shape[1]).expand(tokens.shape[0], -1)
+    return StepContext(tokens, positions, valid, prompt_lengths, attn_mask=CanvasMask(valid, block_size=1),
+                       cache=cache.full, phase="prefill")
+
+
 @torch.no_grad()
 def generate(model, prompts, gen: GenerationConfig, method: Method | None = None, stop_ids=None,
              pad_id: int | None = None, sampling: GemmaSampling | None = None) -> CanvasResult:
@@ -137,9 +144,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     # exact steps after a canvas's first repeat one computation (the cache is only read): where the model
     # allows, the second is recorded as a CUDA graph (nanodllm/graphs.py) and the others replay it
     recordings = Recordings(size=1) if exact and GRAPHS_ENABLED and model.replayable else None
-    prefill = StepContext(prompt.tokens, model.positions(cache, prompt.tokens.shape[1]).expand(batch, -1), prompt.valid,
-                          prompt_lengths, attn_mask=CanvasMask(prompt.valid, block_size=1), cache=cache.full,
-                          phase="prefill")  # the prompt's encoder pass: causal
+    prefill = prompt_context(model, cache, prompt.tokens, prompt.valid, prompt_lengths)
     prefill_full = partial(method.attend, ctx=prefill) if method.sparse_prefill else None
     for canvas in range(canvases):
         model.encode(to_encode, cache, valid, prefill_full if canvas == 0 else None)

@@ -19,8 +19,8 @@ from functools import partial
 import torch
 
 from harness import REPO, kilo, wall_us
-from nanodllm.attention import CanvasMask
 from nanodllm.config import ModelConfig, _PRESETS
+from nanodllm.gemma_loop import prompt_context
 from nanodllm.graphs import Recordings
 from nanodllm.loader import build_random, load_reference
 from nanodllm.methods.base import StepContext
@@ -92,8 +92,7 @@ def prompt_passes(model, contexts: list[int], device) -> list[dict]:
         for name, method in (("exact", None), ("MOMO", Momo())):
             def encode():
                 cache = model.empty_cache(1, context)
-                ctx = StepContext(ids, model.positions(cache, context)[None], valid, torch.tensor([context], device=device),
-                                  attn_mask=CanvasMask(valid, block_size=1), cache=cache.full, phase="prefill")
+                ctx = prompt_context(model, cache, ids, valid, torch.tensor([context], device=device))
                 model.encode(ids, cache, valid, None if method is None else partial(method.attend, ctx=ctx))
             with torch.no_grad():
                 row[f"{name} s"] = wall_us(encode, device, tries=1) / 1e6

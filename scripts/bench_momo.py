@@ -60,20 +60,25 @@ def momo_stages(q, k, v, block_size, knobs):
     return (measure, trim, attend), int((state["lists"] >= 0).sum())
 
 
+def prepared(setup, quick: dict, full: dict, scale=None):
+    """What a section starts from: its shapes, MOMO's knobs, the matmul rate, a timer (ms), MOMO's call
+    (q, k, v, mask, k blocks, top-k variant) at `scale` and random q / k / v of n tokens."""
+    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(quick, full, knobs=KNOBS)
+    knobs = QUICK_KNOBS if setup.quick else KNOBS
+    momo_call = lambda q, k, v, mask, k_blocks, variant: momo_attention(
+        q, k, v, mask, knobs["gamma"], knobs["chi"], knobs["beta"], k_blocks, min(knobs["k_exact"], k_blocks), None,
+        variant, scale=scale)
+    generator = torch.Generator(device=device).manual_seed(0)
+    random_qkv = lambda n: tuple(torch.randn(1, shapes[heads], n, shapes["head_dim"], device=device, dtype=dtype,
+                                             generator=generator) for heads in ("heads", "kv_heads", "kv_heads"))
+    return shapes, knobs, setup.ceilings[1], lambda fn: wall_us(fn, device) / 1e3, momo_call, random_qkv
+
+
 @torch.no_grad()
 def momo(setup):
-    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK, FULL, knobs=KNOBS)
-    _, matmul_rate = setup.ceilings
-    knobs = QUICK_KNOBS if setup.quick else KNOBS
+    shapes, knobs, matmul_rate, ms, momo_call, random_qkv = prepared(setup, QUICK, FULL)
     heads, kv_heads, d, gamma = shapes["heads"], shapes["kv_heads"], shapes["head_dim"], knobs["gamma"]
-    ms = lambda fn: wall_us(fn, device) / 1e3
     floor_ms = lambda flops: flops / matmul_rate / 1e9
-    momo_call = lambda q, k, v, mask, k_blocks, variant: momo_attention(
-        q, k, v, mask, gamma, knobs["chi"], knobs["beta"], k_blocks, min(knobs["k_exact"], k_blocks), None, variant)
-    generator = torch.Generator(device=device).manual_seed(0)
-    random_qkv = lambda n: (torch.randn(1, heads, n, d, device=device, dtype=dtype, generator=generator),
-                            *(torch.randn(1, kv_heads, n, d, device=device, dtype=dtype, generator=generator)
-                              for _ in range(2)))
     rows, stage_rows = [], []
     for n in setup.args.lengths or shapes["lengths"]:
         q, k, v = random_qkv(n)
@@ -123,23 +128,16 @@ QUICK_GEMMA = dict(lengths=(256,), heads=4, kv_heads=1, head_dim=512)
 
 @torch.no_grad()
 def momo_gemma(setup):
-    device, dtype, shapes = setup.device, setup.dtype, setup.shapes(QUICK_GEMMA, GEMMA, knobs=KNOBS)
-    _, matmul_rate = setup.ceilings
-    knobs = QUICK_KNOBS if setup.quick else KNOBS
+    shapes, knobs, matmul_rate, ms, momo_call, random_qkv = prepared(setup, QUICK_GEMMA, GEMMA, scale=1.0)
     heads, kv_heads, d, gamma = shapes["heads"], shapes["kv_heads"], shapes["head_dim"], knobs["gamma"]
-    ms = lambda fn: wall_us(fn, device) / 1e3
-    generator = torch.Generator(device=device).manual_seed(0)
     causal, rows = CanvasMask(block_size=1), []
     for n in shapes["lengths"]:
-        q = torch.randn(1, heads, n, d, device=device, dtype=dtype, generator=generator)
-        k, v = (torch.randn(1, kv_heads, n, d, device=device, dtype=dtype, generator=generator) for _ in range(2))
+        q, k, v = random_qkv(n)
         dense_flops = 4 * d * heads * visible_pairs(n, 1)
         row = {"N": kilo(n), "ours dense ms": ms(lambda: flash_attention(q, k, v, causal=True, scale=1.0)),
                "dense floor ms": dense_flops / matmul_rate / 1e9}
         for variant in ("exact", "estimated"):
-            row[f"MOMO {variant} ms"] = ms(lambda: momo_attention(
-                q, k, v, causal, gamma, knobs["chi"], knobs["beta"], knobs["k_blocks"], knobs["k_exact"], None, variant,
-                scale=1.0))
+            row[f"MOMO {variant} ms"] = ms(lambda: momo_call(q, k, v, causal, knobs["k_blocks"], variant))
         row["dense / MOMO exact"] = row["ours dense ms"] / row["MOMO exact ms"]
         rows.append(row)
         del q, k, v

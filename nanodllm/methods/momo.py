@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from nanodllm.kernels.block_sparse_attention import HEAD_DIMS, WIDE_TILE, block_sparse_attention, launch_tiles
+from nanodllm.kernels.block_sparse_attention import block_sparse_attention, launch_tiles, takes
 from nanodllm.kernels.qsa_attention import qsa_attention
 from nanodllm.kernels.qsa_estimate import estimated_top_k
 
@@ -218,9 +218,8 @@ def momo_attention(q, k, v, mask=None, gamma=16, chi=128, beta=64, k_blocks=128,
 def kernels_take(q, chi, beta) -> bool:
     """Whether MOMO's kernels run q: where the attention kernels run, at a head_dim, key block and
     query block they take (heads wider than 128, as DiffusionGemma's, included)."""
-    head_dim = q.shape[-1]
-    wide = head_dim > 128 and use_kernels(q) and head_dim in HEAD_DIMS and beta * head_dim <= WIDE_TILE
-    return (attention_on_kernels(q) or wide) and beta in (16, 32, 64, 128) and chi % launch_tiles(q, beta)["BLOCK_M"] == 0
+    wide = q.shape[-1] > 128 and use_kernels(q)
+    return (attention_on_kernels(q) or wide) and takes(q.shape[-1], beta) and chi % launch_tiles(q, beta)["BLOCK_M"] == 0
 
 
 def row_alignment(mask, n):
