@@ -7,9 +7,10 @@ attend; a per-KV-head mask serves methods that keep different keys per head), or
 CanvasMask: the structured masks of the engines (key padding, block-causal), which a kernel can
 apply without materialising [q_len, k_len].
 
-Who computes it: the Triton kernels of kernels/ when use_kernels(q), head_dim is 64 or 128 and the
-mask does not depend on the query (see `attention`); torch SDPA for other CUDA tensors; on the CPU
-a plain-torch version with scores and softmax in fp32. `use_kernels` is the one switch of the whole
+Who computes it: the Triton kernels of kernels/ when use_kernels(q), the kernels take the head_dim
+(the decode kernels 64 and 128, flash_attention also DiffusionGemma's 256 and 512) and the mask does
+not depend on the query (see `attention`); torch SDPA for other CUDA tensors; on the CPU a plain-torch
+version with scores and softmax in fp32. `use_kernels` is the one switch of the whole
 package between the Triton kernels and plain torch: every caller asks it, so NANODLLM_KERNELS=0 in
 the environment keeps everything on torch (SDPA on CUDA), to compare.
 """
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from nanodllm.kernels.decode_attention import decode_attention
+from nanodllm.kernels.decode_inputs import MAX_QUERIES as DECODE_MAX_QUERIES
+from nanodllm.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from nanodllm.kernels.flash_attention import flash_attention
 
 KERNELS_ENABLED = os.environ.get("NANODLLM_KERNELS", "1") != "0"
@@ -44,6 +47,16 @@ def use_kernels(x: torch.Tensor) -> bool:
 def attention_on_kernels(q: torch.Tensor) -> bool:
     """Whether q's attention runs on the attention kernels (which take head_dim 64 and 128)."""
     return use_kernels(q) and q.shape[-1] in KERNEL_HEAD_DIMS
+
+
+def decode_kernels_take(q: torch.Tensor) -> bool:
+    """Whether the block-decode kernels of sparse methods (sparse_decode_attention, key_scores) take q."""
+    return attention_on_kernels(q) and q.shape[2] <= DECODE_MAX_QUERIES
+
+
+def flash_on_kernels(q: torch.Tensor) -> bool:
+    """Whether q's attention over whole key lists runs on flash_attention (head_dim 64 to 512)."""
+    return use_kernels(q) and q.shape[-1] in FLASH_HEAD_DIMS
 
 
 @dataclass
@@ -106,15 +119,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """softmax(q k^T scale masked) v, with GQA (scale None: 1 / sqrt(d)). Returns [batch, num_heads,
     q_len, head_dim].
 
-    On the kernels: decode_attention for at most SPLIT_MAX_QUERIES queries against SPLIT_MIN_KEYS or
-    more unmasked keys (it splits the keys over the SMs, where flash_attention would run one program
-    per head and query tile: docs/results/bench_routing.md); flash_attention for the rest, when the
-    mask is a CanvasMask or hides keys without depending on the query (a bool mask [batch, 1 or
-    num_kv_heads, 1, k_len]). Other CUDA tensors, or a bool mask that differs per query: torch SDPA."""
-    kernel_mask = as_kernel_mask(mask, q, k) if attention_on_kernels(q) else None
+    On the kernels: decode_attention (head_dim 64, 128) for at most SPLIT_MAX_QUERIES queries against
+    SPLIT_MIN_KEYS or more unmasked keys (it splits the keys over the SMs, where flash_attention would
+    run one program per head and query tile: docs/results/bench_routing.md); flash_attention for the
+    rest, when the mask is a CanvasMask or hides keys without depending on the query (a bool mask
+    [batch, 1 or num_kv_heads, 1, k_len]). Other CUDA tensors, or a bool mask that differs per query:
+    torch SDPA."""
+    kernel_mask = as_kernel_mask(mask, q, k) if flash_on_kernels(q) else None
     if kernel_mask is not None:
         block_size, k_valid = kernel_mask
-        if block_size is None and k_valid is None and q.shape[2] <= SPLIT_MAX_QUERIES and k.shape[2] >= SPLIT_MIN_KEYS:
+        few_queries = q.shape[2] <= SPLIT_MAX_QUERIES and k.shape[2] >= SPLIT_MIN_KEYS
+        if attention_on_kernels(q) and block_size is None and k_valid is None and few_queries:
             return decode_attention(q, k.transpose(1, 2), v.transpose(1, 2), k.shape[2], scale=scale, return_lse=False)
         return flash_attention(q, k, v, block_size=block_size, k_valid=k_valid, scale=scale)
     if isinstance(mask, CanvasMask):

@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.flash_attention import HEAD_DIMS, flash_attention
+from nanodllm.kernels.flash_attention import flash_attention
 
-from .attention import use_kernels
+from .attention import flash_on_kernels
 from .cache import KVCache
 from .config import ModelConfig
 from .mlp import MLP, fp32_or_wider
@@ -92,7 +92,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
 def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
     """attend with only keys hidden: key_valid [b, n] (None: all seen). Where the kernels run (16-bit on a
     GPU, at a head_dim it takes) the flash kernel (kernels/flash_attention.py: GQA in place, scale 1)."""
-    if use_kernels(q) and q.shape[-1] in HEAD_DIMS:
+    if flash_on_kernels(q):
         return flash_attention(q, k, v, k_valid=key_valid, scale=1.0)
     return attend(q, k, v, None if key_valid is None else key_valid[:, None, :].expand(-1, q.shape[2], -1))
 
@@ -381,7 +381,7 @@ class DiffusionGemma(nn.Module):
             (cached_k, cached_v), cached_valid, window = cache.full_in_place(layer), cache.valid, None
         keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
         key_valid = torch.cat([cached_valid, valid], dim=1)
-        if window is None and use_kernels(q) and q.shape[-1] in HEAD_DIMS:  # the new tokens are the last keys
+        if window is None and flash_on_kernels(q):  # the new tokens are the last keys
             out = flash_attention(q, keys, values, causal=True, k_valid=key_valid, scale=1.0)
         else:
             # cached keys hold the positions just before the new ones: key j sits at position j + first

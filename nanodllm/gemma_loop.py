@@ -141,9 +141,10 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # a stop token in an earlier canvas
     committed, steps_per_canvas, passes, forwards, steps = [], [[] for _ in prompts], 0, 0, 0
     meter = Meter()  # what the method's steps read of the full layers' cache
-    # exact steps after a canvas's first repeat one computation (the cache is only read): where the model
-    # allows, the second is recorded as a CUDA graph (nanodllm/graphs.py) and the others replay it
-    recordings = Recordings(size=1) if exact and GRAPHS_ENABLED and model.replayable else None
+    # a self-conditioned step of the step before's kind (exact steps: always) repeats one computation, the
+    # cache only read: where the model allows, the first repeat is recorded as a CUDA graph
+    # (nanodllm/graphs.py) and later ones replay it; a kind that does not repeat (a selecting step) runs eagerly
+    recordings = Recordings(size=1) if GRAPHS_ENABLED and model.replayable else None
     prefill = prompt_context(model, cache, prompt.tokens, prompt.valid, prompt_lengths)
     prefill_full = partial(method.attend, ctx=prefill) if method.sparse_prefill else None
     for canvas in range(canvases):
@@ -155,16 +156,19 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         done = torch.zeros(batch, dtype=torch.bool, device=device)  # this canvas needs no more steps
         counted = torch.zeros(batch, dtype=torch.long, device=device)
         method.begin_block(context(canvas, 0, x))
+        last_kind = None
         for step, left in enumerate(range(gen.steps, 0, -1)):
             counted += ~(done | finished)
             ctx = context(canvas, step, x)
+            kind = () if exact else method.step_kind(ctx)
             attend_full = None if exact else partial(method.attend, ctx=ctx)
             step_logits = lambda tokens, conditioning: method.logits(
                 model, model.denoised(tokens, cache, conditioning, attend_full), ctx)
-            if recordings is not None and self_conditioning is not None:
-                logits = recordings(cache.length, step_logits, x, self_conditioning)
+            if recordings is not None and self_conditioning is not None and kind is not None and kind == last_kind:
+                logits = recordings((cache.length, kind), step_logits, x, self_conditioning)
             else:
                 logits = step_logits(x, self_conditioning)
+            last_kind = kind
             z = logits / temperature(left, gen.steps, sampling)  # [b, size, V]
             meter.count(method, ctx)
             probs = torch.softmax(z, dim=-1, dtype=torch.float32)

@@ -1,15 +1,16 @@
 """bench.py diffusiongemma: DiffusionGemma's denoising step (diffusiongemma-26b-a4b, random bf16 weights).
 
 Per context and batch: ms of one denoising step (a canvas of 256 against a cache filled with random K/V,
-self-conditioned), exact as the loop runs it (replayed from a CUDA graph) and eager, and MAGE's sparse step (k = 1024 keys per KV head on the 5 full layers), ms of
-the encoder pass that commits a canvas, and ms per canvas at the released generation_config's 48 steps
-at most. Floor: the bytes a step reads (every weight but the embedding, which it reads twice: the
+self-conditioned), exact as the loop runs it (replayed from a CUDA graph) and eager, and MAGE's sparse
+step as the loop runs it (replayed; k = 1024 keys per KV head on the 5 full layers), ms of the encoder
+pass that commits a canvas, and ms per canvas at the released generation_config's 48 steps at most.
+Floor: the bytes a step reads (every weight but the embedding, which it reads twice: the
 self-conditioning's soft embedding and the tied head; the experts the step's tokens route to; every
 cached K/V of the full layers and the sliding rings) over the measured copy bandwidth. transformers: the
 same step through DiffusionGemmaModel's decoder (5.24, SDPA, its default experts), its cache filled the
 same way, when `transformers` imports (PYTHONPATH) and fits beside nothing else: it runs after ours.
-Then, batch 1, seconds of the prompt's encoder pass into an empty cache, exact and with MOMO's
-prefill on the full layers (its defaults).
+Then, batch 1, seconds of the prompt's encoder pass into an empty cache, exact and with MOMO's prefill
+on the full layers (its defaults).
 """
 
 from __future__ import annotations
@@ -71,14 +72,17 @@ def touched_experts(model, canvas, cache, logits) -> float:
 
 
 def mage_step(model, canvas, cache, logits, k: int):
-    """MAGE's sparse step: the selection made at a first step, then one step over it (timed)."""
+    """MAGE's sparse step as the loop runs it: the selection made at a first step, then a step over it
+    (timed; on a GPU replayed from a CUDA graph, as the loop replays a canvas's repeated sparse steps)."""
     mage, size = Mage(k=k, exact_layers=0), canvas.shape[1]
     context = lambda step: StepContext(canvas, model.positions(cache, size).expand(canvas.shape[0], -1),
                                        torch.ones_like(canvas, dtype=torch.bool), cache.full.lengths, step=step,
                                        steps_per_block=STEPS_PER_CANVAS, logits_stop=size, cache=cache.full)
     mage.begin_block(context(0))
     model.head(model.denoised(canvas, cache, None, lambda *a: mage.attend(*a, ctx=context(0))))
-    return lambda: model.head(model.denoised(canvas, cache, logits, lambda *a: mage.attend(*a, ctx=context(1))))
+    step = lambda c, l: model.head(model.denoised(c, cache, l, lambda *a: mage.attend(*a, ctx=context(1))))
+    replay = Recordings(size=1)
+    return (lambda: replay("sparse", step, canvas, logits)) if canvas.is_cuda else lambda: step(canvas, logits)
 
 
 def prompt_passes(model, contexts: list[int], device) -> list[dict]:
@@ -153,7 +157,8 @@ def diffusiongemma(setup):
                 replay, step = Recordings(size=1), lambda c, l: model.denoise(c, cache, l)
                 exact = wall_us(lambda: replay(context, step, canvas, logits), device, tries=3, warmups=2) / 1e3 \
                     if device.type == "cuda" else eager
-                sparse = wall_us(mage_step(model, canvas, cache, logits, k=64 if quick else 1024), device) / 1e3
+                sparse = wall_us(mage_step(model, canvas, cache, logits, k=64 if quick else 1024), device,
+                                 warmups=2) / 1e3
                 floor = step_bytes(model, batch, context, touched_experts(model, canvas, cache, logits)) / bandwidth / 1e6
                 growing = filled_cache(model, batch, context, room=4)  # a commit per call: 1 + 3 timed
                 commit = wall_us(lambda: model.encode(canvas, growing), device) / 1e3

@@ -8,6 +8,7 @@ and a left-padded one (`PYTHONPATH=<transformers 5.24> python scripts/make_fixtu
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -208,18 +209,107 @@ def test_bad_knobs_are_refused_in_one_line(knobs, match):
         generate(MODEL, [[5, 6, 7]], GenerationConfig(gen_length=8, block_length=4, steps=2))
 
 
+SPARSE = [("mage", {"k": 4}), ("sparsed", {"k": 4, "exact_fraction": 0.5}), ("quest", {"k": 4, "page_size": 2})]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_replayed_steps_decode_what_eager_steps_decode(monkeypatch):
-    """On a GPU (bfloat16) the exact steps after each canvas's first replay a CUDA graph: the same tokens
-    and steps per canvas as eager steps, in a ragged batch over several canvases."""
+@pytest.mark.parametrize("name, knobs", [("dense", {})] + SPARSE)
+def test_replayed_steps_decode_what_eager_steps_decode(name, knobs, monkeypatch):
+    """On a GPU (bfloat16) a canvas's steps that repeat the step before replay a CUDA graph: the same
+    tokens and steps per canvas as eager steps, in a ragged batch over several canvases, dense and sparse."""
     from nanodllm.loader import load_model
 
     model, run = load_model(FIXTURE, "cuda", torch.bfloat16), RUNS["ragged"]
     gen = GenerationConfig(gen_length=run["canvases"] * 8, block_length=8, steps=STEPS)
-    decode_here = lambda: generate(model, run["prompts"], gen, stop_ids=run["stop_ids"],
+    decode_here = lambda: generate(model, run["prompts"], gen, get_method(name, **knobs), stop_ids=run["stop_ids"],
                                    sampling=GemmaSampling(**run["sampler"], sample=False, seed=run["seed"]))
     replayed = decode_here()
     monkeypatch.setattr(gemma_loop, "GRAPHS_ENABLED", False)
     eager = decode_here()
     assert replayed.replays > 0 and eager.replays == 0
     assert (replayed.tokens, replayed.steps_per_canvas) == (eager.tokens, eager.steps_per_canvas)
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Inside, a tensor asked for a number on the host raises: a CUDA graph replays a step without its
+    Python, so a recorded step may not branch on, or size anything by, a device value."""
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    own = {name: torch.Tensor.__dict__.get(name) for name in names}
+
+    def refused(name):
+        def refuse(self, *args, **kwargs):
+            raise AssertionError(f"a recorded step asked a tensor for a host number ({name})")
+        return refuse
+
+    for name in names:
+        setattr(torch.Tensor, name, refused(name))
+    try:
+        yield
+    finally:
+        for name, method in own.items():
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
+
+
+class Recorder:
+    """graphs.Recordings on the CPU: a step handed to it runs now, its method's attention barred from host
+    reads (no_host_reads); the keys are kept, a key seen before counted as a replay."""
+
+    def __init__(self, size: int = 1):
+        self.keys, self.replays, self.running = [], 0, False
+
+    def __call__(self, key, fn, *inputs):
+        self.replays += key in self.keys
+        self.keys.append(key)
+        self.running = True
+        try:
+            return fn(*inputs)
+        finally:
+            self.running = False
+
+
+@torch.no_grad()  # the kernels run outside autograd
+@pytest.mark.parametrize("name, knobs", SPARSE)
+def test_the_sparse_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, monkeypatch):
+    """The steps the loop would record on a GPU (each canvas's repeats of the step before: MAGE's and
+    SparseD's sparse steps, never a selecting one) with full layers of head_dim 256, which the decode
+    kernels do not take (the chosen keys gathered for flash_attention, in Triton's interpreter): their
+    attention asks the host nothing, and they decode what unrecorded steps decode."""
+    import copy
+
+    from nanodllm.config import ModelConfig
+    from nanodllm.gemma import DiffusionGemma
+    from nanodllm.loader import build_random
+
+    raw = json.loads((FIXTURE / "config.json").read_text())
+    raw = copy.deepcopy(raw)
+    raw["text_config"]["global_head_dim"] = 256
+    torch.manual_seed(0)
+    model = build_random(ModelConfig.from_dict(raw, source="test"), device="cpu", dtype=torch.float16)
+    prompts = [list(range(3, 27)), list(range(40, 58))]
+    gen = GenerationConfig(gen_length=8, block_length=8, steps=6)
+    sampling = GemmaSampling(sample=False, seed=0, confidence_threshold=1e-9)  # every step runs
+
+    def decode_with(recorder):
+        method = get_method(name, **knobs)
+        attend = method.attend
+
+        def attend_checked(layer, q, k, v, ctx):
+            with no_host_reads() if recorder and recorder.running else contextlib.nullcontext():
+                return attend(layer, q, k, v, ctx)
+
+        method.attend = attend_checked
+        return generate(model, prompts, gen, method, stop_ids=(), sampling=sampling).tokens
+
+    unrecorded = decode_with(None)
+    recorder = Recorder()
+    monkeypatch.setattr(gemma_loop, "Recordings", lambda size: recorder)
+    monkeypatch.setattr(gemma_loop, "GRAPHS_ENABLED", True)
+    monkeypatch.setattr(DiffusionGemma, "replayable", property(lambda self: True))
+    assert decode_with(recorder) == unrecorded
+    kinds = {kind for _, kind in recorder.keys}
+    expected = {"mage": {("sparse",)}, "sparsed": {("exact",), ("sparse",)}, "quest": {()}}[name]
+    assert recorder.replays > 0 and kinds == expected

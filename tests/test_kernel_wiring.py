@@ -99,6 +99,28 @@ def test_attention_routes_and_equals_reference(attention_kernels_on, monkeypatch
     torch.testing.assert_close(out, attention_module.attention_reference(q, k, v, mask), atol=2e-3, rtol=2e-3)
 
 
+@torch.no_grad()  # the kernels run outside autograd
+@pytest.mark.parametrize("head_dim", [256, 512])
+@pytest.mark.parametrize("masked_per_kv_head", [False, True])
+def test_head_dims_only_flash_takes_route_to_flash(kernels_on, monkeypatch, head_dim, masked_per_kv_head):
+    """DiffusionGemma's head_dim 256 and 512: attention() reads them on flash_attention, few queries
+    against many keys included (decode_attention takes 64 and 128 only), and gives the reference's
+    output, keys hidden per KV head or none."""
+    monkeypatch.setattr(attention_module, "SPLIT_MIN_KEYS", 24)
+    monkeypatch.setattr(attention_module, "SPLIT_MAX_QUERIES", 8)
+    called = spy_on_kernels(monkeypatch, "decode_attention", "flash_attention")
+    generator = torch.Generator().manual_seed(head_dim)
+    q, k, v = (0.3 * torch.randn(2, heads, n, head_dim, generator=generator).half().to(DEVICE)
+               for heads, n in ((4, 8), (2, 40), (2, 40)))
+    mask = None
+    if masked_per_kv_head:
+        mask = (torch.rand(2, 2, 1, 40, generator=generator) < 0.6).to(DEVICE)
+        mask[..., 0] = True
+    out = attention(q, k, v, mask)
+    assert called == ["flash_attention"]
+    torch.testing.assert_close(out, attention_module.attention_reference(q, k, v, mask), atol=2e-3, rtol=2e-3)
+
+
 def test_routing_limits_stay_within_the_kernels():
     """attention() and MaskKV's vote size their calls by their own copies of the kernels' limits:
     past a limit a call would raise instead of routing."""

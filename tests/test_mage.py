@@ -45,6 +45,10 @@ def test_block_probabilities_match_the_kernel_reference(batch, group, block, pre
         return
     expected = key_scores_reference(q, k_cache, prefix_lengths, lse.float())
     torch.testing.assert_close(got, expected.to(got.dtype), atol=1e-6, rtol=1e-4)
+    for rows in (1, 2):  # query rows scored at a time (the last chunk short where they do not divide)
+        per_chunk = rows * batch * kv_heads * int(prefix_lengths.max())
+        chunked = block_probabilities(q, k_cache, prefix_lengths, scores_per_chunk=per_chunk)
+        torch.testing.assert_close(chunked, got, atol=1e-6, rtol=1e-5)
     # eq. 3: a mean of per-query distributions over the prefix, so each row with a prefix sums to 1
     has_prefix = (prefix_lengths > 0).to(got.dtype)[:, None].expand(-1, kv_heads)
     torch.testing.assert_close(got.sum(-1), has_prefix, atol=1e-6, rtol=0)  # fp32 scores

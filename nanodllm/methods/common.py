@@ -14,7 +14,7 @@ from nanodllm.kernels.key_scores import key_scores
 from nanodllm.kernels.sparse_decode_attention import sparse_decode_attention
 from nanodllm.kernels.top_k import top_k_positions, top_k_positions_reference
 
-from ..attention import as_kernel_mask, attention, attention_on_kernels
+from ..attention import as_kernel_mask, attention, attention_on_kernels, decode_kernels_take
 
 MASK_VOTE_QUERIES = 64  # queries per key_scores launch (kernels/decode_inputs.py MAX_QUERIES)
 
@@ -122,8 +122,10 @@ def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, c
     """The block's queries against the selected prefix keys plus the block's own keys k, v ([batch,
     kv_heads, L, D], already written after each row's prefix in the cache [batch, capacity, kv_heads,
     D]). indices / counts as kernels/sparse_decode_attention takes them: token indices, or key blocks
-    of index_block tokens (clipped to the prefix); scale: the scores' (None: D^-1/2)."""
-    if attention_on_kernels(q):
+    of index_block tokens (clipped to the prefix); scale: the scores' (None: D^-1/2). Where the decode kernels
+    do not take q (DiffusionGemma's 256 queries at head_dim 512) the chosen keys are gathered for attention().
+    Neither path asks the host anything."""
+    if decode_kernels_take(q):
         return sparse_decode_attention(q, k_cache, v_cache, prefix_lengths, indices, counts, index_block=index_block,
                                        scale=scale, return_lse=False)
     batch, num_kv_heads, _ = indices.shape
@@ -133,11 +135,7 @@ def sparse_cache_attention(q, k, v, k_cache, v_cache, prefix_lengths, indices, c
     tokens = torch.where(selected, tokens, 0)
     keys = torch.cat([k_cache[rows, tokens, heads], k], dim=2)  # [batch, kv_heads, width * S + L, D]
     values = torch.cat([v_cache[rows, tokens, heads], v], dim=2)
-    mask = None
-    if not bool(selected.all()):
-        mask = torch.cat([selected, selected.new_ones(batch, num_kv_heads, k.shape[2])], dim=2)[:, :, None]
-        if q.is_cuda:  # SDPA broadcasts a mask over query heads, not KV heads
-            mask = mask.repeat_interleave(q.shape[1] // num_kv_heads, dim=1)
+    mask = torch.cat([selected, selected.new_ones(batch, num_kv_heads, k.shape[2])], dim=2)[:, :, None]
     return attention(q, keys, values, mask, scale)
 
 

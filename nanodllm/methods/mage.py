@@ -30,7 +30,7 @@ import torch
 from nanodllm.kernels.decode_attention import decode_partials, merge_splits
 from nanodllm.kernels.key_scores import key_scores
 
-from ..attention import attention_on_kernels
+from ..attention import decode_kernels_take
 from .base import Method, Selection, StepContext
 from .common import check_int, select_top_k, sparse_cache_attention
 
@@ -49,15 +49,24 @@ def block_scores(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.T
     return scores.masked_fill(~visible[:, None, None], float("-inf"))
 
 
-def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor, scale=None) -> torch.Tensor:
+def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: torch.Tensor, scale=None,
+                        scores_per_chunk: int = 1 << 27) -> torch.Tensor:
     """Eq. 3 in torch: [batch, kv_heads, max prefix], the mean probability of each prefix key under the
-    block's queries, the softmax over the row's prefix alone; 0 past a row's prefix."""
-    prefix = int(prefix_lengths.max())
-    in_prefix = torch.arange(prefix, device=q.device)[None, :] < prefix_lengths[:, None]  # [batch, prefix]
-    visible = in_prefix[:, None, None]
-    scores = block_scores(q, k_cache, prefix_lengths, scale)[..., :prefix].masked_fill(~visible, float("-inf"))
-    probs = torch.where(visible, scores.softmax(-1), 0.0)  # an empty prefix's NaNs dropped
-    return probs.mean(2)
+    block's queries, the softmax over the row's prefix alone; 0 past a row's prefix. The group's query
+    rows are scored a chunk at a time (about scores_per_chunk fp32 scores), so a long prefix never
+    holds every row's scores at once."""
+    batch, num_heads, block, head_dim = q.shape
+    num_kv_heads, prefix = k_cache.shape[2], int(prefix_lengths.max())
+    in_prefix = (torch.arange(prefix, device=q.device)[None, :] < prefix_lengths[:, None])[:, None, None]
+    keys = k_cache[:, :prefix].transpose(1, 2).float()  # [batch, kv_heads, prefix, D]
+    queries = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)
+    chunk, scale = max(1, scores_per_chunk // max(batch * num_kv_heads * prefix, 1)), scale or head_dim**-0.5
+    total = keys.new_zeros(batch, num_kv_heads, prefix)
+    for start in range(0, queries.shape[2], chunk):
+        scores = queries[:, :, start : start + chunk] @ keys.transpose(-1, -2) * scale
+        probs = scores.masked_fill(~in_prefix, float("-inf")).softmax(-1)
+        total += torch.where(in_prefix, probs, 0.0).sum(2)  # an empty prefix's NaNs dropped
+    return total / queries.shape[2]
 
 
 class Mage(Method):
@@ -106,7 +115,7 @@ class Mage(Method):
     def attend_and_select(self, layer: int, q, k, v, ctx: StepContext) -> torch.Tensor:
         """Exact attention, and the layer's selection from its probabilities (eq. 3)."""
         cache = ctx.cache
-        if not attention_on_kernels(q):
+        if not decode_kernels_take(q):
             out = cache.attend(layer, q, k, v)
             scores = block_probabilities(q, cache.keys[layer], cache.lengths, cache.scale)
             self.keep(layer, *select_top_k(scores, cache.lengths, self.k, on_kernels=False))
