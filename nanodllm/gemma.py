@@ -11,8 +11,8 @@ Sliding layers see the last sliding_window positions when encoding, the last sli
 ones when denoising; full layers see everything, have global_head_dim and global_kv_heads, values that
 are their raw keys (K = V) and proportional RoPE. Attention scale 1 (q_norm and k_norm carry it);
 RMSNorm is x * w in fp32; logits are softcapped in fp32. Plain torch (the experts in grouped matmuls on CUDA)
-and, in 16 bits on a GPU, the flash kernel for the denoiser's attention (SDPA for the encoder's, whose
-window no kernel mask takes); the fused model is built for the other families' shapes.
+and, in 16 bits on a GPU, kernels/rmsnorm.py for the norms and the flash kernel for the full layers'
+attention and the denoiser's (SDPA for the encoder's windows, which no kernel mask takes).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanodllm.kernels.flash_attention import flash_attention
+from nanodllm.kernels.rmsnorm import rms_norm
 
-from .attention import flash_on_kernels
+from .attention import flash_on_kernels, use_kernels
 from .cache import KVCache
 from .config import ModelConfig
 from .mlp import MLP, fp32_or_wider
@@ -43,6 +44,8 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_kernels(x) and x.stride(-1) == 1:  # one pass (kernels/rmsnorm.py), rounded once as here
+            return rms_norm(x, self.weight, self.eps, round_normed=False)
         x32 = fp32_or_wider(x)
         normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         return (normed if self.weight is None else normed * fp32_or_wider(self.weight)).to(x.dtype)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
-from nanodllm.gemma import DiffusionGemma, GemmaCache, attend, attend_keys
+from nanodllm.gemma import DiffusionGemma, GemmaCache, GemmaRMSNorm, attend, attend_keys
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, load_reference
 from nanodllm.parallel import Group
 from tests.device import DEVICE
@@ -217,6 +217,26 @@ def test_the_denoisers_attention_on_the_kernel_equals_attend(head_dim, monkeypat
     got = attend_keys(*(x.to(DEVICE) for x in (q, k, v)), key_valid.to(DEVICE))
     expected = attend(q.double(), k.double(), v.double(), key_valid[:, None, :].expand(-1, 8, -1))
     assert (got.cpu().double() - expected).abs().max() < 2e-3
+
+
+@torch.no_grad()  # the kernels run outside autograd
+@pytest.mark.parametrize("weighted", [True, False])
+def test_the_norms_on_the_kernel_equal_their_torch_form(weighted, kernels_on):
+    """GemmaRMSNorm through kernels/rmsnorm.py (float16; Triton's interpreter on a CPU), on the residual
+    stream and on a head-major view of projected heads: x * rstd * w rounded once, as in torch."""
+    generator = torch.Generator().manual_seed(3)
+    norm = GemmaRMSNorm(64, 1e-6, weight=weighted).to(DEVICE)
+    if weighted:
+        norm.weight.data = (1 + torch.randn(64, generator=generator)).to(DEVICE)
+    norm = norm.half()
+    stream = (3 * torch.randn(2, 9, 64, generator=generator)).half().to(DEVICE)
+    heads = (3 * torch.randn(2, 9, 4, 64, generator=generator)).half().to(DEVICE).transpose(1, 2)
+    for x in (stream, heads):
+        got = norm(x)
+        with torch.enable_grad():  # the kernels run outside autograd: this is the torch form
+            expected = norm(x).detach()
+        assert got.dtype == x.dtype and int((got != expected).sum()) <= 1 + got.numel() // 100
+        assert (got.float() - expected.float()).abs().max() <= 2e-3 * expected.float().abs().max()
 
 
 @torch.no_grad()
