@@ -238,13 +238,16 @@ class SelfConditioning(GeluMLP):
 
 class GemmaCache:
     """The encoder's K/V per layer (keys after k_norm and RoPE, values after v_norm). A sliding layer's are a
-    ring [batch, kv_heads, sliding_window - 1, head_dim], the token at position p in slot p % (window - 1);
-    the full layers' live in `full`, a KVCache of `capacity` tokens (token-major, each row its own tokens
-    without its left pads, scale 1: the layout the methods select from). Rows share `length`, the tokens
-    encoded, pads included (positions count from 0); valid [batch, length] is False at left pads."""
+    ring [batch, kv_heads, sliding_window - 1, head_dim], the token at position p in slot p % (window - 1),
+    and, between commits, `windows`: the ring in position order followed by a canvas' scratch slots, which
+    every denoising step reads in place; the full layers' live in `full`, a KVCache of `capacity` tokens
+    (token-major, each row its own tokens without its left pads, scale 1: the layout the methods select
+    from). Rows share `length`, the tokens encoded, pads included (positions count from 0); valid [batch,
+    length] is False at left pads."""
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, device, dtype):
         g = cfg.gemma
+        self.canvas_length, self.windows, self.window_valid = g.canvas_length, [None] * cfg.num_layers, None
         self.ring, self.length = g.sliding_window - 1, 0
         self.slot_positions = torch.full((self.ring,), -1, dtype=torch.long, device=device)  # -1: empty
         self.valid = torch.ones(batch, 0, dtype=torch.bool, device=device)
@@ -255,6 +258,7 @@ class GemmaCache:
         full_layers = [layer for layer, sliding in enumerate(self.sliding) if not sliding]
         self.full = KVCache(cfg.num_layers, batch, capacity, g.global_kv_heads, g.global_head_dim, device, dtype,
                             held=full_layers, scale=1.0)
+        self.order_windows()
 
     def ring_in_order(self, layer: int):
         """(keys, values, positions [n]) a sliding layer holds, by position: read from the oldest slot, so that
@@ -303,13 +307,33 @@ class GemmaCache:
         self.values[layer][:, :, slots] = v[:, :, t - len(positions):]
 
     def advance(self, valid: torch.Tensor):
-        """valid [batch, t]: which of the t tokens just appended are not padding."""
+        """valid [batch, t]: which of the t tokens just appended are not padding. The sliding layers' windows
+        are laid out again, once for the denoising steps before the next commit."""
         t = valid.shape[1]
         self.valid = torch.cat([self.valid, valid], dim=1)
         positions, slots = self.tail(t)
         self.slot_positions[slots] = positions
         self.full.advance(valid.sum(dim=1))
         self.length += t
+        self.order_windows()
+
+    def order_windows(self):
+        """Lay out `windows` from the rings (after the cache has changed: a commit)."""
+        room = lambda x: F.pad(x, (0, 0, 0, self.canvas_length))  # [b, kv_heads, filled + canvas, d]
+        for layer in (layer for layer, sliding in enumerate(self.sliding) if sliding):
+            keys, values, positions = self.ring_in_order(layer)  # positions: the same for every layer
+            self.windows[layer] = (room(keys), room(values))
+            self.window_valid = self.valid[:, positions]
+
+    def window(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """(keys, values) a sliding layer's denoising step reads: its window in position order, then the
+        canvas' k, v [batch, kv_heads, t, head_dim], written into the scratch slots (t = canvas_length)."""
+        keys, values = self.windows[layer]
+        filled = keys.shape[2] - self.canvas_length
+        if k.shape[2] != self.canvas_length:
+            return torch.cat([keys[:, :, :filled], k], dim=2), torch.cat([values[:, :, :filled], v], dim=2)
+        keys[:, :, filled:], values[:, :, filled:] = k, v
+        return keys, values
 
 
 class DiffusionGemma(nn.Module):
@@ -433,13 +457,13 @@ class DiffusionGemma(nn.Module):
 
     @staticmethod
     def attend_denoising(cache: GemmaCache, layer: int, q, k, v) -> torch.Tensor:
-        """The canvas against everything the cache holds for the layer but pads, and itself. A full layer's
-        canvas K/V go to the scratch slots after each row's tokens (nothing copied); a ring is read in order."""
+        """The canvas against everything the cache holds for the layer but pads, and itself. The canvas K/V go
+        to scratch slots (a full layer's after each row's tokens, a sliding layer's after its window in
+        order), so the keys are read in place."""
         t = q.shape[2]
         if cache.sliding[layer]:
-            cached_k, cached_v, cached_positions = cache.ring_in_order(layer)
-            keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
-            cached_valid = cache.valid[:, cached_positions]
+            keys, values = cache.window(layer, k, v)
+            cached_valid = cache.window_valid
         else:
             cache.full.write(layer, k, v)
             keys, values = cache.full_in_place(layer, t)

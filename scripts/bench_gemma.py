@@ -45,6 +45,7 @@ def filled_cache(model, batch: int, context: int, room: int = 1):
     cache.valid = torch.ones(batch, context, dtype=torch.bool, device=cache.valid.device)
     positions = torch.arange(max(0, context - cache.ring), context, device=cache.valid.device)
     cache.slot_positions[positions % cache.ring] = positions
+    cache.order_windows()
     return cache
 
 
