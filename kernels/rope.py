@@ -10,8 +10,9 @@ apply_rope_reference) builds the rotated copy with torch.cat and a negation and 
 elementwise kernels; here each element is read once and written once, with products and sums
 rounded separately (no FMA contraction), which makes the result equal to torch's bit for bit.
 x is [batch, heads, t, d] (usually a transposed view of a [batch, t, heads * d] projection), cos
-and sin [batch or 1, 1, t, d]. rope_qk does the same for q and k at once, read from the stacked
-q/k/v projection, with SDAR / Qwen3's per-head q/k norm first: one launch, not two norms and two ropes.
+and sin [batch or 1, 1, t, d]; round_products=True is DiffusionGemma's form (tables in x's dtype, each
+product rounded to it before the sum, as torch computes it in 16 bits). rope_qk does the same for q
+and k at once, read from the stacked q/k/v projection, with SDAR / Qwen3's per-head q/k norm first.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def rope_kernel(
     stride_cb, stride_ct, stride_sb, stride_st,
     stride_ob, stride_oh, stride_ot,
     num_heads, seq_len, num_rows, half,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
 ):
     """Grid: (row tiles of BLOCK_R rows,). x and out go through explicit strides; cos and sin through
     any strides with the last dim contiguous (the gathered tables of Rope.rows are views). Rows are
@@ -48,28 +49,34 @@ def rope_kernel(
     sin_ptrs = sin_ptr + (batch * stride_sb + pos * stride_st)[:, None] + cols[None, :]
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
-    cos1, cos2 = tl.load(cos_ptrs, mask=mask, other=0.0), tl.load(cos_ptrs + half, mask=mask, other=0.0)
-    sin1, sin2 = tl.load(sin_ptrs, mask=mask, other=0.0), tl.load(sin_ptrs + half, mask=mask, other=0.0)
+    cos1 = tl.load(cos_ptrs, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptrs, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptrs + half, mask=mask, other=0.0).to(tl.float32)
     out1_ptrs = out_ptr + (batch * stride_ob + head * stride_oh + pos * stride_ot)[:, None] + cols[None, :]
     out_dtype = out_ptr.dtype.element_ty
-    tl.store(out1_ptrs, (x1 * cos1 - x2 * sin1).to(out_dtype), mask=mask)
-    tl.store(out1_ptrs + half, (x2 * cos2 + x1 * sin2).to(out_dtype), mask=mask)
+    x1_cos, x2_sin, x2_cos, x1_sin = x1 * cos1, x2 * sin1, x2 * cos2, x1 * sin2
+    if ROUND_PRODUCTS:  # each exact in fp32 (two 16-bit mantissas), rounded as a 16-bit product is
+        x1_cos, x2_sin = x1_cos.to(out_dtype).to(tl.float32), x2_sin.to(out_dtype).to(tl.float32)
+        x2_cos, x1_sin = x2_cos.to(out_dtype).to(tl.float32), x1_sin.to(out_dtype).to(tl.float32)
+    tl.store(out1_ptrs, (x1_cos - x2_sin).to(out_dtype), mask=mask)
+    tl.store(out1_ptrs + half, (x2_cos + x1_sin).to(out_dtype), mask=mask)
 
 
-def check_tables(cos, sin, batch: int, seq_len: int, head_dim: int):
+def check_tables(cos, sin, batch: int, seq_len: int, head_dim: int, dtype=torch.float32):
     if head_dim % 2:
         raise ValueError(f"the head dim must be even (rotate-half pairs its halves), got {head_dim}")
     for name, table in (("cos", cos), ("sin", sin)):
         if table.dim() != 4 or table.shape[0] not in (1, batch) or table.shape[1:] != (1, seq_len, head_dim):
             raise ValueError(f"{name} must be [batch or 1, 1, t, d] = [{batch} or 1, 1, {seq_len}, {head_dim}], "
                              f"got {tuple(table.shape)}")
-        if table.dtype != torch.float32:
-            raise ValueError(f"{name} must be a float32 table, got {table.dtype}")
+        if table.dtype != dtype:
+            raise ValueError(f"{name} must be a {str(dtype).removeprefix('torch.')} table, got {table.dtype}")
         if table.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {table.stride()}")
 
 
-def check_inputs(x, cos, sin):
+def check_inputs(x, cos, sin, round_products=False):
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D [batch, heads, t, d], got shape {tuple(x.shape)}")
     if x.dtype not in DTYPES:
@@ -77,7 +84,7 @@ def check_inputs(x, cos, sin):
     if x.stride(-1) != 1:
         raise ValueError(f"x's last dim must be contiguous (stride 1), got strides {x.stride()}")
     batch, _, seq_len, head_dim = x.shape
-    check_tables(cos, sin, batch, seq_len, head_dim)
+    check_tables(cos, sin, batch, seq_len, head_dim, x.dtype if round_products else torch.float32)
 
 
 def empty(shape, like: torch.Tensor) -> torch.Tensor:
@@ -85,13 +92,13 @@ def empty(shape, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, round_products: bool = False) -> torch.Tensor:
     """x rotated by the tables; see the module docstring.
 
     x [batch, heads, t, d] float16 / bfloat16 / float32, d even; cos, sin [batch or 1, 1, t, d]
-    float32 (broadcast over heads); every last dim contiguous. Returns x's shape and dtype, laid
-    out as x (torch.empty_like)."""
-    check_inputs(x, cos, sin)
+    float32 (round_products: x's dtype; broadcast over heads); every last dim contiguous. Returns x's
+    shape and dtype, laid out as x (torch.empty_like)."""
+    check_inputs(x, cos, sin, round_products)
     batch, num_heads, seq_len, head_dim = x.shape
     cos, sin = cos.expand(batch, -1, -1, -1), sin.expand(batch, -1, -1, -1)  # batch 1: stride 0
     out = torch.empty_like(x)
@@ -105,7 +112,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
             cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             num_heads, seq_len, num_rows, half,
-            BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False,
+            BLOCK_R=block_r, BLOCK_H=block_h, ROUND_PRODUCTS=round_products, num_warps=4, enable_fp_fusion=False,
         )
     return out
 

@@ -10,9 +10,9 @@ the raw residual, each post-normed, summed, normed and added; the stream times t
 Sliding layers see the last sliding_window positions when encoding, the last sliding_window - 1 cached
 ones when denoising; full layers see everything, have global_head_dim and global_kv_heads, values that
 are their raw keys (K = V) and proportional RoPE. Attention scale 1 (q_norm and k_norm carry it);
-RMSNorm is x * w in fp32; logits are softcapped in fp32. Plain torch (the experts in grouped matmuls on CUDA)
-and, in 16 bits on a GPU, kernels/rmsnorm.py for the norms and the flash kernel for the full layers'
-attention and the denoiser's (SDPA for the encoder's windows, which no kernel mask takes).
+RMSNorm is x * w in fp32; logits are softcapped in fp32. Plain torch (the experts in grouped matmuls on
+CUDA) and, in 16 bits on a GPU, kernels/rmsnorm.py and rope.py (rounded as torch) and flash_attention
+for the full layers and the denoiser (SDPA for the encoder's windows, which no kernel mask takes).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.rmsnorm import rms_norm
+from nanodllm.kernels.rope import apply_rope
 
 from .attention import flash_on_kernels, use_kernels
 from .cache import KVCache
@@ -64,7 +65,9 @@ class GemmaRope:
         self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, heads, t, head_dim] rotated."""
+        """x [b, heads, t, head_dim] rotated (on the kernels: kernels/rope.py, rounded as here)."""
+        if use_kernels(x) and x.stride(-1) == 1 and self.cos.dtype == x.dtype:
+            return apply_rope(x, self.cos[None, None], self.sin[None, None], round_products=True)
         half = x.shape[-1] // 2
         return x * self.cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * self.sin
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
-from nanodllm.gemma import DiffusionGemma, GemmaCache, GemmaRMSNorm, attend, attend_keys
+from nanodllm.gemma import DiffusionGemma, GemmaCache, GemmaRMSNorm, GemmaRope, attend, attend_keys
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, load_reference
 from nanodllm.parallel import Group
 from tests.device import DEVICE
@@ -237,6 +237,20 @@ def test_the_norms_on_the_kernel_equal_their_torch_form(weighted, kernels_on):
             expected = norm(x).detach()
         assert got.dtype == x.dtype and int((got != expected).sum()) <= 1 + got.numel() // 100
         assert (got.float() - expected.float()).abs().max() <= 2e-3 * expected.float().abs().max()
+
+
+@torch.no_grad()  # the kernels run outside autograd
+@pytest.mark.parametrize("head_dim, pairs", [(64, 32), (128, 16)])  # full turn; proportional (a quarter)
+def test_rope_on_the_kernel_equals_its_torch_form_bit_for_bit(head_dim, pairs, kernels_on):
+    """GemmaRope through kernels/rope.py (float16; Triton's interpreter on a CPU) on a head-major view of
+    projected heads: its 16-bit tables and products rounded as torch rounds them, so the same bits."""
+    generator = torch.Generator().manual_seed(head_dim)
+    rope = GemmaRope(torch.arange(5, 14).to(DEVICE), head_dim, 10000.0, pairs, torch.float16)
+    x = (3 * torch.randn(2, 9, 4, head_dim, generator=generator)).half().to(DEVICE).transpose(1, 2)
+    got = rope.apply(x)
+    with torch.enable_grad():  # the kernels run outside autograd: this is the torch form
+        expected = rope.apply(x)
+    assert torch.equal(got, expected)
 
 
 @torch.no_grad()
