@@ -250,8 +250,7 @@ class GemmaCache:
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, device, dtype):
         g = cfg.gemma
-        self.canvas_length, self.windows, self.window_valid = g.canvas_length, [None] * cfg.num_layers, None
-        self.ring, self.length = g.sliding_window - 1, 0
+        self.canvas_length, self.ring, self.length = g.canvas_length, g.sliding_window - 1, 0
         self.slot_positions = torch.full((self.ring,), -1, dtype=torch.long, device=device)  # -1: empty
         self.valid = torch.ones(batch, 0, dtype=torch.bool, device=device)
         self.sliding = [g.is_sliding(layer) for layer in range(cfg.num_layers)]
@@ -263,11 +262,15 @@ class GemmaCache:
                             held=full_layers, scale=1.0)
         self.order_windows()
 
+    def ring_order(self) -> torch.Tensor:
+        """The filled slots of every ring, oldest position first (positions 0 .. filled - 1 sit in slots
+        0 .. filled - 1)."""
+        return self.slot_positions[: min(self.length, self.ring)].argsort()
+
     def ring_in_order(self, layer: int):
         """(keys, values, positions [n]) a sliding layer holds, by position: read from the oldest slot, so that
         attention adds its terms in transformers' order (the sampler needs the same bits)."""
-        filled = min(self.length, self.ring)  # positions 0 .. filled - 1 sit in slots 0 .. filled - 1
-        order = self.slot_positions[:filled].argsort()
+        order = self.ring_order()
         return self.keys[layer][:, :, order], self.values[layer][:, :, order], self.slot_positions[order]
 
     @property
@@ -322,11 +325,11 @@ class GemmaCache:
 
     def order_windows(self):
         """Lay out `windows` from the rings (after the cache has changed: a commit)."""
-        room = lambda x: F.pad(x, (0, 0, 0, self.canvas_length))  # [b, kv_heads, filled + canvas, d]
-        for layer in (layer for layer, sliding in enumerate(self.sliding) if sliding):
-            keys, values, positions = self.ring_in_order(layer)  # positions: the same for every layer
-            self.windows[layer] = (room(keys), room(values))
-            self.window_valid = self.valid[:, positions]
+        order = self.ring_order()
+        room = lambda x: F.pad(x[:, :, order], (0, 0, 0, self.canvas_length))  # [b, kv_heads, filled + canvas, d]
+        self.windows = [(room(self.keys[layer]), room(self.values[layer])) if sliding else None
+                        for layer, sliding in enumerate(self.sliding)]
+        self.window_valid = self.valid[:, self.slot_positions[order]]
 
     def window(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """(keys, values) a sliding layer's denoising step reads: its window in position order, then the

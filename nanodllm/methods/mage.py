@@ -60,7 +60,8 @@ def block_probabilities(q: torch.Tensor, k_cache: torch.Tensor, prefix_lengths: 
     in_prefix = (torch.arange(prefix, device=q.device)[None, :] < prefix_lengths[:, None])[:, None, None]
     keys = k_cache[:, :prefix].transpose(1, 2).float()  # [batch, kv_heads, prefix, D]
     queries = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)
-    chunk, scale = max(1, scores_per_chunk // max(batch * num_kv_heads * prefix, 1)), scale or head_dim**-0.5
+    chunk = max(1, scores_per_chunk // max(batch * num_kv_heads * prefix, 1))
+    scale = head_dim**-0.5 if scale is None else scale
     total = keys.new_zeros(batch, num_kv_heads, prefix)
     for start in range(0, queries.shape[2], chunk):
         scores = queries[:, :, start : start + chunk] @ keys.transpose(-1, -2) * scale
