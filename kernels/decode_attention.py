@@ -185,21 +185,22 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows, 
     index = (batch_head.to(tl.int64) * num_splits + splits[None, :]) * num_rows + rows[:, None]
     lse = tl.load(part_lse_ptr + index, mask=valid, other=float("-inf"))
     lse = tl.where(row_valid[:, None], lse, 0.0)  # padding rows stay finite
-    m = tl.max(lse, 1)  # finite: slice 0 of a row always has keys
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a row no slice saw keys for (flash_attention's masks)
     weight = tl.exp2(lse - m[:, None])  # 0 for empty and padding slices
     # [BLOCK_R, BLOCK_S, HEAD_DIM]
     parts = tl.load(part_out_ptr + index[:, :, None] * HEAD_DIM + dims[None, None, :], mask=valid[:, :, None],
                     other=0.0).to(tl.float32)
-    denom = tl.sum(weight, 1)
+    denom = tl.sum(weight, 1)  # 0 only for a row that saw no key: out 0, lse -inf
     # [BLOCK_R, HEAD_DIM]
-    out = tl.sum(weight[:, :, None] * parts, 1) / denom[:, None]
+    out = tl.sum(weight[:, :, None] * parts, 1) / tl.where(denom > 0, denom, 1.0)[:, None]
 
     batch = batch_head // num_kv_heads
     head = (batch_head % num_kv_heads) * (num_rows // num_queries) + rows // num_queries
     out_rows = (batch.to(tl.int64) * num_queries + rows % num_queries) * num_heads + head
     tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_valid[:, None])
-    tl.store(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, (m + tl.log2(denom)) * LN2, mask=row_valid)
+    tl.store(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, (m + tl.log2(denom)) * LN2, mask=row_valid)  # -inf at 0
 
 
 # Host side, shared with sparse_decode_attention.py
@@ -235,16 +236,18 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_keys(max_keys: int, programs_per_split: int, device, block_n: int, num_splits: int | None = None):
+def split_keys(max_keys: int, programs_per_split: int, device, block_n: int, num_splits: int | None = None,
+               min_keys: int | None = None):
     """(keys_per_split, num_splits) for key lists of at most max_keys keys.
 
     Enough slices that programs_per_split * num_splits fills the SMs once (one wave: each program
-    then streams its K/V with no tail), but no slice shorter than MIN_KEYS_PER_SPLIT. Slices are
-    whole BLOCK_N tiles; num_splits, when given, replaces the SM-based count. Either is an upper
-    bound, and at most MAX_SPLITS."""
+    then streams its K/V with no tail), but no slice shorter than min_keys (default MIN_KEYS_PER_SPLIT).
+    Slices are whole BLOCK_N tiles; num_splits, when given, replaces the SM-based count. Either is an
+    upper bound, and at most MAX_SPLITS."""
     if num_splits is None:
         sms = sm_count(device) if device.type == "cuda" else INTERPRETER_SMS
-        num_splits = min(max(1, sms // programs_per_split), triton.cdiv(max_keys, MIN_KEYS_PER_SPLIT))
+        min_keys = MIN_KEYS_PER_SPLIT if min_keys is None else min_keys
+        num_splits = min(max(1, sms // programs_per_split), triton.cdiv(max_keys, min_keys))
     num_splits = min(num_splits, MAX_SPLITS)
     keys_per_split = triton.cdiv(triton.cdiv(max(max_keys, 1), num_splits), block_n) * block_n
     return keys_per_split, triton.cdiv(max(max_keys, 1), keys_per_split)

@@ -1,18 +1,16 @@
 """Dense attention forward (FlashAttention-2) for prefill and canvas steps.
 
-out = softmax(scale * q k^T, masked) v, computed without ever materialising the [N_q, N_k] score
-matrix: one program owns BLOCK_M query rows of one (batch, head) and walks the keys in tiles of
-BLOCK_N with an online softmax (fp32 running max, sum and accumulator; scores in base 2).
-Shapes: q [batch, num_heads, N_q, D], k and v [batch, num_kv_heads, N_k, D], D in {64, 128}.
-GQA: num_heads = group * num_kv_heads and query head h reads KV head h // group.
-
-Masks. Query i sits at position i + (N_k - N_q): the queries are the last N_q positions of the
-keys' sequence (prefill has N_q == N_k). Key j is visible to query i iff
+out = softmax(scale * q k^T, masked) v without the [N_q, N_k] score matrix: a program owns BLOCK_M query
+rows of one (batch, head) and walks the keys in tiles of BLOCK_N with an online softmax (fp32, base 2).
+q [batch, num_heads, N_q, D], k and v [batch, num_kv_heads, N_k, D], D in HEAD_DIMS; query head h reads
+KV head h // group. Too few query tiles to fill the GPU (a canvas at batch 1) cut the keys into slices
+too, each program writing a partial that decode_attention's merge_splits combines (split-KV).
+Masks. Query i sits at position i + (N_k - N_q) (the last N_q positions). Key j is visible to it iff
     causal=True:     j <= pos(i)              (block-causal with B = 1, and the kernel treats it so)
     block_size=B:    j // B <= pos(i) // B   (block-causal, blocks aligned to position 0)
     neither:         always (bidirectional)
-and, when k_valid is given ([batch, N_k], or [batch, num_kv_heads, N_k] to hide keys per KV head),
-k_valid at j is True. A query row that sees no key at all gets out = 0 and lse = -inf.
+and k_valid ([batch, N_k], or [batch, num_kv_heads, N_k] per KV head), when given, is True at j.
+A query row that sees no key at all gets out = 0 and lse = -inf.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_attention import merge_splits, new_buffer, split_keys
 from .tuning import Tuner
 
 LOG2_E = math.log2(math.e)  # host side: folded into the scale
@@ -60,6 +59,10 @@ _FEW_ROW_TILES = {head_dim: [_tiles(64, 64, 4, 3), _tiles(64, 128, 4, 3)] for he
 _FEW_ROW_TILES.update({256: [], 512: []})  # their spaces are all of few rows
 HEAD_DIMS = tuple(sorted(_TUNING_SPACE))
 TUNER = Tuner("flash_attention")
+
+# Key slices (the split-KV path) shorter than this cost more in merge_splits than the idle SMs they fill
+# return: the denoiser's 1.5K-key windows run fastest in one slice, its 8K-128K full layers in two.
+MIN_KEYS_PER_SLICE = 4096
 
 # Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), where timing means
 # nothing: fixed small tiles, so that small test shapes cross many tile edges. Tests may change them.
@@ -145,23 +148,24 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "stride_valid_b", "stride_valid_h", "stride_first_b"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "keys_per_split", "stride_valid_b", "stride_valid_h", "stride_first_b"])
 def _flash_attention_fwd(
     Q, K, V, K_VALID, FIRST_VISIBLE, OUT, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_valid_b, stride_valid_h, stride_valid_n, stride_first_b, stride_first_h,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_lb, stride_lh, stride_lm,
-    n_q, n_k, num_heads, group, block_size, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr,
+    stride_ob, stride_oh, stride_os, stride_om, stride_od,
+    stride_lb, stride_lh, stride_ls, stride_lm,
+    n_q, n_k, num_heads, group, block_size, qk_scale, keys_per_split,
+    HEAD_DIM: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr, PARTIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Under a (block-)causal mask the last query tiles see the most keys: launch them first so the
     # short ones fill the tail of the grid.
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
     batch_head = tl.program_id(1)
+    split = tl.program_id(2)  # this program's slice of the keys: [split_start, split_start + keys_per_split)
     batch = batch_head // num_heads
     head = batch_head % num_heads
     kv_head = head // group
@@ -170,8 +174,8 @@ def _flash_attention_fwd(
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     valid_base = K_VALID + batch.to(tl.int64) * stride_valid_b + kv_head.to(tl.int64) * stride_valid_h
-    o_base = OUT + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-    lse_base = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+    o_base = OUT + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + split.to(tl.int64) * stride_os
+    lse_base = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + split.to(tl.int64) * stride_ls
 
     tile_start = tile_m * BLOCK_M
     rows = tile_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -202,6 +206,8 @@ def _flash_attention_fwd(
         first_visible = tl.load(first_ptr).to(tl.int32)
         key_start = tl.minimum(first_visible // BLOCK_N * BLOCK_N, unmasked_stop)
     q_block = (rows + position_shift) // block_size  # [BLOCK_M]
+    split_start = split * keys_per_split  # a whole number of key tiles
+    split_stop = split_start + keys_per_split
 
     # m starts at a finite floor, not -inf: a row whose keys so far are all masked then computes
     # exp2(-inf - floor) = 0 for p and exp2(0) = 1 for alpha, never NaN.
@@ -212,16 +218,16 @@ def _flash_attention_fwd(
     # Key tiles that every row sees in full: no bounds or position checks.
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, q_block, k_base, v_base, valid_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, key_start, unmasked_stop, n_k, block_size, qk_scale,
-        offs_n, offs_d,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, tl.maximum(key_start, split_start),
+        tl.minimum(unmasked_stop, split_stop), n_k, block_size, qk_scale, offs_n, offs_d,
         MASK_TILE=False, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N,
     )
     # The rest up to the last key any row sees: the block-causal diagonal and the ragged last tile.
     # Tiles past seen_by_any are never visited: that is the causal saving.
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, q_block, k_base, v_base, valid_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, unmasked_stop, seen_by_any, n_k, block_size,
-        qk_scale, offs_n, offs_d,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, tl.maximum(unmasked_stop, split_start),
+        tl.minimum(seen_by_any, split_stop), n_k, block_size, qk_scale, offs_n, offs_d,
         MASK_TILE=True, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N,
     )
 
@@ -230,13 +236,21 @@ def _flash_attention_fwd(
     l_safe = tl.where(saw_keys, l_i, 1.0)  # [BLOCK_M]
     # [BLOCK_M, HEAD_DIM]
     out = acc / l_safe[:, None]
-    # [BLOCK_M]
-    lse = tl.where(saw_keys, (m_i + tl.math.log2(l_safe)) * LN_2, float("-inf"))
+    # [BLOCK_M] in base 2 for a partial (what merge_splits reads), else natural
+    lse = tl.where(saw_keys, m_i + tl.math.log2(l_safe), float("-inf"))
+    if not PARTIAL:
+        lse = lse * LN_2
 
     # [BLOCK_M, HEAD_DIM]
     o_ptrs = o_base + rows[:, None].to(tl.int64) * stride_om + offs_d[None, :].to(tl.int64) * stride_od
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_base + rows.to(tl.int64) * stride_lm, lse, mask=row_ok)
+
+
+def _split_strides(t: torch.Tensor, split_dim: int) -> tuple[int, ...]:
+    """t's strides with a key-slice stride of 0 inserted at split_dim (one slice: the output itself)."""
+    strides = list(t.stride())
+    return (*strides[:split_dim], 0, *strides[split_dim:])
 
 
 def _output(shape, dtype, device) -> torch.Tensor:
@@ -263,12 +277,10 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     batch, num_heads, n_q, head_dim = q.shape
     num_kv_heads, n_k = k.shape[1], k.shape[2]
     scale = head_dim**-0.5 if scale is None else float(scale)
-    out = _output((batch, n_q, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
-    lse = _output((batch, num_heads, n_q), torch.float32, q.device)
     # A bool tensor is read as bytes. Without a mask the kernel never touches K_VALID or FIRST_VISIBLE.
-    valid = k_valid.view(torch.uint8) if k_valid is not None else out
+    valid = k_valid.view(torch.uint8) if k_valid is not None else q
     # per row (and KV head) the first visible key: argmax returns the first maximum (0 if none is visible)
-    first_visible = valid.argmax(dim=-1) if k_valid is not None else out  # int64, cast in the kernel
+    first_visible = valid.argmax(dim=-1) if k_valid is not None else q  # int64, cast in the kernel
     if k_valid is None:
         valid_strides, first_strides = (0, 0, 0), (0, 0)
     elif k_valid.dim() == 2:  # shared by every head
@@ -283,23 +295,37 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     tuning_length = min(max(triton.next_power_of_2(n_k), 1024), 32768)
     tuning_rows = 64 if n_q <= 64 else FEW_ROWS if n_q <= FEW_ROWS else 1024  # two buckets of few rows, or many
 
-    args = (
-        q, k, v, valid, first_visible, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *valid_strides, *first_strides, *out.stride(), *lse.stride(),
-        n_q, n_k, num_heads, num_heads // num_kv_heads, block, scale * LOG2_E,
-    )
+    inputs = (q, k, v, valid, first_visible)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *valid_strides, *first_strides)
+    scalars = (n_q, n_k, num_heads, num_heads // num_kv_heads, block, scale * LOG2_E)
     meta = dict(HEAD_DIM=head_dim, BLOCK_CAUSAL=causal or block_size is not None, HAS_K_VALID=k_valid is not None)
 
-    def grid(tiles):
-        return (triton.cdiv(n_q, tiles["BLOCK_M"]), batch * num_heads)
+    def launch(tiles):
+        """One grid of (query tile, batch * head, key slice). Too few query tiles to fill the GPU (a canvas of
+        a few hundred queries at batch 1) cut the keys into slices whose partials merge_splits combines."""
+        programs = triton.cdiv(n_q, tiles["BLOCK_M"]) * batch * num_heads
+        keys_per_split, splits = split_keys(n_k, programs, q.device, tiles["BLOCK_N"], min_keys=MIN_KEYS_PER_SLICE)
+        if splits == 1:
+            out = _output((batch, n_q, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
+            lse = _output((batch, num_heads, n_q), torch.float32, q.device)
+            _flash_attention_fwd[(triton.cdiv(n_q, tiles["BLOCK_M"]), batch * num_heads, 1)](
+                *inputs, out, lse, *strides, *_split_strides(out, 2), *_split_strides(lse, 2), *scalars, n_k,
+                **meta, PARTIAL=False, **tiles)
+            return out, lse
+        # [batch * heads, splits, N_q, D] and [batch * heads, splits, N_q], as merge_splits reads them
+        part_out = new_buffer((batch, num_heads, splits, n_q, head_dim), q.dtype, q.device)
+        part_lse = new_buffer((batch, num_heads, splits, n_q), torch.float32, q.device)
+        _flash_attention_fwd[(triton.cdiv(n_q, tiles["BLOCK_M"]), batch * num_heads, splits)](
+            *inputs, part_out, part_lse, *strides, *part_out.stride(), *part_lse.stride(), *scalars, keys_per_split,
+            **meta, PARTIAL=True, **tiles)
+        return merge_splits(part_out.flatten(0, 1), part_lse.flatten(0, 1), q)
 
     if q.is_cuda:
-        launch = lambda tiles: _flash_attention_fwd[grid(tiles)](*args, **meta, **tiles)
         key = (head_dim, int(meta["BLOCK_CAUSAL"]), int(meta["HAS_K_VALID"]), tuning_length, tuning_rows,
                str(q.dtype).removeprefix("torch."))
-        launch(TUNER.choose(key, candidate_tiles(head_dim, tuning_rows), launch, q.device))
+        out, lse = launch(TUNER.choose(key, candidate_tiles(head_dim, tuning_rows), launch, q.device))
     else:
-        _flash_attention_fwd[grid(INTERPRETER_TILES)](*args, **meta, **INTERPRETER_TILES)
+        out, lse = launch(INTERPRETER_TILES)
     return (out, lse) if return_lse else out
 
 

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import nanodllm.kernels.decode_attention as da
 import nanodllm.kernels.flash_attention as fa
 from nanodllm.kernels.flash_attention import flash_attention, flash_attention_reference
 from tests.device import DEVICE
@@ -30,12 +31,22 @@ LAYOUTS = ["contiguous", "seq_major", "every_other_d"]
 
 @contextmanager
 def poisoned_outputs(tiles=(32, 16)):
-    """Run with NaN-filled outputs and, in the interpreter, the given (BLOCK_M, BLOCK_N)."""
+    """Run with NaN-filled outputs (the key slices' partials too) and, in the interpreter, the given
+    (BLOCK_M, BLOCK_N)."""
     def nan_output(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    with mock.patch.object(fa, "_output", nan_output), \
+    with mock.patch.object(fa, "_output", nan_output), mock.patch.object(da, "DEBUG_POISON", True), \
             mock.patch.dict(fa.INTERPRETER_TILES, BLOCK_M=tiles[0], BLOCK_N=tiles[1]):
+        yield
+
+
+@contextmanager
+def sliced_keys(sms=64, min_keys=16):
+    """A GPU of `sms` SMs and slices of at least min_keys keys, so small shapes take the key-sliced path
+    (several slices per query tile, then merge_splits)."""
+    with mock.patch.object(da, "INTERPRETER_SMS", sms), mock.patch.object(da, "sm_count", lambda device: sms), \
+            mock.patch.object(fa, "MIN_KEYS_PER_SLICE", min_keys):
         yield
 
 
@@ -125,6 +136,32 @@ def test_matches_reference(case):
     check_against_reference(q, k, v, tiles, **kwargs)
 
 
+@given(attention_cases())
+def test_key_slices_merge_to_the_reference(case):
+    """Every mask and key mask with the keys cut into slices (rows no slice shows a key to included)."""
+    q, k, v, tiles, kwargs = case
+    with sliced_keys():
+        check_against_reference(q, k, v, tiles, **kwargs)
+
+
+def test_few_query_tiles_take_key_slices():
+    """A canvas at batch 1 (few query tiles) against many keys cuts them; many query tiles do not."""
+    calls = []
+    merge = fa.merge_splits
+    with mock.patch.object(fa, "merge_splits", lambda *a: calls.append(a[0].shape) or merge(*a)):
+        generator = torch.Generator().manual_seed(3)
+        q = random_heads(1, 2, 8, 64, torch.float32, "contiguous", generator)
+        k, v = (random_heads(1, 1, 100, 64, torch.float32, "seq_major", generator) for _ in range(2))
+        with sliced_keys(sms=8):
+            check_against_reference(q, k, v, (16, 16), k_valid=padded_keys([30], ["left"], 100, sliced=False))
+        # 2 programs on 8 SMs: 4 slices of 32 keys in the interpreter (on a GPU: of the tuner's BLOCK_N)
+        assert len(calls) == 1 and calls[0][0] == 2
+        assert calls[0][1] == 4 if DEVICE == "cpu" else calls[0][1] > 1
+        with sliced_keys(sms=2):
+            check_against_reference(q, k, v, (16, 16))
+        assert len(calls) == 1
+
+
 MASKS = [{}, {"causal": True}, {"block_size": 32}, {"block_size": 4}]
 
 
@@ -186,13 +223,14 @@ def test_key_tiles_before_the_first_visible_key_are_never_read():
     torch.testing.assert_close(out, expected, atol=TOLERANCE[torch.float32], rtol=0)
 
 
-def test_rows_without_visible_keys_are_zero():
+@pytest.mark.parametrize("slices", [False, True])
+def test_rows_without_visible_keys_are_zero(slices):
     generator = torch.Generator().manual_seed(1)
     q = random_heads(2, 2, 20, 64, torch.float32, "contiguous", generator)
     k = random_heads(2, 1, 20, 64, torch.float32, "contiguous", generator)
     v = random_heads(2, 1, 20, 64, torch.float32, "contiguous", generator)
     k_valid = padded_keys([20, 6], ["right", "left"], 20, sliced=False)
-    with poisoned_outputs():
+    with poisoned_outputs(tiles=(16, 16)), sliced_keys() if slices else sliced_keys(sms=1):
         out, lse = flash_attention(q, k, v, causal=True, k_valid=k_valid, return_lse=True)
     # Row 0 hides every key; in row 1 the first 6 queries (causal) see only hidden keys.
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
