@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanodllm.kernels.expert_linear import expert_linear
+from nanodllm.kernels.moe_combine import moe_combine
 from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
 from nanodllm.kernels.rmsnorm import rms_norm
 from nanodllm.kernels.rope import apply_rope, rope_qk
@@ -142,8 +143,7 @@ class FusedMoE(MoE):
         grouped = expert_linear(hidden, down, ends) if few else GROUPED_MM(hidden, down.mT, offs=ends)
         if len(held) < count:  # rows past the last group are left unwritten
             grouped.masked_fill_(torch.arange(len(rows), device=flat.device)[:, None] >= ends[-1], 0.0)
-        outputs = torch.empty_like(grouped).index_copy_(0, order, grouped).view(*chosen.shape, -1)
-        y = self.combine(outputs, routing, flat.dtype)
+        y = moe_combine(grouped, order, routing)  # MoE.combine, read where the rows lie
         return y if self.shared_expert is None else y + self.shared_expert(flat)
 
 

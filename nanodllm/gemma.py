@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanodllm.kernels.flash_attention import flash_attention
+from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.rmsnorm import rms_norm
 from nanodllm.kernels.rope import apply_rope
 
@@ -182,15 +183,14 @@ class GemmaExperts(nn.Module):
 
     def grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward with no loop: the (token, slot) rows sorted by expert for two grouped matmuls, each
-        token's k outputs weighted and summed in fp32."""
+        token's k outputs weighted and summed in fp32 where they lie (kernels/moe_combine.py)."""
         flat = chosen.flatten()
         by_expert, order = flat.sort(stable=True)
         experts = torch.arange(1, self.gate_up_proj.shape[0] + 1, device=x.device)
         ends = torch.searchsorted(by_expert, experts, out_int32=True)
         gate, up = GROUPED_MM(x[order // chosen.shape[1]], self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)
         y = GROUPED_MM(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, offs=ends)
-        outputs = torch.empty_like(y).index_copy_(0, order, y).view(*chosen.shape, -1)
-        return (fp32_or_wider(outputs) * weights[..., None]).sum(dim=1).to(x.dtype)
+        return (moe_combine if use_kernels(y) else moe_combine_reference)(y, order, weights)
 
 
 class GemmaLayer(nn.Module):

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import nanodllm.gemma as gemma_module
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
 from nanodllm.gemma import DiffusionGemma, GemmaCache, GemmaRMSNorm, GemmaRope, attend, attend_keys
@@ -134,8 +135,6 @@ def test_encoding_a_few_queries_at_a_time_equals_all_at_once(chunk, monkeypatch)
     """ENCODE_CHUNK query rows at a time, each against the keys in its reach (a sliding layer's window,
     reaching back into the ring of an earlier pass; a left-padded row): the caches and the denoiser's
     logits of one pass (float64)."""
-    import nanodllm.gemma as gemma_module
-
     model = load_reference(FIXTURE, dtype=torch.float64)
     valid = torch.ones_like(GOLDEN["prompt"], dtype=torch.bool)
     valid[1, :4] = False
@@ -254,15 +253,26 @@ def test_rope_on_the_kernel_equals_its_torch_form_bit_for_bit(head_dim, pairs, k
 
 
 @torch.no_grad()
-def test_the_grouped_experts_equal_the_per_expert_loop():
-    """The GPU's path (two grouped matmuls over the rows sorted by expert) against transformers' order, in
-    float32 on the fixture's experts: many tokens, every expert chosen, and a few, some experts idle."""
-    layer = MODEL.layers[1]
+@pytest.mark.parametrize("kernels", [False, True])
+def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeypatch):
+    """The GPU's path (two grouped matmuls over the rows sorted by expert, then their weighted sum in torch
+    or, on the kernels, kernels/moe_combine.py) against transformers' order on the fixture's experts: many
+    tokens, every expert chosen, and a few, some experts idle. float32, but on a GPU's kernels bfloat16
+    (its grouped GEMM's), to the dtype's rounding."""
+    layer, dtype = MODEL.layers[1], torch.float32
+    if kernels:
+        request.getfixturevalue("kernels_on")
+        dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+        layer = copy.deepcopy(layer).to(DEVICE, dtype)
+    device = layer.experts.down_proj.device
     for tokens in (200, 3):
-        x = torch.randn(tokens, MODEL.cfg.hidden_size, generator=torch.Generator().manual_seed(tokens))
+        x = torch.randn(tokens, MODEL.cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
         chosen, weights = layer.router(x)
-        expected = layer.experts(x, chosen, weights)
-        assert (layer.experts.grouped(x, chosen, weights) - expected).abs().max() < 1e-5 * expected.abs().max()
+        with monkeypatch.context() as loop_only:
+            loop_only.setattr(gemma_module, "GROUPED_MM", None)
+            expected = layer.experts(x, chosen, weights).float()
+        error = (layer.experts.grouped(x, chosen, weights).float() - expected).abs().max()
+        assert error <= (1e-2 if dtype == torch.bfloat16 else 1e-5) * expected.abs().max()
 
 
 @torch.no_grad()
