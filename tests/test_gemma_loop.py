@@ -21,6 +21,7 @@ from nanodllm.gemma_loop import GemmaSampling
 from nanodllm.generation import generate
 from nanodllm.loader import load_reference
 from nanodllm.methods import get_method
+from tests.device import DEVICE
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -276,8 +277,8 @@ class Recorder:
 def test_the_sparse_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, monkeypatch):
     """The steps the loop would record on a GPU (each canvas's repeats of the step before: MAGE's and
     SparseD's sparse steps, never a selecting one) with full layers of head_dim 256, which the decode
-    kernels do not take (the chosen keys gathered for flash_attention, in Triton's interpreter): their
-    attention asks the host nothing. (That replays decode what eager steps decode is the GPU test's.)"""
+    kernels do not take (the chosen keys gathered for flash_attention; on a CPU in Triton's interpreter):
+    their attention asks the host nothing. (That replays decode what eager steps decode is the GPU test's.)"""
     import copy
 
     from nanodllm.config import ModelConfig
@@ -288,7 +289,7 @@ def test_the_sparse_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels
     raw = copy.deepcopy(raw)
     raw["text_config"]["global_head_dim"] = 256
     torch.manual_seed(0)
-    model = build_random(ModelConfig.from_dict(raw, source="test"), device="cpu", dtype=torch.float16)
+    model = build_random(ModelConfig.from_dict(raw, source="test"), device=DEVICE, dtype=torch.float16)
     prompts = [list(range(3, 27)), list(range(40, 58))]
     gen = GenerationConfig(gen_length=8, block_length=8, steps=6)
     sampling = GemmaSampling(sample=False, seed=0, confidence_threshold=1e-9)  # every step runs
