@@ -191,16 +191,19 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows, 
     # [BLOCK_R, BLOCK_S, HEAD_DIM]
     parts = tl.load(part_out_ptr + index[:, :, None] * HEAD_DIM + dims[None, None, :], mask=valid[:, :, None],
                     other=0.0).to(tl.float32)
-    denom = tl.sum(weight, 1)  # 0 only for a row that saw no key: out 0, lse -inf
+    denom = tl.sum(weight, 1)
+    saw_keys = denom > 0  # else a row that saw no key: out 0, lse -inf
+    denom = tl.where(saw_keys, denom, 1.0)
     # [BLOCK_R, HEAD_DIM]
-    out = tl.sum(weight[:, :, None] * parts, 1) / tl.where(denom > 0, denom, 1.0)[:, None]
+    out = tl.sum(weight[:, :, None] * parts, 1) / denom[:, None]
 
     batch = batch_head // num_kv_heads
     head = (batch_head % num_kv_heads) * (num_rows // num_queries) + rows // num_queries
     out_rows = (batch.to(tl.int64) * num_queries + rows % num_queries) * num_heads + head
     tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_valid[:, None])
-    tl.store(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, (m + tl.log2(denom)) * LN2, mask=row_valid)  # -inf at 0
+    lse = tl.where(saw_keys, (m + tl.log2(denom)) * LN2, float("-inf"))
+    tl.store(lse_ptr + batch_head.to(tl.int64) * num_rows + rows, lse, mask=row_valid)
 
 
 # Host side, shared with sparse_decode_attention.py
