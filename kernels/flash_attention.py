@@ -247,12 +247,6 @@ def _flash_attention_fwd(
     tl.store(lse_base + rows.to(tl.int64) * stride_lm, lse, mask=row_ok)
 
 
-def _split_strides(t: torch.Tensor, split_dim: int) -> tuple[int, ...]:
-    """t's strides with a key-slice stride of 0 inserted at split_dim (one slice: the output itself)."""
-    strides = list(t.stride())
-    return (*strides[:split_dim], 0, *strides[split_dim:])
-
-
 def _output(shape, dtype, device) -> torch.Tensor:
     """torch.empty; the tests swap in a NaN fill to prove the kernel writes every element."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -305,20 +299,17 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
         a few hundred queries at batch 1) cut the keys into slices whose partials merge_splits combines."""
         programs = triton.cdiv(n_q, tiles["BLOCK_M"]) * batch * num_heads
         keys_per_split, splits = split_keys(n_k, programs, q.device, tiles["BLOCK_N"], min_keys=MIN_KEYS_PER_SLICE)
-        if splits == 1:
+        if splits == 1:  # out and lse themselves, with a slice axis of one
             out = _output((batch, n_q, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
             lse = _output((batch, num_heads, n_q), torch.float32, q.device)
-            _flash_attention_fwd[(triton.cdiv(n_q, tiles["BLOCK_M"]), batch * num_heads, 1)](
-                *inputs, out, lse, *strides, *_split_strides(out, 2), *_split_strides(lse, 2), *scalars, n_k,
-                **meta, PARTIAL=False, **tiles)
-            return out, lse
-        # [batch * heads, splits, N_q, D] and [batch * heads, splits, N_q], as merge_splits reads them
-        part_out = new_buffer((batch, num_heads, splits, n_q, head_dim), q.dtype, q.device)
-        part_lse = new_buffer((batch, num_heads, splits, n_q), torch.float32, q.device)
+            written = out.unsqueeze(2), lse.unsqueeze(2)
+        else:  # [batch, heads, splits, N_q, D] and [batch, heads, splits, N_q], as merge_splits reads them
+            written = (new_buffer((batch, num_heads, splits, n_q, head_dim), q.dtype, q.device),
+                       new_buffer((batch, num_heads, splits, n_q), torch.float32, q.device))
         _flash_attention_fwd[(triton.cdiv(n_q, tiles["BLOCK_M"]), batch * num_heads, splits)](
-            *inputs, part_out, part_lse, *strides, *part_out.stride(), *part_lse.stride(), *scalars, keys_per_split,
-            **meta, PARTIAL=True, **tiles)
-        return merge_splits(part_out.flatten(0, 1), part_lse.flatten(0, 1), q)
+            *inputs, *written, *strides, *written[0].stride(), *written[1].stride(), *scalars, keys_per_split,
+            **meta, PARTIAL=splits > 1, **tiles)
+        return (out, lse) if splits == 1 else merge_splits(written[0].flatten(0, 1), written[1].flatten(0, 1), q)
 
     if q.is_cuda:
         key = (head_dim, int(meta["BLOCK_CAUSAL"]), int(meta["HAS_K_VALID"]), tuning_length, tuning_rows,
