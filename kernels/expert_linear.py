@@ -1,15 +1,16 @@
-"""Each expert's linear layer over its own rows, for the few rows per expert of a decode step.
+"""Each expert's linear layer over its own rows, for the tens of rows per expert of a decode step.
 
     out[rows of e] = x[rows of e] @ W[e]^T                       for every expert e
-    out[rows of e] = silu(x @ W_gate[e]^T) * (x @ W_up[e]^T)     with swiglu=True
+    out[rows of e] = act(x @ W_gate[e]^T) * (x @ W_up[e]^T)      with glu = "silu" or "gelu_tanh"
 
-The rows come grouped by expert (group_ends[e] is where expert e's rows end). At a block step each
-expert gets a row or two, so the product is pure weight streaming: a program owns BLOCK_N output
-columns of one expert and walks that expert's rows in tiles of 16, computing the product transposed
-(W tile @ x tile^T) with kernels/norm_linear.py's tiles, so the weight tile fills the tensor cores'
-wide side. An expert with no rows costs an empty program; every chosen expert's weights are
-read once. Rounding as torch's grouped matmul and kernels/silu_mul.py (fp32 accumulation, the
-gate and up rounded before the activation). Rows past the last group are not written.
+The rows come grouped by expert (group_ends[e] is where expert e's rows end). With a few dozen rows
+per expert the product is weight streaming: a program owns BLOCK_N output columns of one expert and
+walks that expert's rows in tiles of BLOCK_M, computing the product transposed (W tile @ x tile^T)
+with kernels/norm_linear.py's tiles, so the weight tile fills the tensor cores' wide side. BLOCK_M
+grows with the rows per expert (16 at a block step's one or two, up to 128) so that most experts'
+rows fit one tile and their weights are read once. An expert with no rows costs an empty program.
+Rounding as torch's grouped matmul and its activation (fp32 accumulation, gate and up rounded
+before the activation). Rows past the last group are not written.
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
-from nanodllm.kernels.norm_linear import launch_shape, shared_memory_limit, store_transposed
-from nanodllm.kernels.silu_mul import silu_mul_reference
+from nanodllm.kernels.norm_linear import fit_shared_memory, launch_shape, shared_memory_limit, store_transposed
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TILE_ROWS = 16  # rows of one expert per tile: the tensor cores' narrow side
+GLUS = (None, "silu", "gelu_tanh")
+MAX_TILE_ROWS = 128
+FEW_ROWS_PER_EXPERT = 64  # up to this mean it beats torch's grouped matmuls (docs/results/bench_moe.md)
 
 
 @triton.jit
 def expert_linear_kernel(
     x_ptr, w_ptr, ends_ptr, out_ptr,
     out_width, dim, stride_x, stride_we, stride_wn, stride_out,
-    SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert = tl.program_id(0)
     first = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
@@ -37,7 +39,7 @@ def expert_linear_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < out_width
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    up_ptrs = gate_ptrs + out_width * stride_wn  # read only with SWIGLU: the up half of [gate; up]
+    up_ptrs = gate_ptrs + out_width * stride_wn  # read only with a GLU: the up half of [gate; up]
     dtype = w_ptr.dtype.element_ty
     precision: tl.constexpr = "ieee" if dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     for start in range(first, last, BLOCK_M):
@@ -53,16 +55,35 @@ def expert_linear_kernel(
             w_mask = col_ok[:, None] & k_ok[None, :]
             gate_acc = tl.dot(tl.load(gate_ptrs + ks[None, :], mask=w_mask, other=0.0), x_t, gate_acc,
                               input_precision=precision)
-            if SWIGLU:
+            if GLU != "":
                 up_acc = tl.dot(tl.load(up_ptrs + ks[None, :], mask=w_mask, other=0.0), x_t, up_acc,
                                 input_precision=precision)
-        store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, SWIGLU)
+        store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, GLU)
 
 
-def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+def tile_shape(num_rows: int, num_experts: int, dim: int, glu: bool, element_size: int,
+               shared_limit: int | None) -> dict:
+    """BLOCK_M from the mean rows per expert (with room for the busier experts); the rest the best of a
+    sweep of DiffusionGemma's gate/up (2 x 704 x 2816) and down (2816 x 704) over 128 experts at 16 and 64
+    rows each, bfloat16 (the times: docs/results/bench_moe.md); at 16-row tiles norm_linear's few-row shape."""
+    tile_rows = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(-(-3 * num_rows // (2 * num_experts)))))
+    if tile_rows == 16:
+        return launch_shape(tile_rows, dim, glu, element_size, shared_limit)
+    narrow = tile_rows <= 32
+    shape = dict(BLOCK_M=tile_rows, BLOCK_K=min(64, max(16, triton.next_power_of_2(dim))))
+    if glu:
+        shape.update(BLOCK_N=128 if narrow else 64, num_warps=8, num_stages=3)
+    else:
+        shape.update(BLOCK_N=64 if narrow else 128, num_warps=4, num_stages=4 if narrow else 3)
+    return fit_shared_memory(shape, glu, element_size, shared_limit)
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, glu: str | None = None
+                  ) -> torch.Tensor:
     """x [R, K] rows grouped by expert; weight [E, N, K] (each expert's nn.Linear weight; N = 2I,
-    [gate; up], with swiglu); group_ends [E] int32, non-decreasing, at most R. Returns [R, N] (or
-    [R, I]) of x's dtype, rows past group_ends[-1] unwritten."""
+    [gate; up], with a glu: "silu" for SwiGLU, "gelu_tanh" for GELU-gated); group_ends [E] int32,
+    non-decreasing, at most R. Returns [R, N] (or [R, I]) of x's dtype, rows past group_ends[-1]
+    unwritten."""
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1] or group_ends.shape != weight.shape[:1]:
         raise ValueError(f"need x [R, K], weight [E, N, K] and group_ends [E]; got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(group_ends.shape)}")
@@ -71,26 +92,37 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tenso
                          f"{weight.dtype} and {group_ends.dtype}")
     if x.stride(1) != 1 or weight.stride(2) != 1 or not group_ends.is_contiguous():
         raise ValueError(f"the last dims must be contiguous, got strides {x.stride()} and {weight.stride()}")
-    if swiglu and weight.shape[1] % 2:
-        raise ValueError(f"swiglu needs stacked [gate; up] weights (an even N), got N = {weight.shape[1]}")
-    width = weight.shape[1] // 2 if swiglu else weight.shape[1]
+    if glu not in GLUS:
+        raise ValueError(f"glu must be one of {GLUS}, got {glu!r}")
+    if glu and weight.shape[1] % 2:
+        raise ValueError(f"a glu needs stacked [gate; up] weights (an even N), got N = {weight.shape[1]}")
+    width = weight.shape[1] // 2 if glu else weight.shape[1]
     out = torch.empty((x.shape[0], width), device=x.device, dtype=x.dtype)
     if out.numel() and weight.shape[0]:
-        shape = launch_shape(TILE_ROWS, x.shape[1], swiglu, x.element_size(), shared_memory_limit(x.device))
+        shape = tile_shape(x.shape[0], weight.shape[0], x.shape[1], glu is not None, x.element_size(),
+                           shared_memory_limit(x.device))
         grid = (weight.shape[0], triton.cdiv(width, shape["BLOCK_N"]))
         expert_linear_kernel[grid](x, weight, group_ends, out, width, x.shape[1], x.stride(0), weight.stride(0),
-                                   weight.stride(1), out.stride(0), SWIGLU=swiglu, **shape, enable_fp_fusion=False)
+                                   weight.stride(1), out.stride(0), GLU=glu or "", **shape, enable_fp_fusion=False)
     return out
 
 
+def glu_reference(gate_up: torch.Tensor, glu: str) -> torch.Tensor:
+    """The torch form: act(gate) * up on the two halves of the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if glu == "silu":
+        return torch.nn.functional.silu(gate) * up
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 def expert_linear_reference(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor,
-                            swiglu: bool = False) -> torch.Tensor:
-    """One F.linear per expert over its rows (then silu(gate) * up); rows past the last group zero."""
-    width = weight.shape[1] // 2 if swiglu else weight.shape[1]
+                            glu: str | None = None) -> torch.Tensor:
+    """One F.linear per expert over its rows (then act(gate) * up); rows past the last group zero."""
+    width = weight.shape[1] // 2 if glu else weight.shape[1]
     out = x.new_zeros(x.shape[0], width)
     first = 0
     for expert, last in enumerate(group_ends.tolist()):
         product = torch.nn.functional.linear(x[first:last], weight[expert])
-        out[first:last] = silu_mul_reference(product) if swiglu else product
+        out[first:last] = glu_reference(product, glu) if glu else product
         first = last
     return out

@@ -35,12 +35,12 @@ SHARED_SLACK = 4096  # bytes of headroom for the shared memory Triton adds to th
 def norm_linear_kernel(
     x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
     num_rows, out_width, dim, stride_x, stride_w, stride_out, eps,
-    SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """A program owns BLOCK_N output columns and every row (at most MAX_ROWS). The product is computed
     transposed, W_tile [BLOCK_N, BLOCK_K] @ (x * g)_tile^T [BLOCK_K, rows], so the weight tile fills the
-    tensor cores' 64-row side and the few rows their narrow one. With SWIGLU the program also
+    tensor cores' 64-row side and the few rows their narrow one. With GLU "silu" the program also
     accumulates the up columns (rows I + n of the stacked [gate; up] weight) for the same n and writes
     I outputs; gate and up are rounded to the activation dtype, silu(gate) rounded, the product rounded
     (no FMA contraction: the launch sets enable_fp_fusion=False)."""
@@ -49,7 +49,7 @@ def norm_linear_kernel(
     col_ok, row_ok = cols < out_width, rows < num_rows
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x
     gate_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_w
-    up_ptrs = gate_ptrs + out_width * stride_w  # read only with SWIGLU: the up half of [gate; up]
+    up_ptrs = gate_ptrs + out_width * stride_w  # read only with a GLU: the up half of [gate; up]
     dtype = w_ptr.dtype.element_ty
     precision: tl.constexpr = "ieee" if dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     sum_sq = tl.zeros((BLOCK_M,), tl.float32)
@@ -65,7 +65,7 @@ def norm_linear_kernel(
         w_mask = col_ok[:, None] & k_ok[None, :]
         gate_acc = tl.dot(tl.load(gate_ptrs + ks[None, :], mask=w_mask, other=0.0), xg_t, gate_acc,
                           input_precision=precision)
-        if SWIGLU:
+        if GLU != "":
             up_acc = tl.dot(tl.load(up_ptrs + ks[None, :], mask=w_mask, other=0.0), xg_t, up_acc,
                             input_precision=precision)
     rstd = tl.math.rsqrt(sum_sq / dim + eps)  # [BLOCK_M]
@@ -73,21 +73,27 @@ def norm_linear_kernel(
     up_acc = up_acc * rstd[None, :]
     if HAS_BIAS:  # as the matmul adds it: in fp32, before the rounding
         gate_acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-        if SWIGLU:
+        if GLU != "":
             up_acc += tl.load(bias_ptr + out_width + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, SWIGLU)
+    store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, GLU)
 
 
 @triton.jit
-def store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, SWIGLU: tl.constexpr):
+def store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, GLU: tl.constexpr):
     """Write the fp32 accumulators [BLOCK_N, BLOCK_M] (columns, rows) to out [rows, N] in out's dtype;
-    with SWIGLU silu(gate) * up, gate and up rounded first, silu rounded, the product rounded."""
+    with GLU ("silu" or "gelu_tanh") act(gate) * up: gate and up rounded first, act(gate) rounded, the
+    product rounded, as torch's F.silu / F.gelu(approximate="tanh") and multiply round them."""
     out_dtype = out_ptr.dtype.element_ty
     out = gate_acc.to(out_dtype)
-    if SWIGLU:
+    if GLU != "":
         gate = out.to(tl.float32)
         up = up_acc.to(out_dtype).to(tl.float32)
-        out = ((gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32) * up).to(out_dtype)
+        if GLU == "silu":
+            activated = gate / (1.0 + tl.exp(-gate))
+        else:  # gelu, tanh approximation: tanh(y) = 1 - 2 / (1 + exp(2y))
+            y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            activated = 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
+        out = (activated.to(out_dtype).to(tl.float32) * up).to(out_dtype)
     out_ptrs = out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None]
     tl.store(out_ptrs, out, mask=col_ok[:, None] & row_ok[None, :])
 
@@ -105,7 +111,12 @@ def launch_shape(num_rows: int, dim: int, swiglu: bool, element_size: int, share
         shape["BLOCK_N"] //= 2 if swiglu else 1
     shape.update(BLOCK_K=min(shape["BLOCK_K"], max(16, triton.next_power_of_2(dim))),
                  BLOCK_M=max(16, triton.next_power_of_2(num_rows)))
-    tile_rows = shape["BLOCK_N"] * (2 if swiglu else 1) + shape["BLOCK_M"]  # weight rows + x rows per stage
+    return fit_shared_memory(shape, swiglu, element_size, shared_limit)
+
+
+def fit_shared_memory(shape: dict, glu: bool, element_size: int, shared_limit: int | None) -> dict:
+    """shape with fewer stages, then shorter K tiles, until its pipelined tiles fit in shared_limit bytes."""
+    tile_rows = shape["BLOCK_N"] * (2 if glu else 1) + shape["BLOCK_M"]  # weight rows + x rows per stage
     while shared_limit is not None and shape["BLOCK_K"] > 16 and (
             shape["num_stages"] * tile_rows * shape["BLOCK_K"] * element_size + SHARED_SLACK > shared_limit):
         if shape["num_stages"] > 2:
@@ -158,8 +169,8 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
         shape = launch_shape(rows.shape[0], x.shape[-1], swiglu, x.element_size(), shared_memory_limit(x.device))
         norm_linear_kernel[(triton.cdiv(width, shape["BLOCK_N"]),)](
             rows, norm_weight, weight, weight if bias is None else bias, out, rows.shape[0], width, x.shape[-1],
-            rows.stride(0), weight.stride(0), out.stride(0), eps, SWIGLU=swiglu, HAS_BIAS=bias is not None,
-            **shape, enable_fp_fusion=False)
+            rows.stride(0), weight.stride(0), out.stride(0), eps, GLU="silu" if swiglu else "",
+            HAS_BIAS=bias is not None, **shape, enable_fp_fusion=False)
     return out.view(*x.shape[:-1], width)
 
 

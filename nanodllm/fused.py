@@ -3,10 +3,10 @@
 fuse() converts a reference model once (the loader calls it), layer by layer, stacking its weights: q/k/v's
 rows (and biases) in qkv_proj, each SwiGLU's gate and up rows in gate_up_proj, a mixture of experts' in two
 Parameters [experts, ...]. Where use_kernels(x) holds (CUDA, float16 / bfloat16, no autograd) a stacked group
-is one matmul, the experts' one grouped matmul per projection (kernels/expert_linear.py over a step's few
-tokens); RMSNorm (with the residual add before it), RoPE (q and k at once, with the per-head q/k norm) and
-silu(gate) * up are one-pass kernels; o_proj and the MLP add into the residual in an epilogue or the next
-norm; over a decode step's few rows the norms and SwiGLU ride inside the matmuls (kernels/norm_linear.py).
+is one matmul, the experts' one grouped matmul per projection (kernels/expert_linear.py up to a few dozen
+rows per expert); RMSNorm (with the residual add before it), RoPE (q and k at once, with the per-head q/k
+norm) and silu(gate) * up are one-pass kernels; o_proj and the MLP add into the residual in an epilogue or
+the next norm; over a decode step's few rows the norms and SwiGLU ride inside the matmuls (norm_linear).
 Elsewhere each primitive runs the reference's own ops on row slices of the stacked weights, bit for bit.
 Split over ranks (parallel.py), a FusedMoE holds its rank's experts; the summing linears stay as they are.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import expert_linear
+from nanodllm.kernels.expert_linear import FEW_ROWS_PER_EXPERT, expert_linear
 from nanodllm.kernels.moe_combine import moe_combine
 from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
 from nanodllm.kernels.rmsnorm import rms_norm
@@ -34,7 +34,6 @@ from .model import Attend, Layer, Model, RMSNorm, Rope
 from .parallel import SINGLE, Group, RowParallelLinear, expert_range, group_of
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-FEW_TOKENS = 128  # up to this many tokens the experts run on expert_linear, faster there (docs/results/bench_moe.md)
 CHUNK_TOKENS = 8192  # a long prefill's MLPs run on this many tokens at a time: their wide activations stay small
 
 
@@ -138,9 +137,10 @@ class FusedMoE(MoE):
         by_expert, order = experts.sort(stable=True)  # (token, slot) pairs grouped by expert
         ends = torch.searchsorted(by_expert, torch.arange(1, len(held) + 1, device=flat.device), out_int32=True)
         rows = flat[order // chosen.shape[1]]
-        gate_up, down, few = self.experts.gate_up_proj, self.experts.down_proj, len(flat) <= FEW_TOKENS
-        hidden = expert_linear(rows, gate_up, ends, True) if few else silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends))
-        grouped = expert_linear(hidden, down, ends) if few else GROUPED_MM(hidden, down.mT, offs=ends)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        few = len(rows) <= FEW_ROWS_PER_EXPERT * count  # a mean over every rank's experts
+        grouped = (expert_linear(expert_linear(rows, gate_up, ends, "silu"), down, ends) if few
+                   else GROUPED_MM(silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends)), down.mT, offs=ends))
         if len(held) < count:  # rows past the last group are left unwritten
             grouped.masked_fill_(torch.arange(len(rows), device=flat.device)[:, None] >= ends[-1], 0.0)
         y = moe_combine(grouped, order, routing)  # MoE.combine, read where the rows lie

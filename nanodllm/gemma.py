@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanodllm.kernels.expert_linear import FEW_ROWS_PER_EXPERT, expert_linear
 from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.rmsnorm import rms_norm
@@ -182,14 +183,19 @@ class GemmaExperts(nn.Module):
         return out
 
     def grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """forward with no loop: the (token, slot) rows sorted by expert for two grouped matmuls, each
+        """forward with no loop: the (token, slot) rows sorted by expert for two grouped matmuls (a canvas's
+        few dozen rows per expert on kernels/expert_linear.py, which reads each expert's weights once), each
         token's k outputs weighted and summed in fp32 where they lie (kernels/moe_combine.py)."""
         flat = chosen.flatten()
         by_expert, order = flat.sort(stable=True)
         experts = torch.arange(1, self.gate_up_proj.shape[0] + 1, device=x.device)
         ends = torch.searchsorted(by_expert, experts, out_int32=True)
-        gate, up = GROUPED_MM(x[order // chosen.shape[1]], self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)
-        y = GROUPED_MM(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, offs=ends)
+        rows = x[order // chosen.shape[1]]
+        if use_kernels(x) and len(rows) <= FEW_ROWS_PER_EXPERT * len(experts):
+            y = expert_linear(expert_linear(rows, self.gate_up_proj, ends, "gelu_tanh"), self.down_proj, ends)
+        else:
+            gate, up = GROUPED_MM(rows, self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)
+            y = GROUPED_MM(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, offs=ends)
         return (moe_combine if use_kernels(y) else moe_combine_reference)(y, order, weights)
 
 

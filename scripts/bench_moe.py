@@ -27,12 +27,15 @@ import nanodllm.graphs as graphs_module
 from harness import (GENERATION_BLOCKS, QUICK_MOE, block_floor_ms, count_touched_experts, kv_bytes,
                      random_prompts, timed_generation, too_big)
 from nanodllm.config import ModelConfig, preset
+from nanodllm.kernels.expert_linear import expert_linear, tile_shape
 from nanodllm.loader import build_random
 from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
 
-FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128, 512), prefill_rows=32768)
-QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64)
+FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128, 512), prefill_rows=32768,
+            expert_presets=("llada2-mini", "sdar-30b-a3b", "diffusiongemma-26b-a4b"),
+            expert_tokens=(32, 256, 1024, 2048))
+QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64, expert_presets=("quick",), expert_tokens=(8, 64))
 GENERATE = {"llada2-mini": dict(contexts=(32768, 65536, 131072), batches=(1, 4), ks=(1024, 512), block=32, steps=32),
             "sdar-30b-a3b": dict(contexts=(32768, 65536), batches=(1, 4), ks=(1024, 512), block=32, steps=32)}
 QUICK_GENERATE = dict(contexts=(4096,), batches=(1,), ks=(1024,), block=32, steps=8)  # the preset's weights
@@ -44,14 +47,14 @@ def moe_config(name: str, context: int | None = None, block: int | None = None) 
     return preset(name, context=context, block_size=block)
 
 
-def timed_path(timer, moe_layer, x, few_tokens: int) -> float:
-    """Microseconds of the fused layer with fused.FEW_TOKENS set: x's tokens on expert_linear if they are
-    at most that many, else on torch's grouped matmuls."""
-    saved, fused_module.FEW_TOKENS = fused_module.FEW_TOKENS, few_tokens
+def timed_path(timer, moe_layer, x, on_kernel: bool) -> float:
+    """Microseconds of the fused layer with its experts on expert_linear or on torch's grouped matmuls
+    (fused.FEW_ROWS_PER_EXPERT set to pick the one)."""
+    saved, fused_module.FEW_ROWS_PER_EXPERT = fused_module.FEW_ROWS_PER_EXPERT, float("inf") if on_kernel else 0
     try:
         return timer(lambda: moe_layer(x))
     finally:
-        fused_module.FEW_TOKENS = saved
+        fused_module.FEW_ROWS_PER_EXPERT = saved
 
 
 @torch.no_grad()
@@ -59,11 +62,12 @@ def mlp_row(cfg, moe_layer, rows, step, setup) -> dict:
     (bandwidth, matmul_rate), dtype = setup.ceilings, setup.dtype
     x = torch.randn(1, rows, cfg.hidden_size, device=setup.device, dtype=dtype)
     touched = int(moe_layer.gate(x.view(rows, -1))[0].unique().numel())
-    on_kernel = step or rows <= fused_module.FEW_TOKENS  # a long prefill's rows: grouped_mm's only
-    expert_us = timed_path(setup.timer, moe_layer, x, rows) if on_kernel else None
-    grouped_mm_us = timed_path(setup.timer, moe_layer, x, 0)
+    model_on_kernel = rows * cfg.moe.experts_per_token <= fused_module.FEW_ROWS_PER_EXPERT * cfg.moe.num_experts
+    on_kernel = step or model_on_kernel  # a long prefill's rows: grouped_mm's only
+    expert_us = timed_path(setup.timer, moe_layer, x, True) if on_kernel else None
+    grouped_mm_us = timed_path(setup.timer, moe_layer, x, False)
     loop_us = setup.timer.eager(lambda: MoE.forward(moe_layer, x))
-    path = "expert_linear" if rows <= fused_module.FEW_TOKENS else "grouped_mm"
+    path = "expert_linear" if model_on_kernel else "grouped_mm"
     model_us = expert_us if path == "expert_linear" else grouped_mm_us
     moe, h, element = cfg.moe, cfg.hidden_size, torch.finfo(dtype).bits // 8
     shared_and_router = 3 * h * moe.shared_size + moe.num_experts * h
@@ -149,10 +153,44 @@ def moe(setup):
     setup.report.table("The MoE MLP of one layer", rows,
                        "Microseconds per call for `rows` tokens (a block step is 32 x batch; the last row is a "
                        "prefill). The fused layer with its experts on kernels/expert_linear.py or torch's grouped "
-                       "matmuls (the model runs the first up to fused.FEW_TOKENS tokens), CUDA graph, L2 flushed. "
-                       "Loop: the reference, eager (it syncs the host per call). Floor: max(bytes of touched experts + "
-                       "shared expert + router / copy bandwidth, FLOPs / matmul rate).")
+                       "matmuls (the model runs the first up to a mean of fused.FEW_ROWS_PER_EXPERT rows per "
+                       "expert), CUDA graph, L2 flushed. Loop: the reference, eager (it syncs the host per call). "
+                       "Floor: max(bytes of touched experts + shared expert + router / copy bandwidth, FLOPs / "
+                       "matmul rate).")
+    rows = [experts_row(name, tokens, setup) for name in shapes["expert_presets"] for tokens in shapes["expert_tokens"]]
+    setup.report.table("The experts alone, by rows per expert", rows,
+                       "Microseconds of the two expert projections and the gate's activation for `tokens` tokens "
+                       "routed uniformly at random, on kernels/expert_linear.py (its row tiles as it picks them) and "
+                       "on torch's grouped matmuls, CUDA graph, L2 flushed; floor: the touched experts' bytes / copy "
+                       "bandwidth. Where the first wins is fused.FEW_ROWS_PER_EXPERT (also DiffusionGemma's experts).")
     return "bench_moe"
+
+
+@torch.no_grad()
+def experts_row(name: str, tokens: int, setup) -> dict:
+    cfg, (bandwidth, _) = moe_config(name), setup.ceilings
+    moe, hidden, make = cfg.moe, cfg.hidden_size, partial(torch.randn, device=setup.device, dtype=setup.dtype)
+    gate_up = make(moe.num_experts, 2 * moe.expert_size, hidden) / 50
+    down = make(moe.num_experts, hidden, moe.expert_size) / 50
+    chosen = torch.rand(tokens, moe.num_experts, device=setup.device).topk(moe.experts_per_token, dim=1).indices
+    by_expert = chosen.flatten().sort().values
+    ends = torch.searchsorted(by_expert, torch.arange(1, moe.num_experts + 1, device=setup.device), out_int32=True)
+    x = make(len(by_expert), hidden)
+    glu = "gelu_tanh" if cfg.gemma else "silu"
+    act = partial(F.gelu, approximate="tanh") if cfg.gemma else F.silu
+
+    def grouped_mm():
+        gate, up = fused_module.GROUPED_MM(x, gate_up.mT, offs=ends).chunk(2, dim=-1)
+        return fused_module.GROUPED_MM(act(gate) * up, down.mT, offs=ends)
+
+    kernel_us = setup.timer(lambda: expert_linear(expert_linear(x, gate_up, ends, glu), down, ends))
+    grouped_mm_us = setup.timer(grouped_mm)
+    touched = int(by_expert.unique().numel())
+    floor_us = touched * 3 * hidden * moe.expert_size * x.element_size() / bandwidth / 1e3
+    return {"model": name, "tokens": tokens, "rows per expert": len(x) / moe.num_experts,
+            "row tile": tile_shape(len(x), moe.num_experts, hidden, True, x.element_size(), None)["BLOCK_M"],
+            "expert_linear us": kernel_us, "grouped_mm us": grouped_mm_us, "floor us": floor_us,
+            "grouped_mm / expert_linear": grouped_mm_us / kernel_us, "expert_linear / floor": kernel_us / floor_us}
 
 
 def moe_generation(setup):
