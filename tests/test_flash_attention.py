@@ -146,16 +146,21 @@ def test_key_slices_merge_to_the_reference(case):
 
 
 def test_few_query_tiles_take_key_slices():
-    """A canvas at batch 1 (few query tiles) against many keys cuts them; many query tiles do not."""
+    """A canvas at batch 1 (few query tiles) against many keys cuts them; many query tiles do not. On a GPU a
+    first call lets the tuner measure its candidates (each launch a merge) before the merges are counted."""
     calls = []
     merge = fa.merge_splits
+    generator = torch.Generator().manual_seed(3)
+    q = random_heads(1, 2, 8, 64, torch.float32, "contiguous", generator)
+    k, v = (random_heads(1, 1, 300, 64, torch.float32, "seq_major", generator) for _ in range(2))
+    k_valid = padded_keys([30], ["left"], 300, sliced=False)
+    with sliced_keys(sms=8):
+        check_against_reference(q, k, v, (16, 16), k_valid=k_valid)
     with mock.patch.object(fa, "merge_splits", lambda *a: calls.append(a[0].shape) or merge(*a)):
-        generator = torch.Generator().manual_seed(3)
-        q = random_heads(1, 2, 8, 64, torch.float32, "contiguous", generator)
-        k, v = (random_heads(1, 1, 100, 64, torch.float32, "seq_major", generator) for _ in range(2))
         with sliced_keys(sms=8):
-            check_against_reference(q, k, v, (16, 16), k_valid=padded_keys([30], ["left"], 100, sliced=False))
-        # 2 programs on 8 SMs: 4 slices of 32 keys in the interpreter (on a GPU: of the tuner's BLOCK_N)
+            check_against_reference(q, k, v, (16, 16), k_valid=k_valid)
+        # 2 programs on 8 SMs: 4 slices of 96 keys in the interpreter; on a GPU whole tiles of the tuner's
+        # BLOCK_N (at most 128: 3 slices or more)
         assert len(calls) == 1 and calls[0][0] == 2
         assert calls[0][1] == 4 if DEVICE == "cpu" else calls[0][1] > 1
         with sliced_keys(sms=2):
