@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import shutil
 import sys
 from functools import partial
@@ -58,25 +59,22 @@ LLADA_CONFIG = {
     "rope_full_precision": True, "rope_theta": 500000.0, "scale_logits": False, "torch_dtype": "bfloat16",
     "transformers_version": "4.46.3", "use_cache": False, "vocab_size": VOCAB, "weight_tying": False,
 }
+QWEN_FIELDS = {  # what SDAR's and Qwen2's (Dream's, Fast-dLLM v2's) config.json share
+    "attention_dropout": 0.0, "eos_token_id": 251, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 160, "mask_token_id": 250, "max_window_layers": 2, "num_attention_heads": 4,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": VOCAB,
+}
 SDAR_CONFIG = {
-    "architectures": ["SDARForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    **QWEN_FIELDS, "architectures": ["SDARForCausalLM"], "attention_bias": False,
     "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
                  "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
-    "block_size": BLOCK, "bos_token_id": 252, "eos_token_id": 251, "head_dim": 16, "hidden_act": "silu",
-    "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 160, "mask_token_id": 250,
-    "max_position_embeddings": 40960, "max_window_layers": 2, "model_type": "sdar", "num_attention_heads": 4,
-    "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.52.4", "use_cache": True, "use_sliding_window": False, "vocab_size": VOCAB,
+    "block_size": BLOCK, "bos_token_id": 252, "head_dim": 16, "max_position_embeddings": 40960, "model_type": "sdar",
+    "rope_theta": 1000000, "transformers_version": "4.52.4",
 }
-QWEN2_CONFIG = {
-    "attention_dropout": 0.0, "bos_token_id": 251, "eos_token_id": 251, "hidden_act": "silu", "hidden_size": 64,
-    "initializer_range": 0.02, "intermediate_size": 160, "mask_token_id": 250, "max_position_embeddings": 131072,
-    "max_window_layers": 2, "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
-    "pad_token_id": 251, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
-    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.46.2",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": VOCAB,
-}
+QWEN2_CONFIG = {**QWEN_FIELDS, "bos_token_id": 251, "max_position_embeddings": 131072, "pad_token_id": 251,
+                "rope_theta": 1000000.0, "transformers_version": "4.46.2"}
 DREAM_CONFIG = {
     **QWEN2_CONFIG, "architectures": ["DreamModel"], "model_type": "Dream",
     "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
@@ -87,21 +85,22 @@ FAST_DLLM_V2_CONFIG = {
                  "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
 }
 
-# The mixture-of-experts families. LLaDA2's config.json as released (BailingMoeV2 field names) plus
-# block_size and mask_token_id, which the tiny vocabulary and the 13-token input need (the released
-# model decodes blocks of 32 with mask 156895). Its router: 16 experts in 4 groups, 2 groups kept.
+# The mixture-of-experts families, both 3 layers of width 32 with 16 experts of width 16, 4 per token.
+MOE_SHAPE = {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "norm_topk_prob": True,
+             "num_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 3, "output_router_logits": False}
+# LLaDA2's config.json as released (BailingMoeV2 field names) plus block_size and mask_token_id, which the
+# tiny vocabulary and the 13-token input need (the released model decodes blocks of 32 with mask 156895).
+# Its router: 16 experts in 4 groups, 2 groups kept.
 LLADA2_CONFIG = {
-    "architectures": ["LLaDA2MoeModelLM"], "attention_dropout": 0.0,
+    **MOE_SHAPE, "architectures": ["LLaDA2MoeModelLM"], "attention_dropout": 0.0,
     "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
                  "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
                  "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
     "block_size": BLOCK, "embedding_dropout": 0.0, "eos_token_id": 251, "first_k_dense_replace": 1, "head_dim": 16,
-    "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
-    "mask_token_id": 250, "max_position_embeddings": 32768, "max_window_layers": 3, "model_type": "llada2_moe",
-    "moe_intermediate_size": 16, "moe_router_enable_expert_bias": True, "n_group": 4, "norm_head": False,
-    "norm_softmax": False, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 16,
-    "num_experts_per_tok": 4, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_shared_experts": 1,
-    "output_dropout": 0.0, "output_router_logits": False, "pad_token_id": 251, "partial_rotary_factor": 0.5,
+    "hidden_act": "silu", "initializer_range": 0.02, "mask_token_id": 250, "max_position_embeddings": 32768,
+    "max_window_layers": 3, "model_type": "llada2_moe", "moe_router_enable_expert_bias": True, "n_group": 4,
+    "norm_head": False, "norm_softmax": False, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_shared_experts": 1, "output_dropout": 0.0, "pad_token_id": 251, "partial_rotary_factor": 0.5,
     "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 600000, "routed_scaling_factor": 2.5,
     "router_dtype": "fp32", "score_function": "sigmoid", "tie_word_embeddings": False, "topk_group": 2,
     "torch_dtype": "bfloat16", "transformers_version": "4.52.3", "use_bias": False, "use_cache": True,
@@ -109,13 +108,31 @@ LLADA2_CONFIG = {
 }
 # SDAR-30B-A3B: SDAR's fields plus Qwen3-MoE's. Layer 1 is dense (mlp_only_layers) to exercise the rule.
 SDAR_MOE_CONFIG = {
-    **SDAR_CONFIG, "architectures": ["SDARMoeForCausalLM"],
+    **SDAR_CONFIG, **MOE_SHAPE, "architectures": ["SDARMoeForCausalLM"],
     "auto_map": {"AutoConfig": "configuration_sdar_moe.SDARMoeConfig", "AutoModel": "modeling_sdar_moe.SDARMoeModel",
                  "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM"},
-    "decoder_sparse_step": 1, "mlp_only_layers": [1], "hidden_size": 32, "intermediate_size": 64,
-    "model_type": "sdar_moe", "moe_intermediate_size": 16, "norm_topk_prob": True, "num_experts": 16,
-    "num_experts_per_tok": 4, "num_hidden_layers": 3, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+    "decoder_sparse_step": 1, "mlp_only_layers": [1], "model_type": "sdar_moe", "router_aux_loss_coef": 0.001,
 }
+
+# LLaDA's config.json fields (values) under the names transformers' Llama and Qwen configs share (keys)
+LLADA_FIELDS = {"vocab_size": "embedding_size", "hidden_size": "d_model", "intermediate_size": "mlp_hidden_size",
+                "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+                "max_position_embeddings": "max_sequence_length", "rms_norm_eps": "rms_norm_eps",
+                "rope_theta": "rope_theta"}
+# LLaDA's checkpoint names of Llama's modules: model.transformer.<name>, in layer i model.transformer.blocks.<i>.<name>
+LLADA_MODULES = {"model.embed_tokens": "wte", "model.norm": "ln_f", "lm_head": "ff_out",
+                 "input_layernorm": "attn_norm", "self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
+                 "self_attn.v_proj": "v_proj", "self_attn.o_proj": "attn_out", "post_attention_layernorm": "ff_norm",
+                 "mlp.gate_proj": "ff_proj", "mlp.up_proj": "up_proj", "mlp.down_proj": "ff_out"}
+
+
+def qwen_shape(c: dict) -> dict:
+    """A config.json's shape fields as transformers' Llama and Qwen configs name them (LLaDA's renamed), head_dim
+    among them."""
+    names = LLADA_FIELDS if c["model_type"] == "llada" else {field: field for field in LLADA_FIELDS}
+    shape = {field: c[name] for field, name in names.items()}
+    return {**shape, "head_dim": c.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]}
+
 
 # random weights
 
@@ -128,44 +145,24 @@ def _norm(gen, dim):
     return 0.5 + torch.rand(dim, generator=gen)  # in [0.5, 1.5): never all ones
 
 
-def _swiglu(gen, prefix, d, f, names=("gate_proj", "up_proj", "down_proj")) -> dict[str, torch.Tensor]:
+def _swiglu(gen, prefix, d, f) -> dict[str, torch.Tensor]:
     """A SwiGLU MLP's gate, up and down weights, drawn in that order."""
-    return {f"{prefix}{names[0]}.weight": _linear(gen, f, d), f"{prefix}{names[1]}.weight": _linear(gen, f, d),
-            f"{prefix}{names[2]}.weight": _linear(gen, d, f)}
+    return {f"{prefix}gate_proj.weight": _linear(gen, f, d), f"{prefix}up_proj.weight": _linear(gen, f, d),
+            f"{prefix}down_proj.weight": _linear(gen, d, f)}
 
 
-def llada_weights(gen) -> dict[str, torch.Tensor]:
-    """Checkpoint-named tensors in the order the real shards hold them."""
-    c = LLADA_CONFIG
-    d, f, v = c["d_model"], c["mlp_hidden_size"], c["embedding_size"]
-    hd = d // c["n_heads"]
-    kv = c["n_kv_heads"] * hd
-    w = {"model.transformer.wte.weight": torch.randn(v, d, generator=gen)}
-    for i in range(c["n_layers"]):
-        p = f"model.transformer.blocks.{i}."
-        w[p + "attn_norm.weight"] = _norm(gen, d)
-        w[p + "q_proj.weight"] = _linear(gen, d, d, gain=2.0)  # sharper attention: masks matter more
-        w[p + "k_proj.weight"] = _linear(gen, kv, d, gain=2.0)
-        w[p + "v_proj.weight"] = _linear(gen, kv, d)
-        w[p + "attn_out.weight"] = _linear(gen, d, d)
-        w[p + "ff_norm.weight"] = _norm(gen, d)
-        w.update(_swiglu(gen, p, d, f, ("ff_proj", "up_proj", "ff_out")))
-    w["model.transformer.ln_f.weight"] = _norm(gen, d)
-    w["model.transformer.ff_out.weight"] = _linear(gen, v, d)
-    return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
-
-
-def qwen_weights(gen, c: dict, qk_norm: bool, qkv_bias: bool) -> dict[str, torch.Tensor]:
-    """Qwen3 (q/k norm) or Qwen2 (q/k/v biases) tensors of config c."""
-    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    hd = c.get("head_dim") or d // c["num_attention_heads"]
+def qwen_weights(gen, config: dict, qk_norm=False, qkv_bias=False, qk_gain=1.0) -> dict[str, torch.Tensor]:
+    """Llama-named tensors of config in the order the real shards hold them: with Qwen3's q/k norms (qk_norm)
+    or Qwen2's q/k/v biases (qkv_bias); LLaDA's q and k drawn sharper (qk_gain 2) so that masks matter more."""
+    c = qwen_shape(config)
+    d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     w = {"model.embed_tokens.weight": torch.randn(v, d, generator=gen)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = _norm(gen, d)
-        w[p + "self_attn.q_proj.weight"] = _linear(gen, q, d)
-        w[p + "self_attn.k_proj.weight"] = _linear(gen, kv, d)
+        w[p + "self_attn.q_proj.weight"] = _linear(gen, q, d, qk_gain)
+        w[p + "self_attn.k_proj.weight"] = _linear(gen, kv, d, qk_gain)
         w[p + "self_attn.v_proj.weight"] = _linear(gen, kv, d)
         w[p + "self_attn.o_proj.weight"] = _linear(gen, d, q)
         if qkv_bias:
@@ -182,17 +179,29 @@ def qwen_weights(gen, c: dict, qk_norm: bool, qkv_bias: bool) -> dict[str, torch
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
 
 
-def expert_weights(gen, prefix: str, c: dict, count: int) -> dict[str, torch.Tensor]:
-    """One gate/up/down tensor per expert, as the released MoE checkpoints store them."""
-    w = {}
-    for e in range(count):
+def llada_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Llama-named tensors under LLaDA's checkpoint names, in the same order."""
+    renamed = {}
+    for name, tensor in weights.items():
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+        module = f"blocks.{layer[1]}.{LLADA_MODULES[layer[2]]}" if layer else LLADA_MODULES[name[:-len(".weight")]]
+        renamed[f"model.transformer.{module}.weight"] = tensor
+    return renamed
+
+
+def moe_weights(gen, prefix: str, c: dict, expert_bias=False) -> dict[str, torch.Tensor]:
+    """A sharp router (with an expert bias large enough to change the choice), then one gate/up/down tensor per
+    expert, as the released MoE checkpoints store them."""
+    w = {prefix + "gate.weight": _linear(gen, c["num_experts"], c["hidden_size"], gain=3.0)}
+    if expert_bias:
+        w[prefix + "gate.expert_bias"] = 0.3 * torch.randn(c["num_experts"], generator=gen)
+    for e in range(c["num_experts"]):
         w.update(_swiglu(gen, f"{prefix}experts.{e}.", c["hidden_size"], c["moe_intermediate_size"]))
     return w
 
 
 def llada2_weights(gen) -> dict[str, torch.Tensor]:
-    """LLaDA2 tensors: fused query_key_value, q/k layernorms, layer 0 dense, then MoE layers whose
-    router weights are sharp and whose expert bias is large enough to change the choice."""
+    """LLaDA2 tensors: fused query_key_value, q/k layernorms, layer 0 dense, then MoE layers with a shared expert."""
     c = LLADA2_CONFIG
     d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -207,54 +216,55 @@ def llada2_weights(gen) -> dict[str, torch.Tensor]:
         w[p + "post_attention_layernorm.weight"] = _norm(gen, d)
         if i < c["first_k_dense_replace"]:
             w.update(_swiglu(gen, p + "mlp.", d, f))
-            continue
-        w[p + "mlp.gate.weight"] = _linear(gen, c["num_experts"], d, gain=3.0)
-        w[p + "mlp.gate.expert_bias"] = 0.3 * torch.randn(c["num_experts"], generator=gen)
-        w.update(expert_weights(gen, p + "mlp.", c, c["num_experts"]))
-        w.update(_swiglu(gen, p + "mlp.shared_experts.", d, c["moe_intermediate_size"] * c["num_shared_experts"]))
+        else:
+            w.update(moe_weights(gen, p + "mlp.", c, expert_bias=True))
+            w.update(_swiglu(gen, p + "mlp.shared_experts.", d, c["moe_intermediate_size"] * c["num_shared_experts"]))
     w["model.norm.weight"] = _norm(gen, d)
     w["lm_head.weight"] = _linear(gen, v, d)
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
 
 
 def sdar_moe_weights(gen) -> dict[str, torch.Tensor]:
-    """Qwen3-MoE tensors: SDAR's, with each sparse layer's MLP replaced by a router and its experts."""
+    """Qwen3-MoE tensors: SDAR's (all drawn), then each sparse layer's MLP replaced by a router and its experts."""
     c = SDAR_MOE_CONFIG
-    w = {k: t.float() for k, t in qwen_weights(gen, c, qk_norm=True, qkv_bias=False).items()}
+    w = qwen_weights(gen, c, qk_norm=True)
     for i in range(c["num_hidden_layers"]):
-        if i in c["mlp_only_layers"]:
-            continue
-        p = f"model.layers.{i}.mlp."
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            del w[p + name + ".weight"]
-        w[p + "gate.weight"] = _linear(gen, c["num_experts"], c["hidden_size"], gain=3.0)
-        w.update(expert_weights(gen, p, c, c["num_experts"]))
+        if i not in c["mlp_only_layers"]:
+            p = f"model.layers.{i}.mlp."
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del w[p + name + ".weight"]
+            w.update(moe_weights(gen, p, c))
     return {k: t.to(STORAGE_DTYPE).contiguous() for k, t in w.items()}
 
 
 # writing
 
 
+def save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})  # one key: safetensors orders metadata keys arbitrarily
+
+
+def write_json(path: Path, data, **options) -> None:
+    path.write_text(json.dumps(data, **options) + "\n")
+
+
 def write_sharded(out: Path, weights: dict[str, torch.Tensor], num_shards: int = 2) -> None:
-    """Split in order at (about) equal bytes, like HF's save_pretrained(max_shard_size=...)."""
+    """Split in order at (about) equal bytes, like HF's save_pretrained(max_shard_size=...); read back."""
     total = sum(t.numel() * t.element_size() for t in weights.values())
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
     running = 0
     for name, tensor in weights.items():
-        index = min(num_shards - 1, running * num_shards // total)
-        shards[index][name] = tensor
+        shards[min(num_shards - 1, running * num_shards // total)][name] = tensor
         running += tensor.numel() * tensor.element_size()
-    weight_map = {}
+    weight_map, reloaded = {}, {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file(shard, str(out / file), metadata={"format": "pt"})
+        save(shard, out / file)
         weight_map.update({name: file for name in shard})
+        reloaded.update(load_file(str(out / file)))
+    assert reloaded.keys() == weights.keys() and all(torch.equal(reloaded[k], weights[k]) for k in weights)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def write_config(out: Path, config: dict) -> None:
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_json(out / "model.safetensors.index.json", index, indent=2, sort_keys=True)
 
 
 def fresh_dir(name: str) -> Path:
@@ -265,7 +275,32 @@ def fresh_dir(name: str) -> Path:
     return out
 
 
-# golden logits with transformers
+def write_checkpoint(name: str, config: dict, weights: dict, tokenizer: str | None, ids, logits, sharded=False):
+    """A fixture folder: config.json, the weights (sharded: in two files), the word-level tokenizer of the family
+    (None: none) and golden.safetensors."""
+    out = fresh_dir(name)
+    write_json(out / "config.json", config, indent=2, sort_keys=True)
+    if sharded:
+        write_sharded(out, weights)
+    else:
+        save(weights, out / "model.safetensors")
+    if tokenizer:
+        write_tokenizer(out, tokenizer, config["mask_token_id"], config["eos_token_id"])
+    positions = torch.arange(ids.shape[1])[None].expand_as(ids).contiguous()
+    save({"input_ids": ids.contiguous(), "positions": positions, "logits": logits.float().contiguous()},
+         out / "golden.safetensors")
+
+
+def report_sizes(names, limit: int = MAX_FIXTURE_BYTES) -> int:
+    for name in names:
+        folder = FIXTURES / name
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        print(f"{name}: {size} bytes ({', '.join(sorted(p.name for p in folder.iterdir()))})")
+        assert size < limit, f"{name} is {size} bytes, over {limit}"
+    return 0
+
+
+# golden logits: transformers' models (an LLaDA2 forward transcribed here) under masks checked to take effect
 
 
 def additive(allowed: torch.Tensor) -> torch.Tensor:
@@ -273,30 +308,30 @@ def additive(allowed: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
-def bidirectional_allowed(batch: int, length: int) -> torch.Tensor:
-    return torch.ones(batch, 1, length, length, dtype=torch.bool)
-
-
 def block_causal_allowed(batch: int, length: int, block: int) -> torch.Tensor:
+    """May attend: the keys of the query's block and of earlier ones (block = length: bidirectional)."""
     pos = torch.arange(length)
     allowed = (pos[None, :] // block) <= (pos[:, None] // block)  # [q, k]
     return allowed[None, None].expand(batch, 1, length, length).clone()
 
 
-def hf_causal_lm(name: str, state: dict[str, torch.Tensor], rotary_dim: int, **shape):
-    """transformers' <name>ForCausalLM in float32, eager attention (and experts), holding state (in its
-    names); shape: its config's fields, rope_theta among them (checked to give plain RoPE over rotary_dim)."""
+def hf_causal_lm(name: str, state: dict[str, torch.Tensor], config: dict, **fields):
+    """transformers' <name>ForCausalLM in float32, eager attention (and experts), holding state (in its names,
+    loaded strictly: biases are there or not as in the weights), shaped by qwen_shape(config) and fields; its
+    RoPE checked to be plain over the whole head at config's theta."""
     import transformers
 
+    shape = qwen_shape(config)
     theta = float(shape.pop("rope_theta"))
-    config = getattr(transformers, f"{name}Config")(
+    hf_config = getattr(transformers, f"{name}Config")(
         hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": theta}, tie_word_embeddings=False,
-        use_cache=False, **shape)
-    config._attn_implementation = "eager"
-    config._experts_implementation = "eager"
-    model = getattr(transformers, f"{name}ForCausalLM")(config).float().eval()
+        use_cache=False, use_sliding_window=False, **shape, **fields)
+    hf_config._attn_implementation = "eager"
+    hf_config._experts_implementation = "eager"
+    model = getattr(transformers, f"{name}ForCausalLM")(hf_config).float().eval()
     model.load_state_dict({k: t.float() for k, t in state.items()}, strict=True)
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr(), "head got tied"
+    rotary_dim = shape["head_dim"]
     expected = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
     got = model.model.rotary_emb.inv_freq
     assert torch.allclose(got, expected), f"transformers built RoPE with another theta: {got} vs {expected}"
@@ -304,49 +339,15 @@ def hf_causal_lm(name: str, state: dict[str, torch.Tensor], rotary_dim: int, **s
     return model
 
 
-def qwen_shape(c: dict) -> dict:
-    """A Qwen-style config.json's shape fields, which transformers' Qwen configs name alike."""
-    return {k: c[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                              "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-                              "rms_norm_eps", "rope_theta")}
-
-
-def hf_llama(weights: dict[str, torch.Tensor]):
-    """LlamaForCausalLM holding the LLaDA weights (every attention layer made bidirectional by the mask)."""
-    c = LLADA_CONFIG
-    renames = {"attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-               "v_proj": "self_attn.v_proj", "attn_out": "self_attn.o_proj", "ff_norm": "post_attention_layernorm",
-               "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "ff_out": "mlp.down_proj"}
-    outside = {"wte": "model.embed_tokens", "ln_f": "model.norm", "ff_out": "lm_head"}  # model.transformer.<name>
-    state = {}
-    for name, tensor in weights.items():
-        parts = name.split(".")  # model.transformer.blocks.<layer>.<module>.weight, or model.transformer.<name>.weight
-        target = f"model.layers.{parts[3]}.{renames[parts[4]]}" if parts[2] == "blocks" else outside[parts[2]]
-        state[target + ".weight"] = tensor
-    head_dim = c["d_model"] // c["n_heads"]
-    return hf_causal_lm("Llama", state, head_dim, vocab_size=c["embedding_size"], hidden_size=c["d_model"],
-                        intermediate_size=c["mlp_hidden_size"], num_hidden_layers=c["n_layers"],
-                        num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"], head_dim=head_dim,
-                        max_position_embeddings=c["max_sequence_length"], rms_norm_eps=c["rms_norm_eps"],
-                        rope_theta=c["rope_theta"], attention_bias=False, mlp_bias=False)
-
-
-def hf_qwen(weights: dict[str, torch.Tensor], c: dict, qwen3: bool):
-    """transformers' Qwen3ForCausalLM (q/k norm) or Qwen2ForCausalLM (q/k/v biases) holding weights."""
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    extra = {"head_dim": head_dim, "attention_bias": False} if qwen3 else {}
-    return hf_causal_lm("Qwen3" if qwen3 else "Qwen2", weights, head_dim, use_sliding_window=False,
-                        **qwen_shape(c), **extra)
-
-
 def fused_experts(weights: dict[str, torch.Tensor], prefix: str, count: int) -> dict[str, torch.Tensor]:
-    """transformers' expert layout: gate_up_proj [experts, 2 * size, hidden] (gate rows, then up) and
-    down_proj [experts, hidden, size]."""
+    """transformers' expert layout: experts.gate_up_proj [experts, 2 * size, hidden] (gate rows, then up) and
+    experts.down_proj [experts, hidden, size]."""
     def get(e, name):
         return weights[f"{prefix}experts.{e}.{name}.weight"].float()
 
-    return {"gate_up_proj": torch.stack([torch.cat([get(e, "gate_proj"), get(e, "up_proj")]) for e in range(count)]),
-            "down_proj": torch.stack([get(e, "down_proj") for e in range(count)])}
+    return {"experts.gate_up_proj": torch.stack([torch.cat([get(e, "gate_proj"), get(e, "up_proj")])
+                                                 for e in range(count)]),
+            "experts.down_proj": torch.stack([get(e, "down_proj") for e in range(count)])}
 
 
 def hf_qwen3_moe(weights: dict[str, torch.Tensor]):
@@ -356,11 +357,10 @@ def hf_qwen3_moe(weights: dict[str, torch.Tensor]):
     for i in range(c["num_hidden_layers"]):
         if i not in c["mlp_only_layers"]:
             prefix = f"model.layers.{i}.mlp."
-            fused = fused_experts(weights, prefix, c["num_experts"])
-            state.update({prefix + "experts." + name: t for name, t in fused.items()})
-    return hf_causal_lm("Qwen3Moe", state, c["head_dim"], head_dim=c["head_dim"], **qwen_shape(c),
-                        **{k: c[k] for k in ("decoder_sparse_step", "moe_intermediate_size", "num_experts_per_tok",
-                                             "num_experts", "norm_topk_prob", "mlp_only_layers")})
+            state.update({prefix + name: t for name, t in fused_experts(weights, prefix, c["num_experts"]).items()})
+    return hf_causal_lm("Qwen3Moe", state, c, **{k: c[k] for k in (
+        "decoder_sparse_step", "moe_intermediate_size", "num_experts_per_tok", "num_experts", "norm_topk_prob",
+        "mlp_only_layers")})
 
 
 def hf_deepseek_v3_moe(weights: dict[str, torch.Tensor], layer: int, group_limit: bool = True, bias: bool = True):
@@ -383,14 +383,13 @@ def hf_deepseek_v3_moe(weights: dict[str, torch.Tensor], layer: int, group_limit
     p = f"model.layers.{layer}.mlp."
     state = {"gate.weight": weights[p + "gate.weight"].float(),
              "gate.e_score_correction_bias": weights[p + "gate.expert_bias"].float() * bias,
-             **{"experts." + name: t for name, t in fused_experts(weights, p, c["num_experts"]).items()},
+             **fused_experts(weights, p, c["num_experts"]),
              **{f"shared_experts.{n}.weight": weights[p + f"shared_experts.{n}.weight"].float()
                 for n in ("gate_proj", "up_proj", "down_proj")}}
     moe.load_state_dict(state, strict=True)
     return moe
 
 
-@torch.no_grad()
 def llada2_logits(weights: dict[str, torch.Tensor], ids: torch.Tensor, allowed: torch.Tensor, **router) -> torch.Tensor:
     """LLaDA2's forward transcribed from its modeling file, in float32: fused q/k/v rows, per-head q/k
     RMSNorm, rotate-half RoPE on the first partial_rotary_factor * head_dim dims (frequencies over that
@@ -433,72 +432,41 @@ def llada2_logits(weights: dict[str, torch.Tensor], ids: torch.Tensor, allowed: 
     return rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
 
-def verify_llada2_router(weights, ids, allowed, logits) -> None:
-    """The fixture must make both the group limit and the expert bias change the logits."""
-    for ablation in ({"group_limit": False}, {"bias": False}):
-        moved = (llada2_logits(weights, ids, allowed, **ablation) - logits).abs().max()
-        assert moved > 1e-2, f"the router without {ablation} gives the same logits ({moved:.2e})"
-
-
-def shifted(logits: torch.Tensor) -> torch.Tensor:
-    """Dream / Fast-dLLM v2 decoding: position i takes the logits of position i - 1 (0 keeps its own)."""
-    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-
-
-@torch.no_grad()
 def hf_logits(model, ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
     out = model(input_ids=ids, attention_mask=additive(allowed), position_ids=positions, use_cache=False)
     return out.logits.float()
 
 
-def _changed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[b, t] bool: whether the logits at each position differ."""
-    return (a - b).abs().amax(-1) > 1e-5
-
-
-def verify_bidirectional(model, ids: torch.Tensor, logits: torch.Tensor) -> None:
-    allowed = bidirectional_allowed(*ids.shape)
-    again = hf_logits(model, ids, allowed)
-    assert torch.equal(again, logits), "transformers is not deterministic on this input"
-    edited = ids.clone()
-    edited[:, -1] = (edited[:, -1] + 1) % VOCAB
-    changed = _changed(hf_logits(model, edited, allowed), logits)
-    assert changed.all(), f"bidirectional mask did not take effect: changing the last token left {~changed}"
-    causal = hf_logits(model, ids, block_causal_allowed(*ids.shape, 1))
-    assert (causal - logits).abs().max() > 1e-2, "a causal mask gives the same logits: mask ignored"
-
-
-def verify_block_causal(model, ids: torch.Tensor, logits: torch.Tensor) -> None:
+def golden_logits(forward, ids: torch.Tensor, block: int) -> torch.Tensor:
+    """forward(ids, allowed)'s logits under the mask of blocks of `block` (LENGTH: bidirectional), checked to take
+    effect: the same again; an edit of any token changes its own block (earlier positions in it too) and the later
+    ones but no earlier block; the bidirectional and the causal mask give other logits."""
     b, t = ids.shape
-    allowed = block_causal_allowed(b, t, BLOCK)
+    allowed = block_causal_allowed(b, t, block)
+    logits = forward(ids, allowed)
+    assert torch.equal(forward(ids, allowed), logits), "not deterministic on this input"
     for edit_at in range(t):
         edited = ids.clone()
         edited[:, edit_at] = (edited[:, edit_at] + 1) % VOCAB
-        changed = _changed(hf_logits(model, edited, allowed), logits)
-        block_start = edit_at // BLOCK * BLOCK
-        # earlier blocks never see it; its own block (also earlier positions in it) and later ones do
+        changed = (forward(edited, allowed) - logits).abs().amax(-1) > 1e-5  # [b, t]
+        block_start = edit_at // block * block
         assert not changed[:, :block_start].any(), f"editing {edit_at} changed an earlier block: {changed}"
         assert changed[:, block_start:].all(), f"editing {edit_at} left later/same-block positions: {changed}"
-    full = hf_logits(model, ids, bidirectional_allowed(b, t))
-    causal = hf_logits(model, ids, block_causal_allowed(b, t, 1))
-    assert (full - logits).abs().max() > 1e-2 and (causal - logits).abs().max() > 1e-2, "mask ignored"
+    for other in sorted({1, t} - {block}):
+        moved = (forward(ids, block_causal_allowed(b, t, other)) - logits).abs().max()
+        assert moved > 1e-2, f"blocks of {other} give the same logits ({moved:.2e}): mask ignored"
+    return logits
 
 
-def input_ids(gen) -> torch.Tensor:
+def draw(seed: int, weights_fn) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A family's weights, then its input ids, from one generator."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = weights_fn(gen)
     ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=gen)
     ids[0, 9:] = LLADA_CONFIG["mask_token_id"]  # some masked positions, as in diffusion decoding
     ids[1, 5:7] = LLADA_CONFIG["mask_token_id"]
-    return ids
-
-
-def write_golden(out: Path, ids: torch.Tensor, logits: torch.Tensor) -> None:
-    positions = torch.arange(ids.shape[1])[None].expand_as(ids).contiguous()
-    save_file(
-        {"input_ids": ids.contiguous(), "positions": positions, "logits": logits.float().contiguous()},
-        str(out / "golden.safetensors"),
-        metadata={"format": "pt"},  # one key only: safetensors orders metadata keys arbitrarily
-    )
+    return weights, ids
 
 
 # A word-level tokenizer whose ids fit the fixtures' 256-token vocabulary, so the demo and the
@@ -511,120 +479,66 @@ SPECIAL_TOKENS = {
 WORDS = ("user assistant system what is the capital of france paris a an and or not to in on at for with "
          "this that it be are was were one two three four five six seven eight nine ten hello world "
          "question answer key value number find say tell me you we they he she").split()
+GEMMA_TOKENS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<|channel>": 100, "<channel|>": 101, "<|turn>": 105,
+                "<turn|>": 106}  # Gemma 4's ids
 
 
-def write_tokenizer(out: Path, family: str, mask_id: int, eos_id: int) -> None:
+def write_tokenizer(out: Path, family: str, mask_id: int = 0, eos_id: int = 0) -> None:
+    """tokenizer.json: WORDS after [UNK], the family's special tokens at 240 on, its mask and eos tokens at
+    mask_id and eos_id; or (family "gemma") WORDS after Gemma 4's special tokens, at their ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(WORDS + [".", ",", "?", "!"])}}
-    specials = SPECIAL_TOKENS[family] + ["<|mdm_mask|>" if family == "llada" else "<|MASK|>", "<|endoftext|>"]
-    for offset, token in enumerate(SPECIAL_TOKENS[family]):
-        vocab[token] = 240 + offset
-    vocab[specials[-2]], vocab[specials[-1]] = mask_id, eos_id
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    if family == "gemma":
+        free = (i for i in range(len(GEMMA_TOKENS), VOCAB) if i not in GEMMA_TOKENS.values())
+        vocab = {**GEMMA_TOKENS, **dict(zip(WORDS + ["model", "thought", ".", ",", "?", "!"], free))}
+        unk, specials = "<unk>", list(GEMMA_TOKENS)
+    else:
+        vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(WORDS + [".", ",", "?", "!"])}}
+        specials = SPECIAL_TOKENS[family] + ["<|mdm_mask|>" if family == "llada" else "<|MASK|>", "<|endoftext|>"]
+        for offset, token in enumerate(SPECIAL_TOKENS[family]):
+            vocab[token] = 240 + offset
+        vocab[specials[-2]], vocab[specials[-1]] = mask_id, eos_id
+        unk = "[UNK]"
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unk))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
     tokenizer.add_special_tokens(specials)
     tokenizer.save(str(out / "tokenizer.json"))
 
 
-GEMMA_TOKENS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<|channel>": 100, "<channel|>": 101, "<|turn>": 105,
-                "<turn|>": 106}  # Gemma 4's ids
-
-
-def write_gemma_tokenizer(out: Path) -> None:
-    """write_tokenizer's word-level vocabulary after Gemma 4's special tokens, at their ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = WORDS + ["model", "thought", ".", ",", "?", "!"]
-    free = (i for i in range(len(GEMMA_TOKENS), VOCAB) if i not in GEMMA_TOKENS.values())
-    tokenizer = Tokenizer(models.WordLevel({**GEMMA_TOKENS, **dict(zip(words, free))}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
-    tokenizer.add_special_tokens(list(GEMMA_TOKENS))
-    tokenizer.save(str(out / "tokenizer.json"))
-
-
-def dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+DENSE = [  # folder, config.json, seed, transformers' class, qwen_weights' options, block (LENGTH: bidirectional),
+    # tokenizer (None: none)
+    ("llada_tiny", LLADA_CONFIG, 1234, "Llama", {"qk_gain": 2.0}, LENGTH, "llada"),
+    ("sdar_tiny", SDAR_CONFIG, 5678, "Qwen3", {"qk_norm": True}, BLOCK, "sdar"),
+    ("dream_tiny", DREAM_CONFIG, 91011, "Qwen2", {"qkv_bias": True}, LENGTH, None),
+    ("fast_dllm_v2_tiny", FAST_DLLM_V2_CONFIG, 121314, "Qwen2", {"qkv_bias": True}, BLOCK, None),
+]
 
 
 def write_models() -> int:
-    """The dense families: weights and input ids from one generator per family, transformers' logits under
-    the family's mask (checked to take effect), then the files."""
-    torch.manual_seed(0)
-    torch.set_grad_enabled(False)
-    qwen2 = lambda config: (partial(qwen_weights, c=config, qk_norm=False, qkv_bias=True),
-                            partial(hf_qwen, c=config, qwen3=False))
-    families = [  # (folder, config, seed, weights, transformers' model, block (None: bidirectional), tokenizer)
-        ("llada_tiny", LLADA_CONFIG, 1234, llada_weights, hf_llama, None, "llada"),
-        ("sdar_tiny", SDAR_CONFIG, 5678, partial(qwen_weights, c=SDAR_CONFIG, qk_norm=True, qkv_bias=False),
-         partial(hf_qwen, c=SDAR_CONFIG, qwen3=True), BLOCK, "sdar"),
-        ("dream_tiny", DREAM_CONFIG, 91011, *qwen2(DREAM_CONFIG), None, None),
-        ("fast_dllm_v2_tiny", FAST_DLLM_V2_CONFIG, 121314, *qwen2(FAST_DLLM_V2_CONFIG), BLOCK, None),
-    ]
-    for name, config, seed, make_weights, hf_model, block, family in families:
-        gen = torch.Generator().manual_seed(seed)
-        weights = make_weights(gen)
-        ids = input_ids(gen)
-        model = hf_model(weights)
-        if block is None:
-            logits = hf_logits(model, ids, bidirectional_allowed(*ids.shape))
-            verify_bidirectional(model, ids, logits)
-        else:
-            logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, block))
-            verify_block_causal(model, ids, logits)
-        shift = config["model_type"] in ("Dream", "Fast_dLLM_Qwen")
-        write_checkpoint(name, config, weights, family, ids, shifted(logits) if shift else logits,
-                         sharded=name == "llada_tiny")
-    return report_sizes([name for name, *_ in families])
-
-
-def write_checkpoint(name: str, config: dict, weights: dict, family: str | None, ids, logits, sharded=False):
-    """A fixture folder: config.json, the weights (sharded: in two files, read back), the word-level
-    tokenizer of the family (None: none) and golden.safetensors."""
-    out = fresh_dir(name)
-    write_config(out, config)
-    if sharded:
-        write_sharded(out, weights)
-        reloaded = {}
-        for file in sorted(out.glob("model-*.safetensors")):
-            reloaded.update(load_file(str(file)))
-        assert reloaded.keys() == weights.keys() and all(torch.equal(reloaded[k], weights[k]) for k in weights)
-    else:
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if family:
-        write_tokenizer(out, family, config["mask_token_id"], config["eos_token_id"])
-    write_golden(out, ids, logits)
-
-
-def report_sizes(names) -> int:
-    for name in names:
-        size = dir_size(FIXTURES / name)
-        print(f"{name}: {size} bytes ({', '.join(sorted(p.name for p in (FIXTURES / name).iterdir()))})")
-        assert size < MAX_FIXTURE_BYTES, f"{name} is {size} bytes, over {MAX_FIXTURE_BYTES}"
-    return 0
+    """The dense families against transformers' Llama (LLaDA: its layers made bidirectional by the mask, its
+    weights stored under its own names in two shards), Qwen3 (SDAR) and Qwen2 (Dream, Fast-dLLM v2)."""
+    for name, config, seed, hf_class, options, block, tokenizer in DENSE:
+        weights, ids = draw(seed, partial(qwen_weights, config=config, **options))
+        logits = golden_logits(partial(hf_logits, hf_causal_lm(hf_class, weights, config)), ids, block)
+        if config["model_type"] == "llada":
+            weights = llada_names(weights)
+        if config["model_type"] in ("Dream", "Fast_dLLM_Qwen"):  # position i takes the logits of i - 1
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        write_checkpoint(name, config, weights, tokenizer, ids, logits, sharded=name == "llada_tiny")
+    return report_sizes([name for name, *_ in DENSE])
 
 
 def write_moe_models() -> int:
     """llada2_tiny (sharded, against the transcribed float32 forward with DeepseekV3MoE layers) and
     sdar_moe_tiny (one file, against Qwen3MoeForCausalLM), both block-causal with blocks of 4."""
-    torch.manual_seed(0)
-    torch.set_grad_enabled(False)
-
-    gen = torch.Generator().manual_seed(2468)
-    weights = llada2_weights(gen)
-    ids = input_ids(gen)
-    allowed = block_causal_allowed(*ids.shape, BLOCK)
-    logits = llada2_logits(weights, ids, allowed)
-    verify_llada2_router(weights, ids, allowed, logits)
-    assert (llada2_logits(weights, ids, bidirectional_allowed(*ids.shape)) - logits).abs().max() > 1e-2
+    weights, ids = draw(2468, llada2_weights)
+    logits = golden_logits(partial(llada2_logits, weights), ids, BLOCK)
+    for ablation in ({"group_limit": False}, {"bias": False}):  # the router's group limit and bias must both matter
+        moved = (llada2_logits(weights, ids, block_causal_allowed(*ids.shape, BLOCK), **ablation) - logits).abs().max()
+        assert moved > 1e-2, f"the router without {ablation} gives the same logits ({moved:.2e})"
     write_checkpoint("llada2_tiny", LLADA2_CONFIG, weights, "llada2_moe", ids, logits, sharded=True)
-
-    gen = torch.Generator().manual_seed(1357)
-    weights = sdar_moe_weights(gen)
-    ids = input_ids(gen)
-    model = hf_qwen3_moe(weights)
-    logits = hf_logits(model, ids, block_causal_allowed(*ids.shape, BLOCK))
-    verify_block_causal(model, ids, logits)
+    weights, ids = draw(1357, sdar_moe_weights)
+    logits = golden_logits(partial(hf_logits, hf_qwen3_moe(weights)), ids, BLOCK)
     write_checkpoint("sdar_moe_tiny", SDAR_MOE_CONFIG, weights, "sdar", ids, logits)
     return report_sizes(("llada2_tiny", "sdar_moe_tiny"))
 
@@ -685,18 +599,19 @@ def write_qwen2_bpe() -> int:
     for offset, (token, _) in enumerate(QWEN2_ADDED_TOKENS):
         assert slow.convert_tokens_to_ids(token) == vocab_size + offset, token
     byte_ids = {byte: slow.encoder[char] for byte, char in slow.byte_encoder.items()}
+
+    def case(ids: list[int], **fields) -> dict:
+        return {**fields, "ids": ids, "decoded": slow.decode(ids),
+                "decoded_skip_special": slow.decode(ids, skip_special_tokens=True)}
+
     golden = {
         "source": f"transformers {transformers.__version__} slow Qwen2Tokenizer on this directory "
                   "(scripts/make_fixtures.py qwen2_bpe)",
-        "encode": [golden_case(slow, slow.encode(text, add_special_tokens=False), text=text)
-                   for text in QWEN2_GOLDEN_TEXTS],
-        "decode": [golden_case(slow, [byte_ids[b] for b in data]) for data in QWEN2_GOLDEN_BYTES],
+        "encode": [case(slow.encode(text, add_special_tokens=False), text=text) for text in QWEN2_GOLDEN_TEXTS],
+        "decode": [case([byte_ids[b] for b in data]) for data in QWEN2_GOLDEN_BYTES],
     }
-    (out / "golden.json").write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
-    size = dir_size(out)
-    print(f"tokenizers/qwen2_bpe: {size} bytes ({', '.join(sorted(p.name for p in out.iterdir()))})")
-    assert size < 64 * 1024, f"tokenizers/qwen2_bpe is {size} bytes"
-    return 0
+    write_json(out / "golden.json", golden, indent=1, ensure_ascii=False)
+    return report_sizes(["tokenizers/qwen2_bpe"], limit=64 * 1024)
 
 
 def write_qwen2_vocab(out: Path) -> int:
@@ -715,35 +630,22 @@ def write_qwen2_vocab(out: Path) -> int:
     model = json.loads(tokenizer.to_str())["model"]
     vocab = dict(sorted(model["vocab"].items(), key=lambda item: item[1]))
     assert list(vocab.values()) == list(range(len(vocab))) and len(vocab) >= 256
-    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n")
+    write_json(out / "vocab.json", vocab, ensure_ascii=False)
     merges = "".join(f"{left} {right}\n" for left, right in model["merges"])
     (out / "merges.txt").write_text("#version: 0.2\n" + merges)
     added = {str(len(vocab) + offset): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
                                         "single_word": False, "special": special}
              for offset, (token, special) in enumerate(QWEN2_ADDED_TOKENS)}
-    config = {
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        # the slow tokenizer's skip_special_tokens drops only tokens named here or in the *_token entries
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "bos_token": "<|beginoftext|>",
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|endoftext|>",
-        "errors": "replace",
-        "mask_token": "<|mask|>",
-        "model_max_length": 131072,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
+    config = {  # additional_special_tokens: the slow tokenizer's skip_special_tokens drops only tokens named
+        # there or in the *_token entries
+        "add_prefix_space": False, "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": "<|beginoftext|>",
+        "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "errors": "replace",
+        "mask_token": "<|mask|>", "model_max_length": 131072, "pad_token": "<|endoftext|>",
+        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_json(out / "tokenizer_config.json", config, indent=2)
     return len(vocab)
-
-
-def golden_case(slow, ids: list[int], **fields) -> dict:
-    return {**fields, "ids": ids, "decoded": slow.decode(ids),
-            "decoded_skip_special": slow.decode(ids, skip_special_tokens=True)}
 
 
 # DiffusionGemma: transformers' own classes (5.24's models/diffusion_gemma), their logits and KV cache
@@ -780,11 +682,10 @@ def write_diffusion_gemma() -> int:
     config.json, reloaded from there; golden.safetensors holds what it computes in float32 (eager attention and
     experts): the logits of a prefill + denoise step, a self-conditioned step, and a step after an encoder pass
     over a committed canvas, and every layer's cache after the prefill and after the commit; a word-level
-    tokenizer in Gemma 4's special ids. Run with transformers 5.24 outside the venv: PYTHONPATH=<its --target folder>."""
+    tokenizer in Gemma 4's special ids. Run with transformers 5.24 outside the venv: PYTHONPATH=<its --target
+    folder>."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
-    torch.manual_seed(0)
-    torch.set_grad_enabled(False)
     gen = torch.Generator().manual_seed(2626)
     model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(**GEMMA_CONFIG)).eval()
     for name, param in sorted(model.named_parameters()):
@@ -799,9 +700,9 @@ def write_diffusion_gemma() -> int:
             buffer.copy_(0.5 + torch.rand(buffer.shape, generator=gen))
     out = fresh_dir("diffusion_gemma_tiny")
     model.to(STORAGE_DTYPE).save_pretrained(out)
-    write_config(out, GEMMA_CONFIG)
+    write_json(out / "config.json", GEMMA_CONFIG, indent=2, sort_keys=True)
     (out / "generation_config.json").unlink()  # transformers' all-null one; the released defaults are the loop's
-    write_gemma_tokenizer(out)
+    write_tokenizer(out, "gemma")
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(out, dtype=torch.float32).eval()
     text, layers = model.config.text_config, model.model.decoder.layers
     assert text.per_layer_config[1].head_dim == 16 and text.per_layer_config[1].num_key_value_heads == 1
@@ -819,12 +720,11 @@ def write_diffusion_gemma() -> int:
         assert (again[name].float() - golden[name].float()).abs().max() < 2e-4, f"sdpa / grouped_mm differ: {name}"
     assert golden["prefill.keys.0"].shape[2] == golden["commit.keys.0"].shape[2] == GEMMA_WINDOW - 1
     assert golden["commit.keys.1"].shape[2] == GEMMA_PROMPT + GEMMA_CANVAS
-    golden = {name: tensor.contiguous() for name, tensor in golden.items()}
-    save_file(golden, str(out / "golden.safetensors"), metadata={"format": "pt"})
+    save({name: tensor.contiguous() for name, tensor in golden.items()}, out / "golden.safetensors")
     model.set_attn_implementation("eager")  # the path whose logits nanodllm's equal bit for bit
     model.set_experts_implementation("eager")
     runs = gemma_generations(model, golden["prompt"].tolist())
-    (out / "generate.json").write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
+    write_json(out / "generate.json", runs, indent=1, sort_keys=True)
     return report_sizes(["diffusion_gemma_tiny"])
 
 
@@ -837,10 +737,10 @@ def gemma_generations(model, prompts: list[list[int]]) -> dict:
     most per canvas: its tokens, tokens per forward, each row's steps per canvas, and its sampler's units:
     each step's temperature, accepted positions and stop decisions (the stable-and-confident rule's, before
     a done row's are discarded). Runs: `sampled` (torch.manual_seed: the first seed where one row stops a
-    canvas before the other), `deterministic` (torch.multinomial
-    patched to an argmax, the canvas noise drawn from a seeded generator), `early_stop` (no stability wait,
-    a confidence every row meets within a few steps, a stop token inside row 0's second canvas), `ragged`
-    (row 1 cut to 10 tokens, left-padded). `stop_rule`: the rule itself on a made-up argmax sequence."""
+    canvas before the other), `deterministic` (torch.multinomial patched to an argmax, the canvas noise drawn
+    from a seeded generator), `early_stop` (no stability wait, a confidence every row meets within a few steps,
+    a stop token inside row 0's second canvas), `ragged` (row 1 cut to 10 tokens, left-padded). `stop_rule`:
+    the rule itself on a made-up argmax sequence."""
     from unittest import mock
 
     from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf
@@ -946,8 +846,11 @@ def main() -> int:
                              "(both transformers 5.x); qwen2_bpe: the tokenizer goldens (transformers 4.x); "
                              "diffusion_gemma: diffusion_gemma_tiny (transformers 5.24)")
     step = parser.parse_args().step
-    writers = {"models": write_models, "moe": write_moe_models, "qwen2_bpe": write_qwen2_bpe}
-    return {**writers, "diffusion_gemma": write_diffusion_gemma}[step]()
+    torch.manual_seed(0)  # transformers' initialisation, which the loaded weights replace, and DiffusionGemma's
+    torch.set_grad_enabled(False)
+    writers = {"models": write_models, "moe": write_moe_models, "qwen2_bpe": write_qwen2_bpe,
+               "diffusion_gemma": write_diffusion_gemma}
+    return writers[step]()
 
 
 if __name__ == "__main__":
