@@ -1,4 +1,4 @@
-"""Each expert's linear layer over its own rows, for the tens of rows per expert of a decode step.
+"""Each expert's linear layer over its own rows, for the one to a few dozen rows per expert of a decode step.
 
     out[rows of e] = x[rows of e] @ W[e]^T                       for every expert e
     out[rows of e] = act(x @ W_gate[e]^T) * (x @ W_up[e]^T)      with glu = "silu" or "gelu_tanh"
@@ -63,10 +63,11 @@ def expert_linear_kernel(
 
 def tile_shape(num_rows: int, num_experts: int, dim: int, glu: bool, element_size: int,
                shared_limit: int | None) -> dict:
-    """BLOCK_M from the mean rows per expert (with room for the busier experts); the rest the best of a
+    """BLOCK_M from the rows per expert (1.5x the mean: room for the busier experts); the rest the best of a
     sweep of DiffusionGemma's gate/up (2 x 704 x 2816) and down (2816 x 704) over 128 experts at 16 and 64
     rows each, bfloat16 (the times: docs/results/bench_moe.md); at 16-row tiles norm_linear's few-row shape."""
-    tile_rows = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(-(-3 * num_rows // (2 * num_experts)))))
+    busy = triton.cdiv(3 * num_rows, 2 * num_experts)
+    tile_rows = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(busy)))
     if tile_rows == 16:
         return launch_shape(tile_rows, dim, glu, element_size, shared_limit)
     narrow = tile_rows <= 32
