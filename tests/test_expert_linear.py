@@ -46,6 +46,18 @@ def errors(out, x, weight, ends, glu):
        trailing=st.integers(0, 3), dim=st.sampled_from([16, 40, 200]), width=st.sampled_from([8, 24, 100, 130]),
        dtype=st.sampled_from(DTYPES), glu=st.sampled_from(GLUS), seed=st.integers(0, 2**16))
 def test_expert_linear_comes_as_close_as_one_linear_per_expert(sizes, trailing, dim, width, dtype, glu, seed):
+    check(sizes, trailing, dim, width, dtype, glu, seed)
+
+
+@pytest.mark.parametrize("glu", GLUS)
+@pytest.mark.parametrize("sizes, tile", [([5, 30, 0, 45], 32), ([40, 70, 10], 64), ([90, 200], 128)])
+def test_each_row_tile_width(sizes, tile, glu):
+    """At each wider tile one expert's rows overflow it (a second tile) and the others fit one."""
+    assert tile_shape(sum(sizes) + 2, len(sizes), 40, glu is not None, 2, None)["BLOCK_M"] == tile
+    check(sizes, 2, 40, 24, torch.float16, glu, tile)
+
+
+def check(sizes, trailing, dim, width, dtype, glu, seed):
     x, weight, ends = inputs(sizes, trailing, dim, width, dtype, glu, seed)
     with nan_empty():
         out = expert_linear(x, weight, ends, glu)
