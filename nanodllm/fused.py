@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import FEW_ROWS_PER_EXPERT, expert_linear
+from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear
 from nanodllm.kernels.moe_combine import moe_combine
 from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
 from nanodllm.kernels.rmsnorm import rms_norm
@@ -138,7 +138,7 @@ class FusedMoE(MoE):
         ends = torch.searchsorted(by_expert, torch.arange(1, len(held) + 1, device=flat.device), out_int32=True)
         rows = flat[order // chosen.shape[1]]
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        few = len(rows) <= FEW_ROWS_PER_EXPERT * count  # a mean over every rank's experts
+        few = beats_grouped_mm(len(rows), count)  # a mean over every rank's experts
         grouped = (expert_linear(expert_linear(rows, gate_up, ends, "silu"), down, ends) if few
                    else GROUPED_MM(silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends)), down.mT, offs=ends))
         if len(held) < count:  # rows past the last group are left unwritten

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import FEW_ROWS_PER_EXPERT, expert_linear
+from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear
 from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.rmsnorm import rms_norm
@@ -191,7 +191,7 @@ class GemmaExperts(nn.Module):
         experts = torch.arange(1, self.gate_up_proj.shape[0] + 1, device=x.device)
         ends = torch.searchsorted(by_expert, experts, out_int32=True)
         rows = x[order // chosen.shape[1]]
-        if use_kernels(x) and len(rows) <= FEW_ROWS_PER_EXPERT * len(experts):
+        if use_kernels(x) and beats_grouped_mm(len(rows), len(experts)):
             y = expert_linear(expert_linear(rows, self.gate_up_proj, ends, "gelu_tanh"), self.down_proj, ends)
         else:
             gate, up = GROUPED_MM(rows, self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)

@@ -27,7 +27,8 @@ import nanodllm.graphs as graphs_module
 from harness import (GENERATION_BLOCKS, QUICK_MOE, block_floor_ms, count_touched_experts, kv_bytes,
                      random_prompts, timed_generation, too_big)
 from nanodllm.config import ModelConfig, preset
-from nanodllm.kernels.expert_linear import expert_linear, tile_shape
+from nanodllm.kernels.expert_linear import (FEW_ROWS_PER_EXPERT, beats_grouped_mm, expert_linear, glu_reference,
+                                           tile_shape)
 from nanodllm.loader import build_random
 from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
@@ -49,12 +50,12 @@ def moe_config(name: str, context: int | None = None, block: int | None = None) 
 
 def timed_path(timer, moe_layer, x, on_kernel: bool) -> float:
     """Microseconds of the fused layer with its experts on expert_linear or on torch's grouped matmuls
-    (fused.FEW_ROWS_PER_EXPERT set to pick the one)."""
-    saved, fused_module.FEW_ROWS_PER_EXPERT = fused_module.FEW_ROWS_PER_EXPERT, float("inf") if on_kernel else 0
+    (fused.beats_grouped_mm set to pick the one)."""
+    saved, fused_module.beats_grouped_mm = fused_module.beats_grouped_mm, lambda *sizes: on_kernel
     try:
         return timer(lambda: moe_layer(x))
     finally:
-        fused_module.FEW_ROWS_PER_EXPERT = saved
+        fused_module.beats_grouped_mm = saved
 
 
 @torch.no_grad()
@@ -62,7 +63,7 @@ def mlp_row(cfg, moe_layer, rows, step, setup) -> dict:
     (bandwidth, matmul_rate), dtype = setup.ceilings, setup.dtype
     x = torch.randn(1, rows, cfg.hidden_size, device=setup.device, dtype=dtype)
     touched = int(moe_layer.gate(x.view(rows, -1))[0].unique().numel())
-    model_on_kernel = rows * cfg.moe.experts_per_token <= fused_module.FEW_ROWS_PER_EXPERT * cfg.moe.num_experts
+    model_on_kernel = beats_grouped_mm(rows * cfg.moe.experts_per_token, cfg.moe.num_experts)
     on_kernel = step or model_on_kernel  # a long prefill's rows: grouped_mm's only
     expert_us = timed_path(setup.timer, moe_layer, x, True) if on_kernel else None
     grouped_mm_us = timed_path(setup.timer, moe_layer, x, False)
@@ -153,7 +154,7 @@ def moe(setup):
     setup.report.table("The MoE MLP of one layer", rows,
                        "Microseconds per call for `rows` tokens (a block step is 32 x batch; the last row is a "
                        "prefill). The fused layer with its experts on kernels/expert_linear.py or torch's grouped "
-                       "matmuls (the model runs the first up to a mean of fused.FEW_ROWS_PER_EXPERT rows per "
+                       f"matmuls (the model runs the first up to a mean of {FEW_ROWS_PER_EXPERT} rows per "
                        "expert), CUDA graph, L2 flushed. Loop: the reference, eager (it syncs the host per call). "
                        "Floor: max(bytes of touched experts + shared expert + router / copy bandwidth, FLOPs / "
                        "matmul rate).")
@@ -162,7 +163,8 @@ def moe(setup):
                        "Microseconds of the two expert projections and the gate's activation for `tokens` tokens "
                        "routed uniformly at random, on kernels/expert_linear.py (its row tiles as it picks them) and "
                        "on torch's grouped matmuls, CUDA graph, L2 flushed; floor: the touched experts' bytes / copy "
-                       "bandwidth. Where the first wins is fused.FEW_ROWS_PER_EXPERT (also DiffusionGemma's experts).")
+                       f"bandwidth. The models take the first up to a mean of {FEW_ROWS_PER_EXPERT} rows per expert "
+                       "(kernels/expert_linear.py beats_grouped_mm; DiffusionGemma's experts too).")
     return "bench_moe"
 
 
@@ -177,11 +179,10 @@ def experts_row(name: str, tokens: int, setup) -> dict:
     ends = torch.searchsorted(by_expert, torch.arange(1, moe.num_experts + 1, device=setup.device), out_int32=True)
     x = make(len(by_expert), hidden)
     glu = "gelu_tanh" if cfg.gemma else "silu"
-    act = partial(F.gelu, approximate="tanh") if cfg.gemma else F.silu
 
     def grouped_mm():
-        gate, up = fused_module.GROUPED_MM(x, gate_up.mT, offs=ends).chunk(2, dim=-1)
-        return fused_module.GROUPED_MM(act(gate) * up, down.mT, offs=ends)
+        hidden = glu_reference(fused_module.GROUPED_MM(x, gate_up.mT, offs=ends), glu)
+        return fused_module.GROUPED_MM(hidden, down.mT, offs=ends)
 
     kernel_us = setup.timer(lambda: expert_linear(expert_linear(x, gate_up, ends, glu), down, ends))
     grouped_mm_us = setup.timer(grouped_mm)

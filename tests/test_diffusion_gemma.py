@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import nanodllm.gemma as gemma_module
+from nanodllm.kernels.expert_linear import expert_linear
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
 from nanodllm.gemma import DiffusionGemma, GemmaCache, GemmaRMSNorm, GemmaRope, attend, attend_keys
@@ -265,6 +266,8 @@ def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeyp
         dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
         layer = copy.deepcopy(layer).to(DEVICE, dtype)
     device = layer.experts.down_proj.device
+    calls = []
+    monkeypatch.setattr(gemma_module, "expert_linear", lambda *a: calls.append(a[3:]) or expert_linear(*a))
     for tokens in (200, 3):
         x = torch.randn(tokens, MODEL.cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
         chosen, weights = layer.router(x)
@@ -273,6 +276,7 @@ def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeyp
             expected = layer.experts(x, chosen, weights).float()
         error = (layer.experts.grouped(x, chosen, weights).float() - expected).abs().max()
         assert error <= (1e-5 if dtype == torch.float32 else 1e-2) * expected.abs().max()
+    assert calls == ([("gelu_tanh",), ()] * 2 if kernels else []), "few rows per expert: gate/up, then down"
 
 
 @torch.no_grad()

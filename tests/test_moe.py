@@ -229,7 +229,7 @@ def test_grouped_experts_equal_the_per_expert_loop(family, path, kernels_on, mon
     monkeypatch.setattr(fused, "GROUPED_MM",
                         lambda *args, **kwargs: calls.append(kwargs["offs"].dtype) or torch_grouped_mm(*args, **kwargs))
     monkeypatch.setattr(fused, "expert_linear", lambda *args, **kwargs: calls.append(path) or expert_linear(*args, **kwargs))
-    monkeypatch.setattr(fused, "FEW_ROWS_PER_EXPERT", 10**6 if path == "expert_linear" else 0)
+    monkeypatch.setattr(fused, "beats_grouped_mm", lambda *sizes: path == "expert_linear")
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     model = build_random(tiny_config(family), device=DEVICE, dtype=dtype, seed=3)
     moe = model.layers[1].mlp
@@ -351,7 +351,7 @@ def test_the_stacked_experts_hold_each_experts_rows_and_cast_as_one(kernels_on, 
     x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
     calls = []
     monkeypatch.setattr(fused, "GROUPED_MM", lambda *args, **kwargs: calls.append(1) or torch_grouped_mm(*args, **kwargs))
-    monkeypatch.setattr(fused, "FEW_ROWS_PER_EXPERT", 0)
+    monkeypatch.setattr(fused, "beats_grouped_mm", lambda *sizes: False)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # what the grouped GEMM takes there
     with torch.no_grad():
         assert torch.equal(moe(x), moe_ref(x)) and not calls
