@@ -62,6 +62,18 @@ def expert_linear_kernel(
         store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, GLU)
 
 
+def group_by_expert(experts: torch.Tensor, num_experts: int, num_groups: int | None = None):
+    """The (token, slot) pairs of experts [n, k] (ids 0 .. num_experts - 1) grouped by expert, as this
+    kernel and torch's grouped matmuls take them: order [n * k] int64, grouped row i holding the pair
+    order[i] = token * k + slot, and group_ends [num_groups] int32, where each of the first num_groups
+    (default all) experts' rows end. A stable sort of the ids in the narrowest integer type that holds
+    them: a radix sort makes a pass per byte of its keys."""
+    narrow = next(t for t in (torch.uint8, torch.int16, torch.int32) if num_experts - 1 <= torch.iinfo(t).max)
+    by_expert, order = experts.flatten().to(narrow).sort(stable=True)
+    ids = torch.arange(num_experts if num_groups is None else num_groups, device=experts.device, dtype=narrow)
+    return order, torch.searchsorted(by_expert, ids, right=True, out_int32=True)
+
+
 def beats_grouped_mm(num_rows: int, num_experts: int) -> bool:
     """Whether num_rows rows over num_experts experts run faster here than on torch's grouped matmuls."""
     return num_rows <= FEW_ROWS_PER_EXPERT * num_experts

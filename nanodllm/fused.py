@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear
+from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert
 from nanodllm.kernels.moe_combine import moe_combine
 from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
 from nanodllm.kernels.rmsnorm import rms_norm
@@ -133,9 +133,7 @@ class FusedMoE(MoE):
         experts first (numbered from its first), the other ranks' rows after the last group and zeroed."""
         chosen, routing = self.gate(flat)
         held, count = self.experts.held, self.gate.moe.num_experts
-        experts = (chosen.flatten() - held.start) % count
-        by_expert, order = experts.sort(stable=True)  # (token, slot) pairs grouped by expert
-        ends = torch.searchsorted(by_expert, torch.arange(1, len(held) + 1, device=flat.device), out_int32=True)
+        order, ends = group_by_expert((chosen - held.start) % count, count, len(held))
         rows = flat[order // chosen.shape[1]]
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         few = beats_grouped_mm(len(rows), count)  # a mean over every rank's experts

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear
+from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert
 from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.rmsnorm import rms_norm
@@ -186,12 +186,9 @@ class GemmaExperts(nn.Module):
         """forward with no loop: the (token, slot) rows sorted by expert for two grouped matmuls (a canvas's
         few dozen rows per expert on kernels/expert_linear.py, which reads each expert's weights once), each
         token's k outputs weighted and summed in fp32 where they lie (kernels/moe_combine.py)."""
-        flat = chosen.flatten()
-        by_expert, order = flat.sort(stable=True)
-        experts = torch.arange(1, self.gate_up_proj.shape[0] + 1, device=x.device)
-        ends = torch.searchsorted(by_expert, experts, out_int32=True)
+        order, ends = group_by_expert(chosen, len(self.gate_up_proj))
         rows = x[order // chosen.shape[1]]
-        if use_kernels(x) and beats_grouped_mm(len(rows), len(experts)):
+        if use_kernels(x) and beats_grouped_mm(len(rows), len(ends)):
             y = expert_linear(expert_linear(rows, self.gate_up_proj, ends, "gelu_tanh"), self.down_proj, ends)
         else:
             gate, up = GROUPED_MM(rows, self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)

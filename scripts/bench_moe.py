@@ -28,7 +28,7 @@ from harness import (GENERATION_BLOCKS, QUICK_MOE, block_floor_ms, count_touched
                      random_prompts, timed_generation, too_big)
 from nanodllm.config import ModelConfig, preset
 from nanodllm.kernels.expert_linear import (FEW_ROWS_PER_EXPERT, beats_grouped_mm, expert_linear, glu_reference,
-                                           tile_shape)
+                                           group_by_expert, tile_shape)
 from nanodllm.loader import build_random
 from nanodllm.methods import Dense, get_method
 from nanodllm.mlp import MoE
@@ -175,9 +175,8 @@ def experts_row(name: str, tokens: int, setup) -> dict:
     gate_up = make(moe.num_experts, 2 * moe.expert_size, hidden) / 50
     down = make(moe.num_experts, hidden, moe.expert_size) / 50
     chosen = torch.rand(tokens, moe.num_experts, device=setup.device).topk(moe.experts_per_token, dim=1).indices
-    by_expert = chosen.flatten().sort().values
-    ends = torch.searchsorted(by_expert, torch.arange(1, moe.num_experts + 1, device=setup.device), out_int32=True)
-    x = make(len(by_expert), hidden)
+    ends = group_by_expert(chosen, moe.num_experts)[1]
+    x = make(chosen.numel(), hidden)
     glu = "gelu_tanh" if cfg.gemma else "silu"
 
     def grouped_mm():
@@ -186,7 +185,7 @@ def experts_row(name: str, tokens: int, setup) -> dict:
 
     kernel_us = setup.timer(lambda: expert_linear(expert_linear(x, gate_up, ends, glu), down, ends))
     grouped_mm_us = setup.timer(grouped_mm)
-    touched = int(by_expert.unique().numel())
+    touched = int(chosen.unique().numel())
     floor_us = touched * 3 * hidden * moe.expert_size * x.element_size() / bandwidth / 1e3
     return {"model": name, "tokens": tokens, "rows per expert": len(x) / moe.num_experts,
             "row tile": tile_shape(len(x), moe.num_experts, hidden, True, x.element_size(), None)["BLOCK_M"],

@@ -16,7 +16,8 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from nanodllm.kernels.expert_linear import GLUS, expert_linear, expert_linear_reference, tile_shape  # noqa: E402
+from nanodllm.kernels.expert_linear import (GLUS, expert_linear, expert_linear_reference, group_by_expert,  # noqa: E402
+                                            tile_shape)
 from tests.device import DEVICE  # noqa: E402
 from tests.test_norm_linear import nan_empty, within  # noqa: E402
 
@@ -65,6 +66,21 @@ def check(sizes, trailing, dim, width, dtype, glu, seed):
     assert out[int(ends[-1]):].isnan().all(), "rows past the last group are left unwritten"
     out_error, torch_error, exact = errors(out, x, weight, ends, glu)
     assert within(out_error, torch_error, exact, dtype, dim), (out_error, torch_error)
+
+
+@pytest.mark.parametrize("num_experts, num_groups", [(3, None), (256, None), (300, None), (300, 120), (40000, None)])
+def test_group_by_expert_sorts_the_pairs_stably_by_expert(num_experts, num_groups):
+    """Ids from 0 to num_experts - 1 (the top one drawn too, whatever type holds it): each group holds its
+    expert's (token, slot) pairs in their order, and group_ends counts the rows up to each group's end."""
+    generator = torch.Generator().manual_seed(num_experts)
+    experts = torch.randint(0, num_experts, (50, 4), generator=generator)
+    experts[0, 0], experts[-1, -1] = num_experts - 1, 0
+    order, ends = group_by_expert(experts.to(DEVICE), num_experts, num_groups)
+    ids = experts.flatten().tolist()
+    assert order.dtype == torch.int64 and ends.dtype == torch.int32
+    assert order.tolist() == sorted(range(len(ids)), key=lambda pair: (ids[pair], pair))
+    groups = num_experts if num_groups is None else num_groups
+    assert ends.tolist() == [sum(i <= e for i in ids) for e in range(groups)]
 
 
 def test_row_tiles_grow_with_the_rows_per_expert():
