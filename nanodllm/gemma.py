@@ -36,6 +36,7 @@ from .mlp import MLP, fp32_or_wider
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 ENCODE_CHUNK = 4096  # query rows an encoder pass attends at once off the kernels: masks grow with it, not the prompt
+GROUPED_TOKENS = 65536  # tokens the experts take at once: a long prompt's pass gathers k rows a token, in pieces
 
 
 class GemmaRMSNorm(nn.Module):
@@ -186,6 +187,9 @@ class GemmaExperts(nn.Module):
         """forward with no loop: the (token, slot) rows sorted by expert for two grouped matmuls (a canvas's
         few dozen rows per expert on kernels/expert_linear.py, which reads each expert's weights once), each
         token's k outputs weighted and summed in fp32 where they lie (kernels/moe_combine.py)."""
+        if len(x) > GROUPED_TOKENS:
+            pieces = zip(*(t.split(GROUPED_TOKENS) for t in (x, chosen, weights)))
+            return torch.cat([self.grouped(*piece) for piece in pieces])
         order, ends = group_by_expert(chosen, len(self.gate_up_proj))
         rows = x[order // chosen.shape[1]]
         if use_kernels(x) and beats_grouped_mm(len(rows), len(ends)):
@@ -265,15 +269,10 @@ class GemmaCache:
                             held=full_layers, scale=1.0)
         self.order_windows()
 
-    def ring_order(self) -> torch.Tensor:
-        """The filled slots of every ring, oldest position first (positions 0 .. filled - 1 sit in slots
-        0 .. filled - 1)."""
-        return self.slot_positions[: min(self.length, self.ring)].argsort()
-
     def ring_in_order(self, layer: int):
         """(keys, values, positions [n]) a sliding layer holds, by position: read from the oldest slot, so that
         attention adds its terms in transformers' order (the sampler needs the same bits)."""
-        order = self.ring_order()
+        order = self.ring_order
         return self.keys[layer][:, :, order], self.values[layer][:, :, order], self.slot_positions[order]
 
     @property
@@ -303,13 +302,17 @@ class GemmaCache:
         positions = self.length + t - kept + torch.arange(kept, device=self.slot_positions.device)
         return positions, positions % self.ring
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None):
         """k, v [batch, kv_heads, t, head_dim] of the t tokens after `length` (which advance() then moves);
-        valid [batch, t]: a full layer keeps each row's valid ones, in order."""
+        valid [batch, t]: a full layer keeps each row's valid ones, in order (None: all, written where the
+        device-side lengths say, with no sync)."""
         t = k.shape[2]
         if not self.sliding[layer]:
-            order = (~valid).long().argsort(dim=1, stable=True)[:, None, :, None].expand_as(k)  # valid tokens first
-            self.full.write(layer, k.gather(2, order), v.gather(2, order), valid.sum(dim=1))
+            if valid is None:
+                self.full.write(layer, k, v)
+            else:
+                order = (~valid).long().argsort(dim=1, stable=True)[:, None, :, None].expand_as(k)  # valid first
+                self.full.write(layer, k.gather(2, order), v.gather(2, order), valid.sum(dim=1))
             return
         positions, slots = self.tail(t)
         self.keys[layer][:, :, slots] = k[:, :, t - len(positions):]
@@ -327,8 +330,9 @@ class GemmaCache:
         self.order_windows()
 
     def order_windows(self):
-        """Lay out `windows` from the rings (after the cache has changed: a commit)."""
-        order = self.ring_order()
+        """Lay out `windows` from the rings (after the cache has changed: a commit), and ring_order: the filled
+        slots oldest position first, the same for every ring until the next commit."""
+        self.ring_order = order = self.slot_positions[: min(self.length, self.ring)].argsort()
         room = lambda x: F.pad(x[:, :, order], (0, 0, 0, self.canvas_length))  # [b, kv_heads, filled + canvas, d]
         self.windows = [(room(self.keys[layer]), room(self.values[layer])) if sliding else None
                         for layer, sliding in enumerate(self.sliding)]
@@ -389,13 +393,12 @@ class DiffusionGemma(nn.Module):
     def encode(self, ids: torch.Tensor, cache: GemmaCache, valid: torch.Tensor | None = None,
                attend_full=None) -> torch.Tensor:
         """ids [b, t] at the positions after the cache's: every layer's K/V appended. valid [b, t]: False
-        at left pads, which no other token sees. attend_full(layer, q, k, v): the full layers' causal
-        attention among the ids, where the cache is empty (a method's prefill; default: exact). Returns
-        the last hidden state (no use in decoding)."""
+        at left pads, which no other token sees (None: no pads). attend_full(layer, q, k, v): the full
+        layers' causal attention among the ids, where the cache is empty (a method's prefill; default:
+        exact). Returns the last hidden state (no use in decoding)."""
         if attend_full is not None and cache.length:
             raise ValueError("a method's prefill attention runs on the first encoder pass only (the cache is empty)")
         positions = self.positions(cache, ids.shape[1])
-        valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
         x = self.embed(ids)
         ropes = self.ropes(positions, x.dtype)
         for i, layer in enumerate(self.layers):
@@ -403,7 +406,7 @@ class DiffusionGemma(nn.Module):
             if attend_full is not None and not layer.sliding:
                 attend_here = partial(self.attend_prefill, cache, i, valid, attend_full)
             x = layer(x, ropes[layer.sliding], attend_here, layer.encoder_scalar)
-        cache.advance(valid)
+        cache.advance(torch.ones_like(ids, dtype=torch.bool) if valid is None else valid)
         return x
 
     def attend_encoding(self, cache: GemmaCache, layer: int, positions, valid, q, k, v) -> torch.Tensor:
@@ -416,7 +419,8 @@ class DiffusionGemma(nn.Module):
         else:
             (cached_k, cached_v), cached_valid, window = cache.full_in_place(layer), cache.valid, None
         keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
-        key_valid = torch.cat([cached_valid, valid], dim=1)
+        key_valid = F.pad(cached_valid, (0, q.shape[2]), value=True) if valid is None else \
+            torch.cat([cached_valid, valid], dim=1)
         if window is None and flash_on_kernels(q):  # the new tokens are the last keys
             out = flash_attention(q, keys, values, causal=True, k_valid=key_valid, scale=1.0)
         else:

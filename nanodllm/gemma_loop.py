@@ -190,7 +190,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 steps_per_canvas[row].append(int(counted[row]))
         passes = passes + counted
         to_encode, finished = finish(argmax, finished, stops, pad_id)
-        valid = torch.ones_like(to_encode, dtype=torch.bool)
+        valid = None  # a committed canvas has no pads
         committed.append(to_encode)
         if finished.all():
             break

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import nanodllm.gemma as gemma_module
-from nanodllm.kernels.expert_linear import expert_linear
+from nanodllm.kernels.expert_linear import expert_linear, group_by_expert
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
 from nanodllm.gemma import DiffusionGemma, GemmaCache, GemmaRMSNorm, GemmaRope, attend, attend_keys
@@ -277,6 +277,20 @@ def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeyp
         error = (layer.experts.grouped(x, chosen, weights).float() - expected).abs().max()
         assert error <= (1e-5 if dtype == torch.float32 else 1e-2) * expected.abs().max()
     assert calls == ([("gelu_tanh",), ()] * 2 if kernels else []), "few rows per expert: gate/up, then down"
+
+
+@torch.no_grad()
+def test_the_experts_take_a_long_pass_in_pieces(monkeypatch):
+    """Past GROUPED_TOKENS tokens the grouped path runs piece by piece (a long prompt's gathered rows would
+    not fit): the same outputs as in one piece, to float32 rounding (the matmuls' shapes change)."""
+    layer, x = MODEL.layers[1], torch.randn(50, MODEL.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    chosen, weights = layer.router(x)
+    whole = layer.experts.grouped(x, chosen, weights)
+    pieces = []
+    monkeypatch.setattr(gemma_module, "GROUPED_TOKENS", 16)
+    monkeypatch.setattr(gemma_module, "group_by_expert", lambda c, n: pieces.append(len(c)) or group_by_expert(c, n))
+    assert (layer.experts.grouped(x, chosen, weights) - whole).abs().max() <= 1e-6 * whole.abs().max()
+    assert pieces == [16, 16, 16, 2]
 
 
 @torch.no_grad()
