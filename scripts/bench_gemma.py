@@ -3,7 +3,8 @@
 Per context and batch: ms of one denoising step (a canvas of 256 against a cache filled with random K/V,
 self-conditioned), exact as the loop runs it (replayed from a CUDA graph) and eager, and MAGE's sparse
 step as the loop runs it (replayed; k = 1024 keys per KV head on the 5 full layers), ms of the encoder
-pass that commits a canvas, and ms per canvas at the released generation_config's 48 steps at most.
+pass that commits a canvas, and ms of a canvas as generate() runs it at the released generation_config's
+48 steps (random weights never stop early): its eager first steps, its replays, the sampler, its commit.
 Floor: the bytes a step reads (every weight but the embedding, which it reads twice: the
 self-conditioning's soft embedding and the tied head; the experts the step's tokens route to; every
 cached K/V of the full layers and the sliding rings) over the measured copy bandwidth. transformers: the
@@ -19,12 +20,13 @@ from functools import partial
 
 import torch
 
-from harness import REPO, kilo, wall_us
-from nanodllm.config import ModelConfig, _PRESETS
+from harness import REPO, Clock, kilo, wall_us
+from nanodllm.config import GenerationConfig, ModelConfig, _PRESETS
 from nanodllm.gemma_loop import prompt_context
+from nanodllm.generation import generate
 from nanodllm.graphs import Recordings
 from nanodllm.loader import build_random, load_reference
-from nanodllm.methods.base import StepContext
+from nanodllm.methods.base import Dense, StepContext
 from nanodllm.methods.mage import Mage
 from nanodllm.methods.momo import Momo
 
@@ -84,6 +86,16 @@ def mage_step(model, canvas, cache, logits, k: int):
     step = lambda c, l: model.head(model.denoised(c, cache, l, lambda *a: mage.attend(*a, ctx=context(1))))
     replay = Recordings(size=1)
     return (lambda: replay("sparse", step, canvas, logits)) if canvas.is_cuda else lambda: step(canvas, logits)
+
+
+def loop_canvas_ms(model, batch: int, context: int) -> float:
+    """ms of a canvas as the loop runs it: generate() after `batch` random prompts of `context` tokens, three
+    canvases; the second, from its first step to the end of its commit (the first measures launch settings)."""
+    clock, method, size = Clock(model.embed_tokens.weight.is_cuda), Dense(), model.cfg.gemma.canvas_length
+    method.begin_block = lambda ctx: clock.mark()
+    prompts = torch.randint(0, model.cfg.vocab_size, (batch, context)).tolist()
+    generate(model, prompts, GenerationConfig(3 * size, size, steps=STEPS_PER_CANVAS), method, stop_ids=())
+    return clock.between()[1]
 
 
 def prompt_passes(model, contexts: list[int], device) -> list[dict]:
@@ -163,12 +175,18 @@ def diffusiongemma(setup):
                 floor = step_bytes(model, batch, context, touched_experts(model, canvas, cache, logits)) / bandwidth / 1e6
                 growing = filled_cache(model, batch, context, room=4)  # a commit per call: 1 + 3 timed
                 commit = wall_us(lambda: model.encode(canvas, growing), device) / 1e3
-            rows.append({"context": kilo(context), "batch": batch, "exact step ms": exact, "floor ms": floor,
-                         "exact / floor": exact / floor, "eager step ms": eager, "MAGE step ms": sparse,
-                         "commit ms": commit,
-                         f"canvas ms ({STEPS_PER_CANVAS} steps)": STEPS_PER_CANVAS * exact + commit})
             del cache, growing
             setup.free()
+            try:
+                with torch.no_grad():
+                    canvas_ms = loop_canvas_ms(model, batch, context)
+            except torch.OutOfMemoryError as error:
+                setup.report.failure(f"the loop's canvas at {kilo(context)}, batch {batch}", error)
+                canvas_ms = "-"
+            setup.free()
+            rows.append({"context": kilo(context), "batch": batch, "exact step ms": exact, "floor ms": floor,
+                         "exact / floor": exact / floor, "eager step ms": eager, "MAGE step ms": sparse,
+                         "commit ms": commit, f"loop canvas ms ({STEPS_PER_CANVAS} steps)": canvas_ms})
     del model
     setup.free()
     try:
