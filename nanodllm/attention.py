@@ -120,8 +120,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_len, head_dim].
 
     On the kernels: decode_attention (head_dim 64, 128) for at most SPLIT_MAX_QUERIES queries against
-    SPLIT_MIN_KEYS or more unmasked keys (it splits the keys over the SMs, where flash_attention would
-    run one program per head and query tile: docs/results/bench_routing.md); flash_attention for the
+    SPLIT_MIN_KEYS or more unmasked keys (it splits the keys over the SMs and reads a KV head's slice once
+    for its group of query heads: docs/results/bench_routing.md); flash_attention for the
     rest, when the mask is a CanvasMask or hides keys without depending on the query (a bool mask
     [batch, 1 or num_kv_heads, 1, k_len]). Other CUDA tensors, or a bool mask that differs per query:
     torch SDPA."""
