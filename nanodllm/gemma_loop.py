@@ -21,7 +21,9 @@ from functools import partial
 
 import torch
 
-from .attention import CanvasMask
+from nanodllm.kernels.softmax_stats import softmax_stats, softmax_stats_reference
+
+from .attention import CanvasMask, use_kernels
 from .config import GenerationConfig
 from .decoding import GenerationResult, check_method, check_prompts, left_padded_canvas, until_stop
 from .graphs import GRAPHS_ENABLED, Recordings
@@ -65,11 +67,6 @@ def temperature(left: int, steps: int, sampling: GemmaSampling) -> torch.Tensor:
     """T with `left` of `steps` steps to go: t_max at the first, just above t_min at the last. A float32
     tensor, as transformers computes it (the bits of z depend on it)."""
     return sampling.t_min + (sampling.t_max - sampling.t_min) * (torch.tensor(left, dtype=torch.int32) / steps)
-
-
-def entropy(z: torch.Tensor) -> torch.Tensor:
-    """[..., vocab] -> [...] nats of softmax(z)."""
-    return torch.distributions.Categorical(logits=z).entropy()
 
 
 def accepted(entropies: torch.Tensor, bound: float) -> torch.Tensor:
@@ -145,6 +142,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     # cache only read: where the model allows, the first repeat is recorded as a CUDA graph
     # (nanodllm/graphs.py) and later ones replay it; a kind that does not repeat (a selecting step) runs eagerly
     recordings = Recordings(size=1) if GRAPHS_ENABLED and model.replayable else None
+    dtype = model.embed_tokens.weight.dtype
+    sampler_stats = softmax_stats if use_kernels(model.embed_tokens.weight) else softmax_stats_reference
     prefill = prompt_context(model, cache, prompt.tokens, prompt.valid, prompt_lengths)
     prefill_full = partial(method.attend, ctx=prefill) if method.sparse_prefill else None
     for canvas in range(canvases):
@@ -169,19 +168,20 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             else:
                 logits = step_logits(x, self_conditioning)
             last_kind = kind
-            z = logits / temperature(left, gen.steps, sampling)  # [b, size, V]
+            # z = logits / T: z in the weights' dtype (the next step's self-conditioning), argmax z, the
+            # entropies and softmax(z), [b, size, V] floats read a few times on the kernels, some twenty in torch
+            z, z_argmax, entropies, probs = sampler_stats(logits, temperature(left, gen.steps, sampling), dtype,
+                                                          probs=True)
             meter.count(method, ctx)
-            probs = torch.softmax(z, dim=-1, dtype=torch.float32)
             if sampling.sample:
                 drawn = torch.multinomial(probs.view(-1, cfg.vocab_size), 1, generator=generator).view(batch, size)
             else:
                 drawn = probs.argmax(dim=-1)
-            argmax = torch.where(done[:, None], argmax, z.argmax(dim=-1))
-            entropies = entropy(z)
+            argmax = torch.where(done[:, None], argmax, z_argmax)
             x = torch.where(accepted(entropies, sampling.entropy_bound), drawn, noise())
             stop, history = stopping(history, argmax, entropies, sampling)
             done |= stop
-            self_conditioning = z.to(model.embed_tokens.weight.dtype)
+            self_conditioning = z
             forwards, steps = forwards + 1, steps + 1
             if done.all():
                 break

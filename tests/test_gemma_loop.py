@@ -309,3 +309,25 @@ def test_the_sparse_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels
     kinds = {kind for _, kind in recorder.keys}
     expected = {"mage": {("sparse",)}, "sparsed": {("exact",), ("sparse",)}, "quest": {()}}[name]
     assert recorder.replays > 0 and kinds == expected
+
+
+@torch.no_grad()  # the kernels run outside autograd
+def test_the_sampler_reads_the_logits_on_the_kernel(kernels_on, monkeypatch):
+    """Where the model runs on the kernels the sampler's statistics come from kernels/softmax_stats.py
+    (in Triton's interpreter here, float16): the fixture's ragged prompts decode the same tokens as with
+    the torch form, two canvases of three steps, sampled."""
+    from nanodllm.kernels.softmax_stats import softmax_stats, softmax_stats_reference
+    from nanodllm.loader import load_model
+
+    model, run = load_model(FIXTURE, DEVICE, torch.float16), RUNS["ragged"]
+    gen = GenerationConfig(gen_length=16, block_length=8, steps=3)
+    calls = []
+    spy = lambda *args, **kwargs: calls.append(1) or softmax_stats(*args, **kwargs)
+
+    def decode_with(stats):
+        monkeypatch.setattr(gemma_loop, "softmax_stats", stats)
+        torch.manual_seed(run["seed"])
+        result = generate(model, run["prompts"], gen, stop_ids=(), sampling=GemmaSampling(**run["sampler"]))
+        return result.tokens, result.steps_per_canvas
+
+    assert decode_with(spy) == decode_with(softmax_stats_reference) and len(calls) == 6
