@@ -20,10 +20,9 @@ from functools import partial
 
 import torch
 
-from harness import REPO, Clock, kilo, wall_us
-from nanodllm.config import GenerationConfig, ModelConfig, _PRESETS
+from harness import REPO, kilo, timed_generation, wall_us
+from nanodllm.config import ModelConfig, _PRESETS
 from nanodllm.gemma_loop import prompt_context
-from nanodllm.generation import generate
 from nanodllm.graphs import Recordings
 from nanodllm.loader import build_random, load_reference
 from nanodllm.methods.base import Dense, StepContext
@@ -91,11 +90,8 @@ def mage_step(model, canvas, cache, logits, k: int):
 def loop_canvas_ms(model, batch: int, context: int) -> float:
     """ms of a canvas as the loop runs it: generate() after `batch` random prompts of `context` tokens, three
     canvases; the second, from its first step to the end of its commit (the first measures launch settings)."""
-    clock, method, size = Clock(model.embed_tokens.weight.is_cuda), Dense(), model.cfg.gemma.canvas_length
-    method.begin_block = lambda ctx: clock.mark()
     prompts = torch.randint(0, model.cfg.vocab_size, (batch, context)).tolist()
-    generate(model, prompts, GenerationConfig(3 * size, size, steps=STEPS_PER_CANVAS), method, stop_ids=())
-    return clock.between()[1]
+    return timed_generation(model, prompts, Dense(), model.cfg.gemma.canvas_length, STEPS_PER_CANVAS, blocks=3)[0][0]
 
 
 def prompt_passes(model, contexts: list[int], device) -> list[dict]:

@@ -110,7 +110,7 @@ def generation_times(model, context, shapes, knobs, assembled: dict) -> list[dic
         block_ms = run(name, method_knobs, GENERATION_BLOCKS)
         ms = statistics.median(block_ms)
         rows.append({"context": context, "method": label, "graphs": graphed, "ms/block": ms,
-                     "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}", "ms per forward": ms / (steps + 1),
+                     "min-max ms/block": f"{min(block_ms):.0f}-{max(block_ms):.0f}", "ms per forward": ms / (steps + 1),
                      "assembled ms/block": assembled[label] / 1e3, "real / assembled": ms * 1e3 / assembled[label]})
     graphs_module.GRAPHS_ENABLED = True
     return rows

@@ -341,9 +341,10 @@ GENERATION_BLOCKS = 7  # a timed generation: the first block (where the engine r
 
 
 def timed_generation(model, prompts, method, block: int, steps: int, blocks: int = GENERATION_BLOCKS):
-    """block.generate of `blocks` blocks (temperature 0, no stop token) with a mark before the call, as
-    each block begins and after it: the milliseconds of each block after the first (where the engine
-    records its graphs), sorted; the seconds before the first block (the prefill); the GenerationResult."""
+    """generate() of `blocks` blocks (temperature 0, no stop token) with a mark before the call, as each
+    block (a DiffusionGemma canvas) begins and after it: the milliseconds of each block after the first
+    (where the engine records its graphs), in order, each up to the next block's start (a canvas with its
+    commit); the seconds before the first block (the prefill); the GenerationResult."""
     clock, begin = Clock(model.embed_tokens.weight.is_cuda), method.begin_block
 
     def begin_timed(ctx):
@@ -355,4 +356,4 @@ def timed_generation(model, prompts, method, block: int, steps: int, blocks: int
     result = generate(model, prompts, GenerationConfig(blocks * block, block, steps=steps), method, stop_ids=())
     clock.mark()
     spans = clock.between()
-    return sorted(spans[2:]), spans[0] / 1e3, result
+    return spans[2:], spans[0] / 1e3, result
