@@ -100,12 +100,10 @@ def _attend_key_tiles(
         k_ptrs = k_base + keys[:, None].to(tl.int64) * stride_kn + offs_d[None, :].to(tl.int64) * stride_kd
         # [BLOCK_N, HEAD_DIM]
         v_ptrs = v_base + keys[:, None].to(tl.int64) * stride_vn + offs_d[None, :].to(tl.int64) * stride_vd
-        if MASK_TILE:
+        if MASK_TILE:  # [BLOCK_N, HEAD_DIM]
             in_range = keys < n_k  # [BLOCK_N]
-            # [BLOCK_N, HEAD_DIM]
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
-            # [BLOCK_N, HEAD_DIM]
             k = tl.load(k_ptrs)
 
         # [BLOCK_M, BLOCK_N] raw scores q . k (not yet scaled)
@@ -136,11 +134,9 @@ def _attend_key_tiles(
         p = tl.math.exp2(scores * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        if MASK_TILE:
-            # [BLOCK_N, HEAD_DIM]
+        if MASK_TILE:  # [BLOCK_N, HEAD_DIM]
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
-            # [BLOCK_N, HEAD_DIM]
             v = tl.load(v_ptrs)
         # [BLOCK_M, HEAD_DIM]
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -148,13 +144,13 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "keys_per_split", "stride_valid_b", "stride_valid_h", "stride_first_b"])
+@triton.jit(do_not_specialize=["n_q", "n_k", "keys_per_split", "stride_valid_b", "stride_valid_h", "stride_span_b"])
 def _flash_attention_fwd(
-    Q, K, V, K_VALID, FIRST_VISIBLE, OUT, LSE,
+    Q, K, V, K_VALID, VISIBLE_SPAN, OUT, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_valid_b, stride_valid_h, stride_valid_n, stride_first_b, stride_first_h,
+    stride_valid_b, stride_valid_h, stride_valid_n, stride_span_b, stride_span_h,
     stride_ob, stride_oh, stride_os, stride_om, stride_od,
     stride_lb, stride_lh, stride_ls, stride_lm,
     n_q, n_k, num_heads, group, block_size, qk_scale, keys_per_split,
@@ -165,7 +161,7 @@ def _flash_attention_fwd(
     # short ones fill the tail of the grid.
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
     batch_head = tl.program_id(1)
-    split = tl.program_id(2)  # this program's slice of the keys: [split_start, split_start + keys_per_split)
+    split = tl.program_id(2)  # this program's slice of the keys: [split_start, split_stop)
     batch = batch_head // num_heads
     head = batch_head % num_heads
     kv_head = head // group
@@ -185,8 +181,7 @@ def _flash_attention_fwd(
 
     # [BLOCK_M, HEAD_DIM]
     q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qm + offs_d[None, :].to(tl.int64) * stride_qd
-    # [BLOCK_M, HEAD_DIM]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
 
     # Which keys this tile needs. Row i sees keys [0, (pos(i) // B + 1) * B), so the first row's
     # limit is seen by every row and the last row's limit by at least one.
@@ -201,13 +196,19 @@ def _flash_attention_fwd(
         seen_by_any = n_k
     unmasked_stop = seen_by_all // BLOCK_N * BLOCK_N
     key_start = 0
-    if HAS_K_VALID:  # key tiles before the first visible key (left padding) are never visited
-        first_ptr = FIRST_VISIBLE + batch.to(tl.int64) * stride_first_b + kv_head * stride_first_h
-        first_visible = tl.load(first_ptr).to(tl.int32)
+    if HAS_K_VALID:  # key tiles outside [first visible key, last visible key] (left pads, a hidden tail): never visited
+        span_ptr = VISIBLE_SPAN + batch.to(tl.int64) * stride_span_b + kv_head * stride_span_h
+        first_visible, visible_stop = tl.load(span_ptr).to(tl.int32), tl.load(span_ptr + 1).to(tl.int32)
+        key_stop = tl.cdiv(visible_stop, BLOCK_N) * BLOCK_N
+        unmasked_stop = tl.minimum(unmasked_stop, key_stop)
+        seen_by_any = tl.minimum(seen_by_any, key_stop)
         key_start = tl.minimum(first_visible // BLOCK_N * BLOCK_N, unmasked_stop)
     q_block = (rows + position_shift) // block_size  # [BLOCK_M]
-    split_start = split * keys_per_split  # a whole number of key tiles
-    split_stop = split_start + keys_per_split
+    split_start, slice_keys = split * keys_per_split, keys_per_split  # a whole number of key tiles
+    if HAS_K_VALID:  # the slices share the tiles this program visits, not all N_k keys
+        slice_keys = tl.cdiv(tl.cdiv(seen_by_any - key_start, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+        split_start = key_start + split * slice_keys
+    split_stop = split_start + slice_keys
 
     # m starts at a finite floor, not -inf: a row whose keys so far are all masked then computes
     # exp2(-inf - floor) = 0 for p and exp2(0) = 1 for alpha, never NaN.
@@ -247,6 +248,11 @@ def _flash_attention_fwd(
     tl.store(lse_base + rows.to(tl.int64) * stride_lm, lse, mask=row_ok)
 
 
+def visible_span(valid: torch.Tensor) -> torch.Tensor:
+    """valid [..., N_k] (bytes) -> int64 [..., 2]: first visible key, last + 1 (none visible: all keys)."""
+    return torch.stack([valid.argmax(dim=-1), valid.shape[-1] - valid.flip(-1).argmax(dim=-1)], dim=-1)
+
+
 def _output(shape, dtype, device) -> torch.Tensor:
     """torch.empty; the tests swap in a NaN fill to prove the kernel writes every element."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -258,8 +264,9 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     q [batch, num_heads, N_q, D], k/v [batch, num_kv_heads, N_k, D], N_q <= N_k under a (block-)causal
     mask and any N_q without one (fp16/bf16, or fp32 for testing, whose dots run in TF32 on a GPU; any
     strides), k_valid [batch, N_k] or [batch, num_kv_heads, N_k] bool or None, scale > 0 defaulting
-    to D ** -0.5. Hidden keys past the first visible key's tile are still read, so like SDPA's boolean
-    mask they must hold finite values (0 * NaN would leak into the output).
+    to D ** -0.5. Hidden keys between the first and the last visible key's tiles are still read, so like
+    SDPA's boolean mask they must hold finite values (0 * NaN would leak into the output); the tiles
+    before and after are not (a cache's unwritten slots may sit there).
     Returns out [batch, num_heads, N_q, D] in q's dtype, laid out [batch, N_q, num_heads, D] in memory
     (a transposed view: o_proj's input layout, so the model reads it without a copy), and with return_lse also
     lse [batch, num_heads, N_q] float32 (natural log of the sum of exp of the scaled visible scores).
@@ -271,16 +278,15 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     batch, num_heads, n_q, head_dim = q.shape
     num_kv_heads, n_k = k.shape[1], k.shape[2]
     scale = head_dim**-0.5 if scale is None else float(scale)
-    # A bool tensor is read as bytes. Without a mask the kernel never touches K_VALID or FIRST_VISIBLE.
+    # A bool tensor is read as bytes. Without a mask the kernel never touches K_VALID or VISIBLE_SPAN.
     valid = k_valid.view(torch.uint8) if k_valid is not None else q
-    # per row (and KV head) the first visible key: argmax returns the first maximum (0 if none is visible)
-    first_visible = valid.argmax(dim=-1) if k_valid is not None else q  # int64, cast in the kernel
+    span = visible_span(valid) if k_valid is not None else q
     if k_valid is None:
-        valid_strides, first_strides = (0, 0, 0), (0, 0)
+        valid_strides, span_strides = (0, 0, 0), (0, 0)
     elif k_valid.dim() == 2:  # shared by every head
-        valid_strides, first_strides = (k_valid.stride(0), 0, k_valid.stride(1)), (first_visible.stride(0), 0)
+        valid_strides, span_strides = (k_valid.stride(0), 0, k_valid.stride(1)), (span.stride(0), 0)
     else:
-        valid_strides, first_strides = k_valid.stride(), first_visible.stride()
+        valid_strides, span_strides = k_valid.stride(), span.stride()[:2]
 
     # Causal is block-causal with B = 1; bidirectional never reads block_size.
     block = block_size if block_size is not None else 1
@@ -289,8 +295,8 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     tuning_length = min(max(triton.next_power_of_2(n_k), 1024), 32768)
     tuning_rows = 64 if n_q <= 64 else FEW_ROWS if n_q <= FEW_ROWS else 1024  # two buckets of few rows, or many
 
-    inputs = (q, k, v, valid, first_visible)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *valid_strides, *first_strides)
+    inputs = (q, k, v, valid, span)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *valid_strides, *span_strides)
     scalars = (n_q, n_k, num_heads, num_heads // num_kv_heads, block, scale * LOG2_E)
     meta = dict(HEAD_DIM=head_dim, BLOCK_CAUSAL=causal or block_size is not None, HAS_K_VALID=k_valid is not None)
 

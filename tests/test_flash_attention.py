@@ -213,18 +213,22 @@ def test_every_tile_of_the_tuning_space_matches_reference(mask, head_dim):
             check_against_reference(q, k, v, k_valid=k_valid, **mask)
 
 
-def test_key_tiles_before_the_first_visible_key_are_never_read():
-    """Left padding: the tiles wholly before a row's first visible key are skipped, so NaN there
-    (which a read would leak, 0 * NaN) leaves the output equal to the reference on clean keys."""
+@pytest.mark.parametrize("slices", [False, True])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_key_tiles_outside_the_visible_keys_are_never_read(side, slices):
+    """Left padding or a hidden tail (a cache's slots past its length): the tiles wholly before a row's
+    first visible key or after its last are skipped, so NaN there (which a read would leak, 0 * NaN)
+    leaves the output equal to the reference on clean keys, key slices (split-KV) included."""
     generator = torch.Generator().manual_seed(2)
     q = random_heads(2, 2, 40, 64, torch.float32, "contiguous", generator)
     k = random_heads(2, 1, 300, 64, torch.float32, "contiguous", generator)
     v = random_heads(2, 1, 300, 64, torch.float32, "contiguous", generator)
-    k_valid = padded_keys([280, 0], ["left", "left"], 300, sliced=False)
+    k_valid = padded_keys([280, 0], [side, side], 300, sliced=False)
     expected = flash_attention_reference(q, k, v, k_valid=k_valid)
     k_nan, v_nan = k.clone(), v.clone()
-    k_nan[0, :, :256], v_nan[0, :, :256] = float("nan"), float("nan")  # whole tiles of 16, 64 or 128 keys
-    with poisoned_outputs(tiles=(16, 16)):
+    unread = slice(0, 256) if side == "left" else slice(128, 300)  # whole tiles of 16, 64 or 128 keys
+    k_nan[0, :, unread], v_nan[0, :, unread] = float("nan"), float("nan")
+    with poisoned_outputs(tiles=(16, 16)), sliced_keys() if slices else sliced_keys(sms=1):
         out = flash_attention(q, k_nan, v_nan, k_valid=k_valid)
     torch.testing.assert_close(out, expected, atol=TOLERANCE[torch.float32], rtol=0)
 
