@@ -29,7 +29,7 @@ from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.rmsnorm import rms_norm
 from nanodllm.kernels.rope import apply_rope
 
-from .attention import flash_on_kernels, use_kernels
+from .attention import FLASH_HEAD_DIMS, flash_on_kernels, use_kernels
 from .cache import KVCache
 from .config import ModelConfig
 from .mlp import MLP, fp32_or_wider
@@ -252,12 +252,15 @@ class GemmaCache:
     and, between commits, `windows`: the ring in position order followed by a canvas' scratch slots, which
     every denoising step reads in place; the full layers' live in `full`, a KVCache of `capacity` tokens
     (token-major, each row its own tokens without its left pads, scale 1: the layout the methods select
-    from). Rows share `length`, the tokens encoded, pads included (positions count from 0); valid [batch,
-    length] is False at left pads."""
+    from). Rows share `length`, the tokens encoded, pads included (positions count from 0; `start` holds it on
+    the device, for a step's graph to read); valid [batch, length] is False at left pads. What a denoising step
+    reads stays where it is from commit to commit (the windows are refilled in place), so that a CUDA graph of
+    a step replays in later canvases while the launch it was recorded with lasts (DiffusionGemma.launch_key)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, device, dtype):
         g = cfg.gemma
         self.canvas_length, self.ring, self.length = g.canvas_length, g.sliding_window - 1, 0
+        self.start = torch.zeros((), dtype=torch.long, device=device)
         self.slot_positions = torch.full((self.ring,), -1, dtype=torch.long, device=device)  # -1: empty
         self.valid = torch.ones(batch, 0, dtype=torch.bool, device=device)
         self.sliding = [g.is_sliding(layer) for layer in range(cfg.num_layers)]
@@ -267,6 +270,7 @@ class GemmaCache:
         full_layers = [layer for layer, sliding in enumerate(self.sliding) if not sliding]
         self.full = KVCache(cfg.num_layers, batch, capacity, g.global_kv_heads, g.global_head_dim, device, dtype,
                             held=full_layers, scale=1.0)
+        self.windows, self.window_width = None, -1
         self.order_windows()
 
     def ring_in_order(self, layer: int):
@@ -291,6 +295,15 @@ class GemmaCache:
         slots = (torch.arange(self.length + extra, device=pads.device)[None, :] - pads[:, None]).clamp(min=0)
         index = slots[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
         return keys.gather(2, index), values.gather(2, index)
+
+    def full_launch(self, layer: int, t: int):
+        """(keys, values, key_valid) of a full layer with t canvas tokens written after each row's: the slots up
+        to the launch bound (KVCache.launch_length, a shape that lasts many canvases), those past a row's
+        tokens and canvas hidden (flash_attention does not read them). Keys in token order, not transformers'."""
+        width = self.full.launch_length(t)
+        keys, values = (x[layer][:, :width].transpose(1, 2) for x in (self.full.keys, self.full.values))
+        key_valid = torch.arange(width, device=keys.device)[None, :] < (self.full.lengths + t)[:, None]
+        return keys, values, key_valid
 
     def in_order(self, layer: int):
         """(keys, values) [batch, kv_heads, n, head_dim] held for `layer`, by position."""
@@ -327,16 +340,25 @@ class GemmaCache:
         self.slot_positions[slots] = positions
         self.full.advance(valid.sum(dim=1))
         self.length += t
+        self.start.fill_(self.length)
         self.order_windows()
 
     def order_windows(self):
         """Lay out `windows` from the rings (after the cache has changed: a commit), and ring_order: the filled
-        slots oldest position first, the same for every ring until the next commit."""
+        slots oldest position first, the same for every ring until the next commit. Each window [b, kv_heads,
+        filled + canvas, d] is refilled in place while its width stays (from the commit that fills the rings on)."""
         self.ring_order = order = self.slot_positions[: min(self.length, self.ring)].argsort()
-        room = lambda x: F.pad(x[:, :, order], (0, 0, 0, self.canvas_length))  # [b, kv_heads, filled + canvas, d]
-        self.windows = [(room(self.keys[layer]), room(self.values[layer])) if sliding else None
-                        for layer, sliding in enumerate(self.sliding)]
-        self.window_valid = self.valid[:, self.slot_positions[order]]
+        filled = len(order)
+        if filled != self.window_width:
+            room = lambda x: x.new_zeros(*x.shape[:2], filled + self.canvas_length, x.shape[3])
+            self.windows = [(room(k), room(v)) if sliding else None
+                            for k, v, sliding in zip(self.keys, self.values, self.sliding)]
+            self.window_valid, self.window_width = self.valid.new_empty(len(self.valid), filled), filled
+        for layer, window in enumerate(self.windows):
+            if window is not None:
+                keys, values = window
+                keys[:, :, :filled], values[:, :, :filled] = self.keys[layer][:, :, order], self.values[layer][:, :, order]
+        self.window_valid.copy_(self.valid[:, self.slot_positions[order]])
 
     def window(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """(keys, values) a sliding layer's denoising step reads: its window in position order, then the
@@ -388,7 +410,19 @@ class DiffusionGemma(nn.Module):
         return weight.is_cuda and weight.dtype == torch.bfloat16 and GROUPED_MM is not None
 
     def positions(self, cache: GemmaCache, t: int) -> torch.Tensor:
-        return cache.length + torch.arange(t, device=self.embed_tokens.weight.device)
+        """[t] positions after the cache's (read from the device: a step's graph holds no length)."""
+        return cache.start + torch.arange(t, device=self.embed_tokens.weight.device)
+
+    def full_on_kernels(self) -> bool:
+        """Whether the full layers' attention runs on flash_attention (the weights' dtype and device)."""
+        return use_kernels(self.embed_tokens.weight) and self.cfg.gemma.global_head_dim in FLASH_HEAD_DIMS
+
+    def launch_key(self, cache: GemmaCache, t: int) -> tuple:
+        """The host numbers a denoising step of t tokens is launched with, which a CUDA graph of it keeps: the
+        full layers' key count (on the kernels a launch bound that lasts many canvases, KVCache.launch_length;
+        else the cache's length), the windows' width and whether pads are hidden."""
+        keys = cache.full.launch_length(t) if self.full_on_kernels() else cache.length
+        return keys, cache.window_width, cache.has_pads
 
     def encode(self, ids: torch.Tensor, cache: GemmaCache, valid: torch.Tensor | None = None,
                attend_full=None) -> torch.Tensor:
@@ -472,13 +506,17 @@ class DiffusionGemma(nn.Module):
     def attend_denoising(cache: GemmaCache, layer: int, q, k, v) -> torch.Tensor:
         """The canvas against everything the cache holds for the layer but pads, and itself. The canvas K/V go
         to scratch slots (a full layer's after each row's tokens, a sliding layer's after its window in
-        order), so the keys are read in place."""
+        order), so the keys are read in place: a full layer's on the kernels as the cache holds them, up to a
+        launch bound (GemmaCache.full_launch), else by position, in transformers' order."""
         t = q.shape[2]
         if cache.sliding[layer]:
             keys, values = cache.window(layer, k, v)
             cached_valid = cache.window_valid
         else:
             cache.full.write(layer, k, v)
+            if flash_on_kernels(q):
+                keys, values, key_valid = cache.full_launch(layer, t)
+                return flash_attention(q, keys, values, k_valid=key_valid, scale=1.0)
             keys, values = cache.full_in_place(layer, t)
             cached_valid = cache.valid
         key_valid = None

@@ -16,7 +16,7 @@ block: begin_block, then attend on the full layers (with sparse_prefill, the pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -138,10 +138,12 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # a stop token in an earlier canvas
     committed, steps_per_canvas, passes, forwards, steps = [], [[] for _ in prompts], 0, 0, 0
     meter = Meter()  # what the method's steps read of the full layers' cache
-    # a self-conditioned step of the step before's kind (exact steps: always) repeats one computation, the
-    # cache only read: where the model allows, the first repeat is recorded as a CUDA graph
-    # (nanodllm/graphs.py) and later ones replay it; a kind that does not repeat (a selecting step) runs eagerly
-    recordings = Recordings(size=1) if GRAPHS_ENABLED and model.replayable else None
+    # a denoising step only reads the cache, which keeps what steps read in place from commit to commit: where
+    # the model allows, a step of a kind (the method's step_kind; None: eager) and a launch (model.launch_key)
+    # is recorded as a CUDA graph (nanodllm/graphs.py) and later ones replay it, in this canvas and the next
+    # ones; a canvas's first step (no self-conditioning) is a kind of its own. Exact steps are recorded at once,
+    # a method's where its kind repeats the step before's (a kind that does not, a selecting step, runs eagerly)
+    recordings = Recordings(size=3) if GRAPHS_ENABLED and model.replayable else None
     dtype = model.embed_tokens.weight.dtype
     sampler_stats = softmax_stats if use_kernels(model.embed_tokens.weight) else softmax_stats_reference
     prefill = prompt_context(model, cache, prompt.tokens, prompt.valid, prompt_lengths)
@@ -160,13 +162,19 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             counted += ~(done | finished)
             ctx = context(canvas, step, x)
             kind = () if exact else method.step_kind(ctx)
-            attend_full = None if exact else partial(method.attend, ctx=ctx)
-            step_logits = lambda tokens, conditioning: method.logits(
-                model, model.denoised(tokens, cache, conditioning, attend_full), ctx)
-            if recordings is not None and self_conditioning is not None and kind is not None and kind == last_kind:
-                logits = recordings((cache.length, kind), step_logits, x, self_conditioning)
+
+            def step_logits(tokens, positions, *last_logits, ctx=ctx):  # a recording's inputs where it replays
+                ctx = replace(ctx, tokens=tokens, positions=positions)
+                attend_full = None if exact else partial(method.attend, ctx=ctx)
+                hidden = model.denoised(tokens, cache, last_logits[0] if last_logits else None, attend_full)
+                return method.logits(model, hidden, ctx)
+
+            inputs = (x, ctx.positions) + (() if self_conditioning is None else (self_conditioning,))
+            key = (kind, self_conditioning is None, *model.launch_key(cache, size))
+            if recordings is not None and kind is not None and (exact or kind == last_kind or key in recordings):
+                logits = recordings(key, step_logits, *inputs)
             else:
-                logits = step_logits(x, self_conditioning)
+                logits = step_logits(*inputs)
             last_kind = kind
             # z = logits / T: z in the weights' dtype (the next step's self-conditioning), argmax z, the
             # entropies and softmax(z), [b, size, V] floats read a few times on the kernels, some twenty in torch

@@ -38,6 +38,9 @@ class Recordings:
         self.replays = 0
         self.pool = None
 
+    def __contains__(self, key) -> bool:
+        return key in self.recorded
+
     def __call__(self, key, fn, *inputs: torch.Tensor):
         recording = self.recorded.pop(key, None)
         if recording is None:

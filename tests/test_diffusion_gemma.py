@@ -184,6 +184,36 @@ def test_the_encoders_full_layers_on_the_kernel_equal_attend(monkeypatch):
             assert (a.float() - b.float()).abs().max() < 2e-2 * b.float().abs().max(), layer
 
 
+@torch.no_grad()  # the kernels run outside autograd
+def test_the_denoisers_full_layers_on_the_kernel_equal_attend(monkeypatch):
+    """A denoising step's full layers on flash_attention read the cache's slots up to its launch bound, each row's
+    own tokens then the canvas, the slots after (noise here) hidden (GemmaCache.full_launch): float16 (Triton's
+    interpreter on a CPU) against attend over the keys by position, the logits after a left-padded prompt and a
+    commit, on random weights with full layers of head_dim 64."""
+    import nanodllm.attention as attention_module
+
+    raw = copy.deepcopy(RAW)
+    raw["text_config"]["global_head_dim"] = 64
+    torch.manual_seed(0)
+    model = build_random(ModelConfig.from_dict(raw, source="test"), device=DEVICE, dtype=torch.float16)
+    prompt, committed = GOLDEN["prompt"].to(DEVICE), GOLDEN["committed"].to(DEVICE)
+    valid = torch.ones_like(prompt, dtype=torch.bool)
+    valid[1, :4] = False
+
+    def denoised():
+        cache = model.empty_cache(2)
+        for buffer in filter(lambda x: x is not None, cache.full.keys + cache.full.values):
+            buffer.normal_(generator=torch.Generator(DEVICE).manual_seed(1))  # slots no row has written: noise
+        model.encode(prompt, cache, valid)
+        model.encode(committed, cache)
+        return model.denoise(GOLDEN["next_canvas"].to(DEVICE), cache), cache.full.launch_length(8) - cache.length
+
+    expected, _ = denoised()
+    monkeypatch.setattr(attention_module, "KERNEL_DEVICES", ("cuda", "cpu"))
+    got, hidden_tail = denoised()
+    assert hidden_tail > 0 and (got - expected).abs().max() < 2e-2 * expected.abs().max()
+
+
 @pytest.mark.parametrize("head_dim", [16, 512])
 def test_attention_of_grouped_heads_with_and_without_a_mask(head_dim):
     """attend on the test device (SDPA over each KV head's group on a GPU) against softmax(q k^T + mask) v

@@ -216,19 +216,23 @@ SPARSE = [("mage", {"k": 4}), ("sparsed", {"k": 4, "exact_fraction": 0.5}), ("qu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("name, knobs", [("dense", {})] + SPARSE)
 def test_replayed_steps_decode_what_eager_steps_decode(name, knobs, monkeypatch):
-    """On a GPU (bfloat16) a canvas's steps that repeat the step before replay a CUDA graph: the same
-    tokens and steps per canvas as eager steps, in a ragged batch over several canvases, dense and sparse."""
+    """On a GPU (bfloat16) a step of a kind recorded before, in its canvas or an earlier one, replays a CUDA
+    graph: the same tokens and steps per canvas as eager steps, in ragged batches over several canvases
+    (the second's prompts long enough that graphs outlive a commit), dense and sparse."""
     from nanodllm.loader import load_model
 
     model, run = load_model(FIXTURE, "cuda", torch.bfloat16), RUNS["ragged"]
-    gen = GenerationConfig(gen_length=run["canvases"] * 8, block_length=8, steps=STEPS)
-    decode_here = lambda: generate(model, run["prompts"], gen, get_method(name, **knobs), stop_ids=run["stop_ids"],
-                                   sampling=GemmaSampling(**run["sampler"], sample=False, seed=run["seed"]))
-    replayed = decode_here()
-    monkeypatch.setattr(gemma_loop, "GRAPHS_ENABLED", False)
-    eager = decode_here()
-    assert replayed.replays > 0 and eager.replays == 0
-    assert (replayed.tokens, replayed.steps_per_canvas) == (eager.tokens, eager.steps_per_canvas)
+    long_prompts = [list(range(3, 123)), list(range(40, 152))]
+    for prompts, canvases in ((run["prompts"], run["canvases"]), (long_prompts, 3)):
+        gen = GenerationConfig(gen_length=canvases * 8, block_length=8, steps=STEPS)
+        decode_here = lambda: generate(model, prompts, gen, get_method(name, **knobs), stop_ids=run["stop_ids"],
+                                       sampling=GemmaSampling(**run["sampler"], sample=False, seed=run["seed"]))
+        monkeypatch.setattr(gemma_loop, "GRAPHS_ENABLED", True)
+        replayed = decode_here()
+        monkeypatch.setattr(gemma_loop, "GRAPHS_ENABLED", False)
+        eager = decode_here()
+        assert replayed.replays > 0 and eager.replays == 0
+        assert (replayed.tokens, replayed.steps_per_canvas) == (eager.tokens, eager.steps_per_canvas)
 
 
 @contextlib.contextmanager
@@ -262,6 +266,9 @@ class Recorder:
     def __init__(self, size: int = 1):
         self.keys, self.replays, self.running = [], 0, False
 
+    def __contains__(self, key) -> bool:
+        return key in self.keys
+
     def __call__(self, key, fn, *inputs):
         self.replays += key in self.keys
         self.keys.append(key)
@@ -273,12 +280,14 @@ class Recorder:
 
 
 @torch.no_grad()  # the kernels run outside autograd
-@pytest.mark.parametrize("name, knobs", SPARSE)
-def test_the_sparse_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, monkeypatch):
-    """The steps the loop would record on a GPU (each canvas's repeats of the step before: MAGE's and
-    SparseD's sparse steps, never a selecting one) with full layers of head_dim 256, which the decode
-    kernels do not take (the chosen keys gathered for flash_attention; on a CPU in Triton's interpreter):
-    their attention asks the host nothing. (That replays decode what eager steps decode is the GPU test's.)"""
+@pytest.mark.parametrize("name, knobs", [("dense", {})] + SPARSE)
+def test_the_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, monkeypatch):
+    """The steps the loop would record on a GPU (exact steps, a canvas's first included, and the repeats of a
+    method's kind: MAGE's and SparseD's sparse steps, never a selecting one) with full layers of head_dim 256,
+    which the decode kernels do not take (on a CPU in Triton's interpreter): their attention asks the host
+    nothing, so a graph of a step replays in later canvases while its launch lasts (dense: a ragged batch
+    over three canvases, its cache long enough for the full layers' launch bound to hold over two). (That
+    replays decode what eager steps decode is the GPU test's.)"""
     import copy
 
     from nanodllm.config import ModelConfig
@@ -290,25 +299,30 @@ def test_the_sparse_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels
     raw["text_config"]["global_head_dim"] = 256
     torch.manual_seed(0)
     model = build_random(ModelConfig.from_dict(raw, source="test"), device=DEVICE, dtype=torch.float16)
-    prompts = [list(range(3, 27)), list(range(40, 58))]
-    gen = GenerationConfig(gen_length=8, block_length=8, steps=6)
+    long = name == "dense"
+    prompts = [list(range(3, 123)), list(range(40, 152))] if long else [list(range(3, 27)), list(range(40, 58))]
+    gen = GenerationConfig(gen_length=24 if long else 8, block_length=8, steps=2 if long else 6)
     sampling = GemmaSampling(sample=False, seed=0, confidence_threshold=1e-9)  # every step runs
 
     recorder, method = Recorder(), get_method(name, **knobs)
-    attend = method.attend
 
-    def attend_checked(layer, q, k, v, ctx):
-        with no_host_reads() if recorder.running else contextlib.nullcontext():
-            return attend(layer, q, k, v, ctx)
+    def checked(attend):
+        def attend_checked(*args, **kwargs):
+            with no_host_reads() if recorder.running else contextlib.nullcontext():
+                return attend(*args, **kwargs)
+        return attend_checked
 
-    method.attend = attend_checked
+    monkeypatch.setattr(method, "attend", checked(method.attend))
+    monkeypatch.setattr(DiffusionGemma, "attend_denoising", staticmethod(checked(DiffusionGemma.attend_denoising)))
     monkeypatch.setattr(gemma_loop, "Recordings", lambda size: recorder)
     monkeypatch.setattr(gemma_loop, "GRAPHS_ENABLED", True)
     monkeypatch.setattr(DiffusionGemma, "replayable", property(lambda self: True))
     generate(model, prompts, gen, method, stop_ids=(), sampling=sampling)
-    kinds = {kind for _, kind in recorder.keys}
-    expected = {"mage": {("sparse",)}, "sparsed": {("exact",), ("sparse",)}, "quest": {()}}[name]
+    kinds = {key[0] for key in recorder.keys}
+    expected = {"dense": {()}, "mage": {("sparse",)}, "sparsed": {("exact",), ("sparse",)}, "quest": {()}}[name]
     assert recorder.replays > 0 and kinds == expected
+    first_steps = [key for key in recorder.keys if key[1]]  # one a canvas, where recorded
+    assert not long or len(set(first_steps)) < len(first_steps) == 3
 
 
 @torch.no_grad()  # the kernels run outside autograd
