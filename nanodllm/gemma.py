@@ -327,9 +327,10 @@ class GemmaCache:
                 order = (~valid).long().argsort(dim=1, stable=True)[:, None, :, None].expand_as(k)  # valid first
                 self.full.write(layer, k.gather(2, order), v.gather(2, order), valid.sum(dim=1))
             return
-        positions, slots = self.tail(t)
-        self.keys[layer][:, :, slots] = k[:, :, t - len(positions):]
-        self.values[layer][:, :, slots] = v[:, :, t - len(positions):]
+        kept = min(t, self.ring)  # the ring's slots of the last `kept` tokens, from the device-side position
+        slots = (self.start + t - kept + torch.arange(kept, device=k.device)) % self.ring
+        self.keys[layer].index_copy_(2, slots, k[:, :, t - kept:])
+        self.values[layer].index_copy_(2, slots, v[:, :, t - kept:])
 
     def advance(self, valid: torch.Tensor):
         """valid [batch, t]: which of the t tokens just appended are not padding. The sliding layers' windows
@@ -356,8 +357,8 @@ class GemmaCache:
             self.window_valid, self.window_width = self.valid.new_empty(len(self.valid), filled), filled
         for layer, window in enumerate(self.windows):
             if window is not None:
-                keys, values = window
-                keys[:, :, :filled], values[:, :, :filled] = self.keys[layer][:, :, order], self.values[layer][:, :, order]
+                window[0][:, :, :filled] = self.keys[layer][:, :, order]
+                window[1][:, :, :filled] = self.values[layer][:, :, order]
         self.window_valid.copy_(self.valid[:, self.slot_positions[order]])
 
     def window(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -430,50 +431,74 @@ class DiffusionGemma(nn.Module):
         at left pads, which no other token sees (None: no pads). attend_full(layer, q, k, v): the full
         layers' causal attention among the ids, where the cache is empty (a method's prefill; default:
         exact). Returns the last hidden state (no use in decoding)."""
-        if attend_full is not None and cache.length:
-            raise ValueError("a method's prefill attention runs on the first encoder pass only (the cache is empty)")
-        positions = self.positions(cache, ids.shape[1])
-        x = self.embed(ids)
-        ropes = self.ropes(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            attend_here = partial(self.attend_encoding, cache, i, positions, valid)
-            if attend_full is not None and not layer.sliding:
-                attend_here = partial(self.attend_prefill, cache, i, valid, attend_full)
-            x = layer(x, ropes[layer.sliding], attend_here, layer.encoder_scalar)
+        x = self.encoded(ids, cache, valid, attend_full)
         cache.advance(torch.ones_like(ids, dtype=torch.bool) if valid is None else valid)
         return x
 
-    def attend_encoding(self, cache: GemmaCache, layer: int, positions, valid, q, k, v) -> torch.Tensor:
+    def encoded(self, ids: torch.Tensor, cache: GemmaCache, valid: torch.Tensor | None = None,
+                attend_full=None) -> torch.Tensor:
+        """encode's layers, each writing its K/V into the cache; the cache's length is not moved (cache.advance
+        does that). Without pads and on the kernels a commit asks the host nothing, so a graph of it replays."""
+        if attend_full is not None and cache.length:
+            raise ValueError("a method's prefill attention runs on the first encoder pass only (the cache is empty)")
+        x = self.embed(ids)
+        ropes = self.ropes(self.positions(cache, ids.shape[1]), x.dtype)
+        for i, layer in enumerate(self.layers):
+            attend_here = partial(self.attend_encoding, cache, i, valid)
+            if attend_full is not None and not layer.sliding:
+                attend_here = partial(self.attend_prefill, cache, i, valid, attend_full)
+            x = layer(x, ropes[layer.sliding], attend_here, layer.encoder_scalar)
+        return x
+
+    def attend_encoding(self, cache: GemmaCache, layer: int, valid, q, k, v) -> torch.Tensor:
         """The new tokens against the cached ones and themselves, causally (a sliding layer: within the
         window), pads seen by none; then their K/V join the cache. A full layer on the kernels runs
-        flash_attention; otherwise ENCODE_CHUNK queries at a time attend to the keys they may see."""
-        if cache.sliding[layer]:
-            cached_k, cached_v, cached_positions = cache.ring_in_order(layer)
-            cached_valid, window = cache.valid[:, cached_positions], self.cfg.gemma.sliding_window
+        flash_attention (after a cache with no new pads: attend_after_cache); otherwise ENCODE_CHUNK queries
+        at a time attend to the keys they may see."""
+        t = q.shape[2]
+        if cache.sliding[layer]:  # the window in position order, then the new tokens
+            (keys, values), cached_valid = cache.window(layer, k, v), cache.window_valid
+            window = self.cfg.gemma.sliding_window
+        elif flash_on_kernels(q) and valid is None and cache.length:
+            out = self.attend_after_cache(cache, layer, q, k, v)
+            cache.append(layer, k, v, valid)
+            return out
         else:
             (cached_k, cached_v), cached_valid, window = cache.full_in_place(layer), cache.valid, None
-        keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
-        key_valid = F.pad(cached_valid, (0, q.shape[2]), value=True) if valid is None else \
-            torch.cat([cached_valid, valid], dim=1)
+            keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
+        key_valid = F.pad(cached_valid, (0, t), value=True) if valid is None else torch.cat([cached_valid, valid], 1)
         if window is None and flash_on_kernels(q):  # the new tokens are the last keys
             out = flash_attention(q, keys, values, causal=True, k_valid=key_valid, scale=1.0)
         else:
-            # cached keys hold the positions just before the new ones: key j sits at position j + first
-            first, cached = cache.length - cached_k.shape[2], cached_k.shape[2]
-            key_positions = first + torch.arange(keys.shape[2], device=q.device)
+            # the cached keys hold the positions just before the new ones: key j sits `offsets[j]` after the first
+            cached = keys.shape[2] - t
+            offsets = torch.arange(keys.shape[2], device=q.device) - cached
             chunks = []
-            for start in range(0, q.shape[2], ENCODE_CHUNK):
-                rows = positions[start : start + ENCODE_CHUNK]
+            for start in range(0, t, ENCODE_CHUNK):
+                rows = torch.arange(start, min(start + ENCODE_CHUNK, t), device=q.device)  # the same, of queries
                 lo = 0 if window is None else max(0, cached + start - window + 1)  # keys before are out of reach
                 hi = cached + start + len(rows)
-                seen = key_positions[None, lo:hi] <= rows[:, None]
+                seen = offsets[None, lo:hi] <= rows[:, None]
                 if window is not None:
-                    seen &= key_positions[None, lo:hi] > rows[:, None] - window
+                    seen &= offsets[None, lo:hi] > rows[:, None] - window
                 chunks.append(attend(q[:, :, start : start + len(rows)], keys[:, :, lo:hi], values[:, :, lo:hi],
                                      seen[None] & key_valid[:, None, lo:hi]))
             out = torch.cat(chunks, dim=2)
         cache.append(layer, k, v, valid)
         return out
+
+    @staticmethod
+    def attend_after_cache(cache: GemmaCache, layer: int, q, k, v) -> torch.Tensor:
+        """A full layer's new tokens (no pads) on flash_attention in two parts merged by their log-sum-exps: against
+        every cached key, read in place up to the launch bound (the slots after each row's hidden), and among
+        themselves, causally. No host number but the bound, which lasts many commits."""
+        width = cache.full.launch_length(q.shape[2])
+        cached_k, cached_v = (x[layer][:, :width].transpose(1, 2) for x in (cache.full.keys, cache.full.values))
+        cached_valid = torch.arange(width, device=q.device)[None, :] < cache.full.lengths[:, None]
+        parts = (flash_attention(q, cached_k, cached_v, k_valid=cached_valid, scale=1.0, return_lse=True),
+                 flash_attention(q, k, v, causal=True, scale=1.0, return_lse=True))
+        lse = torch.logaddexp(parts[0][1], parts[1][1])[..., None]  # [b, heads, t, 1]; the causal part sees a key
+        return sum(out.float() * (part_lse[..., None] - lse).exp() for out, part_lse in parts).to(q.dtype)
 
     @staticmethod
     def attend_prefill(cache: GemmaCache, layer: int, valid, attend_full, q, k, v) -> torch.Tensor:

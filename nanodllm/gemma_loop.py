@@ -142,14 +142,19 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     # the model allows, a step of a kind (the method's step_kind; None: eager) and a launch (model.launch_key)
     # is recorded as a CUDA graph (nanodllm/graphs.py) and later ones replay it, in this canvas and the next
     # ones; a canvas's first step (no self-conditioning) is a kind of its own. Exact steps are recorded at once,
-    # a method's where its kind repeats the step before's (a kind that does not, a selecting step, runs eagerly)
-    recordings = Recordings(size=3) if GRAPHS_ENABLED and model.replayable else None
+    # a method's where its kind repeats the step before's (a kind that does not, a selecting step, runs eagerly);
+    # so is a commit (the encoder's pass over a canvas)
+    recordings = Recordings(size=4) if GRAPHS_ENABLED and model.replayable else None
     dtype = model.embed_tokens.weight.dtype
     sampler_stats = softmax_stats if use_kernels(model.embed_tokens.weight) else softmax_stats_reference
     prefill = prompt_context(model, cache, prompt.tokens, prompt.valid, prompt_lengths)
     prefill_full = partial(method.attend, ctx=prefill) if method.sparse_prefill else None
     for canvas in range(canvases):
-        model.encode(to_encode, cache, valid, prefill_full if canvas == 0 else None)
+        if canvas and recordings is not None:  # a commit's layers as a graph too, the cache's length moved after
+            recordings(("commit", *model.launch_key(cache, size)), partial(model.encoded, cache=cache), to_encode)
+            cache.advance(torch.ones_like(to_encode, dtype=torch.bool))
+        else:
+            model.encode(to_encode, cache, valid, prefill_full if canvas == 0 else None)
         forwards += 1
         x = argmax = noise()  # [b, size]
         self_conditioning = None

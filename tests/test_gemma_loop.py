@@ -283,10 +283,11 @@ class Recorder:
 @pytest.mark.parametrize("name, knobs", [("dense", {})] + SPARSE)
 def test_the_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, monkeypatch):
     """The steps the loop would record on a GPU (exact steps, a canvas's first included, and the repeats of a
-    method's kind: MAGE's and SparseD's sparse steps, never a selecting one) with full layers of head_dim 256,
+    method's kind: MAGE's and SparseD's sparse steps, never a selecting one) and its commits (the encoder's
+    pass over a canvas: the full layers in two parts, the windows' new tokens) with full layers of head_dim 256,
     which the decode kernels do not take (on a CPU in Triton's interpreter): their attention asks the host
     nothing, so a graph of a step replays in later canvases while its launch lasts (dense: a ragged batch
-    over three canvases, its cache long enough for the full layers' launch bound to hold over two). (That
+    over four canvases, its cache long enough for the full layers' launch bound to hold over two). (That
     replays decode what eager steps decode is the GPU test's.)"""
     import copy
 
@@ -301,7 +302,7 @@ def test_the_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, mo
     model = build_random(ModelConfig.from_dict(raw, source="test"), device=DEVICE, dtype=torch.float16)
     long = name == "dense"
     prompts = [list(range(3, 123)), list(range(40, 152))] if long else [list(range(3, 27)), list(range(40, 58))]
-    gen = GenerationConfig(gen_length=24 if long else 8, block_length=8, steps=2 if long else 6)
+    gen = GenerationConfig(gen_length=32 if long else 8, block_length=8, steps=2 if long else 6)
     sampling = GemmaSampling(sample=False, seed=0, confidence_threshold=1e-9)  # every step runs
 
     recorder, method = Recorder(), get_method(name, **knobs)
@@ -314,15 +315,17 @@ def test_the_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, mo
 
     monkeypatch.setattr(method, "attend", checked(method.attend))
     monkeypatch.setattr(DiffusionGemma, "attend_denoising", staticmethod(checked(DiffusionGemma.attend_denoising)))
+    monkeypatch.setattr(DiffusionGemma, "attend_encoding", checked(DiffusionGemma.attend_encoding))
     monkeypatch.setattr(gemma_loop, "Recordings", lambda size: recorder)
     monkeypatch.setattr(gemma_loop, "GRAPHS_ENABLED", True)
     monkeypatch.setattr(DiffusionGemma, "replayable", property(lambda self: True))
     generate(model, prompts, gen, method, stop_ids=(), sampling=sampling)
-    kinds = {key[0] for key in recorder.keys}
+    steps = [key for key in recorder.keys if key[0] != "commit"]
+    commits = [key for key in recorder.keys if key[0] == "commit"]  # one after each canvas but the last
     expected = {"dense": {()}, "mage": {("sparse",)}, "sparsed": {("exact",), ("sparse",)}, "quest": {()}}[name]
-    assert recorder.replays > 0 and kinds == expected
-    first_steps = [key for key in recorder.keys if key[1]]  # one a canvas, where recorded
-    assert not long or len(set(first_steps)) < len(first_steps) == 3
+    assert recorder.replays > 0 and {key[0] for key in steps} == expected and len(commits) == gen.gen_length // 8 - 1
+    first_steps = [key for key in steps if key[1]]  # one a canvas, where recorded
+    assert not long or (len(set(first_steps)) < len(first_steps) == 4 and len(set(commits)) < len(commits))
 
 
 @torch.no_grad()  # the kernels run outside autograd
