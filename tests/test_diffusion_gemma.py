@@ -156,27 +156,38 @@ def test_encoding_a_few_queries_at_a_time_equals_all_at_once(chunk, monkeypatch)
     assert (model.denoise(canvas, chunked) - model.denoise(canvas, whole)).abs().max() < 1e-9
 
 
-@torch.no_grad()  # the kernels run outside autograd
-def test_the_encoders_full_layers_on_the_kernel_equal_attend(monkeypatch):
-    """flash_attention (causal, scale 1, a left-padded row's pads hidden) in a prompt's pass and in a
-    commit's (new keys after the cached ones), float16 (Triton's interpreter on a CPU), against attend:
-    every layer's cache after both, on random weights with full layers of head_dim 64."""
-    import nanodllm.attention as attention_module
-
+def model_of_wide_full_layers() -> DiffusionGemma:
+    """Random float16 weights of the fixture's shapes but full layers of head_dim 64, which the kernels take."""
     raw = copy.deepcopy(RAW)
     raw["text_config"]["global_head_dim"] = 64
     torch.manual_seed(0)
-    model = build_random(ModelConfig.from_dict(raw, source="test"), device=DEVICE, dtype=torch.float16)
-    prompt, committed = GOLDEN["prompt"].to(DEVICE), GOLDEN["committed"].to(DEVICE)
+    return build_random(ModelConfig.from_dict(raw, source="test"), device=DEVICE, dtype=torch.float16)
+
+
+def prompt_and_commit(model) -> GemmaCache:
+    """A cache after the golden prompt (its second row with 4 left pads) and a commit; the full layers' slots that
+    no row has written hold noise, which no key may read."""
+    cache = model.empty_cache(2)
+    for buffer in filter(lambda x: x is not None, cache.full.keys + cache.full.values):
+        buffer.normal_(generator=torch.Generator(DEVICE).manual_seed(1))
+    prompt = GOLDEN["prompt"].to(DEVICE)
     valid = torch.ones_like(prompt, dtype=torch.bool)
     valid[1, :4] = False
+    model.encode(prompt, cache, valid)
+    model.encode(GOLDEN["committed"].to(DEVICE), cache)
+    return cache
 
-    def encoded():
-        cache = model.empty_cache(2)
-        model.encode(prompt, cache, valid)
-        model.encode(committed, cache)
-        return [cache.in_order(layer) for layer in range(model.cfg.num_layers)]
 
+@torch.no_grad()  # the kernels run outside autograd
+def test_the_encoders_full_layers_on_the_kernel_equal_attend(monkeypatch):
+    """flash_attention (causal, scale 1, a left-padded row's pads hidden) in a prompt's pass, and in a commit's
+    the cached keys read in place up to the launch bound merged with the new ones' causal part
+    (attend_after_cache), float16 (Triton's interpreter on a CPU), against attend: every layer's cache after
+    both, on random weights with full layers of head_dim 64."""
+    import nanodllm.attention as attention_module
+
+    model = model_of_wide_full_layers()
+    encoded = lambda: [prompt_and_commit(model).in_order(layer) for layer in range(model.cfg.num_layers)]
     expected = encoded()
     monkeypatch.setattr(attention_module, "KERNEL_DEVICES", ("cuda", "cpu"))
     for layer, (got, want) in enumerate(zip(encoded(), expected)):
@@ -192,20 +203,10 @@ def test_the_denoisers_full_layers_on_the_kernel_equal_attend(monkeypatch):
     commit, on random weights with full layers of head_dim 64."""
     import nanodllm.attention as attention_module
 
-    raw = copy.deepcopy(RAW)
-    raw["text_config"]["global_head_dim"] = 64
-    torch.manual_seed(0)
-    model = build_random(ModelConfig.from_dict(raw, source="test"), device=DEVICE, dtype=torch.float16)
-    prompt, committed = GOLDEN["prompt"].to(DEVICE), GOLDEN["committed"].to(DEVICE)
-    valid = torch.ones_like(prompt, dtype=torch.bool)
-    valid[1, :4] = False
+    model = model_of_wide_full_layers()
 
     def denoised():
-        cache = model.empty_cache(2)
-        for buffer in filter(lambda x: x is not None, cache.full.keys + cache.full.values):
-            buffer.normal_(generator=torch.Generator(DEVICE).manual_seed(1))  # slots no row has written: noise
-        model.encode(prompt, cache, valid)
-        model.encode(committed, cache)
+        cache = prompt_and_commit(model)
         return model.denoise(GOLDEN["next_canvas"].to(DEVICE), cache), cache.full.launch_length(8) - cache.length
 
     expected, _ = denoised()
