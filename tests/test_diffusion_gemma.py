@@ -131,6 +131,23 @@ def test_encoding_in_pieces_equals_encoding_at_once(pieces):
 
 
 @torch.no_grad()
+def test_a_commit_refills_the_windows_where_they_lie():
+    """Once the rings are full a commit lays each sliding layer's window out again in the same storage (a step's
+    graph reads it there in later canvases): the ring by position, and the device-side position moves with it."""
+    model = load_reference(FIXTURE, dtype=torch.float64)
+    cache = model.empty_cache(2)
+    model.encode(GOLDEN["prompt"], cache)
+    storage = [(keys.data_ptr(), values.data_ptr()) for keys, values in filter(None, cache.windows)]
+    model.encode(GOLDEN["committed"], cache)
+    assert [(keys.data_ptr(), values.data_ptr()) for keys, values in filter(None, cache.windows)] == storage
+    for layer, window in enumerate(cache.windows):
+        if window is not None:
+            for laid_out, ring in zip(window, cache.ring_in_order(layer)):
+                assert torch.equal(laid_out[:, :, : cache.window_width], ring)
+    assert int(cache.start) == cache.length == GOLDEN["prompt"].shape[1] + GOLDEN["committed"].shape[1]
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("chunk", [1, 3, 7])
 def test_encoding_a_few_queries_at_a_time_equals_all_at_once(chunk, monkeypatch):
     """ENCODE_CHUNK query rows at a time, each against the keys in its reach (a sliding layer's window,
