@@ -296,23 +296,25 @@ class GemmaCache:
         index = slots[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
         return keys.gather(2, index), values.gather(2, index)
 
-    def full_launch(self, layer: int, t: int):
-        """(keys, values, key_valid) of a full layer with t canvas tokens written after each row's: the slots up
-        to the launch bound (KVCache.launch_length, a shape that lasts many canvases), those past a row's
-        tokens and canvas hidden (flash_attention does not read them). Keys in token order, not transformers'."""
+    def full_launch(self, layer: int, t: int, canvas: bool = True):
+        """(keys, values, key_valid) of a full layer with t canvas tokens after each row's: the slots up to the
+        launch bound (KVCache.launch_length, a shape that lasts many canvases), those past a row's tokens and
+        canvas hidden (flash_attention does not read them), its canvas too where not `canvas` (a commit attends
+        to its new tokens apart). Keys in token order, not transformers'."""
         width = self.full.launch_length(t)
         keys, values = (x[layer][:, :width].transpose(1, 2) for x in (self.full.keys, self.full.values))
-        key_valid = torch.arange(width, device=keys.device)[None, :] < (self.full.lengths + t)[:, None]
-        return keys, values, key_valid
+        seen = self.full.lengths + t if canvas else self.full.lengths
+        return keys, values, torch.arange(width, device=keys.device)[None, :] < seen[:, None]
 
     def in_order(self, layer: int):
         """(keys, values) [batch, kv_heads, n, head_dim] held for `layer`, by position."""
         return self.ring_in_order(layer)[:2] if self.sliding[layer] else self.full_in_place(layer)
 
-    def tail(self, t: int):
-        """(positions, slots) of what a ring keeps of t new tokens: the last min(t, ring)."""
+    def tail(self, t: int, start):
+        """(positions, slots) of what a ring keeps of t new tokens after position `start` (the host's length, or
+        the device's `start` inside a step's graph): the last min(t, ring)."""
         kept = min(t, self.ring)
-        positions = self.length + t - kept + torch.arange(kept, device=self.slot_positions.device)
+        positions = start + t - kept + torch.arange(kept, device=self.slot_positions.device)
         return positions, positions % self.ring
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None):
@@ -327,17 +329,16 @@ class GemmaCache:
                 order = (~valid).long().argsort(dim=1, stable=True)[:, None, :, None].expand_as(k)  # valid first
                 self.full.write(layer, k.gather(2, order), v.gather(2, order), valid.sum(dim=1))
             return
-        kept = min(t, self.ring)  # the ring's slots of the last `kept` tokens, from the device-side position
-        slots = (self.start + t - kept + torch.arange(kept, device=k.device)) % self.ring
-        self.keys[layer].index_copy_(2, slots, k[:, :, t - kept:])
-        self.values[layer].index_copy_(2, slots, v[:, :, t - kept:])
+        positions, slots = self.tail(t, self.start)
+        self.keys[layer].index_copy_(2, slots, k[:, :, t - len(positions):])
+        self.values[layer].index_copy_(2, slots, v[:, :, t - len(positions):])
 
     def advance(self, valid: torch.Tensor):
         """valid [batch, t]: which of the t tokens just appended are not padding. The sliding layers' windows
         are laid out again, once for the denoising steps before the next commit."""
         t = valid.shape[1]
         self.valid = torch.cat([self.valid, valid], dim=1)
-        positions, slots = self.tail(t)
+        positions, slots = self.tail(t, self.length)
         self.slot_positions[slots] = positions
         self.full.advance(valid.sum(dim=1))
         self.length += t
@@ -492,9 +493,7 @@ class DiffusionGemma(nn.Module):
         """A full layer's new tokens (no pads) on flash_attention in two parts merged by their log-sum-exps: against
         every cached key, read in place up to the launch bound (the slots after each row's hidden), and among
         themselves, causally. No host number but the bound, which lasts many commits."""
-        width = cache.full.launch_length(q.shape[2])
-        cached_k, cached_v = (x[layer][:, :width].transpose(1, 2) for x in (cache.full.keys, cache.full.values))
-        cached_valid = torch.arange(width, device=q.device)[None, :] < cache.full.lengths[:, None]
+        cached_k, cached_v, cached_valid = cache.full_launch(layer, q.shape[2], canvas=False)
         parts = (flash_attention(q, cached_k, cached_v, k_valid=cached_valid, scale=1.0, return_lse=True),
                  flash_attention(q, k, v, causal=True, scale=1.0, return_lse=True))
         lse = torch.logaddexp(parts[0][1], parts[1][1])[..., None]  # [b, heads, t, 1]; the causal part sees a key
