@@ -28,6 +28,7 @@ from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.rmsnorm import rms_norm
 from nanodllm.kernels.rope import apply_rope
+from nanodllm.kernels.vocab_rows import soft_probs, softcap
 
 from .attention import FLASH_HEAD_DIMS, flash_on_kernels, use_kernels
 from .cache import KVCache
@@ -395,7 +396,10 @@ class DiffusionGemma(nn.Module):
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
         """softmax(logits) E * sqrt(hidden): the embedding of a token distribution [b, t, vocab]."""
         weight = self.embed_tokens.weight
-        probs = fp32_or_wider(logits).softmax(dim=-1).to(weight.dtype)
+        if use_kernels(weight):  # one kernel (kernels/vocab_rows.py) for torch's cast, softmax and cast back
+            probs = soft_probs(logits, weight.dtype)
+        else:
+            probs = fp32_or_wider(logits).softmax(dim=-1).to(weight.dtype)
         return probs @ weight * torch.tensor(self.cfg.hidden_size**0.5).to(weight.dtype)
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, GemmaRope]:
@@ -553,4 +557,6 @@ class DiffusionGemma(nn.Module):
         tied embedding."""
         cap = self.cfg.gemma.logit_softcap
         logits = F.linear(self.norm(hidden[:, start:stop]), self.embed_tokens.weight)
+        if use_kernels(logits):  # one pass (kernels/vocab_rows.py) for torch's four
+            return softcap(logits, cap)
         return torch.tanh(fp32_or_wider(logits) / cap) * cap

@@ -162,7 +162,7 @@ def diffusiongemma(setup):
     passes = prompt_passes(model, contexts, device)
     for batch in batches:
         canvas = torch.randint(0, vocab, (batch, size), device=device)
-        logits = torch.randn(batch, size, vocab, device=device)
+        logits = torch.randn(batch, size, vocab, device=device, dtype=dtype)  # z, as the loop passes it
         for context in contexts:
             cache = filled_cache(model, batch, context)
             with torch.no_grad():

@@ -288,6 +288,26 @@ def test_the_norms_on_the_kernel_equal_their_torch_form(weighted, kernels_on):
 
 
 @torch.no_grad()  # the kernels run outside autograd
+def test_the_head_and_the_soft_embedding_on_the_kernels_equal_their_torch_form(kernels_on, monkeypatch):
+    """The softcapped head and the self-conditioning's softmax through kernels/vocab_rows.py (float16;
+    Triton's interpreter on a CPU) give the torch form's logits and embedding."""
+    generator = torch.Generator().manual_seed(5)
+    model = load_reference(FIXTURE, device=DEVICE, dtype=torch.float16)
+    hidden = torch.randn(2, 7, model.cfg.hidden_size, generator=generator).half().to(DEVICE)
+    z = (4 * torch.randn(2, 7, model.cfg.vocab_size, generator=generator)).half().to(DEVICE)
+    calls = []
+    for name in ("softcap", "soft_probs"):
+        kernel = getattr(gemma_module, name)
+        monkeypatch.setattr(gemma_module, name, lambda *a, kernel=kernel: calls.append(kernel) or kernel(*a))
+    got = model.head(hidden, 2), model.soft_embedding(z)
+    with torch.enable_grad():  # the kernels run outside autograd: this is the torch form
+        expected = model.head(hidden, 2).detach(), model.soft_embedding(z).detach()
+    assert len(calls) == 2
+    torch.testing.assert_close(got[0], expected[0], rtol=2e-6, atol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], rtol=2e-3, atol=2e-3)
+
+
+@torch.no_grad()  # the kernels run outside autograd
 @pytest.mark.parametrize("head_dim, pairs", [(64, 32), (128, 16)])  # full turn; proportional (a quarter)
 def test_rope_on_the_kernel_equals_its_torch_form_bit_for_bit(head_dim, pairs, kernels_on):
     """GemmaRope through kernels/rope.py (float16; Triton's interpreter on a CPU) on a head-major view of
