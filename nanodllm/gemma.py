@@ -298,14 +298,14 @@ class GemmaCache:
         return keys.gather(2, index), values.gather(2, index)
 
     def full_launch(self, layer: int, t: int, canvas: bool = True):
-        """(keys, values, key_valid) of a full layer with t canvas tokens after each row's: the slots up to the
-        launch bound (KVCache.launch_length, a shape that lasts many canvases), those past a row's tokens and
-        canvas hidden (flash_attention does not read them), its canvas too where not `canvas` (a commit attends
-        to its new tokens apart). Keys in token order, not transformers'."""
-        width = self.full.launch_length(t)
-        keys, values = (x[layer][:, :width].transpose(1, 2) for x in (self.full.keys, self.full.values))
+        """(keys, values, key_valid) of a full layer with t canvas tokens after each row's: every slot of the
+        cache, those past a row's tokens and canvas hidden, its canvas too where not `canvas` (a commit attends
+        to its new tokens apart). flash_attention visits no key tile past a row's last visible key, so the
+        hidden tail costs nothing and the launch's shape lasts the whole generation. Keys in token order, not
+        transformers'."""
+        keys, values = (x[layer].transpose(1, 2) for x in (self.full.keys, self.full.values))
         seen = self.full.lengths + t if canvas else self.full.lengths
-        return keys, values, torch.arange(width, device=keys.device)[None, :] < seen[:, None]
+        return keys, values, torch.arange(self.full.capacity, device=keys.device)[None, :] < seen[:, None]
 
     def in_order(self, layer: int):
         """(keys, values) [batch, kv_heads, n, head_dim] held for `layer`, by position."""
@@ -425,9 +425,9 @@ class DiffusionGemma(nn.Module):
 
     def launch_key(self, cache: GemmaCache, t: int) -> tuple:
         """The host numbers a denoising step of t tokens is launched with, which a CUDA graph of it keeps: the
-        full layers' key count (on the kernels a launch bound that lasts many canvases, KVCache.launch_length;
-        else the cache's length), the windows' width and whether pads are hidden."""
-        keys = cache.full.launch_length(t) if self.full_on_kernels() else cache.length
+        full layers' key count (on the kernels the cache's capacity, GemmaCache.full_launch; else its length),
+        the windows' width and whether pads are hidden."""
+        keys = cache.full.capacity if self.full_on_kernels() else cache.length
         return keys, cache.window_width, cache.has_pads
 
     def encode(self, ids: torch.Tensor, cache: GemmaCache, valid: torch.Tensor | None = None,
@@ -495,8 +495,8 @@ class DiffusionGemma(nn.Module):
     @staticmethod
     def attend_after_cache(cache: GemmaCache, layer: int, q, k, v) -> torch.Tensor:
         """A full layer's new tokens (no pads) on flash_attention in two parts merged by their log-sum-exps: against
-        every cached key, read in place up to the launch bound (the slots after each row's hidden), and among
-        themselves, causally. No host number but the bound, which lasts many commits."""
+        every cached key, read in place (the slots after each row's hidden: GemmaCache.full_launch), and among
+        themselves, causally. No host number but the cache's capacity."""
         cached_k, cached_v, cached_valid = cache.full_launch(layer, q.shape[2], canvas=False)
         parts = (flash_attention(q, cached_k, cached_v, k_valid=cached_valid, scale=1.0, return_lse=True),
                  flash_attention(q, k, v, causal=True, scale=1.0, return_lse=True))
@@ -534,8 +534,8 @@ class DiffusionGemma(nn.Module):
     def attend_denoising(cache: GemmaCache, layer: int, q, k, v) -> torch.Tensor:
         """The canvas against everything the cache holds for the layer but pads, and itself. The canvas K/V go
         to scratch slots (a full layer's after each row's tokens, a sliding layer's after its window in
-        order), so the keys are read in place: a full layer's on the kernels as the cache holds them, up to a
-        launch bound (GemmaCache.full_launch), else by position, in transformers' order."""
+        order), so the keys are read in place: a full layer's on the kernels as the cache holds them, every slot
+        (GemmaCache.full_launch), else by position, in transformers' order."""
         t = q.shape[2]
         if cache.sliding[layer]:
             keys, values = cache.window(layer, k, v)

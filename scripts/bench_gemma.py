@@ -4,8 +4,7 @@ Per context and batch: ms of one denoising step (a canvas of 256 against a cache
 self-conditioned), exact as the loop runs it (replayed from a CUDA graph) and eager, and MAGE's sparse
 step as the loop runs it (replayed; k = 1024 keys per KV head on the 5 full layers), ms of the encoder
 pass that commits a canvas, and ms of a canvas as generate() runs it at the released generation_config's
-48 steps (random weights never stop early): its replays (recordings where the launch bound moves), the
-sampler, its commit.
+48 steps (random weights never stop early): its replays, the sampler, its commit.
 Floor: the bytes a step reads (every weight but the embedding, which it reads twice: the
 self-conditioning's soft embedding and the tied head; the experts the step's tokens route to; every
 cached K/V of the full layers and the sliding rings) over the measured copy bandwidth. transformers: the
@@ -92,7 +91,7 @@ def mage_step(model, canvas, cache, logits, k: int):
 def loop_canvas_ms(model, batch: int, context: int) -> float:
     """ms of a canvas as the loop runs it: generate() after `batch` random prompts of `context` tokens, four
     canvases; the mean of the last three, each from its first step to the end of its commit (the first measures
-    launch settings; a later one records its steps' graphs again where the full layers' launch bound moves)."""
+    launch settings and records the steps' and the commit's graphs, which the later ones replay)."""
     prompts = torch.randint(0, model.cfg.vocab_size, (batch, context)).tolist()
     times = timed_generation(model, prompts, Dense(), model.cfg.gemma.canvas_length, STEPS_PER_CANVAS, blocks=4)[0]
     return sum(times) / len(times)

@@ -214,8 +214,8 @@ def test_the_encoders_full_layers_on_the_kernel_equal_attend(monkeypatch):
 
 @torch.no_grad()  # the kernels run outside autograd
 def test_the_denoisers_full_layers_on_the_kernel_equal_attend(monkeypatch):
-    """A denoising step's full layers on flash_attention read the cache's slots up to its launch bound, each row's
-    own tokens then the canvas, the slots after (noise here) hidden (GemmaCache.full_launch): float16 (Triton's
+    """A denoising step's full layers on flash_attention read every slot of the cache, each row's own tokens
+    then the canvas, the slots after (noise here) hidden (GemmaCache.full_launch): float16 (Triton's
     interpreter on a CPU) against attend over the keys by position, the logits after a left-padded prompt and a
     commit, on random weights with full layers of head_dim 64."""
     import nanodllm.attention as attention_module
@@ -224,7 +224,7 @@ def test_the_denoisers_full_layers_on_the_kernel_equal_attend(monkeypatch):
 
     def denoised():
         cache = prompt_and_commit(model)
-        return model.denoise(GOLDEN["next_canvas"].to(DEVICE), cache), cache.full.launch_length(8) - cache.length
+        return model.denoise(GOLDEN["next_canvas"].to(DEVICE), cache), cache.full.capacity - cache.length - 8
 
     expected, _ = denoised()
     monkeypatch.setattr(attention_module, "KERNEL_DEVICES", ("cuda", "cpu"))
