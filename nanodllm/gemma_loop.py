@@ -175,7 +175,10 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 return method.logits(model, hidden, ctx)
 
             inputs = (x, ctx.positions) + (() if self_conditioning is None else (self_conditioning,))
-            key = (kind, self_conditioning is None, *model.launch_key(cache, size))
+            # a method sizes its launches by the full layers' launch bound (KVCache.launch_length), which moves as
+            # the cache grows; the model's own attention reads the whole cache, a shape that lasts the generation
+            method_bound = () if exact else (cache.full.launch_length(size),)
+            key = (kind, self_conditioning is None, *model.launch_key(cache, size), *method_bound)
             if recordings is not None and kind is not None and (exact or kind == last_kind or key in recordings):
                 logits = recordings(key, step_logits, *inputs)
             else:

@@ -287,8 +287,8 @@ def test_the_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, mo
     pass over a canvas: the full layers in two parts, the windows' new tokens) with full layers of head_dim 256,
     which the decode kernels do not take (on a CPU in Triton's interpreter): their attention asks the host
     nothing, so a graph of a step replays in later canvases while its launch lasts (dense: a ragged batch
-    over four canvases, its cache long enough for the full layers' launch bound to hold over two). (That
-    replays decode what eager steps decode is the GPU test's.)"""
+    over four canvases, whose steps' and commits' launches last; a method's two canvases, where the launch
+    bound its attention is sized by moves). (That replays decode what eager steps decode is the GPU test's.)"""
     import copy
 
     from nanodllm.config import ModelConfig
@@ -302,7 +302,7 @@ def test_the_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, mo
     model = build_random(ModelConfig.from_dict(raw, source="test"), device=DEVICE, dtype=torch.float16)
     long = name == "dense"
     prompts = [list(range(3, 123)), list(range(40, 152))] if long else [list(range(3, 27)), list(range(40, 58))]
-    gen = GenerationConfig(gen_length=32 if long else 8, block_length=8, steps=2 if long else 6)
+    gen = GenerationConfig(gen_length=32 if long else 16, block_length=8, steps=2 if long else 6)
     sampling = GemmaSampling(sample=False, seed=0, confidence_threshold=1e-9)  # every step runs
 
     recorder, method = Recorder(), get_method(name, **knobs)
@@ -326,6 +326,8 @@ def test_the_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, mo
     assert recorder.replays > 0 and {key[0] for key in steps} == expected and len(commits) == gen.gen_length // 8 - 1
     first_steps = [key for key in steps if key[1]]  # one a canvas, where recorded
     assert not long or (len(set(first_steps)) < len(first_steps) == 4 and len(set(commits)) < len(commits))
+    # a method's steps are keyed on the launch bound its attention is sized by, which the commit moved here
+    assert long or len({key[-1] for key in steps}) == 2
 
 
 @torch.no_grad()  # the kernels run outside autograd
