@@ -141,6 +141,22 @@ def test_stage_is_exact_without_a_prefix_then_select_at_the_capture_step_and_spa
     assert [committing.stage(context(cache, steps, "commit")) for steps in (1, 4)] == ["sparse", "sparse"]
 
 
+def test_the_selection_is_as_wide_as_the_launch_bound_allows():
+    """On the torch path as on the kernels a selection holds min(k, the cache's launch bound) entries, the
+    first min(k, prefix) of them counted: its width moves only with the bound, on which a step's graph is
+    keyed (the loops replay sparse steps that read the selection's tensors)."""
+    generator = torch.Generator().manual_seed(0)
+    cache = KVCache(2, 1, 64, 2, 8, "cpu", torch.float32)
+    cache.keys[1].normal_(generator=generator)
+    cache.advance(torch.tensor([9]))
+    mage = get_method("mage", k=32, exact_layers=0)
+    q, k, v = (torch.randn(1, heads, 4, 8, generator=generator) for heads in (4, 2, 2))
+    mage.begin_block(context(cache, 0))
+    mage.attend(1, q, k, v, context(cache, 0))
+    indices, counts = mage.chosen[1]
+    assert indices.shape[-1] == min(32, cache.launch_length(4)) > 9 and counts.tolist() == [[9, 9]]
+
+
 def as_lists(chosen):
     """A Selection's keys per row and KV head, as sets."""
     return [[set(indices[:count].tolist()) for indices, count in zip(*row)]

@@ -119,6 +119,8 @@ class Mage(Method):
         if not decode_kernels_take(q):
             out = cache.attend(layer, q, k, v)
             scores = block_probabilities(q, cache.keys[layer], cache.lengths, cache.scale)
+            # zeros up to the launch bound, as on the kernels: the selection's width moves only with the bound
+            scores = torch.nn.functional.pad(scores, (0, cache.launch_length(k.shape[2]) - scores.shape[-1]))
             self.keep(layer, *select_top_k(scores, cache.lengths, self.k, on_kernels=False))
             return out
         cache.write(layer, k, v)
