@@ -1,5 +1,5 @@
 """kernels/vocab_rows.py (DiffusionGemma's softcapped head and self-conditioning softmax) against their torch
-forms: the softcap within float32 ulps of torch's tanh (the kernel's is 2 sigmoid(2x) - 1), the probabilities
+forms: the softcap within float32 ulps of torch's tanh (the kernel's is built from exp(-2|x|)), the probabilities
 to float32 rounding then the cast. Rows are drawn wider and narrower than a tile, from flat to sharp, with
 logits past the cap. Off the GPU the kernels run in Triton's interpreter."""
 
