@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from nanodllm.kernels.vocab_rows import BLOCK, soft_probs, soft_probs_reference, softcap, softcap_reference  # noqa: E402
+from nanodllm.kernels.vocab_rows import (BLOCK, soft_probs, soft_probs_reference, softcap,  # noqa: E402
+                                          softcap_reference)
 from tests.device import DEVICE  # noqa: E402
 
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
