@@ -162,14 +162,16 @@ class GemmaRouter(nn.Module):
 
 
 class GemmaExperts(nn.Module):
-    """Every expert's GELU MLP, stacked as stored: gate_up_proj [experts, 2 * size, hidden] (gate's rows,
-    then up's), down_proj [experts, hidden, size]."""
+    """The held experts' GELU MLPs (all of them in one process; a range of them on each rank of a split model,
+    nanodllm/parallel.py), stacked as stored: gate_up_proj [held, 2 * size, hidden] (gate's rows, then up's),
+    down_proj [held, hidden, size]. Tokens routed to experts held elsewhere get nothing from here."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, held: range | None = None):
         super().__init__()
         moe, hidden = cfg.moe, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.expert_size, hidden))
-        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.expert_size))
+        self.num_experts, self.held = moe.num_experts, range(moe.num_experts) if held is None else held
+        self.gate_up_proj = nn.Parameter(torch.empty(len(self.held), 2 * moe.expert_size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(len(self.held), hidden, moe.expert_size))
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [n, hidden]: each token's chosen experts' outputs times their weights, added expert by expert
@@ -178,9 +180,12 @@ class GemmaExperts(nn.Module):
             return self.grouped(x, chosen, weights)
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
+            if expert not in self.held:
+                continue
             slots, rows = (chosen == expert).T.nonzero(as_tuple=True)
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
+            e = expert - self.held.start
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
             out.index_add_(0, rows, (y * weights[rows, slots, None]).to(x.dtype))
         return out
 
@@ -191,13 +196,17 @@ class GemmaExperts(nn.Module):
         if len(x) > GROUPED_TOKENS:
             pieces = zip(*(t.split(GROUPED_TOKENS) for t in (x, chosen, weights)))
             return torch.cat([self.grouped(*piece) for piece in pieces])
-        order, ends = group_by_expert(chosen, len(self.gate_up_proj))
+        split = len(self.held) < self.num_experts  # held experts' rows first (numbered from the first), others last
+        ids = (chosen - self.held.start) % self.num_experts if split else chosen
+        order, ends = group_by_expert(ids, self.num_experts, len(self.held))
         rows = x[order // chosen.shape[1]]
-        if use_kernels(x) and beats_grouped_mm(len(rows), len(ends)):
+        if use_kernels(x) and beats_grouped_mm(len(rows), self.num_experts):
             y = expert_linear(expert_linear(rows, self.gate_up_proj, ends, "gelu_tanh"), self.down_proj, ends)
         else:
             gate, up = GROUPED_MM(rows, self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)
             y = GROUPED_MM(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, offs=ends)
+        if split:  # rows past the last group are left unwritten
+            y.masked_fill_(torch.arange(len(rows), device=x.device)[:, None] >= ends[-1], 0.0)
         return (moe_combine if use_kernels(y) else moe_combine_reference)(y, order, weights)
 
 

@@ -12,7 +12,7 @@ for DiffusionGemma); other layouts are refused by name. Tied embeddings: when th
 head and the config ties (or does not say), the head is the embedding matrix. build_random stands for a
 loaded model in benchmarks and tests. Both return once the first-use warm-up has finished. Given a group
 (nanodllm/parallel.py), each rank checks the whole checkpoint but reads only its parts. DiffusionGemma
-loads text only, into its reference model (nanodllm/gemma.py), unfused and whole.
+loads text only, into its reference model (nanodllm/gemma.py), unfused (split: its experts alone).
 """
 
 from __future__ import annotations
@@ -215,13 +215,9 @@ def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.bfloat16, group: Gro
     """A reference model with uninitialised parameters allocated once, in `dtype`, directly on `device`
     (built on the meta device first, so no CPU or fp32 copy of an 8B model is ever made); of a split
     model, this rank's share."""
-    if cfg.gemma is not None and group.world > 1:
-        raise NotImplementedError(f"{cfg.model_type} is not split over ranks yet: run it in one process")
     with torch.device("meta"):
-        if cfg.gemma is not None:
-            model = DiffusionGemma(cfg).to(dtype)
-        else:
-            model = shard(Model(local_config(cfg, group.world)), cfg, group).to(dtype)
+        reference = DiffusionGemma if cfg.gemma is not None else Model
+        model = shard(reference(local_config(cfg, group.world)), cfg, group).to(dtype)
     model.to_empty(device=device)
     if cfg.gemma is None:
         model.tie_weights()

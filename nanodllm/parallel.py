@@ -9,10 +9,10 @@ With N ranks (torchrun: one process per GPU on NCCL, or CPU processes on gloo), 
                 expert split as a dense MLP; routed and shared parts summed together     one all-reduce
     embedding   vocabulary rows [r V/N, (r+1) V/N); other ids give 0; summed             one all-reduce
     LM head     the same rows' logits; greedy picks from each rank's best and log-sum-exp      one all-gather
-Norms and the router are replicated. Every rank then holds the same hidden states and decisions and
-runs the same decoding loop, so all decode the same tokens (sampling at T > 0 gathers whole logit rows
-and needs the same seed on every rank). The loader builds model.py's modules of one rank's share
-(local_config), swaps in the ones below (shard) and reads each tensor's part of the checkpoint (local_part).
+Norms and the router are replicated; DiffusionGemma splits its experts alone (the rest whole on each rank).
+Every rank holds the same hidden states and decisions and runs the same loop, so all decode the same tokens
+(sampling at T > 0 gathers whole logit rows and needs one seed on every rank). The loader builds one rank's
+modules (local_config), swaps in the ones below (shard) and reads each tensor's part (local_part).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .gemma import GemmaExperts
 from .mlp import MLP, MoE, Router
 
 
@@ -92,7 +93,9 @@ def close():
 
 def split_numbers(cfg: ModelConfig) -> dict[str, int]:
     """What a split divides among the ranks, by name: heads, KV heads, vocabulary, the dense MLPs'
-    width (where a layer has one), experts and the shared expert's width."""
+    width (where a layer has one), experts and the shared expert's width; of DiffusionGemma, its experts."""
+    if cfg.gemma is not None:
+        return {"moe.num_experts": cfg.moe.num_experts}
     numbers = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size}
     if cfg.moe is None or cfg.moe.dense_layers:
         numbers["intermediate_size"] = cfg.intermediate_size
@@ -183,6 +186,17 @@ class ExpertParallelMoE(MoE):
         return self.group.all_reduce(super().forward(x))
 
 
+class ExpertParallelGemmaExperts(GemmaExperts):
+    """DiffusionGemma's experts [r E/N, (r+1) E/N) on rank r, their outputs summed over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, group: Group):
+        super().__init__(cfg, expert_range(cfg.moe.num_experts, group))
+        self.group = group
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x, chosen, weights))
+
+
 class VocabParallelHead(nn.Linear):
     """The LM head's rows of this rank's vocabulary: the logits of its vocabulary columns. Decoding at
     T = 0 reduces over the ranks' columns (decoding.most_likely); whole rows are gathered where a caller
@@ -196,8 +210,13 @@ class VocabParallelHead(nn.Linear):
 def shard(model, cfg: ModelConfig, group: Group):
     """model, built from local_config(cfg, group.world) on the meta device, with the modules that need the
     other ranks replaced by those above: o_proj, dense down_proj, each MoE, the embedding and the head (a tied
-    head shares the embedding's rows); model.cfg the whole config, each layer's cfg its share. World 1: as is."""
+    head shares the embedding's rows); model.cfg the whole config, each layer's cfg its share; of DiffusionGemma,
+    each layer's experts. World 1: as is."""
     if group.world == 1:
+        return model
+    if cfg.gemma is not None:
+        for layer in model.layers:
+            layer.experts = ExpertParallelGemmaExperts(cfg, group)
         return model
     local = model.cfg
     for layer in model.layers:
@@ -214,9 +233,9 @@ def shard(model, cfg: ModelConfig, group: Group):
 
 
 def group_of(model) -> Group:
-    """The group a model is split over (its embedding's), SINGLE for a whole model."""
-    embedding = model.embed_tokens
-    return embedding.group if isinstance(embedding, VocabParallelEmbedding) else SINGLE
+    """The group a model is split over (its embedding's, DiffusionGemma's experts'), SINGLE for a whole model."""
+    split = model.embed_tokens if model.cfg.gemma is None else model.layers[0].experts
+    return split.group if isinstance(split, (VocabParallelEmbedding, ExpertParallelGemmaExperts)) else SINGLE
 
 
 class Part(NamedTuple):
@@ -250,6 +269,7 @@ def split_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return split | {f"{name}.weight": (1, length) for name, length in columns.items()}
 
 
+GEMMA_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 EXPERT = re.compile(r"(?P<layer>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<rest>.+)")
 
 
@@ -259,6 +279,9 @@ def local_part(name: str, cfg: ModelConfig, group: Group) -> Part | None:
     local number) are held whole."""
     if group.world == 1:
         return Part(name)
+    if cfg.gemma is not None:  # its experts stacked [experts, ...]: this rank's rows
+        held = expert_range(cfg.moe.num_experts, group)
+        return Part(name, 0, held.start, len(held)) if name.endswith(GEMMA_EXPERTS) else Part(name)
     expert = EXPERT.fullmatch(name)
     if expert:
         held = expert_range(cfg.moe.num_experts, group)

@@ -24,7 +24,7 @@ import nanodllm.gemma as gemma_module
 from nanodllm.kernels.expert_linear import expert_linear, group_by_expert
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
-from nanodllm.gemma import DiffusionGemma, GemmaCache, GemmaRMSNorm, GemmaRope, attend, attend_keys
+from nanodllm.gemma import DiffusionGemma, GemmaCache, GemmaExperts, GemmaRMSNorm, GemmaRope, attend, attend_keys
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, load_reference
 from nanodllm.parallel import Group
 from tests.device import DEVICE
@@ -321,6 +321,16 @@ def test_rope_on_the_kernel_equals_its_torch_form_bit_for_bit(head_dim, pairs, k
     assert torch.equal(got, expected)
 
 
+def experts_layer(kernels: bool, request) -> tuple[torch.nn.Module, torch.dtype]:
+    """The fixture's second layer in float32, or on the kernels in bfloat16 on a GPU (float16 in Triton's
+    interpreter), and its dtype."""
+    if not kernels:
+        return MODEL.layers[1], torch.float32
+    request.getfixturevalue("kernels_on")
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    return copy.deepcopy(MODEL.layers[1]).to(DEVICE, dtype), dtype
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("kernels", [False, True])
 def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeypatch):
@@ -328,11 +338,7 @@ def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeyp
     on the kernels kernels/expert_linear.py's and kernels/moe_combine.py) against transformers' order on the
     fixture's experts: many tokens, every expert chosen, and a few, some experts idle. float32, on the
     kernels bfloat16 on a GPU and float16 in the interpreter, to the dtype's rounding."""
-    layer, dtype = MODEL.layers[1], torch.float32
-    if kernels:
-        request.getfixturevalue("kernels_on")
-        dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-        layer = copy.deepcopy(layer).to(DEVICE, dtype)
+    layer, dtype = experts_layer(kernels, request)
     device = layer.experts.down_proj.device
     calls = []
     monkeypatch.setattr(gemma_module, "expert_linear", lambda *a: calls.append(a[3:]) or expert_linear(*a))
@@ -348,6 +354,31 @@ def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeyp
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("kernels", [False, True])
+def test_the_ranks_shares_of_the_experts_sum_to_the_layer(kernels, request):
+    """A model split over ranks holds the experts in ranges (nanodllm/parallel.py): each share's grouped path
+    (the other ranks' rows after its last group, zeroed) and its loop give its experts' part, and the shares
+    sum to the whole layer's; no share alone is the whole. Two and four ranks, 200 tokens and 3."""
+    whole, dtype = experts_layer(kernels, request)
+    device, count = whole.experts.down_proj.device, MODEL.cfg.moe.num_experts
+    for world, tokens in ((2, 200), (4, 3)):
+        x = torch.randn(tokens, MODEL.cfg.hidden_size, generator=torch.Generator().manual_seed(world)).to(device, dtype)
+        chosen, weights = whole.router(x)
+        expected = whole.experts.grouped(x, chosen, weights).float()
+        grouped, looped = [], []
+        for rank in range(world):
+            held = range(rank * count // world, (rank + 1) * count // world)
+            share = GemmaExperts(MODEL.cfg, held).to(device, dtype)
+            share.gate_up_proj.copy_(whole.experts.gate_up_proj[held.start : held.stop])
+            share.down_proj.copy_(whole.experts.down_proj[held.start : held.stop])
+            grouped.append(share.grouped(x, chosen, weights).float())
+            looped.append(share(x.float(), chosen, weights).float() if not kernels else grouped[-1])
+        tolerance = (1e-5 if dtype == torch.float32 else 1e-2) * expected.abs().max()
+        assert (sum(grouped) - expected).abs().max() <= tolerance and (sum(looped) - expected).abs().max() <= tolerance
+        assert all((share - expected).abs().max() > tolerance for share in grouped)
+
+
+@torch.no_grad()
 def test_the_experts_take_a_long_pass_in_pieces(monkeypatch):
     """Past GROUPED_TOKENS tokens the grouped path runs piece by piece (a long prompt's gathered rows would
     not fit): the same outputs as in one piece, to float32 rounding (the matmuls' shapes change)."""
@@ -356,7 +387,7 @@ def test_the_experts_take_a_long_pass_in_pieces(monkeypatch):
     whole = layer.experts.grouped(x, chosen, weights)
     pieces = []
     monkeypatch.setattr(gemma_module, "GROUPED_TOKENS", 16)
-    monkeypatch.setattr(gemma_module, "group_by_expert", lambda c, n: pieces.append(len(c)) or group_by_expert(c, n))
+    monkeypatch.setattr(gemma_module, "group_by_expert", lambda c, *n: pieces.append(len(c)) or group_by_expert(c, *n))
     assert (layer.experts.grouped(x, chosen, weights) - whole).abs().max() <= 1e-6 * whole.abs().max()
     assert pieces == [16, 16, 16, 2]
 
@@ -458,11 +489,15 @@ def test_the_fused_path_is_not_used_for_it(capsys):
     assert "reference model" in capsys.readouterr().err
 
 
-def test_random_weights_keep_scales_at_one_and_a_split_is_refused(capsys):
+def test_random_weights_keep_scales_at_one_and_a_split_divides_the_experts(capsys):
     model = build_random(MODEL.cfg, dtype=torch.float32)
     assert isinstance(model, DiffusionGemma) and "reference model" in capsys.readouterr().err
     for name, param in model.named_parameters():
         if name.endswith(("scale", "scalar", "norm.weight")):
             assert (param == 1).all(), name
-    with pytest.raises(NotImplementedError, match="not split over ranks"):
-        build_empty(MODEL.cfg, "meta", group=Group(0, 2))
+    share = build_empty(MODEL.cfg, "meta", group=Group(1, 2))
+    assert share.layers[0].experts.held == range(4, 8) and share.layers[0].self_attn.q_proj.weight.shape == \
+        model.layers[0].self_attn.q_proj.weight.shape  # its experts alone are split
+    with pytest.raises(ValueError, match="over 3 ranks needs moe.num_experts divisible by 3; this model has "
+                                         "moe.num_experts=8"):
+        build_empty(MODEL.cfg, "meta", group=Group(0, 3))

@@ -11,7 +11,8 @@ one process's tokens on every rank, dense and with every method at its defaults 
 (block engine: MAGE, Quest, SparseD, MOMO; masked engine: Fast-dLLM, dLLM-Cache, SnapKV, and those that
 choose across heads from what they gather: MaskKV, DyLLM, Sparse-dLLM), with each rank's KV cache
 holding its share of the KV heads. Where 4 ranks do not divide a fixture's KV heads its cases check
-the refusal.
+the refusal. DiffusionGemma, split by its experts alone: its steps' logits and its loop's tokens and steps,
+dense and with the methods that apply to it.
 Under torchrun (2 CPU processes): the demo split over both reports one process's answers once, and
 eval writes one process's table whether the ranks hold two replicas or one split model.
 """
@@ -48,6 +49,7 @@ from tests.tiny_models import tiny_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = ["llada_tiny", "dream_tiny", "sdar_tiny", "fast_dllm_v2_tiny", "llada2_tiny", "sdar_moe_tiny"]
+GEMMA = "diffusion_gemma_tiny"  # split by its experts alone: 8, so over 2 and 4 ranks
 RANDOM = ["sdar", "sdar_tied", "dream", "llada2_moe", "sdar_moe"]  # 4 KV heads and 8 experts: 4 ranks divide them
 WORLDS = (2, 4)
 SPAWN_TIMEOUT = 300  # seconds for one spawned group to run every case
@@ -55,6 +57,8 @@ SPAWN_TIMEOUT = 300  # seconds for one spawned group to run every case
 # MaskKV's 4, not 2: there a rank budgeting its own heads alone decodes other tokens on 2 ranks too
 BLOCK_METHODS = {"mage": dict(k=1, exact_layers=0), "quest": dict(k=2, page_size=2, exact_layers=0),
                  "sparsed": dict(k=1, exact_layers=0, exact_fraction=0.5), "momo": dict(MOMO_GRID, k=1)}
+GEMMA_METHODS = {"dense": {}, "mage": {}, "mage-tiny": dict(k=2, exact_layers=0), "quest-tiny": dict(k=2, page_size=2),
+                 "sparsed-tiny": dict(k=2, exact_layers=0, exact_fraction=0.5), "momo": {}}
 MASKED_METHODS = {"fast_dllm": {}, "dllm_cache": {}, "dllm_cache-tiny": dict(rho=0.5, response_interval=8),
                   "snapkv": {}, "snapkv-tiny": dict(budget=2), "maskkv": {}, "maskkv-tiny": dict(budget=4),
                   "dyllm": {}, "dyllm-tiny": dict(tau=0.5, full_steps=1, list_all_rows=0),
@@ -74,7 +78,7 @@ def random_config(name: str) -> ModelConfig:
 
 
 def config_of(model: str) -> ModelConfig:
-    return ModelConfig.from_dir(FIXTURES / model) if model in FAMILIES else random_config(model)
+    return ModelConfig.from_dir(FIXTURES / model) if model in FAMILIES + [GEMMA] else random_config(model)
 
 
 def divides(model: str, world: int) -> bool:
@@ -145,6 +149,35 @@ def decoded(model: str, method: str, knobs: dict, group: Group):
     return result.tokens, None if result.cache is None else result.cache.keys[0].shape[2]
 
 
+def gemma_logits(dtype: torch.dtype, group: Group) -> torch.Tensor:
+    """DiffusionGemma's logits [3, 2, canvas, vocab]: a first and a self-conditioned step after two left-padded
+    prompts (12 and 7 tokens, longer than the window), and a first step after a commit."""
+    net = load_model(FIXTURES / GEMMA, dtype=dtype, group=group)
+    vocab, size = net.cfg.vocab_size, net.cfg.gemma.canvas_length
+    padded = left_padded_canvas([prompt(12, 1, vocab), prompt(7, 2, vocab)], 0, 0, 0, "cpu")
+    canvas = torch.tensor([prompt(size, 3, vocab), prompt(size, 4, vocab)])
+    cache = net.empty_cache(2, padded.tokens.shape[1] + 2 * size)
+    with torch.no_grad():
+        net.encode(padded.tokens, cache, padded.valid)
+        first = net.denoise(canvas, cache)
+        second = net.denoise(canvas, cache, first.to(dtype))
+        net.encode(first.argmax(dim=-1), cache)
+        return torch.stack([first, second, net.denoise(canvas, cache)])
+
+
+def gemma_decoded(method: str, knobs: dict, group: Group):
+    """(tokens, steps per canvas, the experts a layer holds) of two ragged prompts decoded by DiffusionGemma's
+    loop, deterministic, over three canvases."""
+    from nanodllm.gemma_loop import GemmaSampling
+
+    net = load_model(FIXTURES / GEMMA, dtype=torch.float64, group=group)
+    prompts = [prompt(n, seed, net.cfg.vocab_size) for seed, n in enumerate((21, 12))]
+    size = net.cfg.gemma.canvas_length
+    result = generate(net, prompts, GenerationConfig(gen_length=3 * size, block_length=size, steps=6),
+                      get_method(method, **knobs), stop_ids=(), sampling=GemmaSampling(sample=False, seed=7))
+    return result.tokens, result.steps_per_canvas, len(net.layers[0].experts.gate_up_proj)
+
+
 def tied_logits() -> torch.Tensor:
     """Logits [2, 6, 64] whose largest entries tie at ids 3 and 40 (rows 0-2 of the first) and whose
     largest is [MASK] (id 17) in the second: the cases where a greedy decision over vocabulary columns
@@ -177,6 +210,10 @@ CASES = {
        for name, tiny in BLOCK_METHODS.items()},
     **{f"decode/llada_tiny/{name}": functools.partial(decoded, "llada_tiny", name.split("-")[0], knobs)
        for name, knobs in MASKED_METHODS.items()},
+    **{f"gemma/logits/{str(dtype)[6:]}": functools.partial(gemma_logits, dtype) for dtype in (torch.float64,
+                                                                                           torch.float32)},
+    **{f"gemma/decode/{name}": functools.partial(gemma_decoded, name.split("-")[0], knobs)
+       for name, knobs in GEMMA_METHODS.items()},
 }
 
 
@@ -285,7 +322,7 @@ def whole_from_shares(shares: list[dict], cfg: ModelConfig, whole: dict) -> dict
         parts = [local_part(name, cfg, Group(rank, world)) for rank in range(world)]
         held = [share[part.name] for share, part in zip(shares, parts) if part is not None]
         dim = next(part for part in parts if part is not None).dim
-        if ".experts." in name:
+        if ".experts." in name and dim is None:  # an expert's tensor (DiffusionGemma's stack: rows of experts)
             assert len(held) == 1, f"{name} is held by {len(held)} ranks"
         if dim is None:
             assert all(torch.equal(tensor, held[0]) for tensor in held), name
@@ -318,7 +355,7 @@ class Counting:
         return getattr(self.handle, name)
 
 
-@pytest.mark.parametrize("world, model", [(world, model) for world in WORLDS for model in FAMILIES
+@pytest.mark.parametrize("world, model", [(world, model) for world in WORLDS for model in FAMILIES + [GEMMA]
                                           if divides(model, world)])
 def test_the_ranks_shares_of_a_checkpoint_make_the_whole_and_are_all_they_read(world, model, monkeypatch):
     whole = dict(load_reference(FIXTURES / model, dtype=torch.float32).named_parameters())
@@ -399,6 +436,19 @@ def test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads(world, ca
     (tokens, cache_heads), (expected, whole_heads) = same_on_every_rank(world, case), one_process(case)
     assert tokens == expected
     assert cache_heads == (None if whole_heads is None else whole_heads // world)
+
+
+@pytest.mark.parametrize("world, case", [(world, case) for world in WORLDS for case in CASES
+                                         if case.startswith("gemma/")])
+def test_diffusion_gemma_split_by_its_experts_computes_one_process(world, case):
+    """Each rank holds 1/N of DiffusionGemma's experts (attention, dense MLP and vocabulary whole): the logits of
+    a ragged batch's steps, and the tokens and steps of every applicable method, as one process's."""
+    got, expected = same_on_every_rank(world, case), one_process(case)
+    if "/logits/" in case:  # float32: the experts summed in another order, logits softcapped at 30
+        rtol, atol = (1e-10, 1e-10) if case.endswith("float64") else (1e-5, 1e-4)
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+    else:
+        assert got[:2] == expected[:2] and got[2] * world == expected[2]
 
 
 @pytest.mark.parametrize("world", WORLDS)
