@@ -371,9 +371,9 @@ def test_the_ranks_shares_of_a_checkpoint_make_the_whole_and_are_all_they_read(w
     assert all(torch.equal(assembled[name], whole[name]) for name in whole)
 
 
-@pytest.mark.parametrize("world, model", [(world, model) for world in WORLDS for model in RANDOM])
+@pytest.mark.parametrize("world, model", [(world, model) for world in WORLDS for model in RANDOM + [GEMMA]])
 def test_each_ranks_share_of_random_weights_is_the_one_process_draw_sliced(world, model):
-    cfg = random_config(model)
+    cfg = config_of(model)
     whole = dict(random_weights(build_empty(cfg, dtype=torch.float32), seed=5).named_parameters())
     shares = [dict(random_weights(build_empty(cfg, dtype=torch.float32, group=Group(rank, world)), seed=5)
                    .named_parameters()) for rank in range(world)]
