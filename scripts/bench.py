@@ -10,7 +10,7 @@ Triton kernels through TRITON_INTERPRET=1): a smoke test whose numbers mean noth
     PYTHONPATH=<transformers 5.24> python scripts/bench.py diffusiongemma
     python scripts/bench.py dyllm_salient [--length 1024] [--n 8] [--tau 0.99]    # tiny-llada, on a CPU
     python scripts/bench.py tune [--out kernels/tuned.json]    # flash_attention's settings for this GPU
-    python -m torch.distributed.run --nproc-per-node 4 scripts/bench.py parallel [--only flash | scaling]
+    python -m torch.distributed.run --nproc-per-node 4 scripts/bench.py parallel [--only flash | scaling | gemma]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def parser_of_sections() -> argparse.ArgumentParser:
     command["momo"].add_argument("--lengths", type=positive_int, nargs="+", help="default 32768 65536 131072")
     command["moe"].add_argument("--generate", choices=("llada2-mini", "sdar-30b-a3b"),
                                 help="time real generations on this preset instead (GPU), written to bench_moe_MODEL")
-    command["parallel"].add_argument("--only", choices=("flash", "scaling"), help="one of the two tables")
+    command["parallel"].add_argument("--only", choices=("flash", "scaling", "gemma"), help="one of the tables")
     e2e = command["e2e"]
     e2e.add_argument("--settings", choices=("paper", "warm_start"), default="paper", help="paper: every method at "
                      "its paper's setting, beside transformers; warm_start: a first and later processes each")

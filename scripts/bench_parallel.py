@@ -1,6 +1,6 @@
 """`bench.py parallel`: tensor and expert parallelism over every rank torchrun starts (one GPU each):
 
-    python -m torch.distributed.run --nproc-per-node 4 scripts/bench.py parallel [--only flash | scaling]
+    python -m torch.distributed.run --nproc-per-node 4 scripts/bench.py parallel [--only flash | scaling | gemma]
 
 1. llada2-flash (random bf16 weights, split over every rank): ms per block of 32 (32 steps + the commit)
    at 32K and 128K, batch 1 and 4, exact and MAGE, beside the per-GPU floor: what one GPU must read per
@@ -9,6 +9,8 @@
    all-reduces and the LM head's all-gather, replayed from a CUDA graph, times the forwards).
 2. Scaling: llada2-mini and sdar-8b over the first 1, 2 and 4 ranks: ms per block at batch 1 and the
    tokens per second at batch 16, and how many tokens equal the 1-GPU generation's.
+3. DiffusionGemma (diffusiongemma-26b-a4b, its experts split) over the first 1, 2 and 4 ranks: ms of the
+   exact denoising step replayed from a CUDA graph, its cache filled with random K/V (bench_gemma).
 Times: a CUDA event as each block begins; the median of the blocks after the first (where the engine
 records its graphs). Rank 0 writes the tables. --quick: a tiny model over CPU processes on gloo.
 """
@@ -22,19 +24,27 @@ import sys
 import torch
 import torch.distributed as dist
 
-from harness import QUICK_MOE, Clock, block_floor_ms, count_touched_experts, random_prompts, timed_generation
+from bench_gemma import FIXTURE, PRESET, filled_cache
+from harness import (QUICK_MOE, Clock, block_floor_ms, count_touched_experts, kilo, random_prompts,
+                     timed_generation, wall_us)
 from nanodllm.config import ModelConfig, preset
+from nanodllm.graphs import Recordings
 from nanodllm.loader import build_random
 from nanodllm.methods import get_method
 from nanodllm.parallel import Group, from_torchrun
 
 FULL = dict(flash=("llada2-flash", (32768, 131072), (1, 4)), scaling=(("sdar-8b", 131072), ("llada2-mini", 32768)),
-            throughput=(8192, 16), block=32, steps=32, blocks=4, k=1024)
+            throughput=(8192, 16), block=32, steps=32, blocks=4, k=1024,
+            gemma=(PRESET, ((8192, 1), (32768, 1), (131072, 1), (32768, 4))))
 QUICK = dict(flash=("quick", (48,), (1, 2)), scaling=(("quick", 48),), throughput=(24, 4), block=8, steps=8,
-             blocks=3, k=8)
+             blocks=3, k=8, gemma=(FIXTURE, ((40, 1), (40, 2))))
 
 
-def config(name: str, context: int, shapes: dict) -> ModelConfig:
+def config(name, context: int, shapes: dict) -> ModelConfig:
+    if name == FIXTURE:
+        return ModelConfig.from_dir(FIXTURE)
+    if name == PRESET:
+        return preset(PRESET)
     if name == "quick":
         return ModelConfig.from_dict(QUICK_MOE, source="bench_parallel --quick")
     return preset(name, context=context + (shapes["blocks"] + 2) * shapes["block"], block_size=shapes["block"])
@@ -129,6 +139,36 @@ def scaling_rows(shapes, group: Group, setup) -> list[dict]:
     return rows
 
 
+def gemma_rows(shapes, group: Group, setup) -> list[dict]:
+    rows, first = [], {}
+    name, cases = shapes["gemma"]
+    worlds = [w for w in (1, 2, 4) if w <= group.world]
+    subgroups = {w: dist.new_group(list(range(w))) for w in worlds}
+    for world in worlds:
+        if group.rank < world:
+            model = build_random(config(name, 0, shapes), setup.device, setup.dtype,
+                                 group=Group(group.rank, world, subgroups[world]))
+            for context, batch in cases:
+                torch.manual_seed(context + batch)  # every rank draws the same canvas and cache
+                canvas = torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.gemma.canvas_length),
+                                       device=setup.device)
+                logits = torch.randn(*canvas.shape, model.cfg.vocab_size, device=setup.device, dtype=setup.dtype)
+                cache, replay = filled_cache(model, batch, context), Recordings(size=1)
+                step = lambda c, z: model.denoise(c, cache, z)
+                timed = lambda: replay(context, step, canvas, logits) if canvas.is_cuda else step(canvas, logits)
+                with torch.no_grad():
+                    ms = wall_us(timed, setup.device, tries=5, warmups=2) / 1e3
+                first.setdefault((context, batch), ms)
+                rows.append({"context": kilo(context), "batch": batch, "GPUs": world, "step ms": ms,
+                             "vs 1 GPU": first[(context, batch)] / ms})
+                print(rows[-1], flush=True)
+                del cache, replay
+            del model
+            setup.free()
+        dist.barrier()
+    return rows
+
+
 def parallel(setup) -> str | None:
     group, args = from_torchrun("gloo" if setup.quick else None), setup.args
     if group.rank:  # rank 0 prints and writes the tables
@@ -139,13 +179,17 @@ def parallel(setup) -> str | None:
                f"{setup.meta['torch']}, {setup.meta['dtype']}\n")
     report.say(f"    python -m torch.distributed.run --nproc-per-node {group.world} scripts/bench.py parallel"
                f"{' --only ' + args.only if args.only else ''}\n")
-    if args.only != "scaling":
+    if args.only in (None, "flash"):
         report.table(f"{shapes['flash'][0]} over {group.world} GPUs", flash_rows(shapes, group, setup),
                      "block.generate, blocks of 32, 32 steps each, CUDA graphs on: the median of the blocks after "
                      "the first. Floor: GPU 0's reads per block over its copy bandwidth; collectives: a forward's, "
                      "from a CUDA graph, times the block's forwards.")
-    if args.only != "flash":
+    if args.only in (None, "scaling"):
         report.table("Scaling over 1, 2 and 4 GPUs", scaling_rows(shapes, group, setup),
                      "The dense engine (exact), the first N ranks holding the model.")
+    if args.only in (None, "gemma"):
+        report.table("DiffusionGemma's step over 1, 2 and 4 GPUs", gemma_rows(shapes, group, setup),
+                     "Its experts split over the first N ranks (attention, dense MLP and vocabulary on each whole); "
+                     "the exact denoising step replayed from a CUDA graph, host included (median of 5).")
     dist.barrier()
     return None if group.rank else "bench_parallel"
