@@ -1,14 +1,14 @@
 """model.py's model built for the GPU kernels: the same primitives and signatures, tested against it.
 
-fuse() converts a reference model once (the loader calls it), layer by layer, stacking its weights: q/k/v's
-rows (and biases) in qkv_proj, each SwiGLU's gate and up rows in gate_up_proj, a mixture of experts' in two
-Parameters [experts, ...]. Where use_kernels(x) holds (CUDA, float16 / bfloat16, no autograd) a stacked group
-is one matmul, the experts' one grouped matmul per projection (kernels/expert_linear.py up to a few dozen
-rows per expert); RMSNorm (with the residual add before it), RoPE (q and k at once, with the per-head q/k
-norm) and silu(gate) * up are one-pass kernels; o_proj and the MLP add into the residual in an epilogue or
-the next norm; over a decode step's few rows the norms and SwiGLU ride inside the matmuls (norm_linear).
-Elsewhere each primitive runs the reference's own ops on row slices of the stacked weights, bit for bit.
-Split over ranks (parallel.py), a FusedMoE holds its rank's experts; the summing linears stay as they are.
+fuse() converts a reference model once (the loader calls it), layer by layer, stacking its weights: q/k/v's rows
+(and biases) in qkv_proj, each SwiGLU's gate and up rows in gate_up_proj, a mixture of experts' in two
+Parameters [experts, ...] (the MLPs: fused_mlp.py). Where use_kernels(x) holds (CUDA, float16 / bfloat16, no
+autograd) a stacked group is one matmul; RMSNorm (with the residual add before it), RoPE (q and k at once, with
+the per-head q/k norm) and silu(gate) * up are one-pass kernels; o_proj and the MLP add into the residual in an
+epilogue or the next norm; over a decode step's few rows the norms and SwiGLU ride inside the matmuls
+(norm_linear). Elsewhere each primitive runs the reference's own ops on row slices of the stacked weights, bit
+for bit. Split over ranks (parallel.py), a FusedMoE holds its rank's experts; the summing linears stay as they
+are.
 """
 
 from __future__ import annotations
@@ -20,22 +20,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert
-from nanodllm.kernels.moe_combine import moe_combine
 from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
 from nanodllm.kernels.rmsnorm import rms_norm
 from nanodllm.kernels.rope import apply_rope, rope_qk
-from nanodllm.kernels.silu_mul import silu_mul
 
 from .attention import use_kernels
 from .config import ModelConfig
-from .mlp import MoE, Router
+from .fused_mlp import FusedMLP, FusedMoE
+from .mlp import MoE
 from .model import Attend, Layer, Model, RMSNorm, Rope
-from .parallel import SINGLE, Group, RowParallelLinear, expert_range, group_of
-
-GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-CHUNK_TOKENS = 8192  # a long prefill's MLPs run on this many tokens at a time: their wide activations stay small
-
+from .parallel import SINGLE, Group, RowParallelLinear, group_of
 
 class FusedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,81 +62,6 @@ class FusedAttention(nn.Module):
         rows = slice(sum(self.widths[:first]), sum(self.widths[: first + count]))
         bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[rows]
         return F.linear(h, self.qkv_proj.weight[rows], bias)
-
-
-def gated(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate(x)) * up(x) over gate_up [2 * size, hidden]: gate's rows, then up's."""
-    gate, up = gate_up.chunk(2)
-    return F.silu(F.linear(x, gate)) * F.linear(x, up)
-
-
-class FusedMLP(nn.Module):
-    """SwiGLU with gate's and up's rows back to back in gate_up_proj."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not use_kernels(x):
-            return self.down_proj(gated(x, self.gate_up_proj.weight))
-        return by_chunks(lambda rows: self.down_proj(silu_mul(self.gate_up_proj(rows))), x)
-
-
-def by_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn, a row-wise map from [n, hidden] to [n, hidden], over x [..., hidden] CHUNK_TOKENS rows at a time."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= CHUNK_TOKENS:
-        return fn(flat).view_as(x)
-    out = torch.empty_like(flat)
-    for start in range(0, flat.shape[0], CHUNK_TOKENS):
-        out[start : start + CHUNK_TOKENS] = fn(flat[start : start + CHUNK_TOKENS])
-    return out.view_as(x)
-
-
-class FusedExperts(nn.Module):
-    """The held experts' SwiGLUs in two Parameters; experts[e](x): expert e alone (another rank's: zeros)."""
-
-    def __init__(self, held: range, hidden: int, size: int):
-        super().__init__()
-        self.held, self.gate_up_proj = held, nn.Parameter(torch.empty(len(held), 2 * size, hidden))  # gate's, up's rows
-        self.down_proj = nn.Parameter(torch.empty(len(held), hidden, size))
-
-    def __getitem__(self, expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        e = expert - self.held.start
-        run = lambda x: F.linear(gated(x, self.gate_up_proj[e]), self.down_proj[e])
-        return run if expert in self.held else torch.zeros_like
-
-
-class FusedMoE(MoE):
-    """MoE over this rank's experts and share of the shared expert (one process: all), summed over the ranks."""
-
-    def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
-        nn.Module.__init__(self)  # its own experts, not MoE's
-        moe, self.group = cfg.moe, group
-        self.gate = Router(cfg.hidden_size, moe)
-        self.experts = FusedExperts(expert_range(moe.num_experts, group), cfg.hidden_size, moe.expert_size)
-        self.shared_expert = FusedMLP(cfg.hidden_size, moe.shared_size // group.world) if moe.shared_size else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(by_chunks(self.grouped, x) if use_kernels(x) and GROUPED_MM else super().forward(x))
-
-    def grouped(self, flat: torch.Tensor) -> torch.Tensor:
-        """MoE.forward over tokens [n, hidden], the rows grouped by expert for two grouped matmuls: this rank's
-        experts first (numbered from its first), the other ranks' rows after the last group and zeroed."""
-        chosen, routing = self.gate(flat)
-        held, count = self.experts.held, self.gate.moe.num_experts
-        order, ends = group_by_expert((chosen - held.start) % count, count, len(held))
-        rows = flat[order // chosen.shape[1]]
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        few = beats_grouped_mm(len(rows), count)  # a mean over every rank's experts
-        grouped = (expert_linear(expert_linear(rows, gate_up, ends, "silu"), down, ends) if few
-                   else GROUPED_MM(silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends)), down.mT, offs=ends))
-        if len(held) < count:  # rows past the last group are left unwritten
-            grouped.masked_fill_(torch.arange(len(rows), device=flat.device)[:, None] >= ends[-1], 0.0)
-        y = moe_combine(grouped, order, routing)  # MoE.combine, read where the rows lie
-        return y if self.shared_expert is None else y + self.shared_expert(flat)
 
 
 def add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert
 from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
+from nanodllm.kernels.moe_route import moe_route
 from nanodllm.kernels.rmsnorm import rms_norm
 from nanodllm.kernels.rope import apply_rope
 from nanodllm.kernels.vocab_rows import soft_probs, softcap
@@ -33,7 +34,7 @@ from nanodllm.kernels.vocab_rows import soft_probs, softcap
 from .attention import FLASH_HEAD_DIMS, flash_on_kernels, use_kernels
 from .cache import KVCache
 from .config import ModelConfig
-from .mlp import MLP, fp32_or_wider
+from .mlp import MLP, choose_experts, fp32_or_wider
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 ENCODE_CHUNK = 4096  # query rows an encoder pass attends at once off the kernels: masks grow with it, not the prompt
@@ -156,9 +157,9 @@ class GemmaRouter(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """(chosen experts [n, k], their weights [n, k] in fp32 or wider)."""
-        scores = self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5)
-        weights, chosen = fp32_or_wider(scores).softmax(dim=-1).topk(self.k, dim=-1)
-        return chosen, weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[chosen]
+        logits = fp32_or_wider(self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5))
+        choose = moe_route if use_kernels(x) else choose_experts
+        return choose(logits, self.k, sigmoid=False, expert_scale=self.per_expert_scale)
 
 
 class GemmaExperts(nn.Module):

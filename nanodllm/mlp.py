@@ -8,7 +8,7 @@ A mixture of experts (LLaDA2, SDAR-MoE) sends each token through a few of many s
     y      = sum_j w_j expert_{chosen_j}(x)  (+ shared_expert(x))
 
 The bias and the group limit only choose; the weights are the unbiased scores. This is the reference:
-one expert at a time, plain torch. nanodllm/fused.py runs the same sum as grouped matmuls.
+one expert at a time, plain torch. nanodllm/fused_mlp.py runs the same sum as grouped matmuls.
 """
 
 from __future__ import annotations
@@ -50,19 +50,36 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [n, hidden] -> (chosen experts [n, k] long, their weights [n, k] in float32 or wider)."""
+        return choose_experts(self.logits(x), self.moe.experts_per_token, **self.rule())
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe.score == "sigmoid":  # LLaDA2 computes the logits in float32
+            return F.linear(fp32_or_wider(x), fp32_or_wider(self.weight))
+        return fp32_or_wider(F.linear(x, self.weight))  # Qwen3-MoE: in the model's dtype, softmax in float32
+
+    def rule(self) -> dict:
+        """How choose_experts chooses for this model, as keywords."""
         moe = self.moe
-        if moe.score == "sigmoid":  # LLaDA2 computes the logits in float32
-            scores = F.linear(fp32_or_wider(x), fp32_or_wider(self.weight)).sigmoid()
-        else:  # Qwen3-MoE: logits in the model's dtype, softmax in float32
-            scores = fp32_or_wider(F.linear(x, self.weight)).softmax(dim=-1)
-        preference = scores if self.expert_bias is None else scores + self.expert_bias
-        if moe.groups > 1:
-            preference = within_best_groups(preference, moe.groups, moe.groups_kept)
-        chosen = preference.topk(moe.experts_per_token, dim=-1).indices
-        weights = scores.gather(-1, chosen)
-        if moe.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return chosen, weights * moe.scale
+        return dict(sigmoid=moe.score == "sigmoid", bias=self.expert_bias, groups=moe.groups, kept=moe.groups_kept,
+                    normalize=moe.normalize, eps=1e-20, scale=moe.scale)
+
+
+def choose_experts(logits: torch.Tensor, k: int, *, sigmoid: bool, bias: torch.Tensor | None = None, groups: int = 1,
+                   kept: int = 1, normalize: bool = True, eps: float = 0.0, scale: float = 1.0,
+                   expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, experts] -> (the k experts of best preference, best first; their weights): the scores
+    (sigmoid or softmax), the preference (scores + bias, within the `kept` best of `groups` groups), the
+    weights (the chosen scores, / (their sum + eps) if normalised, * scale, * expert_scale[chosen])."""
+    scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+    preference = scores if bias is None else scores + bias
+    if groups > 1:
+        preference = within_best_groups(preference, groups, kept)
+    chosen = preference.topk(k, dim=-1).indices
+    weights = scores.gather(-1, chosen)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    weights = weights * scale
+    return chosen, weights if expert_scale is None else weights * expert_scale[chosen]
 
 
 def within_best_groups(preference: torch.Tensor, groups: int, kept: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ import nanodllm.kernels.rmsnorm as rmsnorm_module
 import nanodllm.kernels.rope as rope_module
 import nanodllm.kernels.silu_mul as silu_mul_module
 import nanodllm.fused as fused_module
+import nanodllm.fused_mlp as fused_mlp_module
 from nanodllm.kernels.expert_linear import expert_linear
 from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
 from nanodllm.kernels.rmsnorm import rms_norm
@@ -185,8 +186,8 @@ def test_a_long_input_goes_through_the_mlp_in_chunks(kernels_on, monkeypatch, to
     model, reference = fused_and_reference(tiny_config("sdar"), torch.float32, seed=2)
     x = torch.randn(1, tokens, model.cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
     calls = []
-    monkeypatch.setattr(fused_module, "silu_mul", lambda *args: calls.append(args[0].shape[0]) or silu_mul(*args))
-    monkeypatch.setattr(fused_module, "CHUNK_TOKENS", 5)
+    monkeypatch.setattr(fused_mlp_module, "silu_mul", lambda *args: calls.append(args[0].shape[0]) or silu_mul(*args))
+    monkeypatch.setattr(fused_mlp_module, "CHUNK_TOKENS", 5)
     with torch.no_grad():
         chunked = model.layers[0].mlp(x)
         expected = reference.layers[0].mlp(x)
@@ -233,7 +234,9 @@ def test_engines_decode_the_same_tokens_on_the_fused_kernels(kernels_on, monkeyp
     counted = lambda fn: lambda *args, **kwargs: calls.append(fn.__name__) or fn(*args, **kwargs)
     for module, fn in ((rmsnorm_module, rms_norm), (rope_module, apply_rope), (rope_module, rope_qk),
                        (silu_mul_module, silu_mul), (norm_linear_module, norm_linear), (expert_module, expert_linear)):
-        monkeypatch.setattr(fused_module, fn.__name__, counted(fn))
+        for fused_part in (fused_module, fused_mlp_module):  # the model's and its MLPs' modules
+            if hasattr(fused_part, fn.__name__):
+                monkeypatch.setattr(fused_part, fn.__name__, counted(fn))
     monkeypatch.setattr("nanodllm.attention.KERNELS_ENABLED", False)
     torch_tokens = decode()
     assert not calls

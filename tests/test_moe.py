@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
-from nanodllm import block, fused
+from nanodllm import block, fused_mlp
 from nanodllm.config import GenerationConfig, ModelConfig
 from nanodllm.fused import fuse
 from nanodllm.kernels.expert_linear import expert_linear
@@ -44,7 +44,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 LLADA2 = FIXTURES / "llada2_tiny"
 SDAR_MOE = FIXTURES / "sdar_moe_tiny"
 TOLERANCE = 1e-4
-torch_grouped_mm = fused.GROUPED_MM
+torch_grouped_mm = fused_mlp.GROUPED_MM
 
 
 @pytest.mark.parametrize("path, family", [(LLADA2, "llada2_moe"), (SDAR_MOE, "sdar_moe")], ids=["llada2", "sdar_moe"])
@@ -226,10 +226,10 @@ def test_grouped_experts_equal_the_per_expert_loop(family, path, kernels_on, mon
     (Triton's interpreter), on a GPU in bfloat16 (its grouped GEMM takes nothing else), to the dtype's
     rounding; a prefill's tokens in chunks."""
     calls = []
-    monkeypatch.setattr(fused, "GROUPED_MM",
+    monkeypatch.setattr(fused_mlp, "GROUPED_MM",
                         lambda *args, **kwargs: calls.append(kwargs["offs"].dtype) or torch_grouped_mm(*args, **kwargs))
-    monkeypatch.setattr(fused, "expert_linear", lambda *args, **kwargs: calls.append(path) or expert_linear(*args, **kwargs))
-    monkeypatch.setattr(fused, "beats_grouped_mm", lambda *sizes: path == "expert_linear")
+    monkeypatch.setattr(fused_mlp, "expert_linear", lambda *args, **kwargs: calls.append(path) or expert_linear(*args, **kwargs))
+    monkeypatch.setattr(fused_mlp, "beats_grouped_mm", lambda *sizes: path == "expert_linear")
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     model = build_random(tiny_config(family), device=DEVICE, dtype=dtype, seed=3)
     moe = model.layers[1].mlp
@@ -237,7 +237,7 @@ def test_grouped_experts_equal_the_per_expert_loop(family, path, kernels_on, mon
     with torch.no_grad():
         grouped = moe(x)
         reference = MoE.forward(moe, x)
-        monkeypatch.setattr(fused, "CHUNK_TOKENS", 5)  # a prefill's tokens go through in chunks
+        monkeypatch.setattr(fused_mlp, "CHUNK_TOKENS", 5)  # a prefill's tokens go through in chunks
         chunked = moe(x)
     kind = path if path == "expert_linear" else torch.int32  # CUDA's grouped GEMM takes int32 offsets only
     assert calls == [kind] * 2 * (1 + 5), "one call for gate/up, one for down, per chunk"
@@ -350,8 +350,8 @@ def test_the_stacked_experts_hold_each_experts_rows_and_cast_as_one(kernels_on, 
     assert torch.equal(moe.shared_expert.gate_up_proj.weight, torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
     x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
     calls = []
-    monkeypatch.setattr(fused, "GROUPED_MM", lambda *args, **kwargs: calls.append(1) or torch_grouped_mm(*args, **kwargs))
-    monkeypatch.setattr(fused, "beats_grouped_mm", lambda *sizes: False)
+    monkeypatch.setattr(fused_mlp, "GROUPED_MM", lambda *args, **kwargs: calls.append(1) or torch_grouped_mm(*args, **kwargs))
+    monkeypatch.setattr(fused_mlp, "beats_grouped_mm", lambda *sizes: False)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # what the grouped GEMM takes there
     with torch.no_grad():
         assert torch.equal(moe(x), moe_ref(x)) and not calls

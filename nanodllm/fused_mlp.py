@@ -1,0 +1,113 @@
+"""mlp.py's feed-forward halves built for the GPU kernels (fused.py builds the rest of the model).
+
+A SwiGLU's gate and up rows are one Parameter, gate_up_proj; a mixture of experts' experts are two, stacked
+[experts, ...]. Where use_kernels(x) holds, silu(gate) * up is one pass (kernels/silu_mul.py), a router's choice
+one kernel (kernels/moe_route.py), and the experts' rows, grouped by expert, run one grouped matmul per
+projection (kernels/expert_linear.py up to a few dozen rows per expert, else torch's grouped_mm) before one
+weighted sum (kernels/moe_combine.py). Elsewhere each runs the reference's own ops on slices of the stacked
+weights. Split over ranks (parallel.py), a FusedMoE holds its rank's experts and sums over the ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert
+from nanodllm.kernels.moe_combine import moe_combine
+from nanodllm.kernels.moe_route import moe_route
+from nanodllm.kernels.silu_mul import silu_mul
+
+from .attention import use_kernels
+from .config import ModelConfig
+from .mlp import MoE, Router, choose_experts
+from .parallel import SINGLE, Group, expert_range
+
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+CHUNK_TOKENS = 8192  # a long prefill's MLPs run on this many tokens at a time: their wide activations stay small
+
+
+def gated(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate(x)) * up(x) over gate_up [2 * size, hidden]: gate's rows, then up's."""
+    gate, up = gate_up.chunk(2)
+    return F.silu(F.linear(x, gate)) * F.linear(x, up)
+
+
+class FusedMLP(nn.Module):
+    """SwiGLU with gate's and up's rows back to back in gate_up_proj."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not use_kernels(x):
+            return self.down_proj(gated(x, self.gate_up_proj.weight))
+        return by_chunks(lambda rows: self.down_proj(silu_mul(self.gate_up_proj(rows))), x)
+
+
+def by_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn, a row-wise map from [n, hidden] to [n, hidden], over x [..., hidden] CHUNK_TOKENS rows at a time."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] <= CHUNK_TOKENS:
+        return fn(flat).view_as(x)
+    out = torch.empty_like(flat)
+    for start in range(0, flat.shape[0], CHUNK_TOKENS):
+        out[start : start + CHUNK_TOKENS] = fn(flat[start : start + CHUNK_TOKENS])
+    return out.view_as(x)
+
+
+class FusedExperts(nn.Module):
+    """The held experts' SwiGLUs in two Parameters; experts[e](x): expert e alone (another rank's: zeros)."""
+
+    def __init__(self, held: range, hidden: int, size: int):
+        super().__init__()
+        self.held, self.gate_up_proj = held, nn.Parameter(torch.empty(len(held), 2 * size, hidden))  # gate's, up's rows
+        self.down_proj = nn.Parameter(torch.empty(len(held), hidden, size))
+
+    def __getitem__(self, expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        e = expert - self.held.start
+        run = lambda x: F.linear(gated(x, self.gate_up_proj[e]), self.down_proj[e])
+        return run if expert in self.held else torch.zeros_like
+
+
+class FusedRouter(Router):
+    """The router, its choice in one kernel where torch runs a dozen small ones."""
+
+    def forward(self, x: torch.Tensor):
+        choose = moe_route if use_kernels(x) else choose_experts
+        return choose(self.logits(x), self.moe.experts_per_token, **self.rule())
+
+
+class FusedMoE(MoE):
+    """MoE over this rank's experts and share of the shared expert (one process: all), summed over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
+        nn.Module.__init__(self)  # its own experts, not MoE's
+        moe, self.group = cfg.moe, group
+        self.gate = FusedRouter(cfg.hidden_size, moe)
+        self.experts = FusedExperts(expert_range(moe.num_experts, group), cfg.hidden_size, moe.expert_size)
+        self.shared_expert = FusedMLP(cfg.hidden_size, moe.shared_size // group.world) if moe.shared_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(by_chunks(self.grouped, x) if use_kernels(x) and GROUPED_MM else super().forward(x))
+
+    def grouped(self, flat: torch.Tensor) -> torch.Tensor:
+        """MoE.forward over tokens [n, hidden], the rows grouped by expert for two grouped matmuls: this rank's
+        experts first (numbered from its first), the other ranks' rows after the last group and zeroed."""
+        chosen, routing = self.gate(flat)
+        held, count = self.experts.held, self.gate.moe.num_experts
+        order, ends = group_by_expert((chosen - held.start) % count, count, len(held))
+        rows = flat[order // chosen.shape[1]]
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        few = beats_grouped_mm(len(rows), count)  # a mean over every rank's experts
+        grouped = (expert_linear(expert_linear(rows, gate_up, ends, "silu"), down, ends) if few
+                   else GROUPED_MM(silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends)), down.mT, offs=ends))
+        if len(held) < count:  # rows past the last group are left unwritten
+            grouped.masked_fill_(torch.arange(len(rows), device=flat.device)[:, None] >= ends[-1], 0.0)
+        y = moe_combine(grouped, order, routing)  # MoE.combine, read where the rows lie
+        return y if self.shared_expert is None else y + self.shared_expert(flat)
