@@ -125,7 +125,7 @@ def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict
             kv_fraction += (cfg.num_layers - method.exact_layers) / cfg.num_layers / method.page_size
         floor = block_floor_ms(model, context, batch, shapes["steps"], touched, kv_fraction, bandwidth)
         rows.append({"model": name, "context": context, "batch": batch, "method": label, "ms/block": ms,
-                     "min-max ms/block": f"{block_ms[0]:.0f}-{block_ms[-1]:.0f}", "floor ms/block": floor,
+                     "min-max ms/block": f"{min(block_ms):.0f}-{max(block_ms):.0f}", "floor ms/block": floor,
                      "ms / floor": ms / floor, "prefill s": prefill_s,
                      "peak GiB": torch.cuda.max_memory_allocated() / 2**30})
     for row in rows:
