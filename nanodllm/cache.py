@@ -15,6 +15,8 @@ that moves only when the longest row crosses one of eight steps per doubling.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from nanodllm.kernels.cache_write import cache_write, cache_write_reference
@@ -81,6 +83,14 @@ class KVCache:
         slots = (self.lengths[:, None] + offsets[None, :])[keep]
         self.keys[layer][rows, slots] = k.transpose(1, 2)[keep]
         self.values[layer][rows, slots] = v.transpose(1, 2)[keep]
+
+    def rows(self, first: int, stop: int) -> "KVCache":
+        """Rows [first, stop) of this cache: its storage (what the part writes lands here), lengths as they are."""
+        part = copy.copy(self)
+        part.keys = [None if keys is None else keys[first:stop] for keys in self.keys]
+        part.values = [None if values is None else values[first:stop] for values in self.values]
+        part.lengths, part.host_lengths = self.lengths[first:stop], self.host_lengths[first:stop]
+        return part
 
     def advance(self, counts: torch.Tensor):
         """Make the next counts[row] slots of each row part of the cache."""

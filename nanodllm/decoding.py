@@ -12,6 +12,10 @@ from .cache import KVCache
 from .methods.base import Method, StepContext
 from .parallel import Group
 
+# A prefill forwards at most about this many tokens at once, whole rows at a time: its activations (a few
+# [tokens, hidden] tensors) stay within a few GiB however many long prompts a batch holds.
+PREFILL_TOKENS = 1 << 17
+
 
 @dataclass
 class GenerationResult:
@@ -121,19 +125,29 @@ def prompts_then_masks(prompts: list[list[int]], capacity: int, mask_id: int, de
 
 
 def prefill_complete_blocks(model, method: Method, x, lengths, cache: KVCache, size: int, mask_id: int):
-    """Each row's complete prompt blocks into the cache (method.prefill, block-causal). Returns (starts
-    [batch]: the first column of each row's active block, the prefill's hidden states or None if no
-    row has a complete block)."""
+    """Each row's complete prompt blocks into the cache (method.prefill, block-causal), PREFILL_TOKENS
+    at a time in whole rows. Returns (starts [batch]: the first column of each row's active block, the
+    prefill's hidden states or None if no row has a complete block)."""
     starts = lengths // size * size
     if int(starts.max()) == 0:
         return starts, None
-    width = int(starts.max())
-    positions = torch.arange(width, device=x.device)[None, :].expand(x.shape[0], -1)
-    valid = positions < starts[:, None]
-    ctx = StepContext(x[:, :width], positions, valid, lengths, cache=cache, counts=starts.clone(), block_length=size,
-                      mask_id=mask_id, attn_mask=CanvasMask(valid=valid, block_size=size), phase="prefill")
-    hidden = method.prefill(model, ctx)
-    cache.advance(ctx.counts)
+    batch, width = x.shape[0], int(starts.max())
+    at_once = max(1, PREFILL_TOKENS // width)  # rows
+    hidden, counts = None, []
+    for first in range(0, batch, at_once):
+        rows = slice(first, first + at_once)
+        positions = torch.arange(width, device=x.device)[None, :].expand(x[rows].shape[0], -1)
+        valid = positions < starts[rows, None]
+        ctx = StepContext(x[rows, :width], positions, valid, lengths[rows], counts=starts[rows].clone(),
+                          cache=cache if at_once >= batch else cache.rows(first, first + at_once), block_length=size,
+                          mask_id=mask_id, attn_mask=CanvasMask(valid=valid, block_size=size), phase="prefill")
+        out = method.prefill(model, ctx)
+        if hidden is None:  # the whole batch's, its rows filled as they come
+            hidden = out if at_once >= batch else out.new_empty(batch, *out.shape[1:])
+        if hidden is not out:
+            hidden[rows] = out
+        counts.append(ctx.counts)
+    cache.advance(torch.cat(counts))
     return starts, hidden
 
 

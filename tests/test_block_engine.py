@@ -7,17 +7,24 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from nanodllm import block
+from nanodllm import block, decoding, fast_dllm_v2
 from nanodllm.attention import attention, block_causal_mask
 from nanodllm.config import GenerationConfig
 from nanodllm.decoding import until_stop
 from nanodllm.loader import load_model
+from nanodllm.methods import get_method
 from nanodllm.tokenizer import Tokenizer
 from tiny_models import EOS_ID, MASK_ID, VOCAB, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 MODEL = tiny_model("sdar")
+FAST_DLLM_V2 = Path(__file__).parent / "fixtures" / "fast_dllm_v2_tiny"
+
+
+def generation_of(model_type: str):
+    """The loop that decodes the family: the block engine, or Fast-dLLM v2's own."""
+    return block.generate if model_type == "sdar" else fast_dllm_v2.generate
 
 
 def block_causal_forward(model, x, size, record=None):
@@ -277,3 +284,25 @@ def test_a_batch_of_one_token_and_whole_block_prompts_equals_each_row_alone():
     together = block.generate(MODEL, prompts, gen, stop_ids=()).tokens
     assert together == [block.generate(MODEL, [prompt], gen, stop_ids=()).tokens[0] for prompt in prompts]
     assert [len(row) for row in together] == [11, 8, 8, 10]
+
+
+@pytest.mark.parametrize("name", ["dense", "mage", "quest", "momo"])
+@pytest.mark.parametrize("model_type", ["sdar", "fast_dllm_v2"])
+def test_a_prefill_a_row_at_a_time_decodes_and_caches_as_one_pass(name, model_type, monkeypatch):
+    """decoding.PREFILL_TOKENS so small that each row of a ragged batch prefills alone (into its rows of
+    the cache): the same tokens, and the same cache where both wrote, as the whole batch at once."""
+    model = MODEL if model_type == "sdar" else load_model(FAST_DLLM_V2, dtype=torch.float32)
+    prompts = [random_prompt(n, seed=300 + n) for n in (11, 3, 8)]
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4)
+    run = generation_of(model_type)
+    whole = run(model, prompts, gen, method=get_method(name), stop_ids=())
+    monkeypatch.setattr(decoding, "PREFILL_TOKENS", 1)
+    calls = []
+    original = decoding.KVCache.rows
+    monkeypatch.setattr(decoding.KVCache, "rows", lambda self, *span: calls.append(span) or original(self, *span))
+    apart = run(model, prompts, gen, method=get_method(name), stop_ids=())
+    assert calls == [(0, 1), (1, 2), (2, 3)]
+    assert apart.tokens == whole.tokens
+    if model_type == "sdar":
+        for mine, theirs in zip(apart.cache.keys, whole.cache.keys):
+            torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
