@@ -62,16 +62,26 @@ def expert_linear_kernel(
         store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, GLU)
 
 
-def group_by_expert(experts: torch.Tensor, num_experts: int, num_groups: int | None = None):
+def group_by_expert(experts: torch.Tensor, num_experts: int, held: range | None = None):
     """The (token, slot) pairs of experts [n, k] (ids 0 .. num_experts - 1) grouped by expert, as this
     kernel and torch's grouped matmuls take them: order [n * k] int64, grouped row i holding the pair
-    order[i] = token * k + slot, and group_ends [num_groups] int32, where each of the first num_groups
-    (default all) experts' rows end. A stable sort of the ids in the narrowest integer type that holds
-    them: a radix sort makes a pass per byte of its keys."""
+    order[i] = token * k + slot, and group_ends [len(held)] int32, where each held expert's rows end. held
+    (default all): a rank's share, its experts' groups first (numbered from held.start), the other experts'
+    pairs after the last group. A stable sort of the ids in the narrowest integer type that holds them: a
+    radix sort makes a pass per byte of its keys."""
+    held = range(num_experts) if held is None else held
+    if held.start:  # the held experts' ids to 0 .., the others' past them
+        experts = (experts - held.start) % num_experts
     narrow = next(t for t in (torch.uint8, torch.int16, torch.int32) if num_experts - 1 <= torch.iinfo(t).max)
     by_expert, order = experts.flatten().to(narrow).sort(stable=True)
-    ids = torch.arange(num_experts if num_groups is None else num_groups, device=experts.device, dtype=narrow)
+    ids = torch.arange(len(held), device=experts.device, dtype=narrow)
     return order, torch.searchsorted(by_expert, ids, right=True, out_int32=True)
+
+
+def zero_rows_past_groups(y: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """y [R, N] with its rows past group_ends[-1] (the pairs of experts another rank holds, which the
+    kernel leaves unwritten) zeroed, in place."""
+    return y.masked_fill_(torch.arange(len(y), device=y.device)[:, None] >= group_ends[-1], 0.0)
 
 
 def beats_grouped_mm(num_rows: int, num_experts: int) -> bool:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert
+from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert, zero_rows_past_groups
 from nanodllm.kernels.moe_combine import moe_combine
 from nanodllm.kernels.moe_route import moe_route
 from nanodllm.kernels.silu_mul import silu_mul
@@ -101,13 +101,13 @@ class FusedMoE(MoE):
         experts first (numbered from its first), the other ranks' rows after the last group and zeroed."""
         chosen, routing = self.gate(flat)
         held, count = self.experts.held, self.gate.moe.num_experts
-        order, ends = group_by_expert((chosen - held.start) % count, count, len(held))
+        order, ends = group_by_expert(chosen, count, held)
         rows = flat[order // chosen.shape[1]]
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         few = beats_grouped_mm(len(rows), count)  # a mean over every rank's experts
         grouped = (expert_linear(expert_linear(rows, gate_up, ends, "silu"), down, ends) if few
                    else GROUPED_MM(silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends)), down.mT, offs=ends))
-        if len(held) < count:  # rows past the last group are left unwritten
-            grouped.masked_fill_(torch.arange(len(rows), device=flat.device)[:, None] >= ends[-1], 0.0)
+        if len(held) < count:  # the pairs of experts held elsewhere
+            zero_rows_past_groups(grouped, ends)
         y = moe_combine(grouped, order, routing)  # MoE.combine, read where the rows lie
         return y if self.shared_expert is None else y + self.shared_expert(flat)

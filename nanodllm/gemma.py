@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert
+from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert, zero_rows_past_groups
 from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.moe_route import moe_route
@@ -197,17 +197,15 @@ class GemmaExperts(nn.Module):
         if len(x) > GROUPED_TOKENS:
             pieces = zip(*(t.split(GROUPED_TOKENS) for t in (x, chosen, weights)))
             return torch.cat([self.grouped(*piece) for piece in pieces])
-        split = len(self.held) < self.num_experts  # held experts' rows first (numbered from the first), others last
-        ids = (chosen - self.held.start) % self.num_experts if split else chosen
-        order, ends = group_by_expert(ids, self.num_experts, len(self.held))
+        order, ends = group_by_expert(chosen, self.num_experts, self.held)
         rows = x[order // chosen.shape[1]]
         if use_kernels(x) and beats_grouped_mm(len(rows), self.num_experts):
             y = expert_linear(expert_linear(rows, self.gate_up_proj, ends, "gelu_tanh"), self.down_proj, ends)
         else:
             gate, up = GROUPED_MM(rows, self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)
             y = GROUPED_MM(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, offs=ends)
-        if split:  # rows past the last group are left unwritten
-            y.masked_fill_(torch.arange(len(rows), device=x.device)[:, None] >= ends[-1], 0.0)
+        if len(self.held) < self.num_experts:  # the pairs of experts held elsewhere
+            zero_rows_past_groups(y, ends)
         return (moe_combine if use_kernels(y) else moe_combine_reference)(y, order, weights)
 
 

@@ -74,6 +74,13 @@ def touched_experts(model, canvas, cache, logits) -> float:
     return sum(counts) / len(counts) / model.cfg.moe.num_experts
 
 
+def exact_step_ms(model, canvas, logits, cache, tries: int = 3) -> float:
+    """ms of the exact denoising step as the loop runs it: replayed from a CUDA graph (on a CPU, eagerly)."""
+    replay, step = Recordings(size=1), lambda c, z: model.denoise(c, cache, z)
+    timed = (lambda: replay("exact", step, canvas, logits)) if canvas.is_cuda else lambda: step(canvas, logits)
+    return wall_us(timed, canvas.device, tries=tries, warmups=2) / 1e3
+
+
 def mage_step(model, canvas, cache, logits, k: int):
     """MAGE's sparse step as the loop runs it: the selection made at a first step, then a step over it
     (timed; on a GPU replayed from a CUDA graph, as the loop replays a canvas's repeated sparse steps)."""
@@ -166,9 +173,7 @@ def diffusiongemma(setup):
             cache = filled_cache(model, batch, context)
             with torch.no_grad():
                 eager = wall_us(lambda: model.denoise(canvas, cache, logits), device, tries=3) / 1e3
-                replay, step = Recordings(size=1), lambda c, l: model.denoise(c, cache, l)
-                exact = wall_us(lambda: replay(context, step, canvas, logits), device, tries=3, warmups=2) / 1e3 \
-                    if device.type == "cuda" else eager
+                exact = exact_step_ms(model, canvas, logits, cache) if device.type == "cuda" else eager
                 sparse = wall_us(mage_step(model, canvas, cache, logits, k=64 if quick else 1024), device,
                                  warmups=2) / 1e3
                 floor = step_bytes(model, batch, context, touched_experts(model, canvas, cache, logits)) / bandwidth / 1e6

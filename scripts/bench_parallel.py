@@ -25,11 +25,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bench_gemma import FIXTURE, PRESET, filled_cache
-from harness import (QUICK_MOE, Clock, block_floor_ms, count_touched_experts, kilo, random_prompts,
-                     timed_generation, wall_us)
+from bench_gemma import FIXTURE, PRESET, exact_step_ms, filled_cache
+from harness import QUICK_MOE, Clock, block_floor_ms, count_touched_experts, kilo, random_prompts, timed_generation
 from nanodllm.config import ModelConfig, preset
-from nanodllm.graphs import Recordings
 from nanodllm.loader import build_random
 from nanodllm.methods import get_method
 from nanodllm.parallel import Group, from_torchrun
@@ -158,16 +156,14 @@ def gemma_rows(shapes, group: Group, setup) -> list[dict]:
                 canvas = torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.gemma.canvas_length),
                                        device=setup.device)
                 logits = torch.randn(*canvas.shape, model.cfg.vocab_size, device=setup.device, dtype=setup.dtype)
-                cache, replay = filled_cache(model, batch, context), Recordings(size=1)
-                step = lambda c, z: model.denoise(c, cache, z)
-                timed = lambda: replay(context, step, canvas, logits) if canvas.is_cuda else step(canvas, logits)
+                cache = filled_cache(model, batch, context)
                 with torch.no_grad():
-                    ms = wall_us(timed, setup.device, tries=5, warmups=2) / 1e3
+                    ms = exact_step_ms(model, canvas, logits, cache, tries=5)
                 first.setdefault((context, batch), ms)
                 rows.append({"context": kilo(context), "batch": batch, "GPUs": world, "step ms": ms,
                              "vs 1 GPU": first[(context, batch)] / ms})
                 print(rows[-1], flush=True)
-                del cache, replay
+                del cache
             del model
             setup.free()
         dist.barrier()

@@ -68,18 +68,21 @@ def check(sizes, trailing, dim, width, dtype, glu, seed):
     assert within(out_error, torch_error, exact, dtype, dim), (out_error, torch_error)
 
 
-@pytest.mark.parametrize("num_experts, num_groups", [(3, None), (256, None), (300, None), (300, 120), (40000, None)])
-def test_group_by_expert_sorts_the_pairs_stably_by_expert(num_experts, num_groups):
-    """Ids from 0 to num_experts - 1 (the top one drawn too, whatever type holds it): each group holds its
-    expert's (token, slot) pairs in their order, and group_ends counts the rows up to each group's end."""
+@pytest.mark.parametrize("num_experts, held", [(3, None), (256, None), (300, None), (300, range(120)),
+                                               (300, range(150, 300)), (40000, None)])
+def test_group_by_expert_sorts_the_pairs_stably_by_expert(num_experts, held):
+    """Ids from 0 to num_experts - 1 (the top one drawn too, whatever type holds it): each held expert's group
+    holds its (token, slot) pairs in their order, and group_ends counts the rows up to each group's end; a
+    share's groups are its experts', numbered from its first, the other experts' pairs after them."""
     generator = torch.Generator().manual_seed(num_experts)
     experts = torch.randint(0, num_experts, (50, 4), generator=generator)
     experts[0, 0], experts[-1, -1] = num_experts - 1, 0
-    order, ends = group_by_expert(experts.to(DEVICE), num_experts, num_groups)
-    ids = experts.flatten().tolist()
+    order, ends = group_by_expert(experts.to(DEVICE), num_experts, held)
+    start = 0 if held is None else held.start
+    ids = [(i - start) % num_experts for i in experts.flatten().tolist()]
     assert order.dtype == torch.int64 and ends.dtype == torch.int32
     assert order.tolist() == sorted(range(len(ids)), key=lambda pair: (ids[pair], pair))
-    groups = num_experts if num_groups is None else num_groups
+    groups = num_experts if held is None else len(held)
     assert ends.tolist() == [sum(i <= e for i in ids) for e in range(groups)]
 
 
