@@ -39,8 +39,7 @@ class FusedRMSNorm(RMSNorm):
 
 class FusedRope(Rope):
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        whole_head = self.cos.shape[-1] == x.shape[-1]  # the kernel rotates every dim
-        return apply_rope(x, self.cos, self.sin) if use_kernels(x) and whole_head else super().apply(x)
+        return apply_rope(x, self.cos, self.sin) if use_kernels(x) else super().apply(x)
 
 
 class FusedAttention(nn.Module):
@@ -114,10 +113,11 @@ class FusedLayer(Layer):
         attn, cfg = self.self_attn, self.cfg
         outputs = projected.split(attn.widths[:count], dim=-1)
         values = tuple(self.heads(v) for v in outputs[2:])
-        if cfg.qk_norm != "projection" and projected.dim() == 3 and cfg.rotary_dim == cfg.head_dim:
+        if cfg.qk_norm != "projection" and projected.dim() == 3:
             norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
             eps = attn.q_norm.eps if cfg.qk_norm else 0.0
-            return (*rope_qk(projected, cfg.num_heads, cfg.num_kv_heads, rope.cos, rope.sin, *norms, eps), *values)
+            q, k = rope_qk(projected, cfg.num_heads, cfg.num_kv_heads, rope.cos, rope.sin, *norms, eps, cfg.head_dim)
+            return (q, k, *values)
         q = rope.apply(self.heads(outputs[0], attn.q_norm))
         return (q, rope.apply(self.heads(outputs[1], attn.k_norm)), *values)
 

@@ -216,14 +216,14 @@ def test_the_few_row_step_needs_few_rows_a_dense_mlp_and_weights_of_the_stream_d
     ("sdar", {}, {"rms_norm", "rope_qk", "norm_linear"}),
     ("llada", {}, {"rms_norm", "rope_qk", "silu_mul"}),  # no q/k norm
     ("llada", {"attention_layer_norm": True}, {"rms_norm", "apply_rope", "silu_mul"}),  # norm over the projection
-    # a dense layer (the few-row step), then experts; LLaDA2 rotates half of each head (RoPE in torch)
-    ("llada2_moe", {}, {"rms_norm", "norm_linear", "silu_mul", "expert_linear"}),
+    # a dense layer (the few-row step), then experts; LLaDA2 rotates half of each head (rope_qk copies the rest)
+    ("llada2_moe", {}, {"rms_norm", "rope_qk", "norm_linear", "silu_mul", "expert_linear"}),
     ("sdar_moe", {}, {"rms_norm", "rope_qk", "norm_linear", "expert_linear"}),
 ])
 def test_engines_decode_the_same_tokens_on_the_fused_kernels(kernels_on, monkeypatch, model_type, overrides, kernels):
     """Tiny models (q/k norm on transposed views, block cache with gathered positions; the MoE models'
-    dense layer in the few-row step, their experts on expert_linear, LLaDA2's half-rotated heads off the
-    whole-head RoPE kernel), float32 so that the interpreter's results are exact but for the RMS sums'
+    dense layer in the few-row step, their experts on expert_linear, LLaDA2's half-rotated heads on
+    rope_qk), float32 so that the interpreter's results are exact but for the RMS sums'
     order and exp's last bit."""
     model = tiny_model(model_type, dtype=torch.float32, block_size=4, **overrides).to(DEVICE)
     prompts = [random_prompt(9, seed=4), random_prompt(14, seed=5)]

@@ -59,9 +59,14 @@ def rope_close(out, ref) -> bool:
     return close(out, ref, 1, ref.dtype)
 
 
-def rotated_close(out, ref, ulps: float, dtype) -> bool:
+def rotated_close(out, ref, ulps: float, dtype, rotated: int | None = None) -> bool:
     """Within `ulps` of dtype relative to each rotated pair's length (which the rotation keeps): the normed
-    inputs' rounding reaches a coordinate that cancellation left small at its pair's scale, not its own."""
+    inputs' rounding reaches a coordinate that cancellation left small at its pair's scale, not its own.
+    rotated: how many leading dims were rotated (the rest, not rotated, compare as `close`)."""
+    rotated = ref.shape[-1] if rotated is None else rotated
+    if rotated < ref.shape[-1]:
+        return (rotated_close(out[..., :rotated], ref[..., :rotated], ulps, dtype)
+                and close(out[..., rotated:], ref[..., rotated:], ulps, dtype))
     half, r = ref.shape[-1] // 2, ref.double()
     pair = (r[..., :half] ** 2 + r[..., half:] ** 2).sqrt().repeat(*([1] * (r.dim() - 1)), 2)
     return (out.shape == ref.shape and out.dtype == ref.dtype
@@ -176,10 +181,13 @@ def rope_tables(batch, length, dim, base, offsets, generator, gathered):
 @given(batch=st.integers(1, 2), heads=st.integers(1, 4), length=st.integers(1, 10), dim=st.sampled_from(DIMS),
        dtype=st.sampled_from(DTYPES), base=st.sampled_from([10000.0, 1e6]), gathered=st.booleans(),
        table_batch_one=st.booleans(), layout=st.sampled_from(["projection", "contiguous", "every_other_head"]),
-       seed=st.integers(0, 2**16))
-def test_rope_matches_reference(batch, heads, length, dim, dtype, base, gathered, table_batch_one, layout, seed):
+       partial=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_matches_reference(batch, heads, length, dim, dtype, base, gathered, table_batch_one, layout, partial,
+                                seed):
+    """partial: tables for the first half of the dims only (LLaDA2's partial rotary), the rest copied."""
     generator = torch.Generator().manual_seed(seed)
-    rope = rope_tables(1 if table_batch_one else batch, length, dim, base, [3, 40], generator, gathered)
+    rotated = dim // 4 * 2 if partial else dim
+    rope = rope_tables(1 if table_batch_one else batch, length, rotated, base, [3, 40], generator, gathered)
     t = rope.cos.shape[2]
     make = lambda *shape: torch.randn(*shape, generator=generator).mul(3).to(dtype=dtype, device=DEVICE)
     if layout == "projection":  # [b, t, heads * d] viewed as [b, heads, t, d]
@@ -228,11 +236,13 @@ def test_bad_inputs_are_refused():
         rms_norm(x, torch.ones(6).half().to(DEVICE), 1e-6)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         rms_norm(x.double(), weight, 1e-6)
-    with pytest.raises(ValueError, match="head dim must be even"):
-        odd = Rope(torch.arange(4)[None].to(DEVICE), 7, 10000.0)
-        apply_rope(torch.randn(2, 3, 4, 7).half().to(DEVICE), odd.cos, odd.sin)
+    with pytest.raises(ValueError, match="rotated dims must be even"):
+        odd = torch.ones(1, 1, 4, 7, device=DEVICE)  # 7 dims to rotate
+        apply_rope(torch.randn(2, 3, 4, 7).half().to(DEVICE), odd, odd)
     with pytest.raises(ValueError, match="cos must be"):
         apply_rope(x[:, :, :3], rope.cos, rope.sin)  # 3 positions, tables for 4
+    with pytest.raises(ValueError, match=r"r <= 4\]"):
+        apply_rope(x[..., :4], rope.cos, rope.sin)  # tables wider than the head
     with pytest.raises(ValueError, match="x's last dim must be contiguous"):
         apply_rope(torch.randn(2, 3, 4, 16).half().to(DEVICE)[..., ::2], rope.cos, rope.sin)
     with pytest.raises(ValueError, match="sin must be a float32 table"):
@@ -241,10 +251,11 @@ def test_bad_inputs_are_refused():
         apply_rope(x[0], rope.cos, rope.sin)
 
 
-def rope_qk_reference(qkv, num_heads, num_kv_heads, rope, weights, eps):
-    """The model's unfused path: split the projection into heads, per-head rms_norm (if weights), rope."""
+def rope_qk_reference(qkv, num_heads, num_kv_heads, rope, weights, eps, d=None):
+    """The model's unfused path: split the projection into heads of d dims (default: the tables'),
+    per-head rms_norm (if weights), rope over the tables' dims."""
     batch, t, _ = qkv.shape
-    d = rope.cos.shape[-1]
+    d = rope.cos.shape[-1] if d is None else d
     outs = []
     for start, heads, weight in ((0, num_heads, weights[0]), (num_heads * d, num_kv_heads, weights[1])):
         x = qkv[..., start : start + heads * d].view(batch, t, heads, d).transpose(1, 2)
@@ -257,25 +268,28 @@ def rope_qk_reference(qkv, num_heads, num_kv_heads, rope, weights, eps):
 @EXAMPLES
 @given(batch=st.integers(1, 2), heads=st.sampled_from([(1, 1), (2, 1), (4, 2), (8, 1)]), length=st.integers(1, 9),
        dim=st.sampled_from([16, 24, 64, 128]), dtype=st.sampled_from(DTYPES), norm=st.booleans(),
-       gathered=st.booleans(), table_batch_one=st.booleans(), extra=st.integers(0, 2), seed=st.integers(0, 2**16))
+       gathered=st.booleans(), table_batch_one=st.booleans(), extra=st.integers(0, 2), partial=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_rope_qk_matches_norm_then_rope(batch, heads, length, dim, dtype, norm, gathered, table_batch_one,
-                                        extra, seed):
+                                        extra, partial, seed):
     """q and k of a stacked projection [q heads | k heads | v heads | extra columns], normed per head
-    or not, rotated: equal to the separate references, written everywhere, in the projection's layout."""
+    or not, rotated (partial: the first half of each head, as LLaDA2's): equal to the separate
+    references, written everywhere, in the projection's layout."""
     num_heads, num_kv_heads = heads
     generator = torch.Generator().manual_seed(seed)
-    rope = rope_tables(1 if table_batch_one else batch, length, dim, 1e6, [3, 40], generator, gathered)
+    rotated = dim // 2 if partial else dim
+    rope = rope_tables(1 if table_batch_one else batch, length, rotated, 1e6, [3, 40], generator, gathered)
     t = rope.cos.shape[2]
     width = (num_heads + 2 * num_kv_heads) * dim + extra * 8
     qkv = torch.randn(batch, t, width, generator=generator).mul(3).to(dtype=dtype, device=DEVICE)
     weights = [(1 + torch.randn(dim, generator=generator)).to(dtype).to(DEVICE) if norm else None for _ in range(2)]
     with mock.patch.object(rope_module, "empty", lambda shape, like: torch.full(shape, float("nan"), dtype=like.dtype,
                                                                                device=like.device)):
-        q, k = rope_qk(qkv, num_heads, num_kv_heads, rope.cos, rope.sin, *weights, 1e-6)
-    q_ref, k_ref = rope_qk_reference(qkv, num_heads, num_kv_heads, rope, weights, 1e-6)
+        q, k = rope_qk(qkv, num_heads, num_kv_heads, rope.cos, rope.sin, *weights, 1e-6, head_dim=dim)
+    q_ref, k_ref = rope_qk_reference(qkv, num_heads, num_kv_heads, rope, weights, 1e-6, dim)
     ulps = (3 if dtype != torch.float32 else 8) if norm else 1  # the norm's two roundings, then rope's
     for out, ref in ((q, q_ref), (k, k_ref)):
-        assert rotated_close(out, ref, ulps, dtype) if norm else close(out, ref, ulps, dtype)
+        assert rotated_close(out, ref, ulps, dtype, rotated) if norm else close(out, ref, ulps, dtype)
         assert out.transpose(1, 2).is_contiguous()  # [batch, t, heads, d] in memory
 
 
