@@ -87,6 +87,7 @@ def flash_rows(shapes, group: Group, setup) -> list[dict]:
             for label, method in (("exact", "dense"), (f"MAGE k={shapes['k']}", "mage")):
                 knobs = dict(k=shapes["k"], exact_layers=2) if method == "mage" else {}
                 counts, remove_hooks = count_touched_experts(model, batch * shapes["block"])
+                result = None  # the last run's KV cache goes before this one allocates its own
                 try:
                     block_ms, _, result = timed_generation(model, prompts, get_method(method, **knobs),
                                                            shapes["block"], shapes["steps"], shapes["blocks"])
