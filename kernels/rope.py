@@ -155,13 +155,14 @@ def qk_rope_kernel(
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
     dtype = q_ptr.dtype.element_ty
-    squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     if BLOCK_T > 0:  # the dims past the rotated ones: normed (with NORM), not rotated
         tail_cols = 2 * half + tl.arange(0, BLOCK_T)
         tail_mask = (rows < num_rows)[:, None] & (tail_cols < 2 * half + tail)[None, :]
         x_tail = tl.load(x_rows[:, None] + tail_cols[None, :], mask=tail_mask, other=0.0).to(tl.float32)
-        squares += tl.sum(x_tail * x_tail, axis=1)
-    if NORM:  # per-head RMSNorm, rounded as kernels/rmsnorm.py rounds it
+    if NORM:  # per-head RMSNorm over the whole head, rounded as kernels/rmsnorm.py rounds it
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if BLOCK_T > 0:
+            squares += tl.sum(x_tail * x_tail, axis=1)
         rstd = tl.math.rsqrt(squares / (2 * half + tail) + eps)
         pick = is_q[:, None]
         w1 = tl.where(pick, tl.load(q_weight_ptr + cols, mask=col_mask, other=0.0)[None, :].to(tl.float32),

@@ -469,7 +469,7 @@ KERNELS = [
              "squares / (2 * half + tail) + eps)", "squares / (half + tail) + eps)",
              "test_norm_rope_kernels.py::test_rope_qk_matches_norm_then_rope"),
     mutation("rope-qk-norm-leaves-out-the-unrotated-dims", "kernels/rope.py",
-             "        squares += tl.sum(x_tail * x_tail, axis=1)", "        squares += 0.0",
+             "            squares += tl.sum(x_tail * x_tail, axis=1)", "            squares += 0.0",
              "test_norm_rope_kernels.py::test_rope_qk_matches_norm_then_rope"),
     mutation("rope-unrotated-dims-not-copied", "kernels/rope.py",
              "    if BLOCK_T > 0:  # the dims past the rotated ones, as they are", "    if False:",
