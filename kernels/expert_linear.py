@@ -8,7 +8,8 @@ per expert the product is weight streaming: a program owns BLOCK_N output column
 walks that expert's rows in tiles of BLOCK_M, computing the product transposed (W tile @ x tile^T)
 with kernels/norm_linear.py's tiles, so the weight tile fills the tensor cores' wide side. BLOCK_M
 grows with the rows per expert (16 at a block step's one or two, up to 128) so that most experts'
-rows fit one tile and their weights are read once. An expert with no rows costs an empty program.
+rows fit one tile and their weights are read once; an expert whose rows fit half a tile runs a half
+tile (its tensor-core work halves). An expert with no rows costs an empty program.
 Rounding as torch's grouped matmul and its activation (fp32 accumulation, gate and up rounded
 before the activation). Rows past the last group are not written.
 """
@@ -38,21 +39,34 @@ def expert_linear_kernel(
     first = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
     last = tl.load(ends_ptr + expert)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < out_width
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    args = (x_ptr, gate_ptrs, out_ptr, first, last, cols, out_width, dim, stride_x, stride_wn, stride_out)
+    if BLOCK_M >= 32 and last - first <= BLOCK_M // 2:  # a quiet expert: half the tile's work
+        _expert_rows(*args, GLU=GLU, ROWS=BLOCK_M // 2, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    else:
+        _expert_rows(*args, GLU=GLU, ROWS=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+
+
+@triton.jit
+def _expert_rows(
+    x_ptr, gate_ptrs, out_ptr, first, last, cols, out_width, dim, stride_x, stride_wn, stride_out,
+    GLU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One expert's rows [first, last) in tiles of ROWS, against its BLOCK_N weight rows at gate_ptrs."""
+    col_ok = cols < out_width
     up_ptrs = gate_ptrs + out_width * stride_wn  # read only with a GLU: the up half of [gate; up]
-    dtype = w_ptr.dtype.element_ty
+    dtype = gate_ptrs.dtype.element_ty
     precision: tl.constexpr = "ieee" if dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    for start in range(first, last, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
+    for start in range(first, last, ROWS):
+        rows = start + tl.arange(0, ROWS)
         row_ok = rows < last
         x_ptrs = x_ptr + rows[None, :].to(tl.int64) * stride_x
-        gate_acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # transposed: [columns, rows]
-        up_acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        gate_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)  # transposed: [columns, rows]
+        up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         for k in range(0, dim, BLOCK_K):
             ks = k + tl.arange(0, BLOCK_K)
             k_ok = ks < dim
-            x_t = tl.load(x_ptrs + ks[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
+            x_t = tl.load(x_ptrs + ks[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # [BLOCK_K, ROWS]
             w_mask = col_ok[:, None] & k_ok[None, :]
             gate_acc = tl.dot(tl.load(gate_ptrs + ks[None, :], mask=w_mask, other=0.0), x_t, gate_acc,
                               input_precision=precision)

@@ -496,7 +496,7 @@ KERNELS = [
              "top = scores.topk(kmax, dim=-1).indices",
              "test_maskkv.py::test_keep_top_breaks_ties_to_the_lower_position_whatever_the_other_heads_keep"),
     mutation("expert-linear-one-tile-per-expert", "kernels/expert_linear.py",
-             "for start in range(first, last, BLOCK_M):", "for start in range(first, first + 1, BLOCK_M):",
+             "for start in range(first, last, ROWS):", "for start in range(first, first + 1, ROWS):",
              "test_expert_linear.py::test_each_row_tile_width"),
     mutation("expert-linear-tiles-from-the-mean-rows", "kernels/expert_linear.py",
              "busy = triton.cdiv(3 * num_rows, 2 * num_experts)", "busy = triton.cdiv(num_rows, num_experts)",

@@ -51,9 +51,10 @@ def test_expert_linear_comes_as_close_as_one_linear_per_expert(sizes, trailing, 
 
 
 @pytest.mark.parametrize("glu", GLUS)
-@pytest.mark.parametrize("sizes, tile", [([5, 30, 0, 45], 32), ([40, 70, 10], 64), ([90, 200], 128)])
+@pytest.mark.parametrize("sizes, tile", [([5, 30, 0, 45], 32), ([40, 70, 10], 64), ([90, 200, 50], 128)])
 def test_each_row_tile_width(sizes, tile, glu):
-    """At each wider tile one expert's rows overflow it (a second tile) and the others fit one."""
+    """At each wider tile one expert's rows overflow it (a second tile), one expert's fit half a tile (the
+    kernel's narrower branch) and the others fit one."""
     assert tile_shape(sum(sizes) + 2, len(sizes), 40, glu is not None, 2, None)["BLOCK_M"] == tile
     check(sizes, 2, 40, 24, torch.float16, glu, tile)
 
