@@ -157,7 +157,8 @@ def qk_rope_kernel(
     dtype = q_ptr.dtype.element_ty
     if BLOCK_T > 0:  # the dims past the rotated ones: normed (with NORM), not rotated
         tail_cols = 2 * half + tl.arange(0, BLOCK_T)
-        tail_mask = (rows < num_rows)[:, None] & (tail_cols < 2 * half + tail)[None, :]
+        tail_ok = tail_cols < 2 * half + tail
+        tail_mask = (rows < num_rows)[:, None] & tail_ok[None, :]
         x_tail = tl.load(x_rows[:, None] + tail_cols[None, :], mask=tail_mask, other=0.0).to(tl.float32)
     if NORM:  # per-head RMSNorm over the whole head, rounded as kernels/rmsnorm.py rounds it
         squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
@@ -172,8 +173,8 @@ def qk_rope_kernel(
         x1 = ((x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
         if BLOCK_T > 0:
-            w_tail = tl.where(pick, tl.load(q_weight_ptr + tail_cols, mask=tail_cols < 2 * half + tail, other=0.0),
-                              tl.load(k_weight_ptr + tail_cols, mask=tail_cols < 2 * half + tail, other=0.0))
+            w_tail = tl.where(pick, tl.load(q_weight_ptr + tail_cols, mask=tail_ok, other=0.0),
+                              tl.load(k_weight_ptr + tail_cols, mask=tail_ok, other=0.0))
             x_tail = ((x_tail * rstd[:, None]).to(dtype).to(tl.float32) * w_tail.to(tl.float32)).to(dtype)
     cos_ptrs = cos_ptr + (batch * stride_cb + pos * stride_ct)[:, None] + cols[None, :]
     sin_ptrs = sin_ptr + (batch * stride_sb + pos * stride_st)[:, None] + cols[None, :]

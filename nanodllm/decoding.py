@@ -133,18 +133,20 @@ def prefill_complete_blocks(model, method: Method, x, lengths, cache: KVCache, s
         return starts, None
     batch, width = x.shape[0], int(starts.max())
     at_once = max(1, PREFILL_TOKENS // width)  # rows
+    whole = at_once >= batch
     hidden, counts = None, []
     for first in range(0, batch, at_once):
         rows = slice(first, first + at_once)
         positions = torch.arange(width, device=x.device)[None, :].expand(x[rows].shape[0], -1)
         valid = positions < starts[rows, None]
         ctx = StepContext(x[rows, :width], positions, valid, lengths[rows], counts=starts[rows].clone(),
-                          cache=cache if at_once >= batch else cache.rows(first, first + at_once), block_length=size,
+                          cache=cache if whole else cache.rows(first, first + at_once), block_length=size,
                           mask_id=mask_id, attn_mask=CanvasMask(valid=valid, block_size=size), phase="prefill")
         out = method.prefill(model, ctx)
-        if hidden is None:  # the whole batch's, its rows filled as they come
-            hidden = out if at_once >= batch else out.new_empty(batch, *out.shape[1:])
-        if hidden is not out:
+        if whole:
+            hidden = out
+        else:  # the whole batch's, its rows filled as they come
+            hidden = out.new_empty(batch, *out.shape[1:]) if hidden is None else hidden
             hidden[rows] = out
         counts.append(ctx.counts)
     cache.advance(torch.cat(counts))
