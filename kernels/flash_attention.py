@@ -1,7 +1,8 @@
 """Dense attention forward (FlashAttention-2) for prefill and canvas steps.
 
 out = softmax(scale * q k^T, masked) v without the [N_q, N_k] score matrix: a program owns BLOCK_M query
-rows of one (batch, head) and walks the keys in tiles of BLOCK_N with an online softmax (fp32, base 2).
+rows of one (batch, head), all their output columns or half (V_PARTS = 2, for head_dim 512's registers),
+and walks the keys in tiles of BLOCK_N with an online softmax (fp32, base 2).
 q [batch, num_heads, N_q, D], k and v [batch, num_kv_heads, N_k, D], D in HEAD_DIMS; query head h reads
 KV head h // group. Too few query tiles to fill the GPU (a canvas at batch 1) cut the keys into slices
 too, each program writing a partial that decode_attention's merge_splits combines (split-KV).
@@ -39,16 +40,19 @@ LN_2 = tl.constexpr(math.log(2.0))  # kernel side: lse back from base 2 (kernels
 # inputs (tests) double the bytes: of the D = 128 tiles only 128 x 64 with 2 stages fits them, and
 # the tuner skips those that do not. DiffusionGemma's D = 256 and 512 (sliding and full layers) take
 # fewer rows and keys: at D = 512 a 64-row Q tile alone is 64 KB and its fp32 accumulator 128
-# registers a thread at 8 warps; 16 x 16 fits float32.
-def _tiles(block_m, block_n, warps, stages) -> dict:
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+# registers a thread at 8 warps; split over two programs (V_PARTS = 2, each computing all of q . k for
+# half of the output columns) the accumulator halves and a 128-row tile fits; 16 x 16 fits float32.
+def _tiles(block_m, block_n, warps, stages, v_parts=1) -> dict:
+    parts = {"V_PARTS": v_parts} if v_parts > 1 else {}  # 1 is the kernel's default, as the settings files store it
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, **parts, "num_warps": warps, "num_stages": stages}
 
 
 _TUNING_SPACE = {
     128: [_tiles(128, 64, 8, 2), _tiles(128, 128, 8, 2), _tiles(128, 128, 8, 3)],
     64: [_tiles(128, 64, 4, 3), _tiles(128, 64, 8, 3)],
     256: [_tiles(128, 64, 8, 2), _tiles(64, 64, 4, 2), _tiles(64, 32, 4, 3), _tiles(16, 16, 4, 1)],
-    512: [_tiles(64, 32, 8, 2), _tiles(64, 64, 8, 1), _tiles(32, 32, 4, 2), _tiles(16, 16, 4, 1)],
+    512: [_tiles(64, 32, 8, 2), _tiles(64, 64, 8, 1), _tiles(32, 32, 4, 2), _tiles(16, 16, 4, 1),
+          _tiles(128, 32, 8, 2, v_parts=2)],
 }
 
 # A few query rows against many keys (DyLLM's salient rows: 64-192 per sequence and head against the
@@ -77,13 +81,13 @@ def candidate_tiles(head_dim: int, tuning_rows: int) -> list[dict]:
 
 @triton.jit
 def _attend_key_tiles(
-    acc, l_i, m_i, q, q_block,
+    acc, l_i, m_i, q, q_other, q_block,
     k_base, v_base, valid_base,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n,
     key_start, key_stop, n_k, block_size, qk_scale,
-    offs_n, offs_d,
+    offs_n, offs_d, offs_other,
     MASK_TILE: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, V_PARTS: tl.constexpr,
 ):
     """Fold the key tiles [key_start, key_stop) into the running (acc, l_i, m_i).
 
@@ -93,14 +97,14 @@ def _attend_key_tiles(
     exp(score - m) * v; a tile that raises m to m' rescales l and acc by exp(m - m'), so at the end
     out = acc / l and lse = m + log(l). Scores are in base 2 (the scale carries log2(e), so every
     exponential is an exp2); the probabilities are cast to the input dtype for P @ V, as in
-    FlashAttention-2."""
+    FlashAttention-2. With V_PARTS = 2 the program owns the output columns offs_d, half of the head: its
+    scores still take all of q . k, q and k in two halves (offs_d, then offs_other)."""
     for key_tile_start in range(key_start, key_stop, BLOCK_N):
         keys = key_tile_start + offs_n  # [BLOCK_N]
-        # [BLOCK_N, HEAD_DIM]
+        # [BLOCK_N, HEAD_DIM // V_PARTS], both
         k_ptrs = k_base + keys[:, None].to(tl.int64) * stride_kn + offs_d[None, :].to(tl.int64) * stride_kd
-        # [BLOCK_N, HEAD_DIM]
         v_ptrs = v_base + keys[:, None].to(tl.int64) * stride_vn + offs_d[None, :].to(tl.int64) * stride_vd
-        if MASK_TILE:  # [BLOCK_N, HEAD_DIM]
+        if MASK_TILE:  # [BLOCK_N, HEAD_DIM // V_PARTS]
             in_range = keys < n_k  # [BLOCK_N]
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
@@ -108,6 +112,13 @@ def _attend_key_tiles(
 
         # [BLOCK_M, BLOCK_N] raw scores q . k (not yet scaled)
         scores = tl.dot(q, tl.trans(k))
+        if V_PARTS == 2:  # the other half of the head
+            k_ptrs = k_base + keys[:, None].to(tl.int64) * stride_kn + offs_other[None, :].to(tl.int64) * stride_kd
+            if MASK_TILE:
+                k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            scores = tl.dot(q_other, tl.trans(k), scores)
         if MASK_TILE:
             # [BLOCK_M, BLOCK_N]
             visible = in_range[None, :]
@@ -134,11 +145,11 @@ def _attend_key_tiles(
         p = tl.math.exp2(scores * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        if MASK_TILE:  # [BLOCK_N, HEAD_DIM]
+        if MASK_TILE:  # [BLOCK_N, HEAD_DIM // V_PARTS]
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        # [BLOCK_M, HEAD_DIM]
+        # [BLOCK_M, HEAD_DIM // V_PARTS]
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
@@ -155,12 +166,13 @@ def _flash_attention_fwd(
     stride_lb, stride_lh, stride_ls, stride_lm,
     n_q, n_k, num_heads, group, block_size, qk_scale, keys_per_split,
     HEAD_DIM: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr, PARTIAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_PARTS: tl.constexpr = 1,
 ):
     # Under a (block-)causal mask the last query tiles see the most keys: launch them first so the
     # short ones fill the tail of the grid.
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    batch_head = tl.program_id(1)
+    batch_head = tl.program_id(1) // V_PARTS
+    part = tl.program_id(1) % V_PARTS  # which part of the head's output columns this program writes
     split = tl.program_id(2)  # this program's slice of the keys: [split_start, split_stop)
     batch = batch_head // num_heads
     head = batch_head % num_heads
@@ -176,12 +188,18 @@ def _flash_attention_fwd(
     tile_start = tile_m * BLOCK_M
     rows = tile_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
+    # The output columns this program writes (all, or with V_PARTS = 2 one half), and the other half's for q . k.
+    offs_d = part * (HEAD_DIM // V_PARTS) + tl.arange(0, HEAD_DIM // V_PARTS)  # [HEAD_DIM // V_PARTS], its columns
+    offs_other = (1 - part) * (HEAD_DIM // V_PARTS) + tl.arange(0, HEAD_DIM // V_PARTS)  # the rest (V_PARTS = 2)
     row_ok = rows < n_q  # [BLOCK_M]
 
-    # [BLOCK_M, HEAD_DIM]
+    # [BLOCK_M, HEAD_DIM // V_PARTS], both
     q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qm + offs_d[None, :].to(tl.int64) * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q_other = q
+    if V_PARTS == 2:
+        q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qm + offs_other[None, :].to(tl.int64) * stride_qd
+        q_other = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     # Which keys this tile needs. Row i sees keys [0, (pos(i) // B + 1) * B), so the first row's
     # limit is seen by every row and the last row's limit by at least one.
@@ -214,38 +232,39 @@ def _flash_attention_fwd(
     # exp2(-inf - floor) = 0 for p and exp2(0) = 1 for alpha, never NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # [BLOCK_M]
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M]
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM]
+    acc = tl.zeros([BLOCK_M, HEAD_DIM // V_PARTS], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM // V_PARTS]
 
     # Key tiles that every row sees in full: no bounds or position checks.
     acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_block, k_base, v_base, valid_base,
+        acc, l_i, m_i, q, q_other, q_block, k_base, v_base, valid_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, tl.maximum(key_start, split_start),
-        tl.minimum(unmasked_stop, split_stop), n_k, block_size, qk_scale, offs_n, offs_d,
-        MASK_TILE=False, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N,
+        tl.minimum(unmasked_stop, split_stop), n_k, block_size, qk_scale, offs_n, offs_d, offs_other,
+        MASK_TILE=False, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N, V_PARTS=V_PARTS,
     )
     # The rest up to the last key any row sees: the block-causal diagonal and the ragged last tile.
     # Tiles past seen_by_any are never visited: that is the causal saving.
     acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_block, k_base, v_base, valid_base,
+        acc, l_i, m_i, q, q_other, q_block, k_base, v_base, valid_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, tl.maximum(unmasked_stop, split_start),
-        tl.minimum(seen_by_any, split_stop), n_k, block_size, qk_scale, offs_n, offs_d,
-        MASK_TILE=True, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N,
+        tl.minimum(seen_by_any, split_stop), n_k, block_size, qk_scale, offs_n, offs_d, offs_other,
+        MASK_TILE=True, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N, V_PARTS=V_PARTS,
     )
 
     # A row that saw no key has l = 0 and acc = 0: it writes out = 0 and lse = -inf.
     saw_keys = l_i > 0.0  # [BLOCK_M]
     l_safe = tl.where(saw_keys, l_i, 1.0)  # [BLOCK_M]
-    # [BLOCK_M, HEAD_DIM]
+    # [BLOCK_M, HEAD_DIM // V_PARTS]
     out = acc / l_safe[:, None]
     # [BLOCK_M] in base 2 for a partial (what merge_splits reads), else natural
     lse = tl.where(saw_keys, m_i + tl.math.log2(l_safe), float("-inf"))
     if not PARTIAL:
         lse = lse * LN_2
 
-    # [BLOCK_M, HEAD_DIM]
+    # [BLOCK_M, HEAD_DIM // V_PARTS]
     o_ptrs = o_base + rows[:, None].to(tl.int64) * stride_om + offs_d[None, :].to(tl.int64) * stride_od
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse_base + rows.to(tl.int64) * stride_lm, lse, mask=row_ok)
+    if part == 0:  # the parts add the halves of q . k in their own order (bits apart): one lse is kept
+        tl.store(lse_base + rows.to(tl.int64) * stride_lm, lse, mask=row_ok)
 
 
 def visible_span(valid: torch.Tensor) -> torch.Tensor:
@@ -301,9 +320,11 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     meta = dict(HEAD_DIM=head_dim, BLOCK_CAUSAL=causal or block_size is not None, HAS_K_VALID=k_valid is not None)
 
     def launch(tiles):
-        """One grid of (query tile, batch * head, key slice). Too few query tiles to fill the GPU (a canvas of
-        a few hundred queries at batch 1) cut the keys into slices whose partials merge_splits combines."""
-        programs = triton.cdiv(n_q, tiles["BLOCK_M"]) * batch * num_heads
+        """One grid of (query tile, batch * head * part of its columns, key slice). Too few query tiles to fill
+        the GPU (a canvas of a few hundred queries at batch 1) cut the keys into slices whose partials
+        merge_splits combines."""
+        heads = batch * num_heads * tiles.get("V_PARTS", 1)
+        programs = triton.cdiv(n_q, tiles["BLOCK_M"]) * heads
         keys_per_split, splits = split_keys(n_k, programs, q.device, tiles["BLOCK_N"], min_keys=MIN_KEYS_PER_SLICE)
         if splits == 1:  # out and lse themselves, with a slice axis of one
             out = _output((batch, n_q, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
@@ -312,7 +333,7 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
         else:  # [batch, heads, splits, N_q, D] and [batch, heads, splits, N_q], as merge_splits reads them
             written = (new_buffer((batch, num_heads, splits, n_q, head_dim), q.dtype, q.device),
                        new_buffer((batch, num_heads, splits, n_q), torch.float32, q.device))
-        _flash_attention_fwd[(triton.cdiv(n_q, tiles["BLOCK_M"]), batch * num_heads, splits)](
+        _flash_attention_fwd[(triton.cdiv(n_q, tiles["BLOCK_M"]), heads, splits)](
             *inputs, *written, *strides, *written[0].stride(), *written[1].stride(), *scalars, keys_per_split,
             **meta, PARTIAL=splits > 1, **tiles)
         return (out, lse) if splits == 1 else merge_splits(written[0].flatten(0, 1), written[1].flatten(0, 1), q)

@@ -25,19 +25,20 @@ DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" 
 # fp32 runs exact dots in the interpreter but TF32 ones on a GPU.
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5 if DEVICE == "cpu" else 5e-3}
 LSE_TOLERANCE = {torch.float16: 1e-4, torch.bfloat16: 1e-4, torch.float32: 1e-5 if DEVICE == "cpu" else 5e-3}
-INTERPRETER_TILES = [(16, 16), (32, 16), (16, 32), (64, 32)]
+# (BLOCK_M, BLOCK_N, V_PARTS): V_PARTS = 2 splits a head's output columns over two programs
+INTERPRETER_TILES = [(16, 16, 1), (32, 16, 1), (16, 32, 1), (64, 32, 1), (32, 16, 2), (16, 32, 2)]
 LAYOUTS = ["contiguous", "seq_major", "every_other_d"]
 
 
 @contextmanager
 def poisoned_outputs(tiles=(32, 16)):
     """Run with NaN-filled outputs (the key slices' partials too) and, in the interpreter, the given
-    (BLOCK_M, BLOCK_N)."""
+    (BLOCK_M, BLOCK_N[, V_PARTS])."""
     def nan_output(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     with mock.patch.object(fa, "_output", nan_output), mock.patch.object(da, "DEBUG_POISON", True), \
-            mock.patch.dict(fa.INTERPRETER_TILES, BLOCK_M=tiles[0], BLOCK_N=tiles[1]):
+            mock.patch.dict(fa.INTERPRETER_TILES, BLOCK_M=tiles[0], BLOCK_N=tiles[1], V_PARTS=(*tiles, 1)[2]):
         yield
 
 
@@ -191,16 +192,18 @@ def test_matches_reference_with_gpu_tiles(mask, tiles):
     check_against_reference(q, k, v, tiles, k_valid=k_valid, **mask)
 
 
+@pytest.mark.parametrize("v_parts", [1, 2])
 @pytest.mark.parametrize("head_dim", [256, 512])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_diffusion_gemmas_head_dims_at_scale_one(head_dim, dtype):
+def test_diffusion_gemmas_head_dims_at_scale_one(head_dim, dtype, v_parts):
     """DiffusionGemma's denoiser: head_dim 256 (sliding layers) and 512 (full: 8 query heads per KV head),
-    scale 1, a canvas of queries against more keys, one row's first keys hidden."""
+    scale 1, a canvas of queries against more keys, one row's first keys hidden; a head's output in one
+    program or split over two."""
     generator = torch.Generator().manual_seed(head_dim)
     q = random_heads(2, 16, 24, head_dim, dtype, "contiguous", generator).mul_(0.5)  # scale 1: scores of a few units
     k, v = (random_heads(2, 2, 40, head_dim, dtype, "seq_major", generator).mul_(0.5) for _ in range(2))  # a cache's
-    check_against_reference(q, k, v, (16, 16), k_valid=padded_keys([5, 0], ["left", "right"], 40, sliced=False),
-                            scale=1.0)
+    check_against_reference(q, k, v, (16, 16, v_parts), scale=1.0,
+                            k_valid=padded_keys([5, 0], ["left", "right"], 40, sliced=False))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tuner's tiles compile for the GPU only")
