@@ -38,10 +38,9 @@ LN_2 = tl.constexpr(math.log(2.0))  # kernel side: lse back from base 2 (kernels
 # under sm_90's 227 KB limit, just; that tile wins at 8K-32K prefills and ties under key padding
 # (docs/results/bench_kernels.md). At D = 64 everything halves, and 128 x 64 tiles win. Float32
 # inputs (tests) double the bytes: of the D = 128 tiles only 128 x 64 with 2 stages fits them, and
-# the tuner skips those that do not. DiffusionGemma's D = 256 and 512 (sliding and full layers) take
-# fewer rows and keys: at D = 512 a 64-row Q tile alone is 64 KB and its fp32 accumulator 128
-# registers a thread at 8 warps; split over two programs (V_PARTS = 2, each computing all of q . k for
-# half of the output columns) the accumulator halves and a 128-row tile fits; 16 x 16 fits float32.
+# the tuner skips those that do not. DiffusionGemma's D = 256 and 512 take fewer rows and keys: at D = 512
+# a 64-row fp32 accumulator is 128 registers a thread at 8 warps; with V_PARTS = 2 (each program all of
+# q . k for half of the output columns) it halves and 128 rows fit. 16 x 16 fits float32.
 def _tiles(block_m, block_n, warps, stages, v_parts=1) -> dict:
     parts = {"V_PARTS": v_parts} if v_parts > 1 else {}  # 1 is the kernel's default, as the settings files store it
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, **parts, "num_warps": warps, "num_stages": stages}
@@ -55,9 +54,8 @@ _TUNING_SPACE = {
           _tiles(128, 32, 8, 2, v_parts=2)],
 }
 
-# A few query rows against many keys (DyLLM's salient rows: 64-192 per sequence and head against the
-# whole canvas) leave much of their last 128-row tile empty: up to FEW_ROWS query rows the tuner
-# also tries 64-row tiles (one warpgroup), keyed on a query-row bucket so prefill keeps its own choice.
+# A few query rows against many keys (DyLLM's 64-192 salient rows a head) leave much of a 128-row tile empty: up
+# to FEW_ROWS rows the tuner also tries 64-row tiles (one warpgroup), keyed on a row bucket apart from prefill's.
 FEW_ROWS = 256
 _FEW_ROW_TILES = {head_dim: [_tiles(64, 64, 4, 3), _tiles(64, 128, 4, 3)] for head_dim in (128, 64)}
 _FEW_ROW_TILES.update({256: [], 512: []})  # their spaces are all of few rows
@@ -77,6 +75,17 @@ INTERPRETER_TILES = {"BLOCK_M": 32, "BLOCK_N": 16}
 def candidate_tiles(head_dim: int, tuning_rows: int) -> list[dict]:
     """The tiles tried for a key (one list per head dim and row bucket, built once)."""
     return _TUNING_SPACE[head_dim] + (_FEW_ROW_TILES[head_dim] if tuning_rows <= FEW_ROWS else [])
+
+
+@triton.jit
+def _key_rows(base, keys, n_k, stride_n, columns, stride_d, MASK_TILE: tl.constexpr):
+    """[BLOCK_N, len(columns)] of K or V at rows `keys`; in a masked tile the rows past n_k read as 0."""
+    ptrs = base + keys[:, None].to(tl.int64) * stride_n + columns[None, :].to(tl.int64) * stride_d
+    if MASK_TILE:
+        rows = tl.load(ptrs, mask=(keys < n_k)[:, None], other=0.0)
+    else:
+        rows = tl.load(ptrs)
+    return rows
 
 
 @triton.jit
@@ -101,56 +110,36 @@ def _attend_key_tiles(
     scores still take all of q . k, q and k in two halves (offs_d, then offs_other)."""
     for key_tile_start in range(key_start, key_stop, BLOCK_N):
         keys = key_tile_start + offs_n  # [BLOCK_N]
-        # [BLOCK_N, HEAD_DIM // V_PARTS], both
-        k_ptrs = k_base + keys[:, None].to(tl.int64) * stride_kn + offs_d[None, :].to(tl.int64) * stride_kd
-        v_ptrs = v_base + keys[:, None].to(tl.int64) * stride_vn + offs_d[None, :].to(tl.int64) * stride_vd
-        if MASK_TILE:  # [BLOCK_N, HEAD_DIM // V_PARTS]
-            in_range = keys < n_k  # [BLOCK_N]
-            k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
+        k = _key_rows(k_base, keys, n_k, stride_kn, offs_d, stride_kd, MASK_TILE)  # [BLOCK_N, HEAD_DIM // V_PARTS]
 
         # [BLOCK_M, BLOCK_N] raw scores q . k (not yet scaled)
         scores = tl.dot(q, tl.trans(k))
         if V_PARTS == 2:  # the other half of the head
-            k_ptrs = k_base + keys[:, None].to(tl.int64) * stride_kn + offs_other[None, :].to(tl.int64) * stride_kd
-            if MASK_TILE:
-                k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
+            k = _key_rows(k_base, keys, n_k, stride_kn, offs_other, stride_kd, MASK_TILE)
             scores = tl.dot(q_other, tl.trans(k), scores)
         if MASK_TILE:
-            # [BLOCK_M, BLOCK_N]
-            visible = in_range[None, :]
+            in_range = keys < n_k  # [BLOCK_N]
+            visible = in_range[None, :]  # [BLOCK_M, BLOCK_N] once broadcast
             if BLOCK_CAUSAL:
                 visible = visible & ((keys // block_size)[None, :] <= q_block[:, None])
             if HAS_K_VALID:
-                # [BLOCK_N]
-                key_ok = tl.load(valid_base + keys.to(tl.int64) * stride_valid_n, mask=in_range, other=0)
+                key_ok = tl.load(valid_base + keys.to(tl.int64) * stride_valid_n, mask=in_range, other=0)  # [BLOCK_N]
                 visible = visible & (key_ok != 0)[None, :]
             scores = tl.where(visible, scores, float("-inf"))
         elif HAS_K_VALID:
-            # [BLOCK_N]
-            key_ok = tl.load(valid_base + keys.to(tl.int64) * stride_valid_n)
+            key_ok = tl.load(valid_base + keys.to(tl.int64) * stride_valid_n)  # [BLOCK_N]
             if tl.min(key_ok, 0) == 0:  # only a tile with a hidden key pays for the select
                 scores = tl.where((key_ok != 0)[None, :], scores, float("-inf"))
 
         # Online softmax in base 2. scale > 0, so max(scores) * qk_scale is the max of the scaled
         # scores, and each probability costs one fused multiply-add and one exp2.
-        # [BLOCK_M]
-        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-        # [BLOCK_M]
-        alpha = tl.math.exp2(m_i - m_new)
-        # [BLOCK_M, BLOCK_N]
-        p = tl.math.exp2(scores * qk_scale - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)  # [BLOCK_M]
+        alpha = tl.math.exp2(m_i - m_new)  # [BLOCK_M]
+        p = tl.math.exp2(scores * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        if MASK_TILE:  # [BLOCK_N, HEAD_DIM // V_PARTS]
-            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        # [BLOCK_M, HEAD_DIM // V_PARTS]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        v = _key_rows(v_base, keys, n_k, stride_vn, offs_d, stride_vd, MASK_TILE)  # [BLOCK_N, HEAD_DIM // V_PARTS]
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BLOCK_M, HEAD_DIM // V_PARTS]
         m_i = m_new
     return acc, l_i, m_i
 
@@ -174,8 +163,7 @@ def _flash_attention_fwd(
     batch_head = tl.program_id(1) // V_PARTS
     part = tl.program_id(1) % V_PARTS  # which part of the head's output columns this program writes
     split = tl.program_id(2)  # this program's slice of the keys: [split_start, split_stop)
-    batch = batch_head // num_heads
-    head = batch_head % num_heads
+    batch, head = batch_head // num_heads, batch_head % num_heads
     kv_head = head // group
 
     q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
@@ -188,18 +176,15 @@ def _flash_attention_fwd(
     tile_start = tile_m * BLOCK_M
     rows = tile_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    # The output columns this program writes (all, or with V_PARTS = 2 one half), and the other half's for q . k.
     offs_d = part * (HEAD_DIM // V_PARTS) + tl.arange(0, HEAD_DIM // V_PARTS)  # [HEAD_DIM // V_PARTS], its columns
     offs_other = (1 - part) * (HEAD_DIM // V_PARTS) + tl.arange(0, HEAD_DIM // V_PARTS)  # the rest (V_PARTS = 2)
     row_ok = rows < n_q  # [BLOCK_M]
 
-    # [BLOCK_M, HEAD_DIM // V_PARTS], both
-    q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qm + offs_d[None, :].to(tl.int64) * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    q_other = q
+    q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qm  # [BLOCK_M, 1]
+    q = tl.load(q_ptrs + offs_d[None, :].to(tl.int64) * stride_qd, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, ..]
+    q_other = q  # the other half's columns (V_PARTS = 2)
     if V_PARTS == 2:
-        q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qm + offs_other[None, :].to(tl.int64) * stride_qd
-        q_other = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        q_other = tl.load(q_ptrs + offs_other[None, :].to(tl.int64) * stride_qd, mask=row_ok[:, None], other=0.0)
 
     # Which keys this tile needs. Row i sees keys [0, (pos(i) // B + 1) * B), so the first row's
     # limit is seen by every row and the last row's limit by at least one.
@@ -210,8 +195,7 @@ def _flash_attention_fwd(
         seen_by_all = tl.minimum((first_pos // block_size + 1) * block_size, n_k)
         seen_by_any = tl.minimum((last_pos // block_size + 1) * block_size, n_k)
     else:
-        seen_by_all = n_k
-        seen_by_any = n_k
+        seen_by_all, seen_by_any = n_k, n_k
     unmasked_stop = seen_by_all // BLOCK_N * BLOCK_N
     key_start = 0
     if HAS_K_VALID:  # key tiles outside [first visible key, last visible key] (left pads, a hidden tail): never visited
@@ -253,14 +237,12 @@ def _flash_attention_fwd(
     # A row that saw no key has l = 0 and acc = 0: it writes out = 0 and lse = -inf.
     saw_keys = l_i > 0.0  # [BLOCK_M]
     l_safe = tl.where(saw_keys, l_i, 1.0)  # [BLOCK_M]
-    # [BLOCK_M, HEAD_DIM // V_PARTS]
-    out = acc / l_safe[:, None]
+    out = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM // V_PARTS]
     # [BLOCK_M] in base 2 for a partial (what merge_splits reads), else natural
     lse = tl.where(saw_keys, m_i + tl.math.log2(l_safe), float("-inf"))
     if not PARTIAL:
         lse = lse * LN_2
 
-    # [BLOCK_M, HEAD_DIM // V_PARTS]
     o_ptrs = o_base + rows[:, None].to(tl.int64) * stride_om + offs_d[None, :].to(tl.int64) * stride_od
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     if part == 0:  # the parts add the halves of q . k in their own order (bits apart): one lse is kept
@@ -307,8 +289,7 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     else:
         valid_strides, span_strides = k_valid.stride(), span.stride()[:2]
 
-    # Causal is block-causal with B = 1; bidirectional never reads block_size.
-    block = block_size if block_size is not None else 1
+    block = block_size if block_size is not None else 1  # causal is B = 1; bidirectional never reads it
     # The tuner keys on a power-of-two bucket of N_k from 1K to 32K, so a short warm-up call does not
     # choose the tiles of a long prefill, and lengths in one bucket share their tuning.
     tuning_length = min(max(triton.next_power_of_2(n_k), 1024), 32768)
@@ -320,12 +301,11 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
     meta = dict(HEAD_DIM=head_dim, BLOCK_CAUSAL=causal or block_size is not None, HAS_K_VALID=k_valid is not None)
 
     def launch(tiles):
-        """One grid of (query tile, batch * head * part of its columns, key slice). Too few query tiles to fill
-        the GPU (a canvas of a few hundred queries at batch 1) cut the keys into slices whose partials
-        merge_splits combines."""
-        heads = batch * num_heads * tiles.get("V_PARTS", 1)
-        programs = triton.cdiv(n_q, tiles["BLOCK_M"]) * heads
-        keys_per_split, splits = split_keys(n_k, programs, q.device, tiles["BLOCK_N"], min_keys=MIN_KEYS_PER_SLICE)
+        """One grid of (query tile, batch * head * V_PARTS, key slice). Too few query tiles to fill the GPU (a
+        canvas at batch 1) cut the keys into slices whose partials merge_splits combines."""
+        heads, tiles_m = batch * num_heads * tiles.get("V_PARTS", 1), triton.cdiv(n_q, tiles["BLOCK_M"])
+        keys_per_split, splits = split_keys(n_k, tiles_m * heads, q.device, tiles["BLOCK_N"],
+                                            min_keys=MIN_KEYS_PER_SLICE)
         if splits == 1:  # out and lse themselves, with a slice axis of one
             out = _output((batch, n_q, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
             lse = _output((batch, num_heads, n_q), torch.float32, q.device)
@@ -333,7 +313,7 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
         else:  # [batch, heads, splits, N_q, D] and [batch, heads, splits, N_q], as merge_splits reads them
             written = (new_buffer((batch, num_heads, splits, n_q, head_dim), q.dtype, q.device),
                        new_buffer((batch, num_heads, splits, n_q), torch.float32, q.device))
-        _flash_attention_fwd[(triton.cdiv(n_q, tiles["BLOCK_M"]), heads, splits)](
+        _flash_attention_fwd[(tiles_m, heads, splits)](
             *inputs, *written, *strides, *written[0].stride(), *written[1].stride(), *scalars, keys_per_split,
             **meta, PARTIAL=splits > 1, **tiles)
         return (out, lse) if splits == 1 else merge_splits(written[0].flatten(0, 1), written[1].flatten(0, 1), q)
@@ -398,8 +378,7 @@ def flash_attention_reference(q, k, v, *, causal=False, block_size=None, k_valid
     n_k = k.shape[2]
     group = num_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
+    k, v = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
     scores = (q.float() @ k.transpose(-1, -2)) * scale  # [batch, num_heads, N_q, N_k]
 
     q_pos = torch.arange(n_q, device=q.device) + (n_k - n_q)
