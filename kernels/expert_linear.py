@@ -11,7 +11,8 @@ grows with the rows per expert (16 at a block step's one or two, up to 128) so t
 rows fit one tile and their weights are read once; an expert whose rows fit half a tile runs a half
 tile (its tensor-core work halves). An expert with no rows costs an empty program.
 Rounding as torch's grouped matmul and its activation (fp32 accumulation, gate and up rounded
-before the activation). Rows past the last group are not written.
+before the activation). Rows past the last group are not written. group_by_expert groups a step's
+(token, slot) pairs by expert in one launch, a counting sort.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GLUS = (None, "silu", "gelu_tanh")
 MAX_TILE_ROWS = 128
 FEW_ROWS_PER_EXPERT = 64  # up to this mean it beats torch's grouped matmuls (docs/results/bench_moe.md)
+MAX_SCANNED_IDS = 1 << 22  # group_by_expert's kernel reads every id once per expert: past this many, a sort
 
 
 @triton.jit
@@ -76,13 +78,55 @@ def _expert_rows(
         store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stride_out, GLU)
 
 
+@triton.jit
+def _shifted_ids(experts_ptr, pair, pairs, first_held, num_experts):
+    """The ids of pairs [BLOCK] counted from first_held (modulo num_experts): a share's experts first."""
+    ids = tl.load(experts_ptr + pair, mask=pair < pairs, other=0).to(tl.int32)
+    return (ids - first_held + num_experts) % num_experts
+
+
+@triton.jit
+def group_by_expert_kernel(experts_ptr, order_ptr, ends_ptr, pairs, first_held, num_experts, groups,
+                           BLOCK: tl.constexpr):
+    """Program e writes the pairs of (shifted) id e in their order after every pair of a smaller id, and
+    for e < groups where they end: a counting sort, one program per id, each reading every id twice."""
+    me = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    placed = tl.full([], 0, tl.int32)  # the pairs of smaller ids, then those of me written so far
+    for start in range(0, pairs, BLOCK):
+        pair = start + offs
+        ids = _shifted_ids(experts_ptr, pair, pairs, first_held, num_experts)
+        placed += tl.sum(((ids < me) & (pair < pairs)).to(tl.int32), 0)
+    for start in range(0, pairs, BLOCK):
+        pair = start + offs
+        mine = ((_shifted_ids(experts_ptr, pair, pairs, first_held, num_experts) == me) & (pair < pairs)).to(tl.int32)
+        tl.store(order_ptr + placed + tl.cumsum(mine, 0) - 1, pair.to(tl.int64), mask=mine != 0)
+        placed += tl.sum(mine, 0)
+    if me < groups:
+        tl.store(ends_ptr + me, placed)
+
+
 def group_by_expert(experts: torch.Tensor, num_experts: int, held: range | None = None):
     """The (token, slot) pairs of experts [n, k] (ids 0 .. num_experts - 1) grouped by expert, as this
     kernel and torch's grouped matmuls take them: order [n * k] int64, grouped row i holding the pair
     order[i] = token * k + slot, and group_ends [len(held)] int32, where each held expert's rows end. held
     (default all): a rank's share, its experts' groups first (numbered from held.start), the other experts'
-    pairs after the last group. A stable sort of the ids in the narrowest integer type that holds them: a
-    radix sort makes a pass per byte of its keys."""
+    pairs after the last group, each id's in their order. One launch of group_by_expert_kernel for a step's
+    few thousand pairs; the reference's sort for a prompt's (past MAX_SCANNED_IDS ids read)."""
+    held = range(num_experts) if held is None else held
+    pairs = experts.numel()
+    if pairs * num_experts > MAX_SCANNED_IDS:
+        return group_by_expert_reference(experts, num_experts, held)
+    order = torch.empty(pairs, dtype=torch.int64, device=experts.device)
+    ends = torch.empty(len(held), dtype=torch.int32, device=experts.device)
+    group_by_expert_kernel[(num_experts,)](experts.reshape(-1), order, ends, pairs, held.start, num_experts, len(held),
+                                           BLOCK=min(1024, triton.next_power_of_2(max(pairs, 16))))
+    return order, ends
+
+
+def group_by_expert_reference(experts: torch.Tensor, num_experts: int, held: range | None = None):
+    """group_by_expert in torch: a stable sort of the ids in the narrowest integer type that holds them (a
+    radix sort makes a pass per byte of its keys)."""
     held = range(num_experts) if held is None else held
     if held.start:  # the held experts' ids to 0 .., the others' past them
         experts = (experts - held.start) % num_experts

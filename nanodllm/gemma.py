@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert, zero_rows_past_groups
+from nanodllm.kernels.expert_linear import (beats_grouped_mm, expert_linear, group_by_expert, group_by_expert_reference,
+                                            zero_rows_past_groups)
 from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.moe_route import moe_route
@@ -197,7 +198,8 @@ class GemmaExperts(nn.Module):
         if len(x) > GROUPED_TOKENS:
             pieces = zip(*(t.split(GROUPED_TOKENS) for t in (x, chosen, weights)))
             return torch.cat([self.grouped(*piece) for piece in pieces])
-        order, ends = group_by_expert(chosen, self.num_experts, self.held)
+        group = group_by_expert if use_kernels(x) else group_by_expert_reference
+        order, ends = group(chosen, self.num_experts, self.held)
         rows = x[order // chosen.shape[1]]
         if use_kernels(x) and beats_grouped_mm(len(rows), self.num_experts):
             y = expert_linear(expert_linear(rows, self.gate_up_proj, ends, "gelu_tanh"), self.down_proj, ends)
