@@ -12,10 +12,12 @@ rows fit one tile and their weights are read once; an expert whose rows fit half
 tile (its tensor-core work halves). An expert with no rows costs an empty program.
 Rounding as torch's grouped matmul and its activation (fp32 accumulation, gate and up rounded
 before the activation). Rows past the last group are not written. group_by_expert groups a step's
-(token, slot) pairs by expert in one launch, a counting sort.
+(token, slot) pairs by expert in one launch, a counting sort that writes the permutation both ways.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -86,10 +88,11 @@ def _shifted_ids(experts_ptr, pair, pairs, first_held, num_experts):
 
 
 @triton.jit
-def group_by_expert_kernel(experts_ptr, order_ptr, ends_ptr, pairs, first_held, num_experts, groups,
+def group_by_expert_kernel(experts_ptr, order_ptr, slot_of_ptr, ends_ptr, pairs, first_held, num_experts, groups,
                            BLOCK: tl.constexpr):
-    """Program e writes the pairs of (shifted) id e in their order after every pair of a smaller id, and
-    for e < groups where they end: a counting sort, one program per id, each reading every id twice."""
+    """Program e writes the pairs of (shifted) id e in their order after every pair of a smaller id, the
+    row each pair lands in, and for e < groups where they end: a counting sort, one program per id, each
+    reading every id twice."""
     me = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     placed = tl.full([], 0, tl.int32)  # the pairs of smaller ids, then those of me written so far
@@ -100,31 +103,40 @@ def group_by_expert_kernel(experts_ptr, order_ptr, ends_ptr, pairs, first_held, 
     for start in range(0, pairs, BLOCK):
         pair = start + offs
         mine = ((_shifted_ids(experts_ptr, pair, pairs, first_held, num_experts) == me) & (pair < pairs)).to(tl.int32)
-        tl.store(order_ptr + placed + tl.cumsum(mine, 0) - 1, pair.to(tl.int64), mask=mine != 0)
+        row = placed + tl.cumsum(mine, 0) - 1
+        tl.store(order_ptr + row, pair.to(tl.int64), mask=mine != 0)
+        tl.store(slot_of_ptr + pair, row.to(tl.int64), mask=mine != 0)
         placed += tl.sum(mine, 0)
     if me < groups:
         tl.store(ends_ptr + me, placed)
 
 
-def group_by_expert(experts: torch.Tensor, num_experts: int, held: range | None = None):
+class Grouped(NamedTuple):
+    """A step's (token, slot) pairs grouped by expert: grouped row i holds the pair order[i] = token * k +
+    slot, the pair p lies in row slot_of[p] (int64 both), each held expert's rows end at ends[e] (int32)."""
+    order: torch.Tensor
+    ends: torch.Tensor
+    slot_of: torch.Tensor
+
+
+def group_by_expert(experts: torch.Tensor, num_experts: int, held: range | None = None) -> Grouped:
     """The (token, slot) pairs of experts [n, k] (ids 0 .. num_experts - 1) grouped by expert, as this
-    kernel and torch's grouped matmuls take them: order [n * k] int64, grouped row i holding the pair
-    order[i] = token * k + slot, and group_ends [len(held)] int32, where each held expert's rows end. held
-    (default all): a rank's share, its experts' groups first (numbered from held.start), the other experts'
-    pairs after the last group, each id's in their order. One launch of group_by_expert_kernel for a step's
-    few thousand pairs; the reference's sort for a prompt's (past MAX_SCANNED_IDS ids read)."""
+    kernel and torch's grouped matmuls take them, len(held) groups. held (default all): a rank's share, its
+    experts' groups first (numbered from held.start), the other experts' pairs after the last group, each
+    id's in their order. One launch of group_by_expert_kernel for a step's few thousand pairs; the
+    reference's sort for a prompt's (past MAX_SCANNED_IDS ids read)."""
     held = range(num_experts) if held is None else held
     pairs = experts.numel()
     if pairs * num_experts > MAX_SCANNED_IDS:
         return group_by_expert_reference(experts, num_experts, held)
-    order = torch.empty(pairs, dtype=torch.int64, device=experts.device)
+    order, slot_of = (torch.empty(pairs, dtype=torch.int64, device=experts.device) for _ in range(2))
     ends = torch.empty(len(held), dtype=torch.int32, device=experts.device)
-    group_by_expert_kernel[(num_experts,)](experts.reshape(-1), order, ends, pairs, held.start, num_experts, len(held),
-                                           BLOCK=min(1024, triton.next_power_of_2(max(pairs, 16))))
-    return order, ends
+    group_by_expert_kernel[(num_experts,)](experts.reshape(-1), order, slot_of, ends, pairs, held.start, num_experts,
+                                           len(held), BLOCK=min(1024, triton.next_power_of_2(max(pairs, 16))))
+    return Grouped(order, ends, slot_of)
 
 
-def group_by_expert_reference(experts: torch.Tensor, num_experts: int, held: range | None = None):
+def group_by_expert_reference(experts: torch.Tensor, num_experts: int, held: range | None = None) -> Grouped:
     """group_by_expert in torch: a stable sort of the ids in the narrowest integer type that holds them (a
     radix sort makes a pass per byte of its keys)."""
     held = range(num_experts) if held is None else held
@@ -133,13 +145,8 @@ def group_by_expert_reference(experts: torch.Tensor, num_experts: int, held: ran
     narrow = next(t for t in (torch.uint8, torch.int16, torch.int32) if num_experts - 1 <= torch.iinfo(t).max)
     by_expert, order = experts.flatten().to(narrow).sort(stable=True)
     ids = torch.arange(len(held), device=experts.device, dtype=narrow)
-    return order, torch.searchsorted(by_expert, ids, right=True, out_int32=True)
-
-
-def zero_rows_past_groups(y: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-    """y [R, N] with its rows past group_ends[-1] (the pairs of experts another rank holds, which the
-    kernel leaves unwritten) zeroed, in place."""
-    return y.masked_fill_(torch.arange(len(y), device=y.device)[:, None] >= group_ends[-1], 0.0)
+    slot_of = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return Grouped(order, torch.searchsorted(by_expert, ids, right=True, out_int32=True), slot_of)
 
 
 def beats_grouped_mm(num_rows: int, num_experts: int) -> bool:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert, zero_rows_past_groups
+from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert
 from nanodllm.kernels.moe_combine import moe_combine
 from nanodllm.kernels.moe_route import moe_route
 from nanodllm.kernels.silu_mul import silu_mul
@@ -82,6 +82,15 @@ class FusedRouter(Router):
         choose = moe_route if use_kernels(x) else choose_experts
         return choose(self.logits(x), self.moe.experts_per_token, **self.rule())
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """LLaDA2's float32 logits as one matmul of the stored 16-bit weights into float32, where the
+        reference casts x and the weight every step: the products of 16-bit floats are exact in float32, the
+        tensor cores' sums a few float32 roundings coarser, far below a 16-bit one (tests/test_moe_route.py).
+        torch's matmul takes out_dtype on CUDA only."""
+        if self.moe.score != "sigmoid" or not use_kernels(x) or not x.is_cuda or x.dtype == torch.float32:
+            return super().logits(x)
+        return torch.mm(x.flatten(0, -2), self.weight.t(), out_dtype=torch.float32).unflatten(0, x.shape[:-1])
+
 
 class FusedMoE(MoE):
     """MoE over this rank's experts and share of the shared expert (one process: all), summed over the ranks."""
@@ -98,16 +107,15 @@ class FusedMoE(MoE):
 
     def grouped(self, flat: torch.Tensor) -> torch.Tensor:
         """MoE.forward over tokens [n, hidden], the rows grouped by expert for two grouped matmuls: this rank's
-        experts first (numbered from its first), the other ranks' rows after the last group and zeroed."""
+        experts first (numbered from its first), the other ranks' rows after the last group, summed as zeros."""
         chosen, routing = self.gate(flat)
         held, count = self.experts.held, self.gate.moe.num_experts
-        order, ends = group_by_expert(chosen, count, held)
+        order, ends, slot_of = group_by_expert(chosen, count, held)
         rows = flat[order // chosen.shape[1]]
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         few = beats_grouped_mm(len(rows), count)  # a mean over every rank's experts
         grouped = (expert_linear(expert_linear(rows, gate_up, ends, "silu"), down, ends) if few
                    else GROUPED_MM(silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends)), down.mT, offs=ends))
-        if len(held) < count:  # the pairs of experts held elsewhere
-            zero_rows_past_groups(grouped, ends)
-        y = moe_combine(grouped, order, routing)  # MoE.combine, read where the rows lie
+        past_groups = ends[-1:] if len(held) < count else None  # the pairs of experts held elsewhere: zeros
+        y = moe_combine(grouped, slot_of, routing, past_groups)  # MoE.combine, read where the rows lie
         return y if self.shared_expert is None else y + self.shared_expert(flat)

@@ -23,8 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import (beats_grouped_mm, expert_linear, group_by_expert, group_by_expert_reference,
-                                            zero_rows_past_groups)
+from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert, group_by_expert_reference
 from nanodllm.kernels.flash_attention import flash_attention
 from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.moe_route import moe_route
@@ -199,16 +198,15 @@ class GemmaExperts(nn.Module):
             pieces = zip(*(t.split(GROUPED_TOKENS) for t in (x, chosen, weights)))
             return torch.cat([self.grouped(*piece) for piece in pieces])
         group = group_by_expert if use_kernels(x) else group_by_expert_reference
-        order, ends = group(chosen, self.num_experts, self.held)
+        order, ends, slot_of = group(chosen, self.num_experts, self.held)
         rows = x[order // chosen.shape[1]]
         if use_kernels(x) and beats_grouped_mm(len(rows), self.num_experts):
             y = expert_linear(expert_linear(rows, self.gate_up_proj, ends, "gelu_tanh"), self.down_proj, ends)
         else:
             gate, up = GROUPED_MM(rows, self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)
             y = GROUPED_MM(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, offs=ends)
-        if len(self.held) < self.num_experts:  # the pairs of experts held elsewhere
-            zero_rows_past_groups(y, ends)
-        return (moe_combine if use_kernels(y) else moe_combine_reference)(y, order, weights)
+        past_groups = ends[-1:] if len(self.held) < self.num_experts else None  # the pairs of experts held elsewhere
+        return (moe_combine if use_kernels(y) else moe_combine_reference)(y, slot_of, weights, past_groups)
 
 
 class GemmaLayer(nn.Module):

@@ -76,18 +76,19 @@ def check(sizes, trailing, dim, width, dtype, glu, seed):
 def test_group_by_expert_sorts_the_pairs_stably_by_expert(num_experts, held, tokens, group):
     """Ids from 0 to num_experts - 1 (the top one drawn too, whatever type holds it): each held expert's group
     holds its (token, slot) pairs in their order, and group_ends counts the rows up to each group's end; a
-    share's groups are its experts', numbered from its first, the other experts' pairs after them. The
-    kernel (a sort past its limit: 40,000 experts) and the sort; 2,800 pairs span several of the kernel's
-    blocks; no pairs, empty groups."""
+    share's groups are its experts', numbered from its first, the other experts' pairs after them; slot_of
+    is order's inverse. The kernel (a sort past its limit: 40,000 experts) and the sort; 2,800 pairs span
+    several of the kernel's blocks; no pairs, empty groups."""
     generator = torch.Generator().manual_seed(num_experts)
     experts = torch.randint(0, num_experts, (tokens, 4), generator=generator)
     if tokens:
         experts[0, 0], experts[-1, -1] = num_experts - 1, 0
-    order, ends = group(experts.to(DEVICE), num_experts, held)
+    order, ends, slot_of = group(experts.to(DEVICE), num_experts, held)
     start = 0 if held is None else held.start
     ids = [(i - start) % num_experts for i in experts.flatten().tolist()]
-    assert order.dtype == torch.int64 and ends.dtype == torch.int32
+    assert order.dtype == slot_of.dtype == torch.int64 and ends.dtype == torch.int32
     assert order.tolist() == sorted(range(len(ids)), key=lambda pair: (ids[pair], pair))
+    assert [slot_of.tolist()[pair] for pair in order.tolist()] == list(range(len(ids))), "slot_of: order's inverse"
     groups = num_experts if held is None else len(held)
     assert ends.tolist() == [sum(i <= e for i in ids) for e in range(groups)]
 

@@ -127,6 +127,21 @@ def test_the_routers_choose_on_the_kernel_as_in_torch(build, seed, kernels_on, m
     torch.testing.assert_close(weights[agree], expected_weights[agree], rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 16-bit matmul with float32 sums runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_llada2s_logits_on_a_gpu_are_the_float32_matmul(dtype):
+    """The fused router's one matmul of 16-bit x and weight into float32 against the reference's casts
+    and float32 matmul: float32 rounding apart, nowhere near a 16-bit rounding."""
+    router = llada2_router().to("cuda", dtype)
+    with torch.no_grad():
+        router.weight.normal_(0, 1, generator=torch.Generator("cuda").manual_seed(0))
+        x = torch.randn(37, router.weight.shape[1], device="cuda").to(dtype)
+        fused = router.logits(x.view(37, 1, -1))
+    expected = x.float() @ router.weight.float().t()
+    assert fused.dtype == torch.float32 and fused.shape == (37, 1, 16)
+    torch.testing.assert_close(fused.view(37, 16), expected, rtol=1e-6, atol=1e-5)
+
+
 def test_the_torch_form_is_the_routers_rule():
     """With DiffusionGemma's keywords, its router's rule bit for bit: softmax, top-k, renormalised, per-expert scale."""
     generator = torch.Generator().manual_seed(0)
