@@ -1,4 +1,4 @@
-"""The bugs scripts/mutate.py plants, one at a time, and the tests that must catch each: plausible
+"""The bugs tests/mutate.py plants, one at a time, and the tests that must catch each: plausible
 slips (an off-by-one, another layer's state, a flipped comparison, a missing mask or scale, state not
 reset, a number rounded too early) as an exact snippet of a file and its replacement. Every snippet
 occurs exactly once and every named test exists (tests/test_layout.py checks), so the list fails

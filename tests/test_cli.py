@@ -394,8 +394,8 @@ FAILING_LATE = [
     (["scripts/momo_mass.py", "--synthetic", "--mask", "causal,diag"],
      "argument --mask: diag is not a mask; choose from causal, block, none"),
     (["scripts/bench.py", "dyllm_salient", "--n", "0"], "argument --n: must be a positive integer, got '0'"),
-    (["scripts/mutate.py", "--timeout", "0.001"], "argument --timeout: must be at least 1 (seconds), got '0.001'"),
-    (["scripts/mutate.py", "--timeout", "-5"], "argument --timeout: must be at least 1 (seconds), got '-5'"),
+    (["tests/mutate.py", "--timeout", "0.001"], "argument --timeout: must be at least 1 (seconds), got '0.001'"),
+    (["tests/mutate.py", "--timeout", "-5"], "argument --timeout: must be at least 1 (seconds), got '-5'"),
     (["scripts/bench.py", "dyllm_salient", "--out", "README.md"], "argument --out: README.md is a file, not a folder"),
 ]
 
@@ -654,5 +654,5 @@ def test_a_data_file_or_journal_that_cannot_be_read_is_named_and_kept(tmp_path, 
 
 def test_a_mutation_check_that_times_out_is_not_a_pass():
     """A plant whose tests run out of time was not shown caught: the check exits 1."""
-    done = script("scripts/mutate.py", "--only", "config-norm-topk-prob-always-on", "--timeout", "1", timeout=300)
+    done = script("tests/mutate.py", "--only", "config-norm-topk-prob-always-on", "--timeout", "1", timeout=300)
     assert done.returncode == 1 and "timeout" in done.stdout, done.stdout + done.stderr

@@ -244,8 +244,8 @@ def test_the_readme_quotes_the_generation_table():
 
 def test_the_mutation_list_fits_the_code(monkeypatch):
     """tests/plants.py's every snippet occurs once in its file and every test it names exists, so
-    scripts/mutate.py never silently tests nothing after the code moves."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    tests/mutate.py never silently tests nothing after the code moves."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
     mutate = importlib.import_module("mutate")
     assert len(mutate.MUTATIONS) > 60
     assert mutate.problems(mutate.MUTATIONS, ROOT) == []

@@ -1,8 +1,8 @@
 """Mutation check: plant small bugs one at a time and see whether the tests catch each.
 
-    python scripts/mutate.py                  every mutation, one pytest run each
-    python scripts/mutate.py --only quest     the mutations whose name contains "quest"
-    python scripts/mutate.py --jobs 2         two at a time, each worker in a copy of its own
+    python tests/mutate.py                  every mutation, one pytest run each
+    python tests/mutate.py --only quest     the mutations whose name contains "quest"
+    python tests/mutate.py --jobs 2         two at a time, each worker in a copy of its own
 
 The mutations (a snippet of a file, its replacement, the tests that should notice) are listed in
 tests/plants.py. Each worker tests in its own copy of the repository (no .git, venv or caches): pytest
