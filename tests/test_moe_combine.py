@@ -30,11 +30,13 @@ def test_moe_combine_matches_the_torch_form(tokens, k, width, dtype, seed, writt
     rows_end = None if written is None else torch.tensor([min(written, len(rows))], dtype=torch.int32, device=DEVICE)
     if rows_end is not None:
         rows[int(rows_end):] = float("nan")  # unwritten rows: never read
-    out, expected = moe_combine(rows, slot_of, weights, rows_end), moe_combine_reference(rows, slot_of, weights, rows_end)
+    out = moe_combine(rows, slot_of, weights, rows_end)
+    expected = moe_combine_reference(rows, slot_of, weights, rows_end)
     assert out.shape == (tokens, width) and out.dtype == dtype
     # The sums differ only in fp32 addition order: a few fp32 ulps of the products, then one cast.
     products = rows.float().nan_to_num().abs().max() * weights.max()
-    torch.testing.assert_close(out.float(), expected.float(), rtol=torch.finfo(dtype).eps, atol=k * 2**-22 * float(products))
+    torch.testing.assert_close(out.float(), expected.float(), rtol=torch.finfo(dtype).eps,
+                               atol=k * 2**-22 * float(products))
 
 
 def test_moe_combine_reads_each_pair_through_the_inverse_of_order():
