@@ -3,16 +3,16 @@
     out[rows of e] = x[rows of e] @ W[e]^T                       for every expert e
     out[rows of e] = act(x @ W_gate[e]^T) * (x @ W_up[e]^T)      with glu = "silu" or "gelu_tanh"
 
-The rows come grouped by expert (group_ends[e] is where expert e's rows end). With a few dozen rows
-per expert the product is weight streaming: a program owns BLOCK_N output columns of one expert and
-walks that expert's rows in tiles of BLOCK_M, computing the product transposed (W tile @ x tile^T)
-with kernels/norm_linear.py's tiles, so the weight tile fills the tensor cores' wide side. BLOCK_M
-grows with the rows per expert (16 at a block step's one or two, up to 128) so that most experts'
-rows fit one tile and their weights are read once; an expert whose rows fit half a tile runs a half
-tile (its tensor-core work halves). An expert with no rows costs an empty program.
-Rounding as torch's grouped matmul and its activation (fp32 accumulation, gate and up rounded
-before the activation). Rows past the last group are not written. group_by_expert groups a step's
-(token, slot) pairs by expert in one launch, a counting sort that writes the permutation both ways.
+The rows come grouped by expert (group_ends[e] is where expert e's rows end), or are read from the
+tokens as they load (row r is token pairs[r] // per_token; pairs: group_by_expert's order, a counting
+sort in one launch). With a few dozen rows per expert the product is weight streaming: a program owns
+BLOCK_N output columns of one expert and walks its rows in tiles of BLOCK_M, computing the product
+transposed (W tile @ x tile^T) with kernels/norm_linear.py's tiles, so the weight tile fills the tensor
+cores' wide side. BLOCK_M grows with the rows per expert (16 at a block step's one or two, up to 128)
+so that most experts' rows fit one tile and their weights are read once; an expert whose rows fit half
+a tile runs a half tile. An expert with no rows costs an empty program. Rounding as torch's grouped
+matmul and its activation (fp32 accumulation, gate and up rounded before the activation). Rows past
+the last group are not written.
 """
 
 from __future__ import annotations
@@ -35,28 +35,29 @@ MAX_SCANNED_IDS = 1 << 22  # group_by_expert's kernel reads every id once per ex
 
 @triton.jit
 def expert_linear_kernel(
-    x_ptr, w_ptr, ends_ptr, out_ptr,
+    x_ptr, w_ptr, ends_ptr, out_ptr, pairs_ptr,
     out_width, dim, stride_x, stride_we, stride_wn, stride_out,
-    GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GLU: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert = tl.program_id(0)
     first = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
     last = tl.load(ends_ptr + expert)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    args = (x_ptr, gate_ptrs, out_ptr, first, last, cols, out_width, dim, stride_x, stride_wn, stride_out)
+    args = (x_ptr, gate_ptrs, out_ptr, pairs_ptr, first, last, cols, out_width, dim, stride_x, stride_wn, stride_out)
     if BLOCK_M >= 32 and last - first <= BLOCK_M // 2:  # a quiet expert: half the tile's work
-        _expert_rows(*args, GLU=GLU, ROWS=BLOCK_M // 2, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        _expert_rows(*args, GLU=GLU, PER_TOKEN=PER_TOKEN, ROWS=BLOCK_M // 2, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     else:
-        _expert_rows(*args, GLU=GLU, ROWS=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        _expert_rows(*args, GLU=GLU, PER_TOKEN=PER_TOKEN, ROWS=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
 
 
 @triton.jit
 def _expert_rows(
-    x_ptr, gate_ptrs, out_ptr, first, last, cols, out_width, dim, stride_x, stride_wn, stride_out,
-    GLU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, gate_ptrs, out_ptr, pairs_ptr, first, last, cols, out_width, dim, stride_x, stride_wn, stride_out,
+    GLU: tl.constexpr, PER_TOKEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One expert's rows [first, last) in tiles of ROWS, against its BLOCK_N weight rows at gate_ptrs."""
+    """One expert's rows [first, last) in tiles of ROWS, against its BLOCK_N weight rows at gate_ptrs; with
+    PER_TOKEN, grouped row r read from x's row pairs[r] // PER_TOKEN."""
     col_ok = cols < out_width
     up_ptrs = gate_ptrs + out_width * stride_wn  # read only with a GLU: the up half of [gate; up]
     dtype = gate_ptrs.dtype.element_ty
@@ -64,7 +65,10 @@ def _expert_rows(
     for start in range(first, last, ROWS):
         rows = start + tl.arange(0, ROWS)
         row_ok = rows < last
-        x_ptrs = x_ptr + rows[None, :].to(tl.int64) * stride_x
+        source = rows.to(tl.int64)
+        if PER_TOKEN:
+            source = tl.load(pairs_ptr + rows, mask=row_ok, other=0) // PER_TOKEN
+        x_ptrs = x_ptr + source[None, :] * stride_x
         gate_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)  # transposed: [columns, rows]
         up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         for k in range(0, dim, BLOCK_K):
@@ -172,9 +176,10 @@ def tile_shape(num_rows: int, num_experts: int, dim: int, glu: bool, element_siz
     return fit_shared_memory(shape, glu, element_size, shared_limit)
 
 
-def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, glu: str | None = None
-                  ) -> torch.Tensor:
-    """x [R, K] rows grouped by expert; weight [E, N, K] (each expert's nn.Linear weight; N = 2I,
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, glu: str | None = None,
+                  pairs: torch.Tensor | None = None, per_token: int = 1) -> torch.Tensor:
+    """x [R, K] rows grouped by expert, or with pairs [R] int64 (group_by_expert's order) x [n, K] tokens,
+    grouped row r being x[pairs[r] // per_token]; weight [E, N, K] (each expert's nn.Linear weight; N = 2I,
     [gate; up], with a glu: "silu" for SwiGLU, "gelu_tanh" for GELU-gated); group_ends [E] int32,
     non-decreasing, at most R. Returns [R, N] (or [R, I]) of x's dtype, rows past group_ends[-1]
     unwritten."""
@@ -190,14 +195,20 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tenso
         raise ValueError(f"glu must be one of {GLUS}, got {glu!r}")
     if glu and weight.shape[1] % 2:
         raise ValueError(f"a glu needs stacked [gate; up] weights (an even N), got N = {weight.shape[1]}")
+    if pairs is not None and (pairs.dim() != 1 or pairs.dtype != torch.int64 or per_token < 1):
+        raise ValueError(f"pairs must be [R] int64 and per_token at least 1; got {tuple(pairs.shape)} {pairs.dtype}, "
+                         f"per_token {per_token}")
     width = weight.shape[1] // 2 if glu else weight.shape[1]
-    out = torch.empty((x.shape[0], width), device=x.device, dtype=x.dtype)
+    rows = x.shape[0] if pairs is None else len(pairs)
+    out = torch.empty((rows, width), device=x.device, dtype=x.dtype)
     if out.numel() and weight.shape[0]:
-        shape = tile_shape(x.shape[0], weight.shape[0], x.shape[1], glu is not None, x.element_size(),
+        shape = tile_shape(rows, weight.shape[0], x.shape[1], glu is not None, x.element_size(),
                            shared_memory_limit(x.device))
         grid = (weight.shape[0], triton.cdiv(width, shape["BLOCK_N"]))
-        expert_linear_kernel[grid](x, weight, group_ends, out, width, x.shape[1], x.stride(0), weight.stride(0),
-                                   weight.stride(1), out.stride(0), GLU=glu or "", **shape, enable_fp_fusion=False)
+        gather = (group_ends, 0) if pairs is None else (pairs, per_token)  # (pairs_ptr, PER_TOKEN): 0 reads x's rows
+        expert_linear_kernel[grid](x, weight, group_ends, out, gather[0], width, x.shape[1], x.stride(0),
+                                   weight.stride(0), weight.stride(1), out.stride(0), GLU=glu or "", PER_TOKEN=gather[1],
+                                   **shape, enable_fp_fusion=False)
     return out
 
 

@@ -111,11 +111,12 @@ class FusedMoE(MoE):
         chosen, routing = self.gate(flat)
         held, count = self.experts.held, self.gate.moe.num_experts
         order, ends, slot_of = group_by_expert(chosen, count, held)
-        rows = flat[order // chosen.shape[1]]
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        few = beats_grouped_mm(len(rows), count)  # a mean over every rank's experts
-        grouped = (expert_linear(expert_linear(rows, gate_up, ends, "silu"), down, ends) if few
-                   else GROUPED_MM(silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends)), down.mT, offs=ends))
+        if beats_grouped_mm(len(order), count):  # a mean over every rank's experts; the rows gathered as they load
+            grouped = expert_linear(expert_linear(flat, gate_up, ends, "silu", order, chosen.shape[1]), down, ends)
+        else:
+            rows = flat[order // chosen.shape[1]]
+            grouped = GROUPED_MM(silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends)), down.mT, offs=ends)
         past_groups = ends[-1:] if len(held) < count else None  # the pairs of experts held elsewhere: zeros
         y = moe_combine(grouped, slot_of, routing, past_groups)  # MoE.combine, read where the rows lie
         return y if self.shared_expert is None else y + self.shared_expert(flat)

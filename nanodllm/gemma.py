@@ -199,10 +199,11 @@ class GemmaExperts(nn.Module):
             return torch.cat([self.grouped(*piece) for piece in pieces])
         group = group_by_expert if use_kernels(x) else group_by_expert_reference
         order, ends, slot_of = group(chosen, self.num_experts, self.held)
-        rows = x[order // chosen.shape[1]]
-        if use_kernels(x) and beats_grouped_mm(len(rows), self.num_experts):
-            y = expert_linear(expert_linear(rows, self.gate_up_proj, ends, "gelu_tanh"), self.down_proj, ends)
+        if use_kernels(x) and beats_grouped_mm(len(order), self.num_experts):  # the rows gathered as they load
+            gate_up = expert_linear(x, self.gate_up_proj, ends, "gelu_tanh", order, chosen.shape[1])
+            y = expert_linear(gate_up, self.down_proj, ends)
         else:
+            rows = x[order // chosen.shape[1]]
             gate, up = GROUPED_MM(rows, self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)
             y = GROUPED_MM(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, offs=ends)
         past_groups = ends[-1:] if len(self.held) < self.num_experts else None  # the pairs of experts held elsewhere

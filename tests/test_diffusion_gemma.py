@@ -341,7 +341,7 @@ def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeyp
     layer, dtype = experts_layer(kernels, request)
     device = layer.experts.down_proj.device
     calls = []
-    monkeypatch.setattr(gemma_module, "expert_linear", lambda *a: calls.append(a[3:]) or expert_linear(*a))
+    monkeypatch.setattr(gemma_module, "expert_linear", lambda *a: calls.append((a[3:4], len(a))) or expert_linear(*a))
     for tokens in (200, 3):
         x = torch.randn(tokens, MODEL.cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
         chosen, weights = layer.router(x)
@@ -350,7 +350,8 @@ def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeyp
             expected = layer.experts(x, chosen, weights).float()
         error = (layer.experts.grouped(x, chosen, weights).float() - expected).abs().max()
         assert error <= (1e-5 if dtype == torch.float32 else 1e-2) * expected.abs().max()
-    assert calls == ([("gelu_tanh",), ()] * 2 if kernels else []), "few rows per expert: gate/up, then down"
+    gate_up_then_down = [(("gelu_tanh",), 6), ((), 3)]  # gate/up gathers the tokens' rows as it loads them
+    assert calls == (gate_up_then_down * 2 if kernels else []), "few rows per expert: gate/up, then down"
 
 
 @torch.no_grad()

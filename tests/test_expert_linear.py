@@ -51,6 +51,25 @@ def test_expert_linear_comes_as_close_as_one_linear_per_expert(sizes, trailing, 
 
 
 @pytest.mark.parametrize("glu", GLUS)
+@pytest.mark.parametrize("per_token, tokens, held", [(2, 9, None), (4, 30, range(3, 6)), (1, 5, None), (8, 40, None)])
+def test_rows_gathered_as_they_load_equal_the_gathered_copy(per_token, tokens, held, glu):
+    """With pairs (group_by_expert's order), grouped row r is token pairs[r] // per_token, read in place:
+    bit for bit the kernel on the gathered rows (the same tiles); 40 tokens x 8 take 64-row tiles."""
+    generator = torch.Generator().manual_seed(per_token)
+    x = torch.randn(tokens, 40, generator=generator).to(DEVICE, torch.float16)
+    weight = (torch.randn(8, 48 if glu else 24, 40, generator=generator) * 40**-0.5).to(DEVICE, torch.float16)
+    chosen = torch.randint(0, 8, (tokens, per_token), generator=generator).to(DEVICE)
+    held_weight = weight if held is None else weight[held.start:held.stop]
+    order, ends, _ = group_by_expert(chosen, 8, held)
+    with nan_empty():
+        gathered = expert_linear(x, held_weight, ends, glu, order, per_token)
+        copied = expert_linear(x[order // per_token], held_weight, ends, glu)
+    assert gathered.shape == copied.shape == (tokens * per_token, 24)
+    written = int(ends[-1])
+    assert torch.equal(gathered[:written], copied[:written]) and gathered[written:].isnan().all()
+
+
+@pytest.mark.parametrize("glu", GLUS)
 @pytest.mark.parametrize("sizes, tile", [([5, 30, 0, 45], 32), ([40, 70, 10], 64), ([90, 200, 50], 128)])
 def test_each_row_tile_width(sizes, tile, glu):
     """At each wider tile one expert's rows overflow it (a second tile), one expert's fit half a tile (the
@@ -119,6 +138,8 @@ def test_bad_inputs_are_refused():
         ((x, weight, ends.long()), "int32"),
         ((x, weight[:, :7], ends, "silu"), "even N"),
         ((x, weight, ends, "relu"), "glu must be one of"),
+        ((x, weight, ends, None, ends), "pairs must be \\[R\\] int64"),
+        ((x, weight, ends, None, ends.long(), 0), "per_token at least 1"),
         ((x.t().contiguous().t(), weight, ends), "contiguous"),
     ]
     for args, message in cases:
