@@ -90,11 +90,11 @@ def _key_rows(base, keys, n_k, stride_n, columns, stride_d, MASK_TILE: tl.conste
 
 @triton.jit
 def _attend_key_tiles(
-    acc, l_i, m_i, q, q_other, q_block,
+    acc, l_i, m_i, q, q_high, q_block,
     k_base, v_base, valid_base,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n,
     key_start, key_stop, n_k, block_size, qk_scale,
-    offs_n, offs_d, offs_other,
+    offs_n, offs_low, offs_high, offs_d,
     MASK_TILE: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr,
     BLOCK_N: tl.constexpr, V_PARTS: tl.constexpr,
 ):
@@ -107,16 +107,16 @@ def _attend_key_tiles(
     out = acc / l and lse = m + log(l). Scores are in base 2 (the scale carries log2(e), so every
     exponential is an exp2); the probabilities are cast to the input dtype for P @ V, as in
     FlashAttention-2. With V_PARTS = 2 the program owns the output columns offs_d, half of the head: its
-    scores still take all of q . k, q and k in two halves (offs_d, then offs_other)."""
+    scores still take all of q . k, in two halves (offs_low, then offs_high), as both parts add them."""
     for key_tile_start in range(key_start, key_stop, BLOCK_N):
         keys = key_tile_start + offs_n  # [BLOCK_N]
-        k = _key_rows(k_base, keys, n_k, stride_kn, offs_d, stride_kd, MASK_TILE)  # [BLOCK_N, HEAD_DIM // V_PARTS]
+        k = _key_rows(k_base, keys, n_k, stride_kn, offs_low, stride_kd, MASK_TILE)  # [BLOCK_N, HEAD_DIM // V_PARTS]
 
         # [BLOCK_M, BLOCK_N] raw scores q . k (not yet scaled)
         scores = tl.dot(q, tl.trans(k))
         if V_PARTS == 2:  # the other half of the head
-            k = _key_rows(k_base, keys, n_k, stride_kn, offs_other, stride_kd, MASK_TILE)
-            scores = tl.dot(q_other, tl.trans(k), scores)
+            k = _key_rows(k_base, keys, n_k, stride_kn, offs_high, stride_kd, MASK_TILE)
+            scores = tl.dot(q_high, tl.trans(k), scores)
         if MASK_TILE:
             in_range = keys < n_k  # [BLOCK_N]
             visible = in_range[None, :]  # [BLOCK_M, BLOCK_N] once broadcast
@@ -157,8 +157,7 @@ def _flash_attention_fwd(
     HEAD_DIM: tl.constexpr, BLOCK_CAUSAL: tl.constexpr, HAS_K_VALID: tl.constexpr, PARTIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_PARTS: tl.constexpr = 1,
 ):
-    # Under a (block-)causal mask the last query tiles see the most keys: launch them first so the
-    # short ones fill the tail of the grid.
+    # Under a (block-)causal mask the last query tiles see the most keys: first, so short ones fill the tail.
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
     batch_head = tl.program_id(1) // V_PARTS
     part = tl.program_id(1) % V_PARTS  # which part of the head's output columns this program writes
@@ -176,15 +175,16 @@ def _flash_attention_fwd(
     tile_start = tile_m * BLOCK_M
     rows = tile_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_d = part * (HEAD_DIM // V_PARTS) + tl.arange(0, HEAD_DIM // V_PARTS)  # [HEAD_DIM // V_PARTS], its columns
-    offs_other = (1 - part) * (HEAD_DIM // V_PARTS) + tl.arange(0, HEAD_DIM // V_PARTS)  # the rest (V_PARTS = 2)
+    offs_low = tl.arange(0, HEAD_DIM // V_PARTS)  # [HEAD_DIM // V_PARTS]: q . k's first columns (all, one part)
+    offs_high = HEAD_DIM // V_PARTS + offs_low  # its second half (V_PARTS = 2)
+    offs_d = part * (HEAD_DIM // V_PARTS) + offs_low  # the output columns this program writes
     row_ok = rows < n_q  # [BLOCK_M]
 
     q_ptrs = q_base + rows[:, None].to(tl.int64) * stride_qm  # [BLOCK_M, 1]
-    q = tl.load(q_ptrs + offs_d[None, :].to(tl.int64) * stride_qd, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, ..]
-    q_other = q  # the other half's columns (V_PARTS = 2)
+    q = tl.load(q_ptrs + offs_low[None, :].to(tl.int64) * stride_qd, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, ..]
+    q_high = q  # the second half's columns (V_PARTS = 2)
     if V_PARTS == 2:
-        q_other = tl.load(q_ptrs + offs_other[None, :].to(tl.int64) * stride_qd, mask=row_ok[:, None], other=0.0)
+        q_high = tl.load(q_ptrs + offs_high[None, :].to(tl.int64) * stride_qd, mask=row_ok[:, None], other=0.0)
 
     # Which keys this tile needs. Row i sees keys [0, (pos(i) // B + 1) * B), so the first row's
     # limit is seen by every row and the last row's limit by at least one.
@@ -220,17 +220,17 @@ def _flash_attention_fwd(
 
     # Key tiles that every row sees in full: no bounds or position checks.
     acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_other, q_block, k_base, v_base, valid_base,
+        acc, l_i, m_i, q, q_high, q_block, k_base, v_base, valid_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, tl.maximum(key_start, split_start),
-        tl.minimum(unmasked_stop, split_stop), n_k, block_size, qk_scale, offs_n, offs_d, offs_other,
+        tl.minimum(unmasked_stop, split_stop), n_k, block_size, qk_scale, offs_n, offs_low, offs_high, offs_d,
         MASK_TILE=False, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N, V_PARTS=V_PARTS,
     )
     # The rest up to the last key any row sees: the block-causal diagonal and the ragged last tile.
     # Tiles past seen_by_any are never visited: that is the causal saving.
     acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_other, q_block, k_base, v_base, valid_base,
+        acc, l_i, m_i, q, q_high, q_block, k_base, v_base, valid_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_valid_n, tl.maximum(unmasked_stop, split_start),
-        tl.minimum(seen_by_any, split_stop), n_k, block_size, qk_scale, offs_n, offs_d, offs_other,
+        tl.minimum(seen_by_any, split_stop), n_k, block_size, qk_scale, offs_n, offs_low, offs_high, offs_d,
         MASK_TILE=True, BLOCK_CAUSAL=BLOCK_CAUSAL, HAS_K_VALID=HAS_K_VALID, BLOCK_N=BLOCK_N, V_PARTS=V_PARTS,
     )
 
@@ -245,7 +245,7 @@ def _flash_attention_fwd(
 
     o_ptrs = o_base + rows[:, None].to(tl.int64) * stride_om + offs_d[None, :].to(tl.int64) * stride_od
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-    if part == 0:  # the parts add the halves of q . k in their own order (bits apart): one lse is kept
+    if part == 0:  # both parts hold the same lse: the first writes it
         tl.store(lse_base + rows.to(tl.int64) * stride_lm, lse, mask=row_ok)
 
 

@@ -29,13 +29,16 @@ def moe_combine_kernel(rows_ptr, slot_of_ptr, weights_ptr, rows_end_ptr, out_ptr
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < width
+    rows_end = 0
+    if ROWS_END:  # the rows from it on were never written
+        rows_end = tl.load(rows_end_ptr).to(tl.int64)
     total = tl.zeros((BLOCK,), tl.float32)
     for slot in tl.static_range(K):
         row = tl.load(slot_of_ptr + token * K + slot).to(tl.int64)
         weight = tl.load(weights_ptr + token * stride_weights + slot)
         written = in_row
         if ROWS_END:
-            written = written & (tl.zeros_like(cols) + row < tl.load(rows_end_ptr))
+            written = written & (tl.zeros_like(cols) + row < rows_end)
         total += tl.load(rows_ptr + row * stride_rows + cols, mask=written, other=0.0).to(tl.float32) * weight
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=in_row)
 
