@@ -11,8 +11,8 @@ Sliding layers see the last sliding_window positions when encoding, the last sli
 ones when denoising; full layers see everything, have global_head_dim and global_kv_heads, values that
 are their raw keys (K = V) and proportional RoPE. Attention scale 1 (q_norm and k_norm carry it);
 RMSNorm is x * w in fp32; logits are softcapped in fp32. Plain torch (the experts in grouped matmuls on
-CUDA) and, in 16 bits on a GPU, kernels/rmsnorm.py and rope.py (rounded as torch) and flash_attention
-for the full layers and the denoiser (SDPA for the encoder's windows, which no kernel mask takes).
+CUDA) and, in 16 bits on a GPU, kernels/rmsnorm.py, rope.py, flash_attention and wide_attention (the
+full layers' cached keys) for the full layers and the denoiser (SDPA for the encoder's windows).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from nanodllm.kernels.moe_route import moe_route
 from nanodllm.kernels.rmsnorm import rms_norm
 from nanodllm.kernels.rope import apply_rope
 from nanodllm.kernels.vocab_rows import soft_probs, softcap
+from nanodllm.kernels.wide_attention import wide_attention
 
 from .attention import FLASH_HEAD_DIMS, flash_on_kernels, use_kernels
 from .cache import KVCache
@@ -38,7 +39,18 @@ from .mlp import MLP, choose_experts, fp32_or_wider
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 ENCODE_CHUNK = 4096  # query rows an encoder pass attends at once off the kernels: masks grow with it, not the prompt
+WIDE_FROM = 512  # the head_dim from which the full layers' cached keys go to wide_attention (the tests move it)
 GROUPED_TOKENS = 65536  # tokens the experts take at once: a long prompt's pass gathers k rows a token, in pieces
+
+
+def attend_first_keys(q, keys, values, key_counts, return_lse: bool = False):
+    """Each batch row's queries against its first key_counts[b] keys, at scale 1, on the kernels: where
+    flash_attention would compute q . k once per half of a head's output columns (head_dim WIDE_FROM and
+    up), kernels/wide_attention.py's two matmuls; else flash_attention, the other keys masked."""
+    if q.shape[-1] >= WIDE_FROM:
+        return wide_attention(q, keys, values, key_counts, scale=1.0, return_lse=return_lse)
+    valid = torch.arange(keys.shape[2], device=keys.device)[None, :] < key_counts[:, None]
+    return flash_attention(q, keys, values, k_valid=valid, scale=1.0, return_lse=return_lse)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -307,14 +319,13 @@ class GemmaCache:
         return keys.gather(2, index), values.gather(2, index)
 
     def full_launch(self, layer: int, t: int, canvas: bool = True):
-        """(keys, values, key_valid) of a full layer with t canvas tokens after each row's: every slot of the
-        cache, those past a row's tokens and canvas hidden, its canvas too where not `canvas` (a commit attends
-        to its new tokens apart). flash_attention visits no key tile past a row's last visible key, so the
-        hidden tail costs nothing and the launch's shape lasts the whole generation. Keys in token order, not
+        """(keys, values, key_counts) of a full layer with t canvas tokens after each row's: every slot of the
+        cache, row b seeing its first key_counts[b] (its tokens, and its canvas where `canvas`; a commit attends
+        to its new tokens apart). The kernels visit no key tile past a row's last visible key, so the hidden
+        tail costs nothing and the launch's shape lasts the whole generation. Keys in token order, not
         transformers'."""
         keys, values = (x[layer].transpose(1, 2) for x in (self.full.keys, self.full.values))
-        seen = self.full.lengths + t if canvas else self.full.lengths
-        return keys, values, torch.arange(self.full.capacity, device=keys.device)[None, :] < seen[:, None]
+        return keys, values, self.full.lengths + t if canvas else self.full.lengths
 
     def in_order(self, layer: int):
         """(keys, values) [batch, kv_heads, n, head_dim] held for `layer`, by position."""
@@ -506,8 +517,7 @@ class DiffusionGemma(nn.Module):
         """A full layer's new tokens (no pads) on flash_attention in two parts merged by their log-sum-exps: against
         every cached key, read in place (the slots after each row's hidden: GemmaCache.full_launch), and among
         themselves, causally. No host number but the cache's capacity."""
-        cached_k, cached_v, cached_valid = cache.full_launch(layer, q.shape[2], canvas=False)
-        parts = (flash_attention(q, cached_k, cached_v, k_valid=cached_valid, scale=1.0, return_lse=True),
+        parts = (attend_first_keys(q, *cache.full_launch(layer, q.shape[2], canvas=False), return_lse=True),
                  flash_attention(q, k, v, causal=True, scale=1.0, return_lse=True))
         lse = torch.logaddexp(parts[0][1], parts[1][1])[..., None]  # [b, heads, t, 1]; the causal part sees a key
         return sum(out.float() * (part_lse[..., None] - lse).exp() for out, part_lse in parts).to(q.dtype)
@@ -552,8 +562,7 @@ class DiffusionGemma(nn.Module):
         else:
             cache.full.write(layer, k, v)
             if flash_on_kernels(q):
-                keys, values, key_valid = cache.full_launch(layer, t)
-                return flash_attention(q, keys, values, k_valid=key_valid, scale=1.0)
+                return attend_first_keys(q, *cache.full_launch(layer, t))
             keys, values = cache.full_in_place(layer, t)
             cached_valid = cache.valid
         key_valid = None

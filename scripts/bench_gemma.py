@@ -4,7 +4,8 @@ Per context and batch: ms of one denoising step (a canvas of 256 against a cache
 self-conditioned), exact as the loop runs it (replayed from a CUDA graph) and eager, and MAGE's sparse
 step as the loop runs it (replayed; k = 1024 keys per KV head on the 5 full layers), ms of the encoder
 pass that commits a canvas, and ms of a canvas as generate() runs it at the released generation_config's
-48 steps (random weights never stop early): its replays, the sampler, its commit.
+48 steps (random weights never stop early): its replays, the sampler, its commit; and a step's full
+layers' attention alone on flash_attention and on wide_attention (which the step runs).
 Floor: the bytes a step reads (every weight but the embedding, which it reads twice: the
 self-conditioning's soft embedding and the tied head; the experts the step's tokens route to; every
 cached K/V of the full layers and the sliding rings) over the measured copy bandwidth. transformers: the
@@ -24,6 +25,8 @@ from harness import REPO, kilo, timed_generation, wall_us
 from nanodllm.config import ModelConfig, _PRESETS
 from nanodllm.gemma_loop import prompt_context
 from nanodllm.graphs import Recordings
+from nanodllm.kernels.flash_attention import flash_attention
+from nanodllm.kernels.wide_attention import wide_attention
 from nanodllm.loader import build_random, load_reference
 from nanodllm.methods.base import Dense, StepContext
 from nanodllm.methods.mage import Mage
@@ -49,6 +52,18 @@ def filled_cache(model, batch: int, context: int, room: int = 1):
     cache.slot_positions[positions % cache.ring] = positions
     cache.order_windows()
     return cache
+
+
+def full_attention_ms(model, cache, batch: int) -> tuple[float, float]:
+    """ms of a step's full layers' attention alone (a canvas of random queries against each row's cached keys
+    and canvas), on flash_attention (the other slots masked) and on wide_attention, as the step runs it."""
+    g, size = model.cfg.gemma, model.cfg.gemma.canvas_length
+    keys, values, counts = cache.full_launch(cache.sliding.index(False), size)
+    q = torch.randn(batch, model.cfg.num_heads, size, g.global_head_dim, device=keys.device, dtype=keys.dtype)
+    valid = torch.arange(keys.shape[2], device=keys.device)[None, :] < counts[:, None]
+    flash = wall_us(lambda: flash_attention(q, keys, values, k_valid=valid, scale=1.0), keys.device) / 1e3
+    wide = wall_us(lambda: wide_attention(q, keys, values, counts, scale=1.0), keys.device) / 1e3
+    return flash * cache.sliding.count(False), wide * cache.sliding.count(False)
 
 
 def step_bytes(model, batch: int, context: int, touched: float) -> int:
@@ -179,6 +194,7 @@ def diffusiongemma(setup):
                 floor = step_bytes(model, batch, context, touched_experts(model, canvas, cache, logits)) / bandwidth / 1e6
                 growing = filled_cache(model, batch, context, room=4)  # a commit per call: 1 + 3 timed
                 commit = wall_us(lambda: model.encode(canvas, growing), device) / 1e3
+                flash, wide = full_attention_ms(model, cache, batch) if device.type == "cuda" else ("-", "-")
             del cache, growing
             setup.free()
             try:
@@ -190,7 +206,8 @@ def diffusiongemma(setup):
             setup.free()
             rows.append({"context": kilo(context), "batch": batch, "exact step ms": exact, "floor ms": floor,
                          "exact / floor": exact / floor, "eager step ms": eager, "MAGE step ms": sparse,
-                         "commit ms": commit, f"loop canvas ms ({STEPS_PER_CANVAS} steps)": canvas_ms})
+                         "commit ms": commit, f"loop canvas ms ({STEPS_PER_CANVAS} steps)": canvas_ms,
+                         "full layers' attention: flash ms": flash, "wide ms": wide})
     del model
     setup.free()
     try:

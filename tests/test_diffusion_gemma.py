@@ -196,13 +196,17 @@ def prompt_and_commit(model) -> GemmaCache:
 
 
 @torch.no_grad()  # the kernels run outside autograd
-def test_the_encoders_full_layers_on_the_kernel_equal_attend(monkeypatch):
+@pytest.mark.parametrize("wide_from", [512, 64])
+def test_the_encoders_full_layers_on_the_kernel_equal_attend(wide_from, monkeypatch):
     """flash_attention (causal, scale 1, a left-padded row's pads hidden) in a prompt's pass, and in a commit's
-    the cached keys read in place up to the launch bound merged with the new ones' causal part
-    (attend_after_cache), float16 (Triton's interpreter on a CPU), against attend: every layer's cache after
-    both, on random weights with full layers of head_dim 64."""
+    the cached keys read in place up to the launch bound (on flash_attention, or wide_attention from
+    head_dim wide_from) merged with the new ones' causal part (attend_after_cache), float16 (Triton's
+    interpreter on a CPU), against attend: every layer's cache after both, on random weights with full
+    layers of head_dim 64."""
     import nanodllm.attention as attention_module
+    import nanodllm.gemma as gemma_module
 
+    monkeypatch.setattr(gemma_module, "WIDE_FROM", wide_from)
     model = model_of_wide_full_layers()
     encoded = lambda: [prompt_and_commit(model).in_order(layer) for layer in range(model.cfg.num_layers)]
     expected = encoded()
@@ -213,13 +217,17 @@ def test_the_encoders_full_layers_on_the_kernel_equal_attend(monkeypatch):
 
 
 @torch.no_grad()  # the kernels run outside autograd
-def test_the_denoisers_full_layers_on_the_kernel_equal_attend(monkeypatch):
-    """A denoising step's full layers on flash_attention read every slot of the cache, each row's own tokens
-    then the canvas, the slots after (noise here) hidden (GemmaCache.full_launch): float16 (Triton's
-    interpreter on a CPU) against attend over the keys by position, the logits after a left-padded prompt and a
-    commit, on random weights with full layers of head_dim 64."""
+@pytest.mark.parametrize("wide_from", [512, 64])
+def test_the_denoisers_full_layers_on_the_kernel_equal_attend(wide_from, monkeypatch):
+    """A denoising step's full layers on flash_attention (or wide_attention from head_dim wide_from) read every
+    slot of the cache, each row's own tokens then the canvas, the slots after (noise here) hidden
+    (GemmaCache.full_launch): float16 (Triton's interpreter on a CPU) against attend over the keys by
+    position, the logits after a left-padded prompt and a commit, on random weights with full layers of
+    head_dim 64."""
     import nanodllm.attention as attention_module
+    import nanodllm.gemma as gemma_module
 
+    monkeypatch.setattr(gemma_module, "WIDE_FROM", wide_from)
     model = model_of_wide_full_layers()
 
     def denoised():
