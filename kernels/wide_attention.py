@@ -24,8 +24,9 @@ import triton.language as tl
 
 LOG2_E = math.log2(math.e)
 LN_2 = tl.constexpr(math.log(2.0))
-# The best of a sweep of DiffusionGemma's full layers (a canvas of 256 against 8K-128K keys, head_dim 512,
-# bfloat16; docs/results/bench_diffusiongemma.md): 128-key tiles of probabilities, the values in 128 columns.
+# Tiles for DiffusionGemma's full layers (a canvas of 256 against 8K-128K keys, head_dim 512, bfloat16; their
+# times: docs/results/bench_diffusiongemma.md): 128 x 128 tiles of scores summed over 64-deep slices of the
+# head, the values in 128 columns. 256-row or 256-key tiles ran slower or out of shared memory.
 PROBS_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=3)
 VALUES_TILES = dict(BLOCK_M=128, BLOCK_D=128, num_warps=8, num_stages=3)
 FLOAT32_TILES = (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, num_warps=4, num_stages=2),  # tests: fit in shared memory
