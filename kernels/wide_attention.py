@@ -32,6 +32,7 @@ VALUES_TILES = dict(BLOCK_M=128, BLOCK_D=128, num_warps=8, num_stages=3)
 FLOAT32_TILES = (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, num_warps=4, num_stages=2),  # tests: fit in shared memory
                  dict(BLOCK_M=64, BLOCK_D=64, num_warps=4, num_stages=2))
 INTERPRETER_TILES = (dict(BLOCK_M=32, BLOCK_N=16, BLOCK_D=16), dict(BLOCK_M=32, BLOCK_D=16))
+PROBS_BYTES = 8 << 30  # the probabilities one launch writes at most: a 128K cache's canvas of 256 is 1 GiB a row
 
 
 @triton.jit
@@ -116,15 +117,25 @@ def wide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_counts
     int32 or int64; counts past N_k read N_k; the keys past it are never read, so they may hold anything).
     Returns out [batch, heads, N_q, D] in q's dtype, laid out [batch, N_q, heads, D] in memory as
     flash_attention's, and with return_lse lse [batch, heads, N_q] float32 (natural log). A row with no keys
-    gets out = 0 and lse = -inf."""
+    gets out = 0 and lse = -inf. The batch goes in slices whose probabilities fit PROBS_BYTES (a row at a
+    time past it)."""
     _check_inputs(q, k, v, key_counts, scale)
     q, k, v = (x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v))
-    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
+    batch, heads, n_q, head_dim = q.shape
+    scale = head_dim**-0.5 if scale is None else float(scale)
     probs_tiles, values_tiles = (FLOAT32_TILES if q.dtype == torch.float32 else (PROBS_TILES, VALUES_TILES)) \
         if q.is_cuda else INTERPRETER_TILES
-    narrow = lambda tiles: dict(tiles, BLOCK_D=min(tiles["BLOCK_D"], q.shape[3]))  # a tile's columns within a head
-    probs = probabilities(q, k, key_counts, scale, narrow(probs_tiles))
-    return values(q, probs, v, key_counts, return_lse, narrow(dict(values_tiles, BLOCK_N=probs_tiles["BLOCK_N"])))
+    narrow = lambda tiles: dict(tiles, BLOCK_D=min(tiles["BLOCK_D"], head_dim))  # a tile's columns within a head
+    probs_tiles, values_tiles = narrow(probs_tiles), narrow(dict(values_tiles, BLOCK_N=probs_tiles["BLOCK_N"]))
+    out = _output((batch, n_q, heads, head_dim), q.dtype, q.device).transpose(1, 2)
+    lse = _output((batch, heads, n_q), torch.float32, q.device) if return_lse else None
+    keys = triton.cdiv(k.shape[2], probs_tiles["BLOCK_N"]) * probs_tiles["BLOCK_N"]
+    rows = max(1, PROBS_BYTES // (heads * n_q * keys * q.element_size()))
+    for first in range(0, batch, rows):
+        part = slice(first, first + rows)
+        probs = probabilities(q[part], k[part], key_counts[part], scale, probs_tiles)
+        values(q[part], probs, v[part], key_counts[part], out[part], None if lse is None else lse[part], values_tiles)
+    return (out, lse) if return_lse else out
 
 
 def probabilities(q, k, key_counts, scale, tiles):
@@ -143,18 +154,17 @@ def probabilities(q, k, key_counts, scale, tiles):
     return p, m, l
 
 
-def values(q, probs, v, key_counts, return_lse, tiles):
-    """_values_kernel: out (and lse) from probabilities' (p, m, l) and v."""
+def values(q, probs, v, key_counts, out, lse, tiles):
+    """_values_kernel: out [batch, heads, N_q, D] (and lse [batch, heads, N_q] where not None) written from
+    probabilities' (p, m, l) and v."""
     (batch, heads, n_q, head_dim), kv_heads = q.shape, v.shape[1]
     p, m, l = probs
-    out = _output((batch, n_q, heads, head_dim), q.dtype, q.device).transpose(1, 2)
-    lse = _output((batch, heads, n_q), torch.float32, q.device) if return_lse else m
+    lse_strides = (0, 0) if lse is None else lse.stride()[:2]
     grid = (triton.cdiv(p.shape[1], tiles["BLOCK_M"]), triton.cdiv(head_dim, tiles["BLOCK_D"]), batch * kv_heads)
     _values_kernel[grid](
-        p, m, l, v, key_counts, out, lse, p.stride(0), p.stride(1), m.stride(0), m.stride(1), v.stride(0),
-        v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), n_q,
-        v.shape[2], heads // kv_heads, kv_heads, RETURN_LSE=return_lse, **tiles)
-    return (out, lse) if return_lse else out
+        p, m, l, v, key_counts, out, m if lse is None else lse, p.stride(0), p.stride(1), m.stride(0), m.stride(1),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), *lse_strides, n_q,
+        v.shape[2], heads // kv_heads, kv_heads, RETURN_LSE=lse is not None, **tiles)
 
 
 def _output(shape, dtype, device) -> torch.Tensor:

@@ -30,7 +30,7 @@ def nan_output(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def check_against_reference(q, k, v, counts, tiles=INTERPRETER_TILES[0], scale=None):
+def check_against_reference(q, k, v, counts, tiles=INTERPRETER_TILES[0], scale=None, probs_bytes=wa.PROBS_BYTES):
     """wide_attention (out and lse) against the reference, the keys past each row's count NaN in the kernel's."""
     expected, expected_lse = wide_attention_reference(q, k, v, counts.clamp(max=k.shape[2]), scale=scale,
                                                       return_lse=True)
@@ -39,7 +39,8 @@ def check_against_reference(q, k, v, counts, tiles=INTERPRETER_TILES[0], scale=N
         k[row, :, count:], v[row, :, count:] = float("nan"), float("nan")
     (pm, pn, pd), (vm, vd) = tiles
     interpreter_tiles = (dict(BLOCK_M=pm, BLOCK_N=pn, BLOCK_D=pd), dict(BLOCK_M=vm, BLOCK_D=vd))
-    with mock.patch.object(wa, "_output", nan_output), mock.patch.object(wa, "INTERPRETER_TILES", interpreter_tiles):
+    with mock.patch.object(wa, "_output", nan_output), mock.patch.object(wa, "INTERPRETER_TILES", interpreter_tiles), \
+            mock.patch.object(wa, "PROBS_BYTES", probs_bytes):
         out, lse = wide_attention(q, k, v, counts, scale=scale, return_lse=True)
     tolerance = TOLERANCE[q.dtype] * max(1.0, expected.float().abs().max().item())
     assert out.shape == q.shape and out.dtype == q.dtype and out.transpose(1, 2).is_contiguous()
@@ -72,13 +73,13 @@ def attention_cases(draw):
     q = random_heads(batch, group * kv_heads, n_q, head_dim, dtype, draw(st.booleans()), generator)
     k, v = (random_heads(batch, kv_heads, n_k, head_dim, dtype, draw(st.booleans()), generator) for _ in range(2))
     scale = draw(st.sampled_from([None, 0.3, 1.0]))
-    return q, k, v, counts, draw(st.sampled_from(INTERPRETER_TILES)), scale
+    probs_bytes = draw(st.sampled_from([wa.PROBS_BYTES, 1]))  # 1: a launch per batch row
+    return q, k, v, counts, draw(st.sampled_from(INTERPRETER_TILES)), scale, probs_bytes
 
 
 @given(attention_cases())
 def test_matches_reference(case):
-    q, k, v, counts, tiles, scale = case
-    check_against_reference(q, k, v, counts, tiles, scale)
+    check_against_reference(*case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
