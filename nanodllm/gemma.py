@@ -514,9 +514,9 @@ class DiffusionGemma(nn.Module):
 
     @staticmethod
     def attend_after_cache(cache: GemmaCache, layer: int, q, k, v) -> torch.Tensor:
-        """A full layer's new tokens (no pads) on flash_attention in two parts merged by their log-sum-exps: against
-        every cached key, read in place (the slots after each row's hidden: GemmaCache.full_launch), and among
-        themselves, causally. No host number but the cache's capacity."""
+        """A full layer's new tokens (no pads) on the kernels in two parts merged by their log-sum-exps: against
+        every cached key, read in place (attend_first_keys over GemmaCache.full_launch), and among themselves,
+        causally (flash_attention). No host number but the cache's capacity."""
         parts = (attend_first_keys(q, *cache.full_launch(layer, q.shape[2], canvas=False), return_lse=True),
                  flash_attention(q, k, v, causal=True, scale=1.0, return_lse=True))
         lse = torch.logaddexp(parts[0][1], parts[1][1])[..., None]  # [b, heads, t, 1]; the causal part sees a key
