@@ -40,6 +40,7 @@ from .mlp import MLP, choose_experts, fp32_or_wider
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 ENCODE_CHUNK = 4096  # query rows an encoder pass attends at once off the kernels: masks grow with it, not the prompt
 WIDE_FROM = 512  # the head_dim from which the full layers' cached keys go to wide_attention (the tests move it)
+PROMPT_CHUNK = 1024  # a wide prompt's queries per wide_attention: 4 GiB of probabilities a row against 128K keys
 GROUPED_TOKENS = 65536  # tokens the experts take at once: a long prompt's pass gathers k rows a token, in pieces
 
 
@@ -51,6 +52,31 @@ def attend_first_keys(q, keys, values, key_counts, return_lse: bool = False):
         return wide_attention(q, keys, values, key_counts, scale=1.0, return_lse=return_lse)
     valid = torch.arange(keys.shape[2], device=keys.device)[None, :] < key_counts[:, None]
     return flash_attention(q, keys, values, k_valid=valid, scale=1.0, return_lse=return_lse)
+
+
+def merged(parts, dtype: torch.dtype) -> torch.Tensor:
+    """Two attentions [(out, lse)] of the same queries over disjoint keys as one over both: each weighted by
+    exp(its lse - their log-sum-exp), in fp32."""
+    lse = torch.logaddexp(parts[0][1], parts[1][1])[..., None]  # [b, heads, t, 1]
+    return sum(out.float() * (part_lse[..., None] - lse).exp() for out, part_lse in parts).to(dtype)
+
+
+def attend_prompt(q, k, v) -> torch.Tensor:
+    """Causal attention among a prompt's tokens (no pads, head_dim WIDE_FROM and up) in chunks of PROMPT_CHUNK
+    queries: each against the keys before it on wide_attention and among itself on flash_attention, merged."""
+    batch, heads, t, head_dim = q.shape
+    out = torch.empty(batch, t, heads, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    for start in range(0, t, PROMPT_CHUNK):
+        chunk = slice(start, start + PROMPT_CHUNK)
+        own = flash_attention(q[:, :, chunk], k[:, :, chunk], v[:, :, chunk], causal=True, scale=1.0,
+                              return_lse=start > 0)
+        if start:  # the keys before the chunk, every one visible
+            before = torch.full((batch,), start, device=q.device)
+            earlier = wide_attention(q[:, :, chunk], k[:, :, :start], v[:, :, :start], before, scale=1.0,
+                                     return_lse=True)
+            own = merged((earlier, own), q.dtype)
+        out[:, :, chunk] = own
+    return out
 
 
 class GemmaRMSNorm(nn.Module):
@@ -466,6 +492,8 @@ class DiffusionGemma(nn.Module):
         does that). Without pads and on the kernels a commit asks the host nothing, so a graph of it replays."""
         if attend_full is not None and cache.length:
             raise ValueError("a method's prefill attention runs on the first encoder pass only (the cache is empty)")
+        if valid is not None and not cache.length and bool(valid.all()):  # a prompt without pads is one (a sync)
+            valid = None
         x = self.embed(ids)
         ropes = self.ropes(self.positions(cache, ids.shape[1]), x.dtype)
         for i, layer in enumerate(self.layers):
@@ -478,8 +506,8 @@ class DiffusionGemma(nn.Module):
     def attend_encoding(self, cache: GemmaCache, layer: int, valid, q, k, v) -> torch.Tensor:
         """The new tokens against the cached ones and themselves, causally (a sliding layer: within the
         window), pads seen by none; then their K/V join the cache. A full layer on the kernels runs
-        flash_attention (after a cache with no new pads: attend_after_cache); otherwise ENCODE_CHUNK queries
-        at a time attend to the keys they may see."""
+        flash_attention (a prompt without pads at head_dim WIDE_FROM and up: attend_prompt; after a cache with no
+        new pads: attend_after_cache); otherwise ENCODE_CHUNK queries at a time attend to the keys they may see."""
         t = q.shape[2]
         if cache.sliding[layer]:  # the window in position order, then the new tokens
             (keys, values), cached_valid = cache.window(layer, k, v), cache.window_valid
@@ -492,7 +520,9 @@ class DiffusionGemma(nn.Module):
             (cached_k, cached_v), cached_valid, window = cache.full_in_place(layer), cache.valid, None
             keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
         key_valid = F.pad(cached_valid, (0, t), value=True) if valid is None else torch.cat([cached_valid, valid], 1)
-        if window is None and flash_on_kernels(q):  # the new tokens are the last keys
+        if window is None and flash_on_kernels(q) and valid is None and not cache.length and q.shape[-1] >= WIDE_FROM:
+            out = attend_prompt(q, k, v)
+        elif window is None and flash_on_kernels(q):  # the new tokens are the last keys
             out = flash_attention(q, keys, values, causal=True, k_valid=key_valid, scale=1.0)
         else:
             # the cached keys hold the positions just before the new ones: key j sits `offsets[j]` after the first
@@ -519,8 +549,7 @@ class DiffusionGemma(nn.Module):
         causally (flash_attention). No host number but the cache's capacity."""
         parts = (attend_first_keys(q, *cache.full_launch(layer, q.shape[2], canvas=False), return_lse=True),
                  flash_attention(q, k, v, causal=True, scale=1.0, return_lse=True))
-        lse = torch.logaddexp(parts[0][1], parts[1][1])[..., None]  # [b, heads, t, 1]; the causal part sees a key
-        return sum(out.float() * (part_lse[..., None] - lse).exp() for out, part_lse in parts).to(q.dtype)
+        return merged(parts, q.dtype)  # the causal part sees a key: a finite lse
 
     @staticmethod
     def attend_prefill(cache: GemmaCache, layer: int, valid, attend_full, q, k, v) -> torch.Tensor:

@@ -217,6 +217,32 @@ def test_the_encoders_full_layers_on_the_kernel_equal_attend(wide_from, monkeypa
 
 
 @torch.no_grad()  # the kernels run outside autograd
+def test_a_prompts_full_layers_in_chunks_equal_attend(monkeypatch):
+    """A prompt without pads at a head_dim that takes wide_attention: its full layers attend in chunks of
+    PROMPT_CHUNK queries (here 4; the keys before each chunk on wide_attention, the chunk itself causally on
+    flash_attention, merged), float16 (Triton's interpreter on a CPU), against attend: the last hidden state
+    and every layer's cache, on random weights with full layers of head_dim 64."""
+    import nanodllm.attention as attention_module
+    import nanodllm.gemma as gemma_module
+
+    model = model_of_wide_full_layers()
+    prompt = GOLDEN["prompt"].to(DEVICE)
+
+    def encoded():
+        cache = model.empty_cache(2)
+        hidden = model.encode(prompt, cache)
+        return [hidden] + [x for layer in range(model.cfg.num_layers) for x in cache.in_order(layer)]
+
+    expected = encoded()
+    monkeypatch.setattr(attention_module, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(gemma_module, "WIDE_FROM", 64)
+    monkeypatch.setattr(gemma_module, "PROMPT_CHUNK", 4)
+    assert prompt.shape[1] > 2 * gemma_module.PROMPT_CHUNK
+    for got, want in zip(encoded(), expected):
+        assert (got.float() - want.float()).abs().max() < 2e-2 * want.float().abs().max()
+
+
+@torch.no_grad()  # the kernels run outside autograd
 @pytest.mark.parametrize("wide_from", [512, 64])
 def test_the_denoisers_full_layers_on_the_kernel_equal_attend(wide_from, monkeypatch):
     """A denoising step's full layers on flash_attention (or wide_attention from head_dim wide_from) read every
