@@ -4,14 +4,15 @@
 
 At head_dim 512 one program of kernels/flash_attention.py cannot hold a 128-row fp32 accumulator, so it
 computes q . k twice, once per half of the output columns (V_PARTS = 2). Here the two products are two
-kernels, neither with a wide accumulator. `_probs_kernel` computes a [BLOCK_M, BLOCK_N] tile of scores
-and writes its probabilities p = exp(s - m) against the tile's own row max m (rounded to the inputs'
-dtype, as flash rounds p before its second dot), with m and the fp32 row sum l. `_values_kernel` owns
-BLOCK_D output columns of BLOCK_M rows: it takes each row's max M over its tiles, then sums
-exp(m - M) * (p @ v) tile by tile and divides by the sum of exp(m - M) * l. The probabilities make a
-round trip through memory (2 bytes a score), which at a canvas's 256 queries against many keys costs
-less than the second q . k. The queries of one KV head's GQA group are packed as rows, so every tile
-of keys is read once per group. q [batch, heads, N_q, D], k and v [batch, kv_heads, N_k, D].
+kernels, neither with a wide accumulator. `_probs_kernel` computes a [BLOCK_M, BLOCK_N] tile of scores s
+(base 2) and writes p = 2^(s - m), m the tile's row max rounded up to a whole number (p rounded to the
+inputs' dtype, as flash rounds p before its second dot), with m and the fp32 row sum l.
+`_values_kernel` owns BLOCK_D output columns of BLOCK_M rows: with M each row's max m over its tiles,
+it sums (2^(m - M) p) @ v tile by tile (an exact scaling: a power of two) and divides by the sum of
+2^(m - M) l. The probabilities make a round trip through memory (2 bytes a score), which at a canvas's
+256 queries against many keys costs less than the second q . k. The queries of one KV head's GQA group
+are packed as rows, so every tile of keys is read once per group. q [batch, heads, N_q, D], k and v
+[batch, kv_heads, N_k, D].
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _probs_kernel(q_ptr, k_ptr, counts_ptr, p_ptr, m_ptr, l_ptr,
         rows, row_ok, head, query = _group_rows(tl.program_id(0), n_q, group, kv_head, BLOCK_M)
         keys = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < count
-        q_rows = q_ptr + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + query * stride_qn
+        q_rows = (q_ptr + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+                  + query.to(tl.int64) * stride_qn)
         k_cols = (k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
                   + keys.to(tl.int64) * stride_kn)
         s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -103,7 +105,8 @@ def _values_kernel(p_ptr, m_ptr, l_ptr, v_ptr, counts_ptr, out_ptr, lse_ptr,
         v = tl.load(v_tile + keys[:, None].to(tl.int64) * stride_vn, mask=keys[:, None] < count, other=0.0)
         acc = tl.dot(p, v, acc, input_precision=precision)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    out_rows = out_ptr + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + query * stride_on
+    out_rows = (out_ptr + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+                + query.to(tl.int64) * stride_on)
     tl.store(out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     if RETURN_LSE:
         if tl.program_id(1) == 0:
