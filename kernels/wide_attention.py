@@ -87,10 +87,10 @@ def _values_kernel(p_ptr, m_ptr, l_ptr, v_ptr, counts_ptr, out_ptr, lse_ptr,
     tiles = tl.cdiv(count, BLOCK_N)
     rows, row_ok, head, query = _group_rows(tl.program_id(0), n_q, group, kv_head, BLOCK_M)
     dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    stats = m_ptr + pair * stride_mg + rows * stride_mr
+    stats = pair * stride_mg + rows * stride_mr  # row r's tile t: m_ptr / l_ptr + stats + t
     top = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # each row's largest score, base 2
     for t in range(0, tiles):
-        top = tl.maximum(top, tl.load(stats + t, mask=row_ok, other=0.0))
+        top = tl.maximum(top, tl.load(m_ptr + stats + t, mask=row_ok, other=0.0))
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     precision: tl.constexpr = "ieee" if p_ptr.dtype.element_ty == tl.float32 else "tf32"  # fp32: tests, exact
@@ -98,8 +98,8 @@ def _values_kernel(p_ptr, m_ptr, l_ptr, v_ptr, counts_ptr, out_ptr, lse_ptr,
     v_tile = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + dims[None, :]
     for t in range(0, tiles):
         keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        weight = tl.math.exp2(tl.load(stats + t, mask=row_ok, other=0.0) - top)  # a power of two: m, top whole
-        total += weight * tl.load(l_ptr + pair * stride_mg + rows * stride_mr + t, mask=row_ok, other=0.0)
+        weight = tl.math.exp2(tl.load(m_ptr + stats + t, mask=row_ok, other=0.0) - top)  # a power of two: m, top whole
+        total += weight * tl.load(l_ptr + stats + t, mask=row_ok, other=0.0)
         p = tl.load(group_p[:, None] + keys[None, :], mask=row_ok[:, None], other=0.0)
         p = p * weight.to(p.dtype)[:, None]  # exact: p's rounding stays the only one
         v = tl.load(v_tile + keys[:, None].to(tl.int64) * stride_vn, mask=keys[:, None] < count, other=0.0)
