@@ -6,9 +6,9 @@ step as the loop runs it (replayed; k = 1024 keys per KV head on the 5 full laye
 pass that commits a canvas, and ms of a canvas as generate() runs it at the released generation_config's
 48 steps (random weights never stop early): its replays, the sampler, its commit; and a step's full
 layers' attention alone on flash_attention and on wide_attention (which the step runs).
-Floor: the bytes a step reads (every weight but the embedding, which it reads twice: the
-self-conditioning's soft embedding and the tied head; the experts the step's tokens route to; every
-cached K/V of the full layers and the sliding rings) over the measured copy bandwidth. transformers: the
+Floor: the bytes a step reads (step_parts) over the measured copy bandwidth; roofline: the sum over the
+step's parts of the slower of their bytes over that and their FLOPs over the measured matmul rate (at a
+canvas of 256 rows the dense matmuls and the full layers' attention are compute). transformers: the
 same step through DiffusionGemmaModel's decoder (5.24, SDPA, its default experts), its cache filled the
 same way, when `transformers` imports (PYTHONPATH) and fits beside nothing else: it runs after ours.
 Then, batch 1, seconds of the prompt's encoder pass into an empty cache, exact and with MOMO's prefill
@@ -66,16 +66,36 @@ def full_attention_ms(model, cache, batch: int) -> tuple[float, float]:
     return flash * cache.sliding.count(False), wide * cache.sliding.count(False)
 
 
-def step_bytes(model, batch: int, context: int, touched: float) -> int:
-    """What one denoising step reads: weights (touched of the experts, the embedding twice), KV."""
+def step_parts(model, batch: int, context: int, touched: float) -> dict[str, tuple[float, float]]:
+    """What one denoising step reads and computes, part by part: {part: (bytes, FLOPs)}. Bytes: every weight
+    but the embedding, which it reads twice (the self-conditioning's soft embedding and the tied head), the
+    experts the step's tokens route to, every cached K/V of the full layers and the sliding rings. FLOPs: 2
+    a weight a row (a row's k experts' weights each), and q . k and p . v over the keys each query reads."""
     cfg, g = model.cfg, model.cfg.gemma
-    element = model.embed_tokens.weight.element_size()
-    weights = sum(p.numel() for name, p in model.named_parameters() if ".experts." not in name)
-    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name) * touched
+    element, rows = model.embed_tokens.weight.element_size(), batch * g.canvas_length
+    experts = [p.numel() for name, p in model.named_parameters() if ".experts." in name]
+    embedding = model.embed_tokens.weight.numel()
+    dense = sum(p.numel() for name, p in model.named_parameters() if ".experts." not in name) - embedding
     full = sum(not s for s in (g.is_sliding(i) for i in range(cfg.num_layers)))
-    kv = 2 * batch * (full * context * g.global_kv_heads * g.global_head_dim
-                      + (cfg.num_layers - full) * (g.sliding_window - 1) * cfg.num_kv_heads * cfg.head_dim)
-    return int((weights + model.embed_tokens.weight.numel() + experts + kv) * element)
+    full_kv = full * context * g.global_kv_heads * g.global_head_dim
+    sliding_keys = min(context, g.sliding_window - 1)
+    sliding_kv = (cfg.num_layers - full) * sliding_keys * cfg.num_kv_heads * cfg.head_dim
+    queries = 4 * rows * cfg.num_heads  # 2 FLOPs a product, two products
+    attention = queries * (full * (context + g.canvas_length) * g.global_head_dim
+                           + (cfg.num_layers - full) * (sliding_keys + g.canvas_length) * cfg.head_dim)
+    per_expert = sum(experts) / cfg.moe.num_experts
+    return {"experts": (sum(experts) * touched * element, 2 * rows * cfg.moe.experts_per_token * per_expert),
+            "dense": (dense * element, 2 * rows * dense),
+            "embedding twice": (2 * embedding * element, 4 * rows * embedding),
+            "attention": (2 * batch * (full_kv + sliding_kv) * element, attention)}
+
+
+def floors_ms(parts: dict, bandwidth: float, matmul_rate: float) -> tuple[float, float]:
+    """(bytes floor, roofline floor) in ms: all bytes over the copy bandwidth (GB/s); the sum over parts of
+    the slower of their bytes over it and their FLOPs over the matmul rate (TFLOP/s)."""
+    bytes_ms = [b / bandwidth / 1e6 for b, _ in parts.values()]
+    flops_ms = [f / matmul_rate / 1e9 for _, f in parts.values()]
+    return sum(bytes_ms), sum(map(max, bytes_ms, flops_ms))
 
 
 def touched_experts(model, canvas, cache, logits) -> float:
@@ -176,7 +196,7 @@ def diffusiongemma(setup):
     contexts, batches = ([64, 128], [1, 2]) if quick else ([8192, 32768, 131072], [1, 4])
     model = load_reference(FIXTURE, device=device, dtype=dtype) if quick else \
         build_random(ModelConfig.from_dict(raw, source=f"preset {PRESET}"), device=device, dtype=dtype)
-    bandwidth, _ = setup.ceilings
+    bandwidth, matmul_rate = setup.ceilings
     cfg, rows = model.cfg, []
     size, vocab = cfg.gemma.canvas_length, cfg.vocab_size
     setup.meta.update(preset=PRESET, contexts=contexts, batches=batches)
@@ -191,7 +211,8 @@ def diffusiongemma(setup):
                 exact = exact_step_ms(model, canvas, logits, cache) if device.type == "cuda" else eager
                 sparse = wall_us(mage_step(model, canvas, cache, logits, k=64 if quick else 1024), device,
                                  warmups=2) / 1e3
-                floor = step_bytes(model, batch, context, touched_experts(model, canvas, cache, logits)) / bandwidth / 1e6
+                parts = step_parts(model, batch, context, touched_experts(model, canvas, cache, logits))
+                floor, roofline = floors_ms(parts, bandwidth, matmul_rate)
                 growing = filled_cache(model, batch, context, room=4)  # a commit per call: 1 + 3 timed
                 commit = wall_us(lambda: model.encode(canvas, growing), device) / 1e3
                 flash, wide = full_attention_ms(model, cache, batch) if device.type == "cuda" else ("-", "-")
@@ -205,7 +226,8 @@ def diffusiongemma(setup):
                 canvas_ms = "-"
             setup.free()
             rows.append({"context": kilo(context), "batch": batch, "exact step ms": exact, "floor ms": floor,
-                         "exact / floor": exact / floor, "eager step ms": eager, "MAGE step ms": sparse,
+                         "exact / floor": exact / floor, "roofline ms": roofline, "exact / roofline": exact / roofline,
+                         "eager step ms": eager, "MAGE step ms": sparse,
                          "commit ms": commit, f"loop canvas ms ({STEPS_PER_CANVAS} steps)": canvas_ms,
                          "full layers' attention: flash ms": flash, "wide ms": wide})
     del model
@@ -222,7 +244,9 @@ def diffusiongemma(setup):
         row.setdefault("transformers step ms", "-")
         row.setdefault("transformers / exact", "-")
     setup.report.table(f"One denoising step, {PRESET}", rows,
-                       f"random weights, {dtype}; floor: bytes read / {bandwidth:.0f} GB/s (copy)")
+                       f"random weights, {dtype}; floor: bytes read / {bandwidth:.0f} GB/s (copy); roofline: per part "
+                       f"(experts, dense weights, embedding, attention) the slower of bytes / that and FLOPs / "
+                       f"{matmul_rate:.0f} TFLOP/s (matmul)")
     setup.report.table("The prompt's encoder pass, batch 1", passes,
                        "seconds, host included; MOMO at its defaults (gamma 16, chi 128, beta 64, k 128) on the full "
                        "layers, the sliding layers exact")
