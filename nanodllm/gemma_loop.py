@@ -185,19 +185,15 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 logits = step_logits(*inputs)
             last_kind = kind
             # z = logits / T: z in the weights' dtype (the next step's self-conditioning), argmax z, the
-            # entropies and softmax(z), [b, size, V] floats read a few times on the kernels, some twenty in torch
-            z, z_argmax, entropies, probs = sampler_stats(logits, temperature(left, gen.steps, sampling), dtype,
-                                                          probs=True)
+            # entropies and a token drawn from softmax(z) (or its argmax), [b, size, V] floats read a few times
+            # on the kernels, some twenty in torch
+            stats = sampler_stats(logits, temperature(left, gen.steps, sampling), dtype, sampling.sample, generator)
             meter.count(method, ctx)
-            if sampling.sample:
-                drawn = torch.multinomial(probs.view(-1, cfg.vocab_size), 1, generator=generator).view(batch, size)
-            else:
-                drawn = probs.argmax(dim=-1)
-            argmax = torch.where(done[:, None], argmax, z_argmax)
-            x = torch.where(accepted(entropies, sampling.entropy_bound), drawn, noise())
-            stop, history = stopping(history, argmax, entropies, sampling)
+            argmax = torch.where(done[:, None], argmax, stats.argmax)
+            x = torch.where(accepted(stats.entropy, sampling.entropy_bound), stats.drawn, noise())
+            stop, history = stopping(history, argmax, stats.entropy, sampling)
             done |= stop
-            self_conditioning = z
+            self_conditioning = stats.scaled
             forwards, steps = forwards + 1, steps + 1
             if done.all():
                 break
