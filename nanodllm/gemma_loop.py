@@ -143,8 +143,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     # is recorded as a CUDA graph (nanodllm/graphs.py) and later ones replay it, in this canvas and the next
     # ones; a canvas's first step (no self-conditioning) is a kind of its own. Exact steps are recorded at once,
     # a method's where its kind repeats the step before's (a kind that does not, a selecting step, runs eagerly);
-    # so is a commit (the encoder's pass over a canvas)
-    recordings = Recordings(size=4) if GRAPHS_ENABLED and model.replayable else None
+    # so is a commit (the encoder's pass over a canvas); the sampler reads a step's logits before the next replay
+    recordings = Recordings(size=4, copy_outputs=False) if GRAPHS_ENABLED and model.replayable else None
     dtype = model.embed_tokens.weight.dtype
     sampler_stats = softmax_stats if use_kernels(model.embed_tokens.weight) else softmax_stats_reference
     prefill = prompt_context(model, cache, prompt.tokens, prompt.valid, prompt_lengths)

@@ -30,10 +30,12 @@ STREAMS_ENABLED = os.environ.get("NANODLLM_STREAMS", "1") != "0"
 class Recordings:
     """Up to `size` live CUDA graphs of functions of tensors, keyed; __call__(key, fn, *inputs) gives
     fn(*inputs) (a tensor or a tuple of tensors), replayed where the key was recorded. They share one
-    memory pool (they never run at the same time) and each replay's outputs are copied out."""
+    memory pool (they never run at the same time) and each replay's outputs are copied out, unless
+    copy_outputs=False: then a replay returns the recording's own outputs, which the next call may
+    overwrite (for a caller that reads them first, such as a sampler of each step's logits)."""
 
-    def __init__(self, size: int = 4):
-        self.size = size
+    def __init__(self, size: int = 4, copy_outputs: bool = True):
+        self.size, self.copy_outputs = size, copy_outputs
         self.recorded: dict = {}  # key -> (graph, static inputs, static output), least recently used first
         self.replays = 0
         self.pool = None
@@ -53,6 +55,8 @@ class Recordings:
             buffer.copy_(value)
         graph.replay()
         self.replays += 1
+        if not self.copy_outputs:
+            return output
         return tuple(x.clone() for x in output) if isinstance(output, tuple) else output.clone()
 
     def capture(self, key, fn, inputs):

@@ -111,7 +111,7 @@ def touched_experts(model, canvas, cache, logits) -> float:
 
 def exact_step_ms(model, canvas, logits, cache, tries: int = 3) -> float:
     """ms of the exact denoising step as the loop runs it: replayed from a CUDA graph (on a CPU, eagerly)."""
-    replay, step = Recordings(size=1), lambda c, z: model.denoise(c, cache, z)
+    replay, step = Recordings(size=1, copy_outputs=False), lambda c, z: model.denoise(c, cache, z)
     timed = (lambda: replay("exact", step, canvas, logits)) if canvas.is_cuda else lambda: step(canvas, logits)
     return wall_us(timed, canvas.device, tries=tries, warmups=2) / 1e3
 
@@ -126,7 +126,7 @@ def mage_step(model, canvas, cache, logits, k: int):
     mage.begin_block(context(0))
     model.head(model.denoised(canvas, cache, None, lambda *a: mage.attend(*a, ctx=context(0))))
     step = lambda c, l: model.head(model.denoised(c, cache, l, lambda *a: mage.attend(*a, ctx=context(1))))
-    replay = Recordings(size=1)
+    replay = Recordings(size=1, copy_outputs=False)
     return (lambda: replay("sparse", step, canvas, logits)) if canvas.is_cuda else lambda: step(canvas, logits)
 
 

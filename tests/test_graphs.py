@@ -9,7 +9,7 @@ import torch
 import nanodllm.graphs as graphs_module
 from nanodllm.cache import KVCache
 from nanodllm.generation import generate
-from nanodllm.graphs import recordable, step_key
+from nanodllm.graphs import Recordings, recordable, step_key
 from nanodllm.methods import get_method
 from nanodllm.methods.base import StepContext
 
@@ -93,6 +93,22 @@ def test_no_graphs_on_the_cpu_nor_for_the_dense_canvas():
     assert not recordable(block_context(cache, 0, 0))
     masked_engine = replace(block_context(cache, 0, 0), cache=None)
     assert get_method("dense").step_kind(masked_engine) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
+@pytest.mark.parametrize("copy_outputs", [True, False])
+def test_a_replay_gives_its_inputs_result_copied_out_or_in_place(copy_outputs):
+    """Each call gives fn of its own inputs; copied out, a result outlives later replays, else a replay hands
+    back the recording's own tensor, which the next replay overwrites."""
+    recordings, fn = Recordings(size=1, copy_outputs=copy_outputs), lambda x: x * 2 + 1
+    inputs = [torch.full((4,), float(i), device="cuda") for i in range(4)]
+    results = [recordings("key", fn, x) for x in inputs]
+    assert recordings.replays == 3
+    for i, result in enumerate(results[1:-1], 1):
+        expected = fn(inputs[-1] if not copy_outputs else inputs[i])
+        assert torch.equal(result, expected)
+    assert torch.equal(results[-1], fn(inputs[-1])) and torch.equal(results[0], fn(inputs[0]))
+    assert (results[1].data_ptr() == results[2].data_ptr()) != copy_outputs
 
 
 def assert_graphed_equals_eager(monkeypatch, name, knobs, decode):
