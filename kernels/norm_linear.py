@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanodllm.kernels.decode_attention import sm_count
 from nanodllm.kernels.rmsnorm import rms_norm_reference
 from nanodllm.kernels.silu_mul import silu_mul_reference
 
@@ -112,6 +113,18 @@ def launch_shape(num_rows: int, dim: int, swiglu: bool, element_size: int, share
     shape.update(BLOCK_K=min(shape["BLOCK_K"], max(16, triton.next_power_of_2(dim))),
                  BLOCK_M=max(16, triton.next_power_of_2(num_rows)))
     return fit_shared_memory(shape, swiglu, element_size, shared_limit)
+
+
+def fills_device(weight: torch.Tensor, swiglu: bool = False, sms: int | None = None) -> bool:
+    """Whether norm_linear over `weight` [N, K] launches programs for at least half the device's `sms`
+    streaming multiprocessors (default: weight's GPU's; off CUDA, the interpreter, always). A program walks
+    all of K for its column tile, so a narrow projection (a tensor-parallel rank's share) leaves SMs idle,
+    and the unfused norm and cuBLAS's split-K matmul read its weights faster."""
+    if sms is None and weight.device.type != "cuda":
+        return True
+    width = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    block_n = launch_shape(MAX_ROWS, weight.shape[1], swiglu, weight.element_size(), None)["BLOCK_N"]
+    return 2 * triton.cdiv(width, block_n) >= (sm_count(weight.device) if sms is None else sms)
 
 
 def fit_shared_memory(shape: dict, glu: bool, element_size: int, shared_limit: int | None) -> dict:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
+from nanodllm.kernels.norm_linear import MAX_ROWS, fills_device, norm_linear
 from nanodllm.kernels.rmsnorm import rms_norm
 from nanodllm.kernels.rope import apply_rope, rope_qk
 
@@ -142,12 +142,15 @@ class FusedLayer(Layer):
         return self.mlp(self.mlp_norm(x, self.out(attend(q, k, v))))
 
     def takes_few_row_step(self, x: torch.Tensor) -> bool:
-        """Whether step runs few_row_step over x: few contiguous rows, a dense MLP, weights of x's dtype."""
+        """Whether step runs few_row_step over x: few contiguous rows, a dense MLP, weights of x's dtype,
+        projections wide enough for norm_linear to fill the GPU."""
         few = x.dim() == 3 and x.is_contiguous() and x.shape[0] * x.shape[1] <= MAX_ROWS
         if not few or not isinstance(self.mlp, FusedMLP):  # a mixture of experts runs as itself
             return False
-        modules = (self.input_layernorm, self.post_attention_layernorm, self.self_attn.qkv_proj, self.mlp.gate_up_proj)
-        return all(module.weight.dtype == x.dtype for module in modules)
+        qkv, gate_up = self.self_attn.qkv_proj.weight, self.mlp.gate_up_proj.weight
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        same_dtype = all(w.dtype == x.dtype for w in (*norms, qkv, gate_up))
+        return same_dtype and fills_device(qkv) and fills_device(gate_up, swiglu=True)
 
     def few_row_step(self, x: torch.Tensor, pending: torch.Tensor | None, rope: Rope, attend: Callable) -> None:
         """step over a decode step's few rows: each norm inside the matmul after it, silu(gate) * up in

@@ -159,6 +159,7 @@ def test_on_the_kernels_the_fused_primitives_give_the_reference_values(kernels_o
     calls = []
     counted = lambda *args, **kwargs: calls.append(args[0].shape) or norm_linear(*args, **kwargs)
     monkeypatch.setattr(fused_module, "norm_linear", counted)
+    monkeypatch.setattr(fused_module, "fills_device", lambda *args, **kwargs: True)  # a GPU too, at tiny widths
     close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         layer, layer_ref = model.layers[0], reference.layers[0]
@@ -195,11 +196,20 @@ def test_a_long_input_goes_through_the_mlp_in_chunks(kernels_on, monkeypatch, to
     torch.testing.assert_close(chunked, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_the_few_row_step_needs_few_rows_a_dense_mlp_and_weights_of_the_stream_dtype(kernels_on):
+def test_the_few_row_step_needs_few_rows_a_dense_mlp_and_weights_of_the_stream_dtype(kernels_on, monkeypatch):
+    """... and projections that fill the GPU (kernels/norm_linear.py fills_device, asked of q/k/v and gate/up)."""
     model = random_weights(build_random(tiny_config("sdar"), dtype=torch.float32)).to(DEVICE)
     layer = model.layers[0]
+    asked = []
+    monkeypatch.setattr(fused_module, "fills_device", lambda weight, **kwargs: asked.append(weight) or True)
     with torch.no_grad():
         assert layer.takes_few_row_step(torch.zeros(1, MAX_ROWS, 32, device=DEVICE))
+        projections = (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight)
+        assert len(asked) == 2 and all(a is p for a, p in zip(asked, projections))
+        for narrow in projections:
+            monkeypatch.setattr(fused_module, "fills_device", lambda weight, narrow=narrow, **_: weight is not narrow)
+            assert not layer.takes_few_row_step(torch.zeros(1, MAX_ROWS, 32, device=DEVICE))
+        monkeypatch.setattr(fused_module, "fills_device", lambda *args, **kwargs: True)
         assert not layer.takes_few_row_step(torch.zeros(1, MAX_ROWS + 1, 32, device=DEVICE))
         assert not layer.takes_few_row_step(torch.zeros(1, 8, 64, device=DEVICE)[..., ::2])  # not contiguous
         assert not layer.takes_few_row_step(torch.zeros(1, 4, 32, device=DEVICE, dtype=torch.float16))
@@ -237,6 +247,7 @@ def test_engines_decode_the_same_tokens_on_the_fused_kernels(kernels_on, monkeyp
         for fused_part in (fused_module, fused_mlp_module):  # the model's and its MLPs' modules
             if hasattr(fused_part, fn.__name__):
                 monkeypatch.setattr(fused_part, fn.__name__, counted(fn))
+    monkeypatch.setattr(fused_module, "fills_device", lambda *args, **kwargs: True)  # a GPU too, at tiny widths
     monkeypatch.setattr("nanodllm.attention.KERNELS_ENABLED", False)
     torch_tokens = decode()
     assert not calls

@@ -129,6 +129,16 @@ def test_launch_shape_fits_the_shared_memory(limit, swiglu, element_size):
         assert shape == norm_linear_module.launch_shape(32, 4096, swiglu, 2, None)
 
 
+@pytest.mark.parametrize("width, swiglu, fills", [(6144, False, True), (4096, False, False), (3072, False, False),
+                                                  (24576, True, True), (12288, True, False)])
+def test_a_launch_fills_the_device_with_programs_for_half_its_sms(width, swiglu, fills):
+    """sdar-8b's q/k/v (6144 rows, 96 programs of 64) and gate/up (2 x 12288, 96 of 128) on 132 SMs take
+    the kernel; their halves on a rank of two (48 programs), or LLaDA's 4096-row o_proj (64), do not."""
+    weight = torch.empty(width, 4096, dtype=torch.bfloat16, device="meta")
+    assert norm_linear_module.fills_device(weight, swiglu, sms=132) == fills
+    assert norm_linear_module.fills_device(torch.empty(8, 16), swiglu)  # off CUDA (the interpreter): always
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="asks the GPU's driver")
 def test_shared_memory_limit_is_the_devices():
     limit = norm_linear_module.shared_memory_limit(torch.device(DEVICE))
