@@ -16,17 +16,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert
-from nanodllm.kernels.moe_combine import moe_combine
 from nanodllm.kernels.moe_route import moe_route
 from nanodllm.kernels.silu_mul import silu_mul
 
 from .attention import use_kernels
 from .config import ModelConfig
+from .experts import GROUPED_MM, grouped_experts
 from .mlp import MoE, Router, choose_experts
 from .parallel import SINGLE, Group, expert_range
 
-GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 CHUNK_TOKENS = 8192  # a long prefill's MLPs run on this many tokens at a time: their wide activations stay small
 
 
@@ -106,17 +104,7 @@ class FusedMoE(MoE):
         return self.group.all_reduce(by_chunks(self.grouped, x) if use_kernels(x) and GROUPED_MM else super().forward(x))
 
     def grouped(self, flat: torch.Tensor) -> torch.Tensor:
-        """MoE.forward over tokens [n, hidden], the rows grouped by expert for two grouped matmuls: this rank's
-        experts first (numbered from its first), the other ranks' rows after the last group, summed as zeros."""
+        """MoE.forward over tokens [n, hidden]: this rank's experts by grouped_experts, then the shared one."""
         chosen, routing = self.gate(flat)
-        held, count = self.experts.held, self.gate.moe.num_experts
-        order, ends, slot_of = group_by_expert(chosen, count, held)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if beats_grouped_mm(len(order), count):  # a mean over every rank's experts; the rows gathered as they load
-            grouped = expert_linear(expert_linear(flat, gate_up, ends, "silu", order, chosen.shape[1]), down, ends)
-        else:
-            rows = flat[order // chosen.shape[1]]
-            grouped = GROUPED_MM(silu_mul(GROUPED_MM(rows, gate_up.mT, offs=ends)), down.mT, offs=ends)
-        past_groups = ends[-1:] if len(held) < count else None  # the pairs of experts held elsewhere: zeros
-        y = moe_combine(grouped, slot_of, routing, past_groups)  # MoE.combine, read where the rows lie
+        y = grouped_experts(flat, chosen, routing, self.experts, self.gate.moe.num_experts, "silu")
         return y if self.shared_expert is None else y + self.shared_expert(flat)

@@ -23,9 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanodllm.kernels.expert_linear import beats_grouped_mm, expert_linear, group_by_expert, group_by_expert_reference
 from nanodllm.kernels.flash_attention import flash_attention
-from nanodllm.kernels.moe_combine import moe_combine, moe_combine_reference
 from nanodllm.kernels.moe_route import moe_route
 from nanodllm.kernels.rmsnorm import rms_norm
 from nanodllm.kernels.rope import apply_rope
@@ -35,9 +33,9 @@ from nanodllm.kernels.wide_attention import wide_attention
 from .attention import FLASH_HEAD_DIMS, flash_on_kernels, use_kernels
 from .cache import KVCache
 from .config import ModelConfig
+from .experts import GROUPED_MM, grouped_experts
 from .mlp import MLP, choose_experts, fp32_or_wider
 
-GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 ENCODE_CHUNK = 4096  # query rows an encoder pass attends at once off the kernels: masks grow with it, not the prompt
 WIDE_FROM = 512  # the head_dim from which the full layers' cached keys go to wide_attention (the tests move it)
 PROMPT_CHUNK = 1024  # a wide prompt's queries per wide_attention: 4 GiB of probabilities a row against 128K keys
@@ -229,23 +227,11 @@ class GemmaExperts(nn.Module):
         return out
 
     def grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """forward with no loop: the (token, slot) rows sorted by expert for two grouped matmuls (a canvas's
-        few dozen rows per expert on kernels/expert_linear.py, which reads each expert's weights once), each
-        token's k outputs weighted and summed in fp32 where they lie (kernels/moe_combine.py)."""
+        """forward with no loop (experts.py grouped_experts), GROUPED_TOKENS tokens at a time."""
         if len(x) > GROUPED_TOKENS:
             pieces = zip(*(t.split(GROUPED_TOKENS) for t in (x, chosen, weights)))
             return torch.cat([self.grouped(*piece) for piece in pieces])
-        group = group_by_expert if use_kernels(x) else group_by_expert_reference
-        order, ends, slot_of = group(chosen, self.num_experts, self.held)
-        if use_kernels(x) and beats_grouped_mm(len(order), self.num_experts):  # the rows gathered as they load
-            gate_up = expert_linear(x, self.gate_up_proj, ends, "gelu_tanh", order, chosen.shape[1])
-            y = expert_linear(gate_up, self.down_proj, ends)
-        else:
-            rows = x[order // chosen.shape[1]]
-            gate, up = GROUPED_MM(rows, self.gate_up_proj.mT, offs=ends).chunk(2, dim=-1)
-            y = GROUPED_MM(F.gelu(gate, approximate="tanh") * up, self.down_proj.mT, offs=ends)
-        past_groups = ends[-1:] if len(self.held) < self.num_experts else None  # the pairs of experts held elsewhere
-        return (moe_combine if use_kernels(y) else moe_combine_reference)(y, slot_of, weights, past_groups)
+        return grouped_experts(x, chosen, weights, self, self.num_experts, "gelu_tanh")
 
 
 class GemmaLayer(nn.Module):

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import nanodllm.experts as experts_module
 import nanodllm.gemma as gemma_module
 from nanodllm.kernels.expert_linear import expert_linear, group_by_expert_reference
 from nanodllm.config import ModelConfig
@@ -375,7 +376,7 @@ def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeyp
     layer, dtype = experts_layer(kernels, request)
     device = layer.experts.down_proj.device
     calls = []
-    monkeypatch.setattr(gemma_module, "expert_linear", lambda *a: calls.append((a[3:4], len(a))) or expert_linear(*a))
+    monkeypatch.setattr(experts_module, "expert_linear", lambda *a: calls.append((a[3:4], len(a))) or expert_linear(*a))
     for tokens in (200, 3):
         x = torch.randn(tokens, MODEL.cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
         chosen, weights = layer.router(x)
@@ -422,7 +423,7 @@ def test_the_experts_take_a_long_pass_in_pieces(monkeypatch):
     whole = layer.experts.grouped(x, chosen, weights)
     pieces = []
     monkeypatch.setattr(gemma_module, "GROUPED_TOKENS", 16)
-    monkeypatch.setattr(gemma_module, "group_by_expert_reference",  # float32 on the CPU: off the kernels
+    monkeypatch.setattr(experts_module, "group_by_expert_reference",  # float32 on the CPU: off the kernels
                         lambda c, *n: pieces.append(len(c)) or group_by_expert_reference(c, *n))
     assert (layer.experts.grouped(x, chosen, weights) - whole).abs().max() <= 1e-6 * whole.abs().max()
     assert pieces == [16, 16, 16, 2]

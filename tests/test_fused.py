@@ -22,6 +22,7 @@ import nanodllm.kernels.rope as rope_module
 import nanodllm.kernels.silu_mul as silu_mul_module
 import nanodllm.fused as fused_module
 import nanodllm.fused_mlp as fused_mlp_module
+import nanodllm.experts as experts_module
 from nanodllm.kernels.expert_linear import expert_linear
 from nanodllm.kernels.norm_linear import MAX_ROWS, norm_linear
 from nanodllm.kernels.rmsnorm import rms_norm
@@ -244,7 +245,7 @@ def test_engines_decode_the_same_tokens_on_the_fused_kernels(kernels_on, monkeyp
     counted = lambda fn: lambda *args, **kwargs: calls.append(fn.__name__) or fn(*args, **kwargs)
     for module, fn in ((rmsnorm_module, rms_norm), (rope_module, apply_rope), (rope_module, rope_qk),
                        (silu_mul_module, silu_mul), (norm_linear_module, norm_linear), (expert_module, expert_linear)):
-        for fused_part in (fused_module, fused_mlp_module):  # the model's and its MLPs' modules
+        for fused_part in (fused_module, fused_mlp_module, experts_module):  # where the model calls them
             if hasattr(fused_part, fn.__name__):
                 monkeypatch.setattr(fused_part, fn.__name__, counted(fn))
     monkeypatch.setattr(fused_module, "fills_device", lambda *args, **kwargs: True)  # a GPU too, at tiny widths

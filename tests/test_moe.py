@@ -25,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
+import nanodllm.experts as experts_module
 from nanodllm import block, fused_mlp
 from nanodllm.config import GenerationConfig, ModelConfig
 from nanodllm.fused import fuse
@@ -226,10 +227,10 @@ def test_grouped_experts_equal_the_per_expert_loop(family, path, kernels_on, mon
     (Triton's interpreter), on a GPU in bfloat16 (its grouped GEMM takes nothing else), to the dtype's
     rounding; a prefill's tokens in chunks."""
     calls = []
-    monkeypatch.setattr(fused_mlp, "GROUPED_MM",
+    monkeypatch.setattr(experts_module, "GROUPED_MM",
                         lambda *args, **kwargs: calls.append(kwargs["offs"].dtype) or torch_grouped_mm(*args, **kwargs))
-    monkeypatch.setattr(fused_mlp, "expert_linear", lambda *args, **kwargs: calls.append(path) or expert_linear(*args, **kwargs))
-    monkeypatch.setattr(fused_mlp, "beats_grouped_mm", lambda *sizes: path == "expert_linear")
+    monkeypatch.setattr(experts_module, "expert_linear", lambda *args, **kwargs: calls.append(path) or expert_linear(*args, **kwargs))
+    monkeypatch.setattr(experts_module, "beats_grouped_mm", lambda *sizes: path == "expert_linear")
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     model = build_random(tiny_config(family), device=DEVICE, dtype=dtype, seed=3)
     moe = model.layers[1].mlp
@@ -350,8 +351,8 @@ def test_the_stacked_experts_hold_each_experts_rows_and_cast_as_one(kernels_on, 
     assert torch.equal(moe.shared_expert.gate_up_proj.weight, torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
     x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
     calls = []
-    monkeypatch.setattr(fused_mlp, "GROUPED_MM", lambda *args, **kwargs: calls.append(1) or torch_grouped_mm(*args, **kwargs))
-    monkeypatch.setattr(fused_mlp, "beats_grouped_mm", lambda *sizes: False)
+    monkeypatch.setattr(experts_module, "GROUPED_MM", lambda *args, **kwargs: calls.append(1) or torch_grouped_mm(*args, **kwargs))
+    monkeypatch.setattr(experts_module, "beats_grouped_mm", lambda *sizes: False)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # what the grouped GEMM takes there
     with torch.no_grad():
         assert torch.equal(moe(x), moe_ref(x)) and not calls
