@@ -2,7 +2,7 @@
 
 A SwiGLU's gate and up rows are one Parameter, gate_up_proj; a mixture of experts' experts are two, stacked
 [experts, ...]. Where use_kernels(x) holds, silu(gate) * up is one pass (kernels/silu_mul.py), a router's choice
-one kernel (kernels/moe_route.py), and the experts' rows, grouped by expert, run one grouped matmul per
+one kernel (kernels/moe_route.py), and the experts' rows, grouped by expert (experts.py), run one grouped matmul per
 projection (kernels/expert_linear.py up to a few dozen rows per expert, else torch's grouped_mm) before one
 weighted sum (kernels/moe_combine.py). Elsewhere each runs the reference's own ops on slices of the stacked
 weights. Split over ranks (parallel.py), a FusedMoE holds its rank's experts and sums over the ranks.
