@@ -238,6 +238,7 @@ class GemmaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         g, d = cfg.gemma, cfg.hidden_size
+        self.cfg = cfg  # under a split (parallel.py) this rank's share of the heads
         self.sliding = g.is_sliding(index)
         shape = (cfg.head_dim, cfg.num_kv_heads) if self.sliding else (g.global_head_dim, g.global_kv_heads)
         norm = partial(GemmaRMSNorm, d, cfg.rms_norm_eps)
@@ -416,9 +417,10 @@ class DiffusionGemma(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def empty_cache(self, batch: int, capacity: int | None = None) -> GemmaCache:
-        """A cache for `capacity` tokens per row (default: the model's context)."""
+        """A cache for `capacity` tokens per row (default: the model's context) of this rank's KV heads."""
         weight = self.embed_tokens.weight
-        return GemmaCache(self.cfg, batch, capacity or self.cfg.context_length, weight.device, weight.dtype)
+        share = self.layers[0].cfg
+        return GemmaCache(share, batch, capacity or self.cfg.context_length, weight.device, weight.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """E[ids] * sqrt(hidden), the factor rounded to the weights' dtype."""

@@ -12,7 +12,7 @@ for DiffusionGemma); other layouts are refused by name. Tied embeddings: when th
 head and the config ties (or does not say), the head is the embedding matrix. build_random stands for a
 loaded model in benchmarks and tests. Both return once the first-use warm-up has finished. Given a group
 (nanodllm/parallel.py), each rank checks the whole checkpoint but reads only its parts. DiffusionGemma
-loads text only, into its reference model (nanodllm/gemma.py), unfused (split: its experts alone).
+loads text only, into its reference model (nanodllm/gemma.py), unfused.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ With N ranks (torchrun: one process per GPU on NCCL, or CPU processes on gloo), 
                 expert split as a dense MLP; routed and shared parts summed together     one all-reduce
     embedding   vocabulary rows [r V/N, (r+1) V/N); other ids give 0; summed             one all-reduce
     LM head     the same rows' logits; greedy picks from each rank's best and log-sum-exp      one all-gather
-Norms and the router are replicated; DiffusionGemma splits its experts alone (the rest whole on each rank).
-Every rank holds the same hidden states and decisions and runs the same loop, so all decode the same tokens
-(sampling at T > 0 gathers whole logit rows and needs one seed on every rank). The loader builds one rank's
+    DiffusionGemma: its experts, and its heads where the KV heads of both kinds of layer divide; the rest whole
+Norms and the router are replicated. Every rank holds the same hidden states and decisions, so all decode the
+same tokens (sampling at T > 0 gathers whole logit rows; one seed on every rank). The loader builds a rank's
 modules (local_config), swaps in the ones below (shard) and reads each tensor's part (local_part).
 """
 
@@ -93,7 +93,8 @@ def close():
 
 def split_numbers(cfg: ModelConfig) -> dict[str, int]:
     """What a split divides among the ranks, by name: heads, KV heads, vocabulary, the dense MLPs'
-    width (where a layer has one), experts and the shared expert's width; of DiffusionGemma, its experts."""
+    width (where a layer has one), experts and the shared expert's width; of DiffusionGemma, its experts (its
+    heads split where they can: splits_gemma_heads)."""
     if cfg.gemma is not None:
         return {"moe.num_experts": cfg.moe.num_experts}
     numbers = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size}
@@ -117,6 +118,13 @@ def check_split(cfg: ModelConfig, world: int):
                              f"this model has {name}={number}")
 
 
+def splits_gemma_heads(cfg: ModelConfig, world: int) -> bool:
+    """Whether DiffusionGemma's heads split over `world` ranks: its query heads and the KV heads of both its
+    sliding and its full layers divide among them, so that each rank holds whole GQA groups (MAGE, Quest and
+    SparseD choose a full layer's keys per KV head from all of its group's queries)."""
+    return all(number % world == 0 for number in (cfg.num_heads, cfg.num_kv_heads, cfg.gemma.global_kv_heads))
+
+
 def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
     """The config of one rank's share: its heads, KV heads, dense MLP width and vocabulary (cfg.moe as
     it is: the router stays whole; ExpertParallelMoE takes the rank's experts)."""
@@ -124,6 +132,9 @@ def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
         return cfg
     check_split(cfg, world)
     shares = {name: number // world for name, number in split_numbers(cfg).items() if "." not in name}
+    if cfg.gemma is not None and splits_gemma_heads(cfg, world):
+        shares.update(num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
+                      gemma=dataclasses.replace(cfg.gemma, global_kv_heads=cfg.gemma.global_kv_heads // world))
     return dataclasses.replace(cfg, **shares)
 
 
@@ -211,12 +222,16 @@ def shard(model, cfg: ModelConfig, group: Group):
     """model, built from local_config(cfg, group.world) on the meta device, with the modules that need the
     other ranks replaced by those above: o_proj, dense down_proj, each MoE, the embedding and the head (a tied
     head shares the embedding's rows); model.cfg the whole config, each layer's cfg its share; of DiffusionGemma,
-    each layer's experts. World 1: as is."""
+    each layer's experts and, where its heads split, o_proj. World 1: as is."""
     if group.world == 1:
         return model
     if cfg.gemma is not None:
         for layer in model.layers:
+            if splits_gemma_heads(cfg, group.world):
+                attention = layer.self_attn
+                attention.o_proj = RowParallelLinear(attention.o_proj.in_features, cfg.hidden_size, group)
             layer.experts = ExpertParallelGemmaExperts(cfg, group)
+        model.cfg = cfg
         return model
     local = model.cfg
     for layer in model.layers:
@@ -270,7 +285,25 @@ def split_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 GEMMA_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+GEMMA_ATTENTION = re.compile(r"layers\.(?P<layer>\d+)\.self_attn\.(?P<projection>[qkvo])_proj\.weight")
 EXPERT = re.compile(r"(?P<layer>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<rest>.+)")
+
+
+def gemma_part(name: str, cfg: ModelConfig, group: Group) -> Part:
+    """local_part of DiffusionGemma: the rows of its experts stacked [experts, ...] that this rank holds; where
+    its heads split, the rows of q/k/v_proj and the columns of o_proj of this rank's heads, at the layer's
+    head_dim; the rest whole."""
+    if name.endswith(GEMMA_EXPERTS):
+        held = expert_range(cfg.moe.num_experts, group)
+        return Part(name, 0, held.start, len(held))
+    attention = GEMMA_ATTENTION.search(name)
+    if attention is None or not splits_gemma_heads(cfg, group.world):
+        return Part(name)
+    g, projection = cfg.gemma, attention["projection"]
+    sliding = g.is_sliding(int(attention["layer"]))
+    head_dim, kv_heads = (cfg.head_dim, cfg.num_kv_heads) if sliding else (g.global_head_dim, g.global_kv_heads)
+    share = (cfg.num_heads if projection in "qo" else kv_heads) // group.world * head_dim
+    return Part(name, 1 if projection == "o" else 0, group.rank * share, share)
 
 
 def local_part(name: str, cfg: ModelConfig, group: Group) -> Part | None:
@@ -279,9 +312,8 @@ def local_part(name: str, cfg: ModelConfig, group: Group) -> Part | None:
     local number) are held whole."""
     if group.world == 1:
         return Part(name)
-    if cfg.gemma is not None:  # its experts stacked [experts, ...]: this rank's rows
-        held = expert_range(cfg.moe.num_experts, group)
-        return Part(name, 0, held.start, len(held)) if name.endswith(GEMMA_EXPERTS) else Part(name)
+    if cfg.gemma is not None:
+        return gemma_part(name, cfg, group)
     expert = EXPERT.fullmatch(name)
     if expert:
         held = expert_range(cfg.moe.num_experts, group)

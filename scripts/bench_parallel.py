@@ -10,7 +10,7 @@
    all-gather, replayed from a CUDA graph, times the forwards).
 2. Scaling: llada2-mini and sdar-8b over the first 1, 2 and 4 ranks: ms per block at batch 1 and the
    tokens per second at batch 16, and how many tokens equal the 1-GPU generation's.
-3. DiffusionGemma (diffusiongemma-26b-a4b, its experts split) over the first 1, 2 and 4 ranks: ms of the
+3. DiffusionGemma (diffusiongemma-26b-a4b: experts split, heads over 2) over the first 1, 2 and 4 ranks: ms of the
    exact denoising step replayed from a CUDA graph, its cache filled with random K/V (bench_gemma).
 Times: a CUDA event as each block begins; the median of the blocks after the first (where the engine
 records its graphs). Rank 0 writes the tables. --quick: a tiny model over CPU processes on gloo.
@@ -192,7 +192,8 @@ def parallel(setup) -> str | None:
                      "The dense engine (exact), the first N ranks holding the model.")
     if args.only in (None, "gemma"):
         report.table("DiffusionGemma's step over 1, 2 and 4 GPUs", gemma_rows(shapes, group, setup),
-                     "Its experts split over the first N ranks (attention, dense MLP and vocabulary on each whole); "
+                     "Its experts split over the first N ranks, and its heads where they divide (2 ranks; dense MLP "
+                     "and vocabulary on each whole); "
                      "the exact denoising step replayed from a CUDA graph, host included (median of 5).")
     dist.barrier()
     return None if group.rank else "bench_parallel"

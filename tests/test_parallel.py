@@ -20,6 +20,7 @@ eval writes one process's table whether the ranks hold two replicas or one split
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import os
 import socket
@@ -49,7 +50,8 @@ from tests.tiny_models import tiny_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = ["llada_tiny", "dream_tiny", "sdar_tiny", "fast_dllm_v2_tiny", "llada2_tiny", "sdar_moe_tiny"]
-GEMMA = "diffusion_gemma_tiny"  # split by its experts alone: 8, so over 2 and 4 ranks
+GEMMA = "diffusion_gemma_tiny"  # its 8 experts split over 2 and 4 ranks; its one full-layer KV head keeps heads whole
+GEMMA_HEADS = "diffusion_gemma_heads"  # the fixture's shape, random, 2 full-layer KV heads: heads split over 2 ranks
 RANDOM = ["sdar", "sdar_tied", "dream", "llada2_moe", "sdar_moe"]  # 4 KV heads and 8 experts: 4 ranks divide them
 WORLDS = (2, 4)
 SPAWN_TIMEOUT = 300  # seconds for one spawned group to run every case
@@ -149,10 +151,19 @@ def decoded(model: str, method: str, knobs: dict, group: Group):
     return result.tokens, None if result.cache is None else result.cache.keys[0].shape[2]
 
 
-def gemma_logits(dtype: torch.dtype, group: Group) -> torch.Tensor:
+def gemma_model(model: str, dtype: torch.dtype, group: Group):
+    """The fixture loaded, or GEMMA_HEADS built, as this rank's share."""
+    if model == GEMMA:
+        return load_model(FIXTURES / GEMMA, dtype=dtype, group=group)
+    cfg = ModelConfig.from_dir(FIXTURES / GEMMA)
+    cfg = dataclasses.replace(cfg, gemma=dataclasses.replace(cfg.gemma, global_kv_heads=2))
+    return build_random(cfg, dtype=dtype, seed=3, group=group)
+
+
+def gemma_logits(model: str, dtype: torch.dtype, group: Group) -> torch.Tensor:
     """DiffusionGemma's logits [3, 2, canvas, vocab]: a first and a self-conditioned step after two left-padded
     prompts (12 and 7 tokens, longer than the window), and a first step after a commit."""
-    net = load_model(FIXTURES / GEMMA, dtype=dtype, group=group)
+    net = gemma_model(model, dtype, group)
     vocab, size = net.cfg.vocab_size, net.cfg.gemma.canvas_length
     padded = left_padded_canvas([prompt(12, 1, vocab), prompt(7, 2, vocab)], 0, 0, 0, "cpu")
     canvas = torch.tensor([prompt(size, 3, vocab), prompt(size, 4, vocab)])
@@ -165,17 +176,20 @@ def gemma_logits(dtype: torch.dtype, group: Group) -> torch.Tensor:
         return torch.stack([first, second, net.denoise(canvas, cache)])
 
 
-def gemma_decoded(method: str, knobs: dict, group: Group):
-    """(tokens, steps per canvas, the experts a layer holds) of two ragged prompts decoded by DiffusionGemma's
-    loop, deterministic, over three canvases."""
+def gemma_decoded(model: str, method: str, knobs: dict, group: Group):
+    """(tokens, steps per canvas, the experts a layer holds, the query heads a layer and the KV heads a full
+    layer's cache hold) of two ragged prompts decoded by DiffusionGemma's loop, deterministic, over three
+    canvases."""
     from nanodllm.gemma_loop import GemmaSampling
 
-    net = load_model(FIXTURES / GEMMA, dtype=torch.float64, group=group)
+    net = gemma_model(model, torch.float64, group)
     prompts = [prompt(n, seed, net.cfg.vocab_size) for seed, n in enumerate((21, 12))]
     size = net.cfg.gemma.canvas_length
     result = generate(net, prompts, GenerationConfig(gen_length=3 * size, block_length=size, steps=6),
                       get_method(method, **knobs), stop_ids=(), sampling=GemmaSampling(sample=False, seed=7))
-    return result.tokens, result.steps_per_canvas, len(net.layers[0].experts.gate_up_proj)
+    attention, full_keys = net.layers[0].self_attn, [k for k in net.empty_cache(1, 1).full.keys if k is not None]
+    return (result.tokens, result.steps_per_canvas, len(net.layers[0].experts.gate_up_proj),
+            attention.q_proj.out_features // attention.head_dim, full_keys[0].shape[2])
 
 
 def tied_logits() -> torch.Tensor:
@@ -210,10 +224,10 @@ CASES = {
        for name, tiny in BLOCK_METHODS.items()},
     **{f"decode/llada_tiny/{name}": functools.partial(decoded, "llada_tiny", name.split("-")[0], knobs)
        for name, knobs in MASKED_METHODS.items()},
-    **{f"gemma/logits/{str(dtype)[6:]}": functools.partial(gemma_logits, dtype) for dtype in (torch.float64,
-                                                                                           torch.float32)},
-    **{f"gemma/decode/{name}": functools.partial(gemma_decoded, name.split("-")[0], knobs)
-       for name, knobs in GEMMA_METHODS.items()},
+    **{f"gemma/{model}/logits/{str(dtype)[6:]}": functools.partial(gemma_logits, model, dtype)
+       for model in (GEMMA, GEMMA_HEADS) for dtype in (torch.float64, torch.float32)},
+    **{f"gemma/{model}/decode/{name}": functools.partial(gemma_decoded, model, name.split("-")[0], knobs)
+       for model in (GEMMA, GEMMA_HEADS) for name, knobs in GEMMA_METHODS.items()},
 }
 
 
@@ -440,15 +454,18 @@ def test_each_loop_decodes_one_process_tokens_with_this_ranks_kv_heads(world, ca
 
 @pytest.mark.parametrize("world, case", [(world, case) for world in WORLDS for case in CASES
                                          if case.startswith("gemma/")])
-def test_diffusion_gemma_split_by_its_experts_computes_one_process(world, case):
-    """Each rank holds 1/N of DiffusionGemma's experts (attention, dense MLP and vocabulary whole): the logits of
-    a ragged batch's steps, and the tokens and steps of every applicable method, as one process's."""
+def test_diffusion_gemma_split_computes_one_process(world, case):
+    """Each rank holds 1/N of DiffusionGemma's experts and, where the KV heads of both kinds of layer divide
+    among the ranks (GEMMA_HEADS over 2), 1/N of its query and KV heads (dense MLP and vocabulary whole): the
+    logits of a ragged batch's steps, and the tokens and steps of every applicable method, as one process's."""
     got, expected = same_on_every_rank(world, case), one_process(case)
-    if "/logits/" in case:  # float32: the experts summed in another order, logits softcapped at 30
+    if "/logits/" in case:  # float32: the experts and heads summed in another order, logits softcapped at 30
         rtol, atol = (1e-10, 1e-10) if case.endswith("float64") else (1e-5, 1e-4)
         torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
     else:
+        heads_split = GEMMA_HEADS in case and world == 2
         assert got[:2] == expected[:2] and got[2] * world == expected[2]
+        assert [n * world if heads_split else n for n in got[3:]] == list(expected[3:])
 
 
 @pytest.mark.parametrize("world", WORLDS)
