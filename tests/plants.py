@@ -558,6 +558,7 @@ KERNELS = [
     mutation("gemma-every-rank-reads-the-first-heads", "nanodllm/parallel.py",
              'return Part(name, 1 if projection == "o" else 0, group.rank * share, share)',
              'return Part(name, 1 if projection == "o" else 0, 0, share)',
+             "test_parallel.py::test_a_diffusion_gemma_checkpoint_whose_kv_heads_divide_splits_its_heads",
              "test_parallel.py::test_diffusion_gemma_split_computes_one_process"),
     mutation("gemma-heads-split-over-the-sliding-kv-heads-alone", "nanodllm/parallel.py",
              "(cfg.num_heads, cfg.num_kv_heads, cfg.gemma.global_kv_heads))", "(cfg.num_heads, cfg.num_kv_heads))",

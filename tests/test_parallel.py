@@ -22,7 +22,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,6 +36,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 import nanodllm.loader as loader
 from nanodllm import GenerationConfig, generate
@@ -372,17 +375,42 @@ class Counting:
 @pytest.mark.parametrize("world, model", [(world, model) for world in WORLDS for model in FAMILIES + [GEMMA]
                                           if divides(model, world)])
 def test_the_ranks_shares_of_a_checkpoint_make_the_whole_and_are_all_they_read(world, model, monkeypatch):
-    whole = dict(load_reference(FIXTURES / model, dtype=torch.float32).named_parameters())
+    assert_shares_make_the_whole(FIXTURES / model, world, monkeypatch)
+
+
+def assert_shares_make_the_whole(path: Path, world: int, monkeypatch) -> list[dict]:
+    """Each rank's share of the checkpoint at path: it reads exactly what it keeps, and the shares make the whole."""
+    whole = dict(load_reference(path, dtype=torch.float32).named_parameters())
     real_open = loader._open
     shares = []
     for rank in range(world):
         counts = collections.Counter()
         monkeypatch.setattr(loader, "_open", lambda file: Counting(real_open(file), counts))
-        share = dict(load_reference(FIXTURES / model, dtype=torch.float32, group=Group(rank, world)).named_parameters())
+        share = dict(load_reference(path, dtype=torch.float32, group=Group(rank, world)).named_parameters())
         assert counts["read"] == sum(p.numel() for p in share.values()), "a rank reads exactly what it keeps"
         shares.append(share)
-    assembled = whole_from_shares(shares, config_of(model), whole)
+    assembled = whole_from_shares(shares, ModelConfig.from_dir(path), whole)
     assert all(torch.equal(assembled[name], whole[name]) for name in whole)
+    return shares
+
+
+def test_a_diffusion_gemma_checkpoint_whose_kv_heads_divide_splits_its_heads(tmp_path, monkeypatch):
+    """GEMMA's checkpoint with 2 KV heads in its full layers (their k_proj drawn afresh), over 2 ranks: each
+    reads half of every q/k/v_proj's rows and o_proj's columns besides its experts."""
+    config = json.loads((FIXTURES / GEMMA / "config.json").read_text())
+    config["text_config"]["num_global_key_value_heads"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors, generator = load_file(FIXTURES / GEMMA / "model.safetensors"), torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        layer = re.search(r"layers\.(\d+)\.self_attn\.k_proj", name)
+        if layer and config["text_config"]["layer_types"][int(layer[1])] == "full_attention":
+            tensors[name] = torch.randn(2 * tensor.shape[0], tensor.shape[1], generator=generator).to(tensor.dtype)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shares = assert_shares_make_the_whole(tmp_path, 2, monkeypatch)
+    whole = dict(load_reference(tmp_path, dtype=torch.float32).named_parameters())
+    halves = {f"layers.{layer}.self_attn.{projection}_proj.weight": 0 for layer, projection in ("1q", "1k", "2v")}
+    for name, dim in {**halves, "layers.3.self_attn.o_proj.weight": 1}.items():
+        assert all(share[name].shape[dim] * 2 == whole[name].shape[dim] for share in shares), name
 
 
 @pytest.mark.parametrize("world, model", [(world, model) for world in WORLDS for model in RANDOM + [GEMMA]])
