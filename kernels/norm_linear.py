@@ -123,8 +123,15 @@ def fills_device(weight: torch.Tensor, swiglu: bool = False, sms: int | None = N
     if sms is None and weight.device.type != "cuda":
         return True
     width = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    block_n = launch_shape(MAX_ROWS, weight.shape[1], swiglu, weight.element_size(), None)["BLOCK_N"]
-    return 2 * triton.cdiv(width, block_n) >= (sm_count(weight.device) if sms is None else sms)
+    sms = sm_count(weight.device) if sms is None else sms
+    return _fills(width, weight.shape[1], swiglu, weight.element_size(), sms)
+
+
+@functools.lru_cache(maxsize=None)
+def _fills(width: int, dim: int, swiglu: bool, element_size: int, sms: int) -> bool:
+    """fills_device, kept per shape: a layer asks it at every eager step."""
+    block_n = launch_shape(MAX_ROWS, dim, swiglu, element_size, None)["BLOCK_N"]
+    return 2 * triton.cdiv(width, block_n) >= sms
 
 
 def fit_shared_memory(shape: dict, glu: bool, element_size: int, shared_limit: int | None) -> dict:

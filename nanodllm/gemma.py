@@ -500,17 +500,15 @@ class DiffusionGemma(nn.Module):
         if cache.sliding[layer]:  # the window in position order, then the new tokens
             (keys, values), cached_valid = cache.window(layer, k, v), cache.window_valid
             window = self.cfg.gemma.sliding_window
-        elif flash_on_kernels(q) and valid is None and cache.length:
-            out = self.attend_after_cache(cache, layer, q, k, v)
+        elif flash_on_kernels(q) and valid is None and (cache.length or q.shape[-1] >= WIDE_FROM):
+            out = self.attend_after_cache(cache, layer, q, k, v) if cache.length else attend_prompt(q, k, v)
             cache.append(layer, k, v, valid)
             return out
         else:
             (cached_k, cached_v), cached_valid, window = cache.full_in_place(layer), cache.valid, None
             keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
         key_valid = F.pad(cached_valid, (0, t), value=True) if valid is None else torch.cat([cached_valid, valid], 1)
-        if window is None and flash_on_kernels(q) and valid is None and not cache.length and q.shape[-1] >= WIDE_FROM:
-            out = attend_prompt(q, k, v)
-        elif window is None and flash_on_kernels(q):  # the new tokens are the last keys
+        if window is None and flash_on_kernels(q):  # the new tokens are the last keys
             out = flash_attention(q, keys, values, causal=True, k_valid=key_valid, scale=1.0)
         else:
             # the cached keys hold the positions just before the new ones: key j sits `offsets[j]` after the first

@@ -226,8 +226,9 @@ def shard(model, cfg: ModelConfig, group: Group):
     if group.world == 1:
         return model
     if cfg.gemma is not None:
+        heads_split = splits_gemma_heads(cfg, group.world)
         for layer in model.layers:
-            if splits_gemma_heads(cfg, group.world):
+            if heads_split:
                 attention = layer.self_attn
                 attention.o_proj = RowParallelLinear(attention.o_proj.in_features, cfg.hidden_size, group)
             layer.experts = ExpertParallelGemmaExperts(cfg, group)

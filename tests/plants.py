@@ -570,7 +570,7 @@ KERNELS = [
              'self, self.num_experts, "gelu_tanh")', 'self, self.num_experts, "silu")',
              "test_diffusion_gemma.py::test_the_grouped_experts_equal_the_per_expert_loop"),
     mutation("norm-linear-fills-with-a-program-per-sm", "kernels/norm_linear.py",
-             "return 2 * triton.cdiv(width, block_n) >=", "return triton.cdiv(width, block_n) >=",
+             "return 2 * triton.cdiv(width, block_n) >= sms", "return triton.cdiv(width, block_n) >= sms",
              "test_norm_linear.py::test_a_launch_fills_the_device_with_programs_for_half_its_sms"),
     mutation("few-row-step-asks-only-qkv-to-fill", "nanodllm/fused.py",
              "and fills_device(gate_up, swiglu=True)", "",
