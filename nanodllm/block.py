@@ -105,13 +105,13 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     while active.any():
         columns = starts[:, None] + offsets  # [batch, size]
         current = x[rows, columns.clamp(max=capacity - 1)]
-        at_block = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
-                               steps_per_block=gen.steps, mask_id=mask_id, cache=cache, block_length=size)
-        method.begin_block(at_block)
         # The positions still to decode, tracked as such: a prompt token equal to the mask id (LLaDA2's
         # mask id is also a chat-template token) is never taken for a mask.
         masked = (columns >= lengths[:, None]) & active[:, None]
         left = MasksLeft(masked, followed)
+        at_block = StepContext(current, columns, torch.ones_like(current, dtype=torch.bool), lengths, block=block,
+                               steps_per_block=gen.steps, mask_id=mask_id, cache=cache, block_length=size)
+        method.begin_block(at_block)
         ran = 0  # the block's steps so far
         for step in range(gen.steps + 1):
             if not left.any(masked):
@@ -130,9 +130,9 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             left.take(host_count)
             ran = step + 1
         max_steps = max(max_steps, ran)
-        x[rows[active], columns[active]] = current[active]
         committed = replace(at_block, tokens=current, step=ran, t=t, counts=torch.where(active, size, 0), phase="commit")
         method.commit(model, committed)
+        x[rows[active], columns[active]] = current[active]
         cache.advance(committed.counts)
         forwards += 1
         decoded_until = torch.where(active, starts + size, decoded_until)

@@ -184,12 +184,14 @@ def split_evenly(total: torch.Tensor, steps: int) -> torch.Tensor:
 
 def top_confident(confidence: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
     """Bool [batch, n]: per row the counts[row] positions of highest confidence (torch.topk per row, as
-    the references do). host_counts: the same numbers, if the host knows them (saves a device sync per row)."""
+    the references do). host_counts: the same numbers, if the host knows them (saves a device sync per row).
+    index_fill_ takes True as an argument, where `transfer[row, indices] = True` copies it from pageable
+    host memory to the GPU, which waits for the device every step."""
     transfer = torch.zeros_like(confidence, dtype=torch.bool)
     for row in range(confidence.shape[0]):
         k = int(counts[row]) if host_counts is None else host_counts[row]
         if k > 0:
-            transfer[row, torch.topk(confidence[row], k).indices] = True
+            transfer[row].index_fill_(0, torch.topk(confidence[row], k).indices, True)
     return transfer
 
 

@@ -125,6 +125,32 @@ def test_the_threshold_rule_unmasks_several_tokens_a_step_as_the_reference(model
         torch.testing.assert_close(result.cache.view(layer)[0], k, rtol=0, atol=1e-12)
 
 
+@given(counts=st.lists(st.integers(0, 6), min_size=1, max_size=3), seed=st.integers(0, 2**16), told=st.booleans())
+def test_top_confident_marks_each_rows_count_most_confident(counts, seed, told):
+    """Row r keeps the counts[r] positions torch.topk ranks first, whether the host is told the counts or not."""
+    confidence = torch.randn(len(counts), 6, generator=torch.Generator().manual_seed(seed))
+    transfer = decoding.top_confident(confidence, torch.tensor(counts), counts if told else None)
+    for row, count in enumerate(counts):
+        expected = torch.zeros(6, dtype=torch.bool)
+        expected[torch.topk(confidence[row], count).indices] = True
+        assert torch.equal(transfer[row], expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's syncs; run on a GPU machine")
+def test_top_confident_told_the_counts_never_waits_for_the_device():
+    """With the counts on the host, choosing what to unmask makes no call that waits for the GPU (torch's
+    sync debug mode raises at one), so the engines queue the next step while one runs."""
+    confidence = torch.randn(3, 32, device="cuda")
+    counts = [4, 0, 32]
+    on_device = torch.tensor(counts, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        transfer = decoding.top_confident(confidence, on_device, counts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert transfer.sum(dim=1).tolist() == counts
+
+
 @pytest.mark.parametrize("prompt_length", [1, 4, 7])
 def test_cache_equals_one_block_causal_forward(prompt_length):
     gen = GenerationConfig(gen_length=9, block_length=4, steps=2)

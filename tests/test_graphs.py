@@ -185,6 +185,55 @@ def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, k
         generate(model, prompts, gen, method, stop_ids=()) for prompts in batches])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's syncs; run on a GPU machine")
+@pytest.mark.parametrize("name, knobs", [("dense", {}), ("mage", {"k": 16, "exact_layers": 0}),
+                                         ("quest", {"k": 16, "page_size": 4, "exact_layers": 0}),
+                                         ("sparsed", {"k": 16, "exact_layers": 0})])
+def test_the_block_engines_steps_never_wait_for_the_device(monkeypatch, name, knobs):
+    """From the second block on, a block's steps (the replayed forward, the sampler, the choice of what to
+    unmask) make no call that waits for the GPU, so the host queues each step while the last one runs:
+    torch's sync debug mode raises at one from a block's begin to its commit (recording a graph aside). A
+    ragged batch, no threshold (a threshold's stop asks the device each step, as the references do)."""
+    from nanodllm.config import GenerationConfig, ModelConfig
+    from nanodllm.loader import build_random
+    from tests.tiny_models import random_prompt
+
+    cfg = ModelConfig.from_dict(dict(model_type="sdar", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=256,
+                                     mask_token_id=250, block_size=8, max_position_embeddings=4096))
+    model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=5)
+    method, capture = get_method(name, **knobs), graphs_module.Recordings.capture
+    begin, commit = method.begin_block, method.commit
+
+    def unwatched(fn):
+        def run(*args):
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return fn(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+        return run
+
+    def watched_begin(ctx):
+        begin(ctx)
+        torch.cuda.set_sync_debug_mode("error" if ctx.block > 0 else "default")
+
+    def unwatched_commit(model, ctx):
+        torch.cuda.set_sync_debug_mode("default")
+        return commit(model, ctx)
+
+    monkeypatch.setattr(method, "begin_block", watched_begin)
+    monkeypatch.setattr(method, "commit", unwatched_commit)
+    monkeypatch.setattr(graphs_module.Recordings, "capture", unwatched(capture))
+    try:
+        result = generate(model, [random_prompt(45, seed=1), random_prompt(30, seed=2)],
+                          GenerationConfig(gen_length=32, block_length=8, steps=8), method, stop_ids=())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.replays > 0 and all(len(tokens) >= 32 for tokens in result.tokens)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
 @pytest.mark.parametrize("name, knobs", [("dllm_cache", {"prompt_interval": 5, "response_interval": 3}),
                                          ("maskkv", {"budget": 16, "prompt_interval": 5, "response_interval": 3}),
