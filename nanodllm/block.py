@@ -130,7 +130,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
             left.take(host_count)
             ran = step + 1
         max_steps = max(max_steps, ran)
-        committed = replace(at_block, tokens=current, step=ran, t=t, counts=torch.where(active, size, 0), phase="commit")
+        committed = replace(at_block, tokens=current, step=ran, t=t, counts=torch.where(active, size, 0),
+                            phase="commit")
         method.commit(model, committed)
         x[rows[active], columns[active]] = current[active]
         cache.advance(committed.counts)
