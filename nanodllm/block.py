@@ -133,7 +133,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
         committed = replace(at_block, tokens=current, step=ran, t=t, counts=torch.where(active, size, 0),
                             phase="commit")
         method.commit(model, committed)
-        x[rows[active], columns[active]] = current[active]
+        x[rows[active], columns[active]] = current[active]  # past the commit: a boolean index waits for the GPU
         cache.advance(committed.counts)
         forwards += 1
         decoded_until = torch.where(active, starts + size, decoded_until)
