@@ -234,13 +234,19 @@ class GemmaExperts(nn.Module):
         return grouped_experts(x, chosen, weights, self, self.num_experts, "gelu_tanh")
 
 
+def attention_shape(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """(head_dim, KV heads) of a layer: a sliding layer's, else a full layer's (global_*)."""
+    g = cfg.gemma
+    return (cfg.head_dim, cfg.num_kv_heads) if g.is_sliding(layer) else (g.global_head_dim, g.global_kv_heads)
+
+
 class GemmaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         g, d = cfg.gemma, cfg.hidden_size
         self.cfg = cfg  # under a split (parallel.py) this rank's share of the heads
         self.sliding = g.is_sliding(index)
-        shape = (cfg.head_dim, cfg.num_kv_heads) if self.sliding else (g.global_head_dim, g.global_kv_heads)
+        shape = attention_shape(cfg, index)
         norm = partial(GemmaRMSNorm, d, cfg.rms_norm_eps)
         self.input_layernorm = norm()
         self.self_attn = GemmaAttention(cfg, *shape, values=self.sliding)

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .gemma import GemmaExperts
+from .gemma import GemmaExperts, attention_shape
 from .mlp import MLP, MoE, Router
 
 
@@ -300,9 +300,8 @@ def gemma_part(name: str, cfg: ModelConfig, group: Group) -> Part:
     attention = GEMMA_ATTENTION.search(name)
     if attention is None or not splits_gemma_heads(cfg, group.world):
         return Part(name)
-    g, projection = cfg.gemma, attention["projection"]
-    sliding = g.is_sliding(int(attention["layer"]))
-    head_dim, kv_heads = (cfg.head_dim, cfg.num_kv_heads) if sliding else (g.global_head_dim, g.global_kv_heads)
+    projection = attention["projection"]
+    head_dim, kv_heads = attention_shape(cfg, int(attention["layer"]))
     share = (cfg.num_heads if projection in "qo" else kv_heads) // group.world * head_dim
     return Part(name, 1 if projection == "o" else 0, group.rank * share, share)
 

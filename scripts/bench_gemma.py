@@ -23,6 +23,7 @@ import torch
 
 from harness import REPO, kilo, timed_generation, wall_us
 from nanodllm.config import ModelConfig, _PRESETS
+from nanodllm.gemma import attention_shape
 from nanodllm.gemma_loop import prompt_context
 from nanodllm.graphs import Recordings
 from nanodllm.kernels.flash_attention import flash_attention
@@ -177,9 +178,8 @@ def hf_step(raw: dict, cfg, batch: int, contexts: list[int], device, dtype, quic
     for context in contexts:
         cache = DynamicCache(config=model.config)
         for layer in range(cfg.num_layers):  # a sliding layer holds its last window - 1 tokens
-            sliding = g.is_sliding(layer)
-            heads, dim = (cfg.num_kv_heads, cfg.head_dim) if sliding else (g.global_kv_heads, g.global_head_dim)
-            held = min(context, g.sliding_window - 1) if sliding else context
+            dim, heads = attention_shape(cfg, layer)
+            held = min(context, g.sliding_window - 1) if g.is_sliding(layer) else context
             cache.update(*(torch.randn(batch, heads, held, dim, device=device, dtype=dtype) for _ in range(2)), layer)
         positions = torch.arange(context, context + size, device=device)[None].expand(batch, -1)
         with torch.no_grad():
