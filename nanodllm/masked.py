@@ -70,12 +70,13 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     attn_mask = CanvasMask(valid=valid if ragged else None, block_size=cfg.block_size if block_causal else None,
                            positions=positions if block_causal and ragged else None)
 
+    # Each block starts as block_length masks in every row, so its schedule is known on the host: choosing
+    # by it never waits for the GPU.
+    schedule = split_evenly(torch.full((len(prompts),), gen.block_length), steps_per_block)
     forwards = total_steps = 0
     for block in range(num_blocks):
         start = prompt_width + block * gen.block_length
         stop = start + gen.block_length
-        schedule = split_evenly((x[:, start:stop] == mask_id).sum(dim=1), steps_per_block)
-        host_schedule = schedule.tolist()  # one device sync per block instead of one per row and step
         method.begin_block(StepContext(x, positions, valid, lengths, prompt_width=prompt_width, block=block,
                                        t=total_steps, mask_id=mask_id))
         step = 0
@@ -95,7 +96,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 x0_conf = torch.rand((x.shape[0], width), device=device)[:, start:stop]
             confidence = torch.where(block_masked, x0_conf, float("-inf"))
             if gen.threshold is None:
-                transfer = top_confident(confidence, schedule[:, step], [row[step] for row in host_schedule])
+                transfer = top_confident(confidence, schedule[:, step])
             else:
                 transfer = threshold_transfer(confidence, gen.threshold)
             x[:, start:stop] = torch.where(transfer, x0, x[:, start:stop])

@@ -185,7 +185,37 @@ def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, k
         generate(model, prompts, gen, method, stop_ids=()) for prompts in batches])
 
 
+def without_sync_checks(fn):
+    """fn, run with torch's sync debug mode off and then set back as it was."""
+    def run(*args):
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+    return run
+
+
+def watch_blocks(monkeypatch, method, watched):
+    """Raise at any call that waits for the GPU from the begin of each block b with watched(b) on, until
+    the next begin or commit (recording a graph aside)."""
+    def watched_begin(ctx):
+        begin(ctx)
+        torch.cuda.set_sync_debug_mode("error" if watched(ctx.block) else "default")
+
+    def unwatched_commit(model, ctx):
+        torch.cuda.set_sync_debug_mode("default")
+        return commit(model, ctx)
+
+    begin, commit = method.begin_block, method.commit
+    monkeypatch.setattr(method, "begin_block", watched_begin)
+    monkeypatch.setattr(method, "commit", unwatched_commit)
+    monkeypatch.setattr(graphs_module.Recordings, "capture", without_sync_checks(graphs_module.Recordings.capture))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's syncs; run on a GPU machine")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
 @pytest.mark.parametrize("name, knobs", [("dense", {}), ("mage", {"k": 16, "exact_layers": 0}),
                                          ("quest", {"k": 16, "page_size": 4, "exact_layers": 0}),
                                          ("sparsed", {"k": 16, "exact_layers": 0})])
@@ -202,36 +232,40 @@ def test_the_block_engines_steps_never_wait_for_the_device(monkeypatch, name, kn
                                      num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=256,
                                      mask_token_id=250, block_size=8, max_position_embeddings=4096))
     model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=5)
-    method, capture = get_method(name, **knobs), graphs_module.Recordings.capture
-    begin, commit = method.begin_block, method.commit
-
-    def unwatched(fn):
-        def run(*args):
-            mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("default")
-            try:
-                return fn(*args)
-            finally:
-                torch.cuda.set_sync_debug_mode(mode)
-        return run
-
-    def watched_begin(ctx):
-        begin(ctx)
-        torch.cuda.set_sync_debug_mode("error" if ctx.block > 0 else "default")
-
-    def unwatched_commit(model, ctx):
-        torch.cuda.set_sync_debug_mode("default")
-        return commit(model, ctx)
-
-    monkeypatch.setattr(method, "begin_block", watched_begin)
-    monkeypatch.setattr(method, "commit", unwatched_commit)
-    monkeypatch.setattr(graphs_module.Recordings, "capture", unwatched(capture))
+    method = get_method(name, **knobs)
+    watch_blocks(monkeypatch, method, lambda block: block > 0)
     try:
         result = generate(model, [random_prompt(45, seed=1), random_prompt(30, seed=2)],
                           GenerationConfig(gen_length=32, block_length=8, steps=8), method, stop_ids=())
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert result.replays > 0 and all(len(tokens) >= 32 for tokens in result.tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's syncs; run on a GPU machine")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
+@pytest.mark.parametrize("name, knobs", [("dense", {}), ("maskkv", {"budget": 16}),
+                                         ("snapkv", {"budget": 16, "window": 2}), ("dllm_cache", {})])
+def test_the_masked_engines_steps_never_wait_for_the_device(monkeypatch, name, knobs):
+    """The masked engine's blocks after the first and before the last (their steps, the sampler, the
+    choice by the host's schedule) make no call that waits for the GPU. A ragged batch, no threshold.
+    Fast-dLLM's cache and DyLLM's salient rows are sized on the host (once a block, once a step)."""
+    from nanodllm.config import GenerationConfig, ModelConfig
+    from nanodllm.loader import build_random
+    from tests.tiny_models import random_prompt
+
+    cfg = ModelConfig.from_dict(dict(model_type="llada", d_model=256, n_layers=2, n_heads=4, n_kv_heads=4,
+                                     mlp_hidden_size=512, vocab_size=256, mask_token_id=250, eos_token_id=251,
+                                     max_sequence_length=4096))
+    model = build_random(cfg, device="cuda", dtype=torch.bfloat16, seed=5)
+    method = get_method(name, **knobs)
+    watch_blocks(monkeypatch, method, lambda block: 0 < block < 3)  # the last block's end reads the tokens
+    try:
+        result = generate(model, [random_prompt(45, seed=1), random_prompt(30, seed=2)],
+                          GenerationConfig(gen_length=32, block_length=8, steps=32), method)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(tokens) == 32 for tokens in result.tokens)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
