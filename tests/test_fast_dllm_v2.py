@@ -105,6 +105,16 @@ def test_stop_tokens_end_a_row_as_in_the_reference():
             assert ours([prompt], 12, 0.2, 2, stop_token) == [want]
 
 
+
+def test_a_stop_token_in_the_prompt_stops_nothing():
+    """Only generated tokens stop a row, as in the reference: a prompt whose last block holds the stop
+    token (as a chat prompt's <|im_end|> sits in its last block), at its first column or mid-block."""
+    stop_token = MODEL.cfg.eos_token_ids[0]
+    prompts = [random_prompt(5, seed=5)[:4] + [stop_token], random_prompt(7, seed=7)[:5] + [stop_token, 3]]
+    want = [reference(prompt, 12, 0.2, 2, stop_token) for prompt in prompts]
+    assert all(len(tokens) > 1 for tokens in want)
+    assert ours(prompts, 12, 0.2, 2, stop_token) == want
+
 def test_generate_picks_this_loop_and_the_block_engine_refuses_fast_dllm_v2():
     gen = GenerationConfig(gen_length=8, block_length=SIZE, steps=1, threshold=0.2)
     picked = generation.generate(MODEL, PROMPTS, gen).tokens
