@@ -242,7 +242,9 @@ def test_low_threshold_shrinks_the_salient_set_and_differs():
     loose, tight = decode(get_method("dyllm", tau=0.5)), decode(get_method("dyllm", tau=0.99))
     assert differing(loose.tokens, dense) > 0
     assert loose.stats["rows_computed"] < tight.stats["rows_computed"] < 1
-    assert len(loose.stats["rows_computed_per_layer"]) == 2
+    per_layer = loose.stats["rows_computed_per_layer"]
+    assert len(per_layer) == 2 and per_layer[0] != per_layer[1]
+    assert loose.stats["rows_computed"] == pytest.approx(sum(per_layer) / 2)  # the layers' mean
 
 
 def test_cached_keys_and_values_own_no_more_than_they_hold():

@@ -8,6 +8,7 @@ from nanodllm import block, recall
 from nanodllm.config import GenerationConfig
 from nanodllm.eval import main as eval_main
 from nanodllm.methods import get_method
+from nanodllm.methods.base import Dense, Selection
 from tests.tiny_models import random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -65,7 +66,8 @@ def test_exact_steps_before_the_capture_are_not_recorded():
 
 
 def test_per_head_accuracy_averages_to_the_overall_accuracy():
-    records = run(get_method("mage", k=3, exact_layers=0), [random_prompt(30, seed=1), random_prompt(25, seed=2)])
+    prompts = [random_prompt(30, seed=1), random_prompt(25, seed=2), random_prompt(27, seed=3)]  # 3 rows, 2 heads
+    records = run(get_method("mage", k=3, exact_layers=0), prompts)
     heads = tiny_model("sdar").cfg.num_kv_heads
     assert all(len(r.head_accuracy) == heads for r in records)
     for r in records:  # every row has a prefix here, so the overall mean is the mean of the heads'
@@ -97,3 +99,20 @@ def test_a_commit_is_never_recorded():
         records = run(method, prompts)
         assert sorted((r.block, r.step, r.layer) for r in records) == sorted(
             (block, step, layer) for block, step in steps for layer in range(layers)), name
+
+
+class EveryKeyAsASelection(Dense):
+    """Dense attention, stated as a selection of every prefix key, against an oracle of k = 2 keys."""
+
+    k = 2
+
+    def selection(self, layer, ctx):
+        lengths, kv_heads = ctx.cache.lengths, ctx.cache.keys[layer].shape[2]
+        indices = torch.arange(ctx.cache.max_length).expand(len(lengths), kv_heads, -1)
+        return Selection(indices, lengths[:, None].expand(-1, kv_heads), 1, ctx.cache.max_length)
+
+
+def test_a_selection_holding_every_oracle_key_recalls_everything():
+    """Accuracy is the share of the oracle's keys selected: 1 for a superset of them, however large."""
+    records = run(EveryKeyAsASelection(), [random_prompt(30, seed=1), random_prompt(19, seed=2)])
+    assert records and all(r.accuracy == 1.0 for r in records)

@@ -11,9 +11,9 @@ from hypothesis import given, strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from nanodllm.tasks import (
-    DEPTHS, FILLER_WORDS, KV_KEYS, NAME_ADJECTIVES, NAME_ANIMALS, TASKS, Sample, classification_score, code_sim,
-    corpus, count_score, count_words, exact_match, filler, length_tolerance, load_longbench, make_sample,
-    make_samples, normalize_answer, qa_f1, retrieval_score, rouge_l, score,
+    DEPTHS, FILLER_WORDS, KV_KEYS, KV_LINE, NAME_ADJECTIVES, NAME_ANIMALS, SENTENCE_TEMPLATES, TASKS, Sample,
+    classification_score, code_sim, corpus, count_score, count_words, exact_match, filler, length_tolerance,
+    load_longbench, make_sample, make_samples, normalize_answer, qa_f1, retrieval_score, rouge_l, score,
 )
 
 tasks = st.sampled_from(TASKS)
@@ -135,6 +135,16 @@ def test_prompt_length_is_within_tolerance(task, length, count_tokens):
         assert abs(count(sample.prompt) - length) <= max(0.03 * length, 16)
 
 
+
+@given(tasks, st.integers(128, 1024), depths, seeds)
+def test_an_additive_count_lands_within_half_a_piece_of_the_length(task, length, depth, seed):
+    """count_words adds up over pieces, so the prompt stops within half of its longest possible piece of
+    the asked length: a filler sentence with each slot's wordiest choice, or a kv line."""
+    wordiest = {slot: max(words, key=count_words) for slot, words in FILLER_WORDS.items()}
+    sentence = max(count_words(" " + template.format(**wordiest)) for template in SENTENCE_TEMPLATES)
+    piece = count_words("\n" + KV_LINE.format(key=KV_KEYS[0], value="123456")) if task == "kv" else sentence
+    assert abs(make_sample(task, length, depth, seed).meta["tokens"] - length) <= piece / 2
+
 def test_lengths_hold_with_a_small_bpe_trained_on_the_corpus():
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -253,6 +263,7 @@ def test_load_longbench_reads_samples_and_scores_them(tmp_path):
     assert math.isnan(first.depth)
     assert score(first, "The cat!") == 1.0
     assert score(second, "the cat\nsat on the mat") == 1.0  # samsum scores the first line only
+    assert score(first, "nobody\nthe cat") == pytest.approx(2 / 3)  # hotpotqa scores every line
     assert score(make_sample("kv", 128, 0.5, 0), make_sample("kv", 128, 0.5, 0).answer) == 1.0
 
 
