@@ -869,6 +869,23 @@ LOOPS = [
     mutation("recall-token-mask-shifted-by-one", "nanodllm/recall.py",
              "    return mask[..., :prefix]", "    return mask[..., 1:]",
              "test_recall.py"),
+    mutation("eval-cell-seconds-not-shared-by-the-batch", "nanodllm/eval.py",
+             'cell.seconds += record["seconds"] / len(chunks[index])', 'cell.seconds += record["seconds"]',
+             "test_eval.py::test_each_cell_is_charged_its_samples_share_of_a_runs_seconds"),
+    mutation("eval-table-shows-dense-accuracy-for-every-method", "nanodllm/eval.py",
+             '*(f"{sum(results[m][cell].scores) / n:.3f}" for m in methods)]',
+             '*(f"{sum(dense[cell].scores) / n:.3f}" for m in methods)]',
+             "test_eval.py::test_each_method_shows_its_own_accuracy_agreement_and_speed"),
+    mutation("eval-summary-groups-by-depth", "nanodllm/eval.py",
+             "for (length, _), outcome in results[m].items():", "for (_, length), outcome in results[m].items():",
+             "test_eval.py"),
+    mutation("eval-every-replica-runs-the-rounds-first-chunk", "nanodllm/eval.py",
+             "mine, records = first + runner.replica, {}", "mine, records = first, {}",
+             "test_parallel.py::test_eval_over_two_processes_writes_one_process_table"),
+    mutation("eval-tokens-per-second-counts-rows", "nanodllm/eval.py",
+             "return sum(map(len, outcome.tokens)) / max(outcome.seconds, 1e-9)",
+             "return len(outcome.tokens) / max(outcome.seconds, 1e-9)",
+             "test_eval.py::test_each_method_shows_its_own_accuracy_agreement_and_speed"),
 ]
 
 MUTATIONS = [SANITY, *ENGINES, *METHODS, *KERNELS, *PARALLEL, *CONFIGS, *LOOPS]

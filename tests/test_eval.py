@@ -4,10 +4,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from nanodllm import eval as evaluation
 from nanodllm.config import ModelConfig
+from nanodllm.tasks import make_samples
 
 ASSETS = Path(evaluation.__file__).resolve().parent / "assets"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -95,6 +97,30 @@ def test_table_rows_have_as_many_columns_as_the_header(methods):
         " | other agree | other tok/s | other KV kept" if len(methods) == 2 else "") + " | dense tok/s |"
     assert lines[2].startswith("| 1024 | 0.50 | 2 | 0.500 | ") and lines[2].endswith(" | 6.0 |")
 
+
+
+def test_each_method_shows_its_own_accuracy_agreement_and_speed():
+    dense = evaluation.Outcome(scores=[1.0, 1.0], tokens=[[1, 2], [3, 4]], seconds=1.0, kv_kept=[1.0, 1.0])
+    other = evaluation.Outcome(scores=[0.0, 1.0], tokens=[[1, 5], [3, 4]], seconds=0.5, kv_kept=[0.5, 0.25])
+    row = evaluation.table({"dense": {(1024, 0.5): dense}, "other": {(1024, 0.5): other}}, ["dense", "other"])
+    assert row.splitlines()[2] == "| 1024 | 0.50 | 2 | 1.000 | 0.500 | 0.750 | 8.0 | 0.375 | 4.0 |"
+
+
+class BatchOfThreeSeconds:
+    """A Runner whose every run of a batch takes 3 s."""
+
+    device, replicas, replica = torch.device("cpu"), 1, 0
+
+    def generate(self, chunk, name):
+        n = len(chunk)
+        return evaluation.Outcome(scores=[1.0] * n, tokens=[[7, 8]] * n, seconds=3.0, kv_kept=[1.0] * n)
+
+
+def test_each_cell_is_charged_its_samples_share_of_a_runs_seconds():
+    """Two runs of two samples, each sample in its own cell: each cell gets half of each run's 3 s."""
+    samples = make_samples("passkey", 128, 4, seed=0, depths=[0.0, 1.0])
+    results = evaluation.evaluate(BatchOfThreeSeconds(), samples, ["dense"], batch=2)
+    assert {cell: outcome.seconds for cell, outcome in results["dense"].items()} == {(128, 0.0): 3.0, (128, 1.0): 3.0}
 
 @pytest.mark.parametrize("name", ["tiny-llada", "tiny-sdar"])
 def test_kv_key_words_are_one_token_each_in_the_tiny_tokenizers(name):
