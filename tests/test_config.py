@@ -239,6 +239,32 @@ def test_norm_topk_prob_decides_whether_the_chosen_weights_sum_to_one(normalize)
     assert (weights.sum(-1) < 1 - 1e-3).any() != normalize
 
 
+
+@pytest.mark.parametrize("count", [0, 1, 2])
+def test_llada2_shared_expert_is_num_shared_experts_wide(count):
+    """BailingMoeV2's shared experts are one MLP of num_shared_experts * moe_intermediate_size (none at 0)."""
+    cfg = tiny_config("llada2_moe", num_shared_experts=count)
+    shared = build_empty(cfg, "meta").layers[1].mlp.shared_expert
+    assert cfg.moe.shared_size == count * 16
+    assert shared is None if count == 0 else shared.gate_proj.out_features == count * 16
+
+
+@pytest.mark.parametrize("per_token", [1, 2])
+def test_llada2_weights_one_chosen_expert_by_its_score_unnormalised(per_token):
+    """LLaDA2 normalises the chosen scores to sum 1 only when more than one expert is chosen (its
+    modeling file: top_k > 1); a lone expert keeps its sigmoid score, times routed_scaling_factor."""
+    from nanodllm.mlp import Router
+
+    cfg = tiny_config("llada2_moe", num_experts_per_tok=per_token)
+    router = Router(cfg.hidden_size, cfg.moe).double()
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        router.weight.copy_(0.3 * torch.randn(router.weight.shape, generator=generator, dtype=torch.float64))
+    x = torch.randn(20, cfg.hidden_size, generator=generator, dtype=torch.float64)
+    chosen, weights = router(x)
+    scores = (x @ router.weight.T).sigmoid().gather(-1, chosen)
+    torch.testing.assert_close(weights, 2.5 * (scores if per_token == 1 else scores / scores.sum(-1, keepdim=True)))
+
 @pytest.mark.parametrize("model_type, rotated", [("llada2_moe", 4), ("sdar", 8)])
 def test_the_ntk_stretched_base_follows_the_rotated_width(model_type, rotated):
     """base * factor^(d / (d - 2)) with d the width RoPE rotates (LLaDA2: half of each 8-dim head), and
