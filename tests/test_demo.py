@@ -135,6 +135,19 @@ def test_demo_maskkv_on_the_default_model():
     assert f"maskkv gave {verdict}: " in done.stdout
 
 
+
+def test_demo_counts_the_tokens_that_agree_and_the_speed_ratio():
+    """Eight keys of 527 change the answer: fewer than all 32 tokens agree, and the speed is dense's
+    seconds over the method's, as the two runs print them (to a hundredth of a second)."""
+    done = demo("--method", "maskkv", "--length", "512", "--knobs", "budget=8")
+    assert done.returncode == 0, done.stderr
+    seconds = {name: float(re.search(rf"\[{name}\] \d+ tokens in ([\d.]+)s", done.stdout)[1])
+               for name in ("dense", "maskkv")}
+    verdict = re.search(r"maskkv gave an answer that differs from dense: (\d+) of (\d+) tokens agree, ([\d.]+)x",
+                        done.stdout)
+    assert verdict and int(verdict[1]) < int(verdict[2]) == 32, done.stdout
+    assert float(verdict[3]) == pytest.approx(seconds["dense"] / seconds["maskkv"], rel=0.05)
+
 @pytest.mark.parametrize("method, knobs", [("mage", []), ("quest", []), ("sparsed", []), ("mage", ["--knobs", "k=1024"])])
 def test_demo_shows_a_selecting_method_leave_keys_out(method, knobs):
     """The paper's k = 1024 would keep all of a 527-token prompt: unless --knobs sets k, the demo picks
