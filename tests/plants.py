@@ -929,6 +929,19 @@ LOOPS = [
     mutation("generation-dream-on-the-block-engine", "nanodllm/generation.py",
              'if cfg.model_type == "Dream":', 'if cfg.model_type == "dream":',
              "test_dream.py"),
+    mutation("decoding-until-stop-keeps-the-stop", "nanodllm/decoding.py",
+             "            return tokens[:index]", "            return tokens[: index + 1]",
+             "test_masked_engine.py::test_until_stop_cuts_before_the_first_stop_token"),
+    mutation("decoding-a-prompt-filling-the-context-refused", "nanodllm/decoding.py",
+             "if len(prompt) + extra > context_length:", "if len(prompt) + extra >= context_length:",
+             "test_masked_engine.py::test_bad_inputs_are_named"),
+    mutation("decoding-first-prompt-token-taken-for-a-pad", "nanodllm/decoding.py",
+             "return Canvas(tokens, columns >= pads,", "return Canvas(tokens, columns > pads,",
+             "test_masked_engine.py"),
+    mutation("decoding-threshold-transfers-in-a-finished-row", "nanodllm/decoding.py",
+             "return transfer.scatter(-1, best, has_candidate) | transfer & has_candidate",
+             "return transfer.scatter(-1, best, True) | transfer & has_candidate",
+             "test_masked_engine.py", "test_block_engine.py"),
 ]
 
 MUTATIONS = [SANITY, *ENGINES, *METHODS, *KERNELS, *PARALLEL, *CONFIGS, *LOOPS]

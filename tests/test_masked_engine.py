@@ -145,7 +145,10 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="not a multiple of the number of blocks"):
         masked.generate(MODEL, [prompt], GenerationConfig(gen_length=8, block_length=4, steps=3))
     with pytest.raises(ValueError, match="exceeds the model's context of 256"):
-        masked.generate(MODEL, [random_prompt(250, seed=0)], GenerationConfig(gen_length=8, block_length=4, steps=4))
+        masked.generate(MODEL, [random_prompt(249, seed=0)], GenerationConfig(gen_length=8, block_length=4, steps=4))
+    filled = masked.generate(MODEL, [random_prompt(248, seed=0)],
+                             GenerationConfig(gen_length=8, block_length=8, steps=1))
+    assert len(filled.tokens[0]) == 8  # 248 + 8 fills the context exactly
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         masked.generate(MODEL, [prompt, []], GenerationConfig(gen_length=8, block_length=4, steps=4))
     with pytest.raises(ValueError, match="outside"):
@@ -153,6 +156,11 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="gen_length must be a positive integer"):
         GenerationConfig(gen_length=0)
 
+
+
+def test_until_stop_cuts_before_the_first_stop_token():
+    assert until_stop([5, 6, 9, 7, 8], {8, 9}) == [5, 6]
+    assert until_stop([5, 6], (9,)) == [5, 6] and until_stop([9, 5], (9,)) == []
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_gumbel_noise_samples_the_softmax_at_the_temperature(temperature):
