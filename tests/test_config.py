@@ -223,21 +223,24 @@ def test_qwen3_moe_layers_are_dense_by_decoder_sparse_step_and_mlp_only_layers(s
     assert tuple(i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MLP)) == dense
 
 
-@pytest.mark.parametrize("normalize", [False, True])
-def test_norm_topk_prob_decides_whether_the_chosen_weights_sum_to_one(normalize):
+def routed(cfg, seed: int):
+    """(the router logits of 20 random float64 rows under a random router of cfg, its choice, its weights)."""
     from nanodllm.mlp import Router
 
-    cfg = tiny_config("sdar_moe", norm_topk_prob=normalize)
     router = Router(cfg.hidden_size, cfg.moe).double()
-    generator = torch.Generator().manual_seed(3)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         router.weight.copy_(0.3 * torch.randn(router.weight.shape, generator=generator, dtype=torch.float64))
     x = torch.randn(20, cfg.hidden_size, generator=generator, dtype=torch.float64)
-    chosen, weights = router(x)
-    scores = (x @ router.weight.T).softmax(dim=-1).gather(-1, chosen)
+    return x @ router.weight.T, *router(x)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_norm_topk_prob_decides_whether_the_chosen_weights_sum_to_one(normalize):
+    logits, chosen, weights = routed(tiny_config("sdar_moe", norm_topk_prob=normalize), seed=3)
+    scores = logits.softmax(dim=-1).gather(-1, chosen)
     torch.testing.assert_close(weights, scores / scores.sum(-1, keepdim=True) if normalize else scores)
     assert (weights.sum(-1) < 1 - 1e-3).any() != normalize
-
 
 
 @pytest.mark.parametrize("count", [0, 1, 2])
@@ -253,17 +256,10 @@ def test_llada2_shared_expert_is_num_shared_experts_wide(count):
 def test_llada2_weights_one_chosen_expert_by_its_score_unnormalised(per_token):
     """LLaDA2 normalises the chosen scores to sum 1 only when more than one expert is chosen (its
     modeling file: top_k > 1); a lone expert keeps its sigmoid score, times routed_scaling_factor."""
-    from nanodllm.mlp import Router
-
-    cfg = tiny_config("llada2_moe", num_experts_per_tok=per_token)
-    router = Router(cfg.hidden_size, cfg.moe).double()
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        router.weight.copy_(0.3 * torch.randn(router.weight.shape, generator=generator, dtype=torch.float64))
-    x = torch.randn(20, cfg.hidden_size, generator=generator, dtype=torch.float64)
-    chosen, weights = router(x)
-    scores = (x @ router.weight.T).sigmoid().gather(-1, chosen)
+    logits, chosen, weights = routed(tiny_config("llada2_moe", num_experts_per_tok=per_token), seed=4)
+    scores = logits.sigmoid().gather(-1, chosen)
     torch.testing.assert_close(weights, 2.5 * (scores if per_token == 1 else scores / scores.sum(-1, keepdim=True)))
+
 
 @pytest.mark.parametrize("model_type, rotated", [("llada2_moe", 4), ("sdar", 8)])
 def test_the_ntk_stretched_base_follows_the_rotated_width(model_type, rotated):
