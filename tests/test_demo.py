@@ -137,16 +137,21 @@ def test_demo_maskkv_on_the_default_model():
 
 
 def test_demo_counts_the_tokens_that_agree_and_the_speed_ratio():
-    """Eight keys of 527 change the answer: fewer than all 32 tokens agree, and the speed is dense's
-    seconds over the method's, as the two runs print them (to a hundredth of a second)."""
+    """The verdict line: how many of the 32 tokens agree (fewer than all where the answers differ, as
+    8 keys of 527 make them on a CPU) and dense's seconds over the method's, as the runs print them
+    (rounded to 0.01 s; the ratio to 0.1)."""
     done = demo("--method", "maskkv", "--length", "512", "--knobs", "budget=8")
     assert done.returncode == 0, done.stderr
-    seconds = {name: float(re.search(rf"\[{name}\] \d+ tokens in ([\d.]+)s", done.stdout)[1])
-               for name in ("dense", "maskkv")}
-    verdict = re.search(r"maskkv gave an answer that differs from dense: (\d+) of (\d+) tokens agree, ([\d.]+)x",
-                        done.stdout)
-    assert verdict and int(verdict[1]) < int(verdict[2]) == 32, done.stdout
-    assert float(verdict[3]) == pytest.approx(seconds["dense"] / seconds["maskkv"], rel=0.05)
+    dense, method = (float(re.search(rf"\[{name}\] \d+ tokens in ([\d.]+)s", done.stdout)[1])
+                     for name in ("dense", "maskkv"))
+    verdict = re.search(r"maskkv gave (the same answer as|an answer that differs from) dense: (\d+) of (\d+) "
+                        r"tokens agree, ([\d.]+)x", done.stdout)
+    agree, total, ratio = int(verdict[2]), int(verdict[3]), float(verdict[4])
+    assert total == 32 and agree <= total and (agree < total or verdict[1] == "the same answer as"), done.stdout
+    assert (dense - 0.005) / (method + 0.005) - 0.05 <= ratio <= (dense + 0.005) / max(method - 0.005, 1e-9) + 0.05
+    if not torch.cuda.is_available():  # in float32 on a CPU the 8 keys change the answer
+        assert verdict[1] == "an answer that differs from" and agree < total
+
 
 @pytest.mark.parametrize("method, knobs", [("mage", []), ("quest", []), ("sparsed", []), ("mage", ["--knobs", "k=1024"])])
 def test_demo_shows_a_selecting_method_leave_keys_out(method, knobs):
