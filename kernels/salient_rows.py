@@ -101,9 +101,12 @@ def slot_map(rows: torch.Tensor, ok: torch.Tensor, num_rows: int) -> torch.Tenso
 
 def salient_rows_reference(stats: torch.Tensor, valid: torch.Tensor, fraction: float, tau: float | None = None):
     """The same in torch: the cosines, a stable sort (ties to the lower row), the ranks against each
-    sequence's own count."""
+    sequence's own count. The cosine's square root and division are taken in float64 and rounded once,
+    which is float32's correctly rounded result on any device (torch's float32 sqrt on some CPUs is
+    off by an ulp, which reorders cosines that tie at exactly 1)."""
     check_inputs(stats, valid, fraction)
-    cos = stats[..., 0] / (stats[..., 1] * stats[..., 2]).sqrt().clamp(min=1e-30)
+    root = (stats[..., 1] * stats[..., 2]).double().sqrt().float().clamp(min=1e-30)
+    cos = (stats[..., 0].double() / root.double()).float()
     width = list_width(stats.shape[1], fraction)
     own = (valid.sum(dim=1, dtype=torch.float64) * fraction).ceil()
     ranked = (-cos).masked_fill(~valid, float("-inf")).sort(dim=1, descending=True, stable=True).indices[:, :width]
