@@ -47,6 +47,15 @@ def test_salient_rows_match_the_reference(batch, rows, values, fraction, capped,
         assert torch.equal(g, w), name
 
 
+
+def test_unmoved_contexts_tie_at_a_cosine_of_exactly_one():
+    """A context that did not move has cosine s / sqrt(s * s), exactly 1 when rounded correctly (torch's
+    float32 sqrt on some CPUs is an ulp off): its ties go to the lower row in both forms. Seed 175's 25
+    rows hold such ties where the two once differed."""
+    stats, valid = draw_stats(1, 25, "unmoved", 175), draw_valid(1, 25, [0])
+    for got, want in zip(salient_rows(stats, valid, 0.7), salient_rows_reference(stats, valid, 0.7), strict=True):
+        assert torch.equal(got, want)
+
 def test_comparison_catches_a_wrong_selection():
     """The lowest cosines, not the highest; each sequence's own count; the cap's tau."""
     stats = draw_stats(2, 40, "distinct", 0)
