@@ -55,7 +55,7 @@ def choose(confidence, masked, count, remasking: str, threshold: float | None,
     if remasking == "sequential":
         order = masked.long().cumsum(dim=-1)
         return masked & (order <= count[:, None])
-    transfer = top_confident(confidence, count, host_count)
+    transfer = top_confident(confidence, count if host_count is None else host_count)
     if threshold is not None and remasking != "low_confidence_static":
         confident = confidence > threshold
         enough = confident.sum(dim=-1) >= count

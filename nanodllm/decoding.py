@@ -182,14 +182,14 @@ def split_evenly(total: torch.Tensor, steps: int) -> torch.Tensor:
     return base + (torch.arange(steps, device=total.device)[None, :] < remainder).long()
 
 
-def top_confident(confidence: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
+def top_confident(confidence: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """Bool [batch, n]: per row the counts[row] positions of highest confidence (torch.topk per row, as
-    the references do). host_counts: the same numbers, if the host knows them (saves a device sync per row).
-    index_fill_ takes True as an argument, where `transfer[row, indices] = True` copies it from pageable
-    host memory to the GPU, which waits for the device every step."""
+    the references do). counts: a host list where the host knows them, else a device tensor (read with a
+    sync per row). index_fill_ takes True as an argument, where `transfer[row, indices] = True` copies it
+    from pageable host memory to the GPU, which waits for the device every step."""
     transfer = torch.zeros_like(confidence, dtype=torch.bool)
     for row in range(confidence.shape[0]):
-        k = int(counts[row]) if host_counts is None else host_counts[row]
+        k = int(counts[row])
         if k > 0:
             transfer[row].index_fill_(0, torch.topk(confidence[row], k).indices, True)
     return transfer

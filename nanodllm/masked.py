@@ -72,7 +72,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
 
     # Each block starts as block_length masks in every row, so its schedule is known on the host: choosing
     # by it never waits for the GPU.
-    schedule = split_evenly(torch.full((len(prompts),), gen.block_length), steps_per_block)
+    schedule = split_evenly(torch.full((len(prompts),), gen.block_length), steps_per_block).T.tolist()  # [step][row]
     forwards = total_steps = 0
     for block in range(num_blocks):
         start = prompt_width + block * gen.block_length
@@ -96,7 +96,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
                 x0_conf = torch.rand((x.shape[0], width), device=device)[:, start:stop]
             confidence = torch.where(block_masked, x0_conf, float("-inf"))
             if gen.threshold is None:
-                transfer = top_confident(confidence, schedule[:, step])
+                transfer = top_confident(confidence, schedule[step])
             else:
                 transfer = threshold_transfer(confidence, gen.threshold)
             x[:, start:stop] = torch.where(transfer, x0, x[:, start:stop])

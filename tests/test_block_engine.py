@@ -129,7 +129,7 @@ def test_the_threshold_rule_unmasks_several_tokens_a_step_as_the_reference(model
 def test_top_confident_marks_each_rows_count_most_confident(counts, seed, told):
     """Row r keeps the counts[r] positions torch.topk ranks first, whether the host is told the counts or not."""
     confidence = torch.randn(len(counts), 6, generator=torch.Generator().manual_seed(seed))
-    transfer = decoding.top_confident(confidence, torch.tensor(counts), counts if told else None)
+    transfer = decoding.top_confident(confidence, counts if told else torch.tensor(counts))
     for row, count in enumerate(counts):
         expected = torch.zeros(6, dtype=torch.bool)
         expected[torch.topk(confidence[row], count).indices] = True
@@ -142,10 +142,9 @@ def test_top_confident_told_the_counts_never_waits_for_the_device():
     sync debug mode raises at one), so the engines queue the next step while one runs."""
     confidence = torch.randn(3, 32, device="cuda")
     counts = [4, 0, 32]
-    on_device = torch.tensor(counts, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
-        transfer = decoding.top_confident(confidence, on_device, counts)
+        transfer = decoding.top_confident(confidence, counts)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert transfer.sum(dim=1).tolist() == counts
