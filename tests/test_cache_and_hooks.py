@@ -5,15 +5,15 @@ from hypothesis import given, strategies as st
 
 from nanodllm.attention import attention
 from nanodllm.cache import KVCache
-from nanodllm.methods import METHODS, get_method, knob_defaults
+from nanodllm.methods import METHODS, get_method, knob_defaults, parse_knobs
 from nanodllm.methods.base import Dense, StepContext
 
 import pytest
 
 
-def random_cache(lengths, heads=2, dim=8, capacity=40, seed=0):
+def random_cache(lengths, heads=2, dim=8, capacity=40, seed=0, scale=None):
     generator = torch.Generator().manual_seed(seed)
-    cache = KVCache(1, len(lengths), capacity, heads, dim, "cpu", torch.float64)
+    cache = KVCache(1, len(lengths), capacity, heads, dim, "cpu", torch.float64, scale=scale)
     longest = max(lengths)
     k = torch.randn(len(lengths), heads, longest, dim, generator=generator, dtype=torch.float64)
     v = torch.randn(len(lengths), heads, longest, dim, generator=generator, dtype=torch.float64)
@@ -86,6 +86,27 @@ def test_advance_makes_the_written_block_part_of_the_cache():
     assert torch.equal(keys[0, :, 3:7], k_new[0]) and torch.equal(keys[1, :, :5], k[1, :, :5])
 
 
+def test_a_cache_attends_at_its_score_scale():
+    """A cache built with a score scale (DiffusionGemma's 1) attends at it, not at head_dim^-1/2."""
+    cache, k, v = random_cache([5, 3], scale=1.0)
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 2, 8, generator=generator, dtype=torch.float64)
+    k_new, v_new = (torch.randn(2, 2, 2, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    out = cache.attend(0, q, k_new, v_new)
+    for row, n in enumerate([5, 3]):
+        keys = torch.cat([k[row : row + 1, :, :n], k_new[row : row + 1]], dim=2)
+        values = torch.cat([v[row : row + 1, :, :n], v_new[row : row + 1]], dim=2)
+        torch.testing.assert_close(out[row : row + 1], attention(q[row : row + 1], keys, values, scale=1.0))
+
+
+def test_a_write_that_fills_the_capacity_exactly_fits():
+    cache, _, _ = random_cache([10, 7], capacity=12)
+    block = torch.ones(2, 2, 2, 8, dtype=torch.float64)
+    cache.write(0, block, block)
+    keys, _ = cache.view(0, extra=2)
+    assert torch.equal(keys[0, :, 10:12], block[0]) and torch.equal(keys[1, :, 7:9], block[1])
+
+
 def test_overflow_is_an_error():
     cache, _, _ = random_cache([10], capacity=12)
     with pytest.raises(ValueError, match="KV cache overflow: capacity 12"):
@@ -119,3 +140,10 @@ def test_an_unknown_knob_lists_the_methods_knobs():
     with pytest.raises(ValueError, match="method 'dense' has no knob 'k'; its knobs \\(defaults\\): none"):
         get_method("dense", k=1)
     assert get_method("quest", k=64).k == 64
+
+
+def test_a_knob_value_parses_as_a_bool_an_int_a_float_or_text():
+    """--knobs values keep their types: an integer stays an int (a top-k size), not 64.0."""
+    parsed = parse_knobs("k=64, ratio=0.5,sparse_commit=True,mode=dual,tau=1e-3")
+    assert parsed == {"k": 64, "ratio": 0.5, "sparse_commit": True, "mode": "dual", "tau": 1e-3}
+    assert [type(value) for value in parsed.values()] == [int, float, bool, str, float]

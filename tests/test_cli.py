@@ -656,3 +656,58 @@ def test_a_mutation_check_that_times_out_is_not_a_pass():
     """A plant whose tests run out of time was not shown caught: the check exits 1."""
     done = script("tests/mutate.py", "--only", "config-norm-topk-prob-always-on", "--timeout", "1", timeout=300)
     assert done.returncode == 1 and "timeout" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_unit_fraction_takes_both_ends_and_nothing_past_them():
+    import argparse
+
+    from nanodllm.cli import unit_fraction
+
+    assert (unit_fraction("0"), unit_fraction("0.5"), unit_fraction("1")) == (0.0, 0.5, 1.0)
+    for text in ("1.0001", "-0.01", "nan", "half"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"must be a number from 0 to 1, got '{text}'"):
+            unit_fraction(text)
+
+
+def test_as_many_steps_as_tokens_per_block_or_generation_are_allowed():
+    """One token a step is the most steps can do: that many are allowed, one more is refused."""
+    from nanodllm.cli import check_steps
+    from nanodllm.config import GenerationConfig
+
+    check_steps(GenerationConfig(gen_length=32, block_length=8, steps=32), is_block=False)
+    check_steps(GenerationConfig(gen_length=32, block_length=8, steps=8), is_block=True)
+    with pytest.raises(ValueError, match="--steps 33 exceeds --gen-length 32"):
+        check_steps(GenerationConfig(gen_length=32, block_length=8, steps=33), is_block=False)
+    with pytest.raises(ValueError, match=r"--steps 9 exceeds --block-length 8 \(steps are per block\)"):
+        check_steps(GenerationConfig(gen_length=32, block_length=8, steps=9), is_block=True)
+
+
+def test_run_main_turns_ctrl_c_and_os_errors_into_exit_codes_and_lets_other_errors_through(capsys):
+    """Ctrl-C exits 130 and an OS error 1, each one line on stderr; any other error (a bug, a RuntimeError
+    that is not out of memory) is raised as it is, not told as something else."""
+    from nanodllm.cli import run_main
+
+    def raises(error):
+        def main():
+            raise error
+        return main
+
+    assert run_main(lambda flags: len(flags), [1, 2]) == 2
+    assert run_main(raises(KeyboardInterrupt())) == 130
+    assert capsys.readouterr().err == "interrupted (Ctrl-C): nothing more was run or written\n"
+    assert run_main(raises(PermissionError("cannot write out.md"))) == 1
+    assert capsys.readouterr().err == "error: cannot write out.md\n"
+    with pytest.raises(RuntimeError, match="no kernel for this GPU"):
+        run_main(raises(RuntimeError("no kernel for this GPU")))
+    assert capsys.readouterr().err == ""
+
+
+def test_help_of_the_package_lists_its_commands(capsys):
+    """-h is --help: the package's usage, its commands and exit 0 (not an unknown command)."""
+    from nanodllm.__main__ import main
+
+    for flag in ("-h", "--help"):
+        assert main([flag]) == 0
+        said = capsys.readouterr()
+        assert said.err == "" and said.out.startswith("The package's command line: `python -m nanodllm COMMAND")
+        assert "python -m nanodllm demo" in said.out and "python -m nanodllm eval" in said.out

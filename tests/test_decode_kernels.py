@@ -261,6 +261,8 @@ def test_sparse_with_every_key_equals_dense(case, index_block):
        num_chunks=st.none() | st.integers(1, 5))
 @example(case=EDGE_CASES[1], reduce="sum", with_dots=True, num_chunks=None)
 @example(case=Case(prefixes=[0, 0], num_kv_heads=2), reduce="mean", with_dots=True, num_chunks=None)
+@example(case=Case(prefixes=[150, 7], num_kv_heads=2, group=8, num_queries=20, dtype=torch.float16), reduce="mean",
+         with_dots=True, num_chunks=None)  # 160 query rows: a second query tile, partly padding
 def test_key_scores_match_reference(case, reduce, with_dots, num_chunks):
     q, k, v, prefixes = case.tensors()
     _, lse = decode_attention_reference(q, k, v, prefixes + case.num_queries)

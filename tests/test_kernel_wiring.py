@@ -53,6 +53,21 @@ def test_canvas_mask_kernel_equals_dense_mask(attention_kernels_on, block_size, 
     torch.testing.assert_close(out[rows], reference[rows], atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_canvas_mask_over_the_last_queries_equals_the_kernels(attention_kernels_on, padded):
+    """Queries are the canvas's last q_len columns: the dense mask of 5 queries over 13 keys (block-causal,
+    blocks of 4) is the one flash_attention applies."""
+    q, k, v = qkv(2, 4, 2, 5, 13, seed=7)
+    valid = torch.ones(2, 13, dtype=torch.bool, device=DEVICE)
+    if padded:
+        valid[1, 11:] = False
+    mask = CanvasMask(valid=valid if padded else None, block_size=4)
+    out = attention(q, k, v, mask)
+    reference = attention_module.attention_reference(q, k, v, mask.dense(5, 13, q.device))
+    rows = valid[:, None, -5:, None].expand_as(out)  # padded query rows are never read
+    torch.testing.assert_close(out[rows], reference[rows], atol=2e-3, rtol=2e-3)
+
+
 def spy_on_kernels(monkeypatch, *names):
     """Wrap kernels/<name>.py's function <name> for each name, in every module that holds it; returns
     the list their calls append their names to."""
@@ -97,6 +112,19 @@ def test_attention_routes_and_equals_reference(attention_kernels_on, monkeypatch
     out = attention(q, k, v, mask)
     assert called == ([expected_kernel] if expected_kernel else [])
     torch.testing.assert_close(out, attention_module.attention_reference(q, k, v, mask), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("n_q, n_k, expected_kernel", [(8, 40, "decode_attention"), (5, 20, "flash_attention")])
+def test_a_custom_scale_reaches_every_attention_kernel(attention_kernels_on, monkeypatch, n_q, n_k, expected_kernel):
+    """A score scale other than head_dim^-1/2 is applied on the split-KV route and on flash_attention alike
+    (SPLIT_MIN_KEYS and SPLIT_MAX_QUERIES lowered as in test_attention_routes_and_equals_reference)."""
+    monkeypatch.setattr(attention_module, "SPLIT_MIN_KEYS", 24)
+    monkeypatch.setattr(attention_module, "SPLIT_MAX_QUERIES", 8)
+    called = spy_on_kernels(monkeypatch, "decode_attention", "flash_attention")
+    q, k, v = qkv(2, 4, 2, n_q, n_k, seed=6)
+    out = attention(q, k, v, scale=0.05)
+    assert called == [expected_kernel]
+    torch.testing.assert_close(out, attention_module.attention_reference(q, k, v, scale=0.05), atol=2e-3, rtol=2e-3)
 
 
 @torch.no_grad()  # the kernels run outside autograd

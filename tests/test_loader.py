@@ -471,3 +471,41 @@ def test_the_mask_id_is_refused_exactly_outside_the_vocabulary(tmp_path, offset,
         return
     with pytest.raises(CheckpointError, match="is outside the vocabulary"):
         load_model(path)
+
+
+def test_llada2_fused_qkv_rows_load_q_then_k_then_v():
+    """query_key_value stacks q (heads x head_dim rows), then k and v (kv_heads x head_dim rows each)."""
+    model = loader.load_reference(FIXTURES / "llada2_tiny", dtype=torch.float32)
+    qkv = checkpoint_tensors(FIXTURES / "llada2_tiny")["model.layers.1.attention.query_key_value.weight"].float()
+    attn, cfg = model.layers[1].self_attn, model.cfg
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    assert q_rows != kv_rows, "the fixture's q and k widths must differ to tell them apart"
+    assert torch.equal(attn.q_proj.weight, qkv[:q_rows])
+    assert torch.equal(attn.k_proj.weight, qkv[q_rows : q_rows + kv_rows])
+    assert torch.equal(attn.v_proj.weight, qkv[q_rows + kv_rows :])
+
+
+def test_a_transposed_weight_is_misshapen(tmp_path):
+    """A weight stored [in, out] instead of [out, in] holds as many numbers, but is refused by name."""
+    path = copy(SDAR, tmp_path)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    edit_single(path, lambda t: t.update({name: t[name].T.contiguous()}))
+    with pytest.raises(CheckpointError) as excinfo:
+        load_model(path)
+    assert f"misshapen (1 tensor): {name} has shape [64, 160], expected [160, 64]" in message(excinfo)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_infinite_weights_are_refused_by_name(tmp_path, value):
+    path = copy(SDAR, tmp_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    edit_single(path, lambda t: t[name].view(-1)[3:4].fill_(value))
+    with pytest.raises(CheckpointError, match=r"NaN or infinite values \(1 tensor\): " + name):
+        load_model(path)
+
+
+def test_a_short_list_of_problems_is_named_whole():
+    """Up to three items are listed without a count of more; a fourth is counted, not named."""
+    assert loader.first_few("missing", ["a"]) == "missing (1 tensor): a"
+    assert loader.first_few("missing", ["a", "b", "c"]) == "missing (3 tensors): a; b; c"
+    assert loader.first_few("missing", ["a", "b", "c", "d"]) == "missing (4 tensors): a; b; c; and 1 more"

@@ -122,6 +122,15 @@ def test_matches_fast_dllm_threshold(threshold):
         assert result.forwards == 16  # nothing clears it: one token per step
 
 
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_a_threshold_run_counts_the_steps_it_took(threshold):
+    """Under a threshold a block ends when no mask is left: the steps counted are the steps taken (one
+    forward each), not the schedule's steps per block."""
+    gen = GenerationConfig(gen_length=16, block_length=8, steps=16, threshold=threshold)
+    result = masked.generate(MODEL, [random_prompt(5, seed=11)], gen)
+    assert result.steps == result.forwards < 16
+
+
 def test_transfer_schedule_is_split_evenly():
     from nanodllm.decoding import split_evenly
 

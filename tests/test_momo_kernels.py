@@ -119,6 +119,19 @@ def test_the_estimate_scans_each_row_group_in_one_order_across_programs(mask):
     assert float(same_set.float().mean()) >= 0.97
 
 
+def test_among_equal_block_scores_the_lower_block_stays():
+    """Zero queries score every key 0, so the 4 key blocks tie: each sampled row keeps blocks 0 and 1,
+    in the register buffer and the tournament tree as in the reference."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.zeros(1, 2, 64, 16, device=DEVICE)
+    k, v = (randn(1, 1, 64, 16, generator=generator) for _ in range(2))
+    _, _, expected, _ = qsa_attention_reference(q, k, v, gamma=4, beta=16, top_k=2)
+    assert expected.sort(-1).values.tolist() == [[[[0, 1]] * 16] * 2]
+    for tree in (False, True):
+        _, _, top_index, _ = qsa_attention(q, k, v, gamma=4, beta=16, top_k=2, tree=tree)
+        assert top_index.sort(-1).values.tolist() == [[[[0, 1]] * 16] * 2]
+
+
 @settings(max_examples=10, deadline=None)
 @given(n=st.integers(1, 128), gamma=st.sampled_from([1, 4]), top_k=st.integers(1, 20), mask=st.sampled_from(["none", "causal"]),
        seed=st.integers(0, 999))

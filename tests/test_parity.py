@@ -96,6 +96,19 @@ def test_unshifted_logits_and_missing_biases_are_detected(path):
     assert (run(model, ids, positions, mask) - expected).abs().max() > 1e-2
 
 
+def test_the_shifted_head_reads_before_only_at_column_zero():
+    """With logit_shift, head(hidden, start, stop, before) gives column i the logits of state i - 1:
+    `before` stands in for state -1 in a window from column 0 only; a later window reads its own columns."""
+    model = load_model(DREAM, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 7, model.cfg.hidden_size, generator=generator)
+    before = torch.randn(1, 1, model.cfg.hidden_size, generator=generator)
+    with torch.no_grad():
+        whole = model.head(torch.cat([before, hidden], dim=1))[:, 1:]
+        for start, stop in ((0, 7), (0, 3), (2, 5), (4, 7)):
+            torch.testing.assert_close(model.head(hidden, start, stop, before=before), whole[:, start:stop])
+
+
 def test_sharded_equals_single_file(tmp_path):
     tensors = {}
     for shard in sorted(LLADA.glob("model-*-of-*.safetensors")):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from nanodllm.methods import get_method
 from nanodllm.methods.maskkv import layer_budgets
+from nanodllm.methods.snapkv import pool_real
 from tests.masked_references import (assert_matches_reference, batches, first_canvas_attention, kept_fraction,
                                      kept_lists, top, votes)
 from tests.tiny_models import (MASKED_GEN, MASKED_MODEL, RAGGED_PROMPTS, differing, random_prompt, masked_decode as
@@ -95,6 +96,16 @@ def test_snapkv_votes_for_a_padded_row_as_for_the_row_alone():
     assert len(batched) == len(alone) == MODEL.cfg.num_layers
     for together, by_itself in zip(batched, alone):
         torch.testing.assert_close(together[1, :, 20 - 13 :], by_itself[0], atol=1e-10, rtol=0)
+
+
+def test_the_pool_averages_each_token_over_the_real_prompt_tokens_in_reach():
+    """pool_real (width 5) at a prompt's edges and beside left padding: each token's average is over
+    its row's own tokens within 2 columns, neither the pads nor the columns past the ends counted as 0."""
+    scores = torch.tensor([[[1.0, 2, 3, 4, 5, 6, 7]], [[100.0, 100, 3, 4, 5, 6, 7]]])
+    real = torch.tensor([[[True] * 7], [[False, False] + [True] * 5]])
+    pooled = pool_real(scores, real, 5)
+    assert pooled[0, 0].tolist() == [2.0, 2.5, 3.0, 4.0, 5.0, 5.5, 6.0]
+    assert pooled[1, 0, 2:].tolist() == [4.0, 4.5, 5.0, 5.5, 6.0]  # as the 5 tokens alone
 
 
 def test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does():

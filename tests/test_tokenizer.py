@@ -429,7 +429,7 @@ def test_bad_tokenizer_config_token_entry(tmp_path):
 
 
 @pytest.mark.parametrize("name, family", [("llada-8b", "llada"), ("sdar-8b", "sdar"), ("dream-7b", "Dream"),
-                                          ("fast-dllm-v2-7b", "Fast_dLLM_Qwen")])
+                                          ("fast-dllm-v2-7b", "Fast_dLLM_Qwen"), ("llada2-mini", "llada2_moe")])
 def test_defaults_agree_with_model_config(name, family):
     config = preset(name)
     assert config.mask_token_id == SPECIAL_TOKENS[family]["mask_token_id"][1]
@@ -550,3 +550,15 @@ def test_diffusion_gemma_chat_spells_transformers_ids():
     assert tok.stop_ids == (1, 106) and tok.mask_id is None and (tok.bos_id, tok.pad_id, tok.eos_id) == (2, 0, 1)
     answered = tok.chat_text([*message, {"role": "assistant", "content": "Portugal is"}], add_generation_prompt=False)
     assert answered.endswith("<turn|>\n<|turn>model\nPortugal is<turn|>\n")
+
+
+def test_llada2_chat_matches_literal_template():
+    """The Ling-2.0 port: a leading system message fills the SYSTEM turn (once), the user is HUMAN, and
+    every conversation starts with the SYSTEM turn, empty when no system message is given."""
+    tok = Tokenizer.from_dir(Path(__file__).parent / "fixtures" / "llada2_tiny", "llada2_moe")
+    assert tok.chat_text(CONVERSATION) == (
+        "<role>SYSTEM</role>You are helpful.detailed thinking off<|role_end|>"
+        "<role>HUMAN</role>  What is 2+2?\n<|role_end|><role>ASSISTANT</role>4<|role_end|>"
+        "<role>HUMAN</role>And 3+3?<|role_end|><role>ASSISTANT</role>")
+    assert tok.chat_text([{"role": "user", "content": "hi"}], add_generation_prompt=False) == (
+        "<role>SYSTEM</role>detailed thinking off<|role_end|><role>HUMAN</role>hi<|role_end|>")

@@ -60,6 +60,12 @@ def test_the_fastest_fitting_setting_is_measured_once_and_kept(machine, capsys):
     assert [path.name for path in cache_path().parent.iterdir()] == ["tuning.json"]  # no temporary left
 
 
+def test_measuring_is_said_once_per_process_however_many_kernels_measure(machine, capsys):
+    choose(Tuner("attention"))
+    choose(Tuner("decode attention"))
+    assert capsys.readouterr().err.count("measuring kernel launch settings") == 1
+
+
 def test_a_later_process_reads_the_cache_and_measures_nothing(machine):
     choose(Tuner("attention"))
     later = Tuner("attention")
