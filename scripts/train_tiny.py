@@ -1,18 +1,22 @@
-"""Train the two tiny diffusion LMs shipped in nanodllm/assets/, with nanodllm's own model code (how
-they were made, and why: docs/results/tiny_models.md; each one's commands: its train_log.json).
+"""Train the tiny diffusion LMs shipped in nanodllm/assets/, with nanodllm's own model code (how they
+were made, and why: docs/results/tiny_models.md; each one's commands: its train_log.json).
 
     python scripts/train_tiny.py tokenizer            # BPE tokenizer on the task corpus (CPU, seconds)
     python scripts/train_tiny.py llada --minutes 4    # tiny-llada: masked diffusion, bidirectional
     python scripts/train_tiny.py sdar --minutes 4     # tiny-sdar: block diffusion, block-causal B=32
+    python scripts/train_tiny.py diffusion_gemma      # tiny-gemma: uniform-state block diffusion, canvas 32
 
 Data: nanodllm.tasks' passkey, multikey and kv samples in the family's chat template, the response
 padded as SFT data is. llada: response tokens masked with probability t ~ U(0.05, 1), cross-entropy
 on them weighted by 1/t (LLaDA's SFT loss). sdar: a clean and a noisy copy of the response blocks,
-each noisy block seeing the clean blocks before it and itself, as the block engine shows it. Options:
-recall drills (--drill) and fully masked samples (--full-mask); a length curriculum per task, 128 to
-4096 tokens, doubling when its held-out one-step accuracy reaches ADVANCE_AT; --init continues a
-checkpoint (for llada also an sdar one, converted: llada_from_sdar). AdamW, warmup and cosine decay;
-the checkpoint furthest along is saved in bf16 in the family's on-disk format. Reproducible from --seed.
+each noisy block seeing the clean blocks before it and itself, as the block engine shows it.
+diffusion_gemma: the encoder pass over the clean rows, the denoiser over the response's canvases with
+tokens replaced by random ones instead of masks, half the time self-conditioned, as its loop shows it.
+Options: recall drills (--drill) and fully masked (or noised) samples (--full-mask); a length
+curriculum per task, 128 to 4096 tokens, doubling when its held-out one-step accuracy reaches
+ADVANCE_AT; --init continues a checkpoint (for llada also an sdar one, converted: llada_from_sdar).
+AdamW, warmup and cosine decay; the checkpoint furthest along is saved in bf16 in the family's on-disk
+format. Reproducible from --seed.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from nanodllm.cli import help_text, run_main, unit_fraction  # noqa: E402
 from nanodllm import tasks  # noqa: E402
 from nanodllm.attention import attention, block_causal_mask, key_padding_mask  # noqa: E402
 from nanodllm.config import ModelConfig  # noqa: E402
+from nanodllm import gemma as gemma_module  # noqa: E402
+from nanodllm.gemma import DiffusionGemma, attend as gemma_attend  # noqa: E402
 from nanodllm.loader import checkpoint_name, load_reference  # noqa: E402
 from nanodllm.model import Model  # noqa: E402
 from nanodllm.tokenizer import Tokenizer  # noqa: E402
@@ -47,7 +53,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|mdm_mask|>", "<|MASK|>", "<|startoftext|>"
                   "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
 BPE_VOCAB_SIZE = 1024  # merges and special tokens; the kv key words come on top
 RESPONSE_LENGTH = 32
-RESPONSE_LENGTHS = {"llada": (16, 32), "sdar": (32,)}  # llada also learns shorter canvases
+RESPONSE_LENGTHS = {"llada": (16, 32), "sdar": (32,), "diffusion_gemma": (32,)}  # llada also learns shorter canvases
+GEMMA_TOKENS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"]  # Gemma 4's, added
 BLOCK = 32
 MAX_LENGTH = 4096
 STAGES = [128, 256, 512, 1024, 2048, 4096]
@@ -79,6 +86,17 @@ def train_tokenizer(seed: int) -> Path:
     return path
 
 
+def family_tokenizer(family: str):
+    """The tiny BPE tokenizer (nanodllm/assets/tokenizer.json); for diffusion_gemma with Gemma 4's special
+    tokens added after its entries (the ids differ from Gemma's: the tokenizer names them)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    bpe = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    if family == "diffusion_gemma":
+        bpe.add_special_tokens(GEMMA_TOKENS)
+    return bpe
+
+
 def family_config(family: str, vocab: dict, vocab_size: int) -> dict:
     """config.json in the family's real field names (llada without q/k norm, sdar with its per-head one)."""
     if family == "llada":
@@ -91,6 +109,20 @@ def family_config(family: str, vocab: dict, vocab_size: int) -> dict:
                     mask_token_id=vocab["<|mdm_mask|>"],
                     eos_token_id=[vocab["<|endoftext|>"], vocab["<|eot_id|>"]],
                     pad_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|startoftext|>"])
+    if family == "diffusion_gemma":  # 2 sliding layers (window 256) and 2 full ones, 8 experts of 64
+        rope = {"full_attention": dict(partial_rotary_factor=0.25, rope_theta=1000000.0, rope_type="proportional"),
+                "sliding_attention": dict(rope_theta=10000.0, rope_type="default")}
+        text = dict(model_type="diffusion_gemma_text", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+                    intermediate_size=512, moe_intermediate_size=64, num_experts=8, top_k_experts=2,
+                    layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=256,
+                    rope_parameters=rope, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                    rms_norm_eps=1e-6, max_position_embeddings=2 * MAX_LENGTH, vocab_size=vocab_size,
+                    tie_word_embeddings=True, attention_bias=False, pad_token_id=vocab["<pad>"],
+                    bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"])
+        return dict(model_type="diffusion_gemma", architectures=["DiffusionGemmaForBlockDiffusion"],
+                    canvas_length=BLOCK, eos_token_id=[vocab["<eos>"], vocab["<turn|>"]], tie_word_embeddings=True,
+                    text_config=text)
     return dict(model_type="sdar", architectures=["SDARForCausalLM"], hidden_size=256, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=704,
                 vocab_size=vocab_size, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -141,8 +173,8 @@ class Encoder:
         self.tokenizer, self.family = Tokenizer.from_dir(directory, family), family
         self.pieces, self.mask_id = PieceCache(self.tokenizer.hf), self.tokenizer.mask_id
         vocab = self.tokenizer.hf.get_vocab()
-        self.end_of_turn = vocab["<|eot_id|>" if family == "llada" else "<|im_end|>"]
-        self.pad = vocab["<|endoftext|>"]
+        self.end_of_turn = vocab[{"llada": "<|eot_id|>", "diffusion_gemma": "<turn|>"}.get(family, "<|im_end|>")]
+        self.pad = vocab["<pad>" if family == "diffusion_gemma" else "<|endoftext|>"]
 
     def count_tokens(self, text: str) -> int:
         return self.pieces.count(text)
@@ -299,8 +331,80 @@ def sdar_batch(ids, lengths, valid, groups, mask_id, t):
             torch.cat([torch.zeros_like(valid), masked], 1), torch.cat([ids, copied], 1))
 
 
-def loss_and_accuracy(model, family, ids, lengths, valid, groups, mask_id, t):
-    """The 1/t-weighted loss over the masked tokens, per maskable token of each sample."""
+def gemma_batch(ids, lengths, valid, groups, vocab_size, t):
+    """The responses as DiffusionGemma's canvases (each row's starts where its prompt ends), in uniform-state
+    noise: each group's tokens replaced by random tokens with probability t[b]. Returns the noisy canvases
+    [b, r], which of their tokens are real (not right padding) and the clean ones."""
+    width, device = ids.shape[1], ids.device
+    ends = valid.sum(1)
+    columns = lengths[:, None] + torch.arange(int((ends - lengths).max()), device=device)[None, :]
+    canvas_valid = columns < ends[:, None]
+    clean = ids.gather(1, columns.clamp(max=width - 1))
+    noised = draw_masked(groups.gather(1, columns.clamp(max=width - 1)) * canvas_valid, t)
+    return torch.where(noised, torch.randint(0, vocab_size, clean.shape, device=device), clean), canvas_valid, clean
+
+
+def row_ropes(model, positions, dtype):
+    """model.ropes at positions [b, t] that differ by row: cos and sin [b, 1, t, head_dim]."""
+    ropes = model.ropes(positions.flatten(), dtype)
+    for rope in ropes.values():
+        rope.cos, rope.sin = (x.view(*positions.shape, -1)[:, None] for x in (rope.cos, rope.sin))
+    return ropes
+
+
+def gemma_logits(model, ids, lengths, valid, canvas, canvas_valid, last_logits=None):
+    """DiffusionGemma's denoiser logits [b, r, vocab] for canvas [b, r], each row's after its prompt (lengths),
+    as generate() computes them: the encoder pass over the clean rows ids [b, w] (causal, a sliding layer's
+    query within its window; valid hides the right padding), then the denoiser over each canvas (canvas_length
+    tokens) against the encoder's K/V before it (a sliding layer's last window - 1) and itself, bidirectionally,
+    self-conditioned on last_logits (None: zeros, a canvas' first step)."""
+    (window, canvas_length), device = (model.cfg.gemma.sliding_window, model.cfg.gemma.canvas_length), ids.device
+    columns = torch.arange(ids.shape[1], device=device)
+    causal = columns[None, :] <= columns[:, None]
+    in_window = columns[None, :] > columns[:, None] - window
+    encoder_sees = {False: causal[None] & valid[:, None, :], True: (causal & in_window)[None] & valid[:, None, :]}
+    x, cached = model.embed(ids), []
+    ropes = model.ropes(columns, x.dtype)
+    for layer in model.layers:
+        def attend(q, k, v, sees=encoder_sees[layer.sliding]):
+            cached.append((k, v))
+            return gemma_attend(q, k, v, sees)
+        x = layer(x, ropes[layer.sliding], attend, layer.encoder_scalar)
+    offsets = torch.arange(canvas.shape[1], device=device)
+    starts = lengths[:, None] + offsets // canvas_length * canvas_length  # [b, r]: where each token's canvas starts
+    before = columns[None, None, :] < starts[:, :, None]
+    recent = columns[None, None, :] >= starts[:, :, None] - (window - 1)
+    own = (offsets[:, None] // canvas_length == offsets[None, :] // canvas_length)[None] & canvas_valid[:, None, :]
+    denoiser_sees = {False: torch.cat([before, own], 2), True: torch.cat([before & recent, own], 2)}
+    embedded = model.embed(canvas)
+    soft = torch.zeros_like(embedded) if last_logits is None else model.soft_embedding(last_logits)
+    y = model.self_conditioning(embedded, soft)
+    ropes = row_ropes(model, lengths[:, None] + offsets, y.dtype)
+    for layer, (cached_k, cached_v) in zip(model.layers, cached):
+        def attend(q, k, v, sees=denoiser_sees[layer.sliding], cached_k=cached_k, cached_v=cached_v):
+            return gemma_attend(q, torch.cat([cached_k, k], 2), torch.cat([cached_v, v], 2), sees)
+        y = layer(y, ropes[layer.sliding], attend, layer.denoiser_scalar)
+    return model.head(y)
+
+
+def gemma_loss_and_accuracy(model, ids, lengths, valid, groups, t, self_condition):
+    """The mean cross-entropy of the clean canvas at every real canvas position (the noised and the kept: the
+    model cannot tell them apart); with self_condition, the logits of a first pass (no gradient) fed back."""
+    canvas, canvas_valid, clean = gemma_batch(ids, lengths, valid, groups, model.cfg.vocab_size, t)
+    last = None
+    if self_condition:
+        with torch.no_grad():
+            last = gemma_logits(model, ids, lengths, valid, canvas, canvas_valid)
+    logits = gemma_logits(model, ids, lengths, valid, canvas, canvas_valid, last).float()
+    per_token = F.cross_entropy(logits.transpose(1, 2), clean, reduction="none")
+    return (per_token * canvas_valid).sum() / canvas_valid.sum(), logits.argmax(-1), clean, canvas_valid
+
+
+def loss_and_accuracy(model, family, ids, lengths, valid, groups, mask_id, t, self_condition=False):
+    """The 1/t-weighted loss over the masked tokens, per maskable token of each sample (DiffusionGemma:
+    gemma_loss_and_accuracy)."""
+    if family == "diffusion_gemma":
+        return gemma_loss_and_accuracy(model, ids, lengths, valid, groups, t, self_condition)
     make = llada_batch if family == "llada" else sdar_batch
     tokens, positions, mask, loss_at, targets = make(ids, lengths, valid, groups, mask_id, t)
     logits = model(tokens, positions, lambda layer, q, k, v: attention(q, k, v, mask)).float()
@@ -325,7 +429,7 @@ def one_step_accuracy(model, family, triples, encoder, device):
     correct = 0
     for chunk in range(0, len(triples), 16):
         ids, lengths, valid, groups = (x.to(device) for x in collate(triples[chunk : chunk + 16], encoder.pad))
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, torch.bfloat16, enabled=autocast(device, family)):
             _, predicted, targets, loss_at = loss_and_accuracy(model, family, ids, lengths, valid, groups,
                                                                encoder.mask_id, torch.ones(ids.shape[0], device=device))
         for row in range(ids.shape[0]):
@@ -335,7 +439,12 @@ def one_step_accuracy(model, family, triples, encoder, device):
     return correct / len(triples)
 
 
-def save_checkpoint(model, family, directory: Path, config: dict):
+def autocast(device, family) -> bool:
+    """bf16 autocast on a GPU; DiffusionGemma trains in fp32 (TF32 matmuls), its reference path as it is."""
+    return device.type == "cuda" and family != "diffusion_gemma"
+
+
+def save_checkpoint(model, family, directory: Path, config: dict, tokenizer: Path):
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -343,7 +452,7 @@ def save_checkpoint(model, family, directory: Path, config: dict):
                for name, p in model.named_parameters()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (directory / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
+    (directory / "tokenizer.json").write_bytes(tokenizer.read_bytes())
 
 
 def llada_config_from_sdar(llada: dict, sdar: dict) -> dict:
@@ -381,13 +490,14 @@ def llada_from_sdar(sdar: Model, llada_config: dict) -> Model:
 
 def train(args, ladder: tuple[int, ...]):
     """main's flags; ladder: the curriculum's lengths, shortest first."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     family, init, device, out, task_names = args.what, args.init, torch.device(args.device), Path(args.out), tasks.TASKS
     torch.manual_seed(args.seed)
+    if family == "diffusion_gemma":  # fp32 on the reference path: TF32 matmuls, the experts one by one
+        torch.set_float32_matmul_precision("high")
+        gemma_module.GROUPED_MM = None  # (torch's grouped matmul is the bf16 inference path's)
     work = out / f"tiny-{family}"
-    bpe = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
-    vocab = {token: bpe.token_to_id(token) for token in SPECIAL_TOKENS}
+    bpe = family_tokenizer(family)
+    vocab = {token: bpe.token_to_id(token) for token in SPECIAL_TOKENS + GEMMA_TOKENS}
     config = family_config(family, vocab, -(-bpe.get_vocab_size() // 128) * 128)
     source = json.loads((Path(init) / "config.json").read_text()) if init else None
     converting = source is not None and source.get("model_type") != config["model_type"]
@@ -397,17 +507,17 @@ def train(args, ladder: tuple[int, ...]):
         config = source  # the architecture continues as it was
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(config))
-    (work / "tokenizer.json").write_bytes((ASSETS / "tokenizer.json").read_bytes())
+    bpe.save(str(work / "tokenizer.json"))
     encoder = Encoder(work, family)
     if converting:
         model = llada_from_sdar(load_reference(init, device, torch.float32), config)
     elif init:
         model = load_reference(init, device, torch.float32)
     else:
-        model = Model(ModelConfig.from_dict(config)).to(device)
+        model = (DiffusionGemma if family == "diffusion_gemma" else Model)(ModelConfig.from_dict(config)).to(device)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if not name.endswith("norm.weight"):
+                if not name.endswith(("norm.weight", "scale", "scalar")):
                     p.normal_(0.0, 0.02)
     print(f"tiny-{family}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
 
@@ -429,8 +539,9 @@ def train(args, ladder: tuple[int, ...]):
             ids, lengths, valid, groups = (x.to(device) for x in collate(triples, encoder.pad))
             t = torch.rand(ids.shape[0], device=device).clamp(min=0.05)
             t = torch.where(torch.rand(ids.shape[0], device=device) < args.full_mask, 1.0, t)
-            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-                loss, *_ = loss_and_accuracy(model, family, ids, lengths, valid, groups, encoder.mask_id, t)
+            with torch.autocast(device.type, torch.bfloat16, enabled=autocast(device, family)):
+                loss, *_ = loss_and_accuracy(model, family, ids, lengths, valid, groups, encoder.mask_id, t,
+                                             self_condition=bool(torch.rand(()) < 0.5))
             (loss / len(task_names)).backward()
             losses[task_names[task_index]] = round(loss.item(), 4)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -450,7 +561,7 @@ def train(args, ladder: tuple[int, ...]):
             furthest = sum(stages[index] + accuracy[task] for index, task in enumerate(task_names))
             if furthest > best:
                 best, best_entry = furthest, entry
-                save_checkpoint(model, family, out / f"best-{family}", config)
+                save_checkpoint(model, family, out / f"best-{family}", config, work / "tokenizer.json")
             for index, task in enumerate(task_names):
                 if accuracy[task] >= ADVANCE_AT and stages[index] + 1 < len(stages.ladder):
                     stages.advance(index)
@@ -466,7 +577,7 @@ def train(args, ladder: tuple[int, ...]):
 def main():
     parser = argparse.ArgumentParser(description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["tokenizer", "llada", "sdar"])
+    parser.add_argument("what", choices=["tokenizer", "llada", "sdar", "diffusion_gemma"])
     parser.add_argument("--minutes", type=float, default=4.0)
     parser.add_argument("--max-steps", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)

@@ -145,10 +145,39 @@ def test_sdar_checkpoint_converts_to_llada_carrying_every_weight(tmp_path):
             assert torch.equal(ours[others], theirs[name][others])
         else:
             assert torch.equal(ours, theirs[name]), name
-    train_tiny.save_checkpoint(model, "llada", tmp_path / "converted", config)
+    train_tiny.save_checkpoint(model, "llada", tmp_path / "converted", config, train_tiny.ASSETS / "tokenizer.json")
     loaded = load_reference(tmp_path / "converted", dtype=torch.float32)
     for (name, ours), theirs in zip(model.named_parameters(), loaded.parameters()):
         assert torch.equal(ours, theirs), name
     with pytest.raises(SystemExit, match="d_model=256 vs hidden_size=128"):
         train_tiny.llada_config_from_sdar(template, dict(json.loads((TINY_SDAR / "config.json").read_text()),
                                                          hidden_size=128))
+
+
+def test_diffusion_gemma_canvases_see_what_its_loop_shows():
+    """The training pass's logits for each canvas (two per row, prompts longer than the sliding window, rows of
+    two lengths) equal the model's own encode-then-denoise of that canvas after the prompt and the canvases
+    before it, clean, without and with self-conditioning logits."""
+    from nanodllm.loader import load_reference
+
+    model = load_reference(Path(__file__).parent / "fixtures" / "diffusion_gemma_tiny", dtype=torch.float64)
+    canvas_length, vocab = model.cfg.gemma.canvas_length, model.cfg.vocab_size
+    assert model.cfg.gemma.sliding_window < 10
+    pairs = [(random_prompt(13, seed=1), random_prompt(2 * canvas_length, seed=2)),
+             (random_prompt(10, seed=3), random_prompt(2 * canvas_length, seed=4))]
+    ids, lengths, valid, groups = train_tiny.collate([(p, r, range(1, len(r) + 1)) for p, r in pairs], pad_id=0)
+    canvas, canvas_valid, clean = train_tiny.gemma_batch(ids, lengths, valid, groups, vocab, torch.full((2,), 0.5))
+    assert canvas_valid.all() and torch.equal(clean, torch.tensor([r for _, r in pairs]))
+    last = torch.randn(2, 2 * canvas_length, vocab, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        for conditioning in (None, last):
+            logits = train_tiny.gemma_logits(model, ids, lengths, valid, canvas, canvas_valid, conditioning)
+            for row, (prompt, response) in enumerate(pairs):
+                cache = model.empty_cache(1, 64)
+                model.encode(torch.tensor([prompt]), cache)
+                for c in range(2):
+                    part = slice(c * canvas_length, (c + 1) * canvas_length)
+                    fed = None if conditioning is None else conditioning[row : row + 1, part]
+                    expected = model.denoise(canvas[row : row + 1, part], cache, fed)
+                    torch.testing.assert_close(logits[row : row + 1, part], expected)
+                    model.encode(torch.tensor([response[part]]), cache)
