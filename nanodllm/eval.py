@@ -41,7 +41,7 @@ from .parallel import SINGLE, Group
 from .tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-TINY_MODELS = ("tiny-llada", "tiny-sdar")
+TINY_MODELS = ("tiny-llada", "tiny-sdar", "tiny-gemma")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

@@ -14,7 +14,8 @@ On the kernels the selecting step's decode keeps the block's keys in a slice of 
 those partials give, and the scoring and top-k overlap the rest of the step (Algorithm 1: ctx.aside).
 Hooks: begin_block (a new generation drops the selection), attend (exact, selecting or sparse, by
 stage), step_kind (the stage), selection (what a layer read or chose). On DiffusionGemma a block is a
-canvas and only its full layers select (cache.full, scale 1; sliding layers read a window anyway).
+canvas and only its full layers select (cache.full, scale 1; sliding layers read a window anyway); its
+first step's canvas is random tokens, not [MASK] (how much of Fig. 3 holds then: docs/results/tiny_gemma.md).
 Equals dense: k >= every row's prefix: each step attends to every key (up to rounding: the gathered
 keys are multiplied in another layout); the same tokens.
 Heads split over ranks: each KV head selects its own keys; nothing is communicated.
