@@ -98,7 +98,8 @@ def family_tokenizer(family: str):
 
 
 def family_config(family: str, vocab: dict, vocab_size: int) -> dict:
-    """config.json in the family's real field names (llada without q/k norm, sdar with its per-head one)."""
+    """config.json in the family's real field names (llada without q/k norm, sdar with its per-head one,
+    diffusion_gemma's text fields under text_config)."""
     if family == "llada":
         return dict(model_type="llada", architectures=["LLaDAModelLM"], d_model=256, n_layers=4, n_heads=4,
                     n_kv_heads=4, mlp_hidden_size=704, mlp_ratio=4, vocab_size=vocab_size,
@@ -358,7 +359,7 @@ def gemma_logits(model, ids, lengths, valid, canvas, canvas_valid, last_logits=N
     query within its window; valid hides the right padding), then the denoiser over each canvas (canvas_length
     tokens) against the encoder's K/V before it (a sliding layer's last window - 1) and itself, bidirectionally,
     self-conditioned on last_logits (None: zeros, a canvas' first step)."""
-    (window, canvas_length), device = (model.cfg.gemma.sliding_window, model.cfg.gemma.canvas_length), ids.device
+    window, canvas_length, device = model.cfg.gemma.sliding_window, model.cfg.gemma.canvas_length, ids.device
     columns = torch.arange(ids.shape[1], device=device)
     causal = columns[None, :] <= columns[:, None]
     in_window = columns[None, :] > columns[:, None] - window
@@ -492,9 +493,9 @@ def train(args, ladder: tuple[int, ...]):
     """main's flags; ladder: the curriculum's lengths, shortest first."""
     family, init, device, out, task_names = args.what, args.init, torch.device(args.device), Path(args.out), tasks.TASKS
     torch.manual_seed(args.seed)
-    if family == "diffusion_gemma":  # fp32 on the reference path: TF32 matmuls, the experts one by one
+    if family == "diffusion_gemma":  # fp32 on the reference path, TF32 matmuls
         torch.set_float32_matmul_precision("high")
-        gemma_module.GROUPED_MM = None  # (torch's grouped matmul is the bf16 inference path's)
+        gemma_module.GROUPED_MM = None  # the experts one by one: the grouped matmul serves bf16 inference
     work = out / f"tiny-{family}"
     bpe = family_tokenizer(family)
     vocab = {token: bpe.token_to_id(token) for token in SPECIAL_TOKENS + GEMMA_TOKENS}
