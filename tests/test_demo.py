@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanodllm.config import ModelConfig
+from nanodllm.demo import demo_budget, kv_summary
 from nanodllm.loader import build_empty, random_weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,3 +245,16 @@ def test_the_demo_runs_through_the_package_command_line():
                "--gen-length", "8", "--block-length", "4", "--dtype", "float32")
     assert done.returncode == 0, done.stderr
     assert "\n[mage] " in done.stdout and "mage gave " in done.stdout
+
+
+def test_a_short_prompt_gets_the_smallest_budget_of_one_page():
+    """A quarter of a 40-token prompt is less than a page of 16 keys: the budget is one page, never zero."""
+    knobs, note = demo_budget("mage", {"exact_layers": 1}, 40)
+    assert knobs == {"exact_layers": 1, "k": 16} and note.startswith("k=16 is the demo's")
+
+
+def test_the_kv_summary_of_a_method_that_counts_nothing_is_all_of_the_kv():
+    """A run whose steps state nothing (dense on the masked engine) kept all of the KV; a counted one its share."""
+    assert kv_summary({}, 527) == "KV kept 100%"
+    assert kv_summary({"kv_kept": 0.25, "rows_computed": 0.09}, 1040) == (
+        "KV kept 25% (260 of 1040 prompt tokens per head on average), rows computed 9%")

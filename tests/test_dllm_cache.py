@@ -45,7 +45,7 @@ def test_stale_caches_differ_and_count_rows():
 
 
 @pytest.mark.parametrize("prompt_interval, response_interval, rho", [(4, 3, 0.25), (50, 8, 0.0), (3, 2, 0.5),
-                                                                    (1, 1, 0.25)])
+                                                                    (1, 1, 0.25), (4, 3, 0.3)])  # 4.8 rows: 4
 def test_rows_computed_counts_the_rows_the_schedule_forwards(prompt_interval, response_interval, rho):
     """stats["rows_computed"] over a generation: at step t the prompt's 20 columns when t % T_p == 0,
     the 16 response rows when t % T_r == 0, none at a prompt-only refresh, else floor(rho * 16) drifted

@@ -481,6 +481,15 @@ def test_sparse_steps_match_the_plain_torch_reference(model, knobs, list_all_row
         torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
 
 
+def test_tau_defaults_to_the_papers_choice_for_the_models_type():
+    """No tau: 0.99 on LLaDA, 0.995 on Dream (section 4.2.3), chosen at the generation's first step."""
+    gen = GenerationConfig(gen_length=4, block_length=4, steps=1)
+    llada, dream = get_method("dyllm"), get_method("dyllm")
+    generate(llada, gen=gen)
+    generate(dream, DREAM["prompts"], gen, DREAM["model"])
+    assert (llada.threshold, dream.threshold) == (0.99, 0.995)
+
+
 def test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does():
     """The caches and salient rows start over with every generation: after decoding one prompt, DyLLM
     runs its full_steps dense steps again and decodes the ragged batch as a new one does."""

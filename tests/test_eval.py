@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from safetensors import safe_open
 
 from nanodllm import eval as evaluation
 from nanodllm.config import ModelConfig
+from nanodllm.meter import Meter
+from nanodllm.methods.base import Dense, Selection
 from nanodllm.tasks import make_samples
 
 ASSETS = Path(evaluation.__file__).resolve().parent / "assets"
@@ -221,3 +224,39 @@ def test_diffusion_gemma_is_evaluated_with_its_sampler_and_recall(capsys):
     code, out, err = run_eval(capsys, *flags, "--recall")
     assert code == 0, err
     assert "| steps | layer 3 |" in out and "layer 1" not in out and "| 3 | " in out
+
+
+class Stated(Dense):
+    """A method that states each step's (K/V kept, of how many) from a list, or selects `most` keys at layer 2."""
+
+    def __init__(self, kept=(), most=None):
+        self.kept, self.most = list(kept), most
+
+    def kv_kept(self, ctx):
+        return self.kept.pop(0) if self.kept else None
+
+    def selection(self, layer, ctx):
+        if layer != 2 or self.most is None:
+            return None
+        return Selection(torch.zeros(2, 1, 1), torch.ones(2, 1), 1, self.most)
+
+
+def test_the_meter_sums_each_count_over_the_steps_before_dividing():
+    """kv_kept over steps of 3 of 4 and 1 of 4 entries is 4 of 8; per layer, each layer's sums divided."""
+    meter, method = Meter(), Stated([(3, 4), (1, 4)])
+    for _ in range(2):
+        meter.count(method, SimpleNamespace(cache=None))
+    assert meter.stats() == {"kv_kept": 0.5}
+    meter, method = Meter(), Stated([(torch.tensor([3.0, 4.0]), 4), (torch.tensor([1.0, 0.0]), 4)])
+    for _ in range(2):
+        meter.count(method, SimpleNamespace(cache=None))
+    assert meter.stats() == {"kv_kept_per_layer": [0.5, 0.5], "kv_kept": 0.5}
+
+
+def test_a_selecting_layer_reads_at_most_its_keys_of_each_cached_row():
+    """Where a method states nothing, the block engine's cached keys read: every key of layer 0, at layer 2
+    at most `most` = 4 of a row's (10 of 10 + 3 of 3, then 4 of 10 + 3 of 3); layer 1 holds no cache."""
+    cache = SimpleNamespace(host_lengths=[10, 3], keys=[torch.zeros(1), None, torch.zeros(1)])
+    meter = Meter()
+    meter.count(Stated(most=4), SimpleNamespace(cache=cache))
+    assert meter.stats() == {"kv_kept": 20 / 26}

@@ -5,6 +5,7 @@ of the dual cache equals its paper's recomputation block after block, and every 
 K/V equal a plain-torch float64 reference (tests/fast_dllm_references.py) over random knobs."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from nanodllm.attention import attention
 from nanodllm.config import GenerationConfig
+from nanodllm.loader import load_model
 from nanodllm.methods import get_method
 from tests.device import DEVICE
 from tests.fast_dllm_references import (ReferenceOutsideCache, assert_matches_reference, batches, canvas_context,
@@ -57,6 +59,31 @@ def test_a_cached_step_on_an_unchanged_canvas_equals_the_full_forward(mode):
     full = method.logits(MODEL, method.step(MODEL, ctx), ctx)  # builds the cache
     ctx = replace(ctx, step=1, t=ctx.t + 1)
     torch.testing.assert_close(method.logits(MODEL, method.step(MODEL, ctx), ctx), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["dual", "prefix"])
+def test_a_cached_step_on_a_shifted_logit_model_reads_the_column_before_the_block(mode):
+    """On Dream (logit_shift) the block's first logits come from the column before the block: the fed range
+    starts there, so a cached step on the canvas its cache came from still gives the full forward's logits."""
+    model = load_model(Path(__file__).parent / "fixtures" / "dream_tiny", dtype=torch.float64)
+    method = get_method("fast_dllm", mode=mode)
+    ctx = canvas_context(PROMPTS, step=0)
+    method.begin_block(ctx)
+    full = method.logits(model, method.step(model, ctx), ctx)
+    ctx = replace(ctx, step=1, t=ctx.t + 1)
+    torch.testing.assert_close(method.logits(model, method.step(model, ctx), ctx), full, rtol=1e-10, atol=1e-10)
+
+
+def test_a_cached_step_feeds_the_block_dual_and_the_block_with_its_suffix_prefix():
+    """Block 1 of a 12-column response: dual feeds its 4 columns and keeps the other 32 (20 prompt + 4 + 8)
+    K/V, prefix feeds the block and the 4 columns after it and keeps the 24 before."""
+    for mode, fed in (("dual", 4), ("prefix", 8)):
+        method = get_method("fast_dllm", mode=mode)
+        ctx = canvas_context(PROMPTS, step=0)
+        method.begin_block(ctx)
+        method.step(MODEL, ctx)
+        assert method.step(MODEL, replace(ctx, step=1, t=ctx.t + 1)).shape[1] == fed
+        assert {kept.keys.shape[2] - kept.room for kept in method.kept} == {ctx.tokens.shape[1] - fed}
 
 
 @pytest.mark.parametrize("mode", ["dual", "prefix"])

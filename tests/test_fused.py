@@ -181,7 +181,24 @@ def test_on_the_kernels_the_fused_primitives_give_the_reference_values(kernels_o
         close(summed, x + pending)  # the add is written into the stream
 
 
-@pytest.mark.parametrize("tokens", [10, 15])
+def test_the_few_row_step_adds_the_output_of_the_experts_before_it(kernels_on, monkeypatch):
+    """A dense layer after a mixture of experts (SDAR-MoE's mlp_only_layers): the experts' output, carried
+    to the next layer not yet added, is added in that layer's few-row step."""
+    cfg = tiny_config("sdar_moe", num_hidden_layers=3, mlp_only_layers=[0, 2])
+    model, reference = fused_and_reference(cfg, torch.float32, seed=3)
+    calls = []
+    counted = lambda *args, **kwargs: calls.append(args[0].shape) or norm_linear(*args, **kwargs)
+    monkeypatch.setattr(fused_module, "norm_linear", counted)
+    monkeypatch.setattr(fused_module, "fills_device", lambda *args, **kwargs: True)  # a GPU too, at tiny widths
+    ids = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    positions = torch.arange(8, device=DEVICE)[None]
+    with torch.no_grad():
+        hidden, expected = model.hidden(ids, positions, dense), reference.hidden(ids, positions, dense)
+    assert len(calls) == 4, "the two dense layers in the few-row step, the experts' layer not"
+    torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [10, 13])
 def test_a_long_input_goes_through_the_mlp_in_chunks(kernels_on, monkeypatch, tokens):
     """A prefill's MLP runs CHUNK_TOKENS rows at a time (the last chunk may be short): the same values
     as one pass, and one SwiGLU kernel call per chunk."""

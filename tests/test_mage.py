@@ -112,6 +112,15 @@ def test_bad_knobs_are_named():
         get_method("mage", exact_layers=-1)
 
 
+def test_the_knobs_default_to_the_papers_and_refuse_a_bool_for_a_count():
+    """k = 1024 keys, exact_layers = 2, sparse_commit off (the paper's); True is no count of keys or layers."""
+    mage = get_method("mage")
+    assert (mage.k, mage.exact_layers, mage.sparse_commit) == (1024, 2, False)
+    for knob in ("k", "exact_layers"):
+        with pytest.raises(ValueError, match=f"{knob} must be an integer"):
+            get_method("mage", **{knob: True})
+
+
 def test_knobs_parse_from_the_command_line():
     assert parse_knobs("k=64,exact_layers=2,sparse_commit=true") == {"k": 64, "exact_layers": 2, "sparse_commit": True}
     assert parse_knobs(None) == {}

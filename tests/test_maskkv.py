@@ -15,7 +15,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from nanodllm.attention import CanvasMask
+from nanodllm.attention import CanvasMask, attention
 from nanodllm.config import GenerationConfig
 from nanodllm.decoding import left_padded_canvas
 from nanodllm.methods import get_method
@@ -174,6 +174,27 @@ def test_head_budgets_follow_algorithm_3():
     assert counts.tolist() == [[1 + 21, 1 + 5, 1 + 0]]  # base 1, pool 27
 
 
+def test_head_budgets_floor_the_base_and_each_share_per_row():
+    """Algorithm 3 with a per-row B_l: floor(alpha B_l) is the base (not rounded up), the pool's shares floored."""
+    mass = torch.tensor([[[3.0, 1.0], [1.0, 0.0], [0.0, 0.0]], [[2.0, 0.0], [1.0, 0.0], [1.0, 0.0]]])
+    counts = head_budgets(mass, layer_budget=torch.tensor([15, 7]), alpha=0.1)
+    # row 0: base floor(1.5) = 1, pool 14 * 3 = 42 at .8 .2 0; row 1: base 0, pool 21 at .5 .25 .25
+    assert counts.tolist() == [[1 + 33, 1 + 8, 1 + 0], [10, 5, 5]]
+
+
+def test_the_default_boundary_is_at_least_one_layer_at_each_end():
+    """boundary_layers None: max(1, L // 8) layers at each end, so a 4-layer model's budgets are those of
+    boundary_layers = 1 (Algorithm 2 with the first and last layer as the boundary), not an even split."""
+    model = tiny_model("llada", n_layers=4)
+    gen = GenerationConfig(gen_length=4, block_length=4, steps=1)
+    methods = [get_method("maskkv", budget=10, **knobs) for knobs in ({}, {"boundary_layers": 1})]
+    for method in methods:
+        generate(method, [random_prompt(30, seed=1)], gen, model)
+    importance = methods[0].importance[0]
+    expected = layer_budgets(10, importance, beta=0.4, boundary_layers=1)
+    assert expected != [10] * 4 and methods[0].budgets[:, 0].tolist() == expected == methods[1].budgets[:, 0].tolist()
+
+
 def test_keep_top_respects_counts_padding_and_order():
     scores = torch.tensor([[[0.9, 0.1, 0.5, 0.7, 0.3]], [[0.9, 0.8, 0.1, 0.2, 0.6]]])
     indices, keep = keep_top(scores, torch.tensor([[3], [9]]), prompt_lengths=torch.tensor([5, 3]))
@@ -248,6 +269,26 @@ def test_calibrate_writes_the_profile_that_maskkv_then_reads(tmp_path, capsys):
     generate(method, model=model)
     assert method.importance == [importance] * len(PROMPTS)
     assert with_profile("snapkv", {"budget": 4}, model_dir) == {"budget": 4}
+
+
+def test_layer_importance_compares_each_layer_with_its_own_input():
+    """Eq. 8: layer l's importance is 1 - the mean over a row's real tokens of cos(layer l's input, its output),
+    its input the layer before's output, as a dense forward passes it (seen here through forward hooks)."""
+    model = tiny_model("llada", n_layers=3)
+    got = first_canvas_importance(model, PROMPTS)
+    canvas = left_padded_canvas(PROMPTS, GEN.gen_length, MASK_ID, model.cfg.eos_token_ids[0], "cpu")
+    mask = CanvasMask(valid=canvas.valid)
+    seen = []
+    hooks = [layer.register_forward_hook(lambda _, args, out: seen.append((args[0], out))) for layer in model.layers]
+    try:
+        model.hidden(canvas.tokens, canvas.positions, lambda _, q, k, v: attention(q, k, v, mask))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for row, valid in enumerate(canvas.valid):
+        expected = [1 - torch.nn.functional.cosine_similarity(x[row, valid], out[row, valid], dim=-1).mean().item()
+                    for x, out in seen]
+        assert got[row] == pytest.approx(expected, rel=1e-5, abs=1e-6)  # cosines in float32
 
 
 def test_maskkv_online_importance_is_each_rows_own():

@@ -29,6 +29,7 @@ import nanodllm.experts as experts_module
 from nanodllm import block, fused_mlp
 from nanodllm.config import GenerationConfig, ModelConfig
 from nanodllm.fused import fuse
+from nanodllm.generation import generate
 from nanodllm.kernels.expert_linear import expert_linear
 from nanodllm.attention import attention
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, random_weights
@@ -266,6 +267,15 @@ def test_a_prompt_token_equal_to_the_mask_id_is_never_decoded():
     result = block.generate(model, [prompt], gen, stop_ids=())
     assert result.tokens[0] == cache_free_generate(model, prompt, gen)
     assert result.forwards == 3 + 1 + 2 * (4 + 1), "3 steps for the 3 masks of block 1, then 2 full blocks"
+
+
+def test_generate_decodes_an_moe_model_on_the_block_engine():
+    """nanodllm.generate routes LLaDA2 (and SDAR-MoE), block-causal, to the block engine's loop."""
+    model = tiny_model("llada2_moe")
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=4)
+    prompts = [random_prompt(5, seed=4), random_prompt(9, seed=5)]
+    result, expected = generate(model, prompts, gen, stop_ids=()), block.generate(model, prompts, gen, stop_ids=())
+    assert (result.tokens, result.forwards) == (expected.tokens, expected.forwards)
 
 
 BLOCK_METHODS = sorted(name for name, engine in CONTRACT if engine == "block" and name != "dense")

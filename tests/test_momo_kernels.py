@@ -187,6 +187,22 @@ def test_block_sparse_matches_the_reference(n, chi_tiles, beta, listed, mask, gr
     assert bool((lse[~seen] == float("-inf")).all())
 
 
+def test_block_sparse_key_padding_is_each_batch_rows_own():
+    """Two batch rows padded differently (the first not at all, the second from key 40): each row's keys
+    are hidden by its own k_valid, and read from its own K and V."""
+    generator = torch.Generator().manual_seed(11)
+    n = 3 * BLOCK_M
+    q = randn(2, 2, n, 16, generator=generator, dtype=torch.float16)
+    k, v = (randn(2, 1, n, 16, generator=generator, dtype=torch.float16) for _ in range(2))
+    valid = torch.ones(2, n, dtype=torch.bool, device=DEVICE)
+    valid[1, 40:] = False
+    lists = torch.arange(-(-n // 16), dtype=torch.int32, device=DEVICE).expand(2, 2, 3, -1).contiguous()
+    out, lse = block_sparse_attention(q, k, v, lists, chi=BLOCK_M, beta=16, k_valid=valid)
+    ref_out, ref_lse = block_sparse_attention_reference(q, k, v, lists, chi=BLOCK_M, beta=16, k_valid=valid)
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
 def test_block_sparse_gaps_read_nothing_and_empty_lists_see_nothing():
     """A list entry < 0 is skipped even where block 0 holds NaN values, and a list of length 0 gives
     every row out = 0 and lse = -inf."""

@@ -32,6 +32,21 @@ def test_union_ratio_is_one_when_every_query_is_the_same():
     assert 1.0 <= spread <= 3.0  # at most the whole 12-token prefix
 
 
+def test_a_row_shorter_than_k_adds_only_its_own_keys_to_the_union():
+    """Every query the same: a row of 12 keys unites k = 4 of them (1.0), a row of 2 its 2 (0.5 of k)."""
+    q = torch.randn(1, 1, 1, 8, generator=torch.Generator().manual_seed(0)).expand(2, 2, 3, 8)
+    k_cache = torch.randn(2, 20, 1, 8, generator=torch.Generator().manual_seed(1))
+    assert recall.union_ratio(q, k_cache, torch.tensor([12, 2]), 4) == 0.75
+
+
+def test_the_summary_averages_each_bucket_of_consecutive_steps():
+    """Steps 1-4 and 5-8 of a layer in two rows of the table, each the mean of its own steps' accuracy."""
+    accuracies = [1.0, 0.75, 1.0, 0.75, 0.5, 0.25, 0.5, 0.25]
+    records = [recall.Record(0, step, 1, a, (a,), None) for step, a in enumerate(accuracies)]
+    lines = recall.summarise(records).splitlines()
+    assert lines[:4] == ["| steps | layer 1 |", "|---|---|", "| 1-4 | 0.875 |", "| 5-8 | 0.375 |"]
+
+
 def run(method, prompts):
     records = recall.attach(method)
     block.generate(tiny_model("sdar"), prompts, GEN, method=method, stop_ids=())

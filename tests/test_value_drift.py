@@ -62,6 +62,30 @@ def test_most_drifted_matches_stable_sort(batch, rows, levels, count_fraction, n
     assert torch.equal(most_drifted(drift, count), most_drifted_reference(drift, count))
 
 
+def test_a_row_of_zeros_drifts_by_one_as_torch_clamps_its_norm():
+    """cosine_similarity clamps each norm at eps, so a zero vector (new, cached or both) has cosine 0:
+    drift 1, not 0 / 0."""
+    generator = torch.Generator().manual_seed(0)
+    new = torch.randn(2, 3, 5, 16, generator=generator).to(DEVICE)
+    cached = torch.randn(2, 3, 5, 16, generator=generator).to(DEVICE)
+    new[:, :, 0] = 0.0
+    cached[:, :, 1] = 0.0
+    new[:, :, 2] = cached[:, :, 2] = 0.0
+    expected = value_drift_reference(new, cached.clone())
+    drift = value_drift(new, cached)
+    torch.testing.assert_close(drift, expected, atol=1e-5, rtol=1e-5)
+    assert drift[:, :3].tolist() == [[1.0] * 3] * 2
+
+
+def test_drifts_just_below_zero_rank_as_the_sort_places_them():
+    """1 - cos is a little negative where the cosine rounds above 1: such rows rank below every positive
+    drift and by row among equals, also in a last tile of rows only partly filled."""
+    generator = torch.Generator().manual_seed(1)
+    drift = (torch.randint(-2, 3, (2, 50), generator=generator).float() * 6e-8).to(DEVICE)
+    for count in (10, 50):
+        assert torch.equal(most_drifted(drift, count), most_drifted_reference(drift, count))
+
+
 def test_most_drifted_of_a_strided_view():
     drift = torch.rand(2, 50, generator=torch.Generator().manual_seed(0)).to(DEVICE)[:, ::2]
     assert torch.equal(most_drifted(drift, 7), most_drifted_reference(drift, 7))
