@@ -331,3 +331,15 @@ def test_a_prefill_a_row_at_a_time_decodes_and_caches_as_one_pass(name, model_ty
     if model_type == "sdar":
         for mine, theirs in zip(apart.cache.keys, whole.cache.keys):
             torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "low_confidence_dynamic"])
+def test_a_confidence_equal_to_the_threshold_does_not_clear_it(remasking):
+    """The threshold rule counts the positions strictly above it (LLaDA2's and SDAR's confidence >
+    threshold): three at 0.5 and one at 0.9 put one over 0.5, enough for a count of 1, too few for 2."""
+    confidence = torch.tensor([[0.5, 0.5, 0.9, 0.5, float("-inf")]])
+    masked = torch.tensor([[True, True, True, True, False]])
+    one = block.choose(confidence, masked, torch.tensor([1]), remasking, 0.5)
+    assert one.tolist() == [[False, False, True, False, False]]
+    two = block.choose(confidence, masked, torch.tensor([2]), remasking, 0.5)
+    assert two.sum().item() == 2 and two[0, 2]

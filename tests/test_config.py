@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanodllm.attention import attention
-from nanodllm.config import PRESETS, ModelConfig, preset
+from nanodllm.config import PRESETS, ModelConfig, default_block_length, default_threshold, preset
 from nanodllm.loader import build_empty, random_weights
 from nanodllm.model import Model, Rope
 from tiny_models import tiny_config, tiny_model
@@ -289,3 +289,27 @@ def test_llada2_routing_fields_are_refused_exactly_past_their_bounds(fields, ref
         return
     with pytest.raises(ValueError, match=re.escape(refused)):
         tiny_config("llada2_moe", **fields)
+
+
+@pytest.mark.parametrize("model_type, block_length, threshold", [
+    ("llada", 32, None), ("Dream", 100, None), ("sdar", 4, None), ("llada2_moe", 4, 0.95), ("Fast_dLLM_Qwen", 4, None)])
+def test_each_family_decodes_with_its_reference_block_length_and_threshold(model_type, block_length, threshold):
+    """Unless told: LLaDA's blocks of 32 (at most the response), Dream's whole response, the config's
+    block size on the block engine; a threshold of 0.95 for LLaDA2 only (its generate())."""
+    qwen2 = model_type in ("Dream", "Fast_dLLM_Qwen")
+    cfg = ModelConfig.from_dict({**QWEN2_RAW, "model_type": model_type, "bd_size": 4}) if qwen2 else tiny_config(
+        model_type)
+    assert default_block_length(cfg, 100) == block_length
+    assert default_block_length(cfg, 8) == (8 if model_type in ("llada", "Dream") else 4)
+    assert default_threshold(cfg) == threshold
+
+
+def test_with_context_only_ever_stretches_the_rope():
+    """A config already stretched past a length keeps its stretch (a shorter context would shrink the
+    positions it was asked to cover); a longer one stretches it further."""
+    cfg = tiny_config("sdar")
+    trained = cfg.max_position_embeddings
+    stretched = cfg.with_context(4 * trained)
+    assert stretched.rope_ntk_factor == 4.0 and stretched.context_length == 4 * trained
+    assert stretched.with_context(2 * trained) == stretched
+    assert stretched.with_context(8 * trained).rope_ntk_factor == 8.0

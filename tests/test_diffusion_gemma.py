@@ -94,6 +94,15 @@ def test_self_conditioned_step_matches_transformers():
 
 
 @torch.no_grad()
+def test_a_certain_distribution_self_conditions_as_its_tokens_embedding():
+    """softmax(logits) E sqrt(hidden) of logits sure of one token is that token's embedding, scale included
+    (the pre_norm after it all but hides a missing scale from the goldens)."""
+    ids = torch.tensor([[3, 0, 255, 17]])
+    sure = torch.zeros(1, 4, MODEL.cfg.vocab_size).scatter(-1, ids[..., None], 1e4)
+    torch.testing.assert_close(MODEL.soft_embedding(sure), MODEL.embed(ids), rtol=1e-3, atol=1e-5)
+
+
+@torch.no_grad()
 def test_commit_and_next_step_match_transformers():
     _, cache = first_step()
     MODEL.encode(GOLDEN["committed"], cache)

@@ -2,6 +2,7 @@
 on the tiny Dream-format checkpoint (tests/fixtures/dream_tiny), ragged batches, every algorithm, and
 the sampling filters."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,18 @@ def test_dyllm_takes_the_papers_tau_for_dream_unless_given():
     given = get_method("dyllm", tau=0.9)
     generate(MODEL, PROMPTS, gen, given)
     assert given.threshold == 0.9
+
+
+@pytest.mark.parametrize("alg", ["maskgit_plus", "entropy"])
+def test_the_top_k_and_top_p_filters_shape_the_confidence(alg):
+    """The confidence is of the filtered distribution, as Dream's sample_tokens computes it: keeping the
+    best two of e^4, e^3, ... leaves p = 1 / (1 + e^-1) for the best."""
+    from nanodllm.dream import sample_tokens
+
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
+    p = 1 / (1 + math.exp(-1))
+    want = p if alg == "maskgit_plus" else p * math.log(p) + (1 - p) * math.log(1 - p)
+    for knobs in ({"top_k": 2}, {"top_p": 0.7}):
+        confidence, tokens = sample_tokens(logits, 0.0, DreamSampling(alg=alg, **knobs))
+        assert tokens.tolist() == [0, 4]
+        torch.testing.assert_close(confidence, torch.full((2,), want), rtol=1e-5, atol=1e-6)

@@ -260,3 +260,54 @@ def test_a_selecting_layer_reads_at_most_its_keys_of_each_cached_row():
     meter = Meter()
     meter.count(Stated(most=4), SimpleNamespace(cache=cache))
     assert meter.stats() == {"kv_kept": 20 / 26}
+
+
+def test_the_summary_averages_each_length_over_its_samples():
+    """A length's accuracy is over all its samples, not a mean of its cells' (3 of 4 and 0 of 1 make 3/5)."""
+    results = {"dense": {(1024, 0.0): evaluation.Outcome(scores=[1.0, 1.0, 1.0, 0.0]),
+                         (1024, 1.0): evaluation.Outcome(scores=[0.0]),
+                         (2048, 0.0): evaluation.Outcome(scores=[1.0])}}
+    assert evaluation.summary(results, ["dense"]) == {"dense": {1024: pytest.approx(3 / 5), 2048: 1.0}}
+
+
+def test_a_journal_resumed_twice_keeps_every_finished_run_once(tmp_path):
+    """A last line cut short by an interruption is dropped on resume, so runs added after it survive the next."""
+    path, settings = tmp_path / "eval.jsonl", {"n": "4"}
+    first = evaluation.Journal(path, settings)
+    first.add({"key": "dense @ 0", "scores": [1.0]})
+    with path.open("a") as file:
+        file.write('{"key": "dense @ 2", "sco')
+    second = evaluation.Journal(path, settings)
+    assert list(second.done) == ["dense @ 0"]
+    second.add({"key": "dense @ 2", "scores": [0.0]})
+    third = evaluation.Journal(path, settings)
+    assert third.done == {"dense @ 0": {"key": "dense @ 0", "scores": [1.0]},
+                          "dense @ 2": {"key": "dense @ 2", "scores": [0.0]}}
+    assert len(path.read_text().splitlines()) == 3
+
+
+def test_a_refused_run_leaves_a_journal_only_when_it_holds_finished_runs(tmp_path):
+    path, settings = tmp_path / "eval.jsonl", {"n": "4"}
+    evaluation.Journal(path, settings).forget_unless_resumable()
+    assert not path.exists()
+    journal = evaluation.Journal(path, settings)
+    journal.add({"key": "dense @ 0", "scores": [1.0]})
+    journal.forget_unless_resumable()
+    assert list(evaluation.Journal(path, settings).done) == ["dense @ 0"]
+
+
+class SteppingRunner(BatchOfThreeSeconds):
+    """A Runner whose sample i of every batch decodes 1 + i tokens per denoising step (DiffusionGemma's sampler)."""
+
+    def generate(self, chunk, name):
+        outcome = super().generate(chunk, name)
+        outcome.tokens_per_step = [1.0 + i for i in range(len(chunk))]
+        return outcome
+
+
+def test_each_cell_gets_its_own_samples_tokens_per_step():
+    samples = make_samples("passkey", 128, 4, seed=0, depths=[0.0, 1.0])
+    results = evaluation.evaluate(SteppingRunner(), samples, ["dense"], batch=2)
+    assert {cell: o.tokens_per_step for cell, o in results["dense"].items()} == {(128, 0.0): [1.0, 1.0],
+                                                                                  (128, 1.0): [2.0, 2.0]}
+    assert evaluation.table(results, ["dense"]).splitlines()[2].endswith(" | 1.00 |")

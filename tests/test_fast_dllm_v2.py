@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanodllm import block, generation
+from nanodllm import block, fast_dllm_v2, generation
 from nanodllm.attention import attention, block_causal_mask
 from nanodllm.config import GenerationConfig
 from nanodllm.fast_dllm_v2 import generate
@@ -148,3 +148,33 @@ def test_block_methods_with_a_full_budget_decode_dense_tokens(name, knobs):
 def test_block_methods_with_a_tiny_budget_differ(name, knobs):
     dense = generate(MODEL, LONG_PROMPTS, GEN).tokens
     assert generate(MODEL, LONG_PROMPTS, GEN, get_method(name, **knobs)).tokens != dense
+
+
+def test_threshold_zero_unmasks_each_sub_block_in_one_step_as_the_reference():
+    """Threshold 0 is a threshold (every masked position of the sub-block clears it), not "unset"
+    (1: one token a step)."""
+    stop_token = MODEL.cfg.eos_token_ids[0]
+    want = [reference(p, 12, 0.0, 2, stop_token) for p in PROMPTS]
+    assert ours(PROMPTS, 12, 0.0, 2, stop_token) == want
+    assert want != [reference(p, 12, 1.0, 2, stop_token) for p in PROMPTS]
+
+
+def test_a_gen_length_between_blocks_decodes_its_whole_blocks_as_the_reference():
+    """gen_length // B blocks, as the reference's max_new_tokens // bd_size: 10 tokens are two blocks."""
+    stop_token = MODEL.cfg.eos_token_ids[0]
+    assert ours(PROMPTS, 10, 0.2, 2, stop_token) == [reference(p, 10, 0.2, 2, stop_token) for p in PROMPTS]
+
+
+def test_a_probability_equal_to_the_threshold_does_not_clear_it(monkeypatch):
+    """Positions are unmasked above the threshold (the reference's x1_p > threshold): with every
+    probability at 0.5, threshold 0.5 takes one token a step, as 0.75 does."""
+    original = fast_dllm_v2.sample_with_top_p
+
+    def halves(*args, **kwargs):
+        tokens, probs = original(*args, **kwargs)
+        return tokens, torch.full_like(probs, 0.5)
+
+    monkeypatch.setattr(fast_dllm_v2, "sample_with_top_p", halves)
+    at, above = (generate(MODEL, PROMPTS, GenerationConfig(gen_length=8, block_length=SIZE, steps=1, threshold=t),
+                          stop_ids=(), sub_block=2) for t in (0.5, 0.75))
+    assert at.tokens == above.tokens and at.forwards == above.forwards

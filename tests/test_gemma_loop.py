@@ -183,6 +183,28 @@ def test_the_deterministic_mode_equals_a_plain_argmax_loop(knobs):
     assert (max(map(sum, result.steps_per_canvas)) < 3 * STEPS) == bool(knobs)
 
 
+@pytest.mark.parametrize("threshold", [0, 1, 2])
+def test_a_canvas_ends_no_sooner_than_its_argmax_has_held_for_the_stability_threshold(threshold):
+    """Every step confident (a threshold above log 256): a canvas ends at its first step with stability 0,
+    after at least 1 + threshold steps else (the argmax canvas equal to the last `threshold` ones)."""
+    sampling = GemmaSampling(stability_threshold=threshold, confidence_threshold=6.0, sample=False, seed=7)
+    result = generate(MODEL, RUNS["sampled"]["prompts"], GenerationConfig(gen_length=16, block_length=8, steps=4),
+                      stop_ids=(), sampling=sampling)
+    steps = [n for row in result.steps_per_canvas for n in row]
+    assert all(n == 1 for n in steps) if threshold == 0 else all(n >= 1 + threshold for n in steps)
+
+
+def test_a_length_between_canvases_decodes_the_canvas_it_reaches_into():
+    """gen_length 12 of canvases of 8: two whole canvases, the tokens a length of 16 decodes."""
+    sampling = GemmaSampling(sample=False, seed=3)
+    prompts = RUNS["sampled"]["prompts"]
+    run = lambda length: generate(MODEL, prompts, GenerationConfig(gen_length=length, block_length=8, steps=2),
+                                  stop_ids=(), sampling=sampling)
+    result = run(12)
+    assert [len(tokens) for tokens in result.tokens] == [16, 16] and len(result.steps_per_canvas[0]) == 2
+    assert result.tokens == run(16).tokens
+
+
 # ------------------------------------------------------------------------------------------------
 # bad input
 

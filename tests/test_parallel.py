@@ -306,6 +306,7 @@ NOT_DIVIDING = [  # (model, its config's changes, ranks, the number named); 4 KV
     ("sdar", dict(intermediate_size=66), 4, "intermediate_size=66"),
     ("llada2_moe", dict(num_experts=6, n_group=2, topk_group=1), 4, "moe.num_experts=6"),
     ("llada2_moe", dict(moe_intermediate_size=15), 2, "moe.shared_size=15"),
+    ("llada2_moe", dict(intermediate_size=66), 4, "intermediate_size=66"),  # the width of its dense layer 0
 ]
 
 
@@ -438,6 +439,42 @@ def test_the_ranks_grouped_experts_sum_to_the_whole_layer(model, world, kernels_
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert (sum(shares) - expected).abs().max() <= tolerance * expected.abs().max()
     assert not any(torch.allclose(share, expected, atol=1e-3) for share in shares), "each rank holds a part only"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_ranks_embedding_rows_sum_to_the_whole_embedding_of_every_id(world, monkeypatch):
+    """Each rank's VocabParallelEmbedding, its all-reduce left out, gives its rows' embeddings and zeros
+    elsewhere: summed over the ranks, every id's (the first and last of each shard too) whole row."""
+    cfg = random_config("sdar")
+    embedding = lambda group: build_random(cfg, dtype=torch.float32, seed=3, group=group).embed_tokens
+    monkeypatch.setattr(Group, "all_reduce", lambda group, y: y)
+    ids = torch.arange(cfg.vocab_size).view(2, -1)
+    with torch.no_grad():
+        expected = embedding(SINGLE)(ids)
+        shares = [embedding(Group(rank, world))(ids) for rank in range(world)]
+    assert all((share != 0).any(dim=-1).sum() == cfg.vocab_size // world for share in shares)
+    assert torch.equal(sum(shares), expected)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("model", ["llada2_moe", "sdar_moe"])
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_the_ranks_moe_layers_sum_to_the_whole_layer(model, world, fused, monkeypatch):
+    """MoE.forward (torch, no kernels) of the reference model's ExpertParallelMoE and of the fused model's FusedMoE
+    over each rank's experts and shared-expert part, its all-reduce left out: the ranks' outputs sum to one
+    process's."""
+    cfg = random_config(model)
+    x = torch.randn(3, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def layer(group):
+        if fused:
+            return build_random(cfg, dtype=torch.float64, seed=3, group=group).layers[1].mlp
+        return random_weights(build_empty(cfg, dtype=torch.float64, group=group), seed=3).layers[1].mlp
+    monkeypatch.setattr(Group, "all_reduce", lambda group, y: y)
+    with torch.no_grad():
+        expected = layer(SINGLE)(x)
+        shares = [layer(Group(rank, world))(x) for rank in range(world)]
+    torch.testing.assert_close(sum(shares), expected, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from hypothesis import given, strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from nanodllm.tasks import (
-    DEPTHS, FILLER_WORDS, KV_KEYS, KV_LINE, NAME_ADJECTIVES, NAME_ANIMALS, SENTENCE_TEMPLATES, TASKS, Sample,
+    DEPTHS, FILLER_WORDS, KV_KEYS, KV_LINE, MULTIKEY_NEEDLE, NAME_ADJECTIVES, NAME_ANIMALS, SENTENCE_TEMPLATES,
+    TASKS, Sample,
     classification_score, code_sim, corpus, count_score, count_words, exact_match, filler, length_tolerance,
     load_longbench, make_sample, make_samples, normalize_answer, qa_f1, retrieval_score, rouge_l, score,
 )
@@ -165,6 +166,25 @@ def test_an_8k_sample_is_fast():
     assert time.perf_counter() - start < 1.0  # about 50 ms for all three here
 
 
+@pytest.mark.parametrize("task", TASKS)
+def test_lengths_of_one_seed_share_the_needle_under_a_count_that_is_not_additive(task):
+    """A count that grows faster than its pieces' (words ** 1.1) makes the sample be rebuilt at a rescaled
+    budget: from the same draws, so every length and depth of one seed still holds the same needle."""
+    count = lambda text: int(count_words(text) ** 1.1)
+    samples = [make_sample(task, length, depth, seed=7, count_tokens=count) for length in (128, 512, 2048)
+               for depth in (0.0, 0.5)]
+    assert len({sample.answer for sample in samples}) == 1
+    assert samples[0].answer == make_sample(task, 128, 0.5, seed=7).answer
+
+
+@given(seed=seeds, length=lengths)
+def test_multikey_meta_pairs_each_distractor_with_the_number_its_needle_gives(seed, length):
+    sample = make_sample("multikey", length, 0.5, seed)
+    assert len(sample.meta["distractors"]) == 3
+    for name, number in sample.meta["distractors"]:
+        assert MULTIKEY_NEEDLE.format(name=name, number=number) in sample.prompt
+
+
 def test_make_samples_cycles_depths_and_differs_per_sample():
     samples = make_samples("passkey", 128, 7, seed=3)
     assert [s.depth for s in samples] == [*DEPTHS, *DEPTHS[:2]]
@@ -235,6 +255,11 @@ def test_code_sim_by_hand():
     assert code_sim("// only a comment", ["x"]) == 0.0
 
 
+def test_code_sim_rounds_the_ratio_to_the_nearest_percent():
+    # "ab" in "abcd": difflib ratio = 2 * 2 / 6 = 0.666..., fuzz.ratio 67
+    assert code_sim("ab", ["abcd"]) == 0.67
+
+
 def test_classification_retrieval_and_count_scores():
     classes = ["Location", "Description", "Entity", "Human being", "Human"]
     # "Human" is dropped as a proper part of the answer "Human being": one class left -> 1.0
@@ -284,3 +309,9 @@ def test_score_rejects_unknown_tasks():
     sample = Sample("dureader", "p", "a", ("a",), 1, math.nan, {})
     with pytest.raises(ValueError, match="no metric for task 'dureader'"):
         score(sample, "a")
+
+
+def test_a_first_line_dataset_scores_the_first_line_after_leading_newlines(tmp_path):
+    """LongBench strips the reply's leading newlines before taking trec's, triviaqa's and samsum's first line."""
+    (sample,) = load_longbench(write_jsonl(tmp_path / "lb.jsonl", [{**RECORD, "dataset": "samsum"}]))
+    assert score(sample, "\n\nthe cat\nsat on the mat") == 1.0
