@@ -136,7 +136,6 @@ def test_demo_maskkv_on_the_default_model():
     assert f"maskkv gave {verdict}: " in done.stdout
 
 
-
 def test_demo_counts_the_tokens_that_agree_and_the_speed_ratio():
     """The verdict line: how many of the 32 tokens agree (fewer than all where the answers differ, as
     8 keys of 527 make them on a CPU) and dense's seconds over the method's, as the runs print them

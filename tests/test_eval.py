@@ -109,7 +109,6 @@ def test_table_rows_have_as_many_columns_as_the_header(methods):
     assert lines[2].startswith("| 1024 | 0.50 | 2 | 0.500 | ") and lines[2].endswith(" | 6.0 |")
 
 
-
 def test_each_method_shows_its_own_accuracy_agreement_and_speed():
     dense = evaluation.Outcome(scores=[1.0, 1.0], tokens=[[1, 2], [3, 4]], seconds=1.0, kv_kept=[1.0, 1.0])
     other = evaluation.Outcome(scores=[0.0, 1.0], tokens=[[1, 5], [3, 4]], seconds=0.5, kv_kept=[0.5, 0.25])
@@ -151,7 +150,6 @@ def test_method_all_runs_the_methods_of_the_models_engine(capsys):
     assert code == 0, err
     header = next(line for line in out.splitlines() if line.startswith("| cell"))
     assert "mage acc" in header and "quest acc" in header and "maskkv" not in header and "dyllm" not in header
-
 
 
 def test_sweep_depth_grids_read_back():

@@ -105,7 +105,6 @@ def test_stop_tokens_end_a_row_as_in_the_reference():
             assert ours([prompt], 12, 0.2, 2, stop_token) == [want]
 
 
-
 def test_a_stop_token_in_the_prompt_stops_nothing():
     """Only generated tokens stop a row, as in the reference: a prompt whose last block holds the stop
     token (as a chat prompt's <|im_end|> sits in its last block), at its first column or mid-block."""

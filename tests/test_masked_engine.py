@@ -166,7 +166,6 @@ def test_bad_inputs_are_named():
         GenerationConfig(gen_length=0)
 
 
-
 def test_until_stop_cuts_before_the_first_stop_token():
     assert until_stop([5, 6, 9, 7, 8], {8, 9}) == [5, 6]
     assert until_stop([5, 6], (9,)) == [5, 6] and until_stop([9, 5], (9,)) == []

@@ -47,7 +47,6 @@ def test_salient_rows_match_the_reference(batch, rows, values, fraction, capped,
         assert torch.equal(g, w), name
 
 
-
 def test_unmoved_contexts_tie_at_a_cosine_of_exactly_one():
     """A context that did not move has cosine s / sqrt(s * s), exactly 1 when rounded correctly (torch's
     float32 sqrt on some CPUs is an ulp off): its ties go to the lower row in both forms. Seed 175's 25

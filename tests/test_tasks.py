@@ -136,7 +136,6 @@ def test_prompt_length_is_within_tolerance(task, length, count_tokens):
         assert abs(count(sample.prompt) - length) <= max(0.03 * length, 16)
 
 
-
 @given(tasks, st.integers(128, 1024), depths, seeds)
 def test_an_additive_count_lands_within_half_a_piece_of_the_length(task, length, depth, seed):
     """count_words adds up over pieces, so the prompt stops within half of its longest possible piece of
