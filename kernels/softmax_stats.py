@@ -10,9 +10,11 @@ argmax) that is some twenty passes over [batch, 256, V] floats, V = 262,144, and
 program owns a row: pass 1 writes `scaled` and finds the max (lane by lane, then the first index among the
 lanes at it), pass 2 sums e and e (z - max), pass 3 draws (and writes p when asked). z is rounded as torch
 rounds logits / T on the logits' device (a GPU multiplies by the float32 reciprocal of a host scalar, a CPU
-divides): `scaled` is torch's to the bit. exp is Triton's and the sums run in another order: p differs from
-torch's softmax (softmax_stats_reference) in the last bits, the draw being exactly multinomial's of this p,
-and a sharp row's entropy comes closer to its exact value than the Categorical's."""
+divides), and the launch sets enable_fp_fusion=False: an FMA of z's product and the max's subtraction would
+shift p by up to half of z's last bit. `scaled` is torch's to the bit. exp is Triton's and the sums run in
+another order: p differs from torch's softmax (softmax_stats_reference) in the last bits, the draw being
+exactly multinomial's of this p, and a sharp row's entropy comes closer to its exact value than the
+Categorical's."""
 
 from __future__ import annotations
 
@@ -124,7 +126,8 @@ def softmax_stats(logits: torch.Tensor, temperature: torch.Tensor, dtype: torch.
         softmax_stats_kernel[(rows,)](logits, scaled, argmax, entropy, drawn,
                                       logits if exponential is None else exponential,
                                       logits if probs_out is None else probs_out, divisor.item(), width,
-                                      RECIPROCAL=reciprocal, SAMPLE=sample, PROBS=probs, BLOCK=BLOCK, num_warps=8)
+                                      RECIPROCAL=reciprocal, SAMPLE=sample, PROBS=probs, BLOCK=BLOCK, num_warps=8,
+                                      enable_fp_fusion=False)
     return Stats(scaled, argmax, entropy, drawn, probs_out)
 
 
