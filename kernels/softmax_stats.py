@@ -5,16 +5,14 @@ Per row of logits [..., V] (float32) and a temperature T, with z = logits / T, e
     entropy = -sum p log p = log S - sum(e (z - max z)) / S; drawn = a token from p = e / S: with q ~ Exp(1)
     per logit, the first index of max p / q (torch.multinomial's one-sample draw: the same q from the same
     generator state, the same token), else of max p.
-In torch (a division, a cast, softmax, argmax, a Categorical's entropy, multinomial's checks, division and
-argmax) that is some twenty passes over [batch, 256, V] floats, V = 262,144, and two host syncs. Here a
-program owns a row: pass 1 writes `scaled` and finds the max (lane by lane, then the first index among the
-lanes at it), pass 2 sums e and e (z - max), pass 3 draws (and writes p when asked). z is rounded as torch
-rounds logits / T on the logits' device (a GPU multiplies by the float32 reciprocal of a host scalar, a CPU
-divides), and the launch sets enable_fp_fusion=False: an FMA of z's product and the max's subtraction would
-shift p by up to half of z's last bit. `scaled` is torch's to the bit. exp is Triton's and the sums run in
-another order: p differs from torch's softmax (softmax_stats_reference) in the last bits, the draw being
-exactly multinomial's of this p, and a sharp row's entropy comes closer to its exact value than the
-Categorical's."""
+In torch (a division, a cast, softmax, argmax, a Categorical's entropy, multinomial's draw) that is some
+twenty passes over [batch, 256, V] floats, V = 262,144, and two host syncs. Here a program owns a row: pass 1
+writes `scaled` and finds the max, pass 2 sums e and e (z - max), pass 3 draws (and writes p when asked). z is
+rounded as torch rounds logits / T on the logits' device (a GPU multiplies by the float32 reciprocal of a host
+scalar, a CPU divides): `scaled` is torch's to the bit, and p is computed from that z (enable_fp_fusion=False:
+no FMA of the product and the max's subtraction). With Triton's exp and the sums in another order, p differs
+from softmax_stats_reference's in the last bits, the draw is exactly multinomial's of this p, and a sharp
+row's entropy comes closer to its exact value than the Categorical's."""
 
 from __future__ import annotations
 
