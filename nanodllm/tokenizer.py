@@ -223,16 +223,15 @@ def _add_tokens(hf_tokenizer: HFTokenizer, added_tokens_decoder: dict) -> None:
 
 
 def _chat_template(directory: Path, tokenizer_config: dict):
-    template = tokenizer_config.get("chat_template")
+    """chat_template.jinja where the checkpoint has one, else tokenizer_config.json's chat_template: the
+    file wins, as in transformers' from_pretrained."""
     jinja_file = directory / "chat_template.jinja"
-    if template is None and jinja_file.is_file():
-        return jinja_file.read_text()
-    return template
+    return jinja_file.read_text() if jinja_file.is_file() else tokenizer_config.get("chat_template")
 
 
 def _qwen25_system_prompt(chat_template) -> str:
     """The literal '<|im_start|>system\\n...<|im_end|>\\n' of the no-tools branch of the checkpoint's
-    chat template (tokenizer_config.json's chat_template, else chat_template.jinja); a template without
+    chat template (chat_template.jinja, else tokenizer_config.json's chat_template); a template without
     one is a ValueError. Without a template it is ASSUMED to be "You are a helpful assistant."
     (Qwen2.5-*-Instruct's own templates say "You are Qwen, created by Alibaba Cloud. You are a helpful
     assistant.")."""

@@ -248,6 +248,13 @@ def test_default_system_prompt_from_chat_template_jinja(tmp_path):
     assert Tokenizer.from_dir(directory, "Fast_dLLM_Qwen").default_system_prompt == QWEN_SYSTEM_PROMPT
 
 
+def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path):
+    """A checkpoint with both templates reads the file's, as transformers' from_pretrained does."""
+    directory = qwen2_bpe_checkpoint(tmp_path / "ckpt", {"chat_template": TEMPLATES["qwen2.5"]["chat_template"]})
+    (directory / "chat_template.jinja").write_text(TEMPLATES["qwen2.5-you-are-qwen"]["chat_template"])
+    assert Tokenizer.from_dir(directory, "Dream").default_system_prompt == QWEN_SYSTEM_PROMPT
+
+
 @pytest.mark.parametrize("template", ["llada", "sdar", "{{ messages }}"])
 def test_template_that_is_not_qwen25_chatml_raises(tmp_path, template):
     chat_template = TEMPLATES[template]["chat_template"] if template in TEMPLATES else template
