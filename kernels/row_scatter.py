@@ -90,9 +90,11 @@ def put_rows_where(dst, rows, ok, src, delta: bool = False):
 
 
 def put_rows_where_reference(dst, rows, ok, src, delta: bool = False):
-    """Plain torch: gather the old rows, select, scatter back (and the difference in src's dtype)."""
+    """Plain torch: gather the old rows, select, scatter back (and the difference, in fp32 or src's dtype
+    where wider, rounded to src's dtype)."""
     index = rows.long()[:, None, :, None].expand(-1, dst.shape[1], -1, dst.shape[3])
     old = dst.gather(2, index)
     new = torch.where(ok[:, None, :, None], src.to(dst.dtype), old)
     dst.scatter_(2, index, new)
-    return (new.to(src.dtype) - old.to(src.dtype)) if delta else None
+    wide = torch.promote_types(src.dtype, torch.float32)
+    return (new.to(wide) - old.to(wide)).to(src.dtype) if delta else None

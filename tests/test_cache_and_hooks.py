@@ -147,3 +147,32 @@ def test_a_knob_value_parses_as_a_bool_an_int_a_float_or_text():
     parsed = parse_knobs("k=64, ratio=0.5,sparse_commit=True,mode=dual,tau=1e-3")
     assert parsed == {"k": 64, "ratio": 0.5, "sparse_commit": True, "mode": "dual", "tau": 1e-3}
     assert [type(value) for value in parsed.values()] == [int, float, bool, str, float]
+
+
+@pytest.mark.parametrize("tokens", [3, 17])
+def test_cache_write_kernel_takes_each_caches_own_layout(tokens):
+    """The K and V caches go through their own strides: a V cache laid out [batch, heads, capacity, dim]
+    in memory (seen as [batch, capacity, heads, dim]) beside a contiguous K cache gets the same writes as
+    the torch reference gives it."""
+    from nanodllm.kernels.cache_write import cache_write, cache_write_reference
+    from tests.device import DEVICE
+
+    generator = torch.Generator().manual_seed(tokens)
+    batch, heads, capacity, dim = 2, 3, 30, 8
+    cache_k = torch.randn(batch, capacity, heads, dim, generator=generator).to(DEVICE)
+    cache_v = torch.randn(batch, heads, capacity, dim, generator=generator).to(DEVICE).transpose(1, 2)
+    k, v = (torch.randn(batch, heads, tokens, dim, generator=generator).to(DEVICE) for _ in range(2))
+    lengths = torch.tensor([4, 11], device=DEVICE)
+    expected_k, expected_v = cache_k.clone(), cache_v.clone()
+    cache_write_reference(expected_k, expected_v, k, v, lengths)
+    cache_write(cache_k, cache_v, k, v, lengths)
+    assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v)
+
+
+def test_cache_write_kernel_refuses_a_v_of_another_dtype():
+    """The write is a copy, no conversion: k, v and both caches share one dtype, v included."""
+    from nanodllm.kernels.cache_write import cache_write
+
+    cache, block = torch.zeros(2, 16, 2, 8), torch.zeros(2, 2, 4, 8)
+    with pytest.raises(ValueError, match="one dtype"):
+        cache_write(cache, cache, block, block.half(), torch.tensor([0, 1]))

@@ -390,3 +390,85 @@ def test_a_cache_of_another_head_dim_is_refused():
     lse = torch.zeros(args["q"].shape[:3], device=DEVICE)
     with pytest.raises(ValueError, match="does not match q"):
         key_scores(args["q"], args["k_cache"], args["cache_lengths"], lse)
+
+
+def test_a_cache_of_another_batch_is_refused():
+    """q of 2 rows against caches of 4 (the rows of q would be read against the wrong cache rows): named
+    by every block-decode kernel."""
+    args = valid_inputs()
+    args["k_cache"], args["v_cache"] = (torch.cat([args[name]] * 2) for name in ("k_cache", "v_cache"))
+    with pytest.raises(ValueError, match="does not match q"):
+        decode_attention(**args)
+    args = sparse_inputs()
+    args["k_cache"], args["v_cache"] = (torch.cat([args[name]] * 2) for name in ("k_cache", "v_cache"))
+    with pytest.raises(ValueError, match="does not match q"):
+        sparse_decode_attention(**args)
+    lse = torch.zeros(args["q"].shape[:3], device=DEVICE)
+    with pytest.raises(ValueError, match="does not match q"):
+        key_scores(args["q"], args["k_cache"], args["cache_lengths"], lse)
+
+
+def test_a_cache_filled_to_capacity_is_taken():
+    """Keys up to the last slot of the cache are within the contract (L <= lengths <= capacity; a prefix of
+    max_length <= capacity): an int length equal to the capacity (attention.py's cache-free path gives
+    k.shape[2]), checked lengths and checked index lists that reach it, and key scores of a prefix that
+    fills the cache are computed, as their references give them."""
+    case = Case(prefixes=[20, 13], num_kv_heads=2, group=2, num_queries=4)
+    q, k, v, prefixes = case.tensors()
+    full = k[:, :24], v[:, :24]  # row 0's prefix + L fills all 24 slots
+    every = [cache.nan_to_num() for cache in full]  # one int length: row 1 attends to all 24 slots too
+    out, lse = decode_attention(q, *every, 24)
+    expected_out, expected_lse = decode_attention_reference(q, *every, 24)
+    assert_close(out, expected_out, case.dtype)
+    assert_lse_close(lse, expected_lse)
+    out, lse = decode_attention(q, *full, prefixes + 4, check_lengths=True)
+    expected_out, expected_lse = decode_attention_reference(q, *full, prefixes + 4)
+    assert_close(out, expected_out, case.dtype)
+    assert_lse_close(lse, expected_lse)
+    indices = torch.tensor([[[19, 3, 0], [7, 19, 2]], [[12, 0, 0], [5, 6, 0]]], device=DEVICE)
+    counts = torch.tensor([[3, 2], [1, 2]], device=DEVICE)
+    out, lse = sparse_decode_attention(q, *full, prefixes, indices, counts, check_indices=True)
+    expected_out, expected_lse = sparse_decode_attention_reference(q, *full, prefixes, indices, counts)
+    assert_close(out, expected_out, case.dtype)
+    assert_lse_close(lse, expected_lse)
+    prefix_cache = k[:, :20]  # row 0's prefix is the whole cache
+    scores = key_scores(q, prefix_cache, prefixes, expected_lse, max_length=20)
+    torch.testing.assert_close(scores, key_scores_reference(q, prefix_cache, prefixes, expected_lse),
+                               atol=1e-5, rtol=1e-3)
+
+
+def test_inputs_are_read_through_their_strides():
+    """Every tensor a block-decode kernel takes is read through its own strides: a V cache laid out
+    head-major ([batch, kv_heads, capacity, D] in memory) next to a K cache that is not, index lists and
+    counts as transposed views, and q and lse sliced out of a wider block (common.py's mask votes pass
+    such slices) give what their contiguous copies give the references."""
+    case = Case(prefixes=[37, 21], num_kv_heads=2, group=2, num_queries=8, dtype=torch.float16)
+    q_wide, k, v, prefixes = case.tensors()
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, head-major in memory
+    assert v.stride() != k.stride()
+    q = q_wide[:, :, 4:]  # the block's last 4 queries, a view of the 8
+    assert not q.is_contiguous()
+    out, lse = decode_attention(q, k, v, prefixes + 8)
+    expected_out, expected_lse = decode_attention_reference(q.contiguous(), k, v.contiguous(), prefixes + 8)
+    assert_close(out, expected_out, case.dtype)
+    assert_lse_close(lse, expected_lse)
+
+    indices = torch.tensor([[[0, 32, 5, 9], [2, 30, 8, 0]], [[16, 1, 0, 0], [4, 11, 12, 15]]], device=DEVICE)
+    counts = torch.tensor([[4, 3], [2, 4]], device=DEVICE)
+    strided_indices = indices.transpose(1, 2).contiguous().transpose(1, 2)
+    strided_counts = counts.t().contiguous().t()
+    assert not strided_counts.is_contiguous() and not strided_indices.is_contiguous()
+    out, lse = sparse_decode_attention(q, k, v, prefixes - 4, strided_indices, strided_counts, check_indices=True)
+    expected_out, expected_lse = sparse_decode_attention_reference(q.contiguous(), k, v.contiguous(), prefixes - 4,
+                                                                   indices, counts)
+    assert_close(out, expected_out, case.dtype)
+    assert_lse_close(lse, expected_lse)
+
+    _, wide_lse = decode_attention_reference(q_wide, k, v, prefixes + 8)
+    lse = wide_lse[:, :, 4:]  # the 4 queries' LSEs, a view
+    assert not lse.is_contiguous()
+    for reduce in ("mean", "sum"):
+        scores, dots = key_scores(q, k, prefixes, lse, reduce=reduce, with_dots=True)
+        expected = key_scores_reference(q.contiguous(), k, prefixes, lse.contiguous(), reduce=reduce, with_dots=True)
+        torch.testing.assert_close(scores, expected[0], atol=1e-5, rtol=1e-3)
+        torch.testing.assert_close(dots, expected[1], atol=1e-5, rtol=1e-3)

@@ -496,3 +496,28 @@ def test_a_method_reused_for_other_prompts_decodes_what_a_fresh_one_does():
     reused = get_method("dyllm", tau=0.9)
     generate(reused, [random_prompt(9, seed=5)])
     assert generate(reused) == generate(get_method("dyllm", tau=0.9))
+
+
+def test_row_scatter_delta_comes_in_the_sources_dtype():
+    """A float32 cache written from float16 rows: the cache gets the rows as the reference writes them, and
+    the delta comes in src's dtype (float16), the fp32 difference rounded to it, 0 where not ok."""
+    generator = torch.Generator().manual_seed(4)
+    dst = torch.randn(2, 2, 10, 24, generator=generator).to(DEVICE)
+    src = torch.randn(2, 2, 4, 24, generator=generator).to(dtype=torch.float16, device=DEVICE)
+    rows = torch.tensor([[1, 5, 7, 2], [0, 9, 3, 4]], device=DEVICE)
+    ok = torch.tensor([[True, False, True, True], [False, True, True, False]], device=DEVICE)
+    old, expected = dst.clone(), dst.clone()
+    put_rows_where_reference(expected, rows, ok, src)
+    delta = put_rows_where(dst, rows, ok, src, delta=True)
+    assert torch.equal(dst, expected) and delta.dtype == torch.float16
+    index = rows[:, None, :, None].expand(-1, 2, -1, 24)
+    difference = torch.where(ok[:, None, :, None], src.float() - old.gather(2, index), 0.0)
+    assert torch.equal(delta, difference.half())
+
+
+def test_row_scatter_refuses_flags_of_another_length():
+    """ok has one flag per listed row: a shorter ok is named, not read past its end."""
+    dst, src = torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 3, 8)
+    rows, ok = torch.tensor([[0, 2, 4]]), torch.tensor([[True, False]])
+    with pytest.raises(ValueError, match="rows and ok"):
+        put_rows_where(dst, rows, ok, src)

@@ -74,3 +74,12 @@ def test_loading_a_model_returns_once_the_side_thread_has_finished(monkeypatch):
     with pytest.raises(FileNotFoundError):  # a loading that fails waits too
         load_model(resolve_model("tiny-llada") / "nowhere", "cpu", torch.float32)
     assert finished == ["cpu", "cpu", "cpu"] and not first_use.STARTED
+
+
+def test_the_side_thread_is_a_daemon(monkeypatch):
+    """A daemon thread: a process that ends (a loading that fails, a CLI error) never waits for it."""
+    daemons = []
+    monkeypatch.setattr(first_use, "prepare", lambda device, dtype: daemons.append(threading.current_thread().daemon))
+    first_use.start("cuda:0", torch.float16)
+    first_use.wait()
+    assert daemons == [True]

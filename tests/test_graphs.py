@@ -1,6 +1,8 @@
 """Steps replayed from CUDA graphs (nanodllm/graphs.py): which steps share a recording (a method's
-step_kind and the engine's shapes), and, on a GPU, that graphed generation equals eager generation."""
+step_kind and the engine's shapes), the recordings' bookkeeping and replays on a CPU through a stand-in
+graph (FakeGraph), and, on a GPU, that graphed generation equals eager generation."""
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -9,9 +11,9 @@ import torch
 import nanodllm.graphs as graphs_module
 from nanodllm.cache import KVCache
 from nanodllm.generation import generate
-from nanodllm.graphs import Recordings, recordable, step_key
+from nanodllm.graphs import Recordings, Replayed, recordable, step_key
 from nanodllm.methods import get_method
-from nanodllm.methods.base import StepContext
+from nanodllm.methods.base import Method, StepContext
 
 
 def block_context(cache, block_index, step, steps=8, size=4, phase="step"):
@@ -295,3 +297,106 @@ def test_graphed_masked_engine_methods_equal_eager(monkeypatch, name, knobs, mod
     gen = GenerationConfig(gen_length=32, block_length=32 if model_type == "Dream" else 8, steps=32)
     assert_graphed_equals_eager(monkeypatch, name, knobs, lambda method: [
         generate(model, prompts, gen, method) for prompts in batches])
+
+
+class FakeGraph:
+    """A CUDA graph's contract on the CPU: the kernels launched while it records are kept, not run, each
+    bound to the tensors it reads and writes, and a replay runs them again on those same tensors."""
+
+    recording = None
+
+    def __init__(self):
+        self.kernels = []
+
+    def replay(self):
+        for kernel in self.kernels:
+            kernel()
+
+
+@contextmanager
+def fake_capture(graph, pool=None):
+    FakeGraph.recording = graph
+    try:
+        yield
+    finally:
+        FakeGraph.recording = None
+
+
+def launch(kernel):
+    """kernel() writes its outputs in place: kept by the graph that records, else run now."""
+    if FakeGraph.recording is not None:
+        FakeGraph.recording.kernels.append(kernel)
+    else:
+        kernel()
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+
+
+def affine(x):
+    """2x + 1 as one launched kernel."""
+    out = torch.empty_like(x)
+    launch(lambda: torch.add(x * 2, 1, out=out))
+    return out
+
+
+def test_recordings_keep_the_most_recently_used_keys_and_each_call_gets_its_own_result(fake_graphs):
+    """Up to `size` recordings live; a new key evicts the least recently used one (a replay makes its key
+    the most recently used); every call, recorded or replayed, gives fn of its own inputs, copied out so
+    that later replays leave it be; without the copy a replay gives the recording's own tensor."""
+    recordings, used = Recordings(size=2), []  # used: the live keys, least recently used first
+    calls = ["a", "b", "a", "c", "a", "b", "c", "c", "b"]
+    inputs = [torch.full((3,), float(i)) for i in range(len(calls))]
+    results = []
+    for key, x in zip(calls, inputs):
+        replayed = key in used
+        before = recordings.replays
+        results.append(recordings(key, affine, x))
+        assert recordings.replays == before + replayed
+        used = [k for k in used if k != key] + [key]
+        used = used[-2:]
+        assert {k for k in "abc" if k in recordings} == set(used)
+    assert recordings.replays == 4
+    for x, result in zip(inputs, results):
+        assert torch.equal(result, x * 2 + 1)
+    in_place = Recordings(size=1, copy_outputs=False)
+    first, second, third = (in_place("key", affine, x) for x in inputs[:3])
+    assert torch.equal(first, inputs[0] * 2 + 1) and second is third and torch.equal(third, inputs[2] * 2 + 1)
+
+
+class Launched(Method):
+    """A method whose steps and commits (each of one kind) are kernels of the fed tokens and positions."""
+
+    def step(self, model, ctx):
+        out = torch.empty(ctx.tokens.shape)
+        launch(lambda: torch.add(ctx.tokens * 10, ctx.positions, out=out))
+        return out
+
+    def commit(self, model, ctx):
+        out = torch.empty(ctx.tokens.shape)
+        launch(lambda: torch.sub(ctx.tokens * 10, ctx.positions, out=out))
+        return out
+
+    def step_kind(self, ctx):
+        return ()
+
+
+def test_replayed_steps_and_commits_compute_their_own_contexts(fake_graphs, monkeypatch):
+    """A wrapped method's steps and commits, recorded once per kind and shape and replayed after: each
+    gives its hook's result on its own tokens and positions, not on those of the step recorded."""
+    monkeypatch.setattr(graphs_module, "recordable", lambda ctx: True)
+    replayed = Replayed(Launched())
+    generator = torch.Generator().manual_seed(0)
+    for step in range(4):
+        tokens = torch.randint(0, 100, (2, 5), generator=generator)
+        positions = torch.arange(5)[None].repeat(2, 1) + step * 5
+        ctx = StepContext(tokens, positions, torch.ones_like(tokens, dtype=torch.bool), torch.tensor([3, 4]),
+                          step=step)
+        assert torch.equal(replayed.step(None, ctx), (tokens * 10 + positions).float())
+        commit = replayed.commit(None, replace(ctx, phase="commit"))
+        assert torch.equal(commit, (tokens * 10 - positions).float())
+    assert replayed.replays == 6  # each of the two recordings, replayed in the last three steps

@@ -251,3 +251,40 @@ def test_a_wide_head_with_a_key_block_too_big_for_shared_memory_is_named():
     q = torch.randn(1, 2, 8, 512)
     with pytest.raises(ValueError, match="beta x head_dim must be at most 32768 at head_dim > 128, got 128 x 512"):
         qsa_attention(q, q, q, gamma=2, beta=128, top_k=2)
+
+
+def test_block_sparse_reads_a_strided_list_through_its_strides():
+    """Lists are read through their strides: every other entry of a wider buffer (the kept lists as a
+    view, the way step 1's top-k is sliced) attends exactly the blocks the contiguous copy lists."""
+    generator = torch.Generator().manual_seed(5)
+    n = 8 * BLOCK_M  # 8 query blocks of chi = BLOCK_M rows, at least 8 key blocks of 16
+    q = randn(1, 2, n, 16, generator=generator, dtype=torch.float16)
+    k, v = (randn(1, 1, n, 16, generator=generator, dtype=torch.float16) for _ in range(2))
+    key_blocks = -(-n // 16)
+    wide = torch.stack([torch.randperm(key_blocks, generator=generator)[:6] for _ in range(2 * 8)]).view(1, 2, 8, 6)
+    lists = wide.to(device=DEVICE, dtype=torch.int32)[..., ::2]  # entries 0, 2, 4 of each list
+    assert lists.stride(-1) == 2
+    out, lse = block_sparse_attention(q, k, v, lists, chi=BLOCK_M, beta=16)
+    ref_out, ref_lse = block_sparse_attention_reference(q, k, v, lists.contiguous(), chi=BLOCK_M, beta=16)
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+def test_qsa_reads_key_padding_sliced_from_a_wider_mask():
+    """k_valid is read through its strides: the last N columns of a wider [batch, W] mask (momo_on_kernels
+    passes mask.valid[:, -N:]), each batch row padded differently, hide the keys its contiguous copy hides,
+    in the sampled rows' outputs, LSEs and chosen blocks."""
+    generator = torch.Generator().manual_seed(13)
+    n = 96
+    q = randn(2, 2, n, 16, generator=generator)
+    k, v = (randn(2, 1, n, 16, generator=generator) for _ in range(2))
+    wide = torch.ones(2, n + 40, dtype=torch.bool, device=DEVICE)
+    wide[0, : 40 + 50] = False  # row 0: its first 50 keys hidden (left padding)
+    wide[1, 40 + 70 :] = False  # row 1: its keys from 70 on hidden
+    valid = wide[:, -n:]
+    assert not valid.is_contiguous()
+    got = qsa_attention(q, k, v, gamma=4, beta=16, top_k=3, k_valid=valid)
+    expected = qsa_attention_reference(q, k, v, gamma=4, beta=16, top_k=3, k_valid=valid.contiguous())
+    torch.testing.assert_close(got[0], expected[0], atol=FP32_OUT_TOLERANCE, rtol=FP32_OUT_TOLERANCE)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-4, rtol=1e-4)
+    assert got[2].sort(-1).values.tolist() == expected[2].sort(-1).values.tolist()

@@ -352,3 +352,55 @@ def test_silu_mul_refuses_bad_inputs():
         silu_mul(torch.randn(3, 4, dtype=torch.float64).to(DEVICE))
     with pytest.raises(ValueError, match="contiguous"):
         silu_mul(torch.randn(3, 8).half().to(DEVICE)[:, ::2])
+
+
+@EXAMPLES
+@given(rows=st.integers(1, 40), dim=st.sampled_from(DIMS), dtype=st.sampled_from(DTYPES),
+       layout=st.sampled_from(["rows", "batch_time", "heads", "strided"]), seed=st.integers(0, 2**16))
+def test_rms_norm_with_add_normalises_the_sum_it_writes(rows, dim, dtype, layout, seed):
+    """With add, what is normalised is the sum rounded to x's dtype, the value written back into x (as
+    torch's in-place add, then the norm): the result equals rms_norm of the written x bit for bit, the
+    same pass over the same values. Normalising the unrounded fp32 sum misses by an ulp here and there."""
+    generator = torch.Generator().manual_seed(seed)
+    x = leading_view(layout, rows, dim, dtype, generator)
+    add = leading_view("rows", rows, dim, dtype, generator).reshape(x.shape)
+    weight = (1 + torch.randn(dim, generator=generator)).to(dtype).to(DEVICE)
+    out = rms_norm(x, weight, 1e-6, add)
+    assert torch.equal(out, rms_norm(x, weight, 1e-6))
+
+
+def test_silu_mul_rounds_silu_before_the_product_as_torch():
+    """silu(gate) is rounded to the activation dtype before the product with up, as F.silu(gate) * up
+    rounds it: in 16 bits the result equals torch's but where exp's last fp32 bit moves a rounding (rare,
+    the module docstring); a product of the unrounded silu, rounded once, differs in many elements."""
+    generator = torch.Generator().manual_seed(6)
+    for dtype in (dtype for dtype in DTYPES if dtype != torch.float32):
+        gate_up = torch.randn(64, 512, generator=generator).mul(4).to(dtype=dtype, device=DEVICE)
+        out = silu_mul(gate_up)
+        assert int((out != silu_mul_reference(gate_up)).sum()) <= 1 + out.numel() // 100
+
+
+@EXAMPLES
+@given(batch=st.integers(1, 2), heads=st.integers(1, 3), length=st.integers(1, 6), dim=st.sampled_from(DIMS),
+       dtype=st.sampled_from(DTYPES), table_batch_one=st.booleans(), partial=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_each_half_of_the_tables_rotates_its_own_half(batch, heads, length, dim, dtype, table_batch_one, partial,
+                                                      seed):
+    """out[:r/2] takes cos[:r/2] and sin[:r/2], out[r/2:] takes cos[r/2:] and sin[r/2:] (the module
+    docstring's formula). Rope's tables repeat their first half, which would hide one half's columns
+    read for the other: here random tables whose halves differ, in apply_rope and rope_qk, equal the
+    references."""
+    generator = torch.Generator().manual_seed(seed)
+    rotated = dim // 4 * 2 if partial else dim
+    cos, sin = (torch.randn(1 if table_batch_one else batch, 1, length, rotated, generator=generator).to(DEVICE)
+                for _ in range(2))
+    make = lambda *shape: torch.randn(*shape, generator=generator).mul(3).to(dtype=dtype, device=DEVICE)
+    x = make(batch, heads, length, dim)
+    with nan_outputs():
+        out = apply_rope(x, cos, sin)
+    assert rope_close(out, apply_rope_reference(x, cos, sin))
+    qkv = make(batch, length, (heads + 2) * dim)  # heads q heads, one k head, one v head
+    q, k = rope_qk(qkv, heads, 1, cos, sin, head_dim=dim)
+    tables = mock.Mock(cos=cos, sin=sin)
+    q_ref, k_ref = rope_qk_reference(qkv, heads, 1, tables, [None, None], 1e-6, dim)
+    assert close(q, q_ref, 1, dtype) and close(k, k_ref, 1, dtype)

@@ -569,3 +569,13 @@ def test_llada2_chat_matches_literal_template():
         "<role>HUMAN</role>And 3+3?<|role_end|><role>ASSISTANT</role>")
     assert tok.chat_text([{"role": "user", "content": "hi"}], add_generation_prompt=False) == (
         "<role>SYSTEM</role>detailed thinking off<|role_end|><role>HUMAN</role>hi<|role_end|>")
+
+
+def test_added_tokens_land_at_their_ids_across_a_digit_boundary(tmp_path):
+    """added_tokens_decoder's keys are strings: the tokens are registered in their ids' numeric order (the
+    strings' order would put "1000" before "400"), so ids 400..1001 each land where the config says."""
+    added = json.loads((QWEN2_BPE / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    added.update({str(i): {"content": f"<|extra_{i}|>", "special": i % 2 == 0} for i in range(406, 1002)})
+    tok = Tokenizer.from_dir(qwen2_bpe_checkpoint(tmp_path / "ckpt", {"added_tokens_decoder": added}), "Dream")
+    assert tok.vocab_size == 1002
+    assert all(tok.hf.token_to_id(entry["content"]) == int(token_id) for token_id, entry in added.items())

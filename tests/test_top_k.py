@@ -99,3 +99,16 @@ def test_the_k_best_of_negative_scores_are_those_nearest_zero(whole_row, dtype):
     assert counts.tolist() == [[10]]
     assert sorted(values[order][indices[0, 0].long().cpu()].tolist()) == [-8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0,
                                                                           -1.0, 0.5, 2.0]
+
+
+@pytest.mark.parametrize("whole_row", [False, True])
+def test_lengths_past_the_row_count_as_the_whole_row(whole_row):
+    """A length past n counts as n: only the row's own n entries compete, not what lies after them in
+    memory (here rows of a wider buffer whose last columns hold higher scores)."""
+    wide = draw_scores(2, 3, 64, "distinct", 5, torch.float32)
+    wide[..., 40:] = 1e4  # past each row's n = 40 entries
+    scores = wide[..., :40]
+    lengths = torch.tensor([50, 64], device=DEVICE)
+    indices, counts = top_k_positions(scores, lengths, 8, whole_row=whole_row)
+    expected_indices, expected_counts = top_k_positions_reference(scores, torch.full_like(lengths, 40), 8)
+    assert torch.equal(counts, expected_counts) and torch.equal(indices, expected_indices)
