@@ -158,6 +158,8 @@ class ModelConfig:
     def with_context(self, length: int) -> "ModelConfig":
         """A copy whose NTK factor stretches RoPE to `length` tokens (unchanged if it already fits)."""
         factor = max(1.0, length / self.max_position_embeddings)
+        if int(self.max_position_embeddings * factor) < length:  # the quotient rounded down: one ulp up
+            factor = math.nextafter(factor, math.inf)
         factor = max(factor, self.rope_ntk_factor)
         return dataclasses.replace(self, rope_ntk_factor=factor)
 
@@ -269,12 +271,12 @@ def _from_olmo_fields(raw: dict, source: str) -> ModelConfig:
         num_heads=n_heads,
         num_kv_heads=_given(raw, "n_kv_heads", n_heads),
         head_dim=d_model // n_heads,
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=raw.get("max_sequence_length", 4096),
+        rope_theta=float(_given(raw, "rope_theta", 10000.0)),
+        rms_norm_eps=float(_given(raw, "rms_norm_eps", 1e-5)),
+        max_position_embeddings=_given(raw, "max_sequence_length", 4096),
         attention="bidirectional",
         block_size=None,
-        mask_token_id=raw.get("mask_token_id", 126336),
+        mask_token_id=_given(raw, "mask_token_id", 126336),
         eos_token_ids=_stop_ids(raw, source, default=(126081, 126348)),
         tie_word_embeddings=bool(raw.get("weight_tying", False)),
         qk_norm="projection" if raw.get("attention_layer_norm") else None,
@@ -340,7 +342,7 @@ def _from_llada2_fields(raw: dict, source: str) -> ModelConfig:
         scale=float(raw.get("routed_scaling_factor", 1.0)),
         groups=_require(raw, "n_group", source),
         groups_kept=_require(raw, "topk_group", source),
-        expert_bias=bool(raw.get("moe_router_enable_expert_bias", True)),
+        expert_bias=bool(_given(raw, "moe_router_enable_expert_bias", True)),
         shared_size=(raw.get("num_shared_experts") or 0) * raw["moe_intermediate_size"],
         dense_layers=tuple(range(dense)),
     )

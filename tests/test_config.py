@@ -313,3 +313,19 @@ def test_with_context_only_ever_stretches_the_rope():
     assert stretched.rope_ntk_factor == 4.0 and stretched.context_length == 4 * trained
     assert stretched.with_context(2 * trained) == stretched
     assert stretched.with_context(8 * trained).rope_ntk_factor == 8.0
+
+
+def test_with_context_covers_the_length_at_trained_lengths_not_a_power_of_two():
+    """Stretched to any length, the context holds it: length / 100 rounded down would leave 113 tokens of
+    100 trained positions a context of 112."""
+    cfg = dataclasses.replace(tiny_config("sdar"), max_position_embeddings=100)
+    assert all(cfg.with_context(length).context_length >= length for length in range(100, 1000))
+    assert cfg.with_context(113).context_length == 113
+
+
+def test_llada_fields_given_as_null_take_their_defaults():
+    """A null in LLaDA's config.json counts as absent, as in the other families: the default mask id,
+    RoPE base, norm epsilon and trained length."""
+    raw = dict(model_type="llada", d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64, vocab_size=300)
+    nulls = dict.fromkeys(("mask_token_id", "rope_theta", "rms_norm_eps", "max_sequence_length"))
+    assert ModelConfig.from_dict({**raw, **nulls}) == ModelConfig.from_dict(raw)

@@ -309,3 +309,13 @@ def test_each_cell_gets_its_own_samples_tokens_per_step():
     assert {cell: o.tokens_per_step for cell, o in results["dense"].items()} == {(128, 0.0): [1.0, 1.0],
                                                                                   (128, 1.0): [2.0, 2.0]}
     assert evaluation.table(results, ["dense"]).splitlines()[2].endswith(" | 1.00 |")
+
+
+def test_the_table_lists_lengths_in_numeric_order_and_named_cells_after():
+    """Cells of 256, 1024 and 4096 tokens come out in that order (not as text: 1024, 256, 4096), then
+    LongBench's named datasets by name."""
+    cells = [(4096, 0.5), ("qasper", 0.0), (256, 0.5), (1024, 0.0), (1024, 0.5), ("hotpotqa", 0.0)]
+    results = {"dense": {cell: evaluation.Outcome([1.0], [[1]], 1.0, [1.0]) for cell in cells}}
+    rows = evaluation.table(results, ["dense"]).splitlines()[2:]
+    assert [row.split(" | ")[0:2] for row in rows] == [["| 256", "0.50"], ["| 1024", "0.00"], ["| 1024", "0.50"],
+                                                        ["| 4096", "0.50"], ["| hotpotqa", "0.00"], ["| qasper", "0.00"]]
