@@ -711,3 +711,95 @@ def test_help_of_the_package_lists_its_commands(capsys):
         said = capsys.readouterr()
         assert said.err == "" and said.out.startswith("The package's command line: `python -m nanodllm COMMAND")
         assert "python -m nanodllm demo" in said.out and "python -m nanodllm eval" in said.out
+
+
+def test_the_partial_file_keeps_the_outputs_suffix(tmp_path):
+    """Writers that pick a format by the name (matplotlib's savefig) see the output's suffix on the file they write."""
+    from nanodllm.cli import write_whole
+
+    written = []
+    write_whole(tmp_path / "heatmap.png", lambda partial: (written.append(partial), partial.write_bytes(b"png")))
+    assert written[0].suffix == ".png" and written[0].parent == tmp_path and written[0].name != "heatmap.png"
+    assert [p.name for p in tmp_path.iterdir()] == ["heatmap.png"] and (tmp_path / "heatmap.png").read_bytes() == b"png"
+
+
+def test_pythons_own_memory_error_is_out_of_memory_too(capsys):
+    """A MemoryError (Python's allocator failing) exits 1 with the out-of-memory line, named by its type."""
+    from nanodllm.cli import run_main
+
+    def main():
+        raise MemoryError()
+
+    assert run_main(main) == 1
+    assert capsys.readouterr().err == ("error: out of memory (MemoryError); a shorter context or a smaller batch "
+                                       "needs less\n")
+
+
+def test_a_context_of_exactly_the_trained_positions_is_not_stretched(monkeypatch):
+    """check_fits: max_position_embeddings tokens fit the trained positions (no note, and DiffusionGemma's
+    unstretched RoPE takes them); one token more gets the stretch note, or DiffusionGemma's refusal."""
+    from nanodllm import cli
+    from nanodllm.config import ModelConfig
+    from tests.tiny_models import tiny_config
+
+    monkeypatch.setattr(cli, "available_ram", lambda: 2**40)
+    cpu = torch.device("cpu")
+    sdar, gemma = tiny_config("sdar"), ModelConfig.from_dir(REPO / "tests" / "fixtures" / "diffusion_gemma_tiny")
+    assert cli.check_fits(sdar, sdar.max_position_embeddings, 1, cpu, torch.float32) is None
+    assert cli.check_fits(sdar, sdar.max_position_embeddings + 1, 1, cpu, torch.float32).startswith(
+        f"note: {sdar.max_position_embeddings + 1} tokens are past the model's trained")
+    assert cli.check_fits(gemma, gemma.max_position_embeddings, 1, cpu, torch.float32) is None
+    with pytest.raises(ValueError, match=f"{gemma.max_position_embeddings + 1} tokens exceed max_position_embeddings"):
+        cli.check_fits(gemma, gemma.max_position_embeddings + 1, 1, cpu, torch.float32)
+
+
+def test_available_ram_reads_memavailable_in_bytes(monkeypatch):
+    """/proc/meminfo counts in kB (KiB): MemAvailable 2048 kB is 2 MiB."""
+    import io
+
+    from nanodllm import cli
+
+    meminfo = "MemTotal:        8192 kB\nMemFree:         1024 kB\nMemAvailable:    2048 kB\n"
+    monkeypatch.setattr(cli, "open", lambda *args, **kwargs: io.StringIO(meminfo), raising=False)
+    assert cli.available_ram() == 2048 * 1024
+
+
+def test_a_data_parallel_world_that_is_no_multiple_of_tp_is_refused(monkeypatch):
+    """--tp 4 over 2 processes, or --tp 2 over 3, makes no whole replicas: refused naming both numbers, before
+    any process group starts."""
+    from nanodllm import cli
+
+    monkeypatch.setattr(cli, "from_torchrun", lambda *args: pytest.fail("a process group was started"))
+    for world, tp in ((2, 4), (3, 2)):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        refused = rf"--tp {tp} needs a multiple of {tp} processes \(.*\); this run has {world}"
+        with pytest.raises(ValueError, match=refused):
+            cli.tensor_parallel(tp, data_parallel=True)
+
+
+def test_an_output_file_under_a_file_is_refused_at_once(tmp_path):
+    """Its folder is a file, so no folder to write into: refused as the flag is read."""
+    import argparse
+
+    from nanodllm.cli import output_file
+
+    (tmp_path / "notes.txt").write_text("notes")
+    with pytest.raises(argparse.ArgumentTypeError, match="the folder .*notes.txt of .* does not exist"):
+        output_file(str(tmp_path / "notes.txt" / "heatmap.png"))
+    assert output_file(str(tmp_path / "heatmap.png")) == tmp_path / "heatmap.png"
+
+
+def test_the_help_adds_a_default_only_where_the_help_names_none():
+    """HelpFormatter: '(default: X)' after a flag's help (a list's items joined by commas), but not where the
+    help already says what its default is."""
+    import argparse
+
+    from nanodllm.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="p", formatter_class=HelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="steps per block")
+    parser.add_argument("--block", type=int, default=32, help="default: the config's block size")
+    parser.add_argument("--lengths", default=[1024, 2048], help="context lengths")
+    text = " ".join(parser.format_help().split())
+    assert "steps per block (default: 8)" in text and "context lengths (default: 1024,2048)" in text
+    assert "default: the config's block size" in text and "(default: 32)" not in text

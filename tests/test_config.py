@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nanodllm.attention import attention
-from nanodllm.config import PRESETS, ModelConfig, default_block_length, default_threshold, preset
+from nanodllm.config import PRESETS, GenerationConfig, ModelConfig, default_block_length, default_threshold, preset
 from nanodllm.loader import build_empty, random_weights
-from nanodllm.model import Model, Rope
+from nanodllm.model import Model, RMSNorm, Rope
 from tiny_models import tiny_config, tiny_model
 
 # Totals with a separate LM head (Qwen3-4B and -1.7B tie it and publish 4.0B and 1.7B).
@@ -315,6 +315,17 @@ def test_with_context_only_ever_stretches_the_rope():
     assert stretched.with_context(8 * trained).rope_ntk_factor == 8.0
 
 
+@pytest.mark.parametrize("length", [384, 576, 947])
+def test_with_context_stretches_to_a_length_between_multiples_of_the_trained_one(length):
+    """The NTK factor is the length over the trained context, not its whole multiples: 1.5 times the
+    trained 256 positions gets factor 1.5 and a context of exactly that length (a power-of-two trained
+    length, so no rounding), and so does any length past it."""
+    cfg = tiny_config("sdar")
+    assert cfg.max_position_embeddings == 256
+    stretched = cfg.with_context(length)
+    assert stretched.rope_ntk_factor == length / 256 and stretched.context_length == length
+
+
 def test_with_context_covers_the_length_at_trained_lengths_not_a_power_of_two():
     """Stretched to any length, the context holds it: length / 100 rounded down would leave 113 tokens of
     100 trained positions a context of 112."""
@@ -323,9 +334,77 @@ def test_with_context_covers_the_length_at_trained_lengths_not_a_power_of_two():
     assert cfg.with_context(113).context_length == 113
 
 
+def test_a_families_stop_id_fits_the_vocabulary_only_below_its_size():
+    """A documented stop id is kept only where it is a token of the vocabulary (ids 0..vocab_size - 1):
+    at vocab_size 151645 Dream keeps 151643 and drops 151645, one more token keeps both."""
+    raw = {**QWEN2_RAW, "model_type": "Dream"}
+    assert ModelConfig.from_dict({**raw, "vocab_size": 151645}).eos_token_ids == (151643,)
+    assert ModelConfig.from_dict({**raw, "vocab_size": 151646}).eos_token_ids == (151645, 151643)
+
+
+@pytest.mark.parametrize("raw", [
+    {**QWEN2_RAW, "model_type": "Dream", "num_key_value_heads": 0},
+    dict(model_type="llada", d_model=32, n_layers=1, n_heads=4, n_kv_heads=0, mlp_hidden_size=64, vocab_size=300),
+])
+def test_a_kv_head_count_of_zero_is_refused_not_taken_for_absent(raw):
+    """A field given as 0 is refused by name; only an absent (or null) KV-head count defaults to the
+    head count."""
+    with pytest.raises(ValueError, match="num_kv_heads must be >= 1, got 0"):
+        ModelConfig.from_dict(raw)
+    absent = {name: value for name, value in raw.items() if name not in ("num_key_value_heads", "n_kv_heads")}
+    assert ModelConfig.from_dict(absent).num_kv_heads == 4
+
+
+def test_llada2_chooses_experts_with_the_expert_bias_unless_the_config_turns_it_off():
+    """BailingMoeV2's router adds its learned expert bias to the choice by default
+    (moe_router_enable_expert_bias absent); only an explicit false leaves it out."""
+    raw = dict(model_type="llada2_moe", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+               intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+               n_group=2, topk_group=1, vocab_size=300)
+    assert ModelConfig.from_dict(raw).moe.expert_bias is True
+    assert ModelConfig.from_dict({**raw, "moe_router_enable_expert_bias": False}).moe.expert_bias is False
+    assert ModelConfig.from_dict({**raw, "moe_router_enable_expert_bias": None}).moe.expert_bias is True  # absent
+
+
 def test_llada_fields_given_as_null_take_their_defaults():
     """A null in LLaDA's config.json counts as absent, as in the other families: the default mask id,
     RoPE base, norm epsilon and trained length."""
     raw = dict(model_type="llada", d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64, vocab_size=300)
     nulls = dict.fromkeys(("mask_token_id", "rope_theta", "rms_norm_eps", "max_sequence_length"))
     assert ModelConfig.from_dict({**raw, **nulls}) == ModelConfig.from_dict(raw)
+
+
+def test_rmsnorm_in_half_precision_casts_the_normed_row_then_weights_it():
+    """RMSNorm in fp32, cast to the model's dtype, then the weight, as the references' RMSNorm
+    (weight * normed.to(input_dtype)): the product of two bfloat16 factors, rounded once."""
+    generator = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=generator))
+    norm = norm.to(torch.bfloat16)
+    x = torch.randn(8, 64, generator=generator).to(torch.bfloat16)
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert torch.equal(norm(x), norm.weight * normed)
+
+
+@pytest.mark.parametrize("field", ["gen_length", "block_length", "steps"])
+def test_a_generation_length_or_step_count_of_zero_is_refused(field):
+    """gen_length, block_length and steps are positive integers: 0 is refused by name, 1 is taken."""
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer, got 0"):
+        GenerationConfig(**{field: 0})
+    assert getattr(GenerationConfig(**{field: 1}), field) == 1
+
+
+def test_a_tied_head_reads_the_embedding_as_it_is_loaded():
+    """With tie_word_embeddings the LM head is the embedding matrix itself: weights written into the
+    embedding (as the loader writes them) are the head's, the logits the normed hidden states times it."""
+    model = Model(tiny_config("llada", weight_tying=True)).double()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(torch.randn(model.embed_tokens.weight.shape, generator=generator,
+                                                    dtype=torch.float64))
+    hidden = torch.randn(1, 3, model.cfg.hidden_size, generator=generator, dtype=torch.float64)
+    torch.testing.assert_close(model.head(hidden), model.norm(hidden) @ model.embed_tokens.weight.T)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in Model(tiny_config("llada")).parameters(
+        )) - model.embed_tokens.weight.numel()

@@ -257,3 +257,45 @@ def test_the_kv_summary_of_a_method_that_counts_nothing_is_all_of_the_kv():
     assert kv_summary({}, 527) == "KV kept 100%"
     assert kv_summary({"kv_kept": 0.25, "rows_computed": 0.09}, 1040) == (
         "KV kept 25% (260 of 1040 prompt tokens per head on average), rows computed 9%")
+
+
+def test_the_builtin_prompts_length_is_refused_with_a_prompt_of_the_users(tmp_path, capsys):
+    """--length sets the built-in prompt's length: with --prompt or --prompt-file it would do nothing."""
+    from nanodllm.demo import parse_args
+
+    for prompt in (["--prompt", "hi"], ["--prompt-file", str(tmp_path / "prompt.txt")]):
+        with pytest.raises(SystemExit):
+            parse_args([*prompt, "--length", "4096"])
+        assert "--length sets the built-in prompt's length" in capsys.readouterr().err
+    assert parse_args([]).length == 1024 and parse_args(["--length", "512"]).length == 512
+
+
+def test_a_prompt_file_of_only_whitespace_is_empty(tmp_path):
+    from nanodllm.demo import read_prompt
+
+    path = tmp_path / "prompt.txt"
+    path.write_text(" \n\t\n")
+    with pytest.raises(ValueError, match=f"--prompt-file {path}: the file is empty"):
+        read_prompt(path)
+    path.write_text(" hi \n")
+    assert read_prompt(path) == " hi \n"
+
+
+def test_the_budget_note_says_the_default_keeps_at_most_the_prompt():
+    """k=1024 of a 527-token prompt keeps all 527 of its tokens, not 1024 of them."""
+    knobs, note = demo_budget("mage", {}, 527)
+    assert knobs == {"k": 128} and "the default k=1024 keeps 527 of its 527 tokens" in note
+
+
+def test_without_a_model_the_demo_reads_the_tiny_model_of_the_methods_first_engine(monkeypatch, capsys):
+    """tiny-sdar for MAGE and MOMO (shown on the block engine's prefill), tiny-llada for MaskKV and dense."""
+    from nanodllm import demo as demo_module
+
+    def read(model_dir):
+        raise FileNotFoundError(f"read {Path(model_dir).name}")
+
+    monkeypatch.setattr(demo_module.ModelConfig, "from_dir", read)
+    defaults = {"mage": "tiny-sdar", "momo": "tiny-sdar", "maskkv": "tiny-llada", "dense": "tiny-llada"}
+    for method, model in defaults.items():
+        assert demo_module.main(["--method", method]) == 2
+        assert capsys.readouterr().err == f"error: read {model}\n"

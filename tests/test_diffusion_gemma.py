@@ -479,6 +479,17 @@ def test_the_config_reads_the_released_fields_and_transformers_saved_ones():
     assert ModelConfig.from_dict(saved) == cfg
 
 
+def test_without_layer_types_every_sixth_layer_and_the_last_are_full():
+    """transformers' default layer_types: layer i is full where (i + 1) % 6 == 0 (the 6th, the 12th), the
+    others sliding, and a last layer that is not full is made full."""
+    raw = copy.deepcopy(RAW)
+    del raw["text_config"]["layer_types"]
+    full = lambda layers: [i for i, kind in enumerate(ModelConfig.from_dict(
+        {**raw, "text_config": {**raw["text_config"], "num_hidden_layers": layers}}).gemma.layer_types)
+        if kind == "full_attention"]
+    assert full(12) == [5, 11] and full(14) == [5, 11, 13] and full(3) == [2]
+
+
 @pytest.mark.parametrize("field, value", [
     ("sliding_window", 1), ("top_k_experts", 9), ("num_global_key_value_heads", 3), ("global_head_dim", 15),
     ("final_logit_softcapping", 0), ("use_bidirectional_attention", "all"), ("hidden_activation", "silu"),

@@ -7,6 +7,7 @@ rows_computed statistics count the salient rows of the real fed rows."""
 
 import functools
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -191,7 +192,8 @@ def test_row_scatter_matches_reference(batch, heads, n, width, layout, delta, dt
     src = torch.randn(batch, heads, slots, width, generator=generator).to(dtype=dtype, device=DEVICE)
     expected = dst.clone()
     expected_delta = put_rows_where_reference(expected, rows, ok, src, delta)
-    got_delta = put_rows_where(dst, rows, ok, src, delta)
+    with mock.patch.object(torch, "empty_like", lambda x: torch.full_like(x, float("nan"))):  # unwritten: NaN
+        got_delta = put_rows_where(dst, rows, ok, src, delta)
     assert torch.equal(dst, expected)
     if delta:
         assert torch.equal(got_delta, expected_delta)
@@ -521,3 +523,25 @@ def test_row_scatter_refuses_flags_of_another_length():
     rows, ok = torch.tensor([[0, 2, 4]]), torch.tensor([[True, False]])
     with pytest.raises(ValueError, match="rows and ok"):
         put_rows_where(dst, rows, ok, src)
+
+
+def test_a_method_reused_on_another_model_type_takes_that_types_tau():
+    """Without a tau knob the threshold is the paper's choice for the model at hand, chosen again at
+    every generation's first step: one DyLLM run on Dream (0.995), then on LLaDA, uses 0.99 there."""
+    gen = GenerationConfig(gen_length=4, block_length=4, steps=1)
+    method = get_method("dyllm")
+    generate(method, DREAM["prompts"], gen, DREAM["model"])
+    assert method.threshold == 0.995
+    generate(method, gen=gen)
+    assert method.threshold == 0.99
+
+
+def test_the_salient_fractions_take_both_ends_of_zero_to_one():
+    """salient_fraction and salient_cap are fractions in [0, 1], both ends included; just past either
+    end is refused by name."""
+    for name in ("salient_fraction", "salient_cap"):
+        for value in (0.0, 1.0, 0, 1):
+            assert getattr(get_method("dyllm", **{name: value}), name) == value
+        for value in (-1e-9, 1 + 1e-9):
+            with pytest.raises(ValueError, match=f"{name} must be in \\[0, 1\\]"):
+                get_method("dyllm", **{name: value})

@@ -311,6 +311,83 @@ def test_each_cell_gets_its_own_samples_tokens_per_step():
     assert evaluation.table(results, ["dense"]).splitlines()[2].endswith(" | 1.00 |")
 
 
+def test_a_profile_named_in_the_knobs_wins_over_the_checkpoints(tmp_path):
+    """with_profile adds the checkpoint's MaskKV profile only where the knobs name none: a user's is kept."""
+    (tmp_path / evaluation.PROFILE_NAME).write_text("{}")
+    assert evaluation.with_profile("maskkv", {"profile": "mine.json"}, tmp_path) == {"profile": "mine.json"}
+    assert evaluation.with_profile("maskkv", {}, tmp_path) == {"profile": str(tmp_path / evaluation.PROFILE_NAME)}
+
+
+def test_a_finished_journal_removes_only_a_folder_it_made(tmp_path):
+    """finish() deletes the journal, and its folder only where the journal made it: a user's folder stays."""
+    evaluation.Journal(tmp_path / "made" / "eval.jsonl", {"n": "4"}).finish()
+    assert not (tmp_path / "made").exists()
+    (tmp_path / "mine").mkdir()
+    evaluation.Journal(tmp_path / "mine" / "eval.jsonl", {"n": "4"}).finish()
+    assert (tmp_path / "mine").is_dir() and list((tmp_path / "mine").iterdir()) == []
+
+
+def test_only_the_writing_rank_adds_to_the_journal(tmp_path):
+    """Every other rank reads the first rank's journal (writes=False) and adds nothing: no run is held twice."""
+    path, settings, record = tmp_path / "eval.jsonl", {"n": "4"}, {"key": "dense @ 0", "scores": [1.0]}
+    first, other = evaluation.Journal(path, settings), evaluation.Journal(path, settings, writes=False)
+    first.add(record)
+    other.add(record)
+    assert path.read_text().splitlines() == [json.dumps({"settings": settings}), json.dumps(record)]
+
+
+def test_the_time_left_is_the_mean_runs_time_for_each_run_left(monkeypatch):
+    """2 runs in 120 s: 3 more take about 3 min; nothing is said before the first run or after the last."""
+    monkeypatch.setattr(evaluation, "time", SimpleNamespace(perf_counter=lambda: 1120.0))
+    assert evaluation.time_left(1000.0, 2, 3) == ", about 3.0 min left"
+    assert evaluation.time_left(1000.0, 0, 3) == evaluation.time_left(1000.0, 2, 0) == ""
+
+
+def test_the_progress_counts_the_samples_done_and_no_time_after_the_last(capsys):
+    """3 samples in batches of 2: 2 of 3 done with a time left, then 3 of 3 (not 4) with none."""
+    samples = make_samples("passkey", 128, 3, seed=0, depths=[0.0, 1.0])
+    evaluation.evaluate(BatchOfThreeSeconds(), samples, ["dense"], batch=2)
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eval: ")]
+    assert [line.split(",")[0] for line in progress] == ["eval: 2/3 samples", "eval: 3/3 samples"]
+    assert "min left" in progress[0] and "min left" not in progress[1]
+
+
+def test_dense_alone_is_one_column_and_one_summary_line(capsys, tmp_path):
+    """--method dense compares dense with nothing else: its accuracy once, over each sample once."""
+    code, out, err = run_eval(capsys, "--model", "tiny-llada", "--lengths", "256", "--n", "1", "--gen-length", "8",
+                              "--journal", str(tmp_path / "eval.jsonl"))
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("| cell"))
+    assert header == "| cell | depth | n | dense acc | dense tok/s |"
+    assert [line.split(" | ")[2] for line in out.splitlines() if line.startswith("| 256 ")] == ["1"]
+    assert len([line for line in out.splitlines() if line.startswith("dense: ")]) == 1
+
+
+def test_the_memory_check_is_for_the_longest_length(capsys, monkeypatch, tmp_path):
+    """--lengths 256,100000 with 1 GiB free: refused for the longest context before the model loads (the
+    shortest's would fit)."""
+    from nanodllm import cli
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(cli, "available_ram", lambda: 2**30)
+    monkeypatch.setattr(evaluation, "Runner", loads)
+    code, _, err = run_eval(capsys, "--lengths", "256,100000", "--n", "1", "--journal", str(tmp_path / "eval.jsonl"))
+    assert code == 2 and "error: 100256 tokens x batch 8 need about" in err
+
+
+def test_a_run_whose_method_states_no_kv_share_kept_all_of_it():
+    """Dense on the masked engine states no KV share: each sample's is 1.0, all of the KV."""
+    from nanodllm.config import GenerationConfig
+
+    gen = GenerationConfig(gen_length=8, block_length=8, steps=4)
+    runner = evaluation.Runner(evaluation.resolve_model("tiny-llada"), "cpu", torch.float32, gen, context=512)
+    samples = make_samples("passkey", 128, 2, seed=0, count_tokens=runner.count_tokens)
+    outcome = runner.generate(samples, "dense")
+    assert "kv_kept" not in outcome.stats and outcome.kv_kept == [1.0, 1.0]
+
+
 def test_the_table_lists_lengths_in_numeric_order_and_named_cells_after():
     """Cells of 256, 1024 and 4096 tokens come out in that order (not as text: 1024, 256, 4096), then
     LongBench's named datasets by name."""

@@ -5,6 +5,7 @@ scripts/momo_mass.py's chunked block masses are the dense ones."""
 
 import importlib.util
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanodllm.kernels.qsa_estimate import golden_strides
+from nanodllm.kernels.qsa_estimate import golden_strides, last_blocks
 from nanodllm.attention import CanvasMask, attention_reference
 from nanodllm.methods import get_method
 from nanodllm.methods.momo import (block_lists, delta_corrected, dense_mask, diagonal_blocks,
@@ -296,3 +297,118 @@ def test_mass_script_oracle_with_diagonals_keeps_them_and_the_best_others():
     assert abs(ratios["momo diagonals"] - 1) < 1e-6 and ratios["momo"] < 1 - 1e-3
     free = momo_mass.best_per_query_block(mass, counts)
     assert abs(momo_mass.mass_ratios(mass, free, pooled, n, chi, beta)["momo"] - 1) < 1e-6
+
+
+def plain_estimate(rows, k, k_exact):
+    """estimated_top_k's docstring read in plain Python, for rows (lists of block scores) of one scan-order group:
+    the group scans T blocks (its largest last_blocks) in golden strides; each visible block updates the mean and
+    sample variance of the row's visible blocks, is offered to the exact slots, and what they pass on takes a free
+    slot on the threshold erf((s - m) / (sigma sqrt 2)) > 2p - 1."""
+    last = [max((i + 1 for i, s in enumerate(row) if s > -math.inf), default=0) for row in rows]
+    total = max(last)
+    stride = max(1, round(total / ((1 + 5**0.5) / 2)))
+    while total and math.gcd(stride, total) != 1:
+        stride += 1
+    chosen = []
+    for row, row_last in zip(rows, last):
+        seen, exact, greedy = [], [(-math.inf, -1)] * k_exact, []
+        for step in range(total):
+            block = step * stride % total
+            if row[block] == -math.inf:
+                continue
+            seen.append(row[block])
+            mean, sigma = statistics.fmean(seen), statistics.stdev(seen) if len(seen) > 1 else 0.0
+            offered = (row[block], block)
+            if k_exact:
+                slot = min(range(k_exact), key=lambda j: exact[j][0])  # the first of equals
+                if row[block] > exact[slot][0]:
+                    offered, exact[slot] = exact[slot], offered
+            free = k - k_exact - len(greedy)
+            p = 1 - free / max(row_last - (len(seen) - 1), 1)  # blocks left: last less the visible ones seen before
+            if offered[1] >= 0 and free > 0:
+                score = offered[0]
+                beats = math.erf((score - mean) / (sigma * math.sqrt(2))) > 2 * p - 1 if sigma > 0 else score > mean
+                if p <= 0 or beats:
+                    greedy.append(offered[1])
+        chosen.append([block for _, block in exact] + greedy + [-1] * (k - k_exact - len(greedy)))
+    return chosen
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), blocks=st.integers(1, 30), k=st.integers(1, 8), seed=st.integers(0, 999),
+       data=st.data())
+def test_estimated_top_k_follows_its_docstring_in_plain_python(rows, blocks, k, seed, data):
+    """Welford's running mean and sample variance, the exact slots and the threshold, against a plain reading
+    (statistics.fmean and stdev) of one scan-order group whose rows see different blocks."""
+    k_exact = data.draw(st.integers(0, k))
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, blocks, generator=generator, dtype=torch.float64)
+    scores[torch.rand(rows, blocks, generator=generator) < 0.2] = float("-inf")  # hidden blocks
+    for row in range(rows):
+        scores[row, data.draw(st.integers(1, blocks)):] = float("-inf")  # causal-like: rows see fewer blocks
+    assert estimated_top_k(scores, k, k_exact).tolist() == plain_estimate(scores.tolist(), k, k_exact)
+
+
+@pytest.mark.parametrize("chi, beta", [(48, 32), (16, 64), (96, 64)])
+def test_kept_lists_keep_every_diagonal_block_of_a_query_block_straddling_key_blocks(chi, beta):
+    """Where the key blocks outnumber a query block's candidates (kept_lists' compact path) and chi is
+    not a multiple of beta, a query block's rows overlap key blocks the grid does not line up with: each
+    of them is kept, as in the dense mask's lists."""
+    n, gamma = 1200, 16
+    generator = torch.Generator().manual_seed(0)
+    rows, blocks = -(-n // gamma), -(-n // beta)
+    chosen = torch.randint(0, blocks, (1, 2, rows, 1), generator=generator)
+    scores = torch.randn(chosen.shape, generator=generator, dtype=torch.float64)
+    assert chi // gamma < blocks  # the compact path
+    lists = kept_lists(chosen, scores, n, gamma, chi, beta, 2)
+    assert torch.equal(lists, block_lists(kept_blocks(chosen, scores, n, gamma, chi, beta, 2)))
+    for query_block, start in enumerate(range(0, n, chi)):
+        overlapped = set(range(start // beta, (min(start + chi, n) - 1) // beta + 1))
+        assert overlapped <= set(lists[0, 0, query_block].tolist())
+
+
+def test_a_reused_momo_aligns_each_prefills_rows_by_that_prefills_padding():
+    """Each row's grid starts at its first real token of the mask at hand: after a prefill with one
+    row padding, a prefill whose row is padded otherwise gets what momo_attention gives its mask."""
+    from nanodllm.methods.base import StepContext
+
+    generator = torch.Generator().manual_seed(3)
+    n = 64
+    q = torch.randn(2, 2, n, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, n, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+
+    def prefill(pad):
+        valid = torch.ones(2, n, dtype=torch.bool)
+        valid[1, :pad] = False
+        return StepContext(tokens=torch.zeros(2, n, dtype=torch.long), positions=torch.arange(n).expand(2, -1),
+                           valid=valid, prompt_lengths=valid.sum(dim=1), attn_mask=CanvasMask(valid=valid),
+                           phase="prefill")
+
+    reused = get_method("momo", gamma=4, chi=16, beta=8, k=2)
+    reused.attend(0, q, k, v, prefill(5))
+    second = prefill(11)
+    expected = momo_attention(q, k, v, second.attn_mask, gamma=4, chi=16, beta=8, k_blocks=2)
+    torch.testing.assert_close(reused.attend(0, q, k, v, second), expected)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 40), gamma=st.sampled_from([1, 2, 3]), beta=st.sampled_from([1, 4, 8]),
+       mask=st.sampled_from(["none", "causal", "block", "padding", "padded rows"]), seed=st.integers(0, 999))
+def test_last_blocks_counts_each_sampled_rows_blocks_as_its_docstring(n, gamma, beta, mask, seed):
+    """1 + the last key block a sampled row sees a key of: 0 where it sees none, and 0 for a row at a padded
+    column (q_valid False), whatever it could see."""
+    generator = torch.Generator().manual_seed(seed)
+    valid = torch.rand(2, n, generator=generator) < 0.7
+    causal, block_size = mask == "causal", 4 if mask in ("block", "padding", "padded rows") else None
+    k_valid = valid if mask in ("padding", "padded rows") else None
+    q_valid = valid if mask == "padded rows" else None
+    got = last_blocks(n, gamma, beta, causal, block_size, k_valid, 2, "cpu", q_valid)
+    expected = []
+    for b in range(2):
+        row = []
+        for i in range(0, n, gamma):
+            seen = [j for j in range(n) if (not causal or j <= i) and (block_size is None or j // 4 <= i // 4)
+                    and (k_valid is None or bool(k_valid[b, j]))]
+            row.append(0 if not seen or (q_valid is not None and not q_valid[b, i]) else seen[-1] // beta + 1)
+        expected.append(row)
+    assert got.dtype == torch.int32 and got.tolist() == expected

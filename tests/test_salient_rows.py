@@ -92,3 +92,29 @@ def test_bad_inputs_are_named():
         salient_rows(stats, valid, 1.5)
     with pytest.raises(ValueError, match="at most 4096 rows"):
         salient_rows(torch.rand(1, 4097, 3, device=DEVICE), torch.ones(1, 4097, dtype=torch.bool, device=DEVICE), 0.5)
+
+
+def test_a_cosine_equal_to_tau_is_not_under_the_cap():
+    """With tau a listed row is ok only if cos < tau, strictly: cosines 0.5, 0.25 and 0.75 (exact: s0 / sqrt(1 * 1))
+    under tau 0.5 leave only the 0.25 row ok, as in the reference."""
+    stats = torch.tensor([[[0.5, 1.0, 1.0], [0.25, 1.0, 1.0], [0.75, 1.0, 1.0]]], device=DEVICE)
+    valid = draw_valid(1, 3, [0])
+    got, want = salient_rows(stats, valid, 1.0, tau=0.5), salient_rows_reference(stats, valid, 1.0, tau=0.5)
+    assert got[0].tolist() == [[False, True, False]]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_a_context_of_zeros_has_a_cosine_of_zero():
+    """cos = s0 / max(sqrt(s1 * s2), 1e-30): a row whose new or old context is all zeros (a product of 0) has
+    cosine 0, not 0 / 0; it ranks among the others as a 0 and passes a cap above 0, as in the reference."""
+    stats = draw_stats(2, 12, "distinct", 3)
+    stats[:, 2] = 0.0  # both contexts zero
+    stats[:, 7] = torch.tensor([0.0, 2.0, 0.0], device=DEVICE)  # the old context zero
+    stats[1, 4] = torch.tensor([0.0, 0.0, 3.0], device=DEVICE)  # the new context zero
+    valid = draw_valid(2, 12, [0, 1])
+    for fraction, tau in ((1.0, 0.5), (0.5, None), (0.25, 0.9), (0.75, 0.1)):
+        got, want = salient_rows(stats, valid, fraction, tau), salient_rows_reference(stats, valid, fraction, tau)
+        for name, g, w in zip(("mask", "rows", "ok", "slots"), got, want, strict=True):
+            assert torch.equal(g, w), (name, fraction, tau)
+    assert salient_rows(stats, valid, 1.0, 0.5)[0][:, [2, 7]].tolist() == [[True, True], [True, True]]

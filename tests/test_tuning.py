@@ -133,3 +133,10 @@ def test_a_fresh_process_reuses_the_settings_an_earlier_one_measured(tmp_path):
                            text=True, check=True).stdout.split(" ", 1) for _ in range(2)]
     (first_measured, first_chosen), (second_measured, second_chosen) = runs
     assert second_measured == "0" and second_chosen == first_chosen
+
+
+def test_a_candidate_too_big_for_the_gpu_is_skipped_and_the_rest_measured(machine):
+    """A setting that does not fit (first among the candidates) is passed over, not the end of the measurement."""
+    tuner = Tuner("attention")
+    assert choose(tuner, candidates=(TOO_BIG, SLOW, FAST)) == FAST
+    assert tuner.measured == 1 and machine == [SLOW, FAST]

@@ -65,3 +65,14 @@ def test_leading_dims_and_strides():
 def test_bad_input_is_refused(call, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         call()
+
+
+@pytest.mark.parametrize("width", [1, BLOCK + 5])
+def test_soft_probs_of_logits_far_below_zero(width):
+    """softmax is the same for logits shifted by a constant: rows around -200 (where exp underflows in float32)
+    give the probabilities torch gives them, a one-column row exactly 1."""
+    z = rows_of(2, width, 3.0, 0, torch.float32) - 200.0
+    probs = soft_probs(z, torch.float32)
+    torch.testing.assert_close(probs.double(), z.double().softmax(dim=-1), rtol=2e-5, atol=1e-8)
+    if width == 1:
+        assert probs.tolist() == [[1.0], [1.0]]
