@@ -343,3 +343,15 @@ def test_a_confidence_equal_to_the_threshold_does_not_clear_it(remasking):
     assert one.tolist() == [[False, False, True, False, False]]
     two = block.choose(confidence, masked, torch.tensor([2]), remasking, 0.5)
     assert two.sum().item() == 2 and two[0, 2]
+
+
+@given(left=st.lists(st.integers(0, 8), min_size=1, max_size=4), scheduled=st.integers(0, 6))
+def test_masks_left_caps_each_rows_count_at_what_it_has_left(left, scheduled):
+    """MasksLeft.capped: this step's scheduled count per row, never more than the masks the row has left;
+    take() then leaves each row the difference, never below zero."""
+    masked = torch.tensor([[i < n for i in range(8)] for n in left])
+    counts = decoding.MasksLeft(masked, followed=True).capped(scheduled)
+    assert counts == [min(scheduled, n) for n in left]
+    tracker = decoding.MasksLeft(masked, followed=True)
+    tracker.take(tracker.capped(scheduled))
+    assert tracker.host == [n - min(scheduled, n) for n in left] and min(tracker.host) >= 0

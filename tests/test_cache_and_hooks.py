@@ -176,3 +176,30 @@ def test_cache_write_kernel_refuses_a_v_of_another_dtype():
     cache, block = torch.zeros(2, 16, 2, 8), torch.zeros(2, 2, 4, 8)
     with pytest.raises(ValueError, match="one dtype"):
         cache_write(cache, cache, block, block.half(), torch.tensor([0, 1]))
+
+
+@given(lengths=st.lists(st.integers(0, 300), min_size=1, max_size=3), extra=st.integers(0, 40),
+       spare=st.integers(0, 80))
+def test_the_launch_length_bounds_the_longest_row_within_an_eighth_and_the_capacity(lengths, extra, spare):
+    """launch_length(extra) is at least max_length + extra, at most the capacity, and, below the capacity,
+    a multiple of 1/8 of that number's power of two: less than 12.5% over it."""
+    n = max(lengths) + extra
+    capacity = n + spare
+    cache = KVCache(1, len(lengths), capacity, 1, 1, "cpu", torch.float32)
+    cache.advance(torch.tensor(lengths))
+    launch = cache.launch_length(extra)
+    assert n <= launch <= capacity
+    if launch < capacity:
+        step = 1 << max(n.bit_length() - 4, 0)
+        assert launch % step == 0 and launch - n < max(n / 8, 1)
+
+
+@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=4))
+def test_a_counted_write_leaves_the_slots_after_each_rows_count_alone(lengths):
+    """write(counts=...) writes only the first counts[row] tokens of each row: the slots after them keep
+    what they held (the cache's zeros)."""
+    cache, k, v = random_cache(lengths)
+    keys, values = cache.view(0, extra=cache.capacity - cache.max_length)
+    for row, n in enumerate(lengths):
+        assert torch.equal(keys[row, :, :n], k[row, :, :n]) and torch.equal(values[row, :, :n], v[row, :, :n])
+        assert not keys[row, :, n:].any() and not values[row, :, n:].any()

@@ -6,6 +6,7 @@ step's logits and drifted rows equal a plain-torch float64 reference (ReferenceD
 engine refuses every bidirectional-canvas method on a block-causal model."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from nanodllm.attention import attention
 from nanodllm.config import GenerationConfig
+from nanodllm.loader import load_model
 from nanodllm.methods import METHODS, get_method
 from nanodllm.methods.base import Method
 from nanodllm.methods.common import heads_index, take_heads, take_rows
@@ -310,3 +312,12 @@ def test_dllm_cache_matches_its_reference(knobs, lengths, seed):
         torch.testing.assert_close(got, want, atol=1e-9, rtol=0, msg=lambda m: f"step {step}: {m}")
     assert sorted(method.drifted) == sorted(reference.drifted)
     assert tokens == expected
+
+
+def test_on_a_shifted_logit_model_refreshing_every_step_equals_dense():
+    """On Dream (logit_shift) the response's first logits read the prompt's last row as the last prompt
+    refresh left it: refreshing the prompt and the response every step decodes what dense does."""
+    model = load_model(Path(__file__).parent / "fixtures" / "dream_tiny", dtype=torch.float64)
+    gen = GenerationConfig(gen_length=8, block_length=8, steps=8)  # Dream decodes the response as one block
+    expected = generate(get_method("dense"), PROMPTS, gen, model)
+    assert generate(get_method("dllm_cache", prompt_interval=1, response_interval=1), PROMPTS, gen, model) == expected

@@ -260,6 +260,15 @@ def test_a_selecting_layer_reads_at_most_its_keys_of_each_cached_row():
     assert meter.stats() == {"kv_kept": 20 / 26}
 
 
+def test_a_methods_own_statement_is_counted_over_the_cache_it_reads():
+    """Where a method states its K/V kept (1 of 4), that is the count, even on an engine with a cache whose keys
+    the meter would otherwise count (13 of 26 here)."""
+    cache = SimpleNamespace(host_lengths=[10, 3], keys=[torch.zeros(1), None, torch.zeros(1)])
+    meter = Meter()
+    meter.count(Stated([(1, 4)], most=4), SimpleNamespace(cache=cache))
+    assert meter.stats() == {"kv_kept": 0.25}
+
+
 def test_the_summary_averages_each_length_over_its_samples():
     """A length's accuracy is over all its samples, not a mean of its cells' (3 of 4 and 0 of 1 make 3/5)."""
     results = {"dense": {(1024, 0.0): evaluation.Outcome(scores=[1.0, 1.0, 1.0, 0.0]),

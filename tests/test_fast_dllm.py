@@ -177,3 +177,12 @@ def test_fast_dllm_matches_its_reference(batch, mode, delay, refresh):
     expected = decode_recording_logits(reference, *batch)
     method = get_method("fast_dllm", mode=mode, delay=delay, refresh=refresh)
     assert_matches_reference(method, reference, expected, batch)
+
+
+@pytest.mark.parametrize("mode, refresh", [("dual", 0), ("prefix", 2)])
+def test_kv_kept_counts_every_real_token_outside_the_fed_range_once(mode, refresh):
+    """Fast-dLLM keeps every real token's K/V outside the fed range at each build (padding hidden, the
+    room for the fed tokens not counted): stats["kv_kept"] is 1 in a ragged batch as for one row."""
+    gen = GenerationConfig(gen_length=8, block_length=4, steps=8)
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        assert decode(get_method("fast_dllm", mode=mode, refresh=refresh), prompts, gen).stats == {"kv_kept": 1.0}

@@ -372,3 +372,12 @@ def test_the_sampler_reads_the_logits_on_the_kernel(kernels_on, monkeypatch):
         return result.tokens, result.steps_per_canvas
 
     assert decode_with(spy) == decode_with(softmax_stats_reference) and len(calls) == 2
+
+
+def test_a_canvas_is_confident_by_its_mean_entropy():
+    """The stop rule reads the mean of the canvas's entropies: a mean of 0.004 is under the threshold of 0.005
+    though one position's entropy (0.007) is not; a mean of 0.006 is not."""
+    sampling = GemmaSampling(stability_threshold=0, confidence_threshold=0.005)
+    entropies = torch.tensor([[0.001, 0.007], [0.005, 0.007]])
+    stop, _ = gemma_loop.stopping(torch.full((0, 2, 2), -1), torch.zeros(2, 2, dtype=torch.long), entropies, sampling)
+    assert stop.tolist() == [True, False]

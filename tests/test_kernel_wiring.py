@@ -239,3 +239,46 @@ def test_cached_masked_methods_decode_the_same_tokens_on_kernels(monkeypatch, na
                                                      make_method=lambda: get_method(name, **knobs))
     assert kernel_tokens == torch_tokens
     assert set(called) == kernels_called
+
+
+def test_a_canvas_masks_last_queries_are_the_last_rows_of_the_whole_canvases_mask():
+    """CanvasMask's queries are the last q_len of the n columns: the dense mask of the last 5 queries is
+    the last 5 rows of the whole canvas's, also where the canvas is left-padded."""
+    valid = torch.ones(2, 13, dtype=torch.bool)
+    valid[1, :3] = False
+    for block_size in (None, 4):
+        mask = CanvasMask(valid=valid, block_size=block_size)
+        assert torch.equal(mask.dense(5, 13, "cpu"), mask.dense(13, 13, "cpu")[:, :, -5:])
+
+
+def test_padded_queries_of_a_dense_mask_see_every_key_and_valid_ones_the_valid_keys():
+    """key_padding_mask: a valid query sees the valid keys; a padded query sees every key (its softmax is
+    defined: no NaN in the output)."""
+    valid = torch.tensor([[True] * 6, [False, False, True, True, True, False]])
+    mask = attention_module.key_padding_mask(valid, valid)
+    for row in range(2):
+        for query in range(6):
+            expected = valid[row] if valid[row, query] else torch.ones(6, dtype=torch.bool)
+            assert torch.equal(mask[row, 0, query], expected)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    assert not attention(q, k, v, CanvasMask(valid=valid)).isnan().any()
+
+
+def test_a_mask_that_differs_per_query_on_the_kernels_equals_the_reference(attention_kernels_on):
+    """A bool mask [batch, 1, q_len, k_len] that hides different keys from different queries is applied
+    per query on the kernel route too (not as one key mask)."""
+    q, k, v = qkv(2, 4, 2, 5, 20, seed=3)
+    mask = torch.rand(2, 1, 5, 20, generator=torch.Generator().manual_seed(4)).to(DEVICE) < 0.6
+    mask[..., 0] = True  # every query sees a key
+    out = attention(q, k, v, mask)
+    torch.testing.assert_close(out, attention_module.attention_reference(q, k, v, mask), atol=2e-3, rtol=2e-3)
+
+
+def test_a_repeated_canvas_mask_is_the_masks_of_the_batch_repeated():
+    """CanvasMask.repeat(times) (classifier-free guidance) is the mask of the batch concatenated `times`
+    times: its dense form is the dense form repeated, per-row positions included."""
+    valid = torch.tensor([[False, True, True, True, True, True], [True] * 6])
+    positions = (torch.arange(6)[None, :] - torch.tensor([[1], [0]])).clamp(min=0)
+    mask = CanvasMask(valid=valid, block_size=2, positions=positions)
+    dense = mask.dense(6, 6, "cpu")
+    assert torch.equal(mask.repeat(3).dense(6, 6, "cpu"), torch.cat([dense] * 3))

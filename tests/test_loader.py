@@ -509,3 +509,36 @@ def test_a_short_list_of_problems_is_named_whole():
     assert loader.first_few("missing", ["a"]) == "missing (1 tensor): a"
     assert loader.first_few("missing", ["a", "b", "c"]) == "missing (3 tensors): a; b; c"
     assert loader.first_few("missing", ["a", "b", "c", "d"]) == "missing (4 tensors): a; b; c; and 1 more"
+
+
+def test_random_weights_set_every_norm_scale_and_layer_scalar_to_one():
+    """random_weights draws the matrices and sets the norms', scales' and (DiffusionGemma's) layer scalars
+    to 1, so a random model's layers are not scaled away."""
+    model = loader.random_weights(loader.build_empty(ModelConfig.from_dir(FIXTURES / "diffusion_gemma_tiny"),
+                                                     dtype=torch.float32))
+    ones = [name for name, _ in model.named_parameters() if name.endswith(("norm.weight", "scale", "scalar"))]
+    assert any(name.endswith("scalar") for name in ones)
+    for name, p in model.named_parameters():
+        if name in ones:
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif p.numel() > 1:
+            assert p.std() > 0.01, name  # drawn N(0, 0.02)
+
+
+def test_diffusion_gemma_loads_up_to_its_unstretched_context_and_no_further():
+    """DiffusionGemma's RoPE is not stretched: a context of max_position_embeddings loads, one more is refused."""
+    path = FIXTURES / "diffusion_gemma_tiny"
+    limit = ModelConfig.from_dir(path).max_position_embeddings
+    assert loader.load_reference(path, dtype=torch.float32, context=limit).cfg.max_position_embeddings == limit
+    with pytest.raises(ValueError, match=f"a context of {limit + 1} tokens exceeds max_position_embeddings {limit}"):
+        loader.load_reference(path, dtype=torch.float32, context=limit + 1)
+
+
+def test_diffusion_gemma_skips_its_whole_vision_side_and_keeps_the_text():
+    """Only the text model runs: every tensor of DiffusionGemma's vision tower and of its vision embedding
+    is skipped, and no other."""
+    files = loader.checkpoint_files(FIXTURES / "diffusion_gemma_tiny")
+    kept, skipped = loader.vision_skipped("diffusion_gemma", files)
+    vision = sorted(name for name in files if "vision" in name)
+    assert any("embed_vision" in name for name in vision) and any("vision_tower" in name for name in vision)
+    assert skipped == vision and sorted(kept) == sorted(set(files) - set(vision))

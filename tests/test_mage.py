@@ -424,3 +424,12 @@ class ReferenceMage(Recompute):
 def test_mage_matches_its_reference(decoding, k, sparse_commit, data):
     knobs = dict(k=k, exact_layers=data.draw(sparse_layers(decoding[0])), sparse_commit=sparse_commit)
     assert_matches_reference(get_method("mage", **knobs), ReferenceMage(**knobs), *decoding)
+
+
+def test_a_commit_before_its_block_selected_is_exact():
+    """A commit whose block took no denoising step (ctx.step 0) has no selection of its own to read:
+    it attends exactly, with sparse_commit too; from one step on it reads the block's selection."""
+    cache = KVCache(2, 1, 64, 2, 8, "cpu", torch.float32)
+    cache.advance(torch.tensor([9]))
+    committing = get_method("mage", k=4, sparse_commit=True)
+    assert [committing.stage(context(cache, steps, "commit")) for steps in (0, 1)] == ["exact", "sparse"]

@@ -236,3 +236,13 @@ def test_a_batch_mixing_one_token_and_longer_prompts_equals_each_row_alone(thres
     together = masked.generate(MODEL, prompts, gen).tokens
     assert together == [masked.generate(MODEL, [prompt], gen).tokens[0] for prompt in prompts]
     assert together[0] == reference_generate(MODEL, prompts[0], 4, 8, 4, threshold=threshold)
+
+
+def test_prompt_ids_are_checked_exactly_against_the_vocabulary():
+    """check_prompts takes ids in [0, vocab_size): the last id is a token, vocab_size and -1 are refused."""
+    from nanodllm.decoding import check_prompts
+
+    assert check_prompts([[0, 99]], vocab_size=100, context_length=64, extra=8) == [[0, 99]]
+    for bad in (100, -1):
+        with pytest.raises(ValueError, match=r"outside \[0, 100\)"):
+            check_prompts([[1, bad]], vocab_size=100, context_length=64, extra=8)

@@ -399,3 +399,15 @@ def test_maskkv_keeps_its_references_tokens(batch, alpha, beta, boundary, data):
         method = get_method("maskkv", budget=budget, alpha=alpha, beta=beta, boundary_layers=boundary,
                             profile=str(profile), **intervals)
         assert_matches_reference(method, model, prompts, [kept for kept, _ in references], intervals)
+
+
+@pytest.mark.parametrize("boundary_layers", [2, 3, 8])
+def test_boundary_groups_meeting_or_wider_than_the_model_make_every_layer_boundary(boundary_layers):
+    """boundary_layers at least half the layers (here 4): every layer is a boundary layer, none middle, so
+    Algorithm 2 shares the whole pool equally and each layer's budget is the budget itself, whatever the
+    importance."""
+    model = tiny_model("llada", n_layers=4)
+    gen = GenerationConfig(gen_length=4, block_length=4, steps=1)
+    method = get_method("maskkv", budget=10, boundary_layers=boundary_layers)
+    generate(method, [random_prompt(30, seed=1)], gen, model)
+    assert method.budgets[:, 0].tolist() == [10] * 4

@@ -269,3 +269,19 @@ def test_quest_matches_its_reference(decoding, page_size, pages, extra, sparse_c
     knobs = dict(k=pages * page_size + extra % page_size, page_size=page_size,
                  exact_layers=data.draw(sparse_layers(decoding[0])), sparse_commit=sparse_commit)
     assert_matches_reference(get_method("quest", **knobs), ReferenceQuest(**knobs), *decoding)
+
+
+def test_incremental_bounds_of_pages_longer_than_a_block_equal_recomputed_bounds():
+    """Pages of 8 keys over blocks of 4: the longest row's last page is partial when the bounds are last
+    brought up to date, and its bounds are those of the keys it holds then, as recomputed."""
+    model = tiny_model("sdar")
+    prompts = [random_prompt(9, seed=1), random_prompt(26, seed=2)]
+    quest = get_method("quest", k=16, page_size=8, exact_layers=0)
+    cache = run(model, prompts, quest).cache
+    assert quest.bounds
+    for layer, bounds in quest.bounds.items():
+        assert max(bounds.summarised) % 8  # the longest row's last page was partial
+        width = -(-max(bounds.summarised) // 8)
+        low, high = page_bounds(cache.keys[layer][:, : width * 8], torch.tensor(bounds.summarised), 8)
+        torch.testing.assert_close(bounds.low[:, :, :width], low, atol=0, rtol=0)
+        torch.testing.assert_close(bounds.high[:, :, :width], high, atol=0, rtol=0)

@@ -131,3 +131,28 @@ def test_a_selection_holding_every_oracle_key_recalls_everything():
     """Accuracy is the share of the oracle's keys selected: 1 for a superset of them, however large."""
     records = run(EveryKeyAsASelection(), [random_prompt(30, seed=1), random_prompt(19, seed=2)])
     assert records and all(r.accuracy == 1.0 for r in records)
+
+
+def test_the_union_is_relative_to_k_when_every_row_is_shorter_than_k():
+    """Every query the same: rows of 2 and 3 keys unite all their keys, 2/4 and 3/4 of k = 4 (mean 0.625),
+    however short the longest row."""
+    q = torch.randn(1, 1, 1, 8, generator=torch.Generator().manual_seed(0)).expand(2, 2, 3, 8)
+    k_cache = torch.randn(2, 20, 1, 8, generator=torch.Generator().manual_seed(1))
+    assert recall.union_ratio(q, k_cache, torch.tensor([2, 3]), 4) == 0.625
+
+
+def test_a_row_without_prefix_keys_is_left_out_of_the_union_mean():
+    """A row with an empty prefix has no top-k to unite: the mean is over the other rows (1.0 here)."""
+    q = torch.randn(1, 1, 1, 8, generator=torch.Generator().manual_seed(0)).expand(2, 2, 3, 8)
+    k_cache = torch.randn(2, 20, 1, 8, generator=torch.Generator().manual_seed(1))
+    assert recall.union_ratio(q, k_cache, torch.tensor([12, 0]), 4) == 1.0
+
+
+def test_each_rows_union_is_the_one_it_has_alone():
+    """The rows are independent: a batch's union ratio is the mean of each row's own, so a short row next to
+    a long one unites only its own keys, whatever the queries."""
+    generator = torch.Generator().manual_seed(2)
+    q, k_cache = torch.randn(2, 4, 5, 8, generator=generator), torch.randn(2, 24, 2, 8, generator=generator)
+    lengths = torch.tensor([16, 3])
+    alone = [recall.union_ratio(q[row:row + 1], k_cache[row:row + 1], lengths[row:row + 1], 4) for row in range(2)]
+    assert recall.union_ratio(q, k_cache, lengths, 4) == pytest.approx(sum(alone) / 2)

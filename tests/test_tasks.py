@@ -1,5 +1,6 @@
 """Synthetic long-context tasks (determinism, needle placement, lengths) and the LongBench metrics."""
 
+import itertools
 import json
 import math
 import random
@@ -314,3 +315,42 @@ def test_a_first_line_dataset_scores_the_first_line_after_leading_newlines(tmp_p
     """LongBench strips the reply's leading newlines before taking trec's, triviaqa's and samsum's first line."""
     (sample,) = load_longbench(write_jsonl(tmp_path / "lb.jsonl", [{**RECORD, "dataset": "samsum"}]))
     assert score(sample, "\n\nthe cat\nsat on the mat") == 1.0
+
+
+def test_qa_f1_matches_a_repeated_word_as_often_as_both_hold_it():
+    """The overlap is the multiset intersection (LongBench's Counter &): "yes yes no" against "yes yes"
+    shares 2 words, P = 2/3, R = 1, F1 = 0.8."""
+    assert qa_f1("yes yes no", ["yes yes"]) == pytest.approx(0.8)
+
+
+def _longest_common_subsequence(first, second):
+    """By enumeration: the longest subsequence of `first` that is also a subsequence of `second`."""
+    def within(part, whole):
+        rest = iter(whole)
+        return all(item in rest for item in part)
+    for size in range(len(first), 0, -1):
+        if any(within(part, second) for part in itertools.combinations(first, size)):
+            return size
+    return 0
+
+
+word_lists = st.lists(st.sampled_from("abc"), min_size=1, max_size=6)
+
+
+@given(word_lists, word_lists)
+def test_rouge_l_is_the_f_measure_of_the_longest_common_subsequence(predicted, reference):
+    """rouge_l's F = 2 LCS / (|prediction| + |reference|), the LCS found here by enumeration."""
+    lcs = _longest_common_subsequence(predicted, reference)
+    expected = 2 * lcs / (len(predicted) + len(reference))
+    assert rouge_l(" ".join(predicted), [" ".join(reference)]) == pytest.approx(expected)
+
+
+def test_rouge_l_drops_the_periods_of_the_answer_too():
+    """"." is dropped from the reference as from the prediction: "The cat sat" equals "The cat sat."."""
+    assert rouge_l("The cat sat", ["The cat sat."]) == pytest.approx(1.0)
+
+
+def test_load_longbench_skips_a_line_of_only_whitespace(tmp_path):
+    """A blank line, spaces or tabs only, is no record (the docstring: blank lines are skipped)."""
+    path = write_jsonl(tmp_path / "lb.jsonl", [RECORD, "  \t ", {**RECORD, "_id": "d"}])
+    assert [sample.meta["id"] for sample in load_longbench(path)] == ["abc", "d"]
