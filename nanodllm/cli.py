@@ -126,7 +126,8 @@ def output_file(text: str) -> Path:
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
     if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"the folder {path.parent} of {text} does not exist")
+        missing = "is a file" if path.parent.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"the folder {path.parent} of {text} {missing}")
     return path
 
 
@@ -197,7 +198,7 @@ def tensor_parallel(tp: int, data_parallel: bool = False) -> tuple[Group, int, i
     Without torchrun (SINGLE, 0, 1). A world other than tp (data_parallel: other than a multiple of tp),
     or more processes than GPUs, is refused naming both numbers."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if (world % tp if data_parallel else world != tp) or tp < 1:
+    if tp < 1 or (world % tp if data_parallel else world != tp):
         launch = f"torchrun --nproc-per-node {tp} ..." if tp > 1 else "python, or torchrun with --tp"
         raise ValueError(f"--tp {tp} needs {'a multiple of ' if data_parallel else ''}{tp} processes ({launch}); "
                          f"this run has {world}")

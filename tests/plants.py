@@ -1886,8 +1886,8 @@ CLI_EVAL_AND_DEMO = [
              'return int(fields["MemAvailable"].split()[0]) * 1024', 'return int(fields["MemAvailable"].split()[0])',
              "test_cli.py::test_available_ram_reads_memavailable_in_bytes"),
     mutation("cli-data-parallel-multiple-taken-backwards", "nanodllm/cli.py",
-             "if (world % tp if data_parallel else world != tp) or tp < 1:",
-             "if (tp % world if data_parallel else world != tp) or tp < 1:",
+             "if tp < 1 or (world % tp if data_parallel else world != tp):",
+             "if tp < 1 or (tp % world if data_parallel else world != tp):",
              "test_cli.py::test_a_data_parallel_world_that_is_no_multiple_of_tp_is_refused"),
     mutation("cli-output-file-under-a-file-taken-as-a-folder", "nanodllm/cli.py",
              "    if not path.parent.is_dir():", "    if not path.parent.exists():",
@@ -1918,6 +1918,13 @@ CLI_EVAL_AND_DEMO = [
              "for cell in sorted(dense, key=lambda c: (in_order(c[0]), c[1])):",
              "for cell in sorted(dense, key=lambda c: (str(c[0]), c[1])):",
              "test_eval.py::test_the_table_lists_lengths_in_numeric_order_and_named_cells_after"),
+    mutation("cli-tp-zero-divided-before-it-is-refused", "nanodllm/cli.py",
+             "if tp < 1 or (world % tp if data_parallel else world != tp):",
+             "if (world % tp if data_parallel else world != tp) or tp < 1:",
+             "test_cli.py::test_a_data_parallel_world_that_is_no_multiple_of_tp_is_refused"),
+    mutation("cli-output-folder-that-is-a-file-said-missing", "nanodllm/cli.py",
+             'missing = "is a file" if path.parent.exists() else "does not exist"', 'missing = "does not exist"',
+             "test_cli.py::test_an_output_file_under_a_file_is_refused_at_once"),
 ]
 
 MORE_KERNELS = [

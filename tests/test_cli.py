@@ -775,6 +775,8 @@ def test_a_data_parallel_world_that_is_no_multiple_of_tp_is_refused(monkeypatch)
         refused = rf"--tp {tp} needs a multiple of {tp} processes \(.*\); this run has {world}"
         with pytest.raises(ValueError, match=refused):
             cli.tensor_parallel(tp, data_parallel=True)
+    with pytest.raises(ValueError, match="--tp 0 needs"):  # refused, not divided by
+        cli.tensor_parallel(0, data_parallel=True)
 
 
 def test_an_output_file_under_a_file_is_refused_at_once(tmp_path):
@@ -784,7 +786,7 @@ def test_an_output_file_under_a_file_is_refused_at_once(tmp_path):
     from nanodllm.cli import output_file
 
     (tmp_path / "notes.txt").write_text("notes")
-    with pytest.raises(argparse.ArgumentTypeError, match="the folder .*notes.txt of .* does not exist"):
+    with pytest.raises(argparse.ArgumentTypeError, match="the folder .*notes.txt of .* is a file"):
         output_file(str(tmp_path / "notes.txt" / "heatmap.png"))
     assert output_file(str(tmp_path / "heatmap.png")) == tmp_path / "heatmap.png"
 
