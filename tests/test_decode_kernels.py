@@ -376,31 +376,17 @@ def test_key_scores_rejects_bad_inputs(change, message):
         key_scores(**args)
 
 
-def test_a_cache_of_another_head_dim_is_refused():
-    """q of head dim 64 against caches of 128 (each a valid head dim alone): named by every block-decode
-    kernel before it reads a cache row as if it were q's width."""
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_a_cache_of_another_shape_is_refused(dim):
+    """Caches twice q's head dim (64 against 128, each a valid head dim alone) or twice its batch (its rows
+    would be read against the wrong cache rows): named by every block-decode kernel before it reads a
+    cache row as if it were q's."""
     args = valid_inputs()
-    args["k_cache"], args["v_cache"] = (torch.cat([args[name]] * 2, dim=-1) for name in ("k_cache", "v_cache"))
+    args["k_cache"], args["v_cache"] = (torch.cat([args[name]] * 2, dim=dim) for name in ("k_cache", "v_cache"))
     with pytest.raises(ValueError, match="does not match q"):
         decode_attention(**args)
     args = sparse_inputs()
-    args["k_cache"], args["v_cache"] = (torch.cat([args[name]] * 2, dim=-1) for name in ("k_cache", "v_cache"))
-    with pytest.raises(ValueError, match="does not match q"):
-        sparse_decode_attention(**args)
-    lse = torch.zeros(args["q"].shape[:3], device=DEVICE)
-    with pytest.raises(ValueError, match="does not match q"):
-        key_scores(args["q"], args["k_cache"], args["cache_lengths"], lse)
-
-
-def test_a_cache_of_another_batch_is_refused():
-    """q of 2 rows against caches of 4 (the rows of q would be read against the wrong cache rows): named
-    by every block-decode kernel."""
-    args = valid_inputs()
-    args["k_cache"], args["v_cache"] = (torch.cat([args[name]] * 2) for name in ("k_cache", "v_cache"))
-    with pytest.raises(ValueError, match="does not match q"):
-        decode_attention(**args)
-    args = sparse_inputs()
-    args["k_cache"], args["v_cache"] = (torch.cat([args[name]] * 2) for name in ("k_cache", "v_cache"))
+    args["k_cache"], args["v_cache"] = (torch.cat([args[name]] * 2, dim=dim) for name in ("k_cache", "v_cache"))
     with pytest.raises(ValueError, match="does not match q"):
         sparse_decode_attention(**args)
     lse = torch.zeros(args["q"].shape[:3], device=DEVICE)
