@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_inputs import check_lengths_tensor, check_query_and_cache
+from .decode_inputs import check_lengths_tensor, check_query_and_cache, score_scale
 
 LOG2E = tl.constexpr(math.log2(math.e))  # kernels use it as is, host code as LOG2E.value
 LN2 = tl.constexpr(math.log(2.0))
@@ -37,6 +37,9 @@ INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERP
 # (docs/results/bench_kernels.md); the sparse kernel's gathers do better with default_tiles' 3.
 DENSE_STAGES = 4
 SHARED_MEMORY_BUDGET = 200 * 1024  # of sm_90's 227 KB per block: room for barriers and layout conversions
+# dense_tiles at D = 128 in 16 bits: 128-key tiles in 3 stages, 192 KB of K + V beside a query tile of
+# at most 32 KB, as flash_attention's prefill tile fits sm_90 (its 227 KB, just)
+WIDE_KEY_TILES = {"BLOCK_N": 128, "num_stages": 3}
 
 DEBUG_POISON = False  # True (tests): buffers a kernel must fill start as NaN, so an unwritten element fails
 
@@ -58,18 +61,23 @@ def load_query_tile(q_ptr, stride_qb, stride_qh, stride_ql, stride_qd, batch, kv
 
 
 @triton.jit
-def attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, ALL_VALID: tl.constexpr):
     """One online-softmax step over a tile of keys, statistics in base 2: m_i is the running row
     max of the log2-scaled scores, l_i the running sum of 2^(score - m_i), acc the unnormalised
-    output. Invalid keys get score -inf; a tile with no valid key leaves everything unchanged."""
+    output. Invalid keys get score -inf; a tile with no valid key leaves everything unchanged.
+    ALL_VALID: every key of the tile is valid (key_valid is not read): no select, no guard of an all -inf row. The
+    scale (> 0) is applied to the row max and inside the exponent, one fused multiply-add."""
     # [BLOCK_M, BLOCK_N]
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    scores = tl.where(key_valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: exp2 gives 0, not NaN
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if not ALL_VALID:
+        scores = tl.where(key_valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+    m_ref = m_new
+    if not ALL_VALID:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: exp2 gives 0, not NaN
     alpha = tl.exp2(m_i - m_ref)
     # [BLOCK_M, BLOCK_N]
-    p = tl.exp2(scores - m_ref[:, None])
+    p = tl.exp2(scores * qk_scale - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     # [BLOCK_M, HEAD_DIM]
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -97,22 +105,28 @@ def store_partial(part_out_ptr, part_lse_ptr, acc, m_i, l_i, rows, batch_head, s
 @triton.jit
 def attend_keys(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, start, end, qk_scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The query tile against keys [start, end) of its row: (m_i, l_i, acc) as attend_tile keeps them."""
+    """The query tile against keys [start, end) of its row: (m_i, l_i, acc) as attend_tile keeps them.
+    The whole tiles first, with no bounds to check, then the partial one past them, if any."""
     dims = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     # [BLOCK_M, HEAD_DIM]
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for key_start in range(start, end, BLOCK_N):
+    whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for key_start in range(start, whole_end, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
+        # [BLOCK_N, HEAD_DIM] each
+        k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_kn + dims[None, :].to(tl.int64) * stride_kd)
+        v = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vn + dims[None, :].to(tl.int64) * stride_vd)
+        m_i, l_i, acc = attend_tile(q, k, v, keys, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
+    if whole_end < end:
+        keys = whole_end + tl.arange(0, BLOCK_N)
         key_valid = keys < end
-        # [BLOCK_N, HEAD_DIM]
         k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_kn + dims[None, :].to(tl.int64) * stride_kd,
                     mask=key_valid[:, None], other=0.0)
-        # [BLOCK_N, HEAD_DIM]
         v = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vn + dims[None, :].to(tl.int64) * stride_vd,
                     mask=key_valid[:, None], other=0.0)
-        m_i, l_i, acc = attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, False)
     return m_i, l_i, acc
 
 
@@ -234,6 +248,14 @@ def default_tiles(num_rows: int, head_dim: int, element_size: int, num_stages: i
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
 
 
+def dense_tiles(num_rows: int, head_dim: int, element_size: int) -> dict:
+    """decode_attention's launch: default_tiles with DENSE_STAGES, or at D = 128 in 16 bits WIDE_KEY_TILES,
+    which halve the online softmax's rescales per key and run faster where a slice is compute-bound (many
+    query rows against long caches: docs/results/bench_routing.md's split column)."""
+    tiles = default_tiles(num_rows, head_dim, element_size, DENSE_STAGES)
+    return {**tiles, **WIDE_KEY_TILES} if head_dim == 128 and element_size == 2 else tiles
+
+
 @functools.lru_cache
 def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -311,7 +333,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
     max_length: an upper bound of lengths known on the host (e.g. KVCache.max_length + L); the split
         size is chosen from it. Default lengths.max().item(), one device sync.
     num_splits: how many key slices per row (upper bound); default from the SM count.
-    tiles: overrides of default_tiles' launch parameters (BLOCK_M, BLOCK_N, num_warps, num_stages),
+    tiles: overrides of dense_tiles' launch parameters (BLOCK_M, BLOCK_N, num_warps, num_stages),
         for launch sweeps (the tests run a few).
 
     Returns out [batch, num_heads, L, D] in q's dtype (laid out [batch, L, num_heads, D]: merge_splits)
@@ -347,9 +369,9 @@ def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None
         max_length = int(lengths.max())
     group = num_heads // num_kv_heads
     num_rows = group * num_queries
-    scale = head_dim**-0.5 if scale is None else scale
+    scale = score_scale(scale, head_dim)
 
-    launch = default_tiles(num_rows, head_dim, q.element_size(), DENSE_STAGES)
+    launch = dense_tiles(num_rows, head_dim, q.element_size())
     if tiles is not None and not set(tiles) <= set(launch):
         raise ValueError(f"tiles may set {sorted(launch)}, got {sorted(tiles)}")
     launch.update(tiles or {})

@@ -48,3 +48,13 @@ def check_lengths_tensor(name, lengths, batch, device):
         raise ValueError(f"{name} must be int32 or int64, got {lengths.dtype}")
     if lengths.device != device:
         raise ValueError(f"{name} is on {lengths.device}, q on {device}")
+
+
+def score_scale(scale, head_dim: int) -> float:
+    """The scores' scale: head_dim ** -0.5 by default, else the positive number given (the kernels take the
+    row max of the unscaled scores, which only a positive scale keeps the max)."""
+    if scale is None:
+        return head_dim**-0.5
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale!r}")
+    return scale

@@ -32,7 +32,7 @@ from .decode_attention import (
     split_keys,
     store_partial,
 )
-from .decode_inputs import check_lengths_tensor, check_query_and_cache
+from .decode_inputs import check_lengths_tensor, check_query_and_cache, score_scale
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def sparse_decode_split_kernel(
         # [BLOCK_N, HEAD_DIM]
         v = tl.load(v_base + tokens * stride_vn + dims[None, :].to(tl.int64) * stride_vd,
                     mask=key_valid[:, None], other=0.0)
-        m_i, l_i, acc = attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, key_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, False)
 
     store_partial(part_out_ptr, part_lse_ptr, acc, m_i, l_i, rows, batch_head, split, tl.num_programs(1),
                   group * num_queries, HEAD_DIM)
@@ -196,7 +196,7 @@ def sparse_decode_partials(q, k_cache, v_cache, cache_lengths, indices, counts, 
         check_index_lists(indices, counts, cache_lengths, index_block, num_queries, capacity)
     group = num_heads // num_kv_heads
     num_rows = group * num_queries
-    scale = head_dim**-0.5 if scale is None else scale
+    scale = score_scale(scale, head_dim)
 
     launch = default_tiles(num_rows, head_dim, q.element_size())
     m_tiles = triton.cdiv(num_rows, launch["BLOCK_M"])

@@ -167,6 +167,16 @@ def test_default_tiles_fit_shared_memory(element_size, head_dim, num_rows, stage
         assert tiles["num_stages"] == stages
 
 
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_rows", [1, 36, 128, 512])
+def test_dense_tiles_fit_sm90(element_size, head_dim, num_rows):
+    """decode_attention's own launch (wide key tiles at D = 128 in 16 bits) fits sm_90's 227 KB."""
+    tiles = decode_module.dense_tiles(num_rows, head_dim, element_size)
+    stage = 2 * tiles["BLOCK_N"] * head_dim * element_size
+    assert 1 <= tiles["num_stages"] and tiles["num_stages"] * stage + tiles["BLOCK_M"] * head_dim * element_size <= 227 * 1024
+
+
 def test_decode_attention_strided_q_return_lse_false_and_scale():
     q, k, v, prefixes = Case(prefixes=[40, 70], num_kv_heads=2, group=2, num_queries=3).tensors()
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [batch, L, heads, D] memory, as a projection gives
@@ -255,6 +265,17 @@ def test_sparse_with_every_key_equals_dense(case, index_block):
     dense = decode_attention(q, k, v, prefixes + case.num_queries)
     assert_close(sparse[0], dense[0], case.dtype)
     assert_lse_close(sparse[1], dense[1])
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan")])
+def test_a_scale_that_is_not_positive_is_refused(scale):
+    """The kernels scale a row's largest raw score to get its largest scaled one: true for a positive scale only."""
+    q, k, v, prefixes = Case(prefixes=[5], num_queries=2).tensors()
+    indices, counts = torch.arange(5, device=DEVICE).view(1, 1, 5), torch.tensor([[5]], device=DEVICE)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        decode_attention(q, k, v, prefixes + 2, scale=scale)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        sparse_decode_attention(q, k, v, prefixes, indices, counts, scale=scale)
 
 
 @given(case=cases(), reduce=st.sampled_from(["mean", "sum"]), with_dots=st.booleans(),
@@ -434,7 +455,7 @@ def test_inputs_are_read_through_their_strides():
     assert v.stride() != k.stride()
     q = q_wide[:, :, 4:]  # the block's last 4 queries, a view of the 8
     assert not q.is_contiguous()
-    out, lse = decode_attention(q, k, v, prefixes + 8)
+    out, lse = decode_attention(q, k, v, prefixes + 8, tiles={"BLOCK_N": 16})  # whole tiles and a partial one
     expected_out, expected_lse = decode_attention_reference(q.contiguous(), k, v.contiguous(), prefixes + 8)
     assert_close(out, expected_out, case.dtype)
     assert_lse_close(lse, expected_lse)
