@@ -329,9 +329,10 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, return_lse=Tru
         include the block's own L keys. Contract: L <= lengths[b] <= capacity (not checked unless
         check_lengths=True, which costs a device sync). Or an int: every row's length (checked, free),
         which spares a caller whose rows are all full the launch that would fill a lengths tensor.
-    scale: score scale, default D ** -0.5. GQA: query head h reads KV head h // (num_heads // num_kv_heads).
+    scale: score scale (> 0), default D ** -0.5. GQA: query head h reads KV head h // (num_heads // num_kv_heads).
     max_length: an upper bound of lengths known on the host (e.g. KVCache.max_length + L); the split
-        size is chosen from it. Default lengths.max().item(), one device sync.
+        size is chosen from it (checked against lengths with check_lengths). Default lengths.max().item(),
+        one device sync.
     num_splits: how many key slices per row (upper bound); default from the SM count.
     tiles: overrides of dense_tiles' launch parameters (BLOCK_M, BLOCK_N, num_warps, num_stages),
         for launch sweeps (the tests run a few).
@@ -365,6 +366,9 @@ def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None
         check_lengths_tensor("lengths", lengths, batch, q.device)
         if check_lengths and bool(((lengths < num_queries) | (lengths > capacity)).any()):
             raise ValueError(f"lengths {lengths.tolist()} must lie in [L, capacity] = [{num_queries}, {capacity}]")
+        if check_lengths and max_length is not None and int(lengths.max()) > max_length:
+            raise ValueError(f"max_length {max_length} is below lengths {lengths.tolist()}: keys past it would be "
+                             "skipped")
     if max_length is None:
         max_length = int(lengths.max())
     group = num_heads // num_kv_heads

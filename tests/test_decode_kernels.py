@@ -332,6 +332,7 @@ def valid_inputs():
     (lambda a: a.update(lengths=torch.tensor([3, 24], device=DEVICE), check_lengths=True), r"\[L, capacity\]"),
     (lambda a: a.update(lengths=3), r"lengths 3 must lie in \[L, capacity\]"),
     (lambda a: a.update(lengths=24, max_length=10), "below lengths"),  # splits sized for 10 keys would skip 14
+    (lambda a: a.update(max_length=10, check_lengths=True), "below lengths"),  # a tensor's, checked on request
     (lambda a: a.update(tiles={"BLOCK_K": 32}), "tiles may set"),
 ])
 def test_decode_attention_rejects_bad_inputs(change, message):
