@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from . import recall, tasks
-from .attention import CanvasMask
 from .cli import (HelpFormatter, available_device, check_fits, check_steps, output_file, positive_int, positive_ints,
                   read_text, run_main, tensor_parallel, write_whole)
 from .config import GenerationConfig, ModelConfig, default_block_length, default_threshold
@@ -82,8 +81,7 @@ def calibrate(model_dir, lengths=(1024, 2048), n: int = 4, gen_length: int = 32,
                 tokens = torch.tensor([ids], device=device)
                 positions = torch.arange(len(ids), device=device)[None]
                 valid = torch.ones_like(tokens, dtype=torch.bool)
-                mask = CanvasMask(block_size=cfg.block_size) if cfg.attention == "block_causal" else None
-                profiles.append(layer_importance(model, tokens, positions, valid, mask)[0])
+                profiles.append(layer_importance(model, tokens, positions, valid)[0])
     importance = torch.tensor(profiles).mean(dim=0).tolist()
     record = {"layer_importance": importance, "calibration": {
         "tasks": ["passkey", "multikey", "kv"], "lengths": list(lengths), "samples_per_cell": n,
