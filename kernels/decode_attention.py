@@ -33,8 +33,9 @@ MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D) must stay small next t
 MAX_SPLITS = 128  # the merge holds all of a row's slices in registers
 MERGE_TILE = 2048  # elements of partial output per merge warp (merge_launch)
 INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERPRET=1)
-# 4 stages (160 KB of shared memory at D = 128): the best in the tuning sweep at 32K-128K keys
-# (docs/results/bench_kernels.md); the sparse kernel's gathers do better with default_tiles' 3.
+# 4 stages of 64-key tiles (160 KB of shared memory at D = 128): the best of that tile's sweep at 32K-128K
+# keys (docs/results/bench_kernels.md), kept where dense_tiles keeps the tile (head_dim 64, float32); the
+# sparse kernel's gathers do better with default_tiles' 3.
 DENSE_STAGES = 4
 SHARED_MEMORY_BUDGET = 200 * 1024  # of sm_90's 227 KB per block: room for barriers and layout conversions
 # dense_tiles at D = 128 in 16 bits: 128-key tiles in 3 stages, 192 KB of K + V beside a query tile of
