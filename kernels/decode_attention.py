@@ -249,17 +249,35 @@ def default_tiles(num_rows: int, head_dim: int, element_size: int, num_stages: i
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages}
 
 
-def dense_tiles(num_rows: int, head_dim: int, element_size: int) -> dict:
+def dense_tiles(num_rows: int, head_dim: int, element_size: int, shared_limit: int | None = None) -> dict:
     """decode_attention's launch: default_tiles with DENSE_STAGES, or at D = 128 in 16 bits WIDE_KEY_TILES,
     which halve the online softmax's rescales per key and run faster where a slice is compute-bound (many
-    query rows against long caches: docs/results/bench_routing.md's split column)."""
+    query rows against long caches: docs/results/bench_routing.md's split column), where they fit the
+    device's shared memory (shared_limit: shared_memory_limit's bytes, None for no limit; sm_90's 227 KB
+    fit them, sm_80's 164 KB only the default tiles)."""
     tiles = default_tiles(num_rows, head_dim, element_size, DENSE_STAGES)
-    return {**tiles, **WIDE_KEY_TILES} if head_dim == 128 and element_size == 2 else tiles
+    wide = {**tiles, **WIDE_KEY_TILES}
+    stages = wide["num_stages"] * 2 * wide["BLOCK_N"] * head_dim * element_size
+    fits = shared_limit is None or stages + wide["BLOCK_M"] * head_dim * element_size <= shared_limit
+    return wide if head_dim == 128 and element_size == 2 and fits else tiles
 
 
 @functools.lru_cache
 def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """Bytes of shared memory one program may use on device, as Triton checks it at launch (None off
+    CUDA: the interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    return _device_shared_memory(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_shared_memory(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def split_keys(max_keys: int, programs_per_split: int, device, block_n: int, num_splits: int | None = None,
@@ -376,7 +394,7 @@ def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None
     num_rows = group * num_queries
     scale = score_scale(scale, head_dim)
 
-    launch = dense_tiles(num_rows, head_dim, q.element_size())
+    launch = dense_tiles(num_rows, head_dim, q.element_size(), shared_memory_limit(q.device))
     if tiles is not None and not set(tiles) <= set(launch):
         raise ValueError(f"tiles may set {sorted(launch)}, got {sorted(tiles)}")
     launch.update(tiles or {})

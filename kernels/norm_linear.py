@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanodllm.kernels.decode_attention import sm_count
+from nanodllm.kernels.decode_attention import shared_memory_limit, sm_count
 from nanodllm.kernels.rmsnorm import rms_norm_reference
 from nanodllm.kernels.silu_mul import silu_mul_reference
 
@@ -144,19 +144,6 @@ def fit_shared_memory(shape: dict, glu: bool, element_size: int, shared_limit: i
         else:
             shape["BLOCK_K"] //= 2
     return shape
-
-
-def shared_memory_limit(device: torch.device) -> int | None:
-    """Bytes of shared memory one program may use on device, as Triton checks it at launch (None off
-    CUDA: the interpreter has no limit)."""
-    if device.type != "cuda":
-        return None
-    return _device_shared_memory(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_shared_memory(index: int) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

@@ -167,14 +167,28 @@ def test_default_tiles_fit_shared_memory(element_size, head_dim, num_rows, stage
         assert tiles["num_stages"] == stages
 
 
+def launch_bytes(tiles, head_dim, element_size):
+    """Shared memory of a decode launch: its K + V stages and the query tile."""
+    return (tiles["num_stages"] * 2 * tiles["BLOCK_N"] + tiles["BLOCK_M"]) * head_dim * element_size
+
+
 @pytest.mark.parametrize("element_size", [2, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_rows", [1, 36, 128, 512])
 def test_dense_tiles_fit_sm90(element_size, head_dim, num_rows):
     """decode_attention's own launch (wide key tiles at D = 128 in 16 bits) fits sm_90's 227 KB."""
-    tiles = decode_module.dense_tiles(num_rows, head_dim, element_size)
-    stage = 2 * tiles["BLOCK_N"] * head_dim * element_size
-    assert 1 <= tiles["num_stages"] and tiles["num_stages"] * stage + tiles["BLOCK_M"] * head_dim * element_size <= 227 * 1024
+    tiles = decode_module.dense_tiles(num_rows, head_dim, element_size, 227 * 1024)
+    assert tiles["num_stages"] >= 1 and launch_bytes(tiles, head_dim, element_size) <= 227 * 1024
+
+
+@pytest.mark.parametrize("num_rows", [1, 36, 128, 512])
+@pytest.mark.parametrize("shared_limit", [None, 227 * 1024, 163 * 1024])
+def test_wide_key_tiles_only_where_they_fit(num_rows, shared_limit):
+    """At D = 128 in 16 bits the 128-key tiles are taken where the device's shared memory holds them (sm_90,
+    or the interpreter's None); sm_80's 163 KB gets the 64-key tiles, which fit it."""
+    tiles = decode_module.dense_tiles(num_rows, 128, 2, shared_limit)
+    assert (tiles["BLOCK_N"] == 128) == (shared_limit != 163 * 1024)
+    assert launch_bytes(tiles, 128, 2) <= (shared_limit or 227 * 1024)
 
 
 def test_decode_attention_strided_q_return_lse_false_and_scale():
