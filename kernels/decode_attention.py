@@ -254,7 +254,7 @@ def dense_tiles(num_rows: int, head_dim: int, element_size: int, shared_limit: i
     which halve the online softmax's rescales per key and run faster where a slice is compute-bound (many
     query rows against long caches: docs/results/bench_routing.md's split column), where they fit the
     device's shared memory (shared_limit: shared_memory_limit's bytes, None for no limit; sm_90's 227 KB
-    fit them, sm_80's 164 KB only the default tiles)."""
+    fit them, sm_80's 163 KB only the default tiles)."""
     tiles = default_tiles(num_rows, head_dim, element_size, DENSE_STAGES)
     wide = {**tiles, **WIDE_KEY_TILES}
     stages = wide["num_stages"] * 2 * wide["BLOCK_N"] * head_dim * element_size
