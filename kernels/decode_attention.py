@@ -17,14 +17,14 @@ helpers are shared with sparse_decode_attention.py. The reference is decode_atte
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .decode_inputs import check_lengths_tensor, check_query_and_cache, score_scale
+from .decode_inputs import check_decode_lengths, check_query_and_cache, score_scale
+from .device import shared_memory_limit, sm_count
 
 LOG2E = tl.constexpr(math.log2(math.e))  # kernels use it as is, host code as LOG2E.value
 LN2 = tl.constexpr(math.log(2.0))
@@ -38,9 +38,7 @@ INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERP
 # sparse kernel's gathers do better with default_tiles' 3.
 DENSE_STAGES = 4
 SHARED_MEMORY_BUDGET = 200 * 1024  # of sm_90's 227 KB per block: room for barriers and layout conversions
-# dense_tiles at D = 128 in 16 bits: 128-key tiles in 3 stages, 192 KB of K + V beside a query tile of
-# at most 32 KB, as flash_attention's prefill tile fits sm_90 (its 227 KB, just)
-WIDE_KEY_TILES = {"BLOCK_N": 128, "num_stages": 3}
+WIDE_KEY_TILES = {"BLOCK_N": 128, "num_stages": 3}  # dense_tiles' at D = 128 in 16 bits: 192 KB of K + V
 
 DEBUG_POISON = False  # True (tests): buffers a kernel must fill start as NaN, so an unwritten element fails
 
@@ -250,34 +248,14 @@ def default_tiles(num_rows: int, head_dim: int, element_size: int, num_stages: i
 
 
 def dense_tiles(num_rows: int, head_dim: int, element_size: int, shared_limit: int | None = None) -> dict:
-    """decode_attention's launch: default_tiles with DENSE_STAGES, or at D = 128 in 16 bits WIDE_KEY_TILES,
-    which halve the online softmax's rescales per key and run faster where a slice is compute-bound (many
-    query rows against long caches: docs/results/bench_routing.md's split column), where they fit the
-    device's shared memory (shared_limit: shared_memory_limit's bytes, None for no limit; sm_90's 227 KB
-    fit them, sm_80's 163 KB only the default tiles)."""
+    """decode_attention's launch: default_tiles with DENSE_STAGES, or at D = 128 in 16 bits WIDE_KEY_TILES
+    where they and the query tile fit shared_limit (bytes; None: no limit): sm_90's 227 KB, not sm_80's 163.
+    They halve the rescales per key and run faster where a slice is compute-bound (bench_routing.md)."""
     tiles = default_tiles(num_rows, head_dim, element_size, DENSE_STAGES)
     wide = {**tiles, **WIDE_KEY_TILES}
-    stages = wide["num_stages"] * 2 * wide["BLOCK_N"] * head_dim * element_size
-    fits = shared_limit is None or stages + wide["BLOCK_M"] * head_dim * element_size <= shared_limit
+    launch_bytes = (wide["num_stages"] * 2 * wide["BLOCK_N"] + wide["BLOCK_M"]) * head_dim * element_size
+    fits = shared_limit is None or launch_bytes <= shared_limit
     return wide if head_dim == 128 and element_size == 2 and fits else tiles
-
-
-@functools.lru_cache
-def sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def shared_memory_limit(device: torch.device) -> int | None:
-    """Bytes of shared memory one program may use on device, as Triton checks it at launch (None off
-    CUDA: the interpreter has no limit)."""
-    if device.type != "cuda":
-        return None
-    return _device_shared_memory(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_shared_memory(index: int) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def split_keys(max_keys: int, programs_per_split: int, device, block_n: int, num_splits: int | None = None,
@@ -375,21 +353,7 @@ def decode_partials(q, k_cache, v_cache, lengths, *, scale=None, max_length=None
     batch, num_heads, num_queries, head_dim, capacity, num_kv_heads = check_query_and_cache(q, k_cache, v_cache,
                                                                                              DENSE_MAX_QUERIES)
     same_length = isinstance(lengths, int)
-    if same_length:
-        if not num_queries <= lengths <= capacity:
-            raise ValueError(f"lengths {lengths} must lie in [L, capacity] = [{num_queries}, {capacity}]")
-        if max_length is not None and max_length < lengths:
-            raise ValueError(f"max_length {max_length} is below lengths {lengths}: keys past it would be skipped")
-        max_length = lengths if max_length is None else max_length
-    else:
-        check_lengths_tensor("lengths", lengths, batch, q.device)
-        if check_lengths and bool(((lengths < num_queries) | (lengths > capacity)).any()):
-            raise ValueError(f"lengths {lengths.tolist()} must lie in [L, capacity] = [{num_queries}, {capacity}]")
-        if check_lengths and max_length is not None and int(lengths.max()) > max_length:
-            raise ValueError(f"max_length {max_length} is below lengths {lengths.tolist()}: keys past it would be "
-                             "skipped")
-    if max_length is None:
-        max_length = int(lengths.max())
+    max_length = check_decode_lengths(lengths, batch, num_queries, capacity, q.device, max_length, check_lengths)
     group = num_heads // num_kv_heads
     num_rows = group * num_queries
     scale = score_scale(scale, head_dim)

@@ -1,5 +1,5 @@
-"""Validation of the block-decode kernels' inputs, shared by decode_attention.py and
-sparse_decode_attention.py: shapes, dtypes, devices and the query count each kernel takes."""
+"""Validation of the block-decode kernels' inputs, shared by decode_attention.py, sparse_decode_attention.py
+and key_scores.py: shapes, dtypes, devices, the query count each kernel takes, the lengths and the scale."""
 
 from __future__ import annotations
 
@@ -48,6 +48,25 @@ def check_lengths_tensor(name, lengths, batch, device):
         raise ValueError(f"{name} must be int32 or int64, got {lengths.dtype}")
     if lengths.device != device:
         raise ValueError(f"{name} is on {lengths.device}, q on {device}")
+
+
+
+def check_decode_lengths(lengths, batch, num_queries, capacity, device, max_length, checked) -> int:
+    """decode_attention's lengths (a [batch] tensor, or one int for every row) against L and the capacity, and
+    max_length against them; returns the max_length that sizes the launch (default lengths.max(), one device
+    sync). An int is checked always; a tensor with `checked`, which costs a device sync."""
+    if isinstance(lengths, int):
+        if not num_queries <= lengths <= capacity:
+            raise ValueError(f"lengths {lengths} must lie in [L, capacity] = [{num_queries}, {capacity}]")
+        if max_length is not None and max_length < lengths:
+            raise ValueError(f"max_length {max_length} is below lengths {lengths}: keys past it would be skipped")
+        return lengths if max_length is None else max_length
+    check_lengths_tensor("lengths", lengths, batch, device)
+    if checked and bool(((lengths < num_queries) | (lengths > capacity)).any()):
+        raise ValueError(f"lengths {lengths.tolist()} must lie in [L, capacity] = [{num_queries}, {capacity}]")
+    if checked and max_length is not None and int(lengths.max()) > max_length:
+        raise ValueError(f"max_length {max_length} is below lengths {lengths.tolist()}: keys past it would be skipped")
+    return int(lengths.max()) if max_length is None else max_length
 
 
 def score_scale(scale, head_dim: int) -> float:

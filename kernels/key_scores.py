@@ -21,16 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import (
-    LOG2E,
-    SHARED_MEMORY_BUDGET,
-    check_lengths_tensor,
-    check_query_and_cache,
-    dot_precision,
-    load_query_tile,
-    new_buffer,
-    split_keys,
-)
+from .decode_attention import LOG2E, SHARED_MEMORY_BUDGET, dot_precision, load_query_tile, new_buffer, split_keys
+from .decode_inputs import check_lengths_tensor, check_query_and_cache
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanodllm.kernels.decode_attention import shared_memory_limit, sm_count
+from nanodllm.kernels.device import shared_memory_limit, sm_count
 from nanodllm.kernels.rmsnorm import rms_norm_reference
 from nanodllm.kernels.silu_mul import silu_mul_reference
 

@@ -1618,10 +1618,10 @@ GRAPHS_AND_SMALL_KERNELS = [
 
 ATTENTION_KERNELS = [
     # kernels/decode_attention.py
-    mutation("decode-attention-int-length-of-a-full-cache-refused", "kernels/decode_attention.py",
+    mutation("decode-attention-int-length-of-a-full-cache-refused", "kernels/decode_inputs.py",
              "if not num_queries <= lengths <= capacity:", "if not num_queries <= lengths < capacity:",
              "test_decode_kernels.py::test_a_cache_filled_to_capacity_is_taken"),
-    mutation("decode-attention-checked-lengths-refuse-a-full-cache", "kernels/decode_attention.py",
+    mutation("decode-attention-checked-lengths-refuse-a-full-cache", "kernels/decode_inputs.py",
              "((lengths < num_queries) | (lengths > capacity))", "((lengths < num_queries) | (lengths >= capacity))",
              "test_decode_kernels.py::test_a_cache_filled_to_capacity_is_taken"),
     mutation("decode-attention-keys-read-with-the-value-strides", "kernels/decode_attention.py",
