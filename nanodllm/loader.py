@@ -33,7 +33,8 @@ from .config import ModelConfig
 from .fused import FusedModel, fuse
 from .gemma import DiffusionGemma
 from .model import Model
-from .parallel import SINGLE, Group, group_of, local_config, local_part, shard
+from .parallel import SINGLE, Group, group_of, local_config, shard
+from .shards import local_part
 
 # (checkpoint name, internal name) patterns, tried in order; {i} is a layer index, {name} any rest.
 RENAMES = {

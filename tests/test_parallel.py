@@ -46,7 +46,8 @@ from nanodllm.block import sample
 from nanodllm.decoding import left_padded_canvas, most_likely
 from nanodllm.loader import build_empty, build_random, load_model, load_reference, random_weights
 from nanodllm.methods import get_method
-from nanodllm.parallel import SINGLE, Group, check_split, from_torchrun, local_part
+from nanodllm.parallel import SINGLE, Group, check_split, from_torchrun
+from nanodllm.shards import local_part
 from tests.device import DEVICE
 from tests.test_contract import MOMO_GRID
 from tests.tiny_models import tiny_config
