@@ -22,7 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-import nanodllm.fused_mlp as fused_mlp
+import nanodllm.experts as experts_module
 import nanodllm.graphs as graphs_module
 from harness import (GENERATION_BLOCKS, QUICK_MOE, block_floor_ms, count_touched_experts, kv_bytes,
                      random_prompts, timed_generation, too_big)
@@ -50,12 +50,12 @@ def moe_config(name: str, context: int | None = None, block: int | None = None) 
 
 def timed_path(timer, moe_layer, x, on_kernel: bool) -> float:
     """Microseconds of the fused layer with its experts on expert_linear or on torch's grouped matmuls
-    (fused_mlp.beats_grouped_mm set to pick the one)."""
-    saved, fused_mlp.beats_grouped_mm = fused_mlp.beats_grouped_mm, lambda *sizes: on_kernel
+    (nanodllm/experts.py's beats_grouped_mm set to pick the one)."""
+    saved, experts_module.beats_grouped_mm = experts_module.beats_grouped_mm, lambda *sizes: on_kernel
     try:
         return timer(lambda: moe_layer(x))
     finally:
-        fused_mlp.beats_grouped_mm = saved
+        experts_module.beats_grouped_mm = saved
 
 
 @torch.no_grad()
@@ -180,8 +180,8 @@ def experts_row(name: str, tokens: int, setup) -> dict:
     glu = "gelu_tanh" if cfg.gemma else "silu"
 
     def grouped_mm():
-        hidden = glu_reference(fused_mlp.GROUPED_MM(x, gate_up.mT, offs=ends), glu)
-        return fused_mlp.GROUPED_MM(hidden, down.mT, offs=ends)
+        hidden = glu_reference(experts_module.GROUPED_MM(x, gate_up.mT, offs=ends), glu)
+        return experts_module.GROUPED_MM(hidden, down.mT, offs=ends)
 
     kernel_us = setup.timer(lambda: expert_linear(expert_linear(x, gate_up, ends, glu), down, ends))
     grouped_mm_us = setup.timer(grouped_mm)

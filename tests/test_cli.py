@@ -1,8 +1,10 @@
 """The scripts' command lines as a user meets them: run in a subprocess, exit code and message checked."""
 
+import ast
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import re
 import shutil
@@ -28,6 +30,33 @@ def test_a_quick_benchmark_writes_to_a_temporary_folder_unless_told():
     written = Path(done.stdout.strip().splitlines()[-1].removeprefix("wrote ").removesuffix(".json and .md"))
     assert written.with_suffix(".md").is_file() and REPO not in written.parents
     assert sorted((REPO / "docs" / "results").iterdir()) == before
+
+
+def bench_sections() -> list[str]:
+    """The sections scripts/bench.py offers (its SECTIONS, read without importing the harness)."""
+    tree = ast.parse((REPO / "scripts" / "bench.py").read_text())
+    table = next(node.value for node in tree.body if isinstance(node, ast.Assign) and node.targets[0].id == "SECTIONS")
+    return list(ast.literal_eval(table))
+
+
+@pytest.mark.parametrize("section", bench_sections())
+def test_every_benchmark_section_runs_quick(section, tmp_path):
+    """Each section's --quick smoke run finishes and writes its tables: a section that no longer matches
+    the code it measures fails here, not when someone reruns it on a GPU. DiffusionGemma's section names
+    its one missing part where transformers is not installed; parallel runs under torchrun, on 2 ranks."""
+    if section == "parallel":
+        done = script("-m", "torch.distributed.run", "--nproc-per-node", "2", "scripts/bench.py", section, "--quick",
+                      "--out", str(tmp_path))
+    else:
+        done = script("scripts/bench.py", section, "--quick", "--out", str(tmp_path))
+    without_transformers = section == "diffusiongemma" and importlib.util.find_spec("transformers") is None
+    if without_transformers:
+        assert done.returncode == 1 and "1 part(s) failed: transformers' step: ModuleNotFoundError" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    written = [p.name for p in tmp_path.iterdir()]
+    assert written and all(name.endswith(("_quick.json", "_quick.md")) for name in written), written
 
 
 def entry(command: str, *args):
