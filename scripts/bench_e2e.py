@@ -25,9 +25,9 @@ from statistics import median
 
 import torch
 
-from harness import QUICK_LLADA, QUICK_SDAR, REPO, random_prompts
+from harness import QUICK_LLADA, QUICK_SDAR, REPO, config_of, random_prompts
 from nanodllm.attention import CanvasMask, attention
-from nanodllm.config import GenerationConfig, ModelConfig, preset
+from nanodllm.config import GenerationConfig
 from nanodllm.eval import Journal, journal_path, time_left
 from nanodllm.generation import generate
 from nanodllm.loader import build_empty, build_random
@@ -95,10 +95,8 @@ SETTINGS = {
 
 def build(run: Run, device):
     """The run's model with random weights; on the meta device, its shapes only."""
-    if run.model == "quick":
-        cfg = ModelConfig.from_dict(QUICK_LLADA if run.engine == "masked" else QUICK_SDAR, source="e2e --quick")
-    else:
-        cfg = preset(run.model, context=run.prompt + run.gen + run.block, block_size=run.block)
+    cfg = config_of(run.model, QUICK_LLADA if run.engine == "masked" else QUICK_SDAR,
+                    context=run.prompt + run.gen + run.block, block_size=run.block)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return build_empty(cfg, device, dtype) if device.type == "meta" else build_random(cfg, device=device, dtype=dtype)
 

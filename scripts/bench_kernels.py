@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from harness import kilo, wall_us
+from harness import kilo, visible_pairs, wall_us
 from nanodllm.kernels.decode_attention import decode_attention
 from nanodllm.kernels.key_scores import key_scores
 from nanodllm.kernels.rmsnorm import rms_norm, rms_norm_reference
@@ -116,12 +116,6 @@ def bench_key_scores(setup, shapes, inputs, bandwidth, dense_us):
                        "pass: ~0.5.")
 
 
-def visible_fraction(n, block_size):
-    """Fraction of the n x n score matrix a block-causal(B) mask keeps (B = 1: causal)."""
-    seen = sum(min((i + 1) * block_size, n) * min(block_size, n - i * block_size) for i in range(-(-n // block_size)))
-    return seen / n**2
-
-
 def bench_prefill(setup, shapes, matmul_rate):
     from nanodllm.kernels.flash_attention import flash_attention  # late: a test replaces it
 
@@ -134,7 +128,7 @@ def bench_prefill(setup, shapes, matmul_rate):
         sdpa = lambda causal: lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         cases = [("bidirectional", lambda: flash_attention(q, k, v), 1.0, sdpa(False), 1.0),
                  (f"block-causal B={b} (SDPA: causal)", lambda: flash_attention(q, k, v, block_size=b),
-                  visible_fraction(n, b), sdpa(True), visible_fraction(n, 1))]
+                  visible_pairs(n, b) / n**2, sdpa(True), visible_pairs(n, 1) / n**2)]
         for name, ours, fraction, torch_form, sdpa_fraction in cases:
             us, sdpa_us = setup.timer(ours), setup.timer(torch_form)
             rate, sdpa_rate = full_flops * fraction / us / 1e6, full_flops * sdpa_fraction / sdpa_us / 1e6

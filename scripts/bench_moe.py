@@ -24,9 +24,8 @@ import torch.nn.functional as F
 
 import nanodllm.experts as experts_module
 import nanodllm.graphs as graphs_module
-from harness import (GENERATION_BLOCKS, QUICK_MOE, block_floor_ms, count_touched_experts, kv_bytes,
+from harness import (GENERATION_BLOCKS, QUICK_MOE, block_floor_ms, config_of, count_touched_experts, kv_bytes,
                      random_prompts, timed_generation, too_big)
-from nanodllm.config import ModelConfig, preset
 from nanodllm.kernels.expert_linear import (FEW_ROWS_PER_EXPERT, beats_grouped_mm, expert_linear, glu_reference,
                                            group_by_expert, tile_shape)
 from nanodllm.loader import build_random
@@ -40,12 +39,6 @@ QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64, expert_pres
 GENERATE = {"llada2-mini": dict(contexts=(32768, 65536, 131072), batches=(1, 4), ks=(1024, 512), block=32, steps=32),
             "sdar-30b-a3b": dict(contexts=(32768, 65536), batches=(1, 4), ks=(1024, 512), block=32, steps=32)}
 QUICK_GENERATE = dict(contexts=(4096,), batches=(1,), ks=(1024,), block=32, steps=8)  # the preset's weights
-
-
-def moe_config(name: str, context: int | None = None, block: int | None = None) -> ModelConfig:
-    if name == "quick":
-        return ModelConfig.from_dict(QUICK_MOE, source="bench moe --quick")
-    return preset(name, context=context, block_size=block)
 
 
 def timed_path(timer, moe_layer, x, on_kernel: bool) -> float:
@@ -143,7 +136,7 @@ def moe(setup):
                      "(measured now).\n")
     rows = []
     for name in shapes["presets"]:
-        cfg = moe_config(name)
+        cfg = config_of(name, QUICK_MOE)
         first_moe = next(i for i in range(cfg.num_layers) if i not in cfg.moe.dense_layers)  # the model cut after it
         model = build_random(dataclasses.replace(cfg, num_layers=first_moe + 1), device=setup.device, dtype=setup.dtype)
         for count in (*shapes["step_rows"], shapes["prefill_rows"]):
@@ -170,7 +163,7 @@ def moe(setup):
 
 @torch.no_grad()
 def experts_row(name: str, tokens: int, setup) -> dict:
-    cfg, (bandwidth, _) = moe_config(name), setup.ceilings
+    cfg, (bandwidth, _) = config_of(name, QUICK_MOE), setup.ceilings
     moe, hidden, make = cfg.moe, cfg.hidden_size, partial(torch.randn, device=setup.device, dtype=setup.dtype)
     gate_up = make(moe.num_experts, 2 * moe.expert_size, hidden) / 50
     down = make(moe.num_experts, hidden, moe.expert_size) / 50
@@ -197,7 +190,8 @@ def moe_generation(setup):
     name, report = setup.args.generate, setup.report
     shapes, bandwidth = setup.shapes(QUICK_GENERATE, GENERATE[name]), setup.ceilings[0]
     report.say(f"Copy bandwidth {bandwidth:.0f} GB/s (measured now).\n")
-    cfg = moe_config(name, max(shapes["contexts"]) + (GENERATION_BLOCKS + 2) * shapes["block"], shapes["block"])
+    cfg = config_of(name, QUICK_MOE, context=max(shapes["contexts"]) + (GENERATION_BLOCKS + 2) * shapes["block"],
+                    block_size=shapes["block"])
     model = build_random(cfg, device=setup.device, dtype=torch.bfloat16)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for context in shapes["contexts"]:

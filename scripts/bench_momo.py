@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from harness import kilo, wall_us
+from harness import kilo, visible_pairs, wall_us
 from nanodllm.attention import CanvasMask
 from nanodllm.kernels.block_sparse_attention import block_sparse_attention
 from nanodllm.kernels.flash_attention import flash_attention
@@ -31,12 +31,6 @@ QUICK = dict(lengths=(512,), heads=4, kv_heads=2, head_dim=64, block_size=4, k_l
 KNOBS = dict(gamma=16, chi=128, beta=64, k_blocks=128, k_exact=8)
 QUICK_KNOBS = dict(gamma=16, chi=64, beta=16, k_blocks=4, k_exact=2)
 VARIANTS = ("exact", "tree", "estimated")
-
-
-def visible_pairs(n: int, block_size: int) -> int:
-    """(query, key) pairs a block-causal(B) mask shows over n tokens (B = 1: causal)."""
-    full_blocks, rest = divmod(n, block_size)
-    return block_size * block_size * full_blocks * (full_blocks + 1) // 2 + rest * n
 
 
 def momo_stages(q, k, v, block_size, knobs):

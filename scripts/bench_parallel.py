@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from bench_gemma import FIXTURE, PRESET, exact_step_ms, filled_cache
-from harness import QUICK_MOE, Clock, block_floor_ms, count_touched_experts, kilo, random_prompts, timed_generation
+from harness import (QUICK_MOE, Clock, block_floor_ms, config_of, count_touched_experts, kilo, random_prompts,
+                     timed_generation)
 from nanodllm.config import ModelConfig, preset
 from nanodllm.loader import build_random
 from nanodllm.methods import get_method
@@ -44,9 +45,8 @@ def config(name, context: int, shapes: dict) -> ModelConfig:
         return ModelConfig.from_dir(FIXTURE)
     if name == PRESET:
         return preset(PRESET)
-    if name == "quick":
-        return ModelConfig.from_dict(QUICK_MOE, source="bench_parallel --quick")
-    return preset(name, context=context + (shapes["blocks"] + 2) * shapes["block"], block_size=shapes["block"])
+    return config_of(name, QUICK_MOE, context=context + (shapes["blocks"] + 2) * shapes["block"],
+                     block_size=shapes["block"])
 
 
 def collectives_ms(model, rows: int, group: Group) -> float:

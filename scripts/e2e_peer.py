@@ -116,8 +116,8 @@ def block_causal(length: int, block: int, device) -> torch.Tensor:
 
 @torch.no_grad()
 def sdar_generate(peer, prompts: torch.Tensor, gen_length: int, block: int, steps: int, mask_id: int,
-                  threshold: float | None = None, first_block_done=lambda: None) -> torch.Tensor:
-    """SDAR's block_diffusion_generate at temperature 0: low_confidence_static, or _dynamic with a threshold."""
+                  first_block_done=lambda: None) -> torch.Tensor:
+    """SDAR's block_diffusion_generate at temperature 0, low_confidence_static."""
     from transformers import DynamicCache
 
     (batch, prompt), device = prompts.shape, prompts.device
@@ -148,9 +148,6 @@ def sdar_generate(peer, prompts: torch.Tensor, gen_length: int, block: int, step
             p = torch.softmax(logits.float(), dim=-1).gather(-1, x0[..., None]).squeeze(-1)
             confidence = torch.where(masked, p, float("-inf"))
             counts = masked.sum(1).clamp(max=int(schedule[min(step, steps - 1)]))
-            if threshold is not None:
-                sure = (confidence > threshold).sum(1)
-                counts = torch.where(sure >= counts, sure, counts)
             unmask_most_confident(window, torch.where(masked, x0, window), confidence, counts)
         if start == prefilled:
             first_block_done()

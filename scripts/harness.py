@@ -167,6 +167,12 @@ def fmt(value):
     return str(value)
 
 
+def visible_pairs(n: int, block_size: int) -> int:
+    """(query, key) pairs a block-causal(B) mask shows over n tokens (B = 1: causal)."""
+    full_blocks, rest = divmod(n, block_size)
+    return block_size * block_size * full_blocks * (full_blocks + 1) // 2 + rest * n
+
+
 def kilo(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -221,13 +227,19 @@ class Setup:
 
     def random_model(self, quick_fields: dict, name: str, **preset_knobs):
         """Random weights of a tiny model with --quick, else of the named preset's shape."""
-        cfg = (ModelConfig.from_dict(quick_fields, source="bench --quick") if self.quick
-               else preset(name, **preset_knobs))
+        cfg = config_of("quick" if self.quick else name, quick_fields, **preset_knobs)
         return build_random(cfg, device=self.device, dtype=self.dtype)
 
     def free(self):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def config_of(name: str, quick_fields: dict, **preset_knobs) -> ModelConfig:
+    """The tiny model of --quick (quick_fields) for the name "quick", else the named preset."""
+    if name == "quick":
+        return ModelConfig.from_dict(quick_fields, source="bench --quick")
+    return preset(name, **preset_knobs)
 
 
 def read_bytes(model) -> int:
