@@ -33,9 +33,9 @@ MIN_KEYS_PER_SPLIT = 256  # a slice's partial (group*L*D) must stay small next t
 MAX_SPLITS = 128  # the merge holds all of a row's slices in registers
 MERGE_TILE = 2048  # elements of partial output per merge warp (merge_launch)
 INTERPRETER_SMS = 4  # "SM count" used to pick splits off the GPU (TRITON_INTERPRET=1)
-# 4 stages of 64-key tiles (160 KB of shared memory at D = 128): the best of that tile's sweep at 32K-128K
-# keys (docs/results/bench_kernels.md), kept where dense_tiles keeps the tile (head_dim 64, float32); the
-# sparse kernel's gathers do better with default_tiles' 3.
+# 4 stages of 64-key tiles (160 KB of shared memory at D = 128): the best of a sweep of that tile at
+# 32K-128K keys, kept where dense_tiles keeps the tile (head_dim 64, float32); the sparse kernel's
+# gathers do better with default_tiles' 3.
 DENSE_STAGES = 4
 SHARED_MEMORY_BUDGET = 200 * 1024  # of sm_90's 227 KB per block: room for barriers and layout conversions
 WIDE_KEY_TILES = {"BLOCK_N": 128, "num_stages": 3}  # dense_tiles' at D = 128 in 16 bits: 192 KB of K + V
@@ -309,7 +309,7 @@ def merge_launch(num_rows: int, block_s: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_R, num_warps) of the merge: rows per program so that its [BLOCK_R, BLOCK_S, D] tile holds
     MERGE_TILE elements (one row when a row alone is larger), and one warp per MERGE_TILE elements (64 per
     thread), up to 8. Each program is one load, so the merge is bound by how many programs are in
-    flight: many small ones beat fewer large ones (docs/results/bench_kernels.md, What it means)."""
+    flight: many small ones beat fewer large ones."""
     row = block_s * head_dim
     block_r = min(triton.next_power_of_2(num_rows), max(1, MERGE_TILE // row))
     return block_r, max(1, min(8, block_r * row // MERGE_TILE))

@@ -35,8 +35,8 @@ LN_2 = tl.constexpr(math.log(2.0))  # kernel side: lse back from base 2 (kernels
 # one CTA per SM fed: BLOCK_M = 128 query rows (two warpgroups of 64 rows for sm_90's wgmma at
 # 8 warps) and BLOCK_N = 64 or 128 keys. Shared memory bounds the pipeline depth: at D = 128 (16-bit)
 # Q takes 32 KB and each stage of K + V 2 * BLOCK_N * 256 B, so BLOCK_N = 128 fits 3 stages (224 KB)
-# under sm_90's 227 KB limit, just; that tile wins at 8K-32K prefills and ties under key padding
-# (docs/results/bench_kernels.md). At D = 64 everything halves, and 128 x 64 tiles win. Float32
+# under sm_90's 227 KB limit, just; that tile wins most long prefills' keys in kernels/tuned.json
+# (docs/results/bench_kernels.md times it). At D = 64 everything halves, and 128 x 64 tiles win. Float32
 # inputs (tests) double the bytes: of the D = 128 tiles only 128 x 64 with 2 stages fits them, and
 # the tuner skips those that do not. DiffusionGemma's D = 256 and 512 take fewer rows and keys: at D = 512
 # a 64-row fp32 accumulator is 128 registers a thread at 8 warps; with V_PARTS = 2 (each program all of

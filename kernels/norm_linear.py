@@ -28,7 +28,7 @@ from nanodllm.kernels.rmsnorm import rms_norm_reference
 from nanodllm.kernels.silu_mul import silu_mul_reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_ROWS = 32  # every row lives in each program; at 64 rows cuBLAS wins (docs/results/bench_kernels.md)
+MAX_ROWS = 32  # every row lives in each program: more rows, more registers, fewer tiles in flight
 SHARED_SLACK = 4096  # bytes of headroom for the shared memory Triton adds to the pipelined tiles
 
 
@@ -102,7 +102,7 @@ def store_transposed(out_ptr, gate_acc, up_acc, rows, cols, row_ok, col_ok, stri
 def launch_shape(num_rows: int, dim: int, swiglu: bool, element_size: int, shared_limit: int | None) -> dict:
     """Tiles, warps and stages: the best of the tuning sweep at 32 rows, K = 4096, sdar-8b's q/k/v
     (N = 6144) and gate/up (2 x 12288) weights in bfloat16 (docs/results/bench_kernels.md, "Few-row
-    norm_linear"); float32 tiles are halved. Where a GPU has less shared memory per block than
+    norm_linear", times them); float32 tiles are halved. Where a GPU has less shared memory per block than
     sm_90's 227 KB (shared_limit, bytes; None: no limit, the interpreter), fewer stages, then shorter
     K tiles, until the pipelined tiles fit."""
     shape = dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3) if swiglu else dict(

@@ -59,7 +59,7 @@ def sparse_decode_split_kernel(
     Each tile gathers whole D-element K/V rows (coalesced per row). Three things keep the gather close
     to the dense kernel's stream:
     - the list entries of tile i+1 are loaded while tile i is attended: otherwise every tile waits for
-      two dependent memory round trips (entries, then K/V) (docs/results/bench_kernels.md);
+      two dependent memory round trips (entries, then K/V);
     - they are loaded as a [BLOCK_N, 1] column, in the layout of the K/V tile's rows: a 1-D load
       compiles to more global loads and address arithmetic;
     - key blocks of a multiple of BLOCK_N tokens (WHOLE_TILES) take one entry per tile, and a tile's

@@ -2,8 +2,8 @@
 torch (docs/results/bench_kernels.md), on SDAR-8B's attention shapes (32 query heads, 8 KV heads,
 head_dim 128, bf16), batch 1 and 4: the copy and matmul ceilings; block decode (L = 32 queries vs P
 cached keys) against SDPA and K + V bytes; sparse block decode against gather + SDPA and the selected
-bytes; the key-score pass; dense prefill against SDPA; the fused RMSNorm and RoPE against the model's
-torch form at llada-8b's rows (batch 16 x 768). GPU times from the Timer (CUDA graphs, L2 evicted).
+bytes; the key-score pass; dense prefill against SDPA; the few-row norm_linear against rms_norm +
+cuBLAS; the fused RMSNorm and RoPE against the model's torch form at llada-8b's rows (batch 16 x 768). GPU times from the Timer (CUDA graphs, L2 evicted).
 
 `python scripts/bench.py tune`: every key of flash_attention's tuner measured on this GPU (bf16, an
 8B model's heads at the top of each key's bucket), merged into kernels/tuned.json; prints how often
@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from harness import kilo, visible_pairs, wall_us
 from nanodllm.kernels.decode_attention import decode_attention
 from nanodllm.kernels.key_scores import key_scores
+from nanodllm.kernels.norm_linear import norm_linear
 from nanodllm.kernels.rmsnorm import rms_norm, rms_norm_reference
 from nanodllm.kernels.rope import apply_rope, apply_rope_reference
+from nanodllm.kernels.silu_mul import silu_mul
 from nanodllm.kernels.sparse_decode_attention import sparse_decode_attention
 from nanodllm.model import Rope
 
@@ -35,10 +37,10 @@ from nanodllm.model import Rope
 # default); norm_rows: (batch, rows) of the norm and RoPE rows
 FULL = SimpleNamespace(heads=32, kv_heads=8, head_dim=128, block=32, batches=(1, 4), prefixes=(8192, 32768, 131072),
                        sparse_prefix=131072, sparse_ks=(1024, 8192), key_block=64, prefill_lengths=(8192, 32768),
-                       prefill_block_size=4, norm_rows=(16, 768), norm_hidden=4096)
+                       prefill_block_size=4, norm_rows=(16, 768), norm_hidden=4096, mlp_width=12288)
 QUICK = SimpleNamespace(heads=4, kv_heads=2, head_dim=64, block=8, batches=(1, 2), prefixes=(96, 200),
                         sparse_prefix=200, sparse_ks=(32,), key_block=16, prefill_lengths=(64,), prefill_block_size=4,
-                        norm_rows=(2, 32), norm_hidden=256)
+                        norm_rows=(2, 32), norm_hidden=256, mlp_width=512)
 
 
 def bench_decode(setup, shapes, inputs, bandwidth):
@@ -170,6 +172,29 @@ def bench_norm_rope(setup, shapes):
                        "events); 'torch' is the model's torch form (fp32 upcast, rotate-half by cat and neg).")
 
 
+def bench_norm_linear(setup, shapes, bandwidth):
+    """kernels/norm_linear.py at a block step's rows of one sequence (its MAX_ROWS) on sdar-8b's q/k/v
+    and gate/up weights, against the path it replaces (rms_norm, cuBLAS, silu_mul) and cuBLAS alone."""
+    device, dtype, rows, hidden = setup.device, setup.dtype, shapes.block, shapes.norm_hidden
+    x = torch.randn(rows, hidden, device=device, dtype=dtype)
+    norm = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+    table = []
+    for name, width, swiglu in (("q/k/v", (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim, False),
+                                ("gate/up + SwiGLU", 2 * shapes.mlp_width, True)):
+        weight = torch.randn(width, hidden, device=device, dtype=dtype) / hidden**0.5
+        finish = silu_mul if swiglu else (lambda out: out)
+        fused_us = setup.timer(lambda: norm_linear(x, norm, 1e-6, weight, swiglu=swiglu))
+        unfused_us = setup.timer(lambda: finish(F.linear(rms_norm(x, norm, 1e-6), weight)))
+        cublas_us = setup.timer(lambda: F.linear(x, weight))
+        floor_us = weight.numel() * weight.element_size() / bandwidth / 1e3
+        table.append({"rows": rows, "projection": name, "floor us": floor_us, "rms_norm + cuBLAS (+ silu_mul) us":
+                      unfused_us, "cuBLAS alone us": cublas_us, "norm_linear us": fused_us,
+                      "norm_linear / floor": fused_us / floor_us})
+    setup.report.table("Few-row norm_linear (kernels/norm_linear.py)", table,
+                       "RMSNorm, the projection and SwiGLU in one launch (the model's path at batch 1) against the "
+                       "launches it replaces; floor: the weight's bytes / copy bandwidth.")
+
+
 def kernels(setup):
     shapes = QUICK if setup.quick else FULL
     setup.meta.update(shapes=vars(shapes))
@@ -185,6 +210,7 @@ def kernels(setup):
     bench_key_scores(setup, shapes, inputs, bandwidth, dense_us)
     del inputs
     for name, part in (("Dense prefill (flash_attention)", lambda: bench_prefill(setup, shapes, matmul_rate)),
+                       ("Few-row norm_linear", lambda: bench_norm_linear(setup, shapes, bandwidth)),
                        ("Fused RMSNorm and RoPE", lambda: bench_norm_rope(setup, shapes))):
         try:  # other files' kernels: a failure there must not lose the tables above
             part()
