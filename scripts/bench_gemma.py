@@ -162,7 +162,11 @@ def prompt_passes(model, contexts: list[int], device) -> list[dict]:
 
 def hf_step(raw: dict, cfg, batch: int, contexts: list[int], device, dtype, quick: bool) -> dict:
     """ms of transformers' denoising step per context, its cache filled with random K/V."""
+    import transformers
     from transformers import DynamicCache
+
+    if not transformers.__version__.startswith("5.24."):  # DiffusionGemma's classes and call as this measures them
+        raise ImportError(f"transformers {transformers.__version__} is the one importable here; this compares 5.24")
     from transformers.models.diffusion_gemma import modeling_diffusion_gemma as hf
     if quick:
         model = hf.DiffusionGemmaForBlockDiffusion.from_pretrained(FIXTURE, dtype=dtype).to(device)
@@ -215,7 +219,7 @@ def diffusiongemma(setup):
                 floor, roofline = floors_ms(parts, bandwidth, matmul_rate)
                 growing = filled_cache(model, batch, context, room=4)  # a commit per call: 1 + 3 timed
                 commit = wall_us(lambda: model.encode(canvas, growing), device) / 1e3
-                flash, wide = full_attention_ms(model, cache, batch) if device.type == "cuda" else ("-", "-")
+                flash, wide = full_attention_ms(model, cache, batch) if model.full_on_kernels() else ("-", "-")
             del cache, growing
             setup.free()
             try:

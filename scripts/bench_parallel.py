@@ -173,6 +173,9 @@ def gemma_rows(shapes, group: Group, setup) -> list[dict]:
 
 def parallel(setup) -> str | None:
     group, args = from_torchrun("gloo" if setup.quick else None), setup.args
+    if setup.quick:  # CPU processes, also beside a GPU (which the ranks cannot share on gloo)
+        setup.device, setup.dtype = torch.device("cpu"), torch.float32
+        setup.meta.update(device="CPU", dtype="float32")
     if group.rank:  # rank 0 prints and writes the tables
         sys.stdout = open(os.devnull, "w")
     shapes, report = QUICK if setup.quick else FULL, setup.report
