@@ -4,6 +4,7 @@ import ast
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 import re
 import shutil
@@ -57,6 +58,35 @@ def test_every_benchmark_section_runs_quick(section, tmp_path):
     assert "Traceback" not in done.stderr
     written = [p.name for p in tmp_path.iterdir()]
     assert written and all(name.endswith(("_quick.json", "_quick.md")) for name in written), written
+
+
+def quoted_bench_commands() -> list[tuple[str, list[str]]]:
+    """(results file, arguments) of every `scripts/bench.py` command a docs/results file quotes as its own."""
+    commands = []
+    for path in sorted((REPO / "docs" / "results").glob("*.md")):
+        for line in path.read_text().splitlines():
+            for command in line.split("#")[0].split("&&"):
+                words = command.split()
+                if line.startswith("    ") and "scripts/bench.py" in words:
+                    commands.append((path.name, words[words.index("scripts/bench.py") + 1:]))
+    return commands
+
+
+def test_the_commands_the_results_quote_are_ones_bench_py_takes(monkeypatch):
+    """A results file names the command that measures it: each such command still parses (its section and
+    flags exist), so a renamed flag or section cannot leave a file that no command reproduces."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench
+
+    commands = quoted_bench_commands()
+    assert len({name for name, _ in commands}) >= 10, commands
+    parser = bench.parser_of_sections()
+    for name, args in commands:
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            try:
+                parser.parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{name} quotes `bench.py {' '.join(args)}`: {said.getvalue().strip().splitlines()[-1]}")
 
 
 def entry(command: str, *args):
