@@ -163,11 +163,12 @@ def prompt_passes(model, contexts: list[int], device) -> list[dict]:
 def hf_step(raw: dict, cfg, batch: int, contexts: list[int], device, dtype, quick: bool) -> dict:
     """ms of transformers' denoising step per context, its cache filled with random K/V."""
     import transformers
-    from transformers import DynamicCache
 
     if not transformers.__version__.startswith("5.24."):  # DiffusionGemma's classes and call as this measures them
         raise ImportError(f"transformers {transformers.__version__} is the one importable here; this compares 5.24")
+    from transformers import DynamicCache
     from transformers.models.diffusion_gemma import modeling_diffusion_gemma as hf
+
     if quick:
         model = hf.DiffusionGemmaForBlockDiffusion.from_pretrained(FIXTURE, dtype=dtype).to(device)
     else:

@@ -3,7 +3,8 @@ torch (docs/results/bench_kernels.md), on SDAR-8B's attention shapes (32 query h
 head_dim 128, bf16), batch 1 and 4: the copy and matmul ceilings; block decode (L = 32 queries vs P
 cached keys) against SDPA and K + V bytes; sparse block decode against gather + SDPA and the selected
 bytes; the key-score pass; dense prefill against SDPA; the few-row norm_linear against rms_norm +
-cuBLAS; the fused RMSNorm and RoPE against the model's torch form at llada-8b's rows (batch 16 x 768). GPU times from the Timer (CUDA graphs, L2 evicted).
+cuBLAS; the fused RMSNorm and RoPE against the model's torch form at llada-8b's rows (batch 16 x
+768). GPU times from the Timer (CUDA graphs, L2 evicted).
 
 `python scripts/bench.py tune`: every key of flash_attention's tuner measured on this GPU (bf16, an
 8B model's heads at the top of each key's bucket), merged into kernels/tuned.json; prints how often
@@ -34,7 +35,7 @@ from nanodllm.model import Rope
 
 # block: L, the active block's queries; prefixes: P cached keys; sparse_ks: selected tokens per KV head; key_block:
 # tokens per key block of the blocked sparse rows; prefill_block_size: block-causal B of the prefill rows (SDAR-8B's
-# default); norm_rows: (batch, rows) of the norm and RoPE rows
+# default); norm_rows: (batch, rows) of the norm and RoPE rows; mlp_width: the norm_linear rows' gate (and up) width
 FULL = SimpleNamespace(heads=32, kv_heads=8, head_dim=128, block=32, batches=(1, 4), prefixes=(8192, 32768, 131072),
                        sparse_prefix=131072, sparse_ks=(1024, 8192), key_block=64, prefill_lengths=(8192, 32768),
                        prefill_block_size=4, norm_rows=(16, 768), norm_hidden=4096, mlp_width=12288)
