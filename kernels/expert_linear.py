@@ -8,11 +8,11 @@ tokens as they load (row r is token pairs[r] // per_token; pairs: group_by_exper
 sort in one launch). With a few dozen rows per expert the product is weight streaming: a program owns
 BLOCK_N output columns of one expert and walks its rows in tiles of BLOCK_M, computing the product
 transposed (W tile @ x tile^T) with kernels/norm_linear.py's tiles, so the weight tile fills the tensor
-cores' wide side. BLOCK_M grows with the rows per expert (16 at a block step's one or two, up to 128)
-so that most experts' rows fit one tile and their weights are read once; an expert whose rows fit half
-a tile runs a half tile. An expert with no rows costs an empty program. Rounding as torch's grouped
-matmul and its activation (fp32 accumulation, gate and up rounded before the activation). Rows past
-the last group are not written.
+cores' wide side. BLOCK_M grows with the mean rows per expert (16 at one or two, up to 128) so that
+most experts' weights are read once; an expert with rows for half a tile runs a half tile, one whose
+rows overflow it (a block's tokens often pick the same few) tiles twice as tall, up to 128 rows, and
+one with none an empty program. Rounding as torch's grouped matmul and its activation (fp32
+accumulation, gate and up rounded before the activation). Rows past the last group are not written.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from nanodllm.kernels.silu_mul import silu_mul_reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GLUS = (None, "silu", "gelu_tanh")
-MAX_TILE_ROWS = 128
+MAX_TILE_ROWS = tl.constexpr(128)
 FEW_ROWS_PER_EXPERT = 64  # up to this mean it beats torch's grouped matmuls (docs/results/bench_moe.md)
 MAX_SCANNED_IDS = 1 << 22  # group_by_expert's kernel reads every id once per expert: past this many, a sort
 
@@ -47,6 +47,8 @@ def expert_linear_kernel(
     args = (x_ptr, gate_ptrs, out_ptr, pairs_ptr, first, last, cols, out_width, dim, stride_x, stride_wn, stride_out)
     if BLOCK_M >= 32 and last - first <= BLOCK_M // 2:  # a quiet expert: half the tile's work
         _expert_rows(*args, GLU=GLU, PER_TOKEN=PER_TOKEN, ROWS=BLOCK_M // 2, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    elif BLOCK_M < MAX_TILE_ROWS and last - first > BLOCK_M:  # a busy expert: its weights read half as often
+        _expert_rows(*args, GLU=GLU, PER_TOKEN=PER_TOKEN, ROWS=2 * BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     else:
         _expert_rows(*args, GLU=GLU, PER_TOKEN=PER_TOKEN, ROWS=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
 
@@ -164,16 +166,18 @@ def tile_shape(num_rows: int, num_experts: int, dim: int, glu: bool, element_siz
     sweep of DiffusionGemma's gate/up (2 x 704 x 2816) and down (2816 x 704) over 128 experts at 16 and 64
     rows each, bfloat16 (the times: docs/results/bench_moe.md); at 16-row tiles norm_linear's few-row shape."""
     busy = triton.cdiv(3 * num_rows, 2 * num_experts)
-    tile_rows = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(busy)))
-    if tile_rows == 16:
-        return launch_shape(tile_rows, dim, glu, element_size, shared_limit)
+    tile_rows = min(MAX_TILE_ROWS.value, max(16, triton.next_power_of_2(busy)))
     narrow = tile_rows <= 32
-    shape = dict(BLOCK_M=tile_rows, BLOCK_K=min(64, max(16, triton.next_power_of_2(dim))))
-    if glu:
-        shape.update(BLOCK_N=128 if narrow else 64, num_warps=8, num_stages=3)
+    if tile_rows == 16:
+        shape = launch_shape(tile_rows, dim, glu, element_size, None)
     else:
-        shape.update(BLOCK_N=64 if narrow else 128, num_warps=4, num_stages=4 if narrow else 3)
-    return fit_shared_memory(shape, glu, element_size, shared_limit)
+        shape = dict(BLOCK_M=tile_rows, BLOCK_K=min(64, max(16, triton.next_power_of_2(dim))))
+        if glu:
+            shape.update(BLOCK_N=128 if narrow else 64, num_warps=8, num_stages=3)
+        else:
+            shape.update(BLOCK_N=64 if narrow else 128, num_warps=4, num_stages=4 if narrow else 3)
+    widest = dict(shape, BLOCK_M=min(2 * tile_rows, MAX_TILE_ROWS.value))  # the busy experts' tiles fit too
+    return dict(fit_shared_memory(widest, glu, element_size, shared_limit), BLOCK_M=tile_rows)
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, glu: str | None = None,

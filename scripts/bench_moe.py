@@ -34,8 +34,9 @@ from nanodllm.mlp import MoE
 
 FULL = dict(presets=("llada2-mini", "sdar-30b-a3b"), step_rows=(32, 128, 512), prefill_rows=32768,
             expert_presets=("llada2-mini", "sdar-30b-a3b", "diffusiongemma-26b-a4b"),
-            expert_tokens=(32, 256, 1024, 2048))
-QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64, expert_presets=("quick",), expert_tokens=(8, 64))
+            expert_tokens=(32, 256, 1024, 2048), expert_pools=(1, 4))
+QUICK = dict(presets=("quick",), step_rows=(8, 16), prefill_rows=64, expert_presets=("quick",), expert_tokens=(8, 64),
+             expert_pools=(1, 4))
 GENERATE = {"llada2-mini": dict(contexts=(32768, 65536, 131072), batches=(1, 4), ks=(1024, 512), block=32, steps=32),
             "sdar-30b-a3b": dict(contexts=(32768, 65536), batches=(1, 4), ks=(1024, 512), block=32, steps=32)}
 QUICK_GENERATE = dict(contexts=(4096,), batches=(1,), ks=(1024,), block=32, steps=8)  # the preset's weights
@@ -151,10 +152,12 @@ def moe(setup):
                        "expert), CUDA graph, L2 flushed. Loop: the reference, eager (it syncs the host per call). "
                        "Floor: max(bytes of touched experts + shared expert + router / copy bandwidth, FLOPs / "
                        "matmul rate).")
-    rows = [experts_row(name, tokens, setup) for name in shapes["expert_presets"] for tokens in shapes["expert_tokens"]]
+    rows = [experts_row(name, tokens, pool, setup) for name in shapes["expert_presets"]
+            for pool in shapes["expert_pools"] for tokens in shapes["expert_tokens"]]
     setup.report.table("The experts alone, by rows per expert", rows,
                        "Microseconds of the two expert projections and the gate's activation for `tokens` tokens "
-                       "routed uniformly at random, on kernels/expert_linear.py (its row tiles as it picks them) and "
+                       "routed uniformly at random to all experts or to a quarter of them (every fourth: a block whose "
+                       "tokens pick the same few), on kernels/expert_linear.py (its row tiles as it picks them) and "
                        "on torch's grouped matmuls, CUDA graph, L2 flushed; floor: the touched experts' bytes / copy "
                        f"bandwidth. The models take the first up to a mean of {FEW_ROWS_PER_EXPERT} rows per expert "
                        "(kernels/expert_linear.py beats_grouped_mm; DiffusionGemma's experts too).")
@@ -162,12 +165,13 @@ def moe(setup):
 
 
 @torch.no_grad()
-def experts_row(name: str, tokens: int, setup) -> dict:
+def experts_row(name: str, tokens: int, pool: int, setup) -> dict:
     cfg, (bandwidth, _) = config_of(name, QUICK_MOE), setup.ceilings
     moe, hidden, make = cfg.moe, cfg.hidden_size, partial(torch.randn, device=setup.device, dtype=setup.dtype)
     gate_up = make(moe.num_experts, 2 * moe.expert_size, hidden) / 50
     down = make(moe.num_experts, hidden, moe.expert_size) / 50
-    chosen = torch.rand(tokens, moe.num_experts, device=setup.device).topk(moe.experts_per_token, dim=1).indices
+    routed = moe.num_experts // pool  # every pool-th expert
+    chosen = torch.rand(tokens, routed, device=setup.device).topk(moe.experts_per_token, dim=1).indices * pool
     ends = group_by_expert(chosen, moe.num_experts)[1]
     x = make(chosen.numel(), hidden)
     glu = "gelu_tanh" if cfg.gemma else "silu"
@@ -180,7 +184,7 @@ def experts_row(name: str, tokens: int, setup) -> dict:
     grouped_mm_us = setup.timer(grouped_mm)
     touched = int(chosen.unique().numel())
     floor_us = touched * 3 * hidden * moe.expert_size * x.element_size() / bandwidth / 1e3
-    return {"model": name, "tokens": tokens, "rows per expert": len(x) / moe.num_experts,
+    return {"model": name, "tokens": tokens, "experts routed to": routed, "rows per expert": len(x) / moe.num_experts,
             "row tile": tile_shape(len(x), moe.num_experts, hidden, True, x.element_size(), None)["BLOCK_M"],
             "expert_linear us": kernel_us, "grouped_mm us": grouped_mm_us, "floor us": floor_us,
             "grouped_mm / expert_linear": grouped_mm_us / kernel_us, "expert_linear / floor": kernel_us / floor_us}

@@ -70,10 +70,12 @@ def test_rows_gathered_as_they_load_equal_the_gathered_copy(per_token, tokens, h
 
 
 @pytest.mark.parametrize("glu", GLUS)
-@pytest.mark.parametrize("sizes, tile", [([5, 30, 0, 45], 32), ([40, 70, 10], 64), ([90, 200, 50], 128)])
+@pytest.mark.parametrize("sizes, tile", [([3, 20, 0, 40] + [0] * 12, 16), ([5, 30, 0, 45, 0, 0, 0, 70], 32),
+                                         ([40, 70, 10, 150, 0, 0, 0, 0], 64), ([90, 200, 50], 128)])
 def test_each_row_tile_width(sizes, tile, glu):
-    """At each wider tile one expert's rows overflow it (a second tile), one expert's fit half a tile (the
-    kernel's narrower branch) and the others fit one."""
+    """At each tile some expert's rows overflow it: tiles twice as tall up to 128 rows (once, and twice for
+    the busiest), a second 128-row tile; from 32 rows one expert's fit half a tile (the kernel's narrower
+    branch); the others fit one."""
     assert tile_shape(sum(sizes) + 2, len(sizes), 40, glu is not None, 2, None)["BLOCK_M"] == tile
     check(sizes, 2, 40, 24, torch.float16, glu, tile)
 
