@@ -185,7 +185,7 @@ def experts_row(name: str, tokens: int, pool: int, setup) -> dict:
     touched = int(chosen.unique().numel())
     floor_us = touched * 3 * hidden * moe.expert_size * x.element_size() / bandwidth / 1e3
     return {"model": name, "tokens": tokens, "experts routed to": routed, "rows per expert": len(x) / moe.num_experts,
-            "row tile": tile_shape(len(x), moe.num_experts, hidden, True, x.element_size(), None)["BLOCK_M"],
+            "row tile": tile_shape(len(x), moe.num_experts, hidden, glu, x.element_size(), None)["BLOCK_M"],
             "expert_linear us": kernel_us, "grouped_mm us": grouped_mm_us, "floor us": floor_us,
             "grouped_mm / expert_linear": grouped_mm_us / kernel_us, "expert_linear / floor": kernel_us / floor_us}
 

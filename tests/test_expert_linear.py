@@ -76,7 +76,7 @@ def test_each_row_tile_width(sizes, tile, glu):
     """At each tile some expert's rows overflow it: tiles twice as tall up to 128 rows (once, and twice for
     the busiest), a second 128-row tile; from 32 rows one expert's fit half a tile (the kernel's narrower
     branch); the others fit one."""
-    assert tile_shape(sum(sizes) + 2, len(sizes), 40, glu is not None, 2, None)["BLOCK_M"] == tile
+    assert tile_shape(sum(sizes) + 2, len(sizes), 40, glu, 2, None)["BLOCK_M"] == tile
     check(sizes, 2, 40, 24, torch.float16, glu, tile)
 
 
@@ -117,7 +117,7 @@ def test_group_by_expert_sorts_the_pairs_stably_by_expert(num_experts, held, tok
 def test_row_tiles_grow_with_the_rows_per_expert():
     """A block step's few rows per expert take 16-row tiles; a canvas's dozens take tiles that hold an
     expert's rows whole (its weights read once), up to 128."""
-    tile = lambda rows, experts: tile_shape(rows, experts, 2816, True, 2, None)["BLOCK_M"]
+    tile = lambda rows, experts: tile_shape(rows, experts, 2816, "gelu_tanh", 2, None)["BLOCK_M"]
     assert [tile(32 * 8, 128), tile(256 * 8, 128), tile(1024 * 8, 128), tile(8192 * 8, 128)] == [16, 32, 128, 128]
 
 
