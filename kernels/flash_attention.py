@@ -55,10 +55,9 @@ _TUNING_SPACE = {
 }
 
 # A few query rows against many keys (DyLLM's 64-192 salient rows a head) leave much of a 128-row tile empty: up
-# to FEW_ROWS rows the tuner also tries 64-row tiles (one warpgroup), keyed on a row bucket apart from prefill's.
+# to FEW_ROWS rows the tuner also tries 64-row tiles (one warpgroup) at D <= 128; D = 256's and 512's are all such.
 FEW_ROWS = 256
-_FEW_ROW_TILES = {head_dim: [_tiles(64, 64, 4, 3), _tiles(64, 128, 4, 3)] for head_dim in (128, 64)}
-_FEW_ROW_TILES.update({256: [], 512: []})  # their spaces are all of few rows
+_FEW_ROW_TILES = {d: [_tiles(64, 64, 4, 3), _tiles(64, 128, 4, 3)] if d <= 128 else [] for d in _TUNING_SPACE}
 HEAD_DIMS = tuple(sorted(_TUNING_SPACE))
 TUNER = Tuner("flash_attention")
 
@@ -290,10 +289,12 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
         valid_strides, span_strides = k_valid.stride(), span.stride()[:2]
 
     block = block_size if block_size is not None else 1  # causal is B = 1; bidirectional never reads it
-    # The tuner keys on a power-of-two bucket of N_k from 1K to 32K, so a short warm-up call does not
-    # choose the tiles of a long prefill, and lengths in one bucket share their tuning.
+    # The tuner keys on N_k in power-of-two buckets from 1K to 32K (a short warm-up call does not choose a long
+    # prefill's tiles), on the rows a head (few or many) and on the 128-row programs up to two waves (a canvas
+    # at batch 1 leaves SMs idle that batch 4 fills, and the two favour different tiles).
     tuning_length = min(max(triton.next_power_of_2(n_k), 1024), 32768)
-    tuning_rows = 64 if n_q <= 64 else FEW_ROWS if n_q <= FEW_ROWS else 1024  # two buckets of few rows, or many
+    tuning_rows = 64 if n_q <= 64 else FEW_ROWS if n_q <= FEW_ROWS else 1024
+    tuning_programs = min(triton.next_power_of_2(batch * num_heads * triton.cdiv(n_q, 128)), 256)
 
     inputs = (q, k, v, valid, span)
     strides = (*q.stride(), *k.stride(), *v.stride(), *valid_strides, *span_strides)
@@ -304,8 +305,7 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
         """One grid of (query tile, batch * head * V_PARTS, key slice). Too few query tiles to fill the GPU (a
         canvas at batch 1) cut the keys into slices whose partials merge_splits combines."""
         heads, tiles_m = batch * num_heads * tiles.get("V_PARTS", 1), triton.cdiv(n_q, tiles["BLOCK_M"])
-        keys_per_split, splits = split_keys(n_k, tiles_m * heads, q.device, tiles["BLOCK_N"],
-                                            min_keys=MIN_KEYS_PER_SLICE)
+        slice_keys, splits = split_keys(n_k, tiles_m * heads, q.device, tiles["BLOCK_N"], min_keys=MIN_KEYS_PER_SLICE)
         if splits == 1:  # out and lse themselves, with a slice axis of one
             out = _output((batch, n_q, num_heads, head_dim), q.dtype, q.device).transpose(1, 2)
             lse = _output((batch, num_heads, n_q), torch.float32, q.device)
@@ -314,13 +314,13 @@ def flash_attention(q, k, v, *, causal=False, block_size=None, k_valid=None, sca
             written = (new_buffer((batch, num_heads, splits, n_q, head_dim), q.dtype, q.device),
                        new_buffer((batch, num_heads, splits, n_q), torch.float32, q.device))
         _flash_attention_fwd[(tiles_m, heads, splits)](
-            *inputs, *written, *strides, *written[0].stride(), *written[1].stride(), *scalars, keys_per_split,
+            *inputs, *written, *strides, *written[0].stride(), *written[1].stride(), *scalars, slice_keys,
             **meta, PARTIAL=splits > 1, **tiles)
         return (out, lse) if splits == 1 else merge_splits(written[0].flatten(0, 1), written[1].flatten(0, 1), q)
 
     if q.is_cuda:
         key = (head_dim, int(meta["BLOCK_CAUSAL"]), int(meta["HAS_K_VALID"]), tuning_length, tuning_rows,
-               str(q.dtype).removeprefix("torch."))
+               tuning_programs, str(q.dtype).removeprefix("torch."))
         out, lse = launch(TUNER.choose(key, candidate_tiles(head_dim, tuning_rows), launch, q.device))
     else:
         out, lse = launch(INTERPRETER_TILES)

@@ -115,6 +115,7 @@ def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
 
 
 FLASH_IN_A_PROCESS = """
+import json
 import torch
 import nanodllm.kernels.flash_attention as fa
 for n_q, n_k, causal in ((64, 3000, False), (2000, 2000, True)):
@@ -122,7 +123,7 @@ for n_q, n_k, causal in ((64, 3000, False), (2000, 2000, True)):
     k, v = (torch.randn(1, 2, n_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     fa.flash_attention(q, k, v, causal=causal)
 torch.cuda.synchronize()
-print(fa.TUNER.measured, sorted(fa.TUNER.chosen.items()))
+print(fa.TUNER.measured, json.dumps(sorted(fa.TUNER.chosen.items()), sort_keys=True))  # a read-back dict is sorted
 """
 
 
@@ -132,7 +133,7 @@ def test_a_fresh_process_reuses_the_settings_an_earlier_one_measured(tmp_path):
     runs = [subprocess.run([sys.executable, "-c", FLASH_IN_A_PROCESS], env=env, cwd=REPO, capture_output=True,
                            text=True, check=True).stdout.split(" ", 1) for _ in range(2)]
     (first_measured, first_chosen), (second_measured, second_chosen) = runs
-    assert second_measured == "0" and second_chosen == first_chosen
+    assert first_measured == "2" and second_measured == "0" and second_chosen == first_chosen  # no shipped key here
 
 
 def test_a_candidate_too_big_for_the_gpu_is_skipped_and_the_rest_measured(machine):
@@ -140,3 +141,25 @@ def test_a_candidate_too_big_for_the_gpu_is_skipped_and_the_rest_measured(machin
     tuner = Tuner("attention")
     assert choose(tuner, candidates=(TOO_BIG, SLOW, FAST)) == FAST
     assert tuner.measured == 1 and machine == [SLOW, FAST]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="flash_attention builds its tuner key on a GPU")
+def test_flash_attention_keys_a_canvas_by_batch_and_the_shipped_table_by_what_tune_runs(monkeypatch):
+    """A canvas of 256 rows at batch 1 fills few SMs and at batch 4 many: they get keys of their own. The shipped
+    table's keys are those flash_attention builds for `bench.py tune`'s shapes (batch 1, 32 heads), so a change of
+    the key that leaves the table behind fails here."""
+    import nanodllm.kernels.flash_attention as fa
+
+    keys = []
+    monkeypatch.setattr(fa.TUNER, "choose", lambda key, candidates, launch, device: keys.append(key) or candidates[0])
+    for batch in (1, 4):
+        q = torch.randn(batch, 16, 256, 256, device="cuda", dtype=torch.bfloat16)
+        fa.flash_attention(q, *(torch.randn(batch, 8, 1279, 256, device="cuda", dtype=torch.bfloat16) for _ in "kv"))
+    assert keys[0] != keys[1] and keys[0][:5] == keys[1][:5]
+    keys.clear()
+    for n_q, n_k in ((64, 4096), (256, 4096), (4096, 4096)):
+        q = torch.randn(1, 32, n_q, 128, device="cuda", dtype=torch.bfloat16)
+        fa.flash_attention(q, *(torch.randn(1, 8, n_k, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv"))
+    shipped = json.loads((REPO / "kernels" / "tuned.json").read_text())
+    tables = [table["flash_attention"] for table in shipped.values()]
+    assert tables and all(tuning.key_name(key) in table for key in keys for table in tables)
