@@ -54,6 +54,14 @@ class Run:
         return self.gen // self.block if self.projected else self.steps
 
     @property
+    def blocks(self) -> int:
+        """The blocks a generation decodes: the block engine aligns its canvas to position 0, so a prompt
+        ending inside a block adds one (the prompt's tail and the first masks)."""
+        if self.engine == "masked":
+            return self.gen // self.block
+        return -(-(self.prompt + self.gen) // self.block) - self.prompt // self.block
+
+    @property
     def setting(self) -> tuple:
         return self.engine, self.model, self.batch, self.prompt, self.gen, self.steps
 
@@ -218,7 +226,7 @@ def floor_seconds(run: Run, bandwidth: float, matmul_rate: float) -> float:
 
 
 def paper_row(run: Run, result: dict, bandwidth: float, matmul_rate: float) -> dict:
-    scale, blocks = run.steps / run.timed_steps, run.gen // run.block
+    scale, blocks = run.steps / run.timed_steps, run.blocks
     warm = result["seconds"][-1] * scale
     first = warm + result["seconds"][0] - result["seconds"][-1]  # what the first pays over a warm one, once
     first_block = result["first block"][-1] * scale

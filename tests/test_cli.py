@@ -338,6 +338,26 @@ def test_a_failed_benchmark_row_is_named_and_retried_by_a_rerun(tmp_path, monkey
     assert kept == ["machine", good.label()]
 
 
+@pytest.mark.parametrize("engine, prompt", [("block", 23), ("block", 24), ("masked", 23)])
+def test_a_benchmark_row_counts_the_blocks_its_generation_decodes(monkeypatch, engine, prompt):
+    """bench.py e2e's ms per later block divides by the blocks the engine begins after the first: the block
+    engine's canvas is aligned to position 0, so a prompt ending inside a block decodes one more."""
+    from nanodllm.config import GenerationConfig
+    from nanodllm.generation import generate
+    from nanodllm.methods import get_method
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench_e2e
+
+    run = bench_e2e.Run(engine, "quick", "dense", prompt, 16, 4, block=8)
+    model = bench_e2e.build(run, torch.device("cpu"))
+    method, begun = get_method("dense"), []
+    begin = method.begin_block
+    method.begin_block = lambda ctx: (begun.append(ctx), begin(ctx))
+    generate(model, [[1] * prompt], GenerationConfig(run.gen, run.block, run.timed_steps), method, stop_ids=())
+    assert len(begun) == run.blocks == (3 if (engine, prompt) == ("block", 23) else 2)
+
+
 def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch):
     """bench.py e2e --settings warm_start: configurations already journaled are not run again, and a row
     holds the medians over its later processes of the first generation, the warm one (the faster of the
