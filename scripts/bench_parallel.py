@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from bench_gemma import FIXTURE, PRESET, exact_step_ms, filled_cache
-from harness import (QUICK_MOE, Clock, block_floor_ms, config_of, count_touched_experts, kilo, random_prompts,
-                     timed_generation)
+from harness import (QUICK_MOE, Clock, block_floor_ms, config_of, kilo, random_prompts, timed_generation,
+                     touched_experts)
 from nanodllm.config import ModelConfig, preset
 from nanodllm.loader import build_random
 from nanodllm.methods import get_method
@@ -84,9 +84,16 @@ def flash_rows(shapes, group: Group, setup) -> list[dict]:
         for batch in batches:
             prompts = random_prompts(model.cfg, context, batch)
             collectives = collectives_ms(model, batch * shapes["block"], group) * (shapes["steps"] + 1) if cuda else 0
+            try:  # each layer's all-reduce waits for its busiest rank: the floor reads that rank's experts
+                counts = touched_experts(model, prompts, shapes["block"], shapes["steps"])
+            except torch.OutOfMemoryError as error:  # every rank runs out at the same allocation
+                report.failure(f"{context} tokens x batch {batch}", error)
+                torch.cuda.empty_cache()
+                continue
+            per_rank = group.all_gather(torch.tensor([counts], dtype=torch.float32, device=setup.device), dim=0)
+            touched, busiest = statistics.mean(counts), per_rank.amax(dim=0).mean().item()
             for label, method in (("exact", "dense"), (f"MAGE k={shapes['k']}", "mage")):
                 knobs = dict(k=shapes["k"], exact_layers=2) if method == "mage" else {}
-                counts, remove_hooks = count_touched_experts(model, batch * shapes["block"])
                 result = None  # the last run's KV cache goes before this one allocates its own
                 try:
                     block_ms, _, result = timed_generation(model, prompts, get_method(method, **knobs),
@@ -95,11 +102,6 @@ def flash_rows(shapes, group: Group, setup) -> list[dict]:
                     report.failure(f"{context} tokens x batch {batch}, {label}", error)
                     torch.cuda.empty_cache()
                     break
-                finally:
-                    remove_hooks()
-                if method == "dense":  # each layer's all-reduce waits for its busiest rank: the floor reads its experts
-                    per_rank = group.all_gather(torch.tensor([counts], dtype=torch.float32, device=setup.device), dim=0)
-                    touched, busiest = statistics.mean(counts), per_rank.amax(dim=0).mean().item()
                 kv_fraction = result.stats.get("kv_kept", 1.0)
                 floor = block_floor_ms(model, context, batch, shapes["steps"], busiest, kv_fraction, bandwidth)
                 ms = statistics.median(block_ms)

@@ -23,11 +23,12 @@ import triton.testing  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import nanodllm.graphs as graphs_module  # noqa: E402
 from nanodllm.cli import write_whole  # noqa: E402
 from nanodllm.config import GenerationConfig, ModelConfig, preset  # noqa: E402
 from nanodllm.generation import generate  # noqa: E402
 from nanodllm.loader import build_random  # noqa: E402
-from nanodllm.methods.base import StepContext  # noqa: E402
+from nanodllm.methods.base import Dense, StepContext  # noqa: E402
 from nanodllm.mlp import MoE  # noqa: E402
 
 QUICK_LLADA = dict(model_type="llada", d_model=128, n_layers=3, n_heads=4, n_kv_heads=4, mlp_hidden_size=256,
@@ -312,6 +313,19 @@ def too_big(device, weight_bytes: int, kv_bytes: int) -> str | None:
         return (f"weights {weight_bytes / 2**30:.1f} GiB + KV cache {kv_bytes / 2**30:.1f} GiB + {headroom >> 30} GiB "
                 f"headroom exceed the device's {total / 2**30:.1f} GiB")
     return None
+
+
+def touched_experts(model, prompts, block: int, steps: int) -> list[int]:
+    """How many of this rank's experts each MoE layer's tokens chose, in every step and commit of an exact
+    generation of two blocks run eagerly (graph replays run no Python, so no hook would see them)."""
+    counts, remove_hooks = count_touched_experts(model, len(prompts) * block)
+    graphs_module.GRAPHS_ENABLED = False
+    try:
+        timed_generation(model, prompts, Dense(), block, steps, blocks=2)
+    finally:
+        graphs_module.GRAPHS_ENABLED = True
+        remove_hooks()
+    return counts
 
 
 def count_touched_experts(model, rows: int) -> tuple[list[int], callable]:
