@@ -75,7 +75,7 @@ def maskkv(setup):
     device, shapes = setup.device, setup.shapes(QUICK, FULL)
     steps = gen = shapes["gen_length"]
     model = setup.random_model(QUICK_LLADA, "llada-8b", context=max(shapes["contexts"]) + gen)
-    floor_us = step_floor(model.cfg, model, setup.ceilings)
+    floor_us = step_floor(model.cfg, model, setup.ceilings, shapes["block_length"])
     setup.say_ceilings(f"{gen} tokens in {steps} steps, block length {shapes['block_length']}; MaskKV budget "
                        f"{shapes['budget']} per head, its layer profile measured once per context on its canvas.")
     step_rows, gen_rows = [], []

@@ -44,7 +44,7 @@ def sparse_dllm(setup):
     gen, block = shapes["gen_length"], shapes["block_length"]
     blocks = gen // block
     model = setup.random_model(QUICK_LLADA, "llada-8b", context=max(shapes["lengths"]))
-    floor_us = step_floor(model.cfg, model, setup.ceilings)
+    floor_us = step_floor(model.cfg, model, setup.ceilings, block)
     setup.say_ceilings(f"{gen} generated tokens in {blocks} blocks of {block}, {block} steps per block; "
                        "sparse_dllm at the paper's defaults.")
     context_of = lambda length, b: canvas_context(model.cfg, length - gen, gen, block, device, block=b)

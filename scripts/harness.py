@@ -284,12 +284,14 @@ def peak_gib(fn, device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
-def step_floor(cfg, model, ceilings):
+def step_floor(cfg, model, ceilings, logit_rows: int):
     """floor_us(rows, keys attended): max(weight bytes / copy bandwidth, FLOPs / matmul rate), FLOPs = 2 x
-    non-embedding parameters x rows forwarded + 4 x layers x hidden x (query rows x keys attended)."""
+    non-embedding parameters but the LM head x rows forwarded + 2 x the head's x logit_rows (the rows whose
+    logits a step reads) + 4 x layers x hidden x (query rows x keys attended)."""
     weights, (bandwidth, matmul_rate) = read_bytes(model), ceilings
-    params = weights // model.embed_tokens.weight.element_size()
-    flops = lambda rows, keys: 2 * params * rows + 4 * cfg.num_layers * cfg.hidden_size * keys
+    head = model.lm_head.weight.numel()
+    params = weights // model.embed_tokens.weight.element_size() - head
+    flops = lambda rows, keys: 2 * (params * rows + head * logit_rows) + 4 * cfg.num_layers * cfg.hidden_size * keys
     return lambda rows, keys: max(weights / bandwidth / 1e3, flops(rows, keys) / matmul_rate / 1e6)
 
 
