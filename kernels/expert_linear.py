@@ -167,19 +167,20 @@ def tile_shape(num_rows: int, num_experts: int, dim: int, glu: str | None, eleme
     rows each, bfloat16 (the times: docs/results/bench_moe.md); at 16-row tiles norm_linear's few-row shape.
     From 64 rows the tanh GELU's epilogue runs faster on 4 warps, SiLU's as fast or faster on 8."""
     busy = triton.cdiv(3 * num_rows, 2 * num_experts)
+    gated = glu is not None
     tile_rows = min(MAX_TILE_ROWS.value, max(16, triton.next_power_of_2(busy)))
     narrow = tile_rows <= 32
     if tile_rows == 16:
-        shape = launch_shape(tile_rows, dim, glu is not None, element_size, None)
+        shape = launch_shape(tile_rows, dim, gated, element_size, None)
     else:
         shape = dict(BLOCK_M=tile_rows, BLOCK_K=min(64, max(16, triton.next_power_of_2(dim))))
-        if glu:
+        if gated:
             shape.update(BLOCK_N=128 if narrow else 64, num_warps=4 if glu == "gelu_tanh" and not narrow else 8,
                          num_stages=3)
         else:
             shape.update(BLOCK_N=64 if narrow else 128, num_warps=4, num_stages=4 if narrow else 3)
     widest = dict(shape, BLOCK_M=min(2 * tile_rows, MAX_TILE_ROWS.value))  # the busy experts' tiles fit too
-    return dict(fit_shared_memory(widest, glu is not None, element_size, shared_limit), BLOCK_M=tile_rows)
+    return dict(fit_shared_memory(widest, gated, element_size, shared_limit), BLOCK_M=tile_rows)
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, glu: str | None = None,

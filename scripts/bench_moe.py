@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import nanodllm.experts as experts_module
 import nanodllm.graphs as graphs_module
 from harness import (GENERATION_BLOCKS, QUICK_MOE, block_floor_ms, config_of, kv_bytes, random_prompts,
-                     timed_generation, too_big, touched_experts)
+                     timed_generation, too_big, touched_experts_per_forward)
 from nanodllm.kernels.expert_linear import (FEW_ROWS_PER_EXPERT, beats_grouped_mm, expert_linear, glu_reference,
                                            group_by_expert, tile_shape)
 from nanodllm.loader import build_random
@@ -99,7 +99,7 @@ def generation_rows(model, name, context, batch, shapes, bandwidth) -> list[dict
     the experts each step touches."""
     cfg, prompts, ks = model.cfg, random_prompts(model.cfg, context, batch), shapes["ks"]
     run = lambda method, blocks: timed_generation(model, prompts, method, shapes["block"], shapes["steps"], blocks)
-    touched = statistics.mean(touched_experts(model, prompts, shapes["block"], shapes["steps"]))
+    touched = statistics.mean(touched_experts_per_forward(model, prompts, shapes["block"], shapes["steps"]))
     sparse = lambda method, k: partial(get_method, method, k=k, exact_layers=2)
     methods = [("exact", Dense), ("exact, torch SDPA", TorchSdpa), *((f"MAGE k={k}", sparse("mage", k)) for k in ks),
                (f"Quest k={ks[0]}", sparse("quest", ks[0])), (f"SparseD k={ks[0]}", sparse("sparsed", ks[0]))]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from bench_gemma import FIXTURE, PRESET, exact_step_ms, filled_cache
 from harness import (QUICK_MOE, Clock, block_floor_ms, config_of, kilo, random_prompts, timed_generation,
-                     touched_experts)
+                     touched_experts_per_forward)
 from nanodllm.config import ModelConfig, preset
 from nanodllm.loader import build_random
 from nanodllm.methods import get_method
@@ -85,7 +85,7 @@ def flash_rows(shapes, group: Group, setup) -> list[dict]:
             prompts = random_prompts(model.cfg, context, batch)
             collectives = collectives_ms(model, batch * shapes["block"], group) * (shapes["steps"] + 1) if cuda else 0
             try:  # each layer's all-reduce waits for its busiest rank: the floor reads that rank's experts
-                counts = touched_experts(model, prompts, shapes["block"], shapes["steps"])
+                counts = touched_experts_per_forward(model, prompts, shapes["block"], shapes["steps"])
             except torch.OutOfMemoryError as error:  # every rank runs out at the same allocation
                 report.failure(f"{context} tokens x batch {batch}", error)
                 torch.cuda.empty_cache()

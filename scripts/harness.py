@@ -317,35 +317,28 @@ def too_big(device, weight_bytes: int, kv_bytes: int) -> str | None:
     return None
 
 
-def touched_experts(model, prompts, block: int, steps: int) -> list[int]:
-    """How many of this rank's experts each MoE layer's tokens chose, in every step and commit of an exact
-    generation of two blocks run eagerly (graph replays run no Python, so no hook would see them)."""
-    counts, remove_hooks = count_touched_experts(model, len(prompts) * block)
-    graphs_module.GRAPHS_ENABLED = False
-    try:
-        timed_generation(model, prompts, Dense(), block, steps, blocks=2)
-    finally:
-        graphs_module.GRAPHS_ENABLED = True
-        remove_hooks()
-    return counts
-
-
-def count_touched_experts(model, rows: int) -> tuple[list[int], callable]:
-    """Hooks on every router recording, for each eager forward over `rows` tokens (a step or a commit, not
-    the prefill; graph replays run no Python), how many of this rank's experts its tokens chose; and a
-    function removing them."""
-    counts = []
+def touched_experts_per_forward(model, prompts, block: int, steps: int) -> list[int]:
+    """How many of this rank's experts each MoE layer's tokens chose, in every step and commit (forwards over
+    the block's rows, not the prefill) of an exact generation of two blocks, run eagerly: a step replayed
+    from a CUDA graph runs no Python, so no hook would see it."""
+    counts, rows = [], len(prompts) * block
 
     def recorder(held: range):
         def record(router, inputs, output):
-            capturing = inputs[0].is_cuda and torch.cuda.is_current_stream_capturing()
-            if inputs[0].shape[0] == rows and not capturing:
+            if inputs[0].shape[0] == rows:
                 counts.append(sum(int(e) in held for e in output[0].unique()))
         return record
 
     hooks = [layer.mlp.gate.register_forward_hook(recorder(layer.mlp.experts.held))
              for layer in model.layers if isinstance(layer.mlp, MoE)]
-    return counts, lambda: [hook.remove() for hook in hooks]
+    graphs_module.GRAPHS_ENABLED = False
+    try:
+        timed_generation(model, prompts, Dense(), block, steps, blocks=2)
+    finally:
+        graphs_module.GRAPHS_ENABLED = True
+        for hook in hooks:
+            hook.remove()
+    return counts
 
 
 def block_floor_ms(model, context: int, batch: int, steps: int, touched: float, kv_fraction: float,
