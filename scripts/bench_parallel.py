@@ -116,10 +116,22 @@ def flash_rows(shapes, group: Group, setup) -> list[dict]:
     return rows
 
 
+def gpu_counts(group: Group) -> list[int]:
+    """The GPU counts a scaling table compares: 1, 2 and 4, as many as the ranks reach."""
+    return [w for w in (1, 2, 4) if w <= group.world]
+
+
+def over(counts: list[int]) -> str:
+    """'1, 2 and 4 GPUs' for [1, 2, 4]."""
+    if len(counts) == 1:
+        return f"{counts[0]} GPU"
+    return f"{', '.join(map(str, counts[:-1]))} and {counts[-1]} GPUs"
+
+
 def scaling_rows(shapes, group: Group, setup) -> list[dict]:
     rows = []
     throughput_context, throughput_batch = shapes["throughput"]
-    worlds = [w for w in (1, 2, 4) if w <= group.world]
+    worlds = gpu_counts(group)
     subgroups = {w: dist.new_group(list(range(w))) for w in worlds}  # every rank creates every group
     for name, context in shapes["scaling"]:
         first = {}
@@ -148,7 +160,7 @@ def scaling_rows(shapes, group: Group, setup) -> list[dict]:
 def gemma_rows(shapes, group: Group, setup) -> list[dict]:
     rows, first = [], {}
     name, cases = shapes["gemma"]
-    worlds = [w for w in (1, 2, 4) if w <= group.world]
+    worlds = gpu_counts(group)
     subgroups = {w: dist.new_group(list(range(w))) for w in worlds}
     for world in worlds:
         if group.rank < world:
@@ -193,10 +205,10 @@ def parallel(setup) -> str | None:
                      "over GPU 0's copy bandwidth; collectives: a forward's, from a CUDA graph, times the block's "
                      "forwards.")
     if args.only in (None, "scaling"):
-        report.table("Scaling over 1, 2 and 4 GPUs", scaling_rows(shapes, group, setup),
+        report.table(f"Scaling over {over(gpu_counts(group))}", scaling_rows(shapes, group, setup),
                      "The dense engine (exact), the first N ranks holding the model.")
     if args.only in (None, "gemma"):
-        report.table("DiffusionGemma's step over 1, 2 and 4 GPUs", gemma_rows(shapes, group, setup),
+        report.table(f"DiffusionGemma's step over {over(gpu_counts(group))}", gemma_rows(shapes, group, setup),
                      "Its experts split over the first N ranks, and its heads where they divide (2 ranks; dense MLP "
                      "and vocabulary on each whole); "
                      "the exact denoising step replayed from a CUDA graph, host included (median of 5).")
