@@ -20,7 +20,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from statistics import median
 
 import torch
@@ -46,7 +46,6 @@ class Run:
     steps: int  # the masked engine: in all; the block engine: per block
     block: int = 32
     batch: int = 1
-    knobs: dict = field(default_factory=dict)
     projected: bool = False  # run one step per block, scale the times to `steps`
 
     @property
@@ -145,7 +144,7 @@ def generation(run: Run, model, sync, logits_error: list):
                                  first_block_done=first_block_done)
     else:
         def loop():
-            method = get_method(run.method, **run.knobs)
+            method = get_method(run.method)
             begin_block, blocks_begun = method.begin_block, []
 
             def noted(ctx):  # the second block begins: the first one's tokens are final
