@@ -25,7 +25,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import random
 import re
 import sys
@@ -63,8 +62,8 @@ MAX_BATCH = 128
 DRILL_RESPONSE_LENGTH = 64  # a drill restates up to this many tokens of needles or kv lines
 DRILL_KV_LINES = 5
 KV_LINE = re.compile(r"^(\S+) : (\d+) \.$", re.M)
-TOKENS_PER_BATCH = int(os.environ.get("TINY_TOKENS_PER_BATCH", 65536))
-EVAL_EVERY = int(os.environ.get("TINY_EVAL_EVERY", 100))
+TOKENS_PER_BATCH = 65536
+EVAL_EVERY = 100
 
 
 # tokenizer and configs
