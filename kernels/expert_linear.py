@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanodllm.kernels.norm_linear import fit_shared_memory, launch_shape, shared_memory_limit, store_transposed
+from nanodllm.kernels.norm_linear import fit_shared_memory, shared_memory_limit, store_transposed
 from nanodllm.kernels.silu_mul import silu_mul_reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -162,23 +162,23 @@ def beats_grouped_mm(num_rows: int, num_experts: int) -> bool:
 
 def tile_shape(num_rows: int, num_experts: int, dim: int, glu: str | None, element_size: int,
                shared_limit: int | None) -> dict:
-    """BLOCK_M from the rows per expert (1.5x the mean: room for the busier experts); the rest the best of a
-    sweep of DiffusionGemma's gate/up (2 x 704 x 2816) and down (2816 x 704) over 128 experts at 16 and 64
-    rows each, bfloat16 (the times: docs/results/bench_moe.md); at 16-row tiles norm_linear's few-row shape.
-    From 64 rows the tanh GELU's epilogue runs faster on 4 warps, SiLU's as fast or faster on 8."""
+    """BLOCK_M from the rows per expert (1.5x the mean: room for the busier experts); the rest the best of
+    sweeps in bfloat16: at 16-row tiles (and a gate/up's 32), of a block step's 32 or 128 tokens over
+    LLaDA2.0-mini's experts (2 x 512 x 2048, 2048 x 512; 43, 114 and 169 of 256 touched) and LLaDA2.0-flash's
+    on two ranks (36 of 128); from 32 rows, of DiffusionGemma's (2 x 704 x 2816, 2816 x 704) over 128
+    experts at 16 and 64 rows each (the times: docs/results/bench_moe.md). From 64 rows the tanh GELU's
+    epilogue runs faster on 4 warps, SiLU's as fast or faster on 8."""
     busy = triton.cdiv(3 * num_rows, 2 * num_experts)
     gated = glu is not None
     tile_rows = min(MAX_TILE_ROWS.value, max(16, triton.next_power_of_2(busy)))
     narrow = tile_rows <= 32
-    if tile_rows == 16:
-        shape = launch_shape(tile_rows, dim, gated, element_size, None)
+    if tile_rows == 16 or (gated and narrow):
+        shape = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4 if gated else 3)
+    elif gated:
+        shape = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4 if glu == "gelu_tanh" else 8, num_stages=3)
     else:
-        shape = dict(BLOCK_M=tile_rows, BLOCK_K=min(64, max(16, triton.next_power_of_2(dim))))
-        if gated:
-            shape.update(BLOCK_N=128 if narrow else 64, num_warps=4 if glu == "gelu_tanh" and not narrow else 8,
-                         num_stages=3)
-        else:
-            shape.update(BLOCK_N=64 if narrow else 128, num_warps=4, num_stages=4 if narrow else 3)
+        shape = dict(BLOCK_N=64 if narrow else 128, BLOCK_K=64, num_warps=4, num_stages=4 if narrow else 3)
+    shape["BLOCK_K"] = min(shape["BLOCK_K"], max(16, triton.next_power_of_2(dim)))
     widest = dict(shape, BLOCK_M=min(2 * tile_rows, MAX_TILE_ROWS.value))  # the busy experts' tiles fit too
     return dict(fit_shared_memory(widest, gated, element_size, shared_limit), BLOCK_M=tile_rows)
 
