@@ -18,6 +18,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from nanodllm.kernels.expert_linear import (GLUS, expert_linear, expert_linear_reference, group_by_expert,  # noqa: E402
                                             group_by_expert_reference, tile_shape)
+from nanodllm.kernels.norm_linear import SHARED_SLACK  # noqa: E402
 from tests.device import DEVICE  # noqa: E402
 from tests.test_norm_linear import nan_empty, within  # noqa: E402
 
@@ -119,6 +120,19 @@ def test_row_tiles_grow_with_the_rows_per_expert():
     expert's rows whole (its weights read once), up to 128."""
     tile = lambda rows, experts: tile_shape(rows, experts, 2816, "gelu_tanh", 2, None)["BLOCK_M"]
     assert [tile(32 * 8, 128), tile(256 * 8, 128), tile(1024 * 8, 128), tile(8192 * 8, 128)] == [16, 32, 128, 128]
+
+
+@pytest.mark.parametrize("limit", [232448, 101376])  # sm_90, consumer GPUs
+@pytest.mark.parametrize("glu", GLUS)
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_every_row_tile_fits_the_shared_memory(limit, glu, element_size):
+    """The tiles tile_shape picks fit the device's shared memory at a busy expert's twice-as-tall rows (up
+    to 128): stages x (weight rows + x rows) x BLOCK_K."""
+    for rows_per_expert in (1, 8, 16, 24, 64):
+        shape = tile_shape(rows_per_expert * 128, 128, 2816, glu, element_size, limit)
+        rows = shape["BLOCK_N"] * (2 if glu else 1) + min(2 * shape["BLOCK_M"], 128)
+        used = shape["num_stages"] * rows * shape["BLOCK_K"] * element_size + SHARED_SLACK
+        assert used <= limit and shape["BLOCK_K"] >= 16 and shape["num_stages"] >= 2, (rows_per_expert, shape)
 
 
 @pytest.mark.parametrize("mistake", ["neighbour's weights", "halves", "activation"])
