@@ -164,10 +164,10 @@ def tile_shape(num_rows: int, num_experts: int, dim: int, glu: str | None, eleme
                shared_limit: int | None) -> dict:
     """BLOCK_M from the rows per expert (1.5x the mean: room for the busier experts); the rest the best of
     sweeps in bfloat16: at 16-row tiles (and a gate/up's 32), of a block step's 32 or 128 tokens over
-    LLaDA2.0-mini's experts (2 x 512 x 2048, 2048 x 512; 43, 114 and 169 of 256 touched) and LLaDA2.0-flash's
-    on two ranks (36 of 128); from 32 rows, of DiffusionGemma's (2 x 704 x 2816, 2816 x 704) over 128
-    experts at 16 and 64 rows each (the times: docs/results/bench_moe.md). From 64 rows the tanh GELU's
-    epilogue runs faster on 4 warps, SiLU's as fast or faster on 8."""
+    LLaDA2.0-mini's experts (2 x 512 x 2048, 2048 x 512; a sixth to two thirds of them touched) and over a
+    rank's share of LLaDA2.0-flash's on two GPUs; from 32 rows, of DiffusionGemma's (2 x 704 x 2816,
+    2816 x 704) over 128 experts at 16 and 64 rows each (the times: docs/results/bench_moe.md). From 64
+    rows the tanh GELU's epilogue runs faster on 4 warps, SiLU's as fast or faster on 8."""
     busy = triton.cdiv(3 * num_rows, 2 * num_experts)
     gated = glu is not None
     tile_rows = min(MAX_TILE_ROWS.value, max(16, triton.next_power_of_2(busy)))
