@@ -20,7 +20,9 @@ import json
 import subprocess
 import sys
 import time
+from bisect import bisect_left
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 from statistics import median
 
 import torch
@@ -28,6 +30,7 @@ import torch
 from harness import QUICK_LLADA, QUICK_SDAR, REPO, config_of, random_prompts
 from nanodllm.attention import CanvasMask, attention
 from nanodllm.config import GenerationConfig
+from nanodllm.decoding import split_evenly
 from nanodllm.eval import Journal, journal_path, time_left
 from nanodllm.generation import generate
 from nanodllm.loader import build_empty, build_random
@@ -59,6 +62,17 @@ class Run:
         if self.engine == "masked":
             return self.gen // self.block
         return -(-(self.prompt + self.gen) // self.block) - self.prompt // self.block
+
+    @property
+    def forwards(self) -> int:
+        """The forwards a generation runs: the masked engine's steps; on the block engine, per block, the
+        steps its masks take (the block that holds the prompt's tail has fewer) and its commit."""
+        if self.engine == "masked":
+            return self.steps
+        decoded = list(accumulate(split_evenly(torch.tensor([self.block]), self.steps)[0].tolist()))
+        first, end = self.prompt // self.block * self.block, -(-(self.prompt + self.gen) // self.block) * self.block
+        masks = [start + self.block - max(start, self.prompt) for start in range(first, end, self.block)]
+        return sum(bisect_left(decoded, m) + 2 for m in masks)  # the steps, then the commit
 
     @property
     def setting(self) -> tuple:
@@ -208,8 +222,8 @@ def in_new_process(run: Run, generations: int, timeout: float | None = None) -> 
 
 
 def floor_seconds(run: Run, bandwidth: float, matmul_rate: float) -> float:
-    """One pass over the prompt plus, at every step, the larger of one read of the weights and the step's
-    matmuls over its block of tokens (GB/s, TFLOP/s). The embedding table is looked up, not read; of a
+    """One pass over the prompt plus, at every forward (Run.forwards), the larger of one read of the weights
+    and the forward's matmuls over its block of tokens (GB/s, TFLOP/s). The embedding table is looked up, not read; of a
     mixture of experts, a forward reads at least the experts one token is routed to."""
     shapes = build(run, torch.device("meta"))
     cfg = shapes.cfg
@@ -219,9 +233,8 @@ def floor_seconds(run: Run, bandwidth: float, matmul_rate: float) -> float:
         params -= unread * 3 * cfg.hidden_size * cfg.moe.expert_size
     attention = 4 * run.prompt**2 * cfg.num_heads * cfg.head_dim * cfg.num_layers / (2 if run.engine == "block" else 1)
     prefill = run.batch * (2 * params * run.prompt + attention) / (matmul_rate * 1e12)
-    steps = run.steps if run.engine == "masked" else run.steps * (run.gen // run.block)
     step = max(2 * params / (bandwidth * 1e9), 2 * params * run.batch * run.block / (matmul_rate * 1e12))
-    return prefill + steps * step
+    return prefill + run.forwards * step
 
 
 def paper_row(run: Run, result: dict, bandwidth: float, matmul_rate: float) -> dict:

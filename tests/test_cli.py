@@ -339,9 +339,10 @@ def test_a_failed_benchmark_row_is_named_and_retried_by_a_rerun(tmp_path, monkey
 
 
 @pytest.mark.parametrize("engine, prompt", [("block", 23), ("block", 24), ("masked", 23)])
-def test_a_benchmark_row_counts_the_blocks_its_generation_decodes(monkeypatch, engine, prompt):
+def test_a_benchmark_row_counts_the_blocks_and_forwards_its_generation_runs(monkeypatch, engine, prompt):
     """bench.py e2e's ms per later block divides by the blocks the engine begins after the first: the block
-    engine's canvas is aligned to position 0, so a prompt ending inside a block decodes one more."""
+    engine's canvas is aligned to position 0, so a prompt ending inside a block decodes one more, in as
+    few steps as its masks need. Its floor counts the forwards (steps, and the block engine's commits)."""
     from nanodllm.config import GenerationConfig
     from nanodllm.generation import generate
     from nanodllm.methods import get_method
@@ -354,8 +355,10 @@ def test_a_benchmark_row_counts_the_blocks_its_generation_decodes(monkeypatch, e
     method, begun = get_method("dense"), []
     begin = method.begin_block
     method.begin_block = lambda ctx: (begun.append(ctx), begin(ctx))
-    generate(model, [[1] * prompt], GenerationConfig(run.gen, run.block, run.timed_steps), method, stop_ids=())
+    result = generate(model, [[1] * prompt], GenerationConfig(run.gen, run.block, run.timed_steps), method,
+                      stop_ids=())
     assert len(begun) == run.blocks == (3 if (engine, prompt) == ("block", 23) else 2)
+    assert result.forwards == run.forwards
 
 
 def test_warm_start_resumes_its_journal_and_takes_medians(tmp_path, monkeypatch):
