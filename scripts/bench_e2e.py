@@ -56,23 +56,25 @@ class Run:
         return self.gen // self.block if self.projected else self.steps
 
     @property
+    def block_masks(self) -> list[int]:
+        """The block engine's blocks, each as the masks it decodes: its canvas is aligned to position 0, so a
+        prompt ending inside a block adds one that holds the prompt's tail and the first masks."""
+        first, end = self.prompt // self.block * self.block, -(-(self.prompt + self.gen) // self.block) * self.block
+        return [start + self.block - max(start, self.prompt) for start in range(first, end, self.block)]
+
+    @property
     def blocks(self) -> int:
-        """The blocks a generation decodes: the block engine aligns its canvas to position 0, so a prompt
-        ending inside a block adds one (the prompt's tail and the first masks)."""
-        if self.engine == "masked":
-            return self.gen // self.block
-        return -(-(self.prompt + self.gen) // self.block) - self.prompt // self.block
+        """The blocks a generation decodes."""
+        return self.gen // self.block if self.engine == "masked" else len(self.block_masks)
 
     @property
     def forwards(self) -> int:
         """The forwards a generation runs: the masked engine's steps; on the block engine, per block, the
-        steps its masks take (the block that holds the prompt's tail has fewer) and its commit."""
+        steps its masks take and its commit."""
         if self.engine == "masked":
             return self.steps
         decoded = list(accumulate(split_evenly(torch.tensor([self.block]), self.steps)[0].tolist()))
-        first, end = self.prompt // self.block * self.block, -(-(self.prompt + self.gen) // self.block) * self.block
-        masks = [start + self.block - max(start, self.prompt) for start in range(first, end, self.block)]
-        return sum(bisect_left(decoded, m) + 2 for m in masks)  # the steps, then the commit
+        return sum(bisect_left(decoded, masks) + 2 for masks in self.block_masks)  # the steps, then the commit
 
     @property
     def setting(self) -> tuple:
@@ -223,8 +225,8 @@ def in_new_process(run: Run, generations: int, timeout: float | None = None) -> 
 
 def floor_seconds(run: Run, bandwidth: float, matmul_rate: float) -> float:
     """One pass over the prompt plus, at every forward (Run.forwards), the larger of one read of the weights
-    and the forward's matmuls over its block of tokens (GB/s, TFLOP/s). The embedding table is looked up, not read; of a
-    mixture of experts, a forward reads at least the experts one token is routed to."""
+    and the forward's matmuls over its block of tokens (GB/s, TFLOP/s). The embedding table is looked up,
+    not read; of a mixture of experts, a forward reads at least the experts one token is routed to."""
     shapes = build(run, torch.device("meta"))
     cfg = shapes.cfg
     params = sum(p.numel() for name, p in shapes.named_parameters() if not name.startswith("embed_tokens"))
