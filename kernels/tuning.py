@@ -62,6 +62,11 @@ def key_name(key: tuple) -> str:
     return ",".join(str(part) for part in key)
 
 
+class MeasuringWhileRecording(RuntimeError):
+    """A setting to measure while a CUDA graph records: measuring waits for the device, which breaks a
+    recording, so the caller runs the kernel outside one first (nanodllm/graphs.py)."""
+
+
 class Tuner:
     """One kernel's settings per key (see the module docstring for where they come from)."""
 
@@ -91,6 +96,8 @@ class Tuner:
         return setting
 
     def measure(self, name: str, candidates: list[dict], launch, device) -> dict:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise MeasuringWhileRecording(f"{self.kernel}: key {name} is measured outside a CUDA graph recording")
         path, gpu = cache_path(), torch.cuda.get_device_name(device)
         if not Tuner.announced:
             print(f"nanodllm: measuring kernel launch settings for the {gpu} (once per machine, kept in {path})",

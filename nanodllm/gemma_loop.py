@@ -26,7 +26,7 @@ from nanodllm.kernels.softmax_stats import softmax_stats, softmax_stats_referenc
 from .attention import CanvasMask, use_kernels
 from .config import GenerationConfig
 from .decoding import GenerationResult, check_method, check_prompts, left_padded_canvas, until_stop
-from .graphs import GRAPHS_ENABLED, Recordings
+from .graphs import EAGER_RUNS, GRAPHS_ENABLED, Recordings
 from .meter import Meter
 from .methods.base import Dense, Method, StepContext
 
@@ -141,10 +141,13 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     # a denoising step only reads the cache, which keeps what steps read in place from commit to commit: where
     # the model allows, a step of a kind (the method's step_kind; None: eager) and a launch (model.launch_key)
     # is recorded as a CUDA graph (nanodllm/graphs.py) and later ones replay it, in this canvas and the next
-    # ones; a canvas's first step (no self-conditioning) is a kind of its own. Exact steps are recorded at once,
-    # a method's where its kind repeats the step before's (a kind that does not, a selecting step, runs eagerly);
-    # so is a commit (the encoder's pass over a canvas); the sampler reads a step's logits before the next replay
-    recordings = Recordings(size=4, copy_outputs=False) if GRAPHS_ENABLED and model.replayable else None
+    # ones; a canvas's first step (no self-conditioning) is a kind of its own. Exact steps go to the recordings
+    # from the first, a method's where its kind repeats the step before's (a kind that does not, a selecting
+    # step, runs eagerly); so do commits (the encoder's pass over a canvas); the sampler reads a step's logits
+    # before the next replay
+    recordings = None
+    if GRAPHS_ENABLED and model.replayable:
+        recordings = Recordings(size=4, copy_outputs=False, ran=EAGER_RUNS, scope=(id(model), type(method)))
     dtype = model.embed_tokens.weight.dtype
     sampler_stats = softmax_stats if use_kernels(model.embed_tokens.weight) else softmax_stats_reference
     prefill = prompt_context(model, cache, prompt.tokens, prompt.valid, prompt_lengths)

@@ -2,14 +2,15 @@
 
 A cached step of an 8B model feeds a few dozen tokens through 32 layers, hundreds of small kernels,
 and launching them from Python takes longer than running them. `Replayed` wraps a method for one
-generation (nanodllm/generation.py): the first step of a key runs eagerly (compiling its kernels),
-is recorded into a CUDA graph, and later steps of that key replay it with one launch, after copying
-their tokens and positions into the recording's buffers. The key is the method's step_kind (the
-contract in methods/base.py) plus the engine's shapes: the phase, the fed tokens' shape and, on the
-block engine, the KV cache's launch bound (KVCache.launch_length). What a step hands to ctx.aside runs
-on a second stream, joined at the step's end, and is recorded with it. After each step the meter
-counts what it read (nanodllm/meter.py). Graphs are off on a CPU and with NANODLLM_GRAPHS=0, side
-streams with NANODLLM_STREAMS=0.
+generation (nanodllm/generation.py): the first step of a key runs eagerly (building and tuning its
+kernels), is recorded into a CUDA graph, and later steps of that key replay it with one launch, after
+copying their tokens and positions into the recording's buffers; a key that ran so before (this process,
+model and method class: EAGER_RUNS) is recorded at once. The key is the method's step_kind (the contract
+in methods/base.py) plus the engine's shapes: the phase, the fed tokens' shape and, on the block engine,
+the KV cache's launch bound (KVCache.launch_length). What a step hands to ctx.aside runs on a second
+stream, joined at the step's end, and is recorded with it. After each step the meter counts what it
+read (nanodllm/meter.py). Graphs are off on a CPU and with NANODLLM_GRAPHS=0, side streams with
+NANODLLM_STREAMS=0.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from .attention import attention_on_kernels
+from .kernels.tuning import MeasuringWhileRecording
 from .meter import Meter
 from .methods.base import run_now
 
@@ -27,15 +29,21 @@ GRAPHS_ENABLED = os.environ.get("NANODLLM_GRAPHS", "1") != "0"
 STREAMS_ENABLED = os.environ.get("NANODLLM_STREAMS", "1") != "0"
 
 
+EAGER_RUNS: set = set()  # (scope, key) of the steps that ran eagerly in this process: their kernels are built
+
+
 class Recordings:
     """Up to `size` live CUDA graphs of functions of tensors, keyed; __call__(key, fn, *inputs) gives
     fn(*inputs) (a tensor or a tuple of tensors), replayed where the key was recorded. They share one
     memory pool (they never run at the same time) and each replay's outputs are copied out, unless
     copy_outputs=False: then a replay returns the recording's own outputs, which the next call may
-    overwrite (for a caller that reads them first, such as a sampler of each step's logits)."""
+    overwrite (for a caller that reads them first, such as a sampler of each step's logits). A new key
+    runs eagerly and is then recorded, unless (scope, key) is in `ran`: then it is recorded first and
+    replayed, and runs eagerly first only where a kernel's launch setting is still to measure."""
 
-    def __init__(self, size: int = 4, copy_outputs: bool = True):
-        self.size, self.copy_outputs = size, copy_outputs
+    def __init__(self, size: int = 4, copy_outputs: bool = True, ran: set | None = None, scope=()):
+        self.size, self.copy_outputs, self.scope = size, copy_outputs, scope
+        self.ran = set() if ran is None else ran  # (scope, key) pairs whose fn ran eagerly
         self.recorded: dict = {}  # key -> (graph, static inputs, static output), least recently used first
         self.replays = 0
         self.pool = None
@@ -45,9 +53,12 @@ class Recordings:
 
     def __call__(self, key, fn, *inputs: torch.Tensor):
         recording = self.recorded.pop(key, None)
+        if recording is None and (self.scope, key) in self.ran:
+            recording = self.capture(key, fn, inputs, may_fail=True)
         if recording is None:
             output = fn(*inputs)
-            self.capture(key, fn, inputs)
+            self.ran.add((self.scope, key))
+            self.recorded[key] = self.capture(key, fn, inputs)
             return output
         self.recorded[key] = recording  # now the most recently used
         graph, static_inputs, output = recording
@@ -59,7 +70,9 @@ class Recordings:
             return output
         return tuple(x.clone() for x in output) if isinstance(output, tuple) else output.clone()
 
-    def capture(self, key, fn, inputs):
+    def capture(self, key, fn, inputs, may_fail: bool = False):
+        """fn recorded on copies of inputs: (graph, those copies, its outputs); None where may_fail and the
+        recording raised."""
         while len(self.recorded) >= self.size:  # the least recently used goes first, with its memory
             del self.recorded[next(iter(self.recorded))]
         if not self.recorded:  # the pool went with its last graph: a capture into it would fail
@@ -68,9 +81,14 @@ class Recordings:
             self.pool = torch.cuda.graph_pool_handle()
         static_inputs = [x.clone() for x in inputs]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = fn(*static_inputs)
-        self.recorded[key] = (graph, static_inputs, output)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = fn(*static_inputs)
+        except MeasuringWhileRecording:
+            if not may_fail:
+                raise
+            return None
+        return graph, static_inputs, output
 
 
 class SideStream:
@@ -101,11 +119,12 @@ class SideStream:
 
 
 class Replayed:
-    """A method for one generation: its steps and commits replayed where their key repeats, its side
-    work on a second stream, what its steps read counted. Every other attribute is the method's."""
+    """A method for one generation of `model`: its steps and commits replayed where their key repeats, its
+    side work on a second stream, what its steps read counted. Every other attribute is the method's."""
 
-    def __init__(self, method, size: int = 4):
-        self.method, self.recordings, self.meter, self.side = method, Recordings(size), Meter(), SideStream()
+    def __init__(self, method, size: int = 4, model=None):
+        self.method, self.meter, self.side = method, Meter(), SideStream()
+        self.recordings = Recordings(size, ran=EAGER_RUNS, scope=(id(model), type(method)))
 
     def __getattr__(self, name):
         return getattr(self.method, name)

@@ -1542,6 +1542,23 @@ GRAPHS_AND_SMALL_KERNELS = [
              "return tuple(x.clone() for x in output) if isinstance(output, tuple) else output.clone()",
              "return output",
              "test_graphs.py::test_recordings_keep_the_most_recently_used_keys_and_each_call_gets_its_own_result"),
+    mutation("graphs-a-key-that-ran-not-remembered", "nanodllm/graphs.py",
+             "            self.ran.add((self.scope, key))\n", "",
+             "test_graphs.py::test_a_key_that_ran_before_is_recorded_at_once_and_a_failed_recording_runs_it_first"),
+    mutation("graphs-a-key-under-another-scope-recorded-at-once", "nanodllm/graphs.py",
+             "if recording is None and (self.scope, key) in self.ran:",
+             "if recording is None and key in {ran_key for _, ran_key in self.ran}:",
+             "test_graphs.py::test_a_key_that_ran_before_is_recorded_at_once_and_a_failed_recording_runs_it_first"),
+    mutation("graphs-a-failed-recording-fails-the-call", "nanodllm/graphs.py",
+             "            if not may_fail:\n                raise\n            return None\n", "            raise\n",
+             "test_graphs.py::test_a_key_that_ran_before_is_recorded_at_once_and_a_failed_recording_runs_it_first"),
+    mutation("graphs-recorded-at-once-not-replayed", "nanodllm/graphs.py",
+             "            recording = self.capture(key, fn, inputs, may_fail=True)\n",
+             "            recording = self.capture(key, fn, inputs, may_fail=True)\n"
+             "            if recording is not None:\n"
+             "                self.recorded[key] = recording\n"
+             "                return recording[2]\n",
+             "test_graphs.py::test_a_key_that_ran_before_is_recorded_at_once_and_a_failed_recording_runs_it_first"),
     mutation("graphs-replay-reruns-the-recorded-steps-tokens", "nanodllm/graphs.py",
              "replace(ctx, tokens=tokens, positions=positions)", "replace(ctx, positions=positions)",
              "test_graphs.py::test_replayed_steps_and_commits_compute_their_own_contexts"),

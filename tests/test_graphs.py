@@ -12,6 +12,7 @@ import nanodllm.graphs as graphs_module
 from nanodllm.cache import KVCache
 from nanodllm.generation import generate
 from nanodllm.graphs import Recordings, Replayed, recordable, step_key
+from nanodllm.kernels.tuning import MeasuringWhileRecording, Tuner
 from nanodllm.methods import get_method
 from nanodllm.methods.base import Method, StepContext
 
@@ -113,6 +114,32 @@ def test_a_replay_gives_its_inputs_result_copied_out_or_in_place(copy_outputs):
     assert (results[1].data_ptr() == results[2].data_ptr()) != copy_outputs
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs; run on a GPU machine")
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # a recording the tuner stopped before any kernel
+def test_a_recording_that_would_measure_a_setting_runs_first_and_the_gpu_carries_on():
+    """A key taken as run before whose kernel still has a launch setting to measure is not recorded at
+    once: the tuner refuses to measure while recording, the step runs eagerly (measuring) and is recorded
+    after, and the other keys record and replay in the same pool."""
+    tuner, scales = Tuner("graphs test"), [{"scale": 3.0}, {"scale": 3.0, "shift": 0.0}]
+
+    def tuned(x):  # x * 3 - 1, its setting chosen by the tuner
+        launch = lambda setting: x * setting["scale"] - 1
+        return launch(tuner.choose(("key",), scales, launch, x.device))
+
+    recordings, affine_gpu = Recordings(size=2, ran={((), "b")}), lambda x: x * 2 + 1
+    inputs = [torch.full((4,), float(i), device="cuda") for i in range(6)]
+    assert torch.equal(recordings("a", affine_gpu, inputs[0]), affine_gpu(inputs[0]))
+    assert torch.equal(recordings("b", tuned, inputs[1]), inputs[1] * 3 - 1) and tuner.measured == 1
+    assert "a" in recordings and "b" in recordings and recordings.replays == 0
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.equal(recordings("c", affine_gpu, inputs[2]), affine_gpu(inputs[2]))
+    for key, fn, x in [("b", tuned, inputs[3]), ("c", affine_gpu, inputs[4]), ("b", tuned, inputs[5])]:
+        assert torch.equal(recordings(key, fn, x), fn(x))
+    assert recordings.replays == 3 and tuner.measured == 1
+    with pytest.raises(MeasuringWhileRecording), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        tuner.choose(("a key not measured",), scales, lambda setting: inputs[0] * 2, inputs[0].device)
+
+
 def assert_graphed_equals_eager(monkeypatch, name, knobs, decode):
     """decode(method) -> GenerationResults (nanodllm.generation.generate's), run with a fresh method
     eagerly and then with graphs: the same tokens, the same stats of each generation, and the graphed
@@ -189,11 +216,11 @@ def test_graphed_short_prompt_and_reused_method_equal_eager(monkeypatch, name, k
 
 def without_sync_checks(fn):
     """fn, run with torch's sync debug mode off and then set back as it was."""
-    def run(*args):
+    def run(*args, **kwargs):
         mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("default")
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode(mode)
     return run
@@ -344,28 +371,66 @@ def affine(x):
     return out
 
 
+def counted(fn, eager_runs: list):
+    """fn, appending its inputs to eager_runs where it runs now (not while a graph records)."""
+    def run(*inputs):
+        if FakeGraph.recording is None:
+            eager_runs.append(inputs)
+        return fn(*inputs)
+    return run
+
+
 def test_recordings_keep_the_most_recently_used_keys_and_each_call_gets_its_own_result(fake_graphs):
     """Up to `size` recordings live; a new key evicts the least recently used one (a replay makes its key
-    the most recently used); every call, recorded or replayed, gives fn of its own inputs, copied out so
-    that later replays leave it be; without the copy a replay gives the recording's own tensor."""
-    recordings, used = Recordings(size=2), []  # used: the live keys, least recently used first
+    the most recently used), and an evicted key is recorded again without running eagerly; every call,
+    recorded or replayed, gives fn of its own inputs, copied out so that later replays leave it be;
+    without the copy a replay gives the recording's own tensor."""
+    recordings, used, eager = Recordings(size=2), [], []  # used: the live keys, least recently used first
     calls = ["a", "b", "a", "c", "a", "b", "c", "c", "b"]
     inputs = [torch.full((3,), float(i)) for i in range(len(calls))]
     results = []
-    for key, x in zip(calls, inputs):
-        replayed = key in used
-        before = recordings.replays
-        results.append(recordings(key, affine, x))
-        assert recordings.replays == before + replayed
+    for i, (key, x) in enumerate(zip(calls, inputs)):
+        before, seen = recordings.replays, key in calls[:i]
+        results.append(recordings(key, counted(affine, eager), x))
+        assert recordings.replays == before + seen and len(eager) == len(set(calls[: i + 1]))
         used = [k for k in used if k != key] + [key]
         used = used[-2:]
         assert {k for k in "abc" if k in recordings} == set(used)
-    assert recordings.replays == 4
+    assert recordings.replays == 6
     for x, result in zip(inputs, results):
         assert torch.equal(result, x * 2 + 1)
     in_place = Recordings(size=1, copy_outputs=False)
     first, second, third = (in_place("key", affine, x) for x in inputs[:3])
     assert torch.equal(first, inputs[0] * 2 + 1) and second is third and torch.equal(third, inputs[2] * 2 + 1)
+
+
+def test_a_key_that_ran_before_is_recorded_at_once_and_a_failed_recording_runs_it_first(fake_graphs):
+    """Recordings sharing `ran` remember the keys that ran eagerly under their scope: a later Recordings of
+    that scope records such a key without running it and replays it for the call's result; another scope
+    runs it first. Where that recording fails (a kernel still to tune waits for the device), the call runs
+    eagerly and records after, and its result is fn's all the same."""
+    ran, eager = set(), []
+    x, y, z = (torch.full((3,), float(i)) for i in (1, 2, 3))
+    first = Recordings(size=2, ran=ran, scope="model")
+    assert torch.equal(first("a", counted(affine, eager), x), x * 2 + 1) and len(eager) == 1
+    later = Recordings(size=2, ran=ran, scope="model")
+    assert torch.equal(later("a", counted(affine, eager), y), y * 2 + 1)
+    assert len(eager) == 1 and later.replays == 1 and "a" in later
+    other = Recordings(size=2, ran=ran, scope="other model")
+    assert torch.equal(other("a", counted(affine, eager), z), z * 2 + 1) and len(eager) == 2 and other.replays == 0
+
+    tuned = []
+
+    def tuning(x):  # a launch setting to measure, while recording, until it has run once
+        if FakeGraph.recording is not None and not tuned:
+            raise MeasuringWhileRecording("measured outside a CUDA graph recording")
+        tuned.append(True)
+        return affine(x)
+
+    fresh = Recordings(size=2, ran={("model", "b")}, scope="model")
+    assert torch.equal(fresh("b", counted(tuning, eager), y), y * 2 + 1) and len(eager) == 3
+    assert "b" in fresh and fresh.replays == 0
+    assert torch.equal(fresh("b", counted(tuning, eager), z), z * 2 + 1) and len(eager) == 3 and fresh.replays == 1
 
 
 class Launched(Method):
