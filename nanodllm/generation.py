@@ -32,7 +32,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     cfg = model.cfg
     if cfg.gemma is not None:
         return gemma_loop.generate(model, prompts, gen, method, stop_ids=stop_ids, pad_id=pad_id, **options)
-    steps = Replayed(method or Dense(), model=model)
+    steps = Replayed(method or Dense(), model)
     if cfg.model_type == "Dream":
         result = dream.generate(model, prompts, gen, steps, mask_id=mask_id, pad_id=pad_id, **options)
     elif cfg.model_type == "Fast_dLLM_Qwen":

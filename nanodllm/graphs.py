@@ -29,7 +29,7 @@ GRAPHS_ENABLED = os.environ.get("NANODLLM_GRAPHS", "1") != "0"
 STREAMS_ENABLED = os.environ.get("NANODLLM_STREAMS", "1") != "0"
 
 
-EAGER_RUNS: set = set()  # (scope, key) of the steps that ran eagerly in this process: their kernels are built
+EAGER_RUNS: set = set()  # (scope, key) of the steps that ran eagerly in this process: their kernels built, tuned
 
 
 class Recordings:
@@ -122,7 +122,7 @@ class Replayed:
     """A method for one generation of `model`: its steps and commits replayed where their key repeats, its
     side work on a second stream, what its steps read counted. Every other attribute is the method's."""
 
-    def __init__(self, method, size: int = 4, model=None):
+    def __init__(self, method, model, size: int = 4):
         self.method, self.meter, self.side = method, Meter(), SideStream()
         self.recordings = Recordings(size, ran=EAGER_RUNS, scope=(id(model), type(method)))
 

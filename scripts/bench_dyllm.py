@@ -66,9 +66,9 @@ def dyllm(setup):
     step_rows, rows = [], []
     for batch in shapes["batches"]:
         ctx = canvas_context(cfg, shapes["prompt"], response, block, device, batch=batch)
-        dense = Replayed(Dense())
+        dense = Replayed(Dense(), model)
         full_us, full_floor = wall_us(lambda: logits(dense, model, ctx), device), floor_us(batch, width, width, width)
-        dual = Replayed(get_method("fast_dllm", mode="dual"))
+        dual = Replayed(get_method("fast_dllm", mode="dual"), model)
         dual.begin_block(ctx)
         build_us = wall_us(lambda: (dual.begin_block(ctx), logits(dual, model, ctx)), device)
         times, floors = {"vanilla": steps * full_us}, {"vanilla": steps * full_floor}
@@ -83,7 +83,7 @@ def dyllm(setup):
                               "floor us": cached_floor})
         for fraction in fractions:
             method = get_method("dyllm", salient_fraction=fraction)
-            sparse = Replayed(method)
+            sparse = Replayed(method, model)
             method.begin_block(ctx)
             for t in range(FULL_STEPS):
                 logits(sparse, model, replace(ctx, t=t))

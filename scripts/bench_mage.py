@@ -49,21 +49,21 @@ def block_context(cfg, batch, context, block, steps, device, dtype) -> StepConte
 @torch.no_grad()
 def step_times(model, ctx, timer, knobs) -> dict:
     """Microseconds of each kind of step, one CUDA graph each (eager on a CPU)."""
-    exact, times = Replayed(Dense()), {}
+    exact, times = Replayed(Dense(), model), {}
     for enabled, name in ((False, "sdpa"), (True, "exact")):
         attention_module.KERNELS_ENABLED = enabled
         times[name] = timer(lambda: logits(exact, model, ctx))
     attention_module.KERNELS_ENABLED = True
     selecting, sparse = replace(ctx, step=0), replace(ctx, step=1)
-    serial = Replayed(Mage(**knobs))
+    serial = Replayed(Mage(**knobs), model)
     graphs_module.STREAMS_ENABLED = False
     times["select one stream"] = timer(lambda: logits(serial, model, selecting))
     graphs_module.STREAMS_ENABLED = True
-    mage = Replayed(Mage(**knobs))
+    mage = Replayed(Mage(**knobs), model)
     mage.begin_block(selecting)
     times["select"] = timer(lambda: logits(mage, model, selecting))  # exact attention, top-k on the side stream
     times["sparse"] = timer(lambda: logits(mage, model, sparse))  # attends to the step-0 selection
-    quest, first = Replayed(Quest(**knobs)), replace(ctx, step=0, block=0)
+    quest, first = Replayed(Quest(**knobs), model), replace(ctx, step=0, block=0)
     quest.begin_block(first)
     times["quest"] = timer(lambda: logits(quest, model, first))  # page bounds updated in the warm-up call
     return times

@@ -44,7 +44,7 @@ def time_kinds(model, ctx, method, steps, timer, device) -> tuple[dict, dict, fl
     """For every kind of step the schedule uses, each call at its step index t: GPU microseconds (drift
     and response refresh as the Timer's CUDA graphs, host overhead excluded), engine microseconds (host
     overhead included, through one Replayed, as the engine runs them) and the first step's peak GiB."""
-    engine = Replayed(method)
+    engine = Replayed(method, model)
     pinned = lambda t: logits(engine, model, replace(ctx, t=t))
     first_peak = peak_gib(lambda: pinned(0), device)  # t = 0 starts the caches afresh
     gpu = {"first": wall_us(lambda: pinned(0), device, tries=1)}
@@ -84,7 +84,7 @@ def maskkv(setup):
     for context in shapes["contexts"]:
         ctx = canvas_context(model.cfg, context, gen, shapes["block_length"], device)
         width, dense = context + gen, Dense()
-        vanilla = Replayed(dense)
+        vanilla = Replayed(dense, model)
         vanilla_us = wall_us(lambda: logits(vanilla, model, ctx), device)
         vanilla_peak = peak_gib(lambda: logits(vanilla, model, ctx), device)
         whole_logits = lambda: model.head(model.hidden(ctx.tokens, ctx.positions,

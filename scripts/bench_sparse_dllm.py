@@ -51,7 +51,7 @@ def sparse_dllm(setup):
     rows, step_rows = [], []
     for length in shapes["lengths"]:
         middle = context_of(length, blocks // 2)
-        vanilla = Replayed(Dense())
+        vanilla = Replayed(Dense(), model)
         full_us = wall_us(lambda: logits(vanilla, model, middle), device)
         vanilla_peak = peak_gib(lambda: logits(vanilla, model, middle), device)
         full_floor = floor_us(length, length * length)
@@ -59,7 +59,7 @@ def sparse_dllm(setup):
         step_rows.append({"length": length, "method": "vanilla", "step": "full", "us": full_us, "floor us": full_floor})
         for label, (name, knobs) in METHODS.items():
             method = get_method(name, **knobs)
-            steps, prefix = Replayed(method), label == "fast_dllm prefix"
+            steps, prefix = Replayed(method, model), label == "fast_dllm prefix"
             timed = range(blocks) if prefix else [0]  # dual caches cost the same in every block
             total = floor = 0.0
             peaks = []

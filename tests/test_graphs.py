@@ -454,7 +454,7 @@ def test_replayed_steps_and_commits_compute_their_own_contexts(fake_graphs, monk
     """A wrapped method's steps and commits, recorded once per kind and shape and replayed after: each
     gives its hook's result on its own tokens and positions, not on those of the step recorded."""
     monkeypatch.setattr(graphs_module, "recordable", lambda ctx: True)
-    replayed = Replayed(Launched())
+    replayed = Replayed(Launched(), None)
     generator = torch.Generator().manual_seed(0)
     for step in range(4):
         tokens = torch.randint(0, 100, (2, 5), generator=generator)
