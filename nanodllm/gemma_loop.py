@@ -26,7 +26,7 @@ from nanodllm.kernels.softmax_stats import softmax_stats, softmax_stats_referenc
 from .attention import CanvasMask, use_kernels
 from .config import GenerationConfig
 from .decoding import GenerationResult, check_method, check_prompts, left_padded_canvas, until_stop
-from .graphs import EAGER_RUNS, GRAPHS_ENABLED, Recordings
+from .graphs import GRAPHS_ENABLED, remembering
 from .meter import Meter
 from .methods.base import Dense, Method, StepContext
 
@@ -145,9 +145,7 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     # from the first, a method's where its kind repeats the step before's (a kind that does not, a selecting
     # step, runs eagerly); so do commits (the encoder's pass over a canvas); the sampler reads a step's logits
     # before the next replay
-    recordings = None
-    if GRAPHS_ENABLED and model.replayable:
-        recordings = Recordings(size=4, copy_outputs=False, ran=EAGER_RUNS, scope=(id(model), type(method)))
+    recordings = remembering(model, method, copy_outputs=False) if GRAPHS_ENABLED and model.replayable else None
     dtype = model.embed_tokens.weight.dtype
     sampler_stats = softmax_stats if use_kernels(model.embed_tokens.weight) else softmax_stats_reference
     prefill = prompt_context(model, cache, prompt.tokens, prompt.valid, prompt_lengths)

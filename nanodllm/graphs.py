@@ -91,6 +91,12 @@ class Recordings:
         return graph, static_inputs, output
 
 
+def remembering(model, method, size: int = 4, copy_outputs: bool = True) -> Recordings:
+    """Recordings for one generation of `model` with `method` that record at once the keys this process
+    ran eagerly for the same model and method class (EAGER_RUNS)."""
+    return Recordings(size, copy_outputs, ran=EAGER_RUNS, scope=(id(model), type(method)))
+
+
 class SideStream:
     """ctx.aside on a GPU: fn() on a second stream that waits for the step's work so far; `join` makes
     the step's stream wait for it. Memory crossing the streams is marked so neither reuses it early."""
@@ -124,7 +130,7 @@ class Replayed:
 
     def __init__(self, method, model, size: int = 4):
         self.method, self.meter, self.side = method, Meter(), SideStream()
-        self.recordings = Recordings(size, ran=EAGER_RUNS, scope=(id(model), type(method)))
+        self.recordings = remembering(model, method, size)
 
     def __getattr__(self, name):
         return getattr(self.method, name)

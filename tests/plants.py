@@ -1559,6 +1559,9 @@ GRAPHS_AND_SMALL_KERNELS = [
              "                self.recorded[key] = recording\n"
              "                return recording[2]\n",
              "test_graphs.py::test_a_key_that_ran_before_is_recorded_at_once_and_a_failed_recording_runs_it_first"),
+    mutation("graphs-remembering-scope-ignores-the-model", "nanodllm/graphs.py",
+             "scope=(id(model), type(method))", "scope=(type(method),)",
+             "test_graphs.py::test_a_generation_remembers_the_keys_its_process_ran_for_the_same_model_and_method_class"),
     mutation("graphs-replay-reruns-the-recorded-steps-tokens", "nanodllm/graphs.py",
              "replace(ctx, tokens=tokens, positions=positions)", "replace(ctx, positions=positions)",
              "test_graphs.py::test_replayed_steps_and_commits_compute_their_own_contexts"),

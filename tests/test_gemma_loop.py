@@ -338,7 +338,7 @@ def test_the_steps_a_gpu_replays_read_no_host_number(name, knobs, kernels_on, mo
     monkeypatch.setattr(method, "attend", checked(method.attend))
     monkeypatch.setattr(DiffusionGemma, "attend_denoising", staticmethod(checked(DiffusionGemma.attend_denoising)))
     monkeypatch.setattr(DiffusionGemma, "attend_encoding", checked(DiffusionGemma.attend_encoding))
-    monkeypatch.setattr(gemma_loop, "Recordings", lambda size, copy_outputs, **scope: recorder)
+    monkeypatch.setattr(gemma_loop, "remembering", lambda model, method, copy_outputs: recorder)
     monkeypatch.setattr(gemma_loop, "GRAPHS_ENABLED", True)
     monkeypatch.setattr(DiffusionGemma, "replayable", property(lambda self: True))
     generate(model, prompts, gen, method, stop_ids=(), sampling=sampling)

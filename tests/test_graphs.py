@@ -433,6 +433,22 @@ def test_a_key_that_ran_before_is_recorded_at_once_and_a_failed_recording_runs_i
     assert torch.equal(fresh("b", counted(tuning, eager), z), z * 2 + 1) and len(eager) == 3 and fresh.replays == 1
 
 
+def test_a_generation_remembers_the_keys_its_process_ran_for_the_same_model_and_method_class(fake_graphs,
+                                                                                           monkeypatch):
+    """graphs.remembering: a key one generation ran eagerly is recorded at once by a later generation of the
+    same model with a method of the same class (knobs aside), and run first for another model or class."""
+    monkeypatch.setattr(graphs_module, "EAGER_RUNS", set())
+    model, other_model, eager = object(), object(), []
+    x = torch.ones(3)
+    graphs_module.remembering(model, get_method("mage"))("a", counted(affine, eager), x)
+    for later_model, method, runs_first in [(model, get_method("mage", k=16), False),
+                                            (other_model, get_method("mage"), True),
+                                            (model, get_method("quest"), True)]:
+        before = len(eager)
+        assert torch.equal(graphs_module.remembering(later_model, method)("a", counted(affine, eager), x), x * 2 + 1)
+        assert len(eager) == before + runs_first
+
+
 class Launched(Method):
     """A method whose steps and commits (each of one kind) are kernels of the fed tokens and positions."""
 
