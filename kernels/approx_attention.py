@@ -114,7 +114,8 @@ def check_inputs(q, k, dv, columns, counts, lse, context, merge):
     if k.shape[0] != batch or k.shape[3] != head_dim or num_heads % k.shape[1]:
         raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}")
     if dv.shape[:2] != k.shape[:2] or dv.shape[3] != head_dim:
-        raise ValueError(f"dv must be [batch, kv_heads, S, D] = [{batch}, {k.shape[1]}, S, {head_dim}], got {tuple(dv.shape)}")
+        raise ValueError(f"dv must be [batch, kv_heads, S, D] = [{batch}, {k.shape[1]}, S, {head_dim}], "
+                         f"got {tuple(dv.shape)}")
     if columns.shape != (batch, dv.shape[2]):
         raise ValueError(f"columns must be [batch, S] = [{batch}, {dv.shape[2]}], got {tuple(columns.shape)}")
     if counts is not None and counts.shape != (batch,):

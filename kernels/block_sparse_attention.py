@@ -8,7 +8,8 @@ applied inside each tile: bidirectional, causal, or block-causal with block_size
 key j iff j // B <= p // B), and key padding k_valid [batch, N]. Lists may be shorter than their
 buffer: entries < 0 are skipped. The walk stops after a list's last entry >= 0 and has no branch
 inside (an entry < 0 before it is a tile past the keys, nothing loaded, every key hidden), so
-Triton's pipeliner loads the next tiles while one is attended. A row that sees no listed key gets out = 0 and lse = -inf.
+Triton's pipeliner loads the next tiles while one is attended. A row that sees no listed key gets
+out = 0 and lse = -inf.
 GQA: query head h reads KV head h // group. Lists must be duplicate-free (a duplicate counts twice).
 """
 
@@ -36,7 +37,8 @@ def launch_tiles(q: torch.Tensor, beta: int) -> dict:
         return {"BLOCK_M": 16, "num_warps": 4, "num_stages": 1}
     if head_dim <= 128:
         return dict(CUDA_TILES)
-    return {"BLOCK_M": 32 if head_dim == 256 else 16, "num_warps": 8, "num_stages": 2 if beta * head_dim < WIDE_TILE else 1}
+    return {"BLOCK_M": 32 if head_dim == 256 else 16, "num_warps": 8,
+            "num_stages": 2 if beta * head_dim < WIDE_TILE else 1}
 
 
 def takes(head_dim: int, beta: int) -> bool:
@@ -66,8 +68,9 @@ def key_tile(k_ptr, v_ptr, valid_ptr, k_base, v_base, valid_base, keys, position
     if HAS_VALID:
         key_valid = tl.load(valid_ptr + valid_base + keys * stride_valid_n, mask=keys < n, other=0)
         visible = visible & (key_valid[None, :] != 0)
-    k = tl.load(k_ptr + k_base + keys[:, None] * stride_kn + dims[None, :] * stride_kd, mask=keys[:, None] < n, other=0.0)
-    v = tl.load(v_ptr + v_base + keys[:, None] * stride_vn + dims[None, :] * stride_vd, mask=keys[:, None] < n, other=0.0)
+    in_range = keys[:, None] < n
+    k = tl.load(k_ptr + k_base + keys[:, None] * stride_kn + dims[None, :] * stride_kd, mask=in_range, other=0.0)
+    v = tl.load(v_ptr + v_base + keys[:, None] * stride_vn + dims[None, :] * stride_vd, mask=in_range, other=0.0)
     return k, v, visible
 
 
@@ -107,8 +110,8 @@ def block_sparse_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
     n, num_heads, group, chi, list_length, qk_scale,
-    MASK_BLOCK: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, LIST_PAD: tl.constexpr,
+    MASK_BLOCK: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, LIST_PAD: tl.constexpr,
 ):
     m_tile, batch_head = tl.program_id(0), tl.program_id(1)
     batch, head = batch_head // num_heads, batch_head % num_heads
@@ -168,7 +171,8 @@ def block_sparse_attention(q, k, v, blocks, *, chi: int, beta: int, causal=False
         q, k, v, valid, blocks, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *blocks.stride(), *out.stride(), *lse.stride(),
         n, heads, heads // k.shape[1], chi, blocks.shape[3], scale * LOG2_E,
-        MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, BLOCK_N=beta, HEAD_DIM=head_dim,
+        MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None,
+        HAS_VALID=k_valid is not None, BLOCK_N=beta, HEAD_DIM=head_dim,
         LIST_PAD=max(1, triton.next_power_of_2(blocks.shape[3])), **tiles,
     )
     return out, lse

@@ -50,7 +50,8 @@ def cache_write_kernel(
 
 def check_inputs(k_cache, v_cache, k, v, lengths):
     if k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"k and v must both be [batch, kv_heads, t, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"k and v must both be [batch, kv_heads, t, head_dim], got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     batch, heads, _, head_dim = k.shape
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dim() != 4 or (cache.shape[0], cache.shape[2], cache.shape[3]) != (batch, heads, head_dim):

@@ -214,8 +214,8 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tenso
         grid = (weight.shape[0], triton.cdiv(width, shape["BLOCK_N"]))
         gather = (group_ends, 0) if pairs is None else (pairs, per_token)  # (pairs_ptr, PER_TOKEN): 0 reads x's rows
         expert_linear_kernel[grid](x, weight, group_ends, out, gather[0], width, x.shape[1], x.stride(0),
-                                   weight.stride(0), weight.stride(1), out.stride(0), GLU=glu or "", PER_TOKEN=gather[1],
-                                   **shape, enable_fp_fusion=False)
+                                   weight.stride(0), weight.stride(1), out.stride(0), GLU=glu or "",
+                                   PER_TOKEN=gather[1], **shape, enable_fp_fusion=False)
     return out
 
 

@@ -161,7 +161,8 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
         raise ValueError(f"bias must be a contiguous [N] = [{weight.shape[0]}], got {tuple(bias.shape)}")
     dtypes = {t.dtype for t in (x, norm_weight, weight, bias) if t is not None}
     if len(dtypes) != 1 or x.dtype not in DTYPES:
-        raise ValueError(f"x, norm_weight, weight (and bias) must share one of {DTYPES}, got {sorted(map(str, dtypes))}")
+        raise ValueError(f"x, norm_weight, weight (and bias) must share one of {DTYPES}, "
+                         f"got {sorted(map(str, dtypes))}")
     if x.stride(-1) != 1 or weight.stride(1) != 1 or norm_weight.stride(0) != 1:
         raise ValueError(f"the last dims must be contiguous, got strides {x.stride()}, {norm_weight.stride()}, "
                          f"{weight.stride()}")

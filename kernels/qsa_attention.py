@@ -90,8 +90,8 @@ def qsa_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_tb, stride_th, stride_ts, stride_tk, stride_last_b, stride_scan_b,
     n_keys, num_sampled, num_heads, group, gamma, qk_scale, k_exact, k_greedy,
-    MASK_BLOCK: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr, ESTIMATED: tl.constexpr, TREE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SLOTS: tl.constexpr,
+    MASK_BLOCK: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr, ESTIMATED: tl.constexpr,
+    TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SLOTS: tl.constexpr,
     G_SLOTS: tl.constexpr, LEAVES: tl.constexpr, LOG_LEAVES: tl.constexpr, LEVELS: tl.constexpr,
     ORDER_ROWS: tl.constexpr,
 ):
@@ -110,15 +110,16 @@ def qsa_kernel(
     row_ok = rows < num_sampled
     positions = rows * gamma
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + positions[:, None] * stride_qn + dims[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0)
+    q_rows = q_ptr + batch * stride_qb + head * stride_qh + positions * stride_qn
+    q = tl.load(q_rows[:, None] + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     slots = tl.arange(0, K_SLOTS)
     # the exact buffer: slots past k_exact hold +inf, never the minimum, never replaced
-    top_score = tl.where(slots[None, :] < k_exact, float("-inf"), float("inf")) + tl.zeros((BLOCK_M, K_SLOTS), tl.float32)
+    top_score = (tl.where(slots[None, :] < k_exact, float("-inf"), float("inf"))
+                 + tl.zeros((BLOCK_M, K_SLOTS), tl.float32))
     top_index = tl.full((BLOCK_M, K_SLOTS), -1, tl.int32)
     # the estimated part (ESTIMATED): k_greedy slots filled in order, Welford statistics per row
     greedy_slots = tl.arange(0, G_SLOTS)
@@ -286,8 +287,8 @@ def qsa_attention(q, k, v, *, gamma: int, beta: int, top_k: int, k_exact: int | 
         *q.stride(), *k.stride(), *v.stride(), *valid_strides, *out.stride(), *lse.stride(),
         *top_index.stride(), last.stride(0), scans.stride(0),
         n, sampled, heads, heads // k.shape[1], gamma, scale * LOG2_E, register_slots, top_k - k_exact,
-        MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, ESTIMATED=estimated,
-        TREE=tree, BLOCK_N=beta, HEAD_DIM=head_dim,
+        MASK_BLOCK=1 if causal else (block_size or 1), MASKED=causal or block_size is not None,
+        HAS_VALID=k_valid is not None, ESTIMATED=estimated, TREE=tree, BLOCK_N=beta, HEAD_DIM=head_dim,
         K_SLOTS=k_slots, G_SLOTS=g_slots,
         LEAVES=leaves, LOG_LEAVES=int(math.log2(leaves)), LEVELS=triton.next_power_of_2(max(int(math.log2(leaves)), 1)),
         ORDER_ROWS=ORDER_ROWS, **tiles,

@@ -5,11 +5,11 @@ Eq. 6 reads the running mean and variance as those of the whole row, which holds
 arrive in no particular order, so a row's T blocks are visited in golden-ratio strides: block (i g) mod
 T at step i, g the first integer from round(T / 1.618) up that is prime to T. Every stretch of the
 scan then spreads over the whole row; scanning in order, a causal row's heavy local blocks would come
-all first (backwards) or all last (forwards) and skew the statistics. T is the number of blocks the last of a group of ORDER_ROWS
-sampled rows sees (one kernel program's rows scan together, and ORDER_ROWS is a multiple of every
-program's row count), so a row's order does not depend on the launch; each row counts the blocks it
-has left as its last_blocks less the visible blocks it has seen (a hidden block, all padding, counts
-as left until the scan ends).
+all first (backwards) or all last (forwards) and skew the statistics. T is the number of blocks the
+last of a group of ORDER_ROWS sampled rows sees (one kernel program's rows scan together, and
+ORDER_ROWS is a multiple of every program's row count), so a row's order does not depend on the
+launch; each row counts the blocks it has left as its last_blocks less the visible blocks it has seen
+(a hidden block, all padding, counts as left until the scan ends).
 """
 
 from __future__ import annotations

@@ -203,9 +203,10 @@ def rope_qk(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Ten
 
     qkv [batch, t, W] with W >= (num_heads + num_kv_heads) * d: q's heads, then k's (v, after them,
     is not read), last dim contiguous; d = head_dim (default: the tables' last dim r); cos, sin as
-    apply_rope's, the first r dims of a head rotated; the weights [d] in qkv's dtype, both or neither. Returns q [batch, num_heads, t, d] and k [batch, num_kv_heads,
-    t, d] in qkv's dtype, laid out as the model's projections are ([batch, t, heads, d] in memory, a
-    transposed view): what rms_norm then apply_rope give, rounded at the same points."""
+    apply_rope's, the first r dims of a head rotated; the weights [d] in qkv's dtype, both or neither.
+    Returns q [batch, num_heads, t, d] and k [batch, num_kv_heads, t, d] in qkv's dtype, laid out as the
+    model's projections are ([batch, t, heads, d] in memory, a transposed view): what rms_norm then
+    apply_rope give, rounded at the same points."""
     if qkv.dim() != 3 or qkv.stride(-1) != 1:
         raise ValueError(f"qkv must be [batch, t, W] with a contiguous last dim, got shape {tuple(qkv.shape)} "
                          f"strides {qkv.stride()}")

@@ -80,7 +80,8 @@ def most_drifted_kernel(drift_ptr, out_ptr, stride_db, stride_dr, stride_ob, str
         others = start + tl.arange(0, BLOCK_J)
         theirs = tl.load(drift_base + others * stride_dr, mask=others < num_rows, other=0.0)
         theirs = tl.where(theirs != theirs, float("inf"), theirs)
-        ahead = (theirs[None, :] > mine[:, None]) | ((theirs[None, :] == mine[:, None]) & (others[None, :] < rows[:, None]))
+        tied = (theirs[None, :] == mine[:, None]) & (others[None, :] < rows[:, None])
+        ahead = (theirs[None, :] > mine[:, None]) | tied
         rank += tl.sum((ahead & (others < num_rows)[None, :]).to(tl.int32), axis=1)
     tl.store(out_ptr + batch.to(tl.int64) * stride_ob + rank * stride_oc, rows.to(tl.int64),
              mask=(rows < num_rows) & (rank < count))

@@ -183,8 +183,9 @@ def check_fits(cfg: ModelConfig, tokens: int, batch: int, device: torch.device, 
         raise ValueError(f"{tokens} tokens x batch {batch} need about {need / 2**30:.1f} GiB ({parts}); {device} has "
                          f"{free / 2**30:.1f} GiB free. Use a shorter prompt{' or a GPU' if scores else ''}.")
     if tokens > cfg.max_position_embeddings and cfg.gemma is not None:
-        raise ValueError(f"{cfg.model_type}: {tokens} tokens exceed max_position_embeddings {cfg.max_position_embeddings}, "
-                         "and its RoPE is not stretched: use a shorter prompt (--length, --context)")
+        raise ValueError(f"{cfg.model_type}: {tokens} tokens exceed max_position_embeddings "
+                         f"{cfg.max_position_embeddings}, and its RoPE is not stretched: use a shorter prompt "
+                         "(--length, --context)")
     if tokens > cfg.max_position_embeddings:
         return (f"note: {tokens} tokens are past the model's trained {cfg.max_position_embeddings}: RoPE is "
                 f"stretched (NTK) {tokens / cfg.max_position_embeddings:.1f}x, and quality past the trained length "

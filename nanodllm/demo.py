@@ -9,10 +9,10 @@ KV it kept (and of canvas rows it computed, where counted) and, on a GPU, its pe
 method's default budget would keep most of the prompt, the demo sets it to about a quarter of the
 prompt and says so (--knobs overrides). On the block engine the tokens fill whole blocks, at least
 --gen-length; DiffusionGemma fills whole canvases, its sampler in the deterministic mode, and reports
-its denoising steps per canvas and tokens per step. Without --model the demo uses the tiny trained model in nanodllm/assets of the method's
-first engine (tiny-llada: masked diffusion, tiny-sdar: block diffusion; MOMO, which serves both, is
-shown on the block engine's prefill) and, without --prompt, a built-in long-context passkey prompt
-whose answer it prints.
+its denoising steps per canvas and tokens per step. Without --model the demo uses the tiny trained
+model in nanodllm/assets of the method's first engine (tiny-llada: masked diffusion, tiny-sdar: block
+diffusion; MOMO, which serves both, is shown on the block engine's prefill) and, without --prompt, a
+built-in long-context passkey prompt whose answer it prints.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def parse_args(argv, prog=None):
                         help="tokens to generate (the block engine fills whole blocks: at least this many)")
     parser.add_argument("--block-length", type=positive_int,
                         help="default: min(32, gen-length) (LLaDA) or the config's block_size (SDAR)")
-    parser.add_argument("--steps", type=positive_int, help="default: gen-length (LLaDA) or block-length (SDAR, per block)")
+    parser.add_argument("--steps", type=positive_int,
+                        help="default: gen-length (LLaDA) or block-length (SDAR, per block)")
     parser.add_argument("--threshold", type=float, help="confidence-threshold parallel decoding")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: the most probable token")
     parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu",
@@ -194,12 +195,13 @@ def main(argv=None, prog=None) -> int:
     print(f"model: {model_dir} ({cfg.model_type}, {engine_of(cfg)} engine), "
           f"prompt {len(prompt_ids)} tokens, device {device}, {args.dtype}{split}")
     if engine == "gemma":
-        print(f"decoding: {gen.gen_length} tokens or more (whole canvases of {gen.block_length}), at most {gen.steps} "
-              "denoising steps per canvas, the entropy-bound sampler in its deterministic mode (argmax, seeded renoise)")
+        print(f"decoding: {gen.gen_length} tokens or more (whole canvases of {gen.block_length}), at most "
+              f"{gen.steps} denoising steps per canvas, the entropy-bound sampler in its deterministic mode "
+              "(argmax, seeded renoise)")
     else:
         print(f"decoding: {gen.gen_length} tokens{' or more (whole blocks)' if is_block else ''}, blocks of "
-              f"{gen.block_length}, {gen.steps} steps{' per block' if is_block else ''}, temperature {gen.temperature}, "
-              f"threshold {gen.threshold}")
+              f"{gen.block_length}, {gen.steps} steps{' per block' if is_block else ''}, "
+              f"temperature {gen.temperature}, threshold {gen.threshold}")
     if warm_up is not None:
         print(f"warm-up, not timed below (kernels compiled or loaded, launch settings looked up): {warm_up:.1f}s")
     defaults = knob_defaults(args.method)
@@ -219,7 +221,8 @@ def main(argv=None, prog=None) -> int:
     if args.method != "dense":
         dense, other = runs["dense"][0], runs[args.method][0]
         same = sum(a == b for a, b in zip(dense, other))
-        verdict = "the same answer as dense" if answers[args.method] == answers["dense"] else "an answer that differs from dense"
+        verdict = ("the same answer as dense" if answers[args.method] == answers["dense"]
+                   else "an answer that differs from dense")
         print(f"\n{args.method} gave {verdict}: {same} of {max(len(dense), len(other))} tokens agree, "
               f"{runs['dense'][1] / runs[args.method][1]:.1f}x dense's speed")
     return 0

@@ -236,7 +236,8 @@ def evaluate(runner: Runner, samples: list[tasks.Sample], methods: list[str], ba
         print(f"warm-up, not timed (kernels compiled or loaded, launch settings looked up): "
               f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
     if done_before:
-        print(f"resuming from {journal.path}: {len(done_before)} of {len(chunks) * len(methods)} runs done", file=sys.stderr)
+        print(f"resuming from {journal.path}: {len(done_before)} of {len(chunks) * len(methods)} runs done",
+              file=sys.stderr)
     clock, computed = time.perf_counter(), 0
     for first in range(0, len(chunks), runner.replicas):  # a round: one chunk per replica
         mine, records = first + runner.replica, {}
@@ -310,7 +311,8 @@ def table(results, methods: list[str]) -> str:
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(dense, key=lambda c: (in_order(c[0]), c[1])):
         n = len(dense[cell].scores)
-        columns = [str(cell[0]), f"{cell[1]:.2f}", str(n), *(f"{sum(results[m][cell].scores) / n:.3f}" for m in methods)]
+        columns = [str(cell[0]), f"{cell[1]:.2f}", str(n),
+                   *(f"{sum(results[m][cell].scores) / n:.3f}" for m in methods)]
         for m in others:
             outcome = results[m][cell]
             columns += [f"{agreement(outcome.tokens, dense[cell].tokens):.3f}", f"{tokens_per_second(outcome):.1f}",
@@ -392,14 +394,16 @@ def parse_args(argv, prog=None):
                         help="write MaskKV's offline layer profile (maskkv_profile.json) into the --model directory "
                              "from --n canvases per task and length of --lengths, then exit")
     parser.add_argument("--task", default="passkey", choices=[*tasks.TASKS, "longbench"], help="what is asked")
-    parser.add_argument("--lengths", type=positive_ints, default=[1024], help="comma-separated context lengths in tokens")
+    parser.add_argument("--lengths", type=positive_ints, default=[1024],
+                        help="comma-separated context lengths in tokens")
     parser.add_argument("--n", type=positive_int, default=50, help="samples per length (spread over the depths)")
     parser.add_argument("--data", help="LongBench-format JSONL (with --task longbench)")
     parser.add_argument("--plot", type=output_file, help="save a length x depth accuracy heatmap to this PNG")
     parser.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
     parser.add_argument("--seed", type=int, default=1234, help="task seed (training used other seeds)")
     parser.add_argument("--gen-length", type=positive_int, default=32, help="tokens generated per sample")
-    parser.add_argument("--steps", type=positive_int, help="default: gen-length (masked) or block length (block engine)")
+    parser.add_argument("--steps", type=positive_int,
+                        help="default: gen-length (masked) or block length (block engine)")
     parser.add_argument("--threshold", type=float, help="confidence-threshold parallel decoding (default: the "
                         "model's, none for most)")
     parser.add_argument("--device", type=available_device, default="cuda" if torch.cuda.is_available() else "cpu",
@@ -426,7 +430,8 @@ def print_recall(runner: Runner, samples: list[tasks.Sample], methods: list[str]
         records = []
         for start in range(0, len(samples), args.batch):
             attached = []  # the records list of this chunk's method, filled while it decodes
-            runner.generate(samples[start : start + args.batch], name, prepare=lambda m: attached.append(recall.attach(m)))
+            runner.generate(samples[start : start + args.batch], name,
+                            prepare=lambda m: attached.append(recall.attach(m)))
             records.extend(attached[0])
             print(f"recall {name}: {min(start + args.batch, len(samples))}/{len(samples)} samples", file=sys.stderr,
                   flush=True)
@@ -483,11 +488,12 @@ def main(argv=None, prog=None) -> int:
         else:
             runner.check_engine(args.method)
         gemma = runner.engine_name == "gemma"
-        steps = args.steps or (RELEASED_STEPS if gemma else runner.gen.block_length if runner.is_block else args.gen_length)
+        steps = args.steps or (RELEASED_STEPS if gemma
+                               else runner.gen.block_length if runner.is_block else args.gen_length)
+        threshold = default_threshold(runner.model.cfg) if args.threshold is None else args.threshold
         runner.gen = GenerationConfig(gen_length=args.gen_length,
                                       block_length=default_block_length(runner.model.cfg, args.gen_length),
-                                      steps=steps, threshold=default_threshold(runner.model.cfg) if args.threshold is None
-                                      else args.threshold)
+                                      steps=steps, threshold=threshold)
         if not gemma:  # a canvas's steps renoise what they reject: more steps than tokens can help
             check_steps(runner.gen, runner.is_block)
         if args.task != "longbench":

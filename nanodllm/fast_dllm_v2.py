@@ -73,7 +73,8 @@ def generate(model, prompts, gen: GenerationConfig, method: Method | None = None
     size = cfg.block_size
     sub_block = min(sub_block, size)  # a block smaller than the default sub-block is one sub-block
     if gen.block_length != size:
-        raise ValueError(f"Fast-dLLM v2 decodes blocks of its bd_size: block_length ({gen.block_length}) must be {size}")
+        raise ValueError(f"Fast-dLLM v2 decodes blocks of its bd_size: block_length ({gen.block_length}) "
+                         f"must be {size}")
     if size % sub_block:
         raise ValueError(f"sub_block ({sub_block}) must divide the block size ({size})")
     if gen.cfg_scale > 0 or gen.remasking not in ("low_confidence", "low_confidence_dynamic"):

@@ -161,7 +161,8 @@ class FusedLayer(Layer):
         q, k, v = self.split_stacked(norm_linear(x, norm.weight, norm.eps, qkv.weight, qkv.bias), rope, 3)
         self.add_out(x, attend(q, k, v))
         norm = self.post_attention_layernorm
-        add_linear(x, norm_linear(x, norm.weight, norm.eps, self.mlp.gate_up_proj.weight, swiglu=True), self.mlp.down_proj)
+        gated = norm_linear(x, norm.weight, norm.eps, self.mlp.gate_up_proj.weight, swiglu=True)
+        add_linear(x, gated, self.mlp.down_proj)
 
 
 class FusedModel(Model):

@@ -101,7 +101,8 @@ class FusedMoE(MoE):
         self.shared_expert = FusedMLP(cfg.hidden_size, moe.shared_size // group.world) if moe.shared_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(by_chunks(self.grouped, x) if use_kernels(x) and GROUPED_MM else super().forward(x))
+        y = by_chunks(self.grouped, x) if use_kernels(x) and GROUPED_MM else super().forward(x)
+        return self.group.all_reduce(y)
 
     def grouped(self, flat: torch.Tensor) -> torch.Tensor:
         """MoE.forward over tokens [n, hidden]: this rank's experts by grouped_experts, then the shared one."""

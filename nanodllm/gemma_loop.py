@@ -94,7 +94,8 @@ def finish(canvas: torch.Tensor, finished: torch.Tensor, stops: torch.Tensor, pa
     return padded, finished | is_stop.any(dim=-1)
 
 
-def prompt_context(model, cache, tokens: torch.Tensor, valid: torch.Tensor, prompt_lengths: torch.Tensor) -> StepContext:
+def prompt_context(model, cache, tokens: torch.Tensor, valid: torch.Tensor,
+                   prompt_lengths: torch.Tensor) -> StepContext:
     """What a sparse_prefill method reads of the prompt's encoder pass into the empty cache: causal, pads hidden."""
     positions = model.positions(cache, tokens.shape[1]).expand(tokens.shape[0], -1)
     return StepContext(tokens, positions, valid, prompt_lengths, attn_mask=CanvasMask(valid, block_size=1),

@@ -196,7 +196,8 @@ def plan(model: Model, files: dict[str, Path]) -> dict[str, tuple[str, ...]]:
                 (("missing", missing), ("unexpected", sorted(unexpected)), ("misshapen", misshapen),
                  ("duplicated", duplicated)) if items]
     if problems:
-        raise CheckpointError(f"checkpoint does not match a {cfg.model_type} model of its config:\n  " + "\n  ".join(problems))
+        raise CheckpointError(f"checkpoint does not match a {cfg.model_type} model of its config:\n  "
+                              + "\n  ".join(problems))
     return mapping
 
 

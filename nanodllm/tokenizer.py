@@ -1,14 +1,14 @@
 """Tokenizer: a checkpoint's tokenizer files, its special ids, and its chat template.
 
-`Tokenizer.from_dir(path, family)` builds a `tokenizers` tokenizer (no transformers needed). `family`
-is the config's model_type: "llada", "sdar", "Dream", "Fast_dLLM_Qwen", "llada2_moe", "sdar_moe"
-(which is SDAR's vocabulary and chat template) or "diffusion_gemma" (Gemma 4's turns; no mask token). It loads `<path>/tokenizer.json`, else, for the
-Qwen2-vocabulary families, `vocab.json` + `merges.txt` built as transformers' Qwen2 tokenizer does.
+`Tokenizer.from_dir(path, family)` builds a `tokenizers` tokenizer (no transformers needed) from
+`<path>/tokenizer.json`, else, for the Qwen2-vocabulary families, `vocab.json` + `merges.txt` built as
+transformers' Qwen2 tokenizer does. `family` is the config's model_type: "llada", "sdar", "Dream",
+"Fast_dLLM_Qwen", "llada2_moe", "sdar_moe" (SDAR's vocabulary and template), "diffusion_gemma" (no mask).
 
-Special ids (mask_id, eos_id, pad_id, bos_id) are resolved field by field, first hit wins:
-config.json, generation_config.json, tokenizer_config.json's token strings, the family's token
-strings in the vocabulary, then the family's default ids (SPECIAL_TOKENS). stop_ids: the configs'
-eos_token_id entries, then the family's STOP_TOKENS, in order and without repeats.
+Special ids (mask_id, eos_id, pad_id, bos_id) are resolved field by field, first hit wins: config.json,
+generation_config.json, tokenizer_config.json's token strings, the family's token strings in the
+vocabulary, then its default ids (SPECIAL_TOKENS). stop_ids: the configs' eos_token_id entries, then
+the family's STOP_TOKENS, in order and without repeats.
 
 Chat templates are Python ports of the published jinja templates, checked against them in
 tests/test_tokenizer.py. Only plain {"role", "content"} messages with roles system/user/assistant

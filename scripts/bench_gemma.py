@@ -42,7 +42,8 @@ def filled_cache(model, batch: int, context: int, room: int = 1):
     """A cache of `context` random tokens per row (no pads), room for `room` canvases more."""
     cache = model.empty_cache(batch, context + room * model.cfg.gemma.canvas_length)
     for layer, sliding in enumerate(cache.sliding):
-        buffers = (cache.keys[layer], cache.values[layer]) if sliding else (cache.full.keys[layer], cache.full.values[layer])
+        store = cache if sliding else cache.full
+        buffers = (store.keys[layer], store.values[layer])
         for buffer in buffers:
             buffer.normal_(0, 1)
     cache.full.advance(torch.full((batch,), context, device=cache.full.lengths.device))

@@ -117,7 +117,8 @@ def chunked_block_mass(q, k, mask_block, chi, beta, budget=2**28):
             if mask_block is not None:
                 positions = torch.arange(seen, device=q.device)
                 scores.masked_fill_(~sees(positions[start:stop], positions, mask_block), float("-inf"))
-            mass[:, head, start // chi : -(-stop // chi), : -(-seen // beta)] = block_mass(scores.softmax(-1), chi, beta)
+            query_blocks, key_blocks = slice(start // chi, -(-stop // chi)), slice(None, -(-seen // beta))
+            mass[:, head, query_blocks, key_blocks] = block_mass(scores.softmax(-1), chi, beta)
     return mass
 
 
@@ -137,7 +138,8 @@ def mean_pooling_scores(q, k, chi, beta, visible):
 def best_per_query_block(scores, counts):
     """keep [.., query blocks, key blocks] with counts[..., qb] best key blocks per query block."""
     order = scores.argsort(dim=-1, descending=True)
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
+    places = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(-1, order, places)
     return (ranks < counts[..., None]) & (scores > float("-inf"))
 
 
@@ -232,7 +234,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synthetic", action="store_true", help="structured synthetic q/k instead of a model's")
     parser.add_argument("--model", default="tiny-sdar")
-    parser.add_argument("--lengths", type=positive_ints, default=None, help="default 2048; synthetic 32768,65536,131072")
+    parser.add_argument("--lengths", type=positive_ints, default=None,
+                        help="default 2048; synthetic 32768,65536,131072")
     parser.add_argument("--n", type=positive_int, default=4, help="prompts per length")
     parser.add_argument("--gamma", type=positive_int, default=16)
     parser.add_argument("--chi", type=positive_int, default=128)

@@ -246,7 +246,8 @@ def assert_matches_reference(method, reference, model, prompts, gen):
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
     assert chosen.keys() == expected_chosen.keys()
     for key, want in expected_chosen.items():
-        assert chosen[key] == want, f"(block, step, layer, row) {key}: the method chose {chosen[key]}, the reference {want}"
+        assert chosen[key] == want, (f"(block, step, layer, row) {key}: the method chose {chosen[key]}, "
+                                     f"the reference {want}")
     for row, length in enumerate(result.cache.host_lengths):
         for layer, (keys, values) in enumerate(reference.final_cache(model, row)):
             assert keys.shape[1] == length

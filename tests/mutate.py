@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", metavar="NAME",
                         help="run the mutations whose name contains NAME (repeatable; the sanity check always runs)")
     parser.add_argument("--jobs", type=positive_int, default=1, help="mutations tested at once (default 1)")
-    parser.add_argument("--timeout", type=seconds, default=600, help="seconds a mutation's tests may take (default 600)")
+    parser.add_argument("--timeout", type=seconds, default=600,
+                        help="seconds a mutation's tests may take (default 600)")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS[1:] if not args.only or any(part in m.name for part in args.only)]
     if not chosen:

@@ -113,7 +113,8 @@ ENGINES = [
              "return (k_pos[:, None, None, :] // block_size) < (q_pos[:, None, :, None] // block_size)",
              "test_block_engine.py::test_mask_first_token_of_block_sees_its_last_and_nothing_later"),
     mutation("attention-reference-forgets-scale", "nanodllm/attention.py",
-             "scores = (qg @ k.transpose(-1, -2)) * (head_dim**-0.5 if scale is None else scale)  # [b, kv, group*q_len, k_len]",
+             "scores = (qg @ k.transpose(-1, -2)) * (head_dim**-0.5 if scale is None else scale)"
+             "  # [b, kv, group*q_len, k_len]",
              "scores = qg @ k.transpose(-1, -2)  # [b, kv, group*q_len, k_len]",
              "test_kernel_wiring.py::test_attention_routes_and_equals_reference"),
     mutation("attention-cache-padding-off-by-one", "nanodllm/attention.py",
@@ -1561,7 +1562,8 @@ GRAPHS_AND_SMALL_KERNELS = [
              "test_graphs.py::test_a_key_that_ran_before_is_recorded_at_once_and_a_failed_recording_runs_it_first"),
     mutation("graphs-remembering-scope-ignores-the-model", "nanodllm/graphs.py",
              "scope=(id(model), type(method))", "scope=(type(method),)",
-             "test_graphs.py::test_a_generation_remembers_the_keys_its_process_ran_for_the_same_model_and_method_class"),
+             "test_graphs.py::"
+             "test_a_generation_remembers_the_keys_its_process_ran_for_the_same_model_and_method_class"),
     mutation("graphs-replay-reruns-the-recorded-steps-tokens", "nanodllm/graphs.py",
              "replace(ctx, tokens=tokens, positions=positions)", "replace(ctx, positions=positions)",
              "test_graphs.py::test_replayed_steps_and_commits_compute_their_own_contexts"),
@@ -1589,7 +1591,8 @@ GRAPHS_AND_SMALL_KERNELS = [
              "tl.store(out + positions, positions, mask=positions < width)",
              "test_top_k.py::test_top_k_positions_match_a_stable_sort"),
     mutation("top-k-whole-row-length-not-clamped-to-the-row", "kernels/top_k.py",
-             "length = tl.minimum(tl.load(lengths_ptr + row // heads).to(tl.int32), n)\n    positions = tl.arange(0, BLOCK)",
+             "length = tl.minimum(tl.load(lengths_ptr + row // heads).to(tl.int32), n)\n"
+             "    positions = tl.arange(0, BLOCK)",
              "length = tl.load(lengths_ptr + row // heads).to(tl.int32)\n    positions = tl.arange(0, BLOCK)",
              "test_top_k.py::test_lengths_past_the_row_count_as_the_whole_row"),
     mutation("top-k-ordered-keys-sign-bit-not-flipped", "kernels/top_k.py",
@@ -1616,8 +1619,10 @@ GRAPHS_AND_SMALL_KERNELS = [
              "if rows.shape != (batch, src.shape[2]):",
              "test_dyllm.py::test_row_scatter_refuses_flags_of_another_length"),
     mutation("cache-write-v-through-the-k-caches-strides", "kernels/cache_write.py",
-             "tl.store(v_cache_ptr + b * stride_wb + h * stride_wh + slots[:, None] * stride_wn + dims[None, :] * stride_wd,",
-             "tl.store(v_cache_ptr + b * stride_cb + h * stride_ch + slots[:, None] * stride_cn + dims[None, :] * stride_cd,",
+             "tl.store(v_cache_ptr + b * stride_wb + h * stride_wh + slots[:, None] * stride_wn"
+             " + dims[None, :] * stride_wd,",
+             "tl.store(v_cache_ptr + b * stride_cb + h * stride_ch + slots[:, None] * stride_cn"
+             " + dims[None, :] * stride_cd,",
              "test_cache_and_hooks.py::test_cache_write_kernel_takes_each_caches_own_layout"),
     mutation("cache-write-v-dtype-unchecked", "kernels/cache_write.py",
              "if cache.dtype != k.dtype or v.dtype != k.dtype:", "if cache.dtype != k.dtype:",
@@ -1657,7 +1662,8 @@ ATTENTION_KERNELS = [
              "lse = tl.where(has_keys, m_i + tl.log(l_safe), float(\"-inf\"))",
              "test_decode_kernels.py::test_decode_attention_matches_reference"),
     mutation("decode-merge-max-of-a-keyless-row-not-guarded", "kernels/decode_attention.py",
-             "    m = tl.where(m == float(\"-inf\"), 0.0, m)  # a row no slice saw keys for (flash_attention's masks)\n",
+             "    m = tl.where(m == float(\"-inf\"), 0.0, m)"
+             "  # a row no slice saw keys for (flash_attention's masks)\n",
              "",
              "test_flash_attention.py::test_rows_without_visible_keys_are_zero"),
     mutation("decode-attention-block-keys-partial-skips-the-first", "kernels/decode_attention.py",
@@ -1759,8 +1765,8 @@ ATTENTION_KERNELS = [
              "test_momo_kernels.py::test_qsa_reads_key_padding_sliced_from_a_wider_mask"),
     # kernels/block_sparse_attention.py
     mutation("block-sparse-causal-flag-not-masking", "kernels/block_sparse_attention.py",
-             "MASKED=causal or block_size is not None, HAS_VALID=k_valid is not None, BLOCK_N=beta,",
-             "MASKED=block_size is not None, HAS_VALID=k_valid is not None, BLOCK_N=beta,",
+             "MASKED=causal or block_size is not None,\n        HAS_VALID=k_valid is not None, BLOCK_N=beta,",
+             "MASKED=block_size is not None,\n        HAS_VALID=k_valid is not None, BLOCK_N=beta,",
              "test_momo_kernels.py::test_block_sparse_matches_the_reference"),
     mutation("block-sparse-list-entries-read-as-contiguous", "kernels/block_sparse_attention.py",
              "key_block = tl.load(list_base + entry * stride_bk)", "key_block = tl.load(list_base + entry)",
@@ -1798,7 +1804,8 @@ NORMS_ROPE_FLASH_TOKENIZER = [
              "rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / BLOCK_D + eps)",
              "test_norm_rope_kernels.py::test_rms_norm_matches_reference"),
     mutation("rmsnorm-float32-weight-output-in-x-dtype", "kernels/rmsnorm.py",
-             "out_dtype = torch.promote_types(weight.dtype, x.dtype) if round_normed and weight is not None else x.dtype",
+             "out_dtype = torch.promote_types(weight.dtype, x.dtype)"
+             " if round_normed and weight is not None else x.dtype",
              "out_dtype = x.dtype",
              "test_norm_rope_kernels.py::test_rms_norm_matches_reference"),
     mutation("rmsnorm-add-normalises-the-unrounded-sum", "kernels/rmsnorm.py",
@@ -1863,7 +1870,8 @@ NORMS_ROPE_FLASH_TOKENIZER = [
              "test_tokenizer.py::test_chat_text_equals_published_template"),
     mutation("tokenizer-config-template-wins-over-the-jinja-file", "nanodllm/tokenizer.py",
              'return jinja_file.read_text() if jinja_file.is_file() else tokenizer_config.get("chat_template")',
-             'return tokenizer_config.get("chat_template") or (jinja_file.read_text() if jinja_file.is_file() else None)',
+             'return tokenizer_config.get("chat_template")'
+             ' or (jinja_file.read_text() if jinja_file.is_file() else None)',
              "test_tokenizer.py::test_chat_template_jinja_wins_over_tokenizer_config"),
 ]
 
@@ -2208,13 +2216,16 @@ CONFIG_MODEL_AND_METHODS = [
 LOADER_CACHE_ATTENTION_DECODING = [
     mutation("cache-launch-length-steps-of-a-quarter", "nanodllm/cache.py",
              "step = 1 << max(n.bit_length() - 4, 0)", "step = 1 << max(n.bit_length() - 3, 0)",
-             "test_cache_and_hooks.py::test_the_launch_length_bounds_the_longest_row_within_an_eighth_and_the_capacity"),
+             "test_cache_and_hooks.py::"
+             "test_the_launch_length_bounds_the_longest_row_within_an_eighth_and_the_capacity"),
     mutation("cache-launch-length-rounds-down", "nanodllm/cache.py",
              "return min(-(-n // step) * step, self.capacity)", "return min(n // step * step, self.capacity)",
-             "test_cache_and_hooks.py::test_the_launch_length_bounds_the_longest_row_within_an_eighth_and_the_capacity"),
+             "test_cache_and_hooks.py::"
+             "test_the_launch_length_bounds_the_longest_row_within_an_eighth_and_the_capacity"),
     mutation("cache-launch-length-past-the-capacity", "nanodllm/cache.py",
              "return min(-(-n // step) * step, self.capacity)", "return -(-n // step) * step",
-             "test_cache_and_hooks.py::test_the_launch_length_bounds_the_longest_row_within_an_eighth_and_the_capacity"),
+             "test_cache_and_hooks.py::"
+             "test_the_launch_length_bounds_the_longest_row_within_an_eighth_and_the_capacity"),
     mutation("cache-view-without-the-scratch-slots", "nanodllm/cache.py",
              "n = self.max_length + extra\n        return self.keys", "n = self.max_length\n        return self.keys",
              "test_cache_and_hooks.py::test_a_write_that_fills_the_capacity_exactly_fits"),
@@ -2343,7 +2354,8 @@ CACHE_AND_SELECTION_METHODS = [
              "test_quest.py::test_quest_pages_each_layer_from_its_own_bounds_and_attends_to_them"),
     mutation("quest-page-scores-group-queries-across-heads", "nanodllm/methods/quest.py",
              "rows = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)",
-             "rows = q.float().transpose(1, 2).reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)",
+             "rows = q.float().transpose(1, 2)"
+             ".reshape(batch, num_kv_heads, num_heads // num_kv_heads * block, head_dim)",
              "test_quest.py::test_page_score_is_quests_bound_on_the_block_mean_of_each_query_best_key"),
     mutation("mage-probabilities-averaged-over-the-block-only", "nanodllm/methods/mage.py",
              "return total / queries.shape[2]", "return total / block",
@@ -2392,7 +2404,8 @@ GEMMA_RECALL_METER_TASKS = [
              "context_start = len(intro) + len(separator)", "context_start = len(intro)",
              "test_tasks.py::test_needle_is_where_meta_says_at_the_asked_depth"),
     mutation("tasks-whitespace-line-read-as-a-record", "nanodllm/tasks.py",
-             "for number, line in enumerate(lines, 1) if line.strip()]", "for number, line in enumerate(lines, 1) if line]",
+             "for number, line in enumerate(lines, 1) if line.strip()]",
+             "for number, line in enumerate(lines, 1) if line]",
              "test_tasks.py::test_load_longbench_skips_a_line_of_only_whitespace"),
     mutation("tasks-retry-budget-rescaled-the-wrong-way", "nanodllm/tasks.py",
              "target=length * length / max(sample.meta[\"tokens\"], 1)", "target=max(sample.meta[\"tokens\"], 1)",
@@ -2436,7 +2449,8 @@ GEMMA_RECALL_METER_TASKS = [
              "grouped = q.to(compute).view(b, heads // kv_heads, kv_heads, t, d).transpose(1, 2)",
              "test_diffusion_gemma.py::test_prefill_and_first_step_match_transformers"),
     mutation("gemma-router-reads-the-experts-normed-input", "nanodllm/gemma.py",
-             "chosen, weights = self.router(flat)", "chosen, weights = self.router(self.pre_feedforward_layernorm_2(flat))",
+             "chosen, weights = self.router(flat)",
+             "chosen, weights = self.router(self.pre_feedforward_layernorm_2(flat))",
              "test_diffusion_gemma.py::test_prefill_and_first_step_match_transformers"),
     mutation("gemma-self-conditioning-post-norm-leaves-out-the-embedding", "nanodllm/gemma.py",
              "return self.post_norm(embedded + super().forward(self.pre_norm(soft)))",
@@ -2459,7 +2473,8 @@ GEMMA_RECALL_METER_TASKS = [
              "self.ring_order = order = self.slot_positions[: self.ring].argsort()",
              "test_diffusion_gemma.py::test_prefill_and_first_step_match_transformers"),
     mutation("tasks-classification-divided-by-every-class", "nanodllm/tasks.py",
-             "return 1.0 / len(named) if answer in named else 0.0", "return 1.0 / len(all_classes) if answer in named else 0.0",
+             "return 1.0 / len(named) if answer in named else 0.0",
+             "return 1.0 / len(all_classes) if answer in named else 0.0",
              "test_tasks.py::test_classification_retrieval_and_count_scores"),
     mutation("gemma-loop-tokens-cut-before-the-stop-token", "nanodllm/gemma_loop.py",
              "tokens = [row[: len(until_stop(row, stops.tolist())) + 1] for row in sequences]",

@@ -172,7 +172,8 @@ def test_every_entry_point_shows_an_example_in_its_help():
 BAD_FLAGS = [
     ("eval", ["--n", "0"], "argument --n: must be a positive integer, got '0'"),
     ("eval", ["--batch", "0"], "argument --batch: must be a positive integer, got '0'"),
-    ("eval", ["--lengths", "abc"], "argument --lengths: must be comma-separated positive integers, e.g. 1024,2048; got 'abc'"),
+    ("eval", ["--lengths", "abc"],
+     "argument --lengths: must be comma-separated positive integers, e.g. 1024,2048; got 'abc'"),
     ("eval", ["--steps", "0"], "argument --steps: must be a positive integer, got '0'"),
     ("demo", ["--block-length", "0"], "argument --block-length: must be a positive integer, got '0'"),
     ("demo", ["--steps", "-3"], "argument --steps: must be a positive integer, got '-3'"),
@@ -198,8 +199,8 @@ HARMFUL_SETTINGS = [
     ("demo", ["--steps", "100"], "error: --steps 100 exceeds --gen-length 32: at most 32 steps unmask anything"),
     ("demo", ["--method", "mage", "--steps", "9", "--block-length", "8"],
      "error: --steps 9 exceeds --block-length 8 (steps are per block): at most 8 steps unmask anything"),
-    ("eval", ["--model", "tiny-sdar", "--calibrate"], "error: --calibrate writes MaskKV's profile, and MaskKV runs on the "
-     "masked engine;"),
+    ("eval", ["--model", "tiny-sdar", "--calibrate"],
+     "error: --calibrate writes MaskKV's profile, and MaskKV runs on the masked engine;"),
 ]
 
 
@@ -213,7 +214,8 @@ def test_settings_that_would_do_nothing_or_harm_are_refused(command, args, messa
 SWEEP_FLAGS = [
     (["--knob", "kk=16,64"], "error: --knob kk: no method in --methods takes it (maskkv: budget, alpha,"),
     (["--knob", "k"], "error: --knob must be name=v1,v2,... (e.g. budget=16,64), got 'k'"),
-    (["--knob", "budget=16,-1"], "error: --knob / --knobs give maskkv budget=-1: budget must be an integer >= 1, got -1"),
+    (["--knob", "budget=16,-1"],
+     "error: --knob / --knobs give maskkv budget=-1: budget must be an integer >= 1, got -1"),
     (["--knob", "budget=16", "--lengths", "10000000", "--model", "tiny-llada"],
      "error: 10000256 tokens x batch 8 need about"),
 ]
@@ -493,7 +495,8 @@ def test_an_output_path_or_value_that_would_fail_late_is_refused_first(args, las
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
 def test_a_gpu_only_benchmark_flag_is_refused_on_a_cpu(tmp_path):
     """Before, the run went on without the part the flag asks for, wrote its files and exited 0."""
-    done = script("scripts/bench.py", "moe", "--quick", "--generate", "llada2-mini", "--out", str(tmp_path), timeout=120)
+    done = script("scripts/bench.py", "moe", "--quick", "--generate", "llada2-mini", "--out", str(tmp_path),
+                  timeout=120)
     assert done.returncode == 2 and "bench.py: error: moe --generate runs on a GPU only" in done.stderr.splitlines()[-1]
     assert list(tmp_path.iterdir()) == []
 
@@ -668,7 +671,8 @@ def test_a_prompt_file_that_is_not_utf8_is_named(tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_bytes(b"the pass key is \xff\xfe")
     assert main(["demo", "--prompt-file", str(prompt)]) == 2
-    assert capsys.readouterr().err.strip().endswith(f"--prompt-file {prompt}: not UTF-8 text (invalid start byte at byte 16)")
+    assert capsys.readouterr().err.strip().endswith(
+        f"--prompt-file {prompt}: not UTF-8 text (invalid start byte at byte 16)")
 
 
 def test_the_version_and_the_defaults_are_in_the_help(capsys):

@@ -56,7 +56,8 @@ def test_ntk_scaling_changes_only_long_range_logits_a_little():
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'; supported: llada, sdar, Dream, Fast_dLLM_Qwen"):
+    with pytest.raises(ValueError,
+                       match="unsupported model_type 'gpt2'; supported: llada, sdar, Dream, Fast_dLLM_Qwen"):
         ModelConfig.from_dict({"model_type": "gpt2"})
 
 

@@ -218,7 +218,8 @@ def test_a_ragged_batch_equals_its_rows_run_alone(name, engine):
     batched = decode(engine, name, entry.tiny)
     alone = [alone_tokens(engine, name, tuple(prompt)) for prompt in PROMPTS]
     for row, (got, expected) in enumerate(zip(batched, alone, strict=True)):
-        assert got == expected, f"row {row} (prompt of {len(PROMPTS[row])} tokens) in the batch: {got}, alone: {expected}"
+        assert got == expected, (f"row {row} (prompt of {len(PROMPTS[row])} tokens) in the batch: {got}, "
+                                 f"alone: {expected}")
 
 
 @pytest.mark.parametrize("name,engine", ALONE_PAIRS, ids=ALONE_IDS)

@@ -132,7 +132,8 @@ def test_demo_maskkv_on_the_default_model():
     computed = int(re.search(r"rows computed (\d+)%", done.stdout.split("[maskkv]")[1])[1])
     assert 0 < computed < 100  # dLLM-Cache's steps between refreshes compute a few rows
     answers = {name: done.stdout.split(f"[{name}]")[1].splitlines()[1] for name in ("dense", "maskkv")}
-    verdict = "the same answer as dense" if answers["dense"] == answers["maskkv"] else "an answer that differs from dense"
+    verdict = ("the same answer as dense" if answers["dense"] == answers["maskkv"]
+               else "an answer that differs from dense")
     assert f"maskkv gave {verdict}: " in done.stdout
 
 
@@ -153,7 +154,8 @@ def test_demo_counts_the_tokens_that_agree_and_the_speed_ratio():
         assert verdict[1] == "an answer that differs from" and agree < total
 
 
-@pytest.mark.parametrize("method, knobs", [("mage", []), ("quest", []), ("sparsed", []), ("mage", ["--knobs", "k=1024"])])
+@pytest.mark.parametrize("method, knobs", [("mage", []), ("quest", []), ("sparsed", []),
+                                           ("mage", ["--knobs", "k=1024"])])
 def test_demo_shows_a_selecting_method_leave_keys_out(method, knobs):
     """The paper's k = 1024 would keep all of a 527-token prompt: unless --knobs sets k, the demo picks
     a quarter of the prompt and says so, and the method reads less than all of it (more than half: the
@@ -184,7 +186,8 @@ def test_demo_reads_a_prompt_file_and_names_a_missing_one(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "built-in prompt" not in done.stdout and int(re.search(r"prompt (\d+) tokens", done.stdout)[1]) >= 100
     missing = demo("--prompt-file", str(tmp_path / "nope.txt"))
-    assert missing.returncode == 2 and missing.stderr.startswith(f"error: --prompt-file {tmp_path / 'nope.txt'}: no such file")
+    assert missing.returncode == 2 and missing.stderr.startswith(
+        f"error: --prompt-file {tmp_path / 'nope.txt'}: no such file")
     both = demo("--prompt", "hi", "--prompt-file", str(prompt))
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
@@ -229,7 +232,8 @@ def test_the_package_command_line_lists_its_commands_and_refuses_others():
     assert listed.returncode == 0 and "python -m nanodllm demo --method maskkv" in listed.stdout
     assert cli().returncode == 2
     unknown = cli("bench")
-    assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown command 'bench'; choose from demo, eval")
+    assert unknown.returncode == 2 and unknown.stderr.startswith(
+        "error: unknown command 'bench'; choose from demo, eval")
 
 
 @pytest.mark.parametrize("command, example", [("demo", "--method maskkv"), ("eval", "--task passkey")])

@@ -302,7 +302,8 @@ def test_the_denoisers_attention_on_the_kernel_equals_attend(head_dim, monkeypat
 
     monkeypatch.setattr(attention_module, "KERNEL_DEVICES", ("cuda", "cpu"))
     generator = torch.Generator().manual_seed(head_dim)
-    q, k, v = (0.5 * torch.randn(2, heads, n, head_dim, generator=generator) for heads, n in ((16, 8), (2, 20), (2, 20)))
+    q, k, v = (0.5 * torch.randn(2, heads, n, head_dim, generator=generator)
+               for heads, n in ((16, 8), (2, 20), (2, 20)))
     key_valid = torch.ones(2, 20, dtype=torch.bool)
     key_valid[1, :4] = False
     q, k, v = (x.half() for x in (q, k, v))
@@ -387,7 +388,8 @@ def test_the_grouped_experts_equal_the_per_expert_loop(kernels, request, monkeyp
     calls = []
     monkeypatch.setattr(experts_module, "expert_linear", lambda *a: calls.append((a[3:4], len(a))) or expert_linear(*a))
     for tokens in (200, 3):
-        x = torch.randn(tokens, MODEL.cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
+        x = torch.randn(tokens, MODEL.cfg.hidden_size,
+                        generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
         chosen, weights = layer.router(x)
         with monkeypatch.context() as loop_only:
             loop_only.setattr(gemma_module, "GROUPED_MM", None)

@@ -156,7 +156,8 @@ def test_filters_keep_what_they_promise():
 
 
 @pytest.mark.parametrize("knobs,message", [({"alg": "greedy"}, "alg must be one of"), ({"top_p": 0.0}, "top_p"),
-                                           ({"top_k": 0}, "top_k"), ({"eps": 1.0}, "eps"), ({"alg_temp": -1}, "alg_temp")])
+                                           ({"top_k": 0}, "top_k"), ({"eps": 1.0}, "eps"),
+                                           ({"alg_temp": -1}, "alg_temp")])
 def test_bad_sampling_knobs_are_named(knobs, message):
     with pytest.raises(ValueError, match=message):
         DreamSampling(**knobs)

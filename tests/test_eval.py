@@ -79,7 +79,8 @@ def test_longbench_file_is_scored(capsys, tmp_path):
     (["--task", "longbench"], "--task longbench needs --data"),
     (["--task", "longbench", "--data", "/nowhere.jsonl"], "error: --data /nowhere.jsonl: no such file"),
     (["--model", "/nowhere"], "model not found: /nowhere"),
-    (["--model", "tiny-llada", "--method", "mage"], "method 'mage' runs on the block and gemma engines; this llada model"),
+    (["--model", "tiny-llada", "--method", "mage"],
+     "method 'mage' runs on the block and gemma engines; this llada model"),
     (["--method", "mage", "--knobs", "budget=64"], "method 'mage' has no knob 'budget'; its knobs (defaults): k=1024"),
 ])
 def test_bad_arguments_are_named(capsys, args, message):
@@ -404,4 +405,5 @@ def test_the_table_lists_lengths_in_numeric_order_and_named_cells_after():
     results = {"dense": {cell: evaluation.Outcome([1.0], [[1]], 1.0, [1.0]) for cell in cells}}
     rows = evaluation.table(results, ["dense"]).splitlines()[2:]
     assert [row.split(" | ")[0:2] for row in rows] == [["| 256", "0.50"], ["| 1024", "0.00"], ["| 1024", "0.50"],
-                                                        ["| 4096", "0.50"], ["| hotpotqa", "0.00"], ["| qasper", "0.00"]]
+                                                        ["| 4096", "0.50"], ["| hotpotqa", "0.00"],
+                                                        ["| qasper", "0.00"]]

@@ -85,7 +85,8 @@ def test_the_stacked_parameters_hold_the_reference_rows_and_move_as_one(cfg):
             model, reference = model.to(dtype).to(DEVICE), reference.to(dtype).to(DEVICE)
             assert torch.equal(model(ids, ids, dense), reference(ids, ids, dense))
         params = dict(model.named_parameters())
-        assert all(isinstance(p, torch.nn.Parameter) and p.dtype == dtype and owns_its_storage(p) for p in params.values())
+        assert all(isinstance(p, torch.nn.Parameter) and p.dtype == dtype and owns_its_storage(p)
+                   for p in params.values())
         rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         assert params["layers.0.self_attn.qkv_proj.weight"].shape == (rows, cfg.hidden_size)
         assert (model.lm_head.weight is model.embed_tokens.weight) == cfg.tie_word_embeddings
@@ -98,10 +99,12 @@ def test_the_fused_model_is_built_of_its_own_classes_and_fusing_takes_the_refere
     model = fuse(reference)
     assert len(reference.layers) == 0
     assert all(type(layer) is FusedLayer and type(layer.mlp) is FusedMLP for layer in model.layers)
-    assert type(model.norm) is type(model.layers[0].input_layernorm) is type(model.layers[1].self_attn.k_norm) is FusedRMSNorm
+    assert (type(model.norm) is type(model.layers[0].input_layernorm) is type(model.layers[1].self_attn.k_norm)
+            is FusedRMSNorm)
     with torch.device("meta"):
         constructed = FusedModel(model.cfg)
-    assert [(n, p.shape) for n, p in constructed.named_parameters()] == [(n, p.shape) for n, p in model.named_parameters()]
+    assert ([(n, p.shape) for n, p in constructed.named_parameters()]
+            == [(n, p.shape) for n, p in model.named_parameters()])
 
 
 def test_building_a_model_starts_no_first_use_thread(monkeypatch):
@@ -114,9 +117,11 @@ def test_building_a_model_starts_no_first_use_thread(monkeypatch):
     assert started == ["cpu"]
 
 
-@pytest.mark.parametrize("cfg", [tiny_config("sdar"), tiny_config("llada"), tiny_config("llada", attention_layer_norm=True),
+@pytest.mark.parametrize("cfg", [tiny_config("sdar"), tiny_config("llada"),
+                                 tiny_config("llada", attention_layer_norm=True),
                                  dataclasses.replace(tiny_config("sdar"), qkv_bias=True), tiny_config("llada2_moe"),
-                                 tiny_config("sdar_moe")], ids=["sdar", "llada", "llada-qk-norm", "sdar-bias", "llada2", "sdar-moe"])
+                                 tiny_config("sdar_moe")],
+                         ids=["sdar", "llada", "llada-qk-norm", "sdar-bias", "llada2", "sdar-moe"])
 def test_off_the_kernels_the_fused_model_is_the_reference(cfg):
     """float64 on the CPU: every fused primitive runs the reference's ops on slices of its stacked
     weights (the experts: MoE.forward's loop over them), bit for bit."""
@@ -128,7 +133,8 @@ def test_off_the_kernels_the_fused_model_is_the_reference(cfg):
         h = h.to(DEVICE)
         rope, rope_ref = model.rope(ids.expand(2, -1)), reference.rope(ids.expand(2, -1))
         for primitive in ("qkv", "qk", "kv"):
-            got, expected = getattr(model.layers[0], primitive)(h, rope), getattr(reference.layers[0], primitive)(h, rope_ref)
+            got, expected = (getattr(model.layers[0], primitive)(h, rope),
+                             getattr(reference.layers[0], primitive)(h, rope_ref))
             assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
         for i in range(cfg.num_layers):  # tiny MoE configs: layer 0 dense, layer 1 experts
             layer, layer_ref = model.layers[i], reference.layers[i]

@@ -217,6 +217,12 @@ def test_the_readme_fits_150_lines():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
 
 
+def test_no_line_of_code_is_wider_than_120():
+    for path in [*FILES.values(), *ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py"), ROOT / "train_free_demo.py"]:
+        wide = [number for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120]
+        assert wide == [], f"{path.relative_to(ROOT)}: lines {wide} are over 120 characters"
+
+
 OUTSIDE = "/".join(["..", "shared"])  # the folder beside the checkout, which a reader does not have
 
 

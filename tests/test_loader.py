@@ -301,8 +301,10 @@ def test_llada_attention_layer_norm_tensors_load_and_are_required(tmp_path):
     edit_config(path, attention_layer_norm=True)
     model = load_model(path, dtype=torch.float32)
     assert model.cfg.qk_norm == "projection"
-    assert torch.equal(model.layers[1].self_attn.k_norm.weight, norms["model.transformer.blocks.1.k_norm.weight"].float())
-    assert torch.equal(model.layers[0].self_attn.q_norm.weight, norms["model.transformer.blocks.0.q_norm.weight"].float())
+    assert torch.equal(model.layers[1].self_attn.k_norm.weight,
+                       norms["model.transformer.blocks.1.k_norm.weight"].float())
+    assert torch.equal(model.layers[0].self_attn.q_norm.weight,
+                       norms["model.transformer.blocks.0.q_norm.weight"].float())
     edit_single(path, lambda t: t.pop("model.transformer.blocks.1.q_norm.weight"))
     with pytest.raises(CheckpointError, match=r"missing \(\d+ tensors?\): model.transformer.blocks.1.q_norm.weight"):
         load_model(path)
@@ -365,7 +367,8 @@ def test_all_problems_reported_together(tmp_path):
     with pytest.raises(CheckpointError) as excinfo:
         load_model(path)
     text = message(excinfo)
-    for needle in ("norm.weight", "model.layers.0.bogus.weight", "model.layers.1.self_attn.k_norm.weight", "[17]", "[16]"):
+    for needle in ("norm.weight", "model.layers.0.bogus.weight", "model.layers.1.self_attn.k_norm.weight",
+                   "[17]", "[16]"):
         assert needle in text, needle
 
 

@@ -88,7 +88,8 @@ def reference_generate(model, prompt, steps, gen_length, block_length, temperatu
     return x[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("gen_length,block_length,steps", [(8, 8, 8), (16, 4, 8), (12, 6, 8), (10, 10, 4), (15, 5, 6), (8, 2, 4)])
+@pytest.mark.parametrize("gen_length,block_length,steps", [(8, 8, 8), (16, 4, 8), (12, 6, 8), (10, 10, 4),
+                                                           (15, 5, 6), (8, 2, 4)])
 @pytest.mark.parametrize("remasking", ["low_confidence", "random"])
 def test_matches_reference_loop(gen_length, block_length, steps, remasking):
     prompt = random_prompt(7, seed=gen_length + steps)

@@ -170,7 +170,8 @@ def moe_configs(draw) -> ModelConfig:
                       routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])))
         most = kept * experts // groups
     else:
-        fields.update(decoder_sparse_step=draw(st.sampled_from([1, 2])), mlp_only_layers=draw(st.sampled_from([[], [0]])),
+        fields.update(decoder_sparse_step=draw(st.sampled_from([1, 2])),
+                      mlp_only_layers=draw(st.sampled_from([[], [0]])),
                       norm_topk_prob=draw(st.booleans()))
         most = experts
     fields["num_experts_per_tok"] = draw(st.integers(1, min(4, most)))
@@ -230,7 +231,8 @@ def test_grouped_experts_equal_the_per_expert_loop(family, path, kernels_on, mon
     calls = []
     monkeypatch.setattr(experts_module, "GROUPED_MM",
                         lambda *args, **kwargs: calls.append(kwargs["offs"].dtype) or torch_grouped_mm(*args, **kwargs))
-    monkeypatch.setattr(experts_module, "expert_linear", lambda *args, **kwargs: calls.append(path) or expert_linear(*args, **kwargs))
+    monkeypatch.setattr(experts_module, "expert_linear",
+                        lambda *args, **kwargs: calls.append(path) or expert_linear(*args, **kwargs))
     monkeypatch.setattr(experts_module, "beats_grouped_mm", lambda *sizes: path == "expert_linear")
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     model = build_random(tiny_config(family), device=DEVICE, dtype=dtype, seed=3)
@@ -358,10 +360,12 @@ def test_the_stacked_experts_hold_each_experts_rows_and_cast_as_one(kernels_on, 
         assert torch.equal(moe.experts.gate_up_proj[e], torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
         assert torch.equal(moe.experts.down_proj[e], expert.down_proj.weight)
     shared = moe_ref.shared_expert
-    assert torch.equal(moe.shared_expert.gate_up_proj.weight, torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+    assert torch.equal(moe.shared_expert.gate_up_proj.weight,
+                       torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
     x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
     calls = []
-    monkeypatch.setattr(experts_module, "GROUPED_MM", lambda *args, **kwargs: calls.append(1) or torch_grouped_mm(*args, **kwargs))
+    monkeypatch.setattr(experts_module, "GROUPED_MM",
+                        lambda *args, **kwargs: calls.append(1) or torch_grouped_mm(*args, **kwargs))
     monkeypatch.setattr(experts_module, "beats_grouped_mm", lambda *sizes: False)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # what the grouped GEMM takes there
     with torch.no_grad():

@@ -146,15 +146,17 @@ def test_the_mass_trim_ranks_by_the_choosing_rows_summed_attention_share():
     chosen_scores = torch.tensor([[[[5.0, 1.0], [2.0, 1.5]]]])
     lse = torch.tensor([[[9.0, 3.0]]])
     values, summed = trim_values(chosen, chosen_scores, lse, "mean")
-    assert not summed and union_and_trim(chosen, values, 4, 2, k_trim=1)[0, 0, 0].tolist() == [True, False, False, False]
+    assert not summed and union_and_trim(chosen, values, 4, 2, k_trim=1)[0, 0, 0].tolist() == [
+        True, False, False, False]
     values, summed = trim_values(chosen, chosen_scores, lse, "mass")
-    torch.testing.assert_close(values[0, 0], torch.tensor([[math.exp(-4), math.exp(-8)], [math.exp(-1), math.exp(-1.5)]],
+    torch.testing.assert_close(values[0, 0], torch.tensor([[math.exp(-4), math.exp(-8)],
+                                                           [math.exp(-1), math.exp(-1.5)]],
                                                           dtype=torch.float64))
     assert summed and union_and_trim(chosen, values, 4, 2, k_trim=1, summed=True)[0, 0, 0].tolist() == [
         False, True, False, False]
     assert union_and_trim(chosen, values, 4, 2, k_trim=2, summed=True)[0, 0, 0].tolist() == [False, True, False, True]
-    values, _ = trim_values(torch.tensor([[[[0, -1], [-1, -1]]]]), chosen_scores, torch.tensor([[[9.0, float("-inf")]]]),
-                            "mass")
+    values, _ = trim_values(torch.tensor([[[[0, -1], [-1, -1]]]]), chosen_scores,
+                            torch.tensor([[[9.0, float("-inf")]]]), "mass")
     assert values[0, 0].tolist() == [[math.exp(-4), 0.0], [0.0, 0.0]]  # empty slots and blind rows share nothing
 
 
@@ -179,7 +181,8 @@ def test_kept_lists_are_the_lists_of_kept_blocks(n, gamma, chi, beta, k, k_trim,
 
 
 @pytest.mark.parametrize("kind,top_k,trim,scale", [
-    ("bidirectional", "exact", "mean", None), ("padding", "exact", "mean", None), ("block-causal", "exact", "mean", None),
+    ("bidirectional", "exact", "mean", None), ("padding", "exact", "mean", None),
+    ("block-causal", "exact", "mean", None),
     ("padding", "tree", "mean", None), ("block-causal", "estimated", "mean", None), ("padding", "exact", "mass", None),
     ("causal", "exact", "mass", 0.5)])  # DiffusionGemma's prefill: causal, its own scale (1: too peaked for 16 dims)
 def test_the_kernel_pipeline_computes_what_the_torch_pipeline_computes(monkeypatch, kind, top_k, trim, scale):
@@ -244,7 +247,8 @@ def test_a_budget_below_eight_blocks_takes_them_all_exactly():
 
 
 def load_mass_script():
-    spec = importlib.util.spec_from_file_location("momo_mass", Path(__file__).resolve().parents[1] / "scripts" / "momo_mass.py")
+    spec = importlib.util.spec_from_file_location("momo_mass",
+                                                  Path(__file__).resolve().parents[1] / "scripts" / "momo_mass.py")
     momo_mass = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(momo_mass)
     return momo_mass

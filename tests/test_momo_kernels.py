@@ -133,8 +133,8 @@ def test_among_equal_block_scores_the_lower_block_stays():
 
 
 @settings(max_examples=10, deadline=None)
-@given(n=st.integers(1, 128), gamma=st.sampled_from([1, 4]), top_k=st.integers(1, 20), mask=st.sampled_from(["none", "causal"]),
-       seed=st.integers(0, 999))
+@given(n=st.integers(1, 128), gamma=st.sampled_from([1, 4]), top_k=st.integers(1, 20),
+       mask=st.sampled_from(["none", "causal"]), seed=st.integers(0, 999))
 def test_the_tournament_tree_keeps_the_exact_top_k(n, gamma, top_k, mask, seed):
     generator = torch.Generator().manual_seed(seed)
     q = randn(1, 2, n, 16, generator=generator)
@@ -169,7 +169,8 @@ def test_block_sparse_matches_the_reference(n, chi_tiles, beta, listed, mask, gr
     q = randn(1, 2 * group, n, 16, generator=generator, dtype=dtype)
     k, v = (randn(1, 2, n, 16, generator=generator, dtype=dtype) for _ in range(2))
     key_blocks, query_blocks = -(-n // beta), -(-n // chi)
-    lists = torch.stack([torch.randperm(key_blocks, generator=generator)[:listed] for _ in range(2 * group * query_blocks)])
+    lists = torch.stack([torch.randperm(key_blocks, generator=generator)[:listed]
+                         for _ in range(2 * group * query_blocks)])
     lists = torch.nn.functional.pad(lists, (0, listed - lists.shape[1]), value=-1).view(1, 2 * group, query_blocks, -1)
     lists[..., -1] = torch.where(torch.rand(lists.shape[:3], generator=generator) < 0.3, -1, lists[..., -1])
     lists = torch.where(torch.rand(lists.shape, generator=generator) < 0.15, -1, lists)  # gaps inside a list too

@@ -245,7 +245,8 @@ def test_the_kernel_path_matches_the_reference_row_by_row(monkeypatch, layout, k
     q, k, v = (x.half().double() if TF32_DOTS else x.float().double() for x in (q, k, v))  # what the kernels read
     positions = None if mask.positions is None else mask.positions.to(DEVICE)
     out = momo.momo_attention(*(x.float().to(DEVICE) for x in (q, k, v)),
-                              CanvasMask(mask.valid.to(DEVICE), mask.block_size, positions), **engine_knobs(knobs)).cpu()
+                              CanvasMask(mask.valid.to(DEVICE), mask.block_size, positions),
+                              **engine_knobs(knobs)).cpu()
     (lists,) = calls
     for row, length in enumerate(lengths):
         columns, visible = alone(mask, row)

@@ -5,7 +5,8 @@ The kernel rounds at other points than the unfused path (x * norm weight, not x 
 weight), so neither is the other's bit for bit: both are held against the float64 result, and the
 kernel must come as close as the unfused path does in the same dtype (twice its error, plus a few
 units in the last place, more for longer dots). Off the GPU the kernel runs in Triton's interpreter
-(float16 and float32, whose dots it computes correctly). Outputs are allocated NaN-filled: an element never written fails.
+(float16 and float32, whose dots it computes correctly). Outputs are allocated NaN-filled: an element
+never written fails.
 """
 
 import os

@@ -277,7 +277,8 @@ def ranks(world: int) -> list[dict] | str:
     """Every rank's outcomes of every case, from `world` spawned processes; or why they did not finish
     (kept, so that a broken or hanging group fails each test at once, not after another spawn)."""
     with tempfile.TemporaryDirectory() as out:
-        spawned = mp.start_processes(rank_main, args=(world, free_port(), out), nprocs=world, join=False, start_method="spawn")
+        spawned = mp.start_processes(rank_main, args=(world, free_port(), out), nprocs=world, join=False,
+                                     start_method="spawn")
         deadline = time.monotonic() + SPAWN_TIMEOUT
         try:
             while not spawned.join(timeout=1):
@@ -430,7 +431,8 @@ def test_each_ranks_share_of_random_weights_is_the_one_process_draw_sliced(world
 def test_the_ranks_grouped_experts_sum_to_the_whole_layer(model, world, kernels_on, monkeypatch):
     """FusedMoE's grouped path (torch's grouped_mm, float32 here) on each rank's share, its all-reduce left
     out: the ranks' outputs sum to one process's; each rank's rows of other ranks' experts count zero."""
-    cfg, dtype = random_config(model), torch.bfloat16 if DEVICE == "cuda" else torch.float32  # CUDA's grouped GEMM: bf16
+    # CUDA's grouped GEMM: bf16
+    cfg, dtype = random_config(model), torch.bfloat16 if DEVICE == "cuda" else torch.float32
     x = torch.randn(3, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     layer = lambda group: build_random(cfg, DEVICE, dtype, seed=3, group=group).layers[1].mlp
     monkeypatch.setattr(Group, "all_reduce", lambda group, y: y)
@@ -585,7 +587,8 @@ group = from_torchrun("gloo")
 build_empty(tiny_config("sdar"), "meta", group=group)
 group.all_reduce(torch.ones(2))
 close()
-os.write(1, f"threads left: {len(os.listdir('/proc/self/task')) - threads}\\n".encode())  # one write: ranks share stdout
+# one write: ranks share stdout
+os.write(1, f"threads left: {len(os.listdir('/proc/self/task')) - threads}\\n".encode())
 """
 
 

@@ -39,7 +39,8 @@ def draw_scores(batch, heads, n, values, seed, dtype):
 
 @settings(deadline=None, derandomize=True, max_examples=50)  # cheap: many examples, the same ones every run
 @given(batch=st.integers(1, 3), heads=st.integers(1, 3), n=st.integers(1, 300), k=st.integers(1, 320),
-       values=st.sampled_from(["distinct", "negative", "ties", "low_bits"]), dtype=st.sampled_from([torch.float32, torch.float16]),
+       values=st.sampled_from(["distinct", "negative", "ties", "low_bits"]),
+       dtype=st.sampled_from([torch.float32, torch.float16]),
        chunk=st.sampled_from([None, 32, 128]), whole_row=st.booleans(), data=st.data(), seed=st.integers(0, 2**16))
 def test_top_k_positions_match_a_stable_sort(batch, heads, n, k, values, dtype, chunk, whole_row, data, seed):
     """Both routes: chunks across programs, and one program per row."""

@@ -12,7 +12,8 @@ from nanodllm import tasks
 from nanodllm.attention import attention, block_causal_mask
 from tiny_models import MASK_ID, random_prompt, tiny_model
 
-spec = importlib.util.spec_from_file_location("train_tiny", Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py")
+spec = importlib.util.spec_from_file_location("train_tiny",
+                                              Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py")
 train_tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(train_tiny)
 BLOCK = train_tiny.BLOCK
@@ -53,7 +54,8 @@ def test_sdar_noisy_blocks_see_what_the_block_engine_shows():
 
 def test_llada_noisy_canvas_is_the_masked_engine_canvas():
     model = tiny_model("llada")
-    pairs = [(random_prompt(9, seed=1), random_prompt(16, seed=2)), (random_prompt(5, seed=3), random_prompt(32, seed=4))]
+    pairs = [(random_prompt(9, seed=1), random_prompt(16, seed=2)),
+             (random_prompt(5, seed=3), random_prompt(32, seed=4))]
     ids, lengths, valid, groups = train_tiny.collate([(p, r, range(1, len(r) + 1)) for p, r in pairs], pad_id=0)
     tokens, positions, mask, loss_at, _ = train_tiny.llada_batch(ids, lengths, valid, groups, MASK_ID, torch.ones(2))
     logits = model(tokens, positions, lambda layer, q, k, v: attention(q, k, v, mask))
@@ -137,7 +139,8 @@ def test_sdar_checkpoint_converts_to_llada_carrying_every_weight(tmp_path):
     theirs = dict(sdar.named_parameters())
     for name, ours in model.named_parameters():
         if name.endswith(("q_norm.weight", "k_norm.weight")):
-            assert torch.equal(ours.view(-1, sdar.cfg.head_dim), theirs[name].expand(ours.numel() // sdar.cfg.head_dim, -1)), name
+            assert torch.equal(ours.view(-1, sdar.cfg.head_dim),
+                               theirs[name].expand(ours.numel() // sdar.cfg.head_dim, -1)), name
         elif name == "embed_tokens.weight":
             assert torch.equal(ours[model.cfg.mask_token_id], theirs[name][sdar.cfg.mask_token_id])
             others = torch.ones(ours.shape[0], dtype=torch.bool)

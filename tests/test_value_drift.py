@@ -26,7 +26,8 @@ def values(batch, heads, rows, head_dim, dtype, layout, generator):
     return x[:, :, 3:]
 
 
-@given(batch=st.integers(1, 3), heads=st.integers(1, 6), rows=st.integers(1, 40), head_dim=st.sampled_from([16, 24, 64]),
+@given(batch=st.integers(1, 3), heads=st.integers(1, 6), rows=st.integers(1, 40),
+       head_dim=st.sampled_from([16, 24, 64]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
        layouts=st.tuples(*[st.sampled_from(["token_major", "cache_slice"])] * 2),
        same_rows=st.integers(0, 40), tile=st.sampled_from([64, 4096]), seed=st.integers(0, 2**16))

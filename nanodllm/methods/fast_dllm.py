@@ -158,6 +158,7 @@ class FastDllm(Method):
         for layer in self.kept:
             batch, heads, slots, _ = layer.keys.shape
             mask = None if layer.mask is None else layer.mask[..., : slots - layer.room]
-            kept = kept + (batch * heads * (slots - layer.room) if mask is None else mask.expand(-1, heads, -1, -1).sum())
+            kept = kept + (batch * heads * (slots - layer.room) if mask is None
+                           else mask.expand(-1, heads, -1, -1).sum())
             outside += layer.candidates * heads
         return kept, outside

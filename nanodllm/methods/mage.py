@@ -127,7 +127,8 @@ class Mage(Method):
         cache.write(layer, k, v)
         block = k.shape[2]
         out_parts, lse_parts = decode_partials(q, cache.keys[layer], cache.values[layer], cache.lengths + block,
-                                               max_length=cache.launch_length(block), scale=cache.scale, block_apart=True)
+                                               max_length=cache.launch_length(block), scale=cache.scale,
+                                               block_apart=True)
         out, _ = merge_splits(out_parts, lse_parts, q)
         width = cache.launch_length(block)  # >= the longest prefix, a shape that lasts many blocks
         scores = lambda: key_scores(q, cache.keys[layer], cache.lengths, part_lse=lse_parts, scale=cache.scale,

@@ -94,7 +94,8 @@ class MaskKV(DllmCache):
             if not 0 <= value <= 1:
                 raise ValueError(f"{knob} must be in [0, 1], got {value!r}")
         check_int(1, **({} if boundary_layers is None else {"boundary_layers": boundary_layers}))
-        self.budget, self.alpha, self.beta, self.boundary_layers, self.profile = budget, alpha, beta, boundary_layers, profile
+        self.budget, self.alpha, self.beta = budget, alpha, beta
+        self.boundary_layers, self.profile = boundary_layers, profile
         self.importance: list[list[float]] | None = None  # [rows][layers], this generation's (eq. 8)
         self.budgets: torch.Tensor | None = None  # [layers, rows]: Algorithm 2 on each row's importance
 

@@ -108,7 +108,8 @@ def union_and_trim(chosen, chosen_scores, blocks, rows_per_block, k_trim, summed
     blocks] bool."""
     entries, values = per_query_block(chosen, chosen_scores, rows_per_block)
     slots = torch.where(entries >= 0, entries, blocks)  # a sentinel column for the empty slots
-    total = values.new_zeros(*entries.shape[:3], blocks + 1).scatter_add_(3, slots, torch.where(entries >= 0, values, 0.0))
+    total = values.new_zeros(*entries.shape[:3], blocks + 1)
+    total.scatter_add_(3, slots, torch.where(entries >= 0, values, 0.0))
     times = total.new_zeros(total.shape).scatter_add_(3, slots, (entries >= 0).double())
     best = exact_top_k(union_rank(total, times, summed)[..., :blocks], k_trim)
     keep = torch.zeros_like(times, dtype=torch.bool)  # the sentinel column takes the empty picks
@@ -219,7 +220,8 @@ def kernels_take(q, chi, beta) -> bool:
     """Whether MOMO's kernels run q: where the attention kernels run, at a head_dim, key block and
     query block they take (heads wider than 128, as DiffusionGemma's, included)."""
     wide = q.shape[-1] > 128 and use_kernels(q)
-    return (attention_on_kernels(q) or wide) and takes(q.shape[-1], beta) and chi % launch_tiles(q, beta)["BLOCK_M"] == 0
+    return ((attention_on_kernels(q) or wide) and takes(q.shape[-1], beta)
+            and chi % launch_tiles(q, beta)["BLOCK_M"] == 0)
 
 
 def row_alignment(mask, n):
