@@ -1,6 +1,6 @@
 """DiffusionGemma's decoding (transformers' DiffusionGemmaGenerationMixin.generate): canvas by canvas.
 
-The prompt is encoded (causal; its K/V join the cache, nanodllm/gemma.py). Each canvas of
+The prompt is encoded (causal; its K/V join the cache, nanodllm/gemma_cache.py). Each canvas of
 canvas_length tokens starts as uniform noise and is denoised against the cache for at most N =
 gen.steps steps, n = N .. 1 counting the steps left: z = logits / T with T = t_min + (t_max - t_min)
 n / N; each position draws a token from softmax(z); the lowest-entropy positions whose summed entropy,

@@ -25,7 +25,8 @@ import nanodllm.gemma as gemma_module
 from nanodllm.kernels.expert_linear import expert_linear, group_by_expert_reference
 from nanodllm.config import ModelConfig
 from nanodllm.fused import FusedModel
-from nanodllm.gemma import DiffusionGemma, GemmaCache, GemmaExperts, GemmaRMSNorm, GemmaRope, attend, attend_keys
+from nanodllm.gemma import DiffusionGemma, GemmaExperts, GemmaRMSNorm, GemmaRope, attend, attend_keys
+from nanodllm.gemma_cache import GemmaCache
 from nanodllm.loader import CheckpointError, build_empty, build_random, load_model, load_reference
 from nanodllm.parallel import Group
 from tests.device import DEVICE
