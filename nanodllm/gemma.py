@@ -32,8 +32,8 @@ from nanodllm.kernels.wide_attention import wide_attention
 
 from .attention import FLASH_HEAD_DIMS, flash_on_kernels, use_kernels
 from .config import ModelConfig
-from .gemma_cache import GemmaCache
 from .experts import GROUPED_MM, grouped_experts
+from .gemma_cache import GemmaCache
 from .mlp import MLP, choose_experts, fp32_or_wider
 
 ENCODE_CHUNK = 4096  # query rows an encoder pass attends at once off the kernels: masks grow with it, not the prompt
