@@ -91,7 +91,8 @@ def run(model, prompt_ids, gen, method, stop_ids, device):
     used = kv_summary(result.stats, len(prompt_ids))
     if options:
         steps = result.steps_per_canvas[0]
-        used += (f"; sampler: {sum(steps)} denoising steps over {len(steps)} canvases ({', '.join(map(str, steps))}), "
+        canvases = f"{len(steps)} canvas{'es' if len(steps) > 1 else ''} ({', '.join(map(str, steps))})"
+        used += (f"; sampler: {sum(steps)} denoising steps over {canvases}, "
                  f"{result.tokens_per_forward[0]:.2f} tokens per step")
     if device.type == "cuda":  # on a CPU only the process's peak is known, which one run cannot be told by
         torch.cuda.synchronize()

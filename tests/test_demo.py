@@ -46,7 +46,7 @@ def test_demo_on_diffusion_gemma_reports_its_sampler_and_what_mage_read():
     kept = {}
     for name in ("dense", "mage"):
         report = done.stdout.split(f"[{name}] ")[1].splitlines()[0]
-        found = re.search(r"^(\d+) tokens .* KV kept (\d+)%.*sampler: (\d+) denoising steps over (\d+) canvases "
+        found = re.search(r"^(\d+) tokens .* KV kept (\d+)%.*sampler: (\d+) denoising steps over (\d+) canvas(?:es)? "
                           r"\(([\d, ]+)\), ([\d.]+) tokens per step$", report)
         assert found, report
         tokens, kept[name], steps, canvases = map(int, found.groups()[:4])
