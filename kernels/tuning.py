@@ -7,8 +7,8 @@ the setting for a key up, in this order:
 2. the user's cache, `tuning.json` in $NANODLLM_CACHE_DIR (default $XDG_CACHE_HOME/nanodllm, else
    ~/.cache/nanodllm), rewritten after each measurement;
 3. the settings shipped in kernels/tuned.json (measured by `python scripts/bench.py tune`);
-4. a measurement of every candidate (triton.testing.do_bench), said once per process on stderr,
-   then kept in 1 and 2.
+4. a measurement of every candidate (launch_ms: its device time, replayed from a CUDA graph), said
+   once per process on stderr, then kept in 1 and 2.
 Both files map GPU name -> kernel name -> key -> setting (the key is the caller's shape bucket as
 "a,b,c"; a setting is the kernel's tile sizes plus num_warps and num_stages). A setting not among the
 caller's current candidates is ignored: every candidate is correct, only speed depends on the choice.
@@ -62,6 +62,14 @@ def key_name(key: tuple) -> str:
     return ",".join(str(part) for part in key)
 
 
+def launch_ms(launch: Callable[[], object]) -> float:
+    """ms of one launch as the GPU runs it: unrolled into a CUDA graph and replayed (triton.testing's
+    do_bench_cudagraph). Timed from Python, a kernel shorter than its launch (a canvas's attention over a
+    sliding window) takes the host's time whatever its setting, and the noise picks the setting."""
+    torch.cuda.synchronize()  # it runs on a stream of its own: what this stream still writes must be done
+    return triton.testing.do_bench_cudagraph(launch, rep=20)
+
+
 class MeasuringWhileRecording(RuntimeError):
     """A setting to measure while a CUDA graph records: measuring waits for the device, which breaks a
     recording, so the caller runs the kernel outside one first (nanodllm/graphs.py)."""
@@ -106,7 +114,7 @@ class Tuner:
         times = {}
         for index, setting in enumerate(candidates):
             try:
-                times[index] = triton.testing.do_bench(lambda: launch(setting), warmup=5, rep=20)
+                times[index] = launch_ms(lambda: launch(setting))
             except TOO_BIG:  # more shared memory or registers than the GPU has (float32 inputs)
                 continue
         if not times:

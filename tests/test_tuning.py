@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ TIMES = {64: 1.0, 128: 2.0}
 
 @pytest.fixture
 def machine(tmp_path, monkeypatch):
-    """A cache directory of its own, no shipped table, a GPU name, and do_bench reading TIMES (a
+    """A cache directory of its own, no shipped table, a GPU name, and launch_ms reading TIMES (a
     setting whose BLOCK is not there does not fit the GPU). Returns the launches measured."""
     monkeypatch.setenv("NANODLLM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(tuning, "SHIPPED", tmp_path / "shipped.json")
@@ -34,14 +35,14 @@ def machine(tmp_path, monkeypatch):
     monkeypatch.setattr(Tuner, "announced", False)
     launched = []
 
-    def do_bench(fn, warmup, rep):
+    def launch_ms(fn):
         setting = fn()
         if setting["BLOCK"] not in TIMES:
             raise triton.runtime.errors.OutOfResources(1, 0, "shared memory")
         launched.append(setting)
         return TIMES[setting["BLOCK"]]
 
-    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(tuning, "launch_ms", launch_ms)
     return launched
 
 
@@ -134,6 +135,14 @@ def test_a_fresh_process_reuses_the_settings_an_earlier_one_measured(tmp_path):
                            text=True, check=True).stdout.split(" ", 1) for _ in range(2)]
     (first_measured, first_chosen), (second_measured, second_chosen) = runs
     assert first_measured == "2" and second_measured == "0" and second_chosen == first_chosen  # no shipped key here
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a launch is timed on a GPU")
+def test_a_launch_is_timed_without_the_host_time_before_its_kernel():
+    """The host's time between launches does not enter a setting's time: a kernel of microseconds launched
+    after a millisecond of host work measures under a millisecond."""
+    x = torch.zeros(1024, device="cuda")
+    assert tuning.launch_ms(lambda: (time.sleep(1e-3), x.add_(1))) < 0.5
 
 
 def test_a_candidate_too_big_for_the_gpu_is_skipped_and_the_rest_measured(machine):
