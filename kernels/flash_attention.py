@@ -61,9 +61,11 @@ _FEW_ROW_TILES = {d: [_tiles(64, 64, 4, 3), _tiles(64, 128, 4, 3)] if d <= 128 e
 HEAD_DIMS = tuple(sorted(_TUNING_SPACE))
 TUNER = Tuner("flash_attention")
 
-# Key slices (the split-KV path) shorter than this cost more in merge_splits than the idle SMs they fill
-# return: the denoiser's 1.5K-key windows run fastest in one slice, its 8K-128K full layers in two.
-MIN_KEYS_PER_SLICE = 4096
+# The shortest key slice of the split-KV path. Replayed from a CUDA graph (no host time between launches),
+# slices this short are no slower than longer ones where a grid leaves SMs idle (a canvas's windows at
+# head_dim 256, up to a few hundred rows against 2K-32K keys at head_dim 64 and 128) and mostly faster:
+# merge_splits' launch costs less than the idle SMs it fills (`python scripts/bench.py routing` times some).
+MIN_KEYS_PER_SLICE = 512
 
 # Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), where timing means
 # nothing: fixed small tiles, so that small test shapes cross many tile edges. Tests may change them.
