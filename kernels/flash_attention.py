@@ -61,10 +61,8 @@ _FEW_ROW_TILES = {d: [_tiles(64, 64, 4, 3), _tiles(64, 128, 4, 3)] if d <= 128 e
 HEAD_DIMS = tuple(sorted(_TUNING_SPACE))
 TUNER = Tuner("flash_attention")
 
-# The shortest key slice of the split-KV path. Replayed from a CUDA graph (no host time between launches),
-# slices this short are no slower than longer ones where a grid leaves SMs idle (a canvas's windows at
-# head_dim 256, up to a few hundred rows against 2K-32K keys at head_dim 64 and 128) and mostly faster:
-# merge_splits' launch costs less than the idle SMs it fills (`python scripts/bench.py routing` times some).
+# The shortest key slice of the split-KV path: replayed from a CUDA graph, merge_splits' launch costs less than
+# the SMs one slice leaves idle (a canvas's windows, a few hundred rows against 2K-32K keys; bench.py routing).
 MIN_KEYS_PER_SLICE = 512
 
 # Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), where timing means
